@@ -1,0 +1,41 @@
+"""The root config: every section in one tree, registered in hydra's ConfigStore."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from asyncrl.config.sections import DataConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
+
+
+@dataclass
+class AsyncRLConfig:
+    run: RunConfig = field(default_factory=RunConfig)  # run directory, seed, logging
+    model: ModelConfig = field(default_factory=ModelConfig)  # policy model and the tiny default
+    task: TaskConfig = field(default_factory=TaskConfig)  # synthetic data generator
+    data: DataConfig = field(default_factory=DataConfig)  # training/validation files and mixing
+    reward: RewardConfig = field(default_factory=RewardConfig)  # scoring of completions
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        """Constraints spanning several fields, as (key, problem) pairs."""
+        problems = []
+        tiny = self.model.tiny
+        if tiny.hidden_size % tiny.num_heads:
+            problems.append(("model.tiny.num_heads", f"must divide hidden_size={tiny.hidden_size}"))
+        if tiny.num_heads % tiny.num_kv_heads:
+            problems.append(("model.tiny.num_kv_heads", f"must divide num_heads={tiny.num_heads}"))
+        if self.task.min_digits > self.task.max_digits:
+            problems.append(("task.min_digits", f"must not exceed task.max_digits={self.task.max_digits}"))
+        if set(self.task.operators) - set("+-*") or not self.task.operators:
+            problems.append(("task.operators", "must be a non-empty combination of '+', '-', '*'"))
+        if self.data.weights and len(self.data.weights) != len(self.data.train_files):
+            problems.append(("data.weights", f"needs one weight per train file ({len(self.data.train_files)})"))
+        if any(w < 0 for w in self.data.weights) or (self.data.weights and sum(self.data.weights) <= 0):
+            problems.append(("data.weights", "must be non-negative with a positive sum"))
+        if not self.data.train_files:
+            problems.append(("data.train_files", "needs at least one file"))
+        return problems
+
+
+ConfigStore.instance().store(name="asyncrl", node=AsyncRLConfig)

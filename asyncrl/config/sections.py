@@ -1,0 +1,81 @@
+"""The structured config sections shared by every command. One dataclass per section.
+
+Each field carries a one-line comment: unit and effect. Ranges and choices declared with `bounded` /
+`one_of` are checked by the loader, which names the offending key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.config.fields import bounded, items, one_of
+
+
+@dataclass
+class RunConfig:
+    root_dir: str = "runs"  # directory under which each run gets its own run directory
+    name: str = ""  # run name; empty = "<command>-<timestamp>"
+    seed: int = bounded(0, 0)  # global seed: data order, sampling, initialisation
+    log_level: str = one_of("INFO", "DEBUG", "WARNING", "ERROR")  # logging level of every role
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = bounded(256, 8)  # width of the residual stream
+    num_layers: int = bounded(4, 1)  # transformer blocks
+    num_heads: int = bounded(4, 1)  # attention heads (hidden_size must divide evenly)
+    num_kv_heads: int = bounded(2, 1)  # key/value heads (grouped-query attention)
+    intermediate_size: int = bounded(768, 8)  # MLP width
+    max_position: int = bounded(256, 16)  # longest sequence the model supports, in tokens
+    tie_word_embeddings: bool = True  # share input embedding and output head, as small Qwen2 models do
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = bounded(400, 0)  # supervised steps on the synthetic task before RL (0 = random model)
+    batch_size: int = bounded(64, 1)  # sequences per supervised step
+    lr: float = bounded(3e-3, 0.0, 1.0)  # peak AdamW learning rate (linear warm-up, cosine decay)
+    warmup_steps: int = bounded(20, 0)  # linear warm-up steps
+    eval_samples: int = bounded(128, 1)  # held-out prompts greedily decoded to record the starting accuracy
+
+
+@dataclass
+class ModelConfig:
+    path: str = ".cache/models/tiny"  # Hugging Face directory (or hub id on machines with a hub)
+    dtype: str = one_of("float32", "bfloat16", "float16")  # parameter dtype for generation and training
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # shape of the locally built model
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # supervised phase of init-model
+
+
+@dataclass
+class TaskConfig:
+    name: str = one_of("arithmetic")  # synthetic verifiable task written by `asyncrl data`
+    out_dir: str = ".cache/data/arithmetic"  # where train/val files are written
+    format: str = one_of("parquet", "jsonl")  # file format of the written files
+    num_train: int = bounded(20000, 1)  # training prompts
+    num_val: int = bounded(256, 1)  # held-out prompts
+    min_digits: int = bounded(1, 1, 18)  # fewest digits per operand (difficulty, lower end)
+    max_digits: int = bounded(2, 1, 18)  # most digits per operand (difficulty, upper end)
+    operators: str = "+-"  # operators drawn uniformly; any of "+-*"
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = items(".cache/data/arithmetic/train.parquet")  # training files (parquet or jsonl)
+    weights: list[float] = items()  # sampling weight per training file; empty = uniform
+    val_files: list[str] = items(".cache/data/arithmetic/val.parquet")  # held-out files for validation
+    max_prompt_length: int = bounded(128, 1)  # prompts longer than this (tokens) are skipped with a warning
+    shuffle: bool = True  # draw rows in a seeded random order per epoch
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str = ""  # Python file defining the reward function; empty = built-in scorers by data_source
+    name: str = "compute_score"  # function name, verl signature (data_source, solution_str, ground_truth, extra_info)
+
+
+@dataclass
+class RewardConfig:
+    custom_fn: CustomRewardConfig = field(default_factory=CustomRewardConfig)  # user reward function
+    timeout_s: float = bounded(10.0, 0.01)  # per-sample scoring deadline; past it the sample gets a failure
+    num_workers: int = bounded(2, 1)  # scoring worker processes (signals in math-verify rule out threads)
