@@ -1,0 +1,29 @@
+"""What every subcommand does first: load and validate the config, set up logging, make the run dir."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from asyncrl.config import AsyncRLConfig, load_config, save_config
+from asyncrl.logs import setup_logging
+
+
+def load(args: argparse.Namespace) -> AsyncRLConfig:
+    """Validated config from --config and the overrides (raises ConfigError naming the key)."""
+    return load_config(args.config, args.overrides)
+
+
+def make_run_dir(config: AsyncRLConfig, command: str) -> Path:
+    """Create the run directory and write the resolved config into it."""
+    name = config.run.name or f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.run.root_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir)
+    return run_dir
+
+
+def start(args: argparse.Namespace, role: str) -> tuple[AsyncRLConfig, "logging.Logger"]:  # noqa: F821
+    config = load(args)
+    return config, setup_logging(role, config.run.log_level)
