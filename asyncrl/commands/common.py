@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ def make_run_dir(config: AsyncRLConfig, command: str) -> Path:
     return run_dir
 
 
-def start(args: argparse.Namespace, role: str) -> tuple[AsyncRLConfig, "logging.Logger"]:  # noqa: F821
+def start(args: argparse.Namespace, role: str) -> tuple[AsyncRLConfig, logging.Logger]:
+    """Load the config and set up logging for `role`."""
     config = load(args)
     return config, setup_logging(role, config.run.log_level)
