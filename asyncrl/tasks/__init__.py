@@ -1,0 +1,1 @@
+"""Synthetic verifiable tasks, generated locally so that the quickstart and tests need no download."""
