@@ -172,6 +172,9 @@ class ErrorReply:
 # Codec
 
 _ENCODER = msgspec.msgpack.Encoder()
+# msgspec reports malformed input as MsgspecError, invalid UTF-8 in a string as UnicodeDecodeError
+# (a ValueError), and absurd nesting as RecursionError.
+_UNDECODABLE = (msgspec.MsgspecError, ValueError, RecursionError)
 _ENVELOPE = msgspec.msgpack.Decoder(type=tuple[int, str, msgspec.Raw])
 
 
@@ -191,7 +194,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
         raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         version, kind, body = _ENVELOPE.decode(data)
-    except (msgspec.MsgspecError, RecursionError) as error:
+    except _UNDECODABLE as error:
         raise DecodeError(f"not an asyncrl message: {error}") from None
     if version != SCHEMA_VERSION:
         raise DecodeError(f"schema version {version} is not supported (this build speaks {SCHEMA_VERSION})")
@@ -199,7 +202,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
         raise DecodeError(f"unknown message kind '{kind}'")
     try:
         msg = _DECODERS[kind].decode(body)
-    except (msgspec.MsgspecError, RecursionError) as error:
+    except _UNDECODABLE as error:
         raise DecodeError(f"malformed '{kind}' message: {error}") from None
     validate = getattr(msg, "validate", None)
     if validate is not None:

@@ -66,6 +66,7 @@ class DataConfig:
     val_files: list[str] = items(".cache/data/arithmetic/val.parquet")  # held-out files for validation
     max_prompt_length: int = bounded(128, 1)  # prompts longer than this (tokens) are skipped with a warning
     shuffle: bool = True  # draw rows in a seeded random order per epoch
+    skip_bad_rows: bool = False  # False: a malformed row stops the job (naming file and row); True: skip and warn
 
 
 @dataclass

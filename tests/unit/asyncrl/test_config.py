@@ -1,0 +1,78 @@
+"""Config validation: unknown keys, wrong types and out-of-range values fail, naming the key."""
+
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config, save_config
+
+
+def test_defaults_load_and_overrides_apply():
+    config = load_config(None, ["run.seed=7", "data.train_files=[a.jsonl,b.parquet]", "data.weights=[1,3]"])
+    assert config.run.seed == 7
+    assert config.data.train_files == ["a.jsonl", "b.parquet"]
+    assert config.data.weights == [1.0, 3.0]
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("run:\n  seed: 3\n  name: from-file\nmodel:\n  tiny:\n    num_layers: 2\n")
+    config = load_config(path, ["run.seed=5"])
+    assert (config.run.seed, config.run.name, config.model.tiny.num_layers) == (5, "from-file", 2)
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("run.sed=1", "run.sed"),
+        ("nosection.key=1", "nosection"),
+        ("run.seed=abc", "run.seed"),
+        ("model.tiny.hidden_size=1.5", "model.tiny.hidden_size"),
+        ("run.seed=-1", "run.seed"),
+        ("reward.timeout_s=0", "reward.timeout_s"),
+        ("model.dtype=int8", "model.dtype"),
+        ("task.operators=/", "task.operators"),
+        ("model.tiny.num_heads=3", "model.tiny.num_heads"),
+        ("data.weights=[1,2]", "data.weights"),
+        ("data.weights=[-1]", "data.weights"),
+        ("+run.extra=1", "+run.extra=1"),
+    ],
+)
+def test_bad_override_names_the_key(override, named):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert named in str(error.value)
+
+
+def test_unknown_key_in_file_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("run:\n  seeed: 1\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert "run.seeed" in str(error.value) and "bad.yaml" in str(error.value)
+
+
+def test_missing_and_unparseable_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="broken.yaml"):
+        load_config(broken)
+
+
+def test_saved_config_reloads_identically(tmp_path):
+    config = load_config(None, ["run.seed=11", "task.max_digits=3"])
+    saved = save_config(config, tmp_path / "run")
+    assert load_config(saved) == config
+
+
+def test_cli_rejects_bad_key_before_any_work(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "data", f"task.out_dir={tmp_path}", "task.max_digitz=2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "task.max_digitz" in result.stderr
+    assert not any(tmp_path.iterdir())
