@@ -19,10 +19,11 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from asyncrl.rewards.results import RewardRequest, RewardResult
+from asyncrl.rewards.results import RewardRequest, RewardResult, describe_exception
 from asyncrl.rewards.worker import STOP, WorkerReady, WorkerStartFailed, worker_main
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class WorkerStartError(RuntimeError):
 
 @dataclass
 class _Task:
-    request: RewardRequest
+    payload: bytes  # the pickled RewardRequest
     future: Future[RewardResult]
 
 
@@ -63,7 +64,7 @@ class _Worker:
         return self.ready and self.task is None
 
     def start_task(self, task: _Task, timeout_s: float) -> None:
-        self.conn.send(task.request)
+        self.conn.send_bytes(task.payload)
         self.task = task
         self.deadline = time.monotonic() + timeout_s
 
@@ -121,10 +122,16 @@ class ScoringPool:
     def submit(self, request: RewardRequest) -> Future[RewardResult]:
         """Queue one request; the future completes when it is scored or has failed."""
         future: Future[RewardResult] = Future()
+        try:
+            # pickled here, in the caller, so that a request that cannot be sent fails alone
+            payload = bytes(ForkingPickler.dumps(request))
+        except Exception as error:
+            future.set_result(RewardResult.failure(f"request cannot be sent to a worker: {describe_exception(error)}"))
+            return future
         with self._lock:
             if self._closing:
                 raise RuntimeError("the reward scoring pool is closed")
-            self._pending.append(_Task(request, future))
+            self._pending.append(_Task(payload, future))
             self._wake()
         return future
 

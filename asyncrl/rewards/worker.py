@@ -44,9 +44,10 @@ def score_request(function: RewardFunction, request: RewardRequest) -> RewardRes
             ground_truth=request.ground_truth,
             extra_info=request.extra_info,
         )
+        # inside the try: converting an odd return value (a numbers.Real that refuses float()) may raise too
+        return result_from_return(returned)
     except Exception as error:
         return RewardResult.failure(describe_exception(error))
-    return result_from_return(returned)
 
 
 def worker_main(conn: Connection, path: str, name: str) -> None:

@@ -211,6 +211,12 @@ def test_failures_are_recorded_per_sample_and_the_rest_is_scored(misbehaving_sco
     assert results[4] == RewardResult(score=0.0)
 
 
+def test_a_request_that_cannot_reach_a_worker_fails_alone(misbehaving_scorer):
+    unsendable, right = misbehaving_scorer.score([request("42", callback=lambda: None), request("42")])
+    assert unsendable.error.startswith("request cannot be sent to a worker:") and unsendable.score == 0.0
+    assert right == RewardResult(score=1.0)
+
+
 def test_a_hung_call_times_out_and_its_batch_is_still_scored(misbehaving_scorer):
     started = time.monotonic()
     hung, right, raised = misbehaving_scorer.score([request("hang"), request("42"), request("raise")])
