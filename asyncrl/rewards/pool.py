@@ -20,6 +20,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.context import SpawnContext
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -47,7 +48,7 @@ class _Task:
 class _Worker:
     """The pool's handle on one scoring process and the call it is running."""
 
-    def __init__(self, context: Any, name: str, function_path: str, function_name: str) -> None:
+    def __init__(self, context: SpawnContext, name: str, function_path: str, function_name: str) -> None:
         self.name = name
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(
@@ -57,6 +58,10 @@ class _Worker:
         child_conn.close()  # only the worker holds its end now, so the worker's death reads as EOF here
         self.ready = False
         self.task: _Task | None = None
+        self.deadline = time.monotonic() + WORKER_START_TIMEOUT_S  # for loading the function, then per call
+
+    def mark_ready(self) -> None:
+        self.ready = True
         self.deadline = math.inf
 
     @property
@@ -126,7 +131,8 @@ class ScoringPool:
             # pickled here, in the caller, so that a request that cannot be sent fails alone
             payload = bytes(ForkingPickler.dumps(request))
         except Exception as error:
-            future.set_result(RewardResult.failure(f"request cannot be sent to a worker: {describe_exception(error)}"))
+            error_text = f"request cannot be sent to a worker: {describe_exception(error)}"
+            future.set_result(RewardResult.failure(error_text))
             return future
         with self._lock:
             if self._closing:
@@ -174,11 +180,13 @@ class ScoringPool:
         try:
             message = worker.conn.recv()
         except (EOFError, OSError) as error:
-            raise WorkerStartError(f"reward worker {worker.name} exited while starting (exit code "
-                                   f"{worker.exit_code()})") from error
+            exit_code = worker.exit_code()
+            why = f"exited while starting (exit code {exit_code})"
+            raise WorkerStartError(f"reward worker {worker.name} {why}") from error
         if isinstance(message, WorkerStartFailed):
             raise WorkerStartError(f"reward worker {worker.name} could not load the reward function: {message.error}")
-        worker.ready = isinstance(message, WorkerReady)
+        if isinstance(message, WorkerReady):
+            worker.mark_ready()
 
     # ------------------------------------------------------------------------------------------
     # The dispatcher thread
@@ -251,7 +259,7 @@ class ScoringPool:
             if task is not None:
                 task.future.set_result(message)
         elif isinstance(message, WorkerReady):
-            worker.ready = True
+            worker.mark_ready()
         elif isinstance(message, WorkerStartFailed):
             # not replaced: a replacement would fail the same way, again and again
             logger.error("reward worker %s could not start: %s", worker.name, message.error)
@@ -272,11 +280,16 @@ class ScoringPool:
     def _expire_overdue(self) -> None:
         now = time.monotonic()
         for worker in list(self._workers):
-            if worker.deadline <= now:
-                logger.warning("reward call on %s timed out after %gs; replacing the worker", worker.name,
-                               self._timeout_s)
+            if worker.deadline > now:
+                continue
+            if worker.ready:
+                logger.warning("reward call on %s ran past %gs; replacing the worker", worker.name, self._timeout_s)
                 self._fail_task(worker, f"timeout after {self._timeout_s:g}s")
                 self._replace(worker)
+            else:
+                logger.error("reward worker %s not ready after %gs", worker.name, WORKER_START_TIMEOUT_S)
+                self._last_start_error = f"worker not ready after {WORKER_START_TIMEOUT_S:g}s"
+                self._remove(worker)
 
     def _fail_pending_if_no_workers(self) -> None:
         if not self._workers:
@@ -293,7 +306,11 @@ class ScoringPool:
 
     def _replace(self, worker: _Worker) -> None:
         self._remove(worker)
-        self._workers.append(self._spawn())
+        try:
+            self._workers.append(self._spawn())
+        except OSError as error:  # out of processes or memory: run on with fewer workers
+            logger.error("cannot start a replacement reward worker: %s", error)
+            self._last_start_error = f"cannot start a worker: {describe_exception(error)}"
 
     def _remove(self, worker: _Worker) -> None:
         worker.kill()

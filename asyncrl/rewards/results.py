@@ -50,7 +50,8 @@ def result_from_return(value: Any) -> RewardResult:
     """
     if isinstance(value, dict):
         if SCORE_KEY not in value:
-            return RewardResult.failure(f"reward function returned a dict without '{SCORE_KEY}': keys {sorted(value)}")
+            keys = ", ".join(map(str, value))
+            return RewardResult.failure(f"reward function returned a dict without '{SCORE_KEY}' (keys: {keys})")
         score, info = value[SCORE_KEY], _numeric_entries(value)
     else:
         score, info = value, {}

@@ -135,7 +135,14 @@ def test_scorer_fails_at_startup_on_a_bad_function(tmp_path):
 
 @pytest.mark.parametrize(
     "solution, answer, score",
-    [("95", "95", 1.0), (" 95\n", "95", 1.0), ("-13", "-13", 1.0), ("96", "95", 0.0), ("095", "95", 0.0), ("", "95", 0.0)],
+    [
+        ("95", "95", 1.0),
+        (" 95\n", "95", 1.0),
+        ("-13", "-13", 1.0),
+        ("96", "95", 0.0),
+        ("095", "95", 0.0),
+        ("", "95", 0.0),
+    ],
 )
 def test_arithmetic_is_exact_match(solution, answer, score):
     assert compute_score("arithmetic", solution, answer) == score
@@ -276,7 +283,8 @@ def test_closing_fails_queued_requests_and_refuses_new_ones():
     scorer.close()
     scorer.close()
     assert time.monotonic() - started < SLACK_S
-    assert all(future.result(timeout=0) == RewardResult.failure("the reward scoring pool is closed") for future in futures)
+    closed = RewardResult.failure("the reward scoring pool is closed")
+    assert all(future.result(timeout=0) == closed for future in futures)
     with pytest.raises(RuntimeError, match="closed"):
         scorer.submit(request("42"))
 
