@@ -30,6 +30,9 @@ TIMEOUT_S = 1.0  # per-call deadline of the misbehaving scorer
 SLACK_S = 2.0  # what a loaded 2-core machine may add to a deadline (kill, wake-up, scheduling)
 NUM_WORKERS = 2
 REPLACEMENT_WAIT_S = 20.0  # a replacement worker is spawned and imports sympy: seconds, not minutes
+TEST_TIMEOUT_S = 60  # no test may hang the suite, whatever the pool does
+
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
 def custom_config(name: str, timeout_s: float = TIMEOUT_S, path: Path | str = REWARD_FILE) -> RewardConfig:
