@@ -306,3 +306,19 @@ def test_a_function_that_cannot_load_in_the_worker_fails_startup(tmp_path, monke
     monkeypatch.setattr(scorer_module, "load_reward_function", load_then_break)
     with pytest.raises(WorkerStartError, match="could not load the reward function.*RuntimeError: gone"):
         RewardScorer(custom_config("compute_score", path=reward_file))
+
+
+def test_when_no_worker_can_be_replaced_requests_fail_instead_of_waiting(tmp_path):
+    reward_file = tmp_path / "hanging_reward.py"
+    reward_file.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    time.sleep(60)\n"
+    )
+    config = RewardConfig(custom_fn=CustomRewardConfig(path=str(reward_file)), timeout_s=TIMEOUT_S, num_workers=1)
+    with RewardScorer(config) as scorer:
+        reward_file.write_text("raise RuntimeError('gone')\n")  # the replacement worker cannot load it
+        hung = scorer.submit(request("hang"))
+        assert hung.result(timeout=TIMEOUT_S + SLACK_S).error == f"timeout after {TIMEOUT_S:g}s"
+        stranded = scorer.submit(request("42"))
+        assert "no reward workers left: RewardFunctionError" in stranded.result(timeout=REPLACEMENT_WAIT_S).error
