@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 SCORE_KEY = "score"  # verl: a reward function may return a dict whose "score" entry is the reward
 
@@ -18,6 +18,11 @@ class RewardRequest:
     solution_str: str  # the decoded completion
     ground_truth: Any  # `reward_model.ground_truth` of the data row (usually a string)
     extra_info: dict[str, Any] | None = None  # `extra_info` of the data row, passed through untouched
+
+    @classmethod
+    def for_row(cls, row: Mapping[str, Any], solution_str: str) -> RewardRequest:
+        """The request for a completion of a verl-layout data row."""
+        return cls(row["data_source"], solution_str, row["reward_model"]["ground_truth"], row.get("extra_info"))
 
 
 @dataclass

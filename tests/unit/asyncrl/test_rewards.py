@@ -23,6 +23,7 @@ from asyncrl.rewards import (
 )
 from asyncrl.rewards.builtin import check_data_sources
 from asyncrl.rewards.results import result_from_return
+from asyncrl.tasks import arithmetic
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 REWARD_FILE = FIXTURES / "reward_functions.py"
@@ -166,6 +167,11 @@ def test_arithmetic_is_exact_match(solution, answer, score):
 )
 def test_math_answers_are_checked_by_value(data_source, solution, answer, score):
     assert compute_score(data_source, solution, answer) == score
+
+
+def test_a_request_is_built_from_a_verl_row():
+    row = arithmetic.make_row("37+58=", "95", index=3, split="train")
+    assert RewardRequest.for_row(row, "95") == RewardRequest("arithmetic", "95", "95", {"index": 3, "split": "train"})
 
 
 def test_unparsable_math_ground_truth_raises_rather_than_scoring_zero():
