@@ -1,0 +1,22 @@
+"""Rewards: verl-compatible custom reward functions and built-in scorers, run in a pool of worker processes.
+
+    with RewardScorer(config.reward) as scorer:
+        results = scorer.score([RewardRequest("arithmetic", "95", "95")])
+"""
+
+from asyncrl.rewards.builtin import UnknownDataSourceError, compute_score
+from asyncrl.rewards.custom import RewardFunctionError, load_reward_function
+from asyncrl.rewards.pool import WorkerStartError
+from asyncrl.rewards.results import RewardRequest, RewardResult
+from asyncrl.rewards.scorer import RewardScorer
+
+__all__ = [
+    "RewardFunctionError",
+    "RewardRequest",
+    "RewardResult",
+    "RewardScorer",
+    "UnknownDataSourceError",
+    "WorkerStartError",
+    "compute_score",
+    "load_reward_function",
+]

@@ -1,0 +1,96 @@
+"""User reward functions in verl's form, loaded from a Python file by path and function name.
+
+Every problem is reported when the function is loaded, at startup, with the file and function named:
+a missing file, a file that fails to import, a missing or non-callable name, or a signature that cannot
+take verl's four keyword arguments.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from asyncrl.rewards.results import describe_exception
+
+RewardFunction = Callable[..., Any]  # compute_score(data_source, solution_str, ground_truth, extra_info)
+
+# verl calls reward functions with these keywords; a custom function must accept all four
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+VERL_SIGNATURE = f"({', '.join(VERL_ARGUMENTS)})"
+
+
+class RewardFunctionError(ValueError):
+    """The custom reward function cannot be used. The message names the file and the function."""
+
+
+def load_reward_function(path: str | Path, name: str) -> RewardFunction:
+    """The function `name` defined in the Python file at `path`, checked against verl's signature."""
+    file = Path(path).expanduser().resolve()
+    module = _import_file(file)
+    function = _find_function(module, file, name)
+    _check_signature(function, file, name)
+    return function
+
+
+def _import_file(file: Path) -> ModuleType:
+    if not file.is_file():
+        raise RewardFunctionError(f"reward.custom_fn.path: reward function file '{file}' does not exist")
+    module_name = _module_name(file)
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise RewardFunctionError(f"reward.custom_fn.path: '{file}' cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    # registered before running it so that code relying on its own module (dataclasses, pickling) works
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # a broken user file: report it as such, with its own error chained
+        del sys.modules[module_name]
+        raise RewardFunctionError(
+            f"reward.custom_fn.path: importing '{file}' failed: {describe_exception(error)}"
+        ) from error
+    return module
+
+
+def _module_name(file: Path) -> str:
+    """A module name unique per file, so that two reward files with the same stem do not collide."""
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    return f"asyncrl_reward_{file.stem}_{digest}"
+
+
+def _find_function(module: ModuleType, file: Path, name: str) -> RewardFunction:
+    if not hasattr(module, name):
+        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise RewardFunctionError(
+            f"reward.custom_fn.name: '{file}' defines no '{name}' (functions there: {', '.join(defined) or 'none'})"
+        )
+    function = getattr(module, name)
+    if not callable(function):
+        raise RewardFunctionError(
+            f"reward.custom_fn.name: '{name}' in '{file}' is a {type(function).__name__}, not a function"
+        )
+    if inspect.iscoroutinefunction(function):
+        raise RewardFunctionError(
+            f"reward.custom_fn.name: '{name}' in '{file}' is async; reward functions run in worker processes "
+            "and must be plain functions"
+        )
+    return function
+
+
+def _check_signature(function: RewardFunction, file: Path, name: str) -> None:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # builtins without introspectable signatures: trust the call
+        return
+    try:
+        signature.bind(**{argument: None for argument in VERL_ARGUMENTS})
+    except TypeError as error:
+        raise RewardFunctionError(
+            f"reward.custom_fn.name: '{name}' in '{file}' has signature {signature}; expected {name}{VERL_SIGNATURE} "
+            f"({error})"
+        ) from error

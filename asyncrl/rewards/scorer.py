@@ -1,0 +1,67 @@
+"""The reward API for rollout servers: score completions in worker processes, blocking or from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+from asyncrl.rewards.builtin import check_data_sources
+from asyncrl.rewards.custom import load_reward_function
+from asyncrl.rewards.pool import ScoringPool
+from asyncrl.rewards.results import RewardRequest, RewardResult
+
+if TYPE_CHECKING:
+    from asyncrl.config.sections import RewardConfig
+
+
+class RewardScorer:
+    """Scores completions with the configured reward: `reward.custom_fn` if set, else built-ins by data_source.
+
+    Starting it loads the custom function here first, so that a missing file, function or wrong signature
+    fails at startup with a `RewardFunctionError`, then starts `reward.num_workers` processes (a few seconds).
+    A sample whose scorer raises or runs past `reward.timeout_s` gets a failed `RewardResult` (score 0.0,
+    error set); scoring never raises for one bad sample. Use as a context manager, or call `close()`.
+    """
+
+    def __init__(self, config: RewardConfig) -> None:
+        custom = config.custom_fn
+        # workers resolve the path themselves; an absolute one does not depend on where they start
+        function_path = str(Path(custom.path).expanduser().resolve()) if custom.path else ""
+        if function_path:
+            load_reward_function(function_path, custom.name)
+        self._uses_builtins = not function_path
+        self._pool = ScoringPool(function_path, custom.name, config.num_workers, config.timeout_s)
+
+    def check_data_sources(self, data_sources: Iterable[str]) -> None:
+        """Raise `UnknownDataSourceError` at startup for data no scorer handles (a custom function takes all)."""
+        if self._uses_builtins:
+            check_data_sources(data_sources)
+
+    def submit(self, request: RewardRequest) -> Future[RewardResult]:
+        """Queue one request without waiting; the future always completes, with a result or a failure."""
+        return self._pool.submit(request)
+
+    def score(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """Score a batch in parallel and wait; results are in request order."""
+        futures = [self.submit(request) for request in requests]
+        return [future.result() for future in futures]
+
+    async def score_async(self, requests: Sequence[RewardRequest]) -> list[RewardResult]:
+        """Score a batch without blocking the event loop; results are in request order."""
+        futures = [asyncio.wrap_future(self.submit(request)) for request in requests]
+        return list(await asyncio.gather(*futures))
+
+    def close(self) -> None:
+        """Stop the workers; requests still queued or running get a failed result. Idempotent."""
+        self._pool.close()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
