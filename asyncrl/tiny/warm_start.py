@@ -49,7 +49,7 @@ def warm_start(
             supervised_example(tokenizer, *arithmetic.make_problem(rng, task.min_digits, task.max_digits, task.operators))
             for _ in range(schedule.batch_size)
         ]
-        input_ids, labels, attention = _pad(batch, tokenizer.pad_token_id)
+        input_ids, labels, attention = pad_examples(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -80,7 +80,7 @@ def greedy_accuracy(
     return sum(arithmetic.score(text, answer) for text, (_, answer) in zip(completions, problems)) / num_samples
 
 
-def _pad(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_examples(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
     labels = torch.tensor([lab + [IGNORE_INDEX] * (width - len(lab)) for _, lab in batch])
