@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from asyncrl.config.sections import DataConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
+from asyncrl.config.sections import DataConfig, MetricsConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
 
 
 @dataclass
@@ -16,6 +16,7 @@ class AsyncRLConfig:
     task: TaskConfig = field(default_factory=TaskConfig)  # synthetic data generator
     data: DataConfig = field(default_factory=DataConfig)  # training/validation files and mixing
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring of completions
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # metrics.jsonl and wandb
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""

@@ -80,3 +80,11 @@ class RewardConfig:
     custom_fn: CustomRewardConfig = field(default_factory=CustomRewardConfig)  # user reward function
     timeout_s: float = bounded(10.0, 0.01)  # per-sample scoring deadline; past it the sample gets a failure
     num_workers: int = bounded(2, 1)  # scoring worker processes (signals in math-verify rule out threads)
+
+
+@dataclass
+class MetricsConfig:
+    wandb_mode: str = one_of("auto", "online", "offline", "disabled")  # auto = online with WANDB_API_KEY, else offline
+    wandb_project: str = "asyncrl"  # wandb project name
+    wandb_entity: str = ""  # wandb team/user; empty = the account default
+    log_every: int = bounded(1, 1)  # learner steps between metric records (jsonl and wandb)

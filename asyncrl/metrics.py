@@ -1,0 +1,75 @@
+"""The one metrics sink: every record goes to `metrics.jsonl` in the run directory and to wandb
+(offline when no API key is configured, so nothing is lost on an air-gapped machine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from asyncrl.config.sections import MetricsConfig
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, settings: MetricsConfig, run_config: Mapping[str, Any] | None = None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1)
+        self._wandb = _start_wandb(Path(run_dir), settings, run_config or {})
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        """Record `values` at `step`; non-finite numbers are kept in jsonl as null and skipped by wandb."""
+        record = {"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if v is not None and k != "time"}, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of a run, in order (a torn last line from a killed run is ignored)."""
+    records = []
+    for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("skipping an unreadable metrics line in %s", run_dir)
+    return records
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _start_wandb(run_dir: Path, settings: MetricsConfig, run_config: Mapping[str, Any]) -> Any:
+    mode = settings.wandb_mode
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    if mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(
+        project=settings.wandb_project,
+        entity=settings.wandb_entity or None,
+        name=run_dir.name,
+        dir=str(run_dir),
+        mode=mode,
+        config=dict(run_config),
+        settings=wandb.Settings(silent=True),
+    )
