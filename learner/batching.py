@@ -1,0 +1,92 @@
+"""Turning trajectory groups into padded training tensors, and cutting them into micro-batches by a
+token budget so that memory stays flat as response lengths vary.
+
+Positions are "target" positions: entry t of every [B, T-1] tensor describes the token at t + 1, which
+the logits at position t predict. Completion token j of a sample sits at target position P + j - 1,
+where P is the prompt length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from asyncrl.messages import Trajectory, TrajectoryGroup
+
+
+@dataclass
+class TrainBatch:
+    input_ids: Tensor  # [B, T] prompt + completion, right-padded
+    attention_mask: Tensor  # [B, T] 1 on real tokens
+    loss_mask: Tensor  # [B, T-1] 1 on trained completion tokens (model tokens), 0 on prompt/env/padding
+    behaviour_logprobs: Tensor  # [B, T-1] log π_behav at target positions (0 elsewhere)
+    token_versions: Tensor  # [B, T-1] policy version of each target token (-1 elsewhere)
+    rewards: Tensor  # [B] scalar reward per sample
+    group_index: Tensor  # [B] long: samples with the same value share a prompt
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: list[int]) -> "TrainBatch":
+        index = torch.tensor(rows, dtype=torch.long)
+        return TrainBatch(*(getattr(self, name)[index] for name in _FIELDS))
+
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+
+_FIELDS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "token_versions", "rewards", "group_index")
+
+
+def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
+    """One padded batch holding every sample of every group, in order."""
+    samples = [(index, trajectory) for index, group in enumerate(groups) for trajectory in group.trajectories]
+    width = max(len(t.prompt_ids) + len(t.completion_ids) for _, t in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)  # [B, T]
+    attention = torch.zeros((len(samples), width), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((len(samples), width - 1), dtype=torch.float32)  # [B, T-1]
+    behaviour = torch.zeros((len(samples), width - 1), dtype=torch.float32)  # [B, T-1]
+    versions = torch.full((len(samples), width - 1), -1, dtype=torch.long)  # [B, T-1]
+    for row, (_, trajectory) in enumerate(samples):
+        _fill_row(row, trajectory, input_ids, attention, loss_mask, behaviour, versions)
+    rewards = torch.tensor([t.reward for _, t in samples], dtype=torch.float32)  # [B]
+    group_index = torch.tensor([index for index, _ in samples], dtype=torch.long)  # [B]
+    return TrainBatch(input_ids, attention, loss_mask, behaviour, versions, rewards, group_index)
+
+
+def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
+    """Row indices per micro-batch: consecutive rows while rows × longest row stays within the budget
+    (a single row longer than the budget still forms its own micro-batch)."""
+    lengths = batch.attention_mask.sum(dim=1).tolist()  # [B]
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row, length in enumerate(lengths):
+        if current and (len(current) + 1) * max(longest, length) > token_budget:
+            chunks.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _fill_row(
+    row: int,
+    trajectory: Trajectory,
+    input_ids: Tensor,
+    attention: Tensor,
+    loss_mask: Tensor,
+    behaviour: Tensor,
+    versions: Tensor,
+) -> None:
+    prompt, completion = len(trajectory.prompt_ids), len(trajectory.completion_ids)
+    input_ids[row, : prompt + completion] = torch.tensor(trajectory.prompt_ids + trajectory.completion_ids)
+    attention[row, : prompt + completion] = 1
+    targets = slice(prompt - 1, prompt - 1 + completion)
+    loss_mask[row, targets] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
+    behaviour[row, targets] = torch.tensor(trajectory.behaviour_logprobs, dtype=torch.float32)
+    versions[row, targets] = torch.tensor(trajectory.token_versions, dtype=torch.long)
