@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 from asyncrl.data.readers import load_prompt_file
 from asyncrl.data.rows import PromptRow
+from asyncrl.rng import rng_state_from_json, rng_state_to_json
 
 
 class PromptMixture:
@@ -49,7 +50,7 @@ class PromptMixture:
         """Position in the stream: restoring it continues with exactly the rows that would have come next."""
         return {
             "files": list(self.files),
-            "picker": _jsonable_state(self._picker.getstate()),
+            "picker": rng_state_to_json(self._picker.getstate()),
             "epoch": list(self._epoch),
             "cursor": list(self._cursor),
         }
@@ -57,7 +58,7 @@ class PromptMixture:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["files"] != self.files:
             raise ValueError(f"data state was saved for files {state['files']}, not {self.files}")
-        self._picker.setstate(_python_state(state["picker"]))
+        self._picker.setstate(rng_state_from_json(state["picker"]))
         self._epoch = list(state["epoch"])
         self._cursor = list(state["cursor"])
         self._orders = [self._order(index) for index in range(len(self.files))]
@@ -68,12 +69,3 @@ class PromptMixture:
             random.Random(f"{self.seed}/{index}/{self._epoch[index]}").shuffle(order)
         return order
 
-
-def _jsonable_state(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _python_state(state: list) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)

@@ -1,0 +1,79 @@
+"""Checkpoints with torch.distributed.checkpoint: sharded model and optimizer state plus the run's
+position (step, data position, the buffer offset to commit, RNG) in one directory per step.
+
+Atomicity: every rank writes into `step_N.partial/`; after a barrier rank 0 writes `meta.json` and
+renames the directory to `step_N/`. A directory without that final name is never resumed from, so a
+run killed mid-save resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from learner.distributed import World
+from asyncrl.rng import rng_state_from_json, rng_state_to_json
+
+log = logging.getLogger(__name__)
+
+META_FILE = "meta.json"
+_PREFIX = "step_"
+_PARTIAL = ".partial"
+
+
+def save_checkpoint(
+    root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any], world: World, keep: int
+) -> Path:
+    """Write checkpoint `step` under `root` and prune to the newest `keep`; returns its directory."""
+    final = root / f"{_PREFIX}{step:08d}"
+    partial = final.with_name(final.name + _PARTIAL)
+    if world.is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+    dist.barrier()
+    if world.is_main:
+        record = {"step": step, "python_rng": rng_state_to_json(random.getstate()), "torch_rng": torch.get_rng_state().tolist()}
+        (partial / META_FILE).write_text(json.dumps(record | meta))
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        _prune(root, keep)
+        log.info("checkpoint saved: %s", final)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, if any."""
+    complete = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and not p.name.endswith(_PARTIAL) and (p / META_FILE).is_file()]
+    return max(complete, key=lambda p: p.name, default=None)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore model, optimizer and RNG state in place; returns the metadata (step, data, buffer offset)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((path / META_FILE).read_text())
+    random.setstate(rng_state_from_json(meta["python_rng"]))
+    torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+    log.info("resumed from %s (step %d)", path, meta["step"])
+    return meta
+
+
+def _prune(root: Path, keep: int) -> None:
+    complete = sorted(p for p in root.glob(f"{_PREFIX}*") if not p.name.endswith(_PARTIAL))
+    for old in complete[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+

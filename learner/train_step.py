@@ -1,0 +1,125 @@
+"""One optimizer step on a batch: advantages, proximal log-probs, micro-batched loss and backward,
+gradient clipping, update. Every rank holds the whole batch and trains on its share of the rows;
+losses are normalised by whole-batch counts so that any number of ranks computes the same gradient."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.config.algorithm import AlgorithmConfig
+from learner.advantages import compute_advantages
+from learner.batching import TrainBatch, micro_batches
+from learner.distributed import World, sum_across_ranks
+from learner.logprobs import target_logprobs
+from learner.losses import LossInputs, compute_policy_loss
+
+NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask")  # losses that anchor the clip on the learner's pre-update policy
+
+
+@dataclass
+class StepOutcome:
+    metrics: dict[str, float]  # averaged over micro-batches and ranks
+    finite: bool  # False: the loss or gradient was NaN/inf and the update was skipped
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    algorithm: AlgorithmConfig,
+    micro_batch_tokens: int,
+    grad_clip: float,
+    world: World,
+) -> StepOutcome:
+    batch = _to_device(batch, world.device)
+    advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
+    chunks = rank_chunks(batch, micro_batch_tokens, world)
+    denominator = _denominator(batch, algorithm)
+    proximal = _proximal_logprobs(model, batch, chunks) if algorithm.loss in NEEDS_PROXIMAL else None
+    optimizer.zero_grad(set_to_none=True)
+    per_chunk = []
+    for index, chunk in enumerate(chunks):
+        part = batch.select(chunk.rows)
+        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask)  # [b, T-1] each
+        inputs = LossInputs(
+            logprobs=logprobs,
+            behaviour_logprobs=part.behaviour_logprobs,
+            advantages=advantages[chunk.rows],
+            loss_mask=part.loss_mask,
+            proximal_logprobs=None if proximal is None else proximal[index],
+            entropy=entropy,
+            denominator=denominator,
+        )
+        loss, metrics = compute_policy_loss(inputs, algorithm)
+        # FSDP averages gradients over ranks; scaling by the world size turns that average into the sum
+        # of every rank's share of the whole-batch loss. A padding chunk contributes a zero gradient.
+        scale = 0.0 if chunk.padding else float(world.size)
+        (loss * scale).backward()
+        if not chunk.padding:
+            per_chunk.append(metrics)
+    grad_norm = _clip(model, grad_clip)
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
+    return StepOutcome(metrics=metrics, finite=finite and math.isfinite(metrics.get("actor/pg_loss", 0.0)))
+
+
+@dataclass
+class Chunk:
+    rows: list[int]  # batch rows of one forward/backward pass
+    padding: bool = False  # a stand-in pass so that every rank runs as many passes as the busiest one
+
+
+def rank_chunks(batch: TrainBatch, micro_batch_tokens: int, world: World) -> list[Chunk]:
+    """This rank's micro-batches: rows rank, rank + size, ... cut by the token budget. FSDP gathers
+    parameters collectively, so every rank runs the same number of passes; shorter lists are padded."""
+    counts = []
+    mine: list[Chunk] = []
+    for rank in range(world.size):
+        share = list(range(rank, len(batch), world.size))
+        chunks = [Chunk([share[i] for i in rows]) for rows in micro_batches(batch.select(share), micro_batch_tokens)] if share else []
+        counts.append(len(chunks))
+        if rank == world.rank:
+            mine = chunks
+    return mine + [Chunk([0], padding=True)] * (max(counts) - len(mine))
+
+
+def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
+    if algorithm.aggregation == "token_mean":
+        return float(batch.loss_mask.sum().clamp(min=1))
+    return float(max(len(batch), 1))
+
+
+@torch.no_grad()
+def _proximal_logprobs(model: torch.nn.Module, batch: TrainBatch, chunks: list[Chunk]) -> list[torch.Tensor]:
+    """log π_prox per chunk, [b, T-1] each: the weights before this update, computed once up front."""
+    parts = [batch.select(chunk.rows) for chunk in chunks]
+    return [target_logprobs(model, part.input_ids, part.attention_mask)[0] for part in parts]
+
+
+def _clip(model: torch.nn.Module, grad_clip: float) -> float:
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+ADDITIVE_METRICS = ("actor/pg_loss", "actor/kl_loss")  # partial sums of the whole-batch loss: add up
+
+
+def _combine(records: list[dict[str, float]], world: World) -> dict[str, float]:
+    """Whole-batch metrics: loss parts summed over passes and ranks, the rest averaged over passes."""
+    keys = sorted({k for record in records for k in record})
+    totals = {k: sum(r.get(k, 0.0) for r in records) for k in keys} | {"_passes": float(len(records))}
+    totals = sum_across_ranks(totals, world)
+    passes = max(totals.pop("_passes"), 1.0)
+    return {k: v if k in ADDITIVE_METRICS else v / passes for k, v in totals.items()}
+
+
+def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    return TrainBatch(*(getattr(batch, name).to(device) for name in batch.__dataclass_fields__))
