@@ -1,0 +1,1 @@
+"""The learner: consumes trajectory batches, computes advantages and losses, trains with FSDP2."""
