@@ -98,8 +98,8 @@ def decoupled_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
 
 @register_loss("tis")
 def truncated_importance_sampling(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
-    """-sg(min(π_θ/π_behav, C)) · A · log π_θ: the off-policy policy gradient min(ρ, C)·A·∇log π_θ, with no
-    proximal pass and no clip; truncation is its only bound, so `actor/pg_clipfrac` is the truncated share."""
+    """-sg(min(π_θ/π_behav, C)) · A · log π_θ: the off-policy policy gradient min(ρ, C)·A·∇log π_θ with no
+    proximal pass and no clip. Truncation is its only bound: `actor/pg_clipfrac` is the truncated share."""
     log_ratio = inputs.logprobs - inputs.behaviour_logprobs  # [B, T]
     correction = truncated_weight(log_ratio, config.is_cap)  # [B, T] weights
     per_token = -correction.weight * inputs.advantages * inputs.logprobs  # [B, T]
