@@ -60,6 +60,10 @@ Metrics = dict[str, float]
 LossResult = tuple[Tensor, Metrics]  # (scalar loss, metrics)
 PolicyLoss = Callable[[LossInputs, AlgorithmConfig], LossResult]
 
+GEOMETRIC_MEAN = "geometric_mean"  # seq_mask: exp(mean log ratio) of the sequence's trained tokens
+WORST_TOKEN = "worst_token"  # seq_mask: every trained token's ratio on its own
+SEQ_MASK_STATISTICS = (GEOMETRIC_MEAN, WORST_TOKEN)
+
 LOSSES: Registry[PolicyLoss] = Registry("loss", "algorithm.loss")
 register_loss = LOSSES.register
 get_loss = LOSSES.get
@@ -144,15 +148,16 @@ def sequences_within_ratio_bounds(log_ratio: Tensor, mask: Tensor, config: Algor
     worst_token: every masked token's ratio must. A sequence without masked tokens is kept (it adds nothing).
     """
     low, high = config.seq_mask_low, config.seq_mask_high
-    if config.seq_mask_statistic == "geometric_mean":
+    if config.seq_mask_statistic == GEOMETRIC_MEAN:
         mean_log_ratio = masked_sum(log_ratio, mask, dim=-1) / mask_count(mask, dim=-1).clamp(min=1)  # [B]
         sequence_ratio = ratio_from_log(mean_log_ratio)  # [B]
         return (sequence_ratio >= low) & (sequence_ratio <= high)
-    if config.seq_mask_statistic == "worst_token":
+    if config.seq_mask_statistic == WORST_TOKEN:
         token_ratio = ratio_from_log(log_ratio)  # [B, T]
         out_of_bounds = mask.bool() & ((token_ratio < low) | (token_ratio > high))  # [B, T]
         return ~out_of_bounds.any(dim=-1)
-    raise ValueError(f"algorithm.seq_mask_statistic: '{config.seq_mask_statistic}' is not a known statistic")
+    statistic = config.seq_mask_statistic
+    raise ValueError(f"algorithm.seq_mask_statistic: '{statistic}' is not one of {list(SEQ_MASK_STATISTICS)}")
 
 
 def _weighted_ppo(

@@ -3,6 +3,7 @@ sequence masking, aggregation, KL estimators, entropy, masks, gradients, and the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -11,14 +12,23 @@ import pytest
 import torch
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.loss_terms import clipped_surrogate, token_entropy
-from learner.losses import LOSSES, LossInputs, compute_policy_loss, get_loss, naive_ppo, register_loss
+from asyncrl.config.fields import CHOICES_KEY
+from learner.advantages import get_advantage
+from learner.loss_terms import AGGREGATIONS, KL_ESTIMATORS, clipped_surrogate, token_entropy
+from learner.losses import (
+    LOSSES,
+    SEQ_MASK_STATISTICS,
+    LossInputs,
+    compute_policy_loss,
+    get_loss,
+    naive_ppo,
+    register_loss,
+)
 from learner.registry import RegistryError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 CUSTOM_FILE = FIXTURES / "custom_losses.py"
 MODES = ("decoupled_ppo", "tis", "seq_mask", "naive_ppo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_sum")
 TOLERANCE = 1e-5  # float32 arithmetic on values of order 1
 
 
@@ -439,3 +449,12 @@ def test_a_broken_user_file_reports_its_own_error(tmp_path):
     broken.write_text("raise RuntimeError('half-written loss')\n")
     with pytest.raises(RegistryError, match="importing .*broken_loss.py' failed: RuntimeError: half-written loss"):
         get_loss(f"{broken}:loss")
+
+
+def test_config_choices_are_exactly_what_the_learner_accepts():
+    choices = {spec.name: spec.metadata.get(CHOICES_KEY) for spec in dataclasses.fields(AlgorithmConfig)}
+    assert set(choices["aggregation"]) == set(AGGREGATIONS)
+    assert set(choices["kl_estimator"]) == set(KL_ESTIMATORS)
+    assert set(choices["seq_mask_statistic"]) == set(SEQ_MASK_STATISTICS)
+    get_loss(AlgorithmConfig().loss)
+    get_advantage(AlgorithmConfig().advantage)
