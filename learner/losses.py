@@ -94,9 +94,10 @@ def decoupled_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
     """sg(min(π_prox/π_behav, C)) · ℓ_clip(π_θ/π_prox): the clip keeps the update near π_prox, the truncated
     weight corrects for sampling from the older π_behav."""
     proximal = _required(inputs.proximal_logprobs, "proximal_logprobs", "loss 'decoupled_ppo'")
-    correction = truncated_weight(proximal - inputs.behaviour_logprobs, config.is_cap)  # [B, T] weights
+    log_ratio = proximal - inputs.behaviour_logprobs  # [B, T]
+    correction = truncated_weight(log_ratio, config.is_cap)  # [B, T] weights
     loss, metrics = _weighted_ppo(inputs, config, proximal, correction.weight, inputs.loss_mask)
-    metrics.update(_rollout_metrics(inputs, proximal, correction, inputs.loss_mask))
+    metrics.update(_rollout_metrics(log_ratio, correction, inputs.loss_mask))
     return loss, metrics
 
 
@@ -113,7 +114,7 @@ def truncated_importance_sampling(inputs: LossInputs, config: AlgorithmConfig) -
         "actor/pg_clipfrac": masked_mean(correction.changed.float(), inputs.loss_mask).item(),
         "actor/ppo_kl": _mean_log_ratio(inputs, inputs.behaviour_logprobs, inputs.loss_mask),
     }
-    metrics.update(_rollout_metrics(inputs, inputs.logprobs.detach(), correction, inputs.loss_mask))
+    metrics.update(_rollout_metrics(log_ratio, correction, inputs.loss_mask))
     return loss, metrics
 
 
@@ -127,17 +128,18 @@ def sequence_masked_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResu
     kept_mask = inputs.loss_mask.bool() & keep[:, None]  # [B, T]
     loss, metrics = _weighted_ppo(inputs, config, proximal, torch.ones_like(proximal), kept_mask)
     correction = Correction(weight=kept_mask.float(), changed=~kept_mask)  # [B, T] 0/1 weights
-    metrics.update(_rollout_metrics(inputs, proximal, correction, inputs.loss_mask))
+    metrics.update(_rollout_metrics(log_ratio, correction, inputs.loss_mask))
     return loss, metrics
 
 
 @register_loss("naive_ppo")
 def naive_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
     """ℓ_clip(π_θ/π_behav): PPO as if the samples came from the learner's own policy (no correction)."""
-    no_weight = torch.ones_like(inputs.logprobs)  # [B, T]
-    loss, metrics = _weighted_ppo(inputs, config, inputs.behaviour_logprobs, no_weight, inputs.loss_mask)
-    uncorrected = Correction(weight=no_weight, changed=torch.zeros_like(no_weight, dtype=torch.bool))
-    metrics.update(_rollout_metrics(inputs, inputs.logprobs.detach(), uncorrected, inputs.loss_mask))
+    unit_weight = torch.ones_like(inputs.logprobs)  # [B, T]
+    loss, metrics = _weighted_ppo(inputs, config, inputs.behaviour_logprobs, unit_weight, inputs.loss_mask)
+    uncorrected = Correction(weight=unit_weight, changed=torch.zeros_like(unit_weight, dtype=torch.bool))  # [B, T]
+    log_ratio = inputs.logprobs - inputs.behaviour_logprobs  # [B, T]
+    metrics.update(_rollout_metrics(log_ratio, uncorrected, inputs.loss_mask))
     return loss, metrics
 
 
@@ -174,16 +176,15 @@ def _weighted_ppo(
     return loss, metrics
 
 
-def _rollout_metrics(
-    inputs: LossInputs, learner_logprobs: Tensor, correction: Correction, mask: Tensor
-) -> Metrics:
+def _rollout_metrics(log_ratio: Tensor, correction: Correction, mask: Tensor) -> Metrics:
     """`rollout_corr/*`: how far the sampling policy is from the learner's, and what the correction did.
 
+    log_ratio = log π_learner - log π_behav, π_learner = π_prox where the mode has it, else π_θ;
     is_weight_mean: mean of the per-token weight the loss applies (1 when it applies none);
     is_clip_frac: share of trained tokens the correction changed (truncated at C, or dropped);
-    mismatch_kl: k3 estimate of KL(π_behav‖π_learner), π_learner = π_prox where the mode has it, else π_θ.
+    mismatch_kl: k3 estimate of KL(π_behav‖π_learner).
     """
-    log_ratio = learner_logprobs.detach() - inputs.behaviour_logprobs  # [B, T]
+    log_ratio = log_ratio.detach()  # [B, T]
     return {
         "rollout_corr/is_weight_mean": masked_mean(correction.weight, mask).item(),
         "rollout_corr/is_clip_frac": masked_mean(correction.changed.float(), mask).item(),

@@ -94,10 +94,8 @@ class Registry(Generic[F]):
 
     def _find_function(self, value: str, module: ModuleType, source: str, function_name: str) -> F:
         if not hasattr(module, function_name):
-            defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-            raise self._error(
-                value, f"'{source}' defines no '{function_name}' (functions there: {', '.join(defined) or 'none'})"
-            )
+            defined = ", ".join(_public_functions(module)) or "none"
+            raise self._error(value, f"'{source}' defines no '{function_name}' (functions there: {defined})")
         function = getattr(module, function_name)
         if not callable(function):
             raise self._error(value, f"'{function_name}' in '{source}' is a {type(function).__name__}, not a function")
@@ -105,6 +103,15 @@ class Registry(Generic[F]):
 
     def _error(self, value: str, problem: str) -> RegistryError:
         return RegistryError(f"{self.config_key}: {self.kind} '{value}': {problem}")
+
+
+def _public_functions(module: ModuleType) -> list[str]:
+    """Names of the functions the module itself defines (not imported ones), for error messages."""
+    return sorted(
+        name
+        for name, attribute in vars(module).items()
+        if inspect.isfunction(attribute) and attribute.__module__ == module.__name__ and not name.startswith("_")
+    )
 
 
 def _is_file_path(source: str) -> bool:
