@@ -1,9 +1,10 @@
 """Building blocks the policy losses share: masked reductions, the PPO clip, importance-weight
 truncation, KL estimators, aggregation and per-token entropy.
 
-Shapes: B sequences, T completion tokens, V vocabulary. A mask is 1 where a token is trained on and 0 on
-environment/tool tokens and padding; every reduction selects with the mask (never multiplies by it), so
-a NaN or infinity at a masked position cannot leak into a result.
+Shapes: B sequences, T completion tokens, V vocabulary, [] a scalar. A mask is 1 where a token is trained
+on and 0 on environment/tool tokens and padding. Every reduction selects with the mask (never multiplies
+by it): any finite value at a masked position changes neither values nor gradients, and even a NaN or an
+infinity there cannot reach a loss or metric value.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 def masked_std(values: Tensor, mask: Tensor) -> Tensor:
     """Standard deviation (Bessel-corrected, like torch.std) of `values` over the set mask entries."""
     deviation = values - masked_mean(values, mask)  # [B, T]
-    bessel_count = (mask_count(mask) - 1).clamp(min=1)
+    bessel_count = (mask_count(mask) - 1).clamp(min=1)  # []
     return (masked_sum(deviation.square(), mask) / bessel_count).sqrt()
 
 
@@ -115,12 +116,12 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, denominator: float | N
     batch, so that micro-batch losses add up to the loss of the whole batch.
     """
     if mode == TOKEN_MEAN:
-        count = mask_count(mask)
+        count = mask_count(mask)  # [] trained tokens
     elif mode == SEQ_MEAN_TOKEN_SUM:
-        count = (mask_count(mask, dim=-1) > 0).float().sum()
+        count = (mask_count(mask, dim=-1) > 0).float().sum()  # [] sequences with a trained token
     else:
         raise ValueError(f"algorithm.aggregation: '{mode}' is not one of {list(AGGREGATIONS)}")
-    total = masked_sum(per_token, mask)
+    total = masked_sum(per_token, mask)  # []
     return total / (denominator if denominator is not None else count.clamp(min=1))
 
 

@@ -73,8 +73,8 @@ def compute_policy_loss(inputs: LossInputs, config: AlgorithmConfig) -> LossResu
     """The configured policy loss, plus kl_coef · KL(π_θ‖π_ref) when `use_reference`, and the entropy metric."""
     loss, metrics = get_loss(config.loss)(inputs, config)
     if config.use_reference:
-        kl_loss = reference_kl(inputs, config)
-        loss = loss + config.kl_coef * kl_loss
+        kl_loss = reference_kl(inputs, config)  # []
+        loss = loss + config.kl_coef * kl_loss  # []
         metrics["actor/kl_loss"] = kl_loss.item()
         metrics["actor/kl_coef"] = config.kl_coef
     if inputs.entropy is not None:
@@ -84,7 +84,7 @@ def compute_policy_loss(inputs: LossInputs, config: AlgorithmConfig) -> LossResu
 
 def reference_kl(inputs: LossInputs, config: AlgorithmConfig) -> Tensor:
     """KL(π_θ‖π_ref) estimated per token (k1 or k3), aggregated like the policy loss."""
-    reference = _required(inputs.reference_logprobs, "reference_logprobs", "algorithm.use_reference=true")
+    reference = _required(inputs.reference_logprobs, "reference_logprobs", "algorithm.use_reference=true")  # [B, T]
     per_token = kl_estimate(inputs.logprobs, reference, config.kl_estimator)  # [B, T]
     return aggregate(per_token, inputs.loss_mask, config.aggregation, inputs.denominator)
 
@@ -93,7 +93,7 @@ def reference_kl(inputs: LossInputs, config: AlgorithmConfig) -> Tensor:
 def decoupled_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
     """sg(min(π_prox/π_behav, C)) · ℓ_clip(π_θ/π_prox): the clip keeps the update near π_prox, the truncated
     weight corrects for sampling from the older π_behav."""
-    proximal = _required(inputs.proximal_logprobs, "proximal_logprobs", "loss 'decoupled_ppo'")
+    proximal = _required(inputs.proximal_logprobs, "proximal_logprobs", "loss 'decoupled_ppo'")  # [B, T]
     log_ratio = proximal - inputs.behaviour_logprobs  # [B, T]
     correction = truncated_weight(log_ratio, config.is_cap)  # [B, T] weights
     loss, metrics = _weighted_ppo(inputs, config, proximal, correction.weight, inputs.loss_mask)
@@ -108,7 +108,7 @@ def truncated_importance_sampling(inputs: LossInputs, config: AlgorithmConfig) -
     log_ratio = inputs.logprobs - inputs.behaviour_logprobs  # [B, T]
     correction = truncated_weight(log_ratio, config.is_cap)  # [B, T] weights
     per_token = -correction.weight * inputs.advantages * inputs.logprobs  # [B, T]
-    loss = aggregate(per_token, inputs.loss_mask, config.aggregation, inputs.denominator)
+    loss = aggregate(per_token, inputs.loss_mask, config.aggregation, inputs.denominator)  # []
     metrics = {
         "actor/pg_loss": loss.item(),
         "actor/pg_clipfrac": masked_mean(correction.changed.float(), inputs.loss_mask).item(),
@@ -122,7 +122,7 @@ def truncated_importance_sampling(inputs: LossInputs, config: AlgorithmConfig) -
 def sequence_masked_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
     """ℓ_clip(π_θ/π_prox) on the sequences whose IS ratio π_prox/π_behav lies in [seq_mask_low, seq_mask_high];
     the others leave the loss and its denominator entirely."""
-    proximal = _required(inputs.proximal_logprobs, "proximal_logprobs", "loss 'seq_mask'")
+    proximal = _required(inputs.proximal_logprobs, "proximal_logprobs", "loss 'seq_mask'")  # [B, T]
     log_ratio = proximal - inputs.behaviour_logprobs  # [B, T]
     keep = sequences_within_ratio_bounds(log_ratio, inputs.loss_mask, config)  # [B] bool
     kept_mask = inputs.loss_mask.bool() & keep[:, None]  # [B, T]
@@ -167,7 +167,7 @@ def _weighted_ppo(
 ) -> LossResult:
     """Aggregate of weight · ℓ_clip(π_θ/π_anchor) over `mask`, with the actor metrics."""
     surrogate = clipped_surrogate(inputs.logprobs, anchor, inputs.advantages, config.clip_eps_low, config.clip_eps_high)
-    loss = aggregate(weight * surrogate.loss, mask, config.aggregation, inputs.denominator)
+    loss = aggregate(weight * surrogate.loss, mask, config.aggregation, inputs.denominator)  # []
     metrics = {
         "actor/pg_loss": loss.item(),
         "actor/pg_clipfrac": masked_mean(surrogate.clipped.float(), mask).item(),
