@@ -7,7 +7,7 @@ sample of the group, whatever its mask. Registered by name in `ADVANTAGES`:
 - reinforce_pp:           R_i on every token, whitened over the batch's masked tokens
 - reinforce_pp_baseline:  R_i - mean_g(R) on every token, whitened over the batch's masked tokens
 std is Bessel-corrected (torch.std). A sample alone in its group has no baseline: grpo and rloo give it 0
-(it teaches nothing relative to its siblings), and the group-baseline variant centres it to 0 before whitening.
+(there is no sibling to compare it with), and the group-baseline variant centres it to 0 before whitening.
 """
 
 from __future__ import annotations
