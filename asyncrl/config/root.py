@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import DataConfig, MetricsConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
 
 
@@ -17,6 +19,8 @@ class AsyncRLConfig:
     data: DataConfig = field(default_factory=DataConfig)  # training/validation files and mixing
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring of completions
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # metrics.jsonl and wandb
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # policy loss, advantages, clip / IS / KL settings
+    learner: LearnerConfig = field(default_factory=LearnerConfig)  # training loop, optimizer, checkpoints, sync cadence
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""

@@ -1,0 +1,30 @@
+"""The `algorithm` section: which policy loss and advantage estimator the learner uses, and their knobs.
+
+`loss` and `advantage` take a registered name or `path/to/file.py:function` / `package.module:function`
+(a user's own function), so they are plain strings; the learner resolves them at startup and names the
+key when one cannot be found. docs/losses.md gives the formula behind every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.config.fields import bounded, one_of
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: str = "decoupled_ppo"  # policy loss: decoupled_ppo, tis, seq_mask, naive_ppo, or 'file.py:fn' / 'pkg.mod:fn'
+    advantage: str = "grpo"  # advantage estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, or 'file.py:fn'
+    aggregation: str = one_of("token_mean", "seq_mean_token_sum")  # how per-token losses become one number
+    clip_eps_low: float = bounded(0.2, 0.0, 1.0)  # PPO clip: the ratio's floor is 1 - clip_eps_low
+    clip_eps_high: float = bounded(0.2, 0.0)  # PPO clip: ceiling 1 + clip_eps_high; above clip_eps_low = clip-higher
+    is_cap: float = bounded(2.0, 1.0)  # C: importance weights above it are truncated to C (decoupled_ppo, tis)
+    seq_mask_low: float = bounded(0.5, 0.0, 1.0)  # seq_mask: sequences whose IS ratio is below this are dropped
+    seq_mask_high: float = bounded(2.0, 1.0)  # seq_mask: sequences whose IS ratio is above this are dropped
+    seq_mask_statistic: str = one_of("geometric_mean", "worst_token")  # seq_mask: ratio per sequence, or every token's
+    use_reference: bool = False  # add a KL penalty to a frozen reference model (needs its log-probs per token)
+    kl_coef: float = bounded(0.001, 0.0)  # weight of the KL penalty in the loss (with use_reference)
+    kl_estimator: str = one_of("k3", "k1")  # per-token KL estimate: k3 is non-negative and low-variance, k1 unbiased
+    grpo_std_norm: bool = True  # GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)
+    adv_eps: float = bounded(1e-6, 0.0)  # added to a std before dividing by it (GRPO std norm, REINFORCE++ whitening)

@@ -1,0 +1,109 @@
+"""The learner's main loop on every rank: take a batch, train, sync weights, publish the version,
+checkpoint, log. Rank 0 talks to the buffer and the rollout servers; the other ranks follow it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.messages import Batch, decode, encode
+from learner.batching import collate
+from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.distributed import World, broadcast_bytes
+from learner.staleness import staleness_metrics
+from learner.train_step import train_step
+
+log = logging.getLogger(__name__)
+
+
+class TooManyBadSteps(RuntimeError):
+    """Consecutive non-finite losses exceeded learner.max_bad_steps."""
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done = policy version
+    buffer_offset: int = -1  # buffer log position after the last trained batch (-1 = the buffer's commit)
+    bad_steps: int = 0  # consecutive skipped steps
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LoopState:
+    """Where training continues: a checkpoint named by learner.resume, the latest one (auto), or scratch."""
+    choice = config.learner.resume
+    if choice == "never":
+        return LoopState()
+    path = latest_checkpoint(run_dir / "checkpoints") if choice == "auto" else Path(choice)
+    if path is None:
+        return LoopState()
+    meta = load_checkpoint(path, model, optimizer)
+    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"])
+
+
+def run_loop(
+    config: AsyncRLConfig,
+    run_dir: Path,
+    world: World,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: LoopState,
+    fetch_batch: Callable[[int], Batch] | None,
+    after_step: Callable[[int, dict[str, float]], None],
+    pad_id: int,
+) -> LoopState:
+    """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
+    `after_step(version, metrics)` syncs weights, publishes the version and logs."""
+    settings = config.learner
+    while state.step < settings.total_steps:
+        started = time.perf_counter()
+        batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
+        waited = time.perf_counter() - started
+        outcome = train_step(
+            model, optimizer, collate(batch.groups, pad_id), config.algorithm, settings.micro_batch_tokens,
+            settings.grad_clip, world,
+        )
+        if not outcome.finite:
+            state.bad_steps += 1
+            log.warning("non-finite loss or gradient at step %d: update skipped (%d in a row)", state.step + 1, state.bad_steps)
+            if state.bad_steps >= settings.max_bad_steps:
+                raise TooManyBadSteps(f"{state.bad_steps} non-finite steps in a row (learner.max_bad_steps)")
+            continue
+        state.bad_steps = 0
+        state.step += 1
+        state.buffer_offset = batch.next_offset
+        metrics = outcome.metrics | staleness_metrics(batch, state.step - 1) | _batch_metrics(batch)
+        metrics |= {"timing_s/wait_batch": waited, "timing_s/step": time.perf_counter() - started}
+        after_step(state.step, metrics)
+        if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
+            save_checkpoint(
+                run_dir / "checkpoints", state.step, model, optimizer, {"buffer_offset": state.buffer_offset},
+                world, settings.keep_checkpoints,
+            )
+    return state
+
+
+def _shared_batch(batch: Batch | None, world: World) -> Batch:
+    """Rank 0's batch on every rank, as msgpack bytes."""
+    if world.size == 1:
+        assert batch is not None
+        return batch
+    return decode(broadcast_bytes(encode(batch) if batch is not None else None, world), max_bytes=2**62, expect=Batch)
+
+
+def _batch_metrics(batch: Batch) -> dict[str, Any]:
+    samples = [t for group in batch.groups for t in group.trajectories]
+    lengths = [sum(t.loss_mask) for t in samples]
+    rewards = [t.reward for t in samples]
+    return {
+        "critic/score/mean": sum(rewards) / len(rewards),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "buffer/dropped_stale_in_batch": float(batch.dropped_stale),
+        "batch/samples": float(len(samples)),
+        "reward/failures": float(sum(1 for t in samples if t.reward_error)),
+    }
