@@ -2,12 +2,12 @@
 
 import string
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from asyncrl.data import PromptRow, encode_prompt
-from asyncrl.tiny.tokenizer import ALPHABET, IM_END, build_char_tokenizer
+from asyncrl.tiny.tokenizer import ALPHABET, IM_END, SPECIAL_TOKENS, build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
 
@@ -15,6 +15,7 @@ TOKENIZER = build_char_tokenizer()
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet=ALPHABET, max_size=60))
 def test_encode_decode_is_identity_one_token_per_character(text):
+    assume(not any(special in text for special in SPECIAL_TOKENS))  # those strings are one token each
     ids = TOKENIZER.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)
     assert TOKENIZER.decode(ids) == text
