@@ -1,0 +1,40 @@
+"""Control messages of a weight-sync round, between the learner's coordinator and the rollout servers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncrl.messages import message
+
+
+@message("sync_join")
+@dataclass
+class SyncJoin:
+    """A server announces itself; repeated as a heartbeat. Missing heartbeats drop it from rounds."""
+
+    server_id: str  # stable name of the rollout server
+    ranks: int  # group ranks the server needs (its tensor-parallel workers)
+    version: int  # policy version its engine holds now
+    needs_catch_up: bool = False  # its last update failed: it must not sample until the next one
+
+
+@message("sync_invite")
+@dataclass
+class SyncInvite:
+    """The coordinator asks a server to take part in round `round_id` and receive `version`."""
+
+    round_id: int  # increases with every round
+    version: int  # policy version of the weights about to be broadcast
+    update_info: dict[str, Any]  # names, dtypes and shapes of the tensors, in broadcast order
+    init_info: dict[str, Any] = field(default_factory=dict)  # non-empty: (re)join this new group first
+
+
+@message("sync_done")
+@dataclass
+class SyncDone:
+    server_id: str  # reporting server
+    round_id: int  # round it took part in
+    ok: bool  # the weights were received and loaded
+    seconds: float = 0.0  # its pause-to-resume time
+    error: str = ""  # why it failed, when it did

@@ -1,0 +1,166 @@
+"""The learner's side of weight sync rounds: who takes part, the group, the broadcast, the outcome.
+
+Servers announce themselves with `SyncJoin` heartbeats on the coordinator's ROUTER socket. A round
+invites every live server, (re)builds the transfer group when membership changed or the last round
+failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails or
+stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
+round. Every wait is bounded, so the learner never hangs on a server.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
+from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
+from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
+from asyncrl.weight_transfer.sender import WeightSender
+
+log = logging.getLogger(__name__)
+
+_FIRST_SERVER_RANK = 1  # rank 0 is the trainer
+
+
+@dataclass
+class Member:
+    identity: bytes  # ZeroMQ routing id of the server's socket
+    ranks: int  # group ranks it occupies
+    last_seen: float  # monotonic time of its last heartbeat
+    version: int  # version it reported
+
+
+@dataclass
+class RoundReport:
+    version: int  # policy version broadcast
+    servers: int  # servers invited
+    succeeded: list[str] = field(default_factory=list)  # servers that loaded the weights
+    failed: dict[str, str] = field(default_factory=dict)  # server -> reason
+    seconds: float = 0.0  # coordinator wall time of the round
+    transfer_seconds: float = 0.0  # broadcast time alone
+    max_server_pause_s: float = 0.0  # longest pause-to-resume reported by a server
+
+
+class SyncCoordinator:
+    def __init__(self, bind: str, group_host: str, backend: str, timeout_s: float, liveness_s: float) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(bind)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.group_host, self.backend, self.timeout_s, self.liveness_s = group_host, backend, timeout_s, liveness_s
+        self.members: dict[str, Member] = {}
+        self._sender: WeightSender | None = None
+        self._group_members: tuple[str, ...] = ()
+        self._round = 0
+
+    def live_members(self) -> list[str]:
+        self._drain()
+        now = time.monotonic()
+        return sorted(name for name, m in self.members.items() if now - m.last_seen <= self.liveness_s)
+
+    def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
+        """Block until `count` servers are live or the timeout passes; returns the live ones."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.live_members()) < count and time.monotonic() < deadline:
+            self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * 1000))
+        return self.live_members()
+
+    def broadcast(self, version: int, named_tensors: NamedTensors) -> RoundReport:
+        """One round: every live server receives `named_tensors` as `version`, or is reported failed."""
+        started = time.perf_counter()
+        invited = self.live_members()
+        report = RoundReport(version=version, servers=len(invited))
+        if not invited:
+            return report
+        self._round += 1
+        rebuild = self._sender is None or tuple(invited) != self._group_members
+        address, init_infos = self._plan_group(invited) if rebuild else (None, {})
+        update_info = update_info_for(named_tensors)
+        for name in invited:
+            invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
+            self.socket.send_multipart([self.members[name].identity, encode(invite)])
+        try:
+            if address is not None:
+                self._sender = WeightSender.open(address)
+                self._group_members = tuple(invited)
+            report.transfer_seconds = self._sender.send_weights(named_tensors)
+        except WeightTransferError as error:
+            log.warning("weight sync round %d (version %d) failed: %s", self._round, version, error)
+            self._close_group()
+            report.failed = {name: f"transfer: {error}" for name in invited}
+            self._collect(report, invited, time.monotonic() + self.liveness_s)
+            report.seconds = time.perf_counter() - started
+            return report
+        self._collect(report, invited, time.monotonic() + self.timeout_s)
+        if report.failed:
+            self._close_group()  # a member may be stuck mid-broadcast: never reuse this group
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def close(self) -> None:
+        self._close_group()
+        self.socket.close(0)
+
+    def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
+        """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
+        self._close_group()
+        world_size = _FIRST_SERVER_RANK + sum(self.members[name].ranks for name in invited)
+        address = GroupAddress(self.group_host, _free_port(self.group_host), world_size, self.backend, self.timeout_s)
+        infos, next_rank = {}, _FIRST_SERVER_RANK
+        for name in invited:
+            infos[name] = init_info_for(address, next_rank)
+            next_rank += self.members[name].ranks
+        return address, infos
+
+    def _collect(self, report: RoundReport, invited: list[str], deadline: float) -> None:
+        """Gather SyncDone replies for this round until all arrived or the deadline."""
+        waiting = set(invited)
+        while waiting and time.monotonic() < deadline:
+            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
+                break
+            reply = self._receive_one()
+            if isinstance(reply, SyncDone) and reply.round_id == self._round and reply.server_id in waiting:
+                waiting.discard(reply.server_id)
+                if reply.ok:
+                    report.succeeded.append(reply.server_id)
+                    report.failed.pop(reply.server_id, None)
+                    report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
+                else:
+                    report.failed[reply.server_id] = reply.error
+        for name in waiting:
+            report.failed.setdefault(name, "no reply before the deadline")
+            self.members.pop(name, None)  # silent: it must announce itself again
+
+    def _drain(self) -> None:
+        while self.socket.poll(0):
+            self._receive_one()
+
+    def _receive_one(self) -> object:
+        identity, frame = self.socket.recv_multipart()[:2]
+        try:
+            msg = decode(frame)
+        except DecodeError as error:
+            log.warning("dropping an undecodable weight-sync frame: %s", error)
+            return None
+        if isinstance(msg, SyncJoin):
+            known = self.members.get(msg.server_id)
+            if known is None:
+                log.info("rollout server %s joined weight sync (version %d)", msg.server_id, msg.version)
+            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), msg.version)
+        return msg
+
+    def _close_group(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._group_members = None, ()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
