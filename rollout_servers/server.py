@@ -1,0 +1,147 @@
+"""One rollout server: a vLLM engine kept busy with prompt groups as buffer admission allows, each
+group scored off the engine's loop and sent to the buffer (acknowledged), weights updated in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from transformers import AutoTokenizer
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.data import PromptMixture, PromptRow, encode_prompt
+from asyncrl.messages import Trajectory, TrajectoryGroup
+from asyncrl.rewards import RewardRequest, RewardScorer
+from asyncrl.transport import AdmissionClient, TrajectoryProducer
+from rollout_servers.completion import Completion
+from rollout_servers.engine import RolloutEngine
+from rollout_servers.sync_client import SyncClient, cancel
+
+log = logging.getLogger(__name__)
+
+_SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    buffer: str  # tcp:// address of the trajectory buffer
+    sync: str  # tcp:// address of the learner's weight-sync coordinator
+
+
+@dataclass
+class ServerStats:
+    groups_sent: int = 0
+    tokens_generated: int = 0
+    prompts_skipped: int = 0
+    idle_seconds: float = 0.0
+
+
+class RolloutServer:
+    def __init__(self, config: AsyncRLConfig, server_index: int, endpoints: Endpoints) -> None:
+        self.config = config
+        self.server_id = f"server-{server_index}"
+        self.endpoints = endpoints
+        self.mixture = PromptMixture(
+            config.data.train_files, config.data.weights, seed=config.run.seed + _SERVER_SEED_STRIDE * server_index,
+            shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows,
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.stats = ServerStats()
+        self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
+        self._finished_since_grant = 0
+        self._stop = asyncio.Event()
+
+    async def serve(self) -> None:
+        rollout = self.config.rollout
+        engine = await RolloutEngine.start(self.config.model.path, rollout, version=0)
+        sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
+                          rollout.weight_sync.heartbeat_s)
+        sync_task = asyncio.create_task(sync.run())
+        admission = AdmissionClient(self.endpoints.buffer, self.server_id, timeout_s=self.config.buffer.client_timeout_s)
+        producer = TrajectoryProducer(self.endpoints.buffer, deadline_s=rollout.send_deadline_s)
+        try:
+            with RewardScorer(self.config.reward) as scorer:
+                await self._generate_forever(engine, admission, producer, scorer)
+        finally:
+            await cancel(sync_task)
+            for closable in (sync, admission, producer):
+                closable.close()
+            engine.shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _generate_forever(self, engine: RolloutEngine, admission: AdmissionClient,
+                                producer: TrajectoryProducer, scorer: RewardScorer) -> None:
+        rollout = self.config.rollout
+        capacity = max(1, rollout.max_inflight // rollout.sampling.n)  # groups in the engine at once
+        running: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            grant = await self._ask(admission, capacity - len(running))
+            lagging = grant.policy_version - engine.current_version > self.config.buffer.max_staleness
+            if not engine.needs_catch_up and not lagging:
+                for _ in range(grant.granted):
+                    running.add(asyncio.create_task(self._one_group(engine, producer, scorer)))
+            idle_from = time.perf_counter() if not running else None
+            if running:
+                done, running = await asyncio.wait(running, timeout=rollout.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a failure here is a bug: surface it (the supervisor restarts the server)
+            else:
+                await asyncio.sleep(rollout.poll_s)
+            if idle_from is not None:
+                self.stats.idle_seconds += time.perf_counter() - idle_from
+
+    async def _ask(self, admission: AdmissionClient, wanted: int):
+        finished, self._finished_since_grant = self._finished_since_grant, 0
+        return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished)
+
+    async def _one_group(self, engine: RolloutEngine, producer: TrajectoryProducer, scorer: RewardScorer) -> None:
+        row, prompt_ids = self._next_prompt()
+        completions = await engine.generate_group(prompt_ids)
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
+        group_id = uuid.uuid4().hex
+        trajectories = [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
+        group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id, trajectories=trajectories)
+        await asyncio.to_thread(self._locked, producer.send, group)
+        self._finished_since_grant += 1
+        self.stats.groups_sent += 1
+        self.stats.tokens_generated += sum(len(c.token_ids) for c in completions)
+
+    def _next_prompt(self) -> tuple[PromptRow, list[int]]:
+        """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""
+        while True:
+            row = next(self.mixture)
+            prompt_ids = encode_prompt(self.tokenizer, row)
+            if len(prompt_ids) <= self.config.data.max_prompt_length:
+                return row, prompt_ids
+            self.stats.prompts_skipped += 1
+            log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
+                        row.row_index, len(prompt_ids))
+
+    def _locked(self, function, *args):
+        with self._transport_lock:
+            return function(*args)
+
+
+def _trajectory(completion: Completion, score: float, info: dict[str, float], error: str, group_id: str,
+                data_source: str) -> Trajectory:
+    n = len(completion.token_ids)
+    return Trajectory(
+        prompt_ids=completion.prompt_ids,
+        completion_ids=completion.token_ids,
+        behaviour_logprobs=completion.logprobs,
+        token_versions=completion.versions,
+        loss_mask=[1] * n,
+        reward=score,
+        group_id=group_id,
+        data_source=data_source,
+        finish_reason=completion.finish_reason,
+        reward_info=info,
+        reward_error=error,
+    )

@@ -1,0 +1,67 @@
+"""The server's side of weight-sync rounds: heartbeats to the learner's coordinator, and each invite
+turned into a (re)join of the transfer group plus an in-flight update of the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
+from rollout_servers.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
+
+MS_PER_S = 1000
+
+
+class SyncClient:
+    def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float) -> None:
+        self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
+        self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.last_pause_s = 0.0  # pause-to-resume time of the last successful update
+        self.updates = 0  # successful updates
+
+    async def run(self) -> None:
+        """Heartbeat and serve invites until cancelled."""
+        while True:
+            await self.socket.send(encode(self._join()))
+            if await self.socket.poll(int(self.heartbeat_s * MS_PER_S)):
+                await self._handle(await self.socket.recv())
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+    def _join(self) -> SyncJoin:
+        return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up)
+
+    async def _handle(self, frame: bytes) -> None:
+        try:
+            invite = decode(frame, expect=SyncInvite)
+        except DecodeError as error:
+            log.warning("ignoring an undecodable weight-sync frame: %s", error)
+            return
+        done = SyncDone(self.server_id, invite.round_id, ok=False)
+        try:
+            if invite.init_info:
+                await self.engine.join_weight_sync(invite.init_info)
+            done.seconds = await self.engine.update_weights(invite.update_info, invite.version)
+            done.ok = True
+            self.last_pause_s, self.updates = done.seconds, self.updates + 1
+        except Exception as error:  # a failed round must not end the server: it catches up next round
+            done.error = f"{type(error).__name__}: {error}"
+            log.warning("weight sync round %d failed: %s", invite.round_id, done.error)
+        await self.socket.send(encode(done))
+
+
+async def cancel(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
