@@ -14,11 +14,19 @@ OVERRIDES_HELP = "config overrides as key=value, e.g. run.seed=1 data.train_file
 
 
 @dataclass(frozen=True)
+class Flag:
+    name: str  # e.g. "--num-servers"
+    key: str  # config key it sets, e.g. "rollout.num_servers"
+    help: str
+
+
+@dataclass(frozen=True)
 class Command:
     name: str  # subcommand as typed
     summary: str  # one line for `asyncrl --help`
     description: str  # paragraph for `asyncrl <name> --help`
     target: str  # "module:function" called with the parsed arguments
+    flags: tuple[Flag, ...] = ()  # shorthands for config keys
 
 
 COMMANDS = (
@@ -40,6 +48,35 @@ COMMANDS = (
         "init_report.json there. Cached: a second call with the same config returns at once.",
         "asyncrl.commands.init_model:main",
     ),
+    Command(
+        "run",
+        "run the whole job here: buffer, learner and rollout servers, with live progress",
+        "Starts the learner (which starts the buffer) and the rollout servers on this machine, prints a "
+        "progress line per step (reward, staleness, loss, weight-sync time, tokens/s), writes the run "
+        "directory (config.yaml, metrics.jsonl, checkpoints/, logs/ per role) and stops every process "
+        "on Ctrl-C or SIGTERM. Its last line is `RUN_DIR <path>`.",
+        "asyncrl.commands.run:main",
+        (Flag("--num-servers", "rollout.num_servers", "rollout server processes (one vLLM engine each)"),),
+    ),
+    Command(
+        "learner",
+        "train: FSDP2 ranks consuming the buffer, broadcasting weights every learner.sync_every steps",
+        "Spawns learner.nproc local ranks (or joins the world under torchrun), starts a buffer unless "
+        "buffer.address names a running one, and writes endpoints.json into the run directory so that "
+        "`asyncrl rollout` with the same run.name finds it. Checkpoints every learner.checkpoint_every "
+        "steps; learner.resume=auto continues a killed run.",
+        "asyncrl.commands.learner:main",
+    ),
+    Command(
+        "rollout",
+        "serve: N vLLM rollout servers generating into the buffer, restarted when they die",
+        "Starts rollout.num_servers server processes, each owning one vLLM engine, for the learner of "
+        "run.name (found through its endpoints.json) or for buffer.address + "
+        "rollout.weight_sync.control_address. Servers generate as buffer admission allows, tag every "
+        "token with its policy version and take weight updates in flight.",
+        "asyncrl.commands.rollout:main",
+        (Flag("--num-servers", "rollout.num_servers", "rollout server processes (one vLLM engine each)"),),
+    ),
 )
 
 
@@ -56,12 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subcommands.add_parser(command.name, help=command.summary, description=command.description)
         sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
         sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        for flag in command.flags:
+            sub.add_argument(flag.name, dest=f"flag:{flag.key}", metavar="N", help=f"{flag.help} (sets {flag.key})")
         sub.set_defaults(target=command.target)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.overrides += [f"{name[5:]}={value}" for name, value in vars(args).items() if name.startswith("flag:") and value is not None]
     module_name, function_name = args.target.split(":")
     from asyncrl.config import ConfigError
 

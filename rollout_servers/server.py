@@ -54,12 +54,13 @@ class RolloutServer:
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self._finished_since_grant = 0
         self._stop = asyncio.Event()
+        self._started = time.perf_counter()
 
     async def serve(self) -> None:
         rollout = self.config.rollout
         engine = await RolloutEngine.start(self.config.model.path, rollout, version=0)
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
-                          rollout.weight_sync.heartbeat_s)
+                          rollout.weight_sync.heartbeat_s, self._counters)
         sync_task = asyncio.create_task(sync.run())
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, timeout_s=self.config.buffer.client_timeout_s)
         producer = TrajectoryProducer(self.endpoints.buffer, deadline_s=rollout.send_deadline_s)
@@ -71,6 +72,14 @@ class RolloutServer:
             for closable in (sync, admission, producer):
                 closable.close()
             engine.shutdown()
+
+    def _counters(self) -> dict[str, float]:
+        return {
+            "tokens_generated": self.stats.tokens_generated,
+            "groups_sent": self.stats.groups_sent,
+            "idle_seconds": self.stats.idle_seconds,
+            "uptime_seconds": time.perf_counter() - self._started,
+        }
 
     def stop(self) -> None:
         self._stop.set()

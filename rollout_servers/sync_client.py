@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Callable
 
 import zmq
 import zmq.asyncio
@@ -19,8 +20,10 @@ MS_PER_S = 1000
 
 
 class SyncClient:
-    def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float) -> None:
+    def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
+                 counters: Callable[[], dict[str, float]]) -> None:
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
+        self.counters = counters  # server counters carried by each heartbeat (SyncJoin fields)
         self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
@@ -38,7 +41,8 @@ class SyncClient:
         self.socket.close(0)
 
     def _join(self) -> SyncJoin:
-        return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up)
+        return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up,
+                        **self.counters())
 
     async def _handle(self, frame: bytes) -> None:
         try:

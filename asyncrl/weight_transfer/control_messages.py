@@ -17,6 +17,10 @@ class SyncJoin:
     ranks: int  # group ranks the server needs (its tensor-parallel workers)
     version: int  # policy version its engine holds now
     needs_catch_up: bool = False  # its last update failed: it must not sample until the next one
+    tokens_generated: int = 0  # completion tokens produced since the server started
+    groups_sent: int = 0  # groups acknowledged by the buffer since the server started
+    idle_seconds: float = 0.0  # time with nothing in the engine, since the server started
+    uptime_seconds: float = 0.0  # time since the server started serving
 
 
 @message("sync_invite")

@@ -32,7 +32,9 @@ class Member:
     identity: bytes  # ZeroMQ routing id of the server's socket
     ranks: int  # group ranks it occupies
     last_seen: float  # monotonic time of its last heartbeat
-    version: int  # version it reported
+    version: int  # version it holds (reported, or loaded in a successful round)
+    needs_catch_up: bool = False  # its last update failed: it holds no complete weights
+    heartbeat: SyncJoin | None = None  # its latest heartbeat (server counters)
 
 
 @dataclass
@@ -57,11 +59,35 @@ class SyncCoordinator:
         self._sender: WeightSender | None = None
         self._group_members: tuple[str, ...] = ()
         self._round = 0
+        self._last_tokens = (0, time.monotonic())  # for the rollout token rate
 
     def live_members(self) -> list[str]:
         self._drain()
         now = time.monotonic()
         return sorted(name for name, m in self.members.items() if now - m.last_seen <= self.liveness_s)
+
+    def lagging_members(self, version: int) -> list[str]:
+        """Live servers that hold an older version than `version`, or no complete weights."""
+        live = self.live_members()
+        return [name for name in live if self.members[name].version < version or self.members[name].needs_catch_up]
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """Server counters summed over live servers: `rollout/tokens_per_s` since the previous call,
+        `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`."""
+        beats = [self.members[name].heartbeat for name in self.live_members() if self.members[name].heartbeat]
+        tokens = sum(b.tokens_generated for b in beats)
+        now = time.monotonic()
+        last_tokens, last_time = self._last_tokens
+        rate = (tokens - last_tokens) / (now - last_time) if now > last_time and tokens >= last_tokens else 0.0
+        self._last_tokens = (tokens, now)
+        uptime = sum(b.uptime_seconds for b in beats)
+        idle = sum(b.idle_seconds for b in beats)
+        return {
+            "rollout/servers": float(len(beats)),
+            "rollout/tokens_per_s": rate,
+            "rollout/idle_ratio": idle / uptime if uptime else 0.0,
+            "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
+        }
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""
@@ -127,6 +153,9 @@ class SyncCoordinator:
             if isinstance(reply, SyncDone) and reply.round_id == self._round and reply.server_id in waiting:
                 waiting.discard(reply.server_id)
                 if reply.ok:
+                    member = self.members.get(reply.server_id)
+                    if member is not None:
+                        member.version, member.needs_catch_up = report.version, False
                     report.succeeded.append(reply.server_id)
                     report.failed.pop(reply.server_id, None)
                     report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
@@ -151,7 +180,11 @@ class SyncCoordinator:
             known = self.members.get(msg.server_id)
             if known is None:
                 log.info("rollout server %s joined weight sync (version %d)", msg.server_id, msg.version)
-            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), msg.version)
+            version = msg.version
+            if known is not None and known.identity == identity:
+                # same process: a heartbeat queued before the last round must not undo what it loaded
+                version = max(version, known.version)
+            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up, msg)
         return msg
 
     def _close_group(self) -> None:

@@ -1,0 +1,41 @@
+"""`asyncrl learner`: train. Spawns learner.nproc local ranks, or joins the world torchrun gives."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+from asyncrl.commands.common import make_run_dir, start
+from asyncrl.config import AsyncRLConfig
+from asyncrl.sync_mode import apply_mode
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "learner")
+    config = apply_mode(config, log)
+    run_dir = make_run_dir(config, "run")
+    log.info("run directory: %s", run_dir)
+    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank of the given world
+        from learner.main import train
+
+        train(config, run_dir)
+    else:
+        spawn_ranks(config, str(run_dir))
+    print(f"RUN_DIR {run_dir}", flush=True)
+    return 0
+
+
+def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> None:
+    import torch.multiprocessing as mp
+
+    from learner.main import spawned_rank
+
+    size = config.learner.nproc
+    mp.start_processes(spawned_rank, args=(size, _free_port(), config, run_dir), nprocs=size, start_method="spawn")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,24 @@
+"""`asyncrl rollout`: run rollout.num_servers vLLM servers for a learner (same config and run.name)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from asyncrl.commands.common import start
+from asyncrl.sync_mode import apply_mode
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "rollout")
+    config = apply_mode(config, log)
+    run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
+    from rollout_servers.supervisor import find_endpoints, supervise
+
+    if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
+        log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
+        return 2
+    endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)
+    log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer, endpoints.sync)
+    supervise(config, run_dir or Path(config.run.root_dir) / "rollout", endpoints)
+    return 0

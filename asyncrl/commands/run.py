@@ -1,0 +1,75 @@
+"""`asyncrl run`: the whole job on this machine: learner (which starts the buffer) plus rollout servers,
+live progress on the console, per-role logs in the run directory, clean stop on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.commands.common import start
+
+_POLL_S = 0.5  # how often the launcher checks its children
+_STOP_TIMEOUT_S = 30.0  # grace period after SIGTERM before SIGKILL
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "run")
+    name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.run.root_dir) / name
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    base = [sys.executable, "-m", "asyncrl.cli"]
+    shared = (["--config", args.config] if args.config else []) + [*args.overrides, f"run.name={name}"]
+    learner = _launch(base + ["learner", *shared], None)
+    rollout = _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
+    log.info("run directory %s: learner pid %d, rollout pid %d (servers log to logs/)", run_dir, learner.pid, rollout.pid)
+    stop_requested = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    code = 0
+    try:
+        while not stop_requested and learner.poll() is None:
+            if rollout.poll() is not None:
+                log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
+                code = 1
+                break
+            time.sleep(_POLL_S)
+        if stop_requested:
+            code = 130
+        elif code == 0:
+            code = learner.returncode or 0
+    finally:
+        for process in (rollout, learner):
+            _stop(process)
+    print(f"RUN_DIR {run_dir}", flush=True)
+    return code
+
+
+def _launch(command: list[str], log_path: Path | None) -> subprocess.Popen:
+    output = open(log_path, "ab") if log_path is not None else None
+    # A session of its own: stopping it reaches every process below (vLLM engine cores, learner ranks).
+    return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True, env=os.environ.copy())
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(_STOP_TIMEOUT_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # leftovers of the group, even when the leader has exited
+    except ProcessLookupError:
+        pass
+    process.wait()

@@ -1,0 +1,89 @@
+"""Entry point of one learner rank: build model and optimizer, resume, then train while rank 0 serves
+the buffer connection, weight sync and metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.logs import setup_logging
+from learner.distributed import World, init_world
+from learner.loop import LoopState, resume_state, run_loop
+from learner.policy_model import full_state_dict, load_policy
+from learner.services import LearnerServices
+
+log = logging.getLogger(__name__)
+
+
+def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
+    """Run this rank to learner.total_steps (torchrun-style environment variables give the world)."""
+    world = init_world(config.learner.device)
+    setup_logging(f"learner{world.rank}", config.run.log_level, run_dir / "logs" / f"learner{world.rank}.log")
+    if config.learner.torch_threads:
+        torch.set_num_threads(config.learner.torch_threads)
+    torch.manual_seed(config.run.seed)
+    model = load_policy(config.model.path, config.model.dtype, config.learner, world)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.learner.lr, betas=(config.learner.beta1, config.learner.beta2),
+        weight_decay=config.learner.weight_decay,
+    )
+    state = resume_state(config, run_dir, model, optimizer)
+    pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
+    services = LearnerServices.start(config, run_dir, state.buffer_offset) if world.is_main else None
+    try:
+        _share_weights(services, model, state.step, world)
+        started = time.perf_counter()
+
+        def after_step(version: int, metrics: dict[str, float]) -> None:
+            if version % config.learner.sync_every == 0 or version == config.learner.total_steps:
+                metrics |= _share_weights(services, model, version, world)
+            if services is not None:
+                services.consumer.publish_version(version)
+                metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics()
+                metrics["timing_s/elapsed"] = time.perf_counter() - started
+                services.metrics.log(version, metrics)
+                log.info(_progress_line(version, config.learner.total_steps, metrics))
+
+        state = run_loop(config, run_dir, world, model, optimizer, state,
+                         services.fetch_batch if services else None, after_step, pad_id)
+    finally:
+        if services is not None:
+            services.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return state
+
+
+def _share_weights(services: LearnerServices | None, model: torch.nn.Module, version: int, world: World) -> dict[str, float]:
+    """Gather the full weights (a collective on every rank) and broadcast them from rank 0."""
+    weights = list(full_state_dict(model).items())
+    if services is None:
+        return {}
+    report = services.sync_weights(version, weights)
+    return {
+        "weight_sync/seconds": report.seconds,
+        "weight_sync/transfer_seconds": report.transfer_seconds,
+        "weight_sync/server_pause_seconds": report.max_server_pause_s,
+        "weight_sync/servers_ok": float(len(report.succeeded)),
+        "weight_sync/servers_failed": float(len(report.failed)),
+    }
+
+
+def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
+    fields = [("reward", "critic/score/mean"), ("staleness", "staleness/mean"), ("pg_loss", "actor/pg_loss"),
+              ("sync_s", "weight_sync/seconds"), ("step_s", "timing_s/step")]
+    shown = " ".join(f"{label} {metrics[key]:.3f}" for label, key in fields if key in metrics)
+    return f"step {version}/{total} {shown}"
+
+
+def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str) -> None:
+    """Target of the local spawner: set the torchrun-style variables, then train."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    train(config, Path(run_dir))

@@ -1,0 +1,104 @@
+"""What rank 0 runs beside training: the buffer (its own or a given one), the weight-sync coordinator,
+the metrics sink, and the endpoints file through which rollout servers find them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.launch_buffer import BufferProcess, start_buffer
+from asyncrl.messages import Batch
+from asyncrl.metrics import MetricsLogger
+from asyncrl.transport import BufferConsumer
+from asyncrl.weight_transfer.coordinator import RoundReport, SyncCoordinator
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS_FILE = "endpoints.json"  # in the run directory: {"buffer": tcp://..., "sync": tcp://...}
+
+
+class BatchTimeout(TimeoutError):
+    """No full batch arrived within learner.batch_timeout_s."""
+
+
+@dataclass
+class LearnerServices:
+    config: AsyncRLConfig
+    run_dir: Path
+    consumer: BufferConsumer
+    coordinator: SyncCoordinator
+    metrics: MetricsLogger
+    buffer_process: BufferProcess | None
+    latest_weights: list[tuple[str, torch.Tensor]] | None = None  # what the servers should hold (catch-up)
+    latest_version: int = 0
+
+    @classmethod
+    def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int) -> "LearnerServices":
+        buffer_process = None
+        address = config.buffer.address
+        if not address:
+            buffer_process = start_buffer(run_dir / "buffer", run_dir / "config.yaml", log_path=run_dir / "logs" / "buffer.log")
+            address = buffer_process.address
+        sync = config.rollout.weight_sync
+        coordinator = SyncCoordinator(sync.control_bind, sync.group_host, _backend(sync.backend), sync.timeout_s, sync.liveness_s)
+        consumer = BufferConsumer(address, "learner", start_offset=start_offset, timeout_s=config.buffer.client_timeout_s)
+        (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"buffer": address, "sync": coordinator.address}))
+        log.info("buffer at %s, weight sync at %s", address, coordinator.address)
+        metrics = MetricsLogger(run_dir, config.metrics, _flat_config(run_dir))
+        return cls(config, run_dir, consumer, coordinator, metrics, buffer_process)
+
+    def fetch_batch(self, version: int) -> Batch:
+        """`buffer.batch_groups` whole groups fit for `version`; catches lagging servers up while waiting."""
+        wanted = self.config.buffer.batch_groups
+        groups, offsets, dropped, next_offset = [], [], 0, self.consumer.position
+        deadline = time.monotonic() + self.config.learner.batch_timeout_s
+        while len(groups) < wanted:
+            if time.monotonic() > deadline:
+                raise BatchTimeout(f"only {len(groups)} of {wanted} groups arrived in {self.config.learner.batch_timeout_s}s")
+            self.catch_up_servers()
+            samples = (wanted - len(groups)) * self.config.rollout.sampling.n
+            part = self.consumer.next_batch(version, max_samples=samples, wait_s=self.config.rollout.weight_sync.heartbeat_s)
+            groups += part.groups
+            offsets += part.offsets
+            dropped += part.dropped_stale
+            next_offset = part.next_offset
+        return Batch(groups=groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped)
+
+    def sync_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> RoundReport:
+        self.latest_weights, self.latest_version = weights, version
+        report = self.coordinator.broadcast(version, weights)
+        if report.failed:
+            log.warning("weight sync v%d: %d/%d servers failed: %s", version, len(report.failed), report.servers, report.failed)
+        return report
+
+    def catch_up_servers(self) -> None:
+        """Servers that joined late or missed a round get the latest weights before they sample again."""
+        behind = self.coordinator.lagging_members(self.latest_version)
+        if behind and self.latest_weights is not None:
+            log.info("catching up %s to version %d", behind, self.latest_version)
+            self.sync_weights(self.latest_version, self.latest_weights)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.consumer.close()
+        self.coordinator.close()
+        if self.buffer_process is not None:
+            self.buffer_process.stop()
+
+
+def _backend(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _flat_config(run_dir: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())

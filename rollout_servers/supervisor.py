@@ -1,0 +1,98 @@
+"""`asyncrl rollout`: start N rollout server processes and keep them running.
+
+A server that exits is restarted with exponential back-off. Groups it had in flight were never
+acknowledged, so nothing of them reached the buffer: the restarted server draws fresh prompts, and
+the buffer's admission releases the dead server's grants after `buffer.admission_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.logs import setup_logging
+from rollout_servers.server import Endpoints, RolloutServer
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS_FILE = "endpoints.json"  # written by the learner into the run directory
+_POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signal
+
+
+def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> Endpoints:
+    """Explicit addresses from config, else the learner's endpoints file in the run dir (waited for)."""
+    if config.buffer.address and config.rollout.weight_sync.control_address:
+        return Endpoints(config.buffer.address, config.rollout.weight_sync.control_address)
+    path = run_dir / ENDPOINTS_FILE
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no learner endpoints at {path} after {timeout_s:.0f}s: start `asyncrl learner` with the same "
+                "run.name, or set buffer.address and rollout.weight_sync.control_address"
+            )
+        time.sleep(_POLL_S)
+    found = json.loads(path.read_text())
+    return Endpoints(config.buffer.address or found["buffer"], config.rollout.weight_sync.control_address or found["sync"])
+
+
+def supervise(config: AsyncRLConfig, run_dir: Path, endpoints: Endpoints) -> None:
+    """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die."""
+    context = multiprocessing.get_context("spawn")
+    stopping = False
+
+    def request_stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    restarts = [0] * config.rollout.num_servers
+    next_start = [0.0] * config.rollout.num_servers
+    processes: list[multiprocessing.Process | None] = [None] * config.rollout.num_servers
+    try:
+        while not stopping:
+            for index, process in enumerate(processes):
+                if process is not None and process.is_alive():
+                    continue
+                if process is not None:
+                    restarts[index] += 1
+                    delay = min(config.rollout.restart_backoff_s * 2 ** (restarts[index] - 1), config.rollout.restart_backoff_max_s)
+                    log.warning("server-%d exited with code %s; restart %d in %.1fs", index, process.exitcode, restarts[index], delay)
+                    next_start[index] = time.monotonic() + delay
+                    processes[index] = None
+                if time.monotonic() >= next_start[index]:
+                    processes[index] = context.Process(target=_serve, args=(config, index, endpoints, str(run_dir)), daemon=False)
+                    processes[index].start()
+            time.sleep(_POLL_S)
+    finally:
+        _stop_all([p for p in processes if p is not None], config.rollout.stop_timeout_s)
+
+
+def _serve(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str) -> None:
+    setup_logging(f"rollout{index}", config.run.log_level, Path(run_dir) / "logs" / f"rollout{index}.log")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    try:
+        asyncio.run(RolloutServer(config, index, endpoints).serve())
+    except KeyboardInterrupt:
+        log.info("server-%d stopped", index)
+
+
+def _stop_all(processes: list[multiprocessing.Process], timeout_s: float) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(deadline - time.monotonic(), 0))
+        if process.is_alive():
+            process.kill()
+            process.join()
