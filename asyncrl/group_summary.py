@@ -44,3 +44,18 @@ def summarize_group(frame: bytes) -> GroupSummary:
         num_tokens=group.num_tokens(),
         oldest_version=group.oldest_version(),
     )
+
+
+class _RecordHead(msgspec.Struct):
+    record_id: str
+
+
+_RECORD_HEAD = msgspec.msgpack.Decoder(type=tuple[int, str, _RecordHead])
+
+
+def record_id_of(frame: bytes) -> str:
+    """The record id of an encoded TrajectoryGroup, skipping the rest (for rebuilding an id index)."""
+    try:
+        return _RECORD_HEAD.decode(frame)[2].record_id
+    except msgspec.MsgspecError as error:
+        raise DecodeError(f"no record id in frame: {error}") from None

@@ -212,6 +212,7 @@ class BufferStats:
     full_rejections: int  # ingests answered "retry later" because a memory or disk budget was full
     admission_running: int  # groups admitted and not yet reported finished, all servers together
     admission_waits: int  # admission requests granted fewer groups than wanted
+    admission_wait_s: float  # time servers spent granted less than they wanted, summed over servers
     admission_released: int  # admitted groups released because their server stopped asking (timeout)
 
     def metrics(self) -> dict[str, float]:

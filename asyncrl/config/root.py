@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from asyncrl.config.buffer import BufferConfig
 from asyncrl.config.sections import DataConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
 
 
@@ -16,6 +17,7 @@ class AsyncRLConfig:
     task: TaskConfig = field(default_factory=TaskConfig)  # synthetic data generator
     data: DataConfig = field(default_factory=DataConfig)  # training/validation files and mixing
     reward: RewardConfig = field(default_factory=RewardConfig)  # scoring of completions
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # trajectory buffer service and its clients
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""
@@ -35,7 +37,7 @@ class AsyncRLConfig:
             problems.append(("data.weights", "must be non-negative with a positive sum"))
         if not self.data.train_files:
             problems.append(("data.train_files", "needs at least one file"))
-        return problems
+        return problems + self.buffer.cross_checks()
 
 
 ConfigStore.instance().store(name="asyncrl", node=AsyncRLConfig)
