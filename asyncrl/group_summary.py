@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from asyncrl.messages import SCHEMA_VERSION, DecodeError, TrajectoryGroup
+from asyncrl.messages import DECODE_FAILURES, SCHEMA_VERSION, DecodeError, TrajectoryGroup
 
 _GROUP_FRAME = msgspec.msgpack.Decoder(type=tuple[int, str, TrajectoryGroup])
 
@@ -32,7 +32,7 @@ def summarize_group(frame: bytes) -> GroupSummary:
     The caller enforces the size limit first, as `decode` does."""
     try:
         version, kind, group = _GROUP_FRAME.decode(frame)
-    except (msgspec.MsgspecError, RecursionError) as error:
+    except DECODE_FAILURES as error:
         raise DecodeError(f"not a trajectory group message: {error}") from None
     if version != SCHEMA_VERSION or kind != TrajectoryGroup.kind:  # type: ignore[attr-defined]
         raise DecodeError(f"not a trajectory group message: schema {version}, kind '{kind}'")
@@ -57,5 +57,5 @@ def record_id_of(frame: bytes) -> str:
     """The record id of an encoded TrajectoryGroup, skipping the rest (for rebuilding an id index)."""
     try:
         return _RECORD_HEAD.decode(frame)[2].record_id
-    except msgspec.MsgspecError as error:
+    except DECODE_FAILURES as error:
         raise DecodeError(f"no record id in frame: {error}") from None

@@ -22,6 +22,9 @@ class DecodeError(ValueError):
     """Bytes that are not a valid asyncrl message (bad msgpack, unknown kind, wrong schema, too large)."""
 
 
+# What msgspec raises on bad bytes; invalid UTF-8 in a string surfaces as UnicodeDecodeError, not MsgspecError.
+DECODE_FAILURES = (msgspec.MsgspecError, RecursionError, UnicodeDecodeError)
+
 _T = TypeVar("_T")
 _KINDS: dict[str, type] = {}
 _DECODERS: dict[str, msgspec.msgpack.Decoder] = {}
@@ -254,7 +257,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
         raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         version, kind, body = _ENVELOPE.decode(data)
-    except (msgspec.MsgspecError, RecursionError) as error:
+    except DECODE_FAILURES as error:
         raise DecodeError(f"not an asyncrl message: {error}") from None
     if version != SCHEMA_VERSION:
         raise DecodeError(f"schema version {version} is not supported (this build speaks {SCHEMA_VERSION})")
@@ -262,7 +265,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
         raise DecodeError(f"unknown message kind '{kind}'")
     try:
         msg = _DECODERS[kind].decode(body)
-    except (msgspec.MsgspecError, RecursionError) as error:
+    except DECODE_FAILURES as error:
         raise DecodeError(f"malformed '{kind}' message: {error}") from None
     validate = getattr(msg, "validate", None)
     if validate is not None:

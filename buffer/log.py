@@ -84,29 +84,52 @@ class SegmentLog:
     def append(self, payloads: list[bytes]) -> int:
         """Append records durably per the fsync policy; return the offset of the first.
 
-        On a write error the segment is cut back to where it was, so the log stays well-formed."""
+        All or nothing: on a write or fsync error the log is cut back to where it was, and the error raised."""
         first = self.end_offset
-        if self.fsync == "always":
-            for payload in payloads:
-                self._write([payload])
-                os.fsync(self._writer)
-        else:
-            self._write(payloads)
-            if self.fsync == "batch":
-                os.fsync(self._writer)
+        mark = (len(self.segments), self.segments[-1].size)
+        try:
+            if self.fsync == "always":
+                for payload in payloads:
+                    self._write([payload])
+                    os.fsync(self._writer)
+            else:
+                self._write(payloads)
+                if self.fsync == "batch":
+                    os.fsync(self._writer)
+        except OSError:
+            self._cut_back(*mark)
+            raise
         return first
 
-    def _write(self, payloads: list[bytes]) -> None:
-        if self.segments[-1].size >= self.segment_bytes and self.segments[-1].positions:
-            self._roll()
+    def _cut_back(self, segment_count: int, size: int) -> None:
+        while len(self.segments) > segment_count:
+            os.close(self._writer)
+            self.segments.pop().path.unlink()
+            self._writer = os.open(self.segments[-1].path, os.O_WRONLY | os.O_APPEND)
         segment = self.segments[-1]
-        frames = [frame_record(payload) for payload in payloads]
-        data = b"".join(frames)
-        try:
-            _write_all(self._writer, data)
-        except OSError:
-            os.ftruncate(self._writer, segment.size)
-            raise
+        os.ftruncate(self._writer, size)
+        while segment.positions and segment.positions[-1] >= size:
+            segment.positions.pop()
+        segment.size = size
+
+    def _write(self, payloads: list[bytes]) -> None:
+        """Write records with as few system calls as possible, starting a new segment when one is full."""
+        chunk: list[bytes] = []
+        chunk_bytes = 0
+        for payload in payloads:
+            if chunk and self.segments[-1].size + chunk_bytes >= self.segment_bytes:
+                self._write_chunk(chunk)
+                chunk, chunk_bytes = [], 0
+            if not chunk and self.segments[-1].size >= self.segment_bytes:
+                self._roll()
+            chunk.append(frame_record(payload))
+            chunk_bytes += len(chunk[-1])
+        if chunk:
+            self._write_chunk(chunk)
+
+    def _write_chunk(self, frames: list[bytes]) -> None:
+        segment = self.segments[-1]
+        _write_all(self._writer, b"".join(frames))
         for frame in frames:
             segment.positions.append(segment.size)
             segment.size += len(frame)
