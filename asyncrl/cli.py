@@ -77,6 +77,25 @@ COMMANDS = (
         "asyncrl.commands.rollout:main",
         (Flag("--num-servers", "rollout.num_servers", "rollout server processes (one vLLM engine each)"),),
     ),
+    Command(
+        "buffer",
+        "run the trajectory buffer service (durable log, staleness, admission)",
+        "Runs the ZeroMQ trajectory buffer alone, e.g. on its own node: rollout servers send trajectory "
+        "groups (acknowledged once appended to the log under buffer.dir, fsync per buffer.fsync), the "
+        "learner takes batches within buffer.max_staleness and commits offsets with its checkpoint, and "
+        "rollout servers ask for admission. Binds buffer.bind_host:buffer.port (port 0 = a free port, "
+        "written to <buffer.dir>/endpoint); a non-loopback host needs buffer.curve_dir (asyncrl keygen). "
+        "Restarting on the same buffer.dir resumes from the committed offset. Stops on SIGTERM/Ctrl-C.",
+        "asyncrl.commands.buffer:main",
+    ),
+    Command(
+        "keygen",
+        "write ZeroMQ CURVE keys for the buffer and its clients",
+        "Writes a server and a client CURVE certificate pair into buffer.curve_dir and authorises the "
+        "client key (authorized_clients/). Copy the directory to every host; with buffer.curve_dir set, "
+        "the buffer encrypts and authenticates every connection and may bind a non-loopback host.",
+        "asyncrl.commands.keygen:main",
+    ),
 )
 
 

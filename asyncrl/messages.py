@@ -8,8 +8,9 @@ well-formed message or raise `DecodeError`; nothing else escapes `decode`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import msgspec
 
@@ -20,6 +21,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a group of 16 × 32k-token sampl
 class DecodeError(ValueError):
     """Bytes that are not a valid asyncrl message (bad msgpack, unknown kind, wrong schema, too large)."""
 
+
+# What msgspec raises on bad bytes; invalid UTF-8 in a string surfaces as UnicodeDecodeError, not MsgspecError.
+DECODE_FAILURES = (msgspec.MsgspecError, RecursionError, UnicodeDecodeError)
 
 _T = TypeVar("_T")
 _KINDS: dict[str, type] = {}
@@ -71,8 +75,7 @@ class Trajectory:
 
     def oldest_version(self) -> int:
         """The oldest policy version among trained tokens (-1 if none is trained)."""
-        versions = [v for v, m in zip(self.token_versions, self.loss_mask) if m]
-        return min(versions) if versions else -1
+        return min(itertools.compress(self.token_versions, self.loss_mask), default=-1)
 
 
 @message("trajectory_group")
@@ -94,7 +97,15 @@ class TrajectoryGroup:
                 raise DecodeError(f"trajectory group_id '{trajectory.group_id}' != group '{self.group_id}'")
 
     def oldest_version(self) -> int:
-        return min(t.oldest_version() for t in self.trajectories)
+        """The oldest policy version among the group's trained tokens (-1 if none is trained).
+
+        A sample without trained tokens (e.g. an empty aborted completion) has no staleness, so it
+        does not make the whole group look as old as version -1."""
+        trained = (t.oldest_version() for t in self.trajectories)
+        return min((v for v in trained if v >= 0), default=-1)
+
+    def num_samples(self) -> int:
+        return len(self.trajectories)
 
     def num_tokens(self) -> int:
         return sum(len(t.prompt_ids) + len(t.completion_ids) for t in self.trajectories)
@@ -111,6 +122,7 @@ class Ack:
     offset: int  # position in the buffer's log (-1 when rejected)
     duplicate: bool = False  # the record was already in the log (a resend)
     error: str = ""  # non-empty when the record was rejected; the reason
+    retry_after_ms: int = 0  # > 0: not stored because the buffer is full; resend the same record after this wait
 
 
 @message("admission_request")
@@ -136,6 +148,7 @@ class BatchRequest:
     max_samples: int = 0  # samples wanted (0 = no limit by samples)
     max_tokens: int = 0  # tokens wanted (0 = no limit by tokens)
     timeout_ms: int = 0  # wait this long for enough data (0 = answer at once)
+    from_offset: int = -1  # consumer's position (checkpointed or last next_offset); -1 = the buffer's read cursor
 
 
 @message("batch")
@@ -162,6 +175,58 @@ class PolicyVersion:
     weights_at: str = ""  # where servers that missed the last sync can fetch these weights (checkpoint dir)
 
 
+@message("buffer_position")
+@dataclass
+class BufferPosition:
+    """The buffer's offsets; the reply to Commit and PolicyVersion."""
+
+    read_offset: int  # next offset the buffer will hand out
+    committed_offset: int  # everything before it is trained on and checkpointed (durable in the buffer dir)
+    end_offset: int  # offset the next appended record will get
+    policy_version: int  # newest learner version the buffer has heard of
+
+
+@message("stats_request")
+@dataclass
+class StatsRequest:
+    requester: str = ""  # who asks (for the buffer's log)
+
+
+@message("buffer_stats")
+@dataclass
+class BufferStats:
+    """The buffer's metrics; `metrics()` names them as the learner logs them (`buffer/...`)."""
+
+    size_groups: int  # groups stored and not yet handed out
+    size_bytes: int  # bytes of those groups (held in memory)
+    log_bytes: int  # bytes of segment files on disk
+    read_offset: int  # next offset to hand out
+    committed_offset: int  # last committed offset
+    end_offset: int  # next offset to append
+    policy_version: int  # newest learner version heard of
+    ingested: int  # groups appended since the service started
+    duplicates: int  # resends acknowledged without being stored again
+    ingest_groups_per_s: float  # append rate over the last stats window
+    ingest_bytes_per_s: float  # append rate over the last stats window, in bytes
+    handed_out: int  # groups handed out in batches since the service started
+    dropped_stale: int  # groups dropped at read time because staleness exceeded max_staleness
+    staleness_histogram: dict[int, int]  # staleness → groups handed out with it
+    rejected_frames: int  # frames rejected as undecodable or over the size limit
+    full_rejections: int  # ingests answered "retry later" because a memory or disk budget was full
+    admission_running: int  # groups admitted and not yet reported finished, all servers together
+    admission_waits: int  # admission requests granted fewer groups than wanted
+    admission_wait_s: float  # time servers spent granted less than they wanted, summed over servers
+    admission_released: int  # admitted groups released because their server stopped asking (timeout)
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metrics for wandb/metrics.jsonl."""
+        flat = {f"buffer/{name}": float(value) for name, value in dataclasses.asdict(self).items()
+                if name != "staleness_histogram"}
+        flat["buffer/size"] = float(self.size_groups)
+        flat.update({f"buffer/staleness_{s}": float(n) for s, n in sorted(self.staleness_histogram.items())})
+        return flat
+
+
 @message("error")
 @dataclass
 class ErrorReply:
@@ -172,10 +237,8 @@ class ErrorReply:
 # Codec
 
 _ENCODER = msgspec.msgpack.Encoder()
-# msgspec reports malformed input as MsgspecError, invalid UTF-8 in a string as UnicodeDecodeError
-# (a ValueError), and absurd nesting as RecursionError.
-_UNDECODABLE = (msgspec.MsgspecError, ValueError, RecursionError)
 _ENVELOPE = msgspec.msgpack.Decoder(type=tuple[int, str, msgspec.Raw])
+_GROUP_PREFIX = b"\x93" + _ENCODER.encode(SCHEMA_VERSION) + _ENCODER.encode(TrajectoryGroup.kind)  # type: ignore[attr-defined]
 
 
 def encode(msg: Any) -> bytes:
@@ -194,7 +257,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
         raise DecodeError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
         version, kind, body = _ENVELOPE.decode(data)
-    except _UNDECODABLE as error:
+    except DECODE_FAILURES as error:
         raise DecodeError(f"not an asyncrl message: {error}") from None
     if version != SCHEMA_VERSION:
         raise DecodeError(f"schema version {version} is not supported (this build speaks {SCHEMA_VERSION})")
@@ -202,7 +265,7 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
         raise DecodeError(f"unknown message kind '{kind}'")
     try:
         msg = _DECODERS[kind].decode(body)
-    except _UNDECODABLE as error:
+    except DECODE_FAILURES as error:
         raise DecodeError(f"malformed '{kind}' message: {error}") from None
     validate = getattr(msg, "validate", None)
     if validate is not None:
@@ -210,6 +273,19 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
     if expect is not None and not isinstance(msg, expect):
         raise DecodeError(f"expected a '{expect.kind}' message, got '{kind}'")  # type: ignore[attr-defined]
     return msg
+
+
+def group_body(frame: bytes) -> msgspec.Raw:
+    """The encoded TrajectoryGroup inside an envelope, without decoding it (for re-embedding)."""
+    if frame.startswith(_GROUP_PREFIX):
+        return msgspec.Raw(memoryview(frame)[len(_GROUP_PREFIX):])
+    return _ENVELOPE.decode(frame)[2]
+
+
+def encode_batch(group_frames: Sequence[bytes], offsets: list[int], next_offset: int, dropped_stale: int) -> bytes:
+    """Encode a Batch from already-encoded TrajectoryGroup messages, splicing their bytes in as they are."""
+    raw_groups: Any = [group_body(frame) for frame in group_frames]
+    return encode(Batch(groups=raw_groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped_stale))
 
 
 def kinds() -> dict[str, type]:

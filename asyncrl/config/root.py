@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.buffer import BufferConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import DataConfig, MetricsConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
 
@@ -21,6 +22,7 @@ class AsyncRLConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)  # metrics.jsonl and wandb
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # policy loss, advantages, clip / IS / KL settings
     learner: LearnerConfig = field(default_factory=LearnerConfig)  # training loop, optimizer, checkpoints, sync cadence
+    buffer: BufferConfig = field(default_factory=BufferConfig)  # trajectory buffer service and its clients
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""
@@ -40,7 +42,7 @@ class AsyncRLConfig:
             problems.append(("data.weights", "must be non-negative with a positive sum"))
         if not self.data.train_files:
             problems.append(("data.train_files", "needs at least one file"))
-        return problems
+        return problems + self.buffer.cross_checks()
 
 
 ConfigStore.instance().store(name="asyncrl", node=AsyncRLConfig)

@@ -1,0 +1,20 @@
+"""`asyncrl buffer`: run the trajectory buffer service in this process until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from asyncrl.commands.common import make_run_dir, start
+
+BUFFER_SUBDIR = "buffer"
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "buffer")
+    directory = Path(config.buffer.dir) if config.buffer.dir else make_run_dir(config, "buffer") / BUFFER_SUBDIR
+    from buffer.service import run_buffer
+
+    log.info("starting the buffer in %s", directory)
+    run_buffer(config.buffer, directory)
+    return 0

@@ -1,0 +1,64 @@
+"""Start the buffer service as a child process (`asyncrl buffer`) and wait until it serves.
+
+The learner uses this when buffer.address is empty; roles never import each other, so the buffer
+runs as its own process either way. Readiness is the endpoint file the service writes after binding.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+ENDPOINT_FILE = "endpoint"  # written by the service once bound (see buffer.service)
+POLL_S = 0.05  # how often the endpoint file is looked for
+
+
+@dataclass
+class BufferProcess:
+    process: subprocess.Popen
+    address: str  # tcp:// endpoint the service bound
+    directory: Path  # its buffer directory
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, wait, then SIGKILL if it has not exited; return the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no clean shutdown."""
+        self.process.kill()
+        self.process.wait()
+
+
+def start_buffer(directory: str | Path, config_path: str | Path | None = None, overrides: Sequence[str] = (),
+                 timeout_s: float = 30.0, log_path: str | Path | None = None) -> BufferProcess:
+    """Run `asyncrl buffer` on `directory` and return once it accepts connections."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    endpoint = directory / ENDPOINT_FILE
+    endpoint.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "asyncrl.cli", "buffer", f"buffer.dir={directory}", *overrides]
+    if config_path is not None:
+        command[4:4] = ["--config", str(config_path)]
+    output = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ.copy())
+    deadline = time.monotonic() + timeout_s
+    while not endpoint.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"buffer process exited with code {process.returncode} before serving (see {log_path})")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError(f"buffer did not start serving within {timeout_s:.0f}s (see {log_path})")
+        time.sleep(POLL_S)
+    return BufferProcess(process, endpoint.read_text(), directory)

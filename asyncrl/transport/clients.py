@@ -1,0 +1,69 @@
+"""Clients of the buffer's control requests: admission for rollout servers, batches for the learner."""
+
+from __future__ import annotations
+
+import zmq
+
+from asyncrl.messages import (AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition, BufferStats,
+                              Commit, PolicyVersion, StatsRequest)
+from asyncrl.transport.sockets import RequestChannel
+
+MS_PER_S = 1000
+
+
+class AdmissionClient:
+    """A rollout server asks how many new prompt groups it may start.
+
+    Report in `finished` every group started earlier and since sent (acknowledged) or abandoned, once."""
+
+    def __init__(self, address: str, server_id: str, *, curve_dir: str = "", timeout_s: float = 30.0,
+                 context: zmq.Context | None = None) -> None:
+        self.server_id = server_id
+        self.channel = RequestChannel(address, curve_dir, timeout_s, context)
+
+    def request(self, wanted: int, finished: int = 0) -> AdmissionGrant:
+        return self.channel.request(AdmissionRequest(self.server_id, wanted, finished), AdmissionGrant)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class BufferConsumer:
+    """The learner's side: batches from its position in the log, commits, version updates, stats.
+
+    `position` is the offset after the last batch; the learner stores it in its checkpoint and passes
+    it back as `start_offset` after a restart (-1: start at the buffer's committed offset). Every
+    request carries the position, so a restart of either side resumes exactly where the learner is."""
+
+    def __init__(self, address: str, consumer_id: str, *, start_offset: int = -1, curve_dir: str = "",
+                 timeout_s: float = 30.0, context: zmq.Context | None = None) -> None:
+        self.consumer_id = consumer_id
+        self.position = start_offset
+        self.timeout_s = timeout_s
+        self.channel = RequestChannel(address, curve_dir, timeout_s, context)
+
+    def next_batch(self, policy_version: int, max_samples: int = 0, max_tokens: int = 0,
+                   wait_s: float = 0.0) -> Batch:
+        """Whole groups for `policy_version`, none staler than the buffer's max_staleness.
+
+        Waits up to wait_s for the limit to be reached, then returns what there is (maybe nothing)."""
+        request = BatchRequest(self.consumer_id, policy_version, max_samples, max_tokens,
+                               timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position)
+        batch = self.channel.request(request, Batch, timeout_s=wait_s + self.timeout_s)
+        self.position = batch.next_offset
+        return batch
+
+    def commit(self, policy_version: int, offset: int | None = None) -> BufferPosition:
+        """Commit `offset` (default: the current position) once it is trained on and checkpointed."""
+        target = self.position if offset is None else offset
+        return self.channel.request(Commit(self.consumer_id, target, policy_version), BufferPosition)
+
+    def publish_version(self, version: int, weights_at: str = "") -> BufferPosition:
+        """Tell the buffer the learner's new version (it widens admission)."""
+        return self.channel.request(PolicyVersion(version, weights_at), BufferPosition)
+
+    def stats(self) -> BufferStats:
+        return self.channel.request(StatsRequest(self.consumer_id), BufferStats)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,131 @@
+"""ZeroMQ plumbing shared by the buffer service and its clients: binding, connecting, CURVE keys,
+and a request/reply channel where every wait has a deadline.
+
+CURVE layout of a key directory (written by `asyncrl keygen`):
+  server.key, server.key_secret     the service's certificate (clients need server.key)
+  client.key, client.key_secret     the clients' certificate
+  authorized_clients/               public certificates the service accepts
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, TypeVar
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from asyncrl.config.buffer import is_loopback
+from asyncrl.messages import DecodeError, ErrorReply, decode, encode
+
+log = logging.getLogger(__name__)
+
+SERVER_CERT = "server"
+CLIENT_CERT = "client"
+AUTHORIZED_DIR = "authorized_clients"
+OVERSIZE_DISCONNECT_FACTOR = 4  # frames this many times over the limit are cut off by ZeroMQ itself (memory guard)
+LINGER_MS = 0  # closing a socket drops unsent messages: every send is acknowledged or retried anyway
+
+_T = TypeVar("_T")
+
+
+class BufferTimeout(TimeoutError):
+    """No reply from the buffer within the deadline."""
+
+
+class BufferRequestError(RuntimeError):
+    """The buffer answered a request with an error."""
+
+
+def generate_curve_keys(curve_dir: str | Path) -> Path:
+    """Write a server and a client certificate pair and authorise the client; return the directory."""
+    directory = Path(curve_dir)
+    authorized = directory / AUTHORIZED_DIR
+    authorized.mkdir(parents=True, exist_ok=True)
+    zmq.auth.create_certificates(directory, SERVER_CERT)
+    client_public, _ = zmq.auth.create_certificates(directory, CLIENT_CERT)
+    shutil.copy(client_public, authorized / Path(client_public).name)
+    for secret in directory.glob("*.key_secret"):
+        secret.chmod(0o600)
+    return directory
+
+
+class ServerSecurity:
+    """CURVE server setup plus the authenticator thread that admits only authorised client keys."""
+
+    def __init__(self, context: zmq.Context, curve_dir: str) -> None:
+        directory = Path(curve_dir)
+        self.public, self.secret = zmq.auth.load_certificate(directory / f"{SERVER_CERT}.key_secret")
+        self.authenticator = ThreadAuthenticator(context)
+        self.authenticator.start()
+        self.authenticator.configure_curve(domain="*", location=str(directory / AUTHORIZED_DIR))
+
+    def apply(self, socket: zmq.Socket) -> None:
+        socket.curve_secretkey = self.secret
+        socket.curve_publickey = self.public
+        socket.curve_server = True
+
+    def stop(self) -> None:
+        self.authenticator.stop()
+
+
+def bind_router(context: zmq.Context, host: str, port: int, max_message_bytes: int,
+                security: ServerSecurity | None) -> tuple[zmq.Socket, str]:
+    """A ROUTER socket bound at host:port (0 = any free port); returns it and its tcp:// endpoint."""
+    if not is_loopback(host) and security is None:
+        raise ValueError(f"refusing to bind non-loopback host '{host}' without CURVE keys (buffer.curve_dir)")
+    socket = context.socket(zmq.ROUTER)
+    socket.linger = LINGER_MS
+    socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes * OVERSIZE_DISCONNECT_FACTOR)
+    if security is not None:
+        security.apply(socket)
+    socket.bind(f"tcp://{host}:{port or '*'}")
+    return socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> zmq.Socket:
+    """A DEALER connected to `address`, with CURVE client keys when curve_dir is set."""
+    socket = context.socket(zmq.DEALER)
+    socket.linger = LINGER_MS
+    if curve_dir:
+        directory = Path(curve_dir)
+        socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(directory / f"{CLIENT_CERT}.key_secret")
+        socket.curve_serverkey, _ = zmq.auth.load_certificate(directory / f"{SERVER_CERT}.key")
+    socket.connect(address)
+    return socket
+
+
+class RequestChannel:
+    """One request at a time to the buffer. A reply that misses its deadline could arrive later and be
+    taken for the next request's reply, so a timeout replaces the socket."""
+
+    def __init__(self, address: str, curve_dir: str = "", timeout_s: float = 30.0,
+                 context: zmq.Context | None = None) -> None:
+        self.address, self.curve_dir, self.timeout_s = address, curve_dir, timeout_s
+        self.context = context or zmq.Context.instance()
+        self.socket = connect_dealer(self.context, address, curve_dir)
+
+    def request(self, message: Any, expect: type[_T], timeout_s: float | None = None) -> _T:
+        """Send `message`, return the reply of type `expect`; BufferTimeout past the deadline."""
+        deadline_s = self.timeout_s if timeout_s is None else timeout_s
+        self.socket.send(encode(message))
+        if not self.socket.poll(int(deadline_s * 1000), zmq.POLLIN):
+            self._reset()
+            raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
+                                f"within {deadline_s:.1f}s")
+        reply = decode(self.socket.recv())
+        if isinstance(reply, ErrorReply):
+            raise BufferRequestError(f"buffer at {self.address} refused {type(message).__name__}: {reply.error}")
+        if not isinstance(reply, expect):
+            raise DecodeError(f"expected {expect.__name__} from the buffer, got {type(reply).__name__}")
+        return reply
+
+    def _reset(self) -> None:
+        self.socket.close()
+        self.socket = connect_dealer(self.context, self.address, self.curve_dir)
+
+    def close(self) -> None:
+        self.socket.close()

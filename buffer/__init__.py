@@ -1,0 +1,1 @@
+"""Trajectory buffer service: durable log, staleness policy, admission and batching over ZeroMQ."""

@@ -1,0 +1,65 @@
+"""Admission control: how many new prompt groups rollout servers may start (AReaL's bound).
+
+Capacity = (K + version + 1) · batch_groups − (accepted + running), where `accepted` counts groups
+stored for training (stored minus dropped as stale) and `running` the groups granted to servers and
+not yet reported finished. With the learner taking batch_groups per step this keeps every group
+within K versions of the learner when it is trained on; the read-time check enforces the bound
+whatever happens. A server that stops asking for admission_timeout_s has its running groups released.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerLease:
+    running: int = 0  # groups granted and not reported finished
+    last_seen: float = 0.0  # monotonic time of the last request
+    waiting_since: float | None = None  # when the server was first granted less than it wanted
+
+
+class Admission:
+    def __init__(self, max_staleness: int, batch_groups: int, timeout_s: float) -> None:
+        self.max_staleness = max_staleness
+        self.batch_groups = batch_groups
+        self.timeout_s = timeout_s
+        self.leases: dict[str, ServerLease] = {}
+        self.waits = 0  # requests granted fewer groups than wanted
+        self.wait_s = 0.0  # time servers spent short of what they wanted, summed
+        self.released = 0  # groups released from servers that timed out
+
+    @property
+    def running(self) -> int:
+        return sum(lease.running for lease in self.leases.values())
+
+    def capacity(self, version: int, accepted: int) -> int:
+        return (self.max_staleness + version + 1) * self.batch_groups - (accepted + self.running)
+
+    def grant(self, server_id: str, wanted: int, finished: int, version: int, accepted: int, now: float) -> int:
+        """Record the server's finished groups, then grant up to `wanted` within capacity."""
+        lease = self.leases.setdefault(server_id, ServerLease())
+        lease.running = max(0, lease.running - max(0, finished))
+        lease.last_seen = now
+        granted = max(0, min(wanted, self.capacity(version, accepted)))
+        lease.running += granted
+        if granted < wanted:
+            self.waits += 1
+            lease.waiting_since = now if lease.waiting_since is None else lease.waiting_since
+        elif lease.waiting_since is not None:
+            self.wait_s += now - lease.waiting_since
+            lease.waiting_since = None
+        return granted
+
+    def expire(self, now: float) -> None:
+        """Release the running groups of servers silent for longer than the timeout."""
+        for server_id, lease in list(self.leases.items()):
+            if now - lease.last_seen > self.timeout_s:
+                if lease.running:
+                    log.warning("server %s silent for %.1fs: releasing %d admitted groups", server_id,
+                                now - lease.last_seen, lease.running)
+                self.released += lease.running
+                del self.leases[server_id]

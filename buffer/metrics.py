@@ -1,0 +1,38 @@
+"""Counters of the buffer service and its ingest rate over a sliding window."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class IngestRate:
+    window_s: float  # rates cover appends within this many seconds
+    samples: deque[tuple[float, int, int]] = field(default_factory=deque)  # (time, groups, bytes) per append
+
+    def add(self, now: float, groups: int, nbytes: int) -> None:
+        self.samples.append((now, groups, nbytes))
+        self._trim(now)
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """Groups/s and bytes/s over the window."""
+        self._trim(now)
+        groups = sum(sample[1] for sample in self.samples)
+        nbytes = sum(sample[2] for sample in self.samples)
+        return groups / self.window_s, nbytes / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self.samples and self.samples[0][0] < now - self.window_s:
+            self.samples.popleft()
+
+
+@dataclass
+class Counters:
+    ingested: int = 0  # groups appended
+    duplicates: int = 0  # resends acknowledged without storing
+    handed_out: int = 0  # groups handed out in batches
+    dropped_stale: int = 0  # groups dropped at read time as too stale
+    rejected_frames: int = 0  # undecodable or oversized frames
+    full_rejections: int = 0  # ingests told to retry later (budget full)
+    staleness: Counter = field(default_factory=Counter)  # staleness -> groups handed out with it

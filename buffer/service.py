@@ -1,0 +1,292 @@
+"""The buffer service: one ROUTER socket, one thread, one loop.
+
+Each turn drains up to max_receive_batch frames. Trajectory groups among them are checked, appended
+in one log write (one fsync under the batch policy) and only then acknowledged. Control messages are
+answered after that, so a batch request sees the groups that arrived with it. Batch requests that
+want to wait for data are parked until they can be filled or their wait runs out. Anything that does
+not decode, or is too large, gets an ErrorReply, is counted and logged; the loop carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from asyncrl.config.buffer import BufferConfig
+from asyncrl.group_summary import GroupSummary, summarize_group
+from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
+                              Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
+                              encode_batch)
+from asyncrl.transport.sockets import ServerSecurity, bind_router
+from buffer.admission import Admission
+from buffer.metrics import Counters, IngestRate
+from buffer.store import OffsetError, TrajectoryStore
+from buffer.window import BatchLimits, Selection
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_FILE = "endpoint"  # the bound tcp:// address, written once the service is ready
+HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
+MS_PER_S = 1000
+
+
+@dataclass
+class ParkedRequest:
+    identity: bytes  # ROUTER identity of the consumer
+    request: BatchRequest
+    deadline: float  # monotonic time after which it is answered with what there is
+
+
+class BufferService:
+    def __init__(self, config: BufferConfig, directory: str | Path, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.directory = Path(directory)
+        self.store = TrajectoryStore(config, self.directory)
+        self.admission = Admission(config.max_staleness, config.batch_groups, config.admission_timeout_s)
+        self.counters = Counters()
+        self.rate = IngestRate(config.stats_window_s)
+        self.policy_version = self.store.committed.policy_version
+        self.parked: list[ParkedRequest] = []
+        self.running = True
+        self.context = context or zmq.Context()
+        self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
+        self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
+                                                 config.max_message_bytes, self.security)
+        self._handlers: dict[type, Callable[[bytes, Any], None]] = {
+            AdmissionRequest: self._on_admission,
+            BatchRequest: self._on_batch_request,
+            Commit: self._on_commit,
+            PolicyVersion: self._on_policy_version,
+            StatsRequest: self._on_stats,
+        }
+        _write_endpoint(self.directory, self.endpoint)
+        log.info("buffer serving at %s (dir %s, fsync %s)", self.endpoint, self.directory, config.fsync)
+
+    # ------------------------------------------------------------------------------------------
+    # Loop
+
+    def serve(self) -> None:
+        """Run until `stop()` (e.g. from a signal handler)."""
+        try:
+            while self.running:
+                if self.socket.poll(self._poll_timeout_ms(), zmq.POLLIN):
+                    self.handle(self._drain())
+                now = time.monotonic()
+                self._answer_parked(now)
+                self.admission.expire(now)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self.running = False
+
+    def _poll_timeout_ms(self) -> int:
+        if not self.parked:
+            return HOUSEKEEPING_MS
+        soonest = min(parked.deadline for parked in self.parked) - time.monotonic()
+        return max(0, min(HOUSEKEEPING_MS, int(soonest * MS_PER_S)))
+
+    def _drain(self) -> list[list[bytes]]:
+        messages = []
+        while len(messages) < self.config.max_receive_batch:
+            try:
+                messages.append(self.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        return messages
+
+    def handle(self, messages: list[list[bytes]]) -> None:
+        """Ingest the trajectory groups among `messages` durably, then answer the rest in order."""
+        groups: list[tuple[bytes, GroupSummary, bytes]] = []
+        controls: list[tuple[bytes, Any]] = []
+        for identity, *frames in messages:
+            parsed = self._parse(identity, frames)
+            if isinstance(parsed, GroupSummary):
+                groups.append((identity, parsed, frames[0]))
+            elif parsed is not None:
+                controls.append((identity, parsed))
+        if groups:
+            self._ingest(groups)
+        for identity, message in controls:
+            self._handlers.get(type(message), self._on_unexpected)(identity, message)
+
+    def _parse(self, identity: bytes, frames: list[bytes]) -> GroupSummary | Any | None:
+        """A GroupSummary for a trajectory group, the message for anything else, None if rejected."""
+        if len(frames) != 1:
+            return self._reject(identity, f"expected 1 frame per message, got {len(frames)}")
+        frame = frames[0]
+        if len(frame) > self.config.max_message_bytes:
+            return self._reject(identity, f"message of {len(frame)} bytes exceeds {self.config.max_message_bytes}")
+        try:
+            return summarize_group(frame)
+        except DecodeError:
+            pass  # not a (valid) group: decode tells which, with the precise reason
+        try:
+            return decode(frame, self.config.max_message_bytes)
+        except DecodeError as error:
+            return self._reject(identity, str(error))
+
+    def _reject(self, identity: bytes, reason: str) -> None:
+        self.counters.rejected_frames += 1
+        log.warning("rejected a frame from peer %s (%d so far): %s", identity.hex(), self.counters.rejected_frames,
+                    reason)
+        self._reply(identity, ErrorReply(reason))
+        return None
+
+    def _reply(self, identity: bytes, message: Any) -> None:
+        self._send(identity, encode(message))
+
+    def _send(self, identity: bytes, payload: bytes) -> None:
+        self.socket.send_multipart([identity, payload])
+
+    # ------------------------------------------------------------------------------------------
+    # Ingest
+
+    def _ingest(self, groups: list[tuple[bytes, GroupSummary, bytes]]) -> None:
+        try:
+            results = self.store.ingest([(summary, frame) for _, summary, frame in groups])
+        except OSError as error:
+            log.error("log write failed, nothing of this batch stored: %s", error)
+            for identity, summary, _ in groups:
+                self._reply(identity, Ack(summary.record_id, -1, error=f"log write failed: {error}",
+                                          retry_after_ms=self.config.retry_after_ms))
+            return
+        stored_bytes = 0
+        for (identity, summary, frame), stored in zip(groups, results):
+            if stored.full:
+                self.counters.full_rejections += 1
+                ack = Ack(summary.record_id, -1, error="buffer full", retry_after_ms=self.config.retry_after_ms)
+            else:
+                self.counters.duplicates += stored.duplicate
+                stored_bytes += 0 if stored.duplicate else len(frame)
+                ack = Ack(summary.record_id, stored.offset, duplicate=stored.duplicate)
+            self._reply(identity, ack)
+        stored_count = sum(1 for stored in results if not stored.full and not stored.duplicate)
+        self.counters.ingested += stored_count
+        self.rate.add(time.monotonic(), stored_count, stored_bytes)
+
+    # ------------------------------------------------------------------------------------------
+    # Consumption
+
+    def _on_batch_request(self, identity: bytes, request: BatchRequest) -> None:
+        self._hear_version(request.policy_version)
+        try:
+            self.store.seek(request.from_offset)
+        except OffsetError as error:
+            self._reply(identity, ErrorReply(str(error)))
+            return
+        parked = ParkedRequest(identity, request, time.monotonic() + request.timeout_ms / MS_PER_S)
+        if request.timeout_ms <= 0 or self._can_fill(request):
+            self._answer(parked)
+        else:
+            self.parked.append(parked)
+
+    def _answer_parked(self, now: float) -> None:
+        for parked in list(self.parked):
+            if now >= parked.deadline or self._can_fill(parked.request):
+                self.parked.remove(parked)
+                self._answer(parked)
+
+    def _can_fill(self, request: BatchRequest) -> bool:
+        selection = self.store.window.plan(self._limits(request))
+        unlimited = request.max_samples <= 0 and request.max_tokens <= 0
+        return selection.full or (unlimited and bool(selection.taken))
+
+    def _answer(self, parked: ParkedRequest) -> None:
+        try:  # a parked request's position may have been committed past since it arrived
+            self.store.seek(parked.request.from_offset)
+        except OffsetError as error:
+            self._reply(parked.identity, ErrorReply(str(error)))
+            return
+        selection = self.store.take(self._limits(parked.request))
+        self._count_handout(selection)
+        self._send(parked.identity, encode_batch([entry.frame for entry in selection.taken],
+                                                 [entry.offset for entry in selection.taken],
+                                                 self.store.window.read_offset, len(selection.dropped)))
+
+    def _limits(self, request: BatchRequest) -> BatchLimits:
+        return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens)
+
+    def _count_handout(self, selection: Selection) -> None:
+        self.counters.handed_out += len(selection.taken)
+        self.counters.dropped_stale += len(selection.dropped)
+        self.counters.staleness.update(selection.staleness)
+        if selection.dropped:
+            log.info("dropped %d group(s) as staler than %d", len(selection.dropped), self.config.max_staleness)
+
+    def _on_commit(self, identity: bytes, commit: Commit) -> None:
+        self._hear_version(commit.policy_version)
+        try:
+            self.store.commit(commit.offset, commit.policy_version)
+        except OffsetError as error:
+            self._reply(identity, ErrorReply(str(error)))
+            return
+        self._reply(identity, self._position())
+
+    # ------------------------------------------------------------------------------------------
+    # Admission, versions, stats
+
+    def _on_admission(self, identity: bytes, request: AdmissionRequest) -> None:
+        granted = self.admission.grant(request.server_id, request.wanted, request.finished, self.policy_version,
+                                       self.store.accepted, time.monotonic())
+        self._reply(identity, AdmissionGrant(granted, self.policy_version))
+
+    def _on_policy_version(self, identity: bytes, update: PolicyVersion) -> None:
+        self._hear_version(update.version)
+        self._reply(identity, self._position())
+
+    def _hear_version(self, version: int) -> None:
+        self.policy_version = max(self.policy_version, version)
+
+    def _position(self) -> BufferPosition:
+        return BufferPosition(self.store.window.read_offset, self.store.committed.offset, self.store.end_offset,
+                              self.policy_version)
+
+    def _on_stats(self, identity: bytes, _: StatsRequest) -> None:
+        self._reply(identity, self.stats())
+
+    def stats(self) -> BufferStats:
+        groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
+        counters, window = self.counters, self.store.window
+        return BufferStats(
+            size_groups=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
+            read_offset=window.read_offset, committed_offset=self.store.committed.offset,
+            end_offset=self.store.end_offset, policy_version=self.policy_version,
+            ingested=counters.ingested, duplicates=counters.duplicates,
+            ingest_groups_per_s=groups_per_s, ingest_bytes_per_s=bytes_per_s,
+            handed_out=counters.handed_out, dropped_stale=counters.dropped_stale,
+            staleness_histogram=dict(counters.staleness), rejected_frames=counters.rejected_frames,
+            full_rejections=counters.full_rejections, admission_running=self.admission.running,
+            admission_waits=self.admission.waits, admission_wait_s=self.admission.wait_s,
+            admission_released=self.admission.released,
+        )
+
+    def _on_unexpected(self, identity: bytes, message: Any) -> None:
+        self._reject(identity, f"the buffer does not take '{type(message).kind}' messages")
+
+    def close(self) -> None:
+        self.socket.close()
+        if self.security is not None:
+            self.security.stop()
+        self.store.close()
+
+
+def run_buffer(config: BufferConfig, directory: str | Path) -> None:
+    """Serve until SIGTERM or SIGINT, then close the log cleanly (a kill -9 is recovered on the next start)."""
+    service = BufferService(config, directory)
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, lambda *_: service.stop())
+    service.serve()
+
+
+def _write_endpoint(directory: Path, endpoint: str) -> None:
+    """Publish the bound address atomically: a reader sees no file or the whole address."""
+    temporary = directory / (ENDPOINT_FILE + ".tmp")
+    temporary.write_text(endpoint)
+    temporary.replace(directory / ENDPOINT_FILE)

@@ -1,0 +1,184 @@
+"""The buffer's state without the network: log, record-id index, pending window, commit point.
+
+Every operation here is what the service does for one message; tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+from asyncrl.config.buffer import BufferConfig
+from asyncrl.group_summary import GroupSummary, record_id_of, summarize_group
+from asyncrl.messages import DecodeError
+from buffer.commits import CommitPoint, load_commit, save_commit
+from buffer.log import LogCorruption, SegmentLog
+from buffer.window import BatchLimits, Entry, PendingWindow, Selection
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class OffsetError(ValueError):
+    """A consumer asked for a position the buffer cannot serve (released, or past the end)."""
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the store did with one ingested record."""
+
+    offset: int  # log offset (-1 when not stored)
+    duplicate: bool = False  # already in the log: acknowledged, not stored again
+    full: bool = False  # not stored: a budget is full, the producer should retry later
+
+
+class TrajectoryStore:
+    def __init__(self, config: BufferConfig, directory: Path) -> None:
+        self.config = config
+        self.directory = directory
+        self.log = SegmentLog(directory, config.segment_bytes, config.fsync)
+        self.committed = load_commit(directory)
+        if self.committed.offset > self.log.end_offset:
+            log.warning("committed offset %d is past the log end %d (log lost its tail): resuming at the end",
+                        self.committed.offset, self.log.end_offset)
+            self.committed = replace(self.committed, offset=self.log.end_offset)
+        self.log.release_before(self.committed.offset)
+        self.ids: dict[str, int] = {}  # record id -> offset, for records still in the log
+        self._ids_in_order: deque[tuple[int, str]] = deque()
+        self._drops_since_commit: set[int] = set()  # offsets at or past the commit dropped as stale
+        self.window = PendingWindow(self.committed.offset)
+        self._rebuild_from_log()
+
+    # ------------------------------------------------------------------------------------------
+    # Positions
+
+    @property
+    def end_offset(self) -> int:
+        return self.log.end_offset
+
+    @property
+    def dropped_total(self) -> int:
+        return self.committed.dropped_before + len(self._drops_since_commit)
+
+    @property
+    def accepted(self) -> int:
+        """Groups stored for training: every append minus those dropped as stale."""
+        return self.end_offset - self.dropped_total
+
+    # ------------------------------------------------------------------------------------------
+    # Ingest
+
+    def ingest(self, records: list[tuple[GroupSummary, bytes]]) -> list[Stored]:
+        """Append the new records in one log write (and one fsync under the batch policy).
+
+        Raises OSError when the log cannot be written; nothing of the call is stored then."""
+        results: list[Stored] = []
+        staged: dict[str, int] = {}
+        frames: list[bytes] = []
+        entries: list[Entry] = []
+        staged_bytes = 0
+        for summary, frame in records:
+            known = self.ids.get(summary.record_id, staged.get(summary.record_id))
+            if known is not None:
+                results.append(Stored(known, duplicate=True))
+                continue
+            if self._full(staged_bytes, len(frame)):
+                results.append(Stored(-1, full=True))
+                continue
+            offset = self.end_offset + len(frames)
+            staged[summary.record_id] = offset
+            frames.append(frame)
+            entries.append(_entry(offset, summary, frame))
+            staged_bytes += len(frame)
+            results.append(Stored(offset))
+        if frames:
+            self.log.append(frames)
+        for record_id, offset in staged.items():
+            self._remember(record_id, offset)
+        for entry in entries:
+            self.window.append(entry)
+        return results
+
+    def _full(self, staged_bytes: int, frame_bytes: int) -> bool:
+        """The record would overrun a budget. An empty budget takes any one record, so every record fits eventually."""
+        held, on_disk = self.window.bytes + staged_bytes, self.log.disk_bytes + staged_bytes
+        memory_full = held > 0 and held + frame_bytes > self.config.max_memory_bytes
+        disk_full = on_disk > 0 and on_disk + frame_bytes > self.config.max_disk_bytes
+        return memory_full or disk_full
+
+    def _remember(self, record_id: str, offset: int) -> None:
+        self.ids[record_id] = offset
+        self._ids_in_order.append((offset, record_id))
+
+    # ------------------------------------------------------------------------------------------
+    # Consumption
+
+    def seek(self, offset: int) -> None:
+        """Put the read cursor at the consumer's position (-1 = leave it where it is)."""
+        if offset < 0 or offset == self.window.read_offset:
+            return
+        if offset < max(self.committed.offset, self.log.first_offset) or offset > self.end_offset:
+            raise OffsetError(f"offset {offset} is outside the servable range "
+                              f"[{self.committed.offset}, {self.end_offset}] (committed, end)")
+        if offset > self.window.read_offset:
+            self.window.skip(offset - self.window.read_offset)
+        else:
+            self.window.rewind(offset, self._entries_from_log(offset, self.window.read_offset))
+
+    def take(self, limits: BatchLimits) -> Selection:
+        selection = self.window.take(limits)
+        self._drops_since_commit.update(entry.offset for entry in selection.dropped)
+        self._drops_since_commit.difference_update(entry.offset for entry in selection.taken)
+        return selection
+
+    def commit(self, offset: int, policy_version: int) -> None:
+        """Persist the consumer's commit, then delete the segments it releases."""
+        if offset < self.committed.offset or offset > self.end_offset:
+            raise OffsetError(f"commit of offset {offset} outside [{self.committed.offset}, {self.end_offset}]")
+        if offset > self.window.read_offset:  # handed out before a buffer restart
+            self.window.skip(offset - self.window.read_offset)
+        released_drops = {o for o in self._drops_since_commit if o < offset}
+        self._drops_since_commit -= released_drops
+        self.committed = CommitPoint(offset, policy_version, self.committed.dropped_before + len(released_drops))
+        save_commit(self.directory, self.committed)
+        first = self.log.release_before(offset)
+        while self._ids_in_order and self._ids_in_order[0][0] < first:
+            del self.ids[self._ids_in_order.popleft()[1]]
+
+    # ------------------------------------------------------------------------------------------
+    # Recovery
+
+    def _rebuild_from_log(self) -> None:
+        """Rebuild the id index from every retained record and the window from the committed offset."""
+        for offset, frame in self.log.read_range(self.log.first_offset, self.window.read_offset):
+            self._remember(_checked(offset, record_id_of, frame), offset)
+        for offset, summary, frame in self._summaries_from_log(self.window.read_offset, self.end_offset):
+            self._remember(summary.record_id, offset)
+            self.window.append(_entry(offset, summary, frame))
+        log.info("buffer state: committed %d, end %d, %d group(s) waiting", self.committed.offset,
+                 self.end_offset, len(self.window))
+
+    def _summaries_from_log(self, start: int, stop: int) -> Iterator[tuple[int, GroupSummary, bytes]]:
+        for offset, frame in self.log.read_range(start, stop):
+            yield offset, _checked(offset, summarize_group, frame), frame
+
+    def _entries_from_log(self, start: int, stop: int) -> Iterator[Entry]:
+        return (_entry(*record) for record in self._summaries_from_log(start, stop))
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def _entry(offset: int, summary: GroupSummary, frame: bytes) -> Entry:
+    return Entry(offset, frame, summary.num_samples, summary.num_tokens, summary.oldest_version)
+
+
+def _checked(offset: int, parse: Callable[[bytes], _T], frame: bytes) -> _T:
+    """Parse a stored record; a record that passed its checksum yet does not decode is corruption."""
+    try:
+        return parse(frame)
+    except DecodeError as error:
+        raise LogCorruption(f"record {offset} does not decode: {error}") from error

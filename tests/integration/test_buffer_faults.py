@@ -1,0 +1,151 @@
+"""Crash tests with real processes: the buffer killed with SIGKILL, a producer killed mid-send,
+the learner restarted from a commit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from asyncrl.synthetic import synthetic_group
+from asyncrl.transport import BufferConsumer, TrajectoryProducer
+
+from buffer_helpers import drain, free_port
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 64
+WAIT_S = 30
+
+
+def group(record_id: str):
+    return synthetic_group(record_id, completion_tokens=TOKENS)
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_kill_9_mid_stream_keeps_every_acknowledged_record_exactly_once(buffer_process):
+    port = free_port()
+    overrides = (f"buffer.port={port}", "buffer.segment_bytes=65536")
+    first = buffer_process(*overrides)
+    total = 600
+    producer = TrajectoryProducer(first.address, ack_timeout_s=0.3, deadline_s=WAIT_S, max_in_flight=32)
+
+    def produce():
+        for i in range(total):
+            producer.submit(group(f"r{i}"))
+        producer.flush()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    wait_until(lambda: len(producer.acks) >= total // 4, "a quarter of the records to be acknowledged")
+    first.kill()
+    acknowledged_before_crash = {ack.record_id for ack in list(producer.acks)}
+    second = buffer_process(*overrides)
+    thread.join(timeout=WAIT_S * 2)
+    assert not thread.is_alive()
+
+    received = Counter(g.record_id for g in drain(BufferConsumer(second.address, "learner")))
+    assert set(received.values()) == {1}, "a record was stored twice"
+    assert acknowledged_before_crash <= set(received)
+    assert set(received) == {f"r{i}" for i in range(total)}
+
+
+PRODUCER_SCRIPT = """
+import sys
+from asyncrl.messages import encode
+from asyncrl.synthetic import synthetic_group
+from asyncrl.transport import TrajectoryProducer
+
+producer = TrajectoryProducer(sys.argv[1], max_in_flight=4)
+template = synthetic_group("template", completion_tokens=int(sys.argv[2]))
+for i in range(10**6):
+    template.record_id = f"big{i}"
+    producer.submit(template)
+    for ack in producer.acks:
+        print(ack.record_id, flush=True)
+    producer.acks.clear()
+"""
+
+
+def test_a_producer_killed_mid_send_leaves_no_partial_record(buffer_process, tmp_path):
+    buffer = buffer_process("buffer.segment_bytes=8388608")
+    child = subprocess.Popen([sys.executable, "-c", PRODUCER_SCRIPT, buffer.address, "65536"],
+                             stdout=subprocess.PIPE, text=True)
+    acknowledged = [child.stdout.readline().strip() for _ in range(5)]  # it is streaming by now
+    child.kill()
+    acknowledged += child.stdout.read().split()
+    child.wait()
+
+    consumer = BufferConsumer(buffer.address, "learner")
+    stored = drain(consumer)  # every group in a batch went through the full typed decode
+    assert {g.record_id for g in stored} >= set(acknowledged)
+    assert all(len(g.trajectories[0].completion_ids) == 65536 for g in stored)
+    assert consumer.stats().rejected_frames == 0
+
+    buffer.stop()  # the log itself is whole: reopening finds nothing to truncate
+    restarted = buffer_process("buffer.segment_bytes=8388608")
+    assert "torn tail" not in (tmp_path / "buffer.log").read_text()
+    assert BufferConsumer(restarted.address, "learner").stats().end_offset == len(stored)
+
+
+def ids(batch) -> list[str]:
+    return [g.record_id for g in batch.groups]
+
+
+@pytest.mark.parametrize("crash_buffer_too", [False, True])
+def test_learner_restart_from_a_commit_trains_each_record_once(buffer_process, crash_buffer_too):
+    port = free_port()
+    overrides = (f"buffer.port={port}", "buffer.segment_bytes=16384")
+    buffer = buffer_process(*overrides)
+    producer = TrajectoryProducer(buffer.address)
+    sent = [f"c{i}" for i in range(60)]
+    for record_id in sent:
+        producer.submit(group(record_id))
+    producer.flush()
+
+    learner = BufferConsumer(buffer.address, "learner")
+    trained = []
+    for _ in range(3):
+        trained += ids(learner.next_batch(0, max_samples=8))
+    checkpoint = learner.position  # saved with the learner's checkpoint, then committed
+    learner.commit(policy_version=3)
+    for _ in range(2):
+        learner.next_batch(0, max_samples=8)  # trained after the checkpoint, lost with the crash
+    learner.close()
+    if crash_buffer_too:
+        buffer.kill()
+        buffer = buffer_process(*overrides)
+
+    restarted = BufferConsumer(buffer.address, "learner", start_offset=checkpoint)
+    trained += [g.record_id for g in drain(restarted)]
+    assert trained == sent
+
+
+def test_learner_keeps_its_place_across_a_buffer_crash(buffer_process):
+    port = free_port()
+    overrides = (f"buffer.port={port}",)
+    buffer = buffer_process(*overrides)
+    producer = TrajectoryProducer(buffer.address)
+    sent = [f"p{i}" for i in range(40)]
+    for record_id in sent:
+        producer.submit(group(record_id))
+    producer.flush()
+    learner = BufferConsumer(buffer.address, "learner")
+    trained = ids(learner.next_batch(0, max_samples=8))
+    learner.commit(policy_version=1)
+    trained += ids(learner.next_batch(0, max_samples=8))  # handed out, not yet committed
+    buffer.kill()
+    buffer_process(*overrides)
+    trained += [g.record_id for g in drain(learner)]  # same client, reconnects to the restarted buffer
+    assert trained == sent

@@ -1,0 +1,179 @@
+"""The service in a thread of the test process, driven through the real clients over loopback TCP."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from asyncrl.messages import Ack, ErrorReply, decode, encode
+from asyncrl.synthetic import synthetic_group
+from asyncrl.transport import (AdmissionClient, BufferConsumer, BufferRequestError, BufferTimeout,
+                               TrajectoryProducer, generate_curve_keys)
+from asyncrl.transport.sockets import bind_router, connect_dealer
+from buffer.service import BufferService
+
+REPLY_TIMEOUT_MS = 5000
+TOKENS = 16
+
+
+def group(record_id: str, version: int = 0, samples: int = 1):
+    return synthetic_group(record_id, samples=samples, completion_tokens=TOKENS, version=version)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    started = []
+
+    def start(config, directory=None):
+        service = BufferService(config, directory or tmp_path / f"buffer{len(started)}")
+        thread = threading.Thread(target=service.serve, daemon=True)
+        thread.start()
+        started.append((service, thread))
+        return service
+
+    yield start
+    for service, thread in started:
+        service.stop()
+        thread.join(timeout=5)
+
+
+def raw_reply(address: str, *frames: bytes):
+    socket = connect_dealer(zmq.Context.instance(), address)
+    socket.send_multipart(list(frames))
+    assert socket.poll(REPLY_TIMEOUT_MS), "the buffer did not answer"
+    reply = decode(socket.recv())
+    socket.close()
+    return reply
+
+
+def test_ingest_ack_batch_commit_and_stats(serve, small_config):
+    service = serve(small_config)
+    producer = TrajectoryProducer(service.endpoint)
+    assert producer.send(group("a")).offset == 0
+    for i in range(5):
+        producer.submit(group(f"b{i}"))
+    assert sorted(ack.offset for ack in producer.flush()) == [0, 1, 2, 3, 4, 5]
+    resent = producer.send(group("b2"))
+    assert (resent.offset, resent.duplicate) == (3, True)
+
+    consumer = BufferConsumer(service.endpoint, "learner")
+    batch = consumer.next_batch(policy_version=0, max_samples=4)
+    assert [g.record_id for g in batch.groups] == ["a", "b0", "b1", "b2"]
+    assert (batch.offsets, batch.next_offset, consumer.position) == ([0, 1, 2, 3], 4, 4)
+    assert consumer.commit(policy_version=1).committed_offset == 4
+    stats = consumer.stats()
+    assert (stats.ingested, stats.duplicates, stats.handed_out, stats.size_groups) == (6, 1, 4, 2)
+    assert stats.policy_version == 1 and stats.staleness_histogram == {0: 4}
+
+
+def test_stale_groups_are_dropped_and_counted(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_staleness=1))
+    producer = TrajectoryProducer(service.endpoint)
+    for i, version in enumerate([0, 2, 1, 3, 0, 3]):
+        producer.submit(group(f"g{i}", version=version))
+    producer.flush()
+    consumer = BufferConsumer(service.endpoint, "learner")
+    batch = consumer.next_batch(policy_version=3)
+    assert [g.record_id for g in batch.groups] == ["g1", "g3", "g5"]
+    assert batch.dropped_stale == 3 and batch.next_offset == 6
+    stats = consumer.stats()
+    assert stats.dropped_stale == 3 and stats.staleness_histogram == {1: 1, 0: 2}
+
+
+def test_bad_frames_are_rejected_counted_and_service_keeps_serving(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_message_bytes=4096))
+    good = encode(group("ok"))
+    bad_frames = [
+        (os.urandom(100),),
+        (good[: len(good) // 2],),
+        (good, good),  # two frames in one message
+        (b"\x00" * 5000,),  # over the size limit
+        (encode(Ack("x", 1)),),  # a kind the buffer does not take
+    ]
+    for frames in bad_frames:
+        assert isinstance(raw_reply(service.endpoint, *frames), ErrorReply)
+    producer = TrajectoryProducer(service.endpoint)
+    assert producer.send(group("ok")).offset == 0
+    assert BufferConsumer(service.endpoint, "learner").stats().rejected_frames == len(bad_frames)
+
+
+def test_a_waiting_batch_request_is_answered_when_enough_data_arrives(serve, small_config):
+    service = serve(small_config)
+    consumer = BufferConsumer(service.endpoint, "learner")
+    started = time.monotonic()
+    assert consumer.next_batch(0, max_samples=2, wait_s=0.3).groups == []
+    assert time.monotonic() - started >= 0.3
+
+    def produce_later():
+        time.sleep(0.2)
+        TrajectoryProducer(service.endpoint).send(group("late", samples=2))
+
+    thread = threading.Thread(target=produce_later)
+    thread.start()
+    started = time.monotonic()
+    batch = consumer.next_batch(0, max_samples=2, wait_s=10)
+    thread.join()
+    assert [g.record_id for g in batch.groups] == ["late"]
+    assert time.monotonic() - started < 5
+
+
+def test_a_full_buffer_slows_producers_without_losing_records(serve, small_config):
+    frame_bytes = len(encode(group("x0")))
+    service = serve(dataclasses.replace(small_config, max_memory_bytes=3 * frame_bytes, retry_after_ms=10))
+    producer = TrajectoryProducer(service.endpoint, deadline_s=20)
+
+    def produce():
+        for i in range(8):
+            producer.submit(group(f"x{i}"))
+        producer.flush()
+
+    thread = threading.Thread(target=produce)
+    thread.start()
+    consumer = BufferConsumer(service.endpoint, "learner")
+    received = []
+    deadline = time.monotonic() + 20
+    while len(received) < 8 and time.monotonic() < deadline:
+        received += [g.record_id for g in consumer.next_batch(0, max_samples=1, wait_s=1).groups]
+    thread.join(timeout=20)
+    assert received == [f"x{i}" for i in range(8)]
+    assert producer.resends > 0 and consumer.stats().full_rejections > 0
+
+
+def test_admission_over_the_wire(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_staleness=1, batch_groups=4))
+    admission = AdmissionClient(service.endpoint, "server-0")
+    assert admission.request(wanted=10).granted == 8  # (1 + 0 + 1) * 4
+    assert admission.request(wanted=1).granted == 0
+    consumer = BufferConsumer(service.endpoint, "learner")
+    assert consumer.publish_version(2).policy_version == 2
+    grant = admission.request(wanted=10, finished=3)  # (1 + 2 + 1) * 4 - (0 + 5)
+    assert (grant.granted, grant.policy_version) == (10, 2)
+    assert consumer.stats().admission_waits == 2  # the first two requests got less than wanted
+
+
+def test_commit_errors_are_reported_not_fatal(serve, small_config):
+    service = serve(small_config)
+    consumer = BufferConsumer(service.endpoint, "learner")
+    with pytest.raises(BufferRequestError, match="commit of offset 5"):
+        consumer.commit(0, offset=5)
+    with pytest.raises(BufferRequestError, match="outside the servable range"):
+        BufferConsumer(service.endpoint, "other", start_offset=9).next_batch(0)
+    assert consumer.stats().end_offset == 0
+
+
+def test_curve_keys_admit_only_clients_holding_them(serve, small_config, tmp_path):
+    keys = generate_curve_keys(tmp_path / "keys")
+    service = serve(dataclasses.replace(small_config, curve_dir=str(keys)))
+    assert TrajectoryProducer(service.endpoint, curve_dir=str(keys)).send(group("secure")).offset == 0
+    with pytest.raises(BufferTimeout):
+        BufferConsumer(service.endpoint, "intruder", timeout_s=0.5).stats()
+
+
+def test_non_loopback_bind_needs_keys():
+    with pytest.raises(ValueError, match="CURVE"):
+        bind_router(zmq.Context.instance(), "0.0.0.0", 0, 1024, security=None)

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from asyncrl.group_summary import summarize_group
+from asyncrl.messages import encode
+from asyncrl.synthetic import synthetic_group
+from buffer.store import OffsetError, TrajectoryStore
+from buffer.window import BatchLimits
+
+TOKENS = 16
+
+
+def records(ids, version: int = 0):
+    frames = [encode(synthetic_group(str(i), completion_tokens=TOKENS, version=version)) for i in ids]
+    return [(summarize_group(frame), frame) for frame in frames]
+
+
+def taken_ids(selection) -> list[str]:
+    return [summarize_group(entry.frame).record_id for entry in selection.taken]
+
+
+def test_resends_are_acknowledged_but_stored_once(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    first = store.ingest(records(range(3)))
+    again = store.ingest(records([1, 3, 3]))  # a resend, a new one, and the new one twice in one batch
+    assert [r.offset for r in first] == [0, 1, 2]
+    assert [(r.offset, r.duplicate) for r in again] == [(1, True), (3, False), (3, True)]
+    assert store.end_offset == 4
+    store.close()
+    restarted = TrajectoryStore(small_config, tmp_path)  # the id index is rebuilt from the log
+    assert [(r.offset, r.duplicate) for r in restarted.ingest(records([0, 2, 4]))] == [(0, True), (2, True), (4, False)]
+
+
+def test_restart_resumes_from_the_committed_offset(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    store.ingest(records(range(10)))
+    assert taken_ids(store.take(BatchLimits(0, 1, max_samples=4))) == ["0", "1", "2", "3"]
+    store.commit(4, policy_version=1)
+    store.take(BatchLimits(0, 1, max_samples=4))  # handed out, not committed: the consumer crashed
+    store.close()
+    restarted = TrajectoryStore(small_config, tmp_path)
+    assert (restarted.committed.offset, restarted.committed.policy_version) == (4, 1)
+    assert taken_ids(restarted.take(BatchLimits(1, 1))) == [str(i) for i in range(4, 10)]
+
+
+def test_seek_rewinds_to_the_checkpoint_and_forward_past_handed_out(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    store.ingest(records(range(30)))  # several segments
+    store.take(BatchLimits(0, 1, max_samples=20))
+    store.commit(5, 0)
+    store.seek(5)  # the consumer restarted from a checkpoint at offset 5
+    assert taken_ids(store.take(BatchLimits(0, 1, max_samples=3))) == ["5", "6", "7"]
+    store.seek(25)
+    assert taken_ids(store.take(BatchLimits(0, 1))) == [str(i) for i in range(25, 30)]
+    with pytest.raises(OffsetError):
+        store.seek(4)  # below the commit: released
+    with pytest.raises(OffsetError):
+        store.seek(31)
+
+
+def test_commit_releases_segments_and_their_ids(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    store.ingest(records(range(40)))
+    segments_before = len(store.log.segments)
+    store.take(BatchLimits(0, 1, max_samples=30))
+    store.commit(30, 0)
+    assert len(store.log.segments) < segments_before
+    assert store.log.first_offset <= 30
+    assert min(store.ids.values()) == store.log.first_offset
+    with pytest.raises(OffsetError):
+        store.commit(29, 0)
+
+
+def test_full_memory_budget_asks_to_retry_and_frees_after_handout(tmp_path, small_config):
+    frame_bytes = len(records([0])[0][1])
+    config = dataclasses.replace(small_config, max_memory_bytes=3 * frame_bytes + frame_bytes // 2)  # frame sizes vary a little
+    store = TrajectoryStore(config, tmp_path)
+    results = store.ingest(records(range(5)))
+    assert [r.full for r in results] == [False, False, False, True, True]
+    assert store.end_offset == 3
+    store.take(BatchLimits(0, 1, max_samples=2))
+    assert [r.full for r in store.ingest(records(range(3, 6)))] == [False, False, True]
+
+
+def test_full_disk_budget_waits_for_a_commit(tmp_path, small_config):
+    frame_bytes = len(records([0])[0][1])
+    config = dataclasses.replace(small_config, max_disk_bytes=12 * frame_bytes)
+    store = TrajectoryStore(config, tmp_path)
+    stored = sum(not r.full for r in store.ingest(records(range(20))))
+    assert stored < 20
+    store.take(BatchLimits(0, 1))
+    assert all(r.full for r in store.ingest(records([100])))  # handed out but not committed: still on disk
+    store.commit(stored, 0)
+    assert not store.ingest(records([100]))[0].full
+
+
+def test_accepted_excludes_stale_drops_across_restarts(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    store.ingest(records(range(4), version=0) + records(range(4, 6), version=5))
+    selection = store.take(BatchLimits(policy_version=5, max_staleness=1))
+    assert len(selection.dropped) == 4 and store.accepted == 2
+    store.commit(6, 5)
+    store.close()
+    assert TrajectoryStore(small_config, tmp_path).accepted == 2

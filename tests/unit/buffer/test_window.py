@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncrl.staleness import staleness
+from buffer.window import BatchLimits, Entry, PendingWindow
+
+
+def window_of(versions: list[int], samples: int = 2, tokens: int = 10, start: int = 0) -> PendingWindow:
+    window = PendingWindow(start)
+    for index, version in enumerate(versions):
+        window.append(Entry(start + index, b"x" * 7, samples, tokens, version))
+    return window
+
+
+def test_stale_groups_are_dropped_whole_and_counted():
+    window = window_of([0, 3, 1, 4, 2, 5])
+    selection = window.take(BatchLimits(policy_version=5, max_staleness=2))  # keeps versions >= 3
+    assert [e.oldest_version for e in selection.taken] == [3, 4, 5]
+    assert [e.offset for e in selection.dropped] == [0, 2, 4]
+    assert selection.staleness == [2, 1, 0]
+    assert (window.read_offset, len(window), window.bytes) == (6, 0, 0)
+
+
+def test_k_zero_hands_out_only_current_version():
+    window = window_of([4, 5, 5, 4])
+    selection = window.take(BatchLimits(policy_version=5, max_staleness=0))
+    assert [e.offset for e in selection.taken] == [1, 2]
+    assert len(selection.dropped) == 2
+
+
+def test_untrained_groups_have_no_staleness():
+    assert staleness(10, -1) == 0
+    assert window_of([-1]).take(BatchLimits(10, 0)).taken
+
+
+def test_batch_stops_at_the_sample_limit_with_whole_groups():
+    window = window_of([0] * 5, samples=4)
+    selection = window.take(BatchLimits(0, 0, max_samples=10))
+    assert [e.offset for e in selection.taken] == [0, 1]  # a third group would make 12 > 10
+    assert selection.full and window.read_offset == 2
+
+
+def test_batch_by_tokens_and_an_oversized_first_group_still_goes_out():
+    window = window_of([0] * 3, tokens=100)
+    assert len(window.take(BatchLimits(0, 0, max_tokens=250)).taken) == 2
+    assert len(window.take(BatchLimits(0, 0, max_tokens=50)).taken) == 1  # never stuck behind a big group
+
+
+def test_plan_consumes_nothing_and_rewind_restores():
+    window = window_of([0, 1, 2, 3])
+    window.plan(BatchLimits(3, 0))
+    assert window.read_offset == 0 and len(window) == 4
+    taken = window.take(BatchLimits(3, 5)).taken
+    window.rewind(0, iter(taken))
+    assert [e.offset for e in window.entries] == [0, 1, 2, 3]
+    assert window.bytes == 4 * 7
+
+
+@settings(max_examples=200, deadline=None)
+@given(versions=st.lists(st.integers(-1, 20), max_size=40), policy=st.integers(0, 25), k=st.integers(0, 5),
+       max_samples=st.integers(0, 12))
+def test_no_handed_out_group_exceeds_the_bound_and_every_group_is_accounted_once(versions, policy, k, max_samples):
+    window = window_of(versions, samples=2)
+    seen = []
+    while len(window):
+        selection = window.take(BatchLimits(policy, k, max_samples=max_samples))
+        assert all(staleness(policy, e.oldest_version) <= k for e in selection.taken)
+        assert all(staleness(policy, e.oldest_version) > k for e in selection.dropped)
+        seen += [e.offset for e in selection.taken + selection.dropped]
+    assert sorted(seen) == list(range(len(versions)))
