@@ -129,7 +129,9 @@ class RolloutEngine:
         return await vllm_compat.weight_checksums(self._llm)
 
     def shutdown(self) -> None:
+        """Stop vLLM's processes now (AsyncLLM's own finaliser fails when it runs at interpreter exit)."""
         self._llm.shutdown()
+        del self._llm
 
     async def _receive(self, update_info: dict[str, Any], version: int) -> None:
         await self._llm.start_weight_update()

@@ -23,7 +23,8 @@ TRAINER_RANK = 0  # the sender; rollout workers take ranks 1..world_size-1
 GLOO, NCCL = "gloo", "nccl"
 _STORE_PREFIX = "asyncrl/weight_transfer"  # namespaces our keys should the store ever be shared
 _HANDSHAKE_VALUE = 20261122  # broadcast once at join: proves the data path works end to end
-_CONNECT_POLL_S = 0.2  # how often a worker retries the trainer's port while waiting for it to listen
+_POLL_S = 0.2  # how often a member re-checks, while waiting, for the trainer's port or the other members
+_JOINED_KEY = "joined"  # store counter: members that have arrived
 
 
 class WeightTransferError(RuntimeError):
@@ -95,44 +96,56 @@ class TransferGroup:
 
 
 def _open_store(address: GroupAddress, rank: int) -> dist.Store:
-    """Rank 0 listens and waits for all members; the others connect, retrying until the deadline."""
+    """Rank 0 listens; the others connect. Returns once all members are in, within one deadline."""
     is_trainer = rank == TRAINER_RANK
+    deadline = time.monotonic() + address.timeout_s
     try:
         if not is_trainer:
-            _wait_for_listener(address)
+            _wait_for_listener(address, deadline)
         store = dist.TCPStore(
             address.host,
             address.port,
             world_size=address.world_size,
             is_master=is_trainer,
             timeout=address.timeout,
-            wait_for_workers=True,
+            wait_for_workers=False,  # torch's own wait overshoots by a second; _await_members keeps the deadline
         )
+        prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+        _await_members(prefixed, address, deadline)
     except (RuntimeError, OSError) as error:  # DistStoreError / DistNetworkError are RuntimeErrors; TimeoutError an OSError
         waiting_for = "all rollout workers to connect" if is_trainer else "the trainer's store"
         raise WeightTransferError(
             f"rendezvous of rank {rank} in {address.describe()}: gave up after {address.timeout_s}s "
             f"waiting for {waiting_for}: {error}"
         ) from error
-    return dist.PrefixStore(_STORE_PREFIX, store)
+    return prefixed
 
 
-def _wait_for_listener(address: GroupAddress) -> None:
+def _wait_for_listener(address: GroupAddress, deadline: float) -> None:
     """Poll the trainer's port until it accepts or the deadline passes.
 
     TCPStore's own client retries with back-off and overshoots its timeout by seconds; polling first keeps
     a missing trainer's error inside the deadline.
     """
-    deadline = time.monotonic() + address.timeout_s
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(f"nothing listened on {address.host}:{address.port}")
         try:
-            with socket.create_connection((address.host, address.port), timeout=min(remaining, _CONNECT_POLL_S)):
+            with socket.create_connection((address.host, address.port), timeout=min(remaining, _POLL_S)):
                 return
         except OSError:
-            time.sleep(min(_CONNECT_POLL_S, max(deadline - time.monotonic(), 0)))
+            time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0)))
+
+
+def _await_members(store: dist.Store, address: GroupAddress, deadline: float) -> None:
+    """Count this member in, then wait until all have arrived or the deadline passes."""
+    joined = store.add(_JOINED_KEY, 1)
+    while joined < address.world_size:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{joined}/{address.world_size} members joined")
+        time.sleep(_POLL_S)
+        joined = store.add(_JOINED_KEY, 0)
 
 
 def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dist.Backend:
