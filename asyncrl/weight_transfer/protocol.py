@@ -13,7 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.weight_transfer.group import GroupAddress
+from asyncrl.config.rollout import RolloutConfig
+from asyncrl.weight_transfer.group import GLOO, NCCL, TRAINER_RANK, GroupAddress
 
 BACKEND_NAME = "asyncrl"  # name of our engine in vLLM's WeightTransferEngineFactory
 TIED_HEAD_NAME = "lm_head.weight"  # output head that transformers omits from named_parameters() when tied
@@ -63,6 +64,25 @@ class UpdateInfo:
             TensorMeta(name, _dtype(dtype_name), tuple(shape))
             for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes)
         ]
+
+
+def group_address(rollout: RolloutConfig) -> GroupAddress:
+    """The learner's group with every rollout worker: trainer rank 0, then each server's TP ranks in turn."""
+    sync = rollout.weight_sync
+    world_size = 1 + rollout.num_servers * rollout.engine.tensor_parallel_size
+    return GroupAddress(sync.host, sync.port, world_size, resolve_backend(sync.backend), sync.timeout_s)
+
+
+def server_rank_offset(server_index: int, rollout: RolloutConfig) -> int:
+    """Group rank of server `server_index`'s first worker."""
+    return TRAINER_RANK + 1 + server_index * rollout.engine.tensor_parallel_size
+
+
+def resolve_backend(name: str) -> str:
+    """"auto" picks NCCL where CUDA is available, gloo otherwise."""
+    if name != "auto":
+        return name
+    return NCCL if torch.cuda.is_available() else GLOO
 
 
 def init_info_for(address: GroupAddress, rank_offset: int) -> dict[str, Any]:
