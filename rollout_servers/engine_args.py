@@ -1,0 +1,47 @@
+"""Translate asyncrl's rollout config into vLLM's engine arguments and sampling parameters."""
+
+from __future__ import annotations
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+
+from asyncrl.config.rollout import EngineConfig, SamplingConfig
+from asyncrl.weight_transfer import BACKEND_NAME
+
+_GIB = 2**30
+SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
+
+
+def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> AsyncEngineArgs:
+    """vLLM engine arguments with our weight-transfer backend enabled."""
+    kv_cache_bytes = int(engine.kv_cache_memory_gib * _GIB) or None
+    return AsyncEngineArgs(
+        model=model_path,
+        dtype=engine.dtype,
+        max_model_len=engine.max_model_len,
+        tensor_parallel_size=engine.tensor_parallel_size,
+        gpu_memory_utilization=engine.gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        enforce_eager=engine.enforce_eager,
+        seed=engine.seed,
+        logprobs_mode=engine.logprobs_mode,
+        max_num_seqs=max_inflight,
+        weight_transfer_config={"backend": BACKEND_NAME},
+        disable_log_stats=True,
+    )
+
+
+def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> SamplingParams:
+    """One completion per request, streamed as deltas so each token batch is seen when it is sampled."""
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        stop=list(sampling.stop) or None,
+        ignore_eos=sampling.ignore_eos,
+        seed=seed,
+        logprobs=SAMPLED_TOKEN_ONLY,
+        output_kind=RequestOutputKind.DELTA,
+    )

@@ -1,0 +1,125 @@
+"""The one place that knows how vLLM releases differ (0.24 on the GPU images, 0.32 on CPU).
+
+Everything else in `rollout_servers` calls these helpers instead of feature-testing vLLM itself.
+Differences handled here:
+- 0.24's worker-side `WeightTransferEngine` declares the trainer hooks (`trainer_init`,
+  `trainer_send_weights`) abstract; later releases moved them to a separate trainer engine class.
+  Our trainer side is `asyncrl.weight_transfer`, so the hooks only need to exist.
+- `finish_weight_update(weight_version=...)` and `get_weight_version()` exist from 0.32; before that
+  the version is tracked by `RolloutEngine` alone.
+- 0.32 stamps each output token span with the weight version (`CompletionOutput.weight_versions`);
+  before that tokens are tagged on arrival (see `RolloutEngine`).
+- `compute_weight_checksums()` exists from 0.32.
+- `ParallelConfig.data_parallel_index` (0.32) was `data_parallel_rank` before.
+- Keep-mode pause (`pause_generation(mode="keep")`) is required; a release without it is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NoReturn
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitRequest,
+    WeightTransferUpdateRequest,
+)
+from vllm.v1.engine.async_llm import AsyncLLM
+
+__all__ = [
+    "LegacyTrainerHooks",
+    "WeightTransferEngine",
+    "finish_update",
+    "init_request",
+    "label_weights",
+    "layerwise_reload_finish",
+    "layerwise_reload_start",
+    "pause_keeping_requests",
+    "update_request",
+    "version_spans",
+    "weight_checksums",
+    "worker_index",
+]
+
+
+class LegacyTrainerHooks:
+    """Satisfies 0.24's abstract trainer hooks on the worker-side engine; never called by asyncrl."""
+
+    @staticmethod
+    def trainer_init(*_: Any, **__: Any) -> NoReturn:
+        raise NotImplementedError("asyncrl's trainer side is asyncrl.weight_transfer.WeightSender")
+
+    @staticmethod
+    def trainer_send_weights(*_: Any, **__: Any) -> NoReturn:
+        raise NotImplementedError("asyncrl's trainer side is asyncrl.weight_transfer.WeightSender")
+
+
+def layerwise_reload_start(model: torch.nn.Module) -> None:
+    """Put the model's layers in checkpoint-format loading mode (vLLM processes each layer once complete)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def layerwise_reload_finish(model: torch.nn.Module, model_config: Any) -> None:
+    """Process layers still pending; layers that received nothing get their previous tensors back."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+
+
+def worker_index(parallel_config: Any) -> int:
+    """This worker's index among all workers of the engine (data-parallel replicas × TP × PP)."""
+    dp_index = getattr(parallel_config, "data_parallel_index", None)
+    if dp_index is None:
+        dp_index = parallel_config.data_parallel_rank
+    return dp_index * parallel_config.world_size + parallel_config.rank
+
+
+def init_request(init_info: dict[str, Any]) -> WeightTransferInitRequest:
+    return WeightTransferInitRequest(init_info=init_info)
+
+
+def update_request(update_info: dict[str, Any]) -> WeightTransferUpdateRequest:
+    return WeightTransferUpdateRequest(update_info=update_info)
+
+
+async def pause_keeping_requests(engine: AsyncLLM) -> None:
+    """Freeze scheduling; in-flight requests stay in the engine with their KV cache."""
+    if "mode" not in inspect.signature(engine.pause_generation).parameters:
+        raise RuntimeError("this vLLM has no keep-mode pause_generation; in-flight weight updates need it")
+    await engine.pause_generation(mode="keep", clear_cache=False)
+
+
+async def finish_update(engine: AsyncLLM, version: int) -> None:
+    """Finish the layerwise reload; record the version in the engine where vLLM can hold it."""
+    if "weight_version" in inspect.signature(engine.finish_weight_update).parameters:
+        await engine.finish_weight_update(weight_version=str(version))
+    else:
+        await engine.finish_weight_update()
+
+
+def version_spans(output: Any) -> list[tuple[int, int, int]] | None:
+    """(version, start, end) token spans vLLM recorded for a finished completion (0.32+), else None.
+
+    The engine core stamps each step's outputs with the weight version current at that step, so these
+    spans are exact; without them the caller falls back to tagging tokens as they arrive.
+    """
+    spans = getattr(output, "weight_versions", None)
+    if not spans:
+        return None
+    return [(int(span.version), span.start, span.end) for span in spans]
+
+
+async def label_weights(engine: AsyncLLM, version: int) -> None:
+    """Label the loaded weights with `version` (so the first spans are numbered, not vLLM's "default")."""
+    if hasattr(engine, "update_weight_version"):
+        await engine.update_weight_version(str(version))
+
+
+async def weight_checksums(engine: AsyncLLM) -> list[dict[str, str]] | None:
+    """Per-worker checksums of the loaded weights (0.32+), else None."""
+    if not hasattr(engine, "compute_weight_checksums"):
+        return None
+    return await engine.compute_weight_checksums()

@@ -1,0 +1,76 @@
+"""vLLM plugin: our weight-transfer engine, registered in every vLLM process via `vllm.general_plugins`.
+
+The worker side of `asyncrl.weight_transfer`: it joins the trainer's private gloo/NCCL group at
+`init_weight_transfer_engine`, and on `update_weights` receives each announced tensor by broadcast and
+feeds it to the model's `load_weights` inside vLLM's layerwise reload (started and finished by
+`start_weight_update` / `finish_weight_update`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from asyncrl.weight_transfer import BACKEND_NAME, TransferGroup
+from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
+from rollout_servers import vllm_compat
+
+log = logging.getLogger(__name__)
+
+
+def register() -> None:
+    """Entry point named in pyproject.toml; vLLM calls it in its engine and worker processes."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, AsyncRLWeightTransferEngine.__name__)
+    except ValueError:  # registered already: the plugin loader ran twice in this process
+        log.debug("weight-transfer engine '%s' already registered", BACKEND_NAME)
+
+
+class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.WeightTransferEngine):
+    init_info_cls = InitInfo
+    update_info_cls = UpdateInfo
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._group: TransferGroup | None = None
+
+    def init_transfer_engine(self, init_info: InitInfo) -> None:
+        rank = init_info.rank_offset + vllm_compat.worker_index(self.parallel_config)
+        self._group = TransferGroup.join(init_info.address(), rank, self.device)
+
+    def start_weight_update(self) -> None:
+        vllm_compat.layerwise_reload_start(self.model)
+
+    def finish_weight_update(self) -> None:
+        vllm_compat.layerwise_reload_finish(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Parse, receive and load one update. On any failure the reload is finished before re-raising.
+
+        Layers whose weights never arrived would otherwise stay on the meta device; finishing puts their
+        previous tensors back, so the model stays runnable (with mixed weights: the caller must not
+        sample from it before a complete update).
+        """
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            self.finish_weight_update()
+            raise
+
+    def receive_weights(self, update_info: UpdateInfo) -> None:
+        """Receive the announced tensors in order, each straight into the model's loader."""
+        if self._group is None:
+            raise RuntimeError("update_weights before init_weight_transfer_engine: no transfer group")
+        for meta in update_info.tensors():
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            self._group.broadcast(buffer)
+            self.model.load_weights([(meta.name, buffer)])
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None

