@@ -17,6 +17,7 @@ from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
 from asyncrl.weight_transfer.coordinator import RoundReport, SyncCoordinator
+from asyncrl.weight_transfer.protocol import resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class LearnerServices:
             buffer_process = start_buffer(run_dir / "buffer", run_dir / "config.yaml", log_path=run_dir / "logs" / "buffer.log")
             address = buffer_process.address
         sync = config.rollout.weight_sync
-        coordinator = SyncCoordinator(sync.control_bind, sync.group_host, _backend(sync.backend), sync.timeout_s, sync.liveness_s)
+        coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
+                                      sync.liveness_s)
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, timeout_s=config.buffer.client_timeout_s)
         (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"buffer": address, "sync": coordinator.address}))
         log.info("buffer at %s, weight sync at %s", address, coordinator.address)
@@ -90,12 +92,6 @@ class LearnerServices:
         self.coordinator.close()
         if self.buffer_process is not None:
             self.buffer_process.stop()
-
-
-def _backend(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _flat_config(run_dir: Path) -> dict:

@@ -36,8 +36,12 @@ class SamplingConfig:
 class WeightSyncConfig:
     backend: str = one_of("auto", "gloo", "nccl")  # transfer group backend; auto = nccl with CUDA, else gloo
     host: str = "127.0.0.1"  # address of the learner's rendezvous store (it listens, servers connect)
-    port: int = bounded(29650, 1, 65535)  # TCP port of that store
+    port: int = bounded(0, 0, 65535)  # TCP port of that store; 0 = a free port for each new group
     timeout_s: float = bounded(120.0, 0.1)  # deadline of the rendezvous and of every broadcast, seconds
+    control_bind: str = "tcp://127.0.0.1:0"  # where the learner's coordinator listens for servers (port 0 = free)
+    control_address: str = ""  # servers: the coordinator's address; empty = read <run dir>/endpoints.json
+    heartbeat_s: float = bounded(1.0, 0.01)  # servers announce themselves (and their counters) this often
+    liveness_s: float = bounded(10.0, 0.1)  # a server silent this long is left out of weight-sync rounds
 
 
 @dataclass
@@ -47,3 +51,9 @@ class RolloutConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # learner → server weight transfer
+    poll_s: float = bounded(0.2, 0.001)  # server loop: longest wait before asking admission again
+    send_deadline_s: float = bounded(120.0, 0.1)  # a finished group not acknowledged by the buffer in this time fails the server
+    connect_timeout_s: float = bounded(300.0, 0.1)  # `asyncrl rollout` waits this long for the learner's endpoints file
+    restart_backoff_s: float = bounded(2.0, 0.0)  # first delay before restarting a dead server (doubles each time)
+    restart_backoff_max_s: float = bounded(60.0, 0.0)  # longest delay between restarts
+    stop_timeout_s: float = bounded(30.0, 0.1)  # grace period for servers to stop on SIGTERM before SIGKILL

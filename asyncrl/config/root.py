@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.config.learner import LearnerConfig
+from asyncrl.config.rollout import RolloutConfig
 from asyncrl.config.sections import DataConfig, MetricsConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
 
 
@@ -23,6 +24,7 @@ class AsyncRLConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # policy loss, advantages, clip / IS / KL settings
     learner: LearnerConfig = field(default_factory=LearnerConfig)  # training loop, optimizer, checkpoints, sync cadence
     buffer: BufferConfig = field(default_factory=BufferConfig)  # trajectory buffer service and its clients
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # vLLM rollout servers, sampling, weight sync
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""

@@ -49,12 +49,13 @@ class RoundReport:
 
 
 class SyncCoordinator:
-    def __init__(self, bind: str, group_host: str, backend: str, timeout_s: float, liveness_s: float) -> None:
+    def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float) -> None:
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(bind)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.group_host, self.backend, self.timeout_s, self.liveness_s = group_host, backend, timeout_s, liveness_s
+        self.group_host, self.group_port, self.backend = group_host, group_port, backend
+        self.timeout_s, self.liveness_s = timeout_s, liveness_s
         self.members: dict[str, Member] = {}
         self._sender: WeightSender | None = None
         self._group_members: tuple[str, ...] = ()
@@ -136,7 +137,8 @@ class SyncCoordinator:
         """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
         self._close_group()
         world_size = _FIRST_SERVER_RANK + sum(self.members[name].ranks for name in invited)
-        address = GroupAddress(self.group_host, _free_port(self.group_host), world_size, self.backend, self.timeout_s)
+        port = self.group_port or _free_port(self.group_host)
+        address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
         infos, next_rank = {}, _FIRST_SERVER_RANK
         for name in invited:
             infos[name] = init_info_for(address, next_rank)
