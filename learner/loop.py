@@ -55,10 +55,12 @@ def run_loop(
     state: LoopState,
     fetch_batch: Callable[[int], Batch] | None,
     after_step: Callable[[int, dict[str, float]], None],
+    after_checkpoint: Callable[[int, int], None],
     pad_id: int,
 ) -> LoopState:
     """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
-    `after_step(version, metrics)` syncs weights, publishes the version and logs."""
+    `after_step(version, metrics)` syncs weights, publishes the version and logs;
+    `after_checkpoint(version, buffer_offset)` commits the offset once the checkpoint holds it."""
     settings = config.learner
     while state.step < settings.total_steps:
         started = time.perf_counter()
@@ -85,6 +87,7 @@ def run_loop(
                 run_dir / "checkpoints", state.step, model, optimizer, {"buffer_offset": state.buffer_offset},
                 world, settings.keep_checkpoints,
             )
+            after_checkpoint(state.step, state.buffer_offset)
     return state
 
 

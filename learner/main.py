@@ -51,8 +51,12 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 services.metrics.log(version, metrics)
                 log.info(_progress_line(version, config.learner.total_steps, metrics))
 
+        def after_checkpoint(version: int, buffer_offset: int) -> None:
+            if services is not None:
+                services.consumer.commit(version, buffer_offset)
+
         state = run_loop(config, run_dir, world, model, optimizer, state,
-                         services.fetch_batch if services else None, after_step, pad_id)
+                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id)
     finally:
         if services is not None:
             services.close()

@@ -24,7 +24,9 @@ def main(args: argparse.Namespace) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "asyncrl.cli"]
     shared = (["--config", args.config] if args.config else []) + [*args.overrides, f"run.name={name}"]
-    learner = _launch(base + ["learner", *shared], None)
+    # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout
+    # supervisor's output go to logs/.
+    learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)
     rollout = _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
     log.info("run directory %s: learner pid %d, rollout pid %d (servers log to logs/)", run_dir, learner.pid, rollout.pid)
     stop_requested = False
@@ -54,10 +56,11 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
-def _launch(command: list[str], log_path: Path | None) -> subprocess.Popen:
-    output = open(log_path, "ab") if log_path is not None else None
+def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False) -> subprocess.Popen:
+    output = open(log_path, "ab")
+    stderr = None if stderr_to_console else subprocess.STDOUT
     # A session of its own: stopping it reaches every process below (vLLM engine cores, learner ranks).
-    return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None, start_new_session=True, env=os.environ.copy())
+    return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=os.environ.copy())
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -63,6 +63,7 @@ def cache_key(config: AsyncRLConfig) -> str:
         "warm_start": dataclasses.asdict(config.model.warm_start),
         "task": dataclasses.asdict(config.task) | {"out_dir": None, "format": None, "num_train": None},
         "seed": config.run.seed,
+        "tokenizer": hashlib.sha256(build_char_tokenizer().backend_tokenizer.to_str().encode()).hexdigest(),
         "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()

@@ -1,14 +1,17 @@
 """A character-level tokenizer with a ChatML chat template, saved as a standard Hugging Face tokenizer.
 
 Every printable ASCII character and the newline is one token; the chat markers are special tokens.
-Decoding concatenates tokens, so encode → decode is the identity on the supported alphabet.
+It is built as a byte-level BPE without merges, the form of Qwen2's own tokenizer: transformers (and
+so vLLM) load a Qwen2 model's tokenizer as `Qwen2Tokenizer`, which rebuilds a byte-level pipeline
+from the vocabulary, and a vocabulary of byte-level symbols makes that rebuild tokenize exactly as
+this one does. Encode → decode is the identity on the supported alphabet.
 """
 
 from __future__ import annotations
 
 import string
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 PAD, BOS_EOS, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -26,10 +29,10 @@ CHAT_TEMPLATE = (
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """The tokenizer object; `save_pretrained(dir)` writes the standard files."""
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNKNOWN))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    symbols = SPECIAL_TOKENS + [byte_level_symbol(character) for character in ALPHABET]
+    core = Tokenizer(models.BPE(vocab={symbol: index for index, symbol in enumerate(symbols)}, merges=[], unk_token=UNKNOWN))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         unk_token=UNKNOWN,
@@ -41,3 +44,13 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+_SHIFTED_BYTES = 256  # byte-level BPE maps each non-printable byte b (< 33 here) to chr(256 + b)
+_FIRST_PRINTABLE = 33  # "!": from here to "~" a byte is its own symbol
+
+
+def byte_level_symbol(character: str) -> str:
+    """The byte-level BPE symbol of an ASCII character (GPT-2's byte-to-unicode table)."""
+    code = ord(character)
+    return character if code >= _FIRST_PRINTABLE else chr(_SHIFTED_BYTES + code)
