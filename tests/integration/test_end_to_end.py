@@ -1,0 +1,84 @@
+"""The whole loop with real parts: buffer process, learner with two gloo ranks, two vLLM rollout servers.
+
+Checks the contracts that only the assembled system can show: versions advance, no trained sample is
+staler than K, weights reach the servers every step, checkpoints commit buffer offsets, and a resumed
+run continues the step counter and the buffer position without training on any record twice.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.metrics import read_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+MAX_STALENESS = 1
+RUN_TIMEOUT_S = 900
+
+
+def overrides(tmp: Path, total_steps: int) -> list[str]:
+    return [
+        f"run.root_dir={tmp / 'runs'}", "run.name=e2e", "metrics.wandb_mode=disabled",
+        f"model.path={tmp / 'model'}", "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+        "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "model.warm_start.steps=20",
+        "model.warm_start.eval_samples=8", f"task.out_dir={tmp / 'data'}", "task.num_train=200", "task.num_val=16",
+        "task.max_digits=1", f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",
+        f"data.val_files=[{tmp / 'data' / 'val.parquet'}]",
+        "learner.nproc=2", f"learner.total_steps={total_steps}", "learner.checkpoint_every=2", "learner.lr=0.001",
+        "learner.torch_threads=1", "buffer.batch_groups=4", f"buffer.max_staleness={MAX_STALENESS}",
+        "rollout.num_servers=2", "rollout.max_inflight=8", "rollout.sampling.n=4", "rollout.sampling.max_tokens=6",
+        "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32",
+    ]
+
+
+def asyncrl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env=os.environ.copy())
+
+
+@pytest.fixture(scope="module")
+def finished_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    for command in ("data", "init-model"):
+        assert asyncrl(command, *overrides(tmp, 4)).returncode == 0
+    first = asyncrl("run", *overrides(tmp, 4))
+    run_dir = tmp / "runs" / "e2e"
+    first_records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    second = asyncrl("run", *overrides(tmp, 6))  # resume=auto: continue to step 6
+    return first, second, first_records, run_dir
+
+
+def test_run_completes_and_prints_run_dir(finished_runs):
+    first, second, _, run_dir = finished_runs
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert first.stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "rollout0.log").is_file()
+
+
+def test_versions_advance_and_staleness_stays_within_k(finished_runs):
+    _, _, first_records, run_dir = finished_runs
+    assert [r["step"] for r in first_records] == [1, 2, 3, 4]
+    for record in read_metrics(run_dir):
+        assert record["staleness/max"] <= MAX_STALENESS
+        assert record["batch/samples"] == 4 * 4
+    later = [r for r in first_records if r["step"] >= 2]
+    assert all(r["weight_sync/servers_ok"] == 2 for r in later), [r["weight_sync/servers_ok"] for r in later]
+
+
+def test_resume_continues_steps_and_never_reuses_a_buffer_record(finished_runs):
+    _, _, _, run_dir = finished_runs
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    ranges = [(r["batch/offset_min"], r["batch/offset_max"]) for r in records]
+    for (_, previous_max), (next_min, _) in zip(ranges, ranges[1:]):
+        assert next_min > previous_max  # each batch starts after everything trained before it
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step_00000004", "step_00000006"]  # learner.keep_checkpoints=2
+    meta = json.loads((run_dir / "checkpoints" / "step_00000006" / "meta.json").read_text())
+    assert meta["step"] == 6 and meta["buffer_offset"] > ranges[-1][1]
