@@ -28,6 +28,9 @@ GREEDY_TOKENS = 32  # completion length compared token by token after an update
 SPANNING_TOKENS = 200  # long enough that the update lands mid-request
 TOKENS_BEFORE_UPDATE = 20  # the update starts once the request has streamed this many tokens
 NO_TRAINER_TIMEOUT_S = 3.0  # rendezvous deadline in the no-trainer test
+BROKEN_ROUND_TIMEOUT_S = 3.0  # per-broadcast deadline in the interrupted-update test
+TENSORS_BEFORE_TRAINER_DIES = 3  # the interrupted update sends only this many of the announced tensors
+PAUSED_CHECK_S = 0.5  # how long a request submitted to the paused engine is watched for progress
 RPC_SLACK_S = 3.0  # engine RPC and process hops on top of that deadline
 
 
@@ -144,3 +147,52 @@ def test_rendezvous_without_trainer_fails_within_deadline(rollout_engine, loop_r
 
     still_serving = loop_runner.run(rollout_engine.generate(prompt_ids(tiny_models), greedy(4)))
     assert len(still_serving.token_ids) == 4
+
+
+def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_engine, loop_runner, tiny_models):
+    from asyncrl.weight_transfer import WeightSender, init_info_for
+    from rollout_servers.engine import WeightSyncError
+
+    prompt = prompt_ids(tiny_models)
+    named = weights_for_transfer(tiny_models.update)
+    version_before = rollout_engine.current_version
+    new_version = version_before + 1
+
+    async def fresh_group() -> WeightSender:
+        where = GroupAddress("127.0.0.1", free_port(), 2, "gloo", BROKEN_ROUND_TIMEOUT_S)
+        sender, _ = await asyncio.gather(
+            asyncio.to_thread(WeightSender.open, where), rollout_engine.join_weight_sync(init_info_for(where, 1))
+        )
+        return sender
+
+    async def interrupted_round() -> float:
+        sender = await fresh_group()
+        started = time.perf_counter()
+        with pytest.raises(WeightSyncError, match="engine stays paused"):
+            await asyncio.gather(
+                asyncio.to_thread(sender.send_weights, named[:TENSORS_BEFORE_TRAINER_DIES]),
+                rollout_engine.update_weights(update_info_for(named), new_version),
+            )
+        sender.close()
+        return time.perf_counter() - started
+
+    async def request_while_paused_then_catch_up():
+        request = asyncio.create_task(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS), request_id="waiting"))
+        await asyncio.sleep(PAUSED_CHECK_S)
+        sampled_while_paused = rollout_engine.inflight_tokens().get("waiting", 0)
+        sender = await fresh_group()
+        await update_to(rollout_engine, sender, tiny_models.update, new_version)
+        sender.close()
+        return sampled_while_paused, await request
+
+    failed_after = loop_runner.run(interrupted_round())
+    log.warning("interrupted update failed after %.2fs (deadline %.1fs)", failed_after, BROKEN_ROUND_TIMEOUT_S)
+    assert failed_after < BROKEN_ROUND_TIMEOUT_S + RPC_SLACK_S
+    assert rollout_engine.needs_catch_up and rollout_engine.current_version == version_before
+
+    sampled_while_paused, completion = loop_runner.run(request_while_paused_then_catch_up())
+    assert sampled_while_paused == 0, "a paused engine with mixed weights must not sample"
+    assert not rollout_engine.needs_catch_up and rollout_engine.current_version == new_version
+    assert completion.versions == [new_version] * GREEDY_TOKENS
+    assert completion.token_ids == transformers_greedy(tiny_models.update, prompt, GREEDY_TOKENS)
+    assert logprob_gap(completion, tiny_models.update, prompt) < LOGPROB_TOLERANCE
