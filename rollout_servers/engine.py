@@ -117,7 +117,8 @@ class RolloutEngine:
                 await self._receive(update_info, version)
             except Exception as error:
                 self._needs_catch_up = True
-                raise WeightSyncError(f"weight update to version {version} failed; engine stays paused: {error}") from error
+                message = f"weight update to version {version} failed; engine stays paused: {error}"
+                raise WeightSyncError(message) from error
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
             seconds = time.perf_counter() - started

@@ -39,10 +39,10 @@ def prompt_ids(tiny_models) -> list[int]:
 
 
 @torch.no_grad()
-def transformers_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """log π(token) of each completion token under `model`, recomputed in one forward pass."""
+def transformers_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log π(token) of each completion token under `model` at `temperature`, recomputed in one forward pass."""
     ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -74,16 +74,20 @@ async def update_to(engine, sender, model, version: int) -> float:
     return paused_s
 
 
-def test_logprobs_match_transformers(rollout_engine, loop_runner, tiny_models):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(rollout_engine, loop_runner, tiny_models, temperature):
+    """Behaviour log-probs (processed mode) are those of the tempered distribution the token was drawn from."""
     prompt = prompt_ids(tiny_models)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=1)
+    sampling = SamplingConfig(temperature=temperature, top_p=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=1)
     completion = loop_runner.run(rollout_engine.generate(prompt, sampling, seed=7))
 
     assert len(completion.token_ids) == len(completion.logprobs) == SAMPLED_TOKENS
     assert completion.versions == [0] * SAMPLED_TOKENS
     assert completion.finish_reason == "length"
-    gap = logprob_gap(completion, tiny_models.served, prompt)
-    log.warning("log-prob gap vLLM vs transformers (float32): max %.2e over %d tokens", gap, SAMPLED_TOKENS)
+    expected = transformers_logprobs(tiny_models.served, prompt, completion.token_ids, temperature)
+    gap = (torch.tensor(completion.logprobs) - expected).abs().max().item()
+    log.warning("log-prob gap vLLM vs transformers at T=%.1f (float32): max %.2e over %d tokens",
+                temperature, gap, SAMPLED_TOKENS)
     assert gap < LOGPROB_TOLERANCE
 
 
@@ -129,7 +133,8 @@ def test_request_spanning_an_update_carries_both_versions(rollout_engine, weight
     # After the boundary the engine samples with the new weights over a KV cache partly written by the old
     # ones, which neither model reproduces exactly. The old weights would reproduce every log-prob within
     # LOGPROB_TOLERANCE; from the first new-version token on they do not.
-    assert logprob_gap(completion, tiny_models.update, prompt, start=boundary, end=boundary + 1) > 10 * LOGPROB_TOLERANCE
+    first_new_gap = logprob_gap(completion, tiny_models.update, prompt, start=boundary, end=boundary + 1)
+    assert first_new_gap > 10 * LOGPROB_TOLERANCE
     assert logprob_gap(completion, tiny_models.update, prompt, start=boundary) > DIFFERENT_WEIGHTS_GAP
 
 
