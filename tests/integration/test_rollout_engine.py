@@ -25,6 +25,7 @@ LOGPROB_TOLERANCE = 1e-4  # float32 on both sides; the largest gap seen was well
 DIFFERENT_WEIGHTS_GAP = 1e-2  # log-probs under the other model's weights are at least this far off
 SAMPLED_TOKENS = 48  # completion length of the log-prob test
 GREEDY_TOKENS = 32  # completion length compared token by token after an update
+GROUP_SIZE = 3  # completions per prompt in the group test
 SPANNING_TOKENS = 200  # long enough that the update lands mid-request
 TOKENS_BEFORE_UPDATE = 20  # the update starts once the request has streamed this many tokens
 NO_TRAINER_TIMEOUT_S = 3.0  # rendezvous deadline in the no-trainer test
@@ -89,6 +90,18 @@ def test_logprobs_match_transformers(rollout_engine, loop_runner, tiny_models, t
     log.warning("log-prob gap vLLM vs transformers at T=%.1f (float32): max %.2e over %d tokens",
                 temperature, gap, SAMPLED_TOKENS)
     assert gap < LOGPROB_TOLERANCE
+
+
+def test_group_holds_n_seeded_completions_of_one_prompt(rollout_engine, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=GROUP_SIZE)
+    group = loop_runner.run(rollout_engine.generate_group(prompt, sampling, seed=11))
+    again = loop_runner.run(rollout_engine.generate_group(prompt, sampling, seed=11))
+
+    assert len(group) == GROUP_SIZE and len({c.request_id for c in group}) == GROUP_SIZE
+    assert all(len(c.token_ids) == SAMPLED_TOKENS and c.prompt_ids == prompt for c in group)
+    assert len({tuple(c.token_ids) for c in group}) > 1, "each sample draws with its own seed"
+    assert [c.token_ids for c in again] == [c.token_ids for c in group], "seeded groups repeat"
 
 
 def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, loop_runner, tiny_models):
