@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.launch_buffer import BufferProcess, start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
@@ -21,7 +22,6 @@ from asyncrl.weight_transfer.protocol import resolve_backend
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS_FILE = "endpoints.json"  # in the run directory: {"buffer": tcp://..., "sync": tcp://...}
 
 
 class BatchTimeout(TimeoutError):

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.logs import setup_logging
 from rollout_servers.server import Endpoints, RolloutServer
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS_FILE = "endpoints.json"  # written by the learner into the run directory
 _POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signal
 
 
@@ -43,8 +43,9 @@ def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> En
     return Endpoints(config.buffer.address or found["buffer"], config.rollout.weight_sync.control_address or found["sync"])
 
 
-def supervise(config: AsyncRLConfig, run_dir: Path, endpoints: Endpoints) -> None:
-    """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die."""
+def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None:
+    """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die. Endpoints are
+    looked up at every (re)start, so servers follow a learner that restarted on new addresses."""
     context = multiprocessing.get_context("spawn")
     stopping = False
 
@@ -69,6 +70,7 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints: Endpoints) -> Non
                     next_start[index] = time.monotonic() + delay
                     processes[index] = None
                 if time.monotonic() >= next_start[index]:
+                    endpoints = find_endpoints(config, endpoints_dir, config.rollout.connect_timeout_s)
                     processes[index] = context.Process(target=_serve, args=(config, index, endpoints, str(run_dir)), daemon=False)
                     processes[index].start()
             time.sleep(_POLL_S)

@@ -8,6 +8,7 @@ import socket
 
 from asyncrl.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
+from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.sync_mode import apply_mode
 
 
@@ -15,6 +16,7 @@ def main(args: argparse.Namespace) -> int:
     config, log = start(args, "learner")
     config = apply_mode(config, log)
     run_dir = make_run_dir(config, "run")
+    (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # rollout servers wait for this run's addresses
     log.info("run directory: %s", run_dir)
     if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank of the given world
         from learner.main import train

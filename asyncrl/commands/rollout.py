@@ -20,5 +20,5 @@ def main(args: argparse.Namespace) -> int:
         return 2
     endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)
     log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer, endpoints.sync)
-    supervise(config, run_dir or Path(config.run.root_dir) / "rollout", endpoints)
+    supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."))
     return 0

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from asyncrl.commands.common import start
+from asyncrl.endpoints import ENDPOINTS_FILE
 
 _POLL_S = 0.5  # how often the launcher checks its children
 _STOP_TIMEOUT_S = 30.0  # grace period after SIGTERM before SIGKILL
@@ -22,6 +23,7 @@ def main(args: argparse.Namespace) -> int:
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # a resumed run's old addresses must not be used
     base = [sys.executable, "-m", "asyncrl.cli"]
     shared = (["--config", args.config] if args.config else []) + [*args.overrides, f"run.name={name}"]
     # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout

@@ -8,10 +8,8 @@ from asyncrl.weight_transfer.group import TRAINER_RANK, GroupAddress, TransferGr
 from asyncrl.weight_transfer.protocol import (
     BACKEND_NAME,
     TensorMeta,
-    group_address,
     init_info_for,
     parse_update_info,
-    server_rank_offset,
     update_info_for,
     weights_for_transfer,
 )
@@ -25,10 +23,8 @@ __all__ = [
     "TransferGroup",
     "WeightSender",
     "WeightTransferError",
-    "group_address",
     "init_info_for",
     "parse_update_info",
-    "server_rank_offset",
     "update_info_for",
     "weights_for_transfer",
 ]

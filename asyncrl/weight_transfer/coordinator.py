@@ -136,14 +136,10 @@ class SyncCoordinator:
     def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
         """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
         self._close_group()
-        world_size = _FIRST_SERVER_RANK + sum(self.members[name].ranks for name in invited)
+        offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in invited])
         port = self.group_port or _free_port(self.group_host)
         address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
-        infos, next_rank = {}, _FIRST_SERVER_RANK
-        for name in invited:
-            infos[name] = init_info_for(address, next_rank)
-            next_rank += self.members[name].ranks
-        return address, infos
+        return address, {name: init_info_for(address, offsets[name]) for name in invited}
 
     def _collect(self, report: RoundReport, invited: list[str], deadline: float) -> None:
         """Gather SyncDone replies for this round until all arrived or the deadline."""
@@ -193,6 +189,16 @@ class SyncCoordinator:
         if self._sender is not None:
             self._sender.close()
         self._sender, self._group_members = None, ()
+
+
+def rank_layout(servers: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
+    """Each server's first group rank (the trainer is rank 0; a server takes one rank per worker) and
+    the world size."""
+    offsets, next_rank = {}, _FIRST_SERVER_RANK
+    for name, ranks in servers:
+        offsets[name] = next_rank
+        next_rank += ranks
+    return offsets, next_rank
 
 
 def _free_port(host: str) -> int:

@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.config.rollout import RolloutConfig
 from asyncrl.weight_transfer.group import GLOO, NCCL, TRAINER_RANK, GroupAddress
 
 BACKEND_NAME = "asyncrl"  # name of our engine in vLLM's WeightTransferEngineFactory
@@ -64,18 +63,6 @@ class UpdateInfo:
             TensorMeta(name, _dtype(dtype_name), tuple(shape))
             for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes)
         ]
-
-
-def group_address(rollout: RolloutConfig) -> GroupAddress:
-    """The learner's group with every rollout worker: trainer rank 0, then each server's TP ranks in turn."""
-    sync = rollout.weight_sync
-    world_size = 1 + rollout.num_servers * rollout.engine.tensor_parallel_size
-    return GroupAddress(sync.host, sync.port, world_size, resolve_backend(sync.backend), sync.timeout_s)
-
-
-def server_rank_offset(server_index: int, rollout: RolloutConfig) -> int:
-    """Group rank of server `server_index`'s first worker."""
-    return TRAINER_RANK + 1 + server_index * rollout.engine.tensor_parallel_size
 
 
 def resolve_backend(name: str) -> str:

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from asyncrl.config.rollout import EngineConfig, RolloutConfig, WeightSyncConfig
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.tiny.model import build_tiny_model
 from asyncrl.tiny.tokenizer import build_char_tokenizer
@@ -18,9 +17,7 @@ from asyncrl.weight_transfer import (
     TransferGroup,
     WeightSender,
     WeightTransferError,
-    group_address,
     parse_update_info,
-    server_rank_offset,
     update_info_for,
     weights_for_transfer,
 )
@@ -98,11 +95,3 @@ def test_output_head_is_sent_exactly_once(tied):
     names = [name for name, _ in weights_for_transfer(model)]
     assert names.count("lm_head.weight") == 1
     assert len(names) == len(set(names))
-
-
-def test_group_layout_gives_each_server_its_tensor_parallel_ranks():
-    rollout = RolloutConfig(
-        num_servers=3, engine=EngineConfig(tensor_parallel_size=2), weight_sync=WeightSyncConfig(backend="gloo")
-    )
-    assert group_address(rollout).world_size == 1 + 3 * 2
-    assert [server_rank_offset(index, rollout) for index in range(3)] == [1, 3, 5]

@@ -1,0 +1,122 @@
+"""Weight-sync rounds without vLLM: fake servers on real ZeroMQ sockets and a real gloo group."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import zmq
+
+from asyncrl.messages import decode, encode
+from asyncrl.weight_transfer import TransferGroup, parse_update_info
+from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
+from asyncrl.weight_transfer.coordinator import SyncCoordinator, rank_layout
+from asyncrl.weight_transfer.protocol import InitInfo
+
+TIMEOUT_S = 3.0
+HEARTBEAT_S = 0.05
+
+
+class FakeServer(threading.Thread):
+    """Heartbeats; on each invite (re)joins the group if asked, receives every tensor, reports."""
+
+    def __init__(self, name: str, address: str, answer: bool = True) -> None:
+        super().__init__(daemon=True)
+        self.name_, self.address, self.answer = name, address, answer
+        self.received: dict[int, dict[str, torch.Tensor]] = {}
+        self.stop = threading.Event()
+        self.version = 0
+
+    def run(self) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(self.address)
+        group = None
+        while not self.stop.is_set():
+            sock.send(encode(SyncJoin(self.name_, 1, self.version)))
+            if not sock.poll(int(HEARTBEAT_S * 1000)):
+                continue
+            invite = decode(sock.recv(), expect=SyncInvite)
+            if not self.answer:
+                continue
+            try:
+                if invite.init_info:
+                    info = InitInfo(**invite.init_info)
+                    group = TransferGroup.join(info.address(), info.rank_offset)
+                tensors = {}
+                for meta in parse_update_info(invite.update_info):
+                    buffer = torch.empty(meta.shape, dtype=meta.dtype)
+                    group.broadcast(buffer)
+                    tensors[meta.name] = buffer
+            except Exception as error:  # as a real server does: report, stay, catch up next round
+                sock.send(encode(SyncDone(self.name_, invite.round_id, ok=False, error=str(error))))
+                continue
+            self.received[invite.version], self.version = tensors, invite.version
+            sock.send(encode(SyncDone(self.name_, invite.round_id, ok=True, seconds=0.01)))
+        sock.close(0)
+
+
+def coordinator() -> SyncCoordinator:
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=0.5)
+
+
+def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
+    return [("a.weight", torch.full((3, 2), scale)), ("lm_head.weight", torch.arange(4.0) * scale)]
+
+
+def test_rank_layout_gives_each_server_consecutive_ranks_after_the_trainer():
+    assert rank_layout([("s0", 2), ("s1", 2), ("s2", 1)]) == ({"s0": 1, "s1": 3, "s2": 5}, 6)
+
+
+def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds():
+    coord = coordinator()
+    servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
+    for server in servers:
+        server.start()
+    try:
+        assert coord.wait_for_members(2, timeout_s=10) == ["s0", "s1"]
+        for version, scale in ((1, 1.0), (2, -3.0)):
+            report = coord.broadcast(version, weights(scale))
+            assert sorted(report.succeeded) == ["s0", "s1"] and not report.failed
+            for server in servers:
+                got = server.received[version]
+                assert all(torch.equal(got[name], tensor) for name, tensor in weights(scale))
+        assert coord.lagging_members(2) == []
+        assert coord.lagging_members(3) == ["s0", "s1"]
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
+def test_a_silent_server_fails_the_round_within_the_deadline_and_is_dropped():
+    coord = coordinator()
+    good, silent = FakeServer("good", coord.address), FakeServer("silent", coord.address, answer=False)
+    good.start()
+    silent.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        started = time.monotonic()
+        report = coord.broadcast(1, weights(1.0))
+        assert time.monotonic() - started < TIMEOUT_S + 2.0  # bounded: the learner never hangs on a server
+        assert "silent" in report.failed
+        silent.stop.set()
+        silent.join()
+        time.sleep(1.0)  # past liveness_s: the silent server is no longer a member
+        report = coord.broadcast(2, weights(2.0))
+        assert report.succeeded == ["good"] and not report.failed
+        assert torch.equal(good.received[2]["a.weight"], torch.full((3, 2), 2.0))
+    finally:
+        good.stop.set()
+        silent.stop.set()
+        coord.close()
+
+
+def test_no_servers_means_an_empty_round_not_a_wait():
+    coord = coordinator()
+    try:
+        started = time.monotonic()
+        report = coord.broadcast(1, weights(1.0))
+        assert report.servers == 0 and time.monotonic() - started < 0.5
+    finally:
+        coord.close()
