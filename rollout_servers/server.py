@@ -89,12 +89,16 @@ class RolloutServer:
         rollout = self.config.rollout
         capacity = max(1, rollout.max_inflight // rollout.sampling.n)  # groups in the engine at once
         running: set[asyncio.Task] = set()
+        learner_version = (await self._ask(admission, 0)).policy_version
         while not self._stop.is_set():
-            grant = await self._ask(admission, capacity - len(running))
-            lagging = grant.policy_version - engine.current_version > self.config.buffer.max_staleness
-            if not engine.needs_catch_up and not lagging:
-                for _ in range(grant.granted):
-                    running.add(asyncio.create_task(self._one_group(engine, producer, scorer)))
+            # Every granted group counts against the staleness bound until reported finished, so ask
+            # only for what will be started now: nothing while the weights lag by more than K.
+            lagging = learner_version - engine.current_version > self.config.buffer.max_staleness
+            wanted = 0 if engine.needs_catch_up or lagging else capacity - len(running)
+            grant = await self._ask(admission, wanted)
+            learner_version = grant.policy_version
+            for _ in range(grant.granted):
+                running.add(asyncio.create_task(self._one_group(engine, producer, scorer)))
             idle_from = time.perf_counter() if not running else None
             if running:
                 done, running = await asyncio.wait(running, timeout=rollout.poll_s, return_when=asyncio.FIRST_COMPLETED)
