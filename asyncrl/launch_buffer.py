@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-ENDPOINT_FILE = "endpoint"  # written by the service once bound (see buffer.service)
+ENDPOINT_FILE = "endpoint"  # the service writes its bound tcp:// address here once it serves
 POLL_S = 0.05  # how often the endpoint file is looked for
 
 

@@ -238,7 +238,8 @@ class ErrorReply:
 
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(type=tuple[int, str, msgspec.Raw])
-_GROUP_PREFIX = b"\x93" + _ENCODER.encode(SCHEMA_VERSION) + _ENCODER.encode(TrajectoryGroup.kind)  # type: ignore[attr-defined]
+_GROUP_KIND: str = TrajectoryGroup.kind  # type: ignore[attr-defined]
+_GROUP_PREFIX = b"\x93" + _ENCODER.encode(SCHEMA_VERSION) + _ENCODER.encode(_GROUP_KIND)  # how encode() starts a group
 
 
 def encode(msg: Any) -> bytes:

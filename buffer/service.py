@@ -20,6 +20,7 @@ import zmq
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, summarize_group
+from asyncrl.launch_buffer import ENDPOINT_FILE
 from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
                               Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
@@ -31,7 +32,6 @@ from buffer.window import BatchLimits, Selection
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_FILE = "endpoint"  # the bound tcp:// address, written once the service is ready
 HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
 MS_PER_S = 1000
 

@@ -46,14 +46,13 @@ class TrajectoryProducer:
 
     def submit(self, group: TrajectoryGroup) -> None:
         """Send a group without waiting for its ack (blocks while max_in_flight are unacknowledged)."""
-        if group.record_id in self.in_flight:
-            return
-        while len(self.in_flight) >= self.max_in_flight:
-            self._pump()
-        self.submit_encoded(group.record_id, encode(group))
+        if group.record_id not in self.in_flight:
+            self.submit_encoded(group.record_id, encode(group))
 
     def submit_encoded(self, record_id: str, frame: bytes) -> None:
         """Send an already-encoded TrajectoryGroup (the caller vouches that `frame` encodes `record_id`)."""
+        while len(self.in_flight) >= self.max_in_flight:
+            self._pump()
         now = time.monotonic()
         self.in_flight[record_id] = _InFlight(frame, now + self.deadline_s, now + self.ack_timeout_s)
         self.socket.send(frame)

@@ -92,7 +92,8 @@ def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> z
     socket.linger = LINGER_MS
     if curve_dir:
         directory = Path(curve_dir)
-        socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(directory / f"{CLIENT_CERT}.key_secret")
+        client_keys = zmq.auth.load_certificate(directory / f"{CLIENT_CERT}.key_secret")
+        socket.curve_publickey, socket.curve_secretkey = client_keys
         socket.curve_serverkey, _ = zmq.auth.load_certificate(directory / f"{SERVER_CERT}.key")
     socket.connect(address)
     return socket
