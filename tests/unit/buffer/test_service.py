@@ -140,7 +140,7 @@ def test_a_full_buffer_slows_producers_without_losing_records(serve, small_confi
     while len(received) < 8 and time.monotonic() < deadline:
         received += [g.record_id for g in consumer.next_batch(0, max_samples=1, wait_s=1).groups]
     thread.join(timeout=20)
-    assert received == [f"x{i}" for i in range(8)]
+    assert sorted(received) == [f"x{i}" for i in range(8)]  # each once; retries may reorder
     assert producer.resends > 0 and consumer.stats().full_rejections > 0
 
 
