@@ -75,6 +75,8 @@ class Trajectory:
 
     def oldest_version(self) -> int:
         """The oldest policy version among trained tokens (-1 if none is trained)."""
+        if self.loss_mask.count(1) == len(self.loss_mask):  # all trained, the common case: a plain C-level min
+            return min(self.token_versions, default=-1)
         return min(itertools.compress(self.token_versions, self.loss_mask), default=-1)
 
 
