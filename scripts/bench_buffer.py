@@ -35,6 +35,8 @@ PLACEHOLDER = "X" * RECORD_ID_WIDTH
 MB = 1e6
 MS_PER_S = 1000
 PERCENTILE_P99 = 99
+PHASE_TIMEOUT_S = 300  # no phase may hang the benchmark
+DELIVERY_BATCH_TRAJECTORIES = 256  # trajectories the consumer asks for per batch
 SPAWN = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's ZeroMQ context
 
 
@@ -72,11 +74,13 @@ def record_id(index: int) -> str:
 
 
 def raw_producer(address: str, payload: bytes, count: int) -> None:
-    socket = zmq.Context.instance().socket(zmq.PUSH)
+    context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
     socket.connect(address)
     for _ in range(count):
         socket.send(payload)
     socket.close(linger=-1)
+    context.term()  # returns once every message is delivered; exiting before would drop the tail
 
 
 def buffer_producer(address: str, template: tuple[bytes, bytes], count: int, window: int,
@@ -110,6 +114,7 @@ def buffer_producer(address: str, template: tuple[bytes, bytes], count: int, win
 def run_raw(payload: bytes, count: int) -> float:
     """Seconds for a PULL socket to receive and msgpack-unpack `count` messages."""
     socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.rcvtimeo = PHASE_TIMEOUT_S * MS_PER_S  # a lost message raises zmq.Again instead of hanging
     port = socket.bind_to_random_port("tcp://127.0.0.1")
     child = SPAWN.Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", payload, count))
     child.start()
@@ -126,20 +131,26 @@ def run_raw(payload: bytes, count: int) -> float:
 def run_buffer(directory: Path, fsync: str, template: tuple[bytes, bytes], count: int, window: int):
     """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies)."""
     buffer = start_buffer(directory, overrides=[f"buffer.fsync={fsync}"], log_path=directory / "buffer.log")
-    results = SPAWN.Queue()
-    child = SPAWN.Process(target=buffer_producer, args=(buffer.address, template, count, window, results))
-    child.start()
-    elapsed, latencies = results.get()
-    child.join()
+    try:
+        results = SPAWN.Queue()
+        child = SPAWN.Process(target=buffer_producer, args=(buffer.address, template, count, window, results))
+        child.start()
+        elapsed, latencies = results.get(timeout=PHASE_TIMEOUT_S)
+        child.join()
+    except BaseException:
+        buffer.stop()
+        raise
     return buffer, elapsed, latencies
 
 
-def run_delivery(address: str, count: int, samples: int) -> float:
+def run_delivery(address: str, count: int) -> float:
     consumer = BufferConsumer(address, "bench")
     started = time.perf_counter()
     received = 0
     while received < count:
-        received += len(consumer.next_batch(0, max_samples=256 * samples // 8 or samples).groups)
+        if time.perf_counter() - started > PHASE_TIMEOUT_S:
+            raise TimeoutError(f"delivered {received} of {count} groups within {PHASE_TIMEOUT_S}s")
+        received += len(consumer.next_batch(0, max_samples=DELIVERY_BATCH_TRAJECTORIES).groups)
     return time.perf_counter() - started
 
 
@@ -170,9 +181,11 @@ def main() -> None:
                 run_raw(raw_payload, args.groups))]
     durable, seconds, latencies = run_buffer(root / "batch", "batch", template, args.groups, args.window)
     rows.append(row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies))
-    rows.append(row("buffer delivery (consumer decodes)", trajectories, nbytes,
-                    run_delivery(durable.address, args.groups, args.samples_per_group)))
-    durable.stop()
+    try:
+        delivery_seconds = run_delivery(durable.address, args.groups)
+    finally:
+        durable.stop()
+    rows.append(row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds))
     volatile, seconds, latencies = run_buffer(root / "none", "none", template, args.groups, args.window)
     volatile.stop()
     rows.append(row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies))
