@@ -6,7 +6,6 @@ runs as its own process either way. Readiness is the endpoint file the service w
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -51,8 +50,11 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
     command = [sys.executable, "-m", "asyncrl.cli", "buffer", f"buffer.dir={directory}", *overrides]
     if config_path is not None:
         command[4:4] = ["--config", str(config_path)]
-    output = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
-    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ.copy())
+    if log_path is None:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    else:
+        with open(log_path, "ab") as output:  # the child keeps its own handle
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while not endpoint.exists():
         if process.poll() is not None:

@@ -42,7 +42,9 @@ class TrajectoryProducer:
         self.submit(group)
         while group.record_id in self.in_flight:
             self._pump()
-        return next(ack for ack in reversed(self.acks) if ack.record_id == group.record_id)
+        ack = next(ack for ack in self.acks if ack.record_id == group.record_id)
+        self.acks.remove(ack)
+        return ack
 
     def submit(self, group: TrajectoryGroup) -> None:
         """Send a group without waiting for its ack (blocks while max_in_flight are unacknowledged)."""
