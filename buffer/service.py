@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
 MS_PER_S = 1000
+REJECT_LOG_INTERVAL_S = 1.0  # at most one log line per interval about rejected frames (all are counted)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class BufferService:
         self.policy_version = self.store.committed.policy_version
         self.parked: list[ParkedRequest] = []
         self.running = True
+        self._next_reject_log = 0.0
         self.context = context or zmq.Context()
         self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
         self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
@@ -134,8 +136,11 @@ class BufferService:
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self.counters.rejected_frames += 1
-        log.warning("rejected a frame from peer %s (%d so far): %s", identity.hex(), self.counters.rejected_frames,
-                    reason)
+        now = time.monotonic()
+        if now >= self._next_reject_log:  # a flood of junk must not flood the log too
+            log.warning("rejected a frame from peer %s (%d rejected so far): %s", identity.hex(),
+                        self.counters.rejected_frames, reason)
+            self._next_reject_log = now + REJECT_LOG_INTERVAL_S
         self._reply(identity, ErrorReply(reason))
         return None
 
