@@ -260,7 +260,7 @@ class BufferService:
         groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
         counters, window = self.counters, self.store.window
         return BufferStats(
-            size_groups=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
+            size=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
             read_offset=window.read_offset, committed_offset=self.store.committed.offset,
             end_offset=self.store.end_offset, policy_version=self.policy_version,
             ingested=counters.ingested, duplicates=counters.duplicates,

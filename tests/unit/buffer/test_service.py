@@ -67,7 +67,7 @@ def test_ingest_ack_batch_commit_and_stats(serve, small_config):
     assert (batch.offsets, batch.next_offset, consumer.position) == ([0, 1, 2, 3], 4, 4)
     assert consumer.commit(policy_version=1).committed_offset == 4
     stats = consumer.stats()
-    assert (stats.ingested, stats.duplicates, stats.handed_out, stats.size_groups) == (6, 1, 4, 2)
+    assert (stats.ingested, stats.duplicates, stats.handed_out, stats.size) == (6, 1, 4, 2)
     assert stats.policy_version == 1 and stats.staleness_histogram == {0: 4}
 
 
