@@ -24,7 +24,7 @@ from asyncrl.launch_buffer import ENDPOINT_FILE
 from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
                               Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
-from asyncrl.transport.sockets import ServerSecurity, bind_router
+from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
 from buffer.metrics import Counters, IngestRate
 from buffer.store import OffsetError, TrajectoryStore
@@ -33,7 +33,6 @@ from buffer.window import BatchLimits, Selection
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
-MS_PER_S = 1000
 REJECT_LOG_INTERVAL_S = 1.0  # at most one log line per interval about rejected frames (all are counted)
 
 

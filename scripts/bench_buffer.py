@@ -28,12 +28,12 @@ from asyncrl.launch_buffer import start_buffer
 from asyncrl.messages import encode
 from asyncrl.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
+from asyncrl.transport.sockets import MS_PER_S
 
 COMPLETION_TOKENS = 1024
 RECORD_ID_WIDTH = 16
 PLACEHOLDER = "X" * RECORD_ID_WIDTH
 MB = 1e6
-MS_PER_S = 1000
 PERCENTILE_P99 = 99
 PHASE_TIMEOUT_S = 300  # no phase may hang the benchmark
 DELIVERY_BATCH_TRAJECTORIES = 256  # trajectories the consumer asks for per batch
@@ -102,7 +102,7 @@ def buffer_producer(address: str, template: tuple[bytes, bytes], count: int, win
         producer.submit_encoded(rid, frame)
         collect()
     while producer.in_flight:
-        producer._pump()
+        producer.pump()
         collect()
     results.put((time.perf_counter() - started, latencies))
 

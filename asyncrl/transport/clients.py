@@ -6,9 +6,7 @@ import zmq
 
 from asyncrl.messages import (AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition, BufferStats,
                               Commit, PolicyVersion, StatsRequest)
-from asyncrl.transport.sockets import RequestChannel
-
-MS_PER_S = 1000
+from asyncrl.transport.sockets import MS_PER_S, RequestChannel
 
 
 class AdmissionClient:
