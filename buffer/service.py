@@ -33,6 +33,7 @@ from buffer.window import BatchLimits, Selection
 log = logging.getLogger(__name__)
 
 HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
+BATCH_ENVELOPE_BYTES = 256  # room for a Batch's own fields beside its groups' bytes
 REJECT_LOG_INTERVAL_S = 1.0  # at most one log line per interval about rejected frames (all are counted)
 
 
@@ -215,7 +216,8 @@ class BufferService:
                                                  self.store.window.read_offset, len(selection.dropped)))
 
     def _limits(self, request: BatchRequest) -> BatchLimits:
-        return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens)
+        return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens,
+                           max_bytes=self.config.max_message_bytes - BATCH_ENVELOPE_BYTES)
 
     def _count_handout(self, selection: Selection) -> None:
         self.counters.handed_out += len(selection.taken)

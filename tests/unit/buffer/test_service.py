@@ -177,3 +177,15 @@ def test_curve_keys_admit_only_clients_holding_them(serve, small_config, tmp_pat
 def test_non_loopback_bind_needs_keys():
     with pytest.raises(ValueError, match="CURVE"):
         bind_router(zmq.Context.instance(), "0.0.0.0", 0, 1024, security=None)
+
+
+def test_an_unlimited_batch_still_fits_the_frame_limit(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_message_bytes=4096))
+    producer = TrajectoryProducer(service.endpoint)
+    for i in range(20):
+        producer.submit(group(f"m{i}"))
+    producer.flush()
+    consumer = BufferConsumer(service.endpoint, "learner")
+    batch = consumer.next_batch(0)
+    assert 1 < len(batch.groups) < 20
+    assert len(encode(batch)) <= 4096
