@@ -116,7 +116,11 @@ class BufferService:
         if groups:
             self._ingest(groups)
         for identity, message in controls:
-            self._handlers.get(type(message), self._on_unexpected)(identity, message)
+            try:
+                self._handlers.get(type(message), self._on_unexpected)(identity, message)
+            except Exception as error:  # one failing request must not stop the service for everyone
+                log.exception("failed to answer a '%s' request", type(message).kind)
+                self._reply(identity, ErrorReply(f"internal error answering '{type(message).kind}': {error}"))
 
     def _parse(self, identity: bytes, frames: list[bytes]) -> GroupSummary | Any | None:
         """A GroupSummary for a trajectory group, the message for anything else, None if rejected."""

@@ -189,3 +189,11 @@ def test_an_unlimited_batch_still_fits_the_frame_limit(serve, small_config):
     batch = consumer.next_batch(0)
     assert 1 < len(batch.groups) < 20
     assert len(encode(batch)) <= 4096
+
+
+def test_a_failing_request_is_answered_and_the_service_goes_on(serve, small_config, monkeypatch):
+    service = serve(small_config)
+    monkeypatch.setattr(service.admission, "grant", lambda *args: 1 / 0)
+    with pytest.raises(BufferRequestError, match="internal error"):
+        AdmissionClient(service.endpoint, "server-0").request(wanted=1)
+    assert TrajectoryProducer(service.endpoint).send(group("after")).offset == 0
