@@ -6,7 +6,6 @@ runs as its own process either way. Readiness is the endpoint file the service w
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-ENDPOINT_FILE = "endpoint"  # written by the service once bound (see buffer.service)
+from asyncrl.config import AsyncRLConfig, save_config
+
+BUFFER_SUBDIR = "buffer"  # the buffer's directory inside a run directory when buffer.dir is empty
+BUFFER_LOG = "buffer.log"  # the child's output, in the run directory
+ENDPOINT_FILE = "endpoint"  # the service writes its bound tcp:// address here once it serves
 POLL_S = 0.05  # how often the endpoint file is looked for
 
 
@@ -51,8 +54,11 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
     command = [sys.executable, "-m", "asyncrl.cli", "buffer", f"buffer.dir={directory}", *overrides]
     if config_path is not None:
         command[4:4] = ["--config", str(config_path)]
-    output = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
-    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=os.environ.copy())
+    if log_path is None:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    else:
+        with open(log_path, "ab") as output:  # the child keeps its own handle
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while not endpoint.exists():
         if process.poll() is not None:
@@ -62,3 +68,18 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
             raise TimeoutError(f"buffer did not start serving within {timeout_s:.0f}s (see {log_path})")
         time.sleep(POLL_S)
     return BufferProcess(process, endpoint.read_text(), directory)
+
+
+def connect_or_start_buffer(config: AsyncRLConfig, run_dir: str | Path,
+                            timeout_s: float = 30.0) -> tuple[str, BufferProcess | None]:
+    """The buffer address to use: buffer.address if set, else that of a buffer started for this run.
+
+    The started buffer runs with this run's resolved config (saved in run_dir) on buffer.dir, or on
+    <run_dir>/buffer; the caller stops it (BufferProcess.stop) when the run ends."""
+    if config.buffer.address:
+        return config.buffer.address, None
+    run_dir = Path(run_dir)
+    config_path = save_config(config, run_dir)
+    directory = Path(config.buffer.dir) if config.buffer.dir else run_dir / BUFFER_SUBDIR
+    process = start_buffer(directory, config_path, timeout_s=timeout_s, log_path=run_dir / BUFFER_LOG)
+    return process.address, process

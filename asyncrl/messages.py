@@ -75,6 +75,8 @@ class Trajectory:
 
     def oldest_version(self) -> int:
         """The oldest policy version among trained tokens (-1 if none is trained)."""
+        if self.loss_mask.count(1) == len(self.loss_mask):  # all trained, the common case: a plain C-level min
+            return min(self.token_versions, default=-1)
         return min(itertools.compress(self.token_versions, self.loss_mask), default=-1)
 
 
@@ -197,7 +199,7 @@ class StatsRequest:
 class BufferStats:
     """The buffer's metrics; `metrics()` names them as the learner logs them (`buffer/...`)."""
 
-    size_groups: int  # groups stored and not yet handed out
+    size: int  # groups stored and not yet handed out
     size_bytes: int  # bytes of those groups (held in memory)
     log_bytes: int  # bytes of segment files on disk
     read_offset: int  # next offset to hand out
@@ -222,7 +224,6 @@ class BufferStats:
         """Flat metrics for wandb/metrics.jsonl."""
         flat = {f"buffer/{name}": float(value) for name, value in dataclasses.asdict(self).items()
                 if name != "staleness_histogram"}
-        flat["buffer/size"] = float(self.size_groups)
         flat.update({f"buffer/staleness_{s}": float(n) for s, n in sorted(self.staleness_histogram.items())})
         return flat
 
@@ -238,7 +239,8 @@ class ErrorReply:
 
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(type=tuple[int, str, msgspec.Raw])
-_GROUP_PREFIX = b"\x93" + _ENCODER.encode(SCHEMA_VERSION) + _ENCODER.encode(TrajectoryGroup.kind)  # type: ignore[attr-defined]
+_GROUP_KIND: str = TrajectoryGroup.kind  # type: ignore[attr-defined]
+_GROUP_PREFIX = _ENCODER.encode((SCHEMA_VERSION, _GROUP_KIND, None))[:-1]  # envelope up to the body (minus nil)
 
 
 def encode(msg: Any) -> bytes:

@@ -23,6 +23,7 @@ RECORD_HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
 SEGMENT_SUFFIX = ".seg"
 OFFSET_DIGITS = 20  # segment names sort as numbers
 FSYNC_POLICIES = ("always", "batch", "none")
+IOV_MAX = os.sysconf("SC_IOV_MAX")  # most buffers one writev takes
 
 
 class LogCorruption(RuntimeError):
@@ -43,10 +44,6 @@ class Segment:
 
 def segment_path(directory: Path, base: int) -> Path:
     return directory / f"{base:0{OFFSET_DIGITS}d}{SEGMENT_SUFFIX}"
-
-
-def frame_record(payload: bytes) -> bytes:
-    return RECORD_HEADER.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 class SegmentLog:
@@ -122,17 +119,21 @@ class SegmentLog:
                 chunk, chunk_bytes = [], 0
             if not chunk and self.segments[-1].size >= self.segment_bytes:
                 self._roll()
-            chunk.append(frame_record(payload))
-            chunk_bytes += len(chunk[-1])
+            chunk.append(payload)
+            chunk_bytes += RECORD_HEADER.size + len(payload)
         if chunk:
             self._write_chunk(chunk)
 
-    def _write_chunk(self, frames: list[bytes]) -> None:
+    def _write_chunk(self, payloads: list[bytes]) -> None:
+        """One vectored write of header, payload, header, payload, ...: the payloads are not copied."""
         segment = self.segments[-1]
-        _write_all(self._writer, b"".join(frames))
-        for frame in frames:
+        buffers = []
+        for payload in payloads:
+            buffers += [RECORD_HEADER.pack(len(payload), zlib.crc32(payload)), payload]
+        _writev_all(self._writer, buffers)
+        for payload in payloads:
             segment.positions.append(segment.size)
-            segment.size += len(frame)
+            segment.size += RECORD_HEADER.size + len(payload)
 
     def _roll(self) -> None:
         """Close the full segment and start the next; make both durable unless fsync is off."""
@@ -247,7 +248,12 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _writev_all(fd: int, buffers: list[bytes]) -> None:
+    """os.writev until every byte is written (it may write less, and takes at most IOV_MAX buffers)."""
+    pending = [memoryview(buffer) for buffer in buffers if buffer]
+    while pending:
+        written = os.writev(fd, pending[:IOV_MAX])
+        while pending and written >= len(pending[0]):
+            written -= len(pending.pop(0))
+        if written:
+            pending[0] = pending[0][written:]

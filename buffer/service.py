@@ -20,10 +20,11 @@ import zmq
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, summarize_group
+from asyncrl.launch_buffer import ENDPOINT_FILE
 from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
                               Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
-from asyncrl.transport.sockets import ServerSecurity, bind_router
+from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
 from buffer.metrics import Counters, IngestRate
 from buffer.store import OffsetError, TrajectoryStore
@@ -31,9 +32,9 @@ from buffer.window import BatchLimits, Selection
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_FILE = "endpoint"  # the bound tcp:// address, written once the service is ready
 HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
-MS_PER_S = 1000
+BATCH_ENVELOPE_BYTES = 256  # room for a Batch's own fields beside its groups' bytes
+REJECT_LOG_INTERVAL_S = 1.0  # at most one log line per interval about rejected frames (all are counted)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class BufferService:
         self.policy_version = self.store.committed.policy_version
         self.parked: list[ParkedRequest] = []
         self.running = True
+        self._next_reject_log = 0.0
         self.context = context or zmq.Context()
         self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
         self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
@@ -114,7 +116,11 @@ class BufferService:
         if groups:
             self._ingest(groups)
         for identity, message in controls:
-            self._handlers.get(type(message), self._on_unexpected)(identity, message)
+            try:
+                self._handlers.get(type(message), self._on_unexpected)(identity, message)
+            except Exception as error:  # one failing request must not stop the service for everyone
+                log.exception("failed to answer a '%s' request", type(message).kind)
+                self._reply(identity, ErrorReply(f"internal error answering '{type(message).kind}': {error}"))
 
     def _parse(self, identity: bytes, frames: list[bytes]) -> GroupSummary | Any | None:
         """A GroupSummary for a trajectory group, the message for anything else, None if rejected."""
@@ -134,8 +140,11 @@ class BufferService:
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self.counters.rejected_frames += 1
-        log.warning("rejected a frame from peer %s (%d so far): %s", identity.hex(), self.counters.rejected_frames,
-                    reason)
+        now = time.monotonic()
+        if now >= self._next_reject_log:  # a flood of junk must not flood the log too
+            log.warning("rejected a frame from peer %s (%d rejected so far): %s", identity.hex(),
+                        self.counters.rejected_frames, reason)
+            self._next_reject_log = now + REJECT_LOG_INTERVAL_S
         self._reply(identity, ErrorReply(reason))
         return None
 
@@ -211,7 +220,8 @@ class BufferService:
                                                  self.store.window.read_offset, len(selection.dropped)))
 
     def _limits(self, request: BatchRequest) -> BatchLimits:
-        return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens)
+        return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens,
+                           max_bytes=self.config.max_message_bytes - BATCH_ENVELOPE_BYTES)
 
     def _count_handout(self, selection: Selection) -> None:
         self.counters.handed_out += len(selection.taken)
@@ -255,7 +265,7 @@ class BufferService:
         groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
         counters, window = self.counters, self.store.window
         return BufferStats(
-            size_groups=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
+            size=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
             read_offset=window.read_offset, committed_offset=self.store.committed.offset,
             end_offset=self.store.end_offset, policy_version=self.policy_version,
             ingested=counters.ingested, duplicates=counters.duplicates,

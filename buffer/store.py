@@ -80,12 +80,13 @@ class TrajectoryStore:
         frames: list[bytes] = []
         entries: list[Entry] = []
         staged_bytes = 0
+        memory_used, disk_used = self.window.bytes, self.log.disk_bytes
         for summary, frame in records:
             known = self.ids.get(summary.record_id, staged.get(summary.record_id))
             if known is not None:
                 results.append(Stored(known, duplicate=True))
                 continue
-            if self._full(staged_bytes, len(frame)):
+            if self._full(memory_used + staged_bytes, disk_used + staged_bytes, len(frame)):
                 results.append(Stored(-1, full=True))
                 continue
             offset = self.end_offset + len(frames)
@@ -102,11 +103,10 @@ class TrajectoryStore:
             self.window.append(entry)
         return results
 
-    def _full(self, staged_bytes: int, frame_bytes: int) -> bool:
-        """The record would overrun a budget. An empty budget takes any one record, so every record fits eventually."""
-        held, on_disk = self.window.bytes + staged_bytes, self.log.disk_bytes + staged_bytes
-        memory_full = held > 0 and held + frame_bytes > self.config.max_memory_bytes
-        disk_full = on_disk > 0 and on_disk + frame_bytes > self.config.max_disk_bytes
+    def _full(self, memory_used: int, disk_used: int, frame_bytes: int) -> bool:
+        """The record would overrun a budget. An empty budget takes any one record, so every record fits."""
+        memory_full = memory_used > 0 and memory_used + frame_bytes > self.config.max_memory_bytes
+        disk_full = disk_used > 0 and disk_used + frame_bytes > self.config.max_disk_bytes
         return memory_full or disk_full
 
     def _remember(self, record_id: str, offset: int) -> None:

@@ -30,12 +30,13 @@ class BatchLimits:
     max_staleness: int  # K
     max_samples: int = 0  # 0 = no limit
     max_tokens: int = 0  # 0 = no limit
+    max_bytes: int = 0  # encoded groups per batch, so the Batch fits the receiver's frame limit; 0 = no limit
 
     def full(self, samples: int, tokens: int) -> bool:
         return (0 < self.max_samples <= samples) or (0 < self.max_tokens <= tokens)
 
-    def overflows(self, samples: int, tokens: int) -> bool:
-        return (0 < self.max_samples < samples) or (0 < self.max_tokens < tokens)
+    def overflows(self, samples: int, tokens: int, nbytes: int) -> bool:
+        return (0 < self.max_samples < samples) or (0 < self.max_tokens < tokens) or (0 < self.max_bytes < nbytes)
 
 
 @dataclass
@@ -71,20 +72,21 @@ class PendingWindow:
     def plan(self, limits: BatchLimits) -> Selection:
         """What `take` would hand out now, without consuming anything."""
         selection = Selection()
-        samples = tokens = 0
+        samples = tokens = nbytes = 0
         for entry in self.entries:
             lag = staleness(limits.policy_version, entry.oldest_version)
             if lag > limits.max_staleness:
                 selection.dropped.append(entry)
                 selection.consumed += 1
                 continue
-            if selection.taken and limits.overflows(samples + entry.num_samples, tokens + entry.num_tokens):
+            grown = (samples + entry.num_samples, tokens + entry.num_tokens, nbytes + len(entry.frame))
+            if selection.taken and limits.overflows(*grown):
                 selection.full = True
                 break
             selection.taken.append(entry)
             selection.staleness.append(lag)
             selection.consumed += 1
-            samples, tokens = samples + entry.num_samples, tokens + entry.num_tokens
+            samples, tokens, nbytes = grown
             if limits.full(samples, tokens):
                 selection.full = True
                 break

@@ -6,8 +6,7 @@ import argparse
 from pathlib import Path
 
 from asyncrl.commands.common import make_run_dir, start
-
-BUFFER_SUBDIR = "buffer"
+from asyncrl.launch_buffer import BUFFER_SUBDIR
 
 
 def main(args: argparse.Namespace) -> int:

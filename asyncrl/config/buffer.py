@@ -26,24 +26,24 @@ class BufferConfig:
     bind_host: str = "127.0.0.1"  # interface the service binds; anything but loopback requires curve_dir
     port: int = bounded(0, 0, 65535)  # TCP port of the service; 0 = a free port, written to <dir>/endpoint
     dir: str = ""  # log segments, committed offset and endpoint file; empty = <run dir>/buffer
-    fsync: str = one_of("batch", "always", "none")  # before acking: one fsync per received batch, per record, or never (OS cache)
-    segment_bytes: int = bounded(64 * 2**20, 4096)  # a log segment is closed past this size; retention deletes whole segments
-    max_memory_bytes: int = bounded(2 * 2**30, 1)  # groups waiting to be handed out beyond this: producers are told to retry later
-    max_disk_bytes: int = bounded(64 * 2**30, 1)  # log bytes not yet released by commits beyond this: producers retry later
-    max_staleness: int = bounded(1, 0)  # K: groups whose staleness exceeds this are never handed out (dropped, counted)
-    batch_groups: int = bounded(32, 1)  # groups the learner trains on per optimizer step (the admission formula's batch)
+    fsync: str = one_of("batch", "always", "none")  # before acks: fsync per received batch, per record, or never
+    segment_bytes: int = bounded(64 * 2**20, 4096)  # log segments close past this size; retention deletes whole ones
+    max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
+    max_disk_bytes: int = bounded(64 * 2**30, 1)  # bytes of log not yet released by commits; past it producers retry
+    max_staleness: int = bounded(1, 0)  # K: groups staler than this are never handed out (dropped, counted)
+    batch_groups: int = bounded(32, 1)  # groups the learner trains on per step (the admission formula's batch)
     admission_timeout_s: float = bounded(120.0, 0.01)  # a server silent this long has its admitted groups released
     retry_after_ms: int = bounded(50, 1)  # wait a producer is told to take before resending when the buffer is full
     max_message_bytes: int = bounded(64 * 2**20, 1024)  # larger frames are rejected with an error reply
-    max_receive_batch: int = bounded(256, 1)  # frames drained per loop turn: one log write and one fsync cover them
+    max_receive_batch: int = bounded(256, 1)  # frames drained per loop turn; one log write and fsync cover them
     stats_window_s: float = bounded(10.0, 0.1)  # window of the ingest-rate metrics
     curve_dir: str = ""  # CURVE keys from `asyncrl keygen`; set = encrypt and authenticate every connection
-    client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for any reply (ack, batch, grant) before retry or error
+    client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
 
     def cross_checks(self) -> list[tuple[str, str]]:
         problems = []
         if not is_loopback(self.bind_host) and not self.curve_dir:
-            problems.append(("buffer.bind_host", f"'{self.bind_host}' is not loopback: set buffer.curve_dir (asyncrl keygen)"))
+            problems.append(("buffer.bind_host", f"'{self.bind_host}' is not loopback: set buffer.curve_dir (keygen)"))
         if self.address and not self.address.startswith("tcp://"):
             problems.append(("buffer.address", f"'{self.address}' must look like tcp://host:port"))
         return problems

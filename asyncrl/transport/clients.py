@@ -6,9 +6,7 @@ import zmq
 
 from asyncrl.messages import (AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition, BufferStats,
                               Commit, PolicyVersion, StatsRequest)
-from asyncrl.transport.sockets import RequestChannel
-
-MS_PER_S = 1000
+from asyncrl.transport.sockets import MS_PER_S, RequestChannel
 
 
 class AdmissionClient:
@@ -32,8 +30,9 @@ class BufferConsumer:
     """The learner's side: batches from its position in the log, commits, version updates, stats.
 
     `position` is the offset after the last batch; the learner stores it in its checkpoint and passes
-    it back as `start_offset` after a restart (-1: start at the buffer's committed offset). Every
-    request carries the position, so a restart of either side resumes exactly where the learner is."""
+    it back as `start_offset` after a restart (-1: start at the buffer's read cursor, which after a
+    buffer start is its committed offset). Every batch request carries the position, so a restart of
+    either side resumes exactly where the learner is."""
 
     def __init__(self, address: str, consumer_id: str, *, start_offset: int = -1, curve_dir: str = "",
                  timeout_s: float = 30.0, context: zmq.Context | None = None) -> None:
@@ -46,7 +45,10 @@ class BufferConsumer:
                    wait_s: float = 0.0) -> Batch:
         """Whole groups for `policy_version`, none staler than the buffer's max_staleness.
 
-        Waits up to wait_s for the limit to be reached, then returns what there is (maybe nothing)."""
+        Waits up to wait_s for the limit to be reached, then returns what there is (maybe nothing).
+        After a BufferTimeout, calling again is safe: the request carries the position."""
+        if self.position < 0:  # pin the buffer's cursor first, so even a lost first reply loses nothing
+            self.position = self.stats().read_offset
         request = BatchRequest(self.consumer_id, policy_version, max_samples, max_tokens,
                                timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position)
         batch = self.channel.request(request, Batch, timeout_s=wait_s + self.timeout_s)

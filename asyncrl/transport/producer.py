@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import zmq
 
 from asyncrl.messages import Ack, ErrorReply, TrajectoryGroup, decode, encode
-from asyncrl.transport.sockets import BufferRequestError, BufferTimeout, connect_dealer
+from asyncrl.transport.sockets import MS_PER_S, BufferRequestError, BufferTimeout, connect_dealer
 
 
 @dataclass
@@ -41,19 +41,20 @@ class TrajectoryProducer:
         """Send one group and wait for its acknowledgement."""
         self.submit(group)
         while group.record_id in self.in_flight:
-            self._pump()
-        return next(ack for ack in reversed(self.acks) if ack.record_id == group.record_id)
+            self.pump()
+        ack = next(ack for ack in self.acks if ack.record_id == group.record_id)
+        self.acks.remove(ack)
+        return ack
 
     def submit(self, group: TrajectoryGroup) -> None:
         """Send a group without waiting for its ack (blocks while max_in_flight are unacknowledged)."""
-        if group.record_id in self.in_flight:
-            return
-        while len(self.in_flight) >= self.max_in_flight:
-            self._pump()
-        self.submit_encoded(group.record_id, encode(group))
+        if group.record_id not in self.in_flight:
+            self.submit_encoded(group.record_id, encode(group))
 
     def submit_encoded(self, record_id: str, frame: bytes) -> None:
         """Send an already-encoded TrajectoryGroup (the caller vouches that `frame` encodes `record_id`)."""
+        while len(self.in_flight) >= self.max_in_flight:
+            self.pump()
         now = time.monotonic()
         self.in_flight[record_id] = _InFlight(frame, now + self.deadline_s, now + self.ack_timeout_s)
         self.socket.send(frame)
@@ -61,15 +62,16 @@ class TrajectoryProducer:
     def flush(self) -> list[Ack]:
         """Wait until every submitted group is acknowledged; return the acks gathered since the last flush."""
         while self.in_flight:
-            self._pump()
+            self.pump()
         acks, self.acks = self.acks, []
         return acks
 
-    def _pump(self) -> None:
-        """Take in the acks that arrive before the next resend is due, then resend what is due."""
+    def pump(self) -> None:
+        """Take in the acks that arrive before the next resend is due, then resend what is due (for callers that
+        want acks as they come, e.g. to time them; submit, send and flush call it themselves)."""
         now = time.monotonic()
         next_due = min(min(record.resend_at, record.deadline) for record in self.in_flight.values())
-        if self.socket.poll(max(0, int((next_due - now) * 1000)), zmq.POLLIN):
+        if self.socket.poll(max(0, int((next_due - now) * MS_PER_S)), zmq.POLLIN):
             while self.socket.poll(0, zmq.POLLIN):
                 self._on_reply(self.socket.recv())
         self._resend_due(time.monotonic())
@@ -81,7 +83,7 @@ class TrajectoryProducer:
         if not isinstance(reply, Ack) or reply.record_id not in self.in_flight:
             return  # the ack of a resend whose first copy was already acknowledged
         if reply.retry_after_ms:
-            self.in_flight[reply.record_id].resend_at = time.monotonic() + reply.retry_after_ms / 1000
+            self.in_flight[reply.record_id].resend_at = time.monotonic() + reply.retry_after_ms / MS_PER_S
             return
         if reply.error:
             raise BufferRequestError(f"buffer at {self.address} rejected record {reply.record_id}: {reply.error}")

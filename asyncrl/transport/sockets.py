@@ -27,6 +27,7 @@ SERVER_CERT = "server"
 CLIENT_CERT = "client"
 AUTHORIZED_DIR = "authorized_clients"
 OVERSIZE_DISCONNECT_FACTOR = 4  # frames this many times over the limit are cut off by ZeroMQ itself (memory guard)
+MS_PER_S = 1000  # ZeroMQ takes timeouts in milliseconds
 LINGER_MS = 0  # closing a socket drops unsent messages: every send is acknowledged or retried anyway
 
 _T = TypeVar("_T")
@@ -92,7 +93,8 @@ def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> z
     socket.linger = LINGER_MS
     if curve_dir:
         directory = Path(curve_dir)
-        socket.curve_publickey, socket.curve_secretkey = zmq.auth.load_certificate(directory / f"{CLIENT_CERT}.key_secret")
+        client_keys = zmq.auth.load_certificate(directory / f"{CLIENT_CERT}.key_secret")
+        socket.curve_publickey, socket.curve_secretkey = client_keys
         socket.curve_serverkey, _ = zmq.auth.load_certificate(directory / f"{SERVER_CERT}.key")
     socket.connect(address)
     return socket
@@ -112,7 +114,7 @@ class RequestChannel:
         """Send `message`, return the reply of type `expect`; BufferTimeout past the deadline."""
         deadline_s = self.timeout_s if timeout_s is None else timeout_s
         self.socket.send(encode(message))
-        if not self.socket.poll(int(deadline_s * 1000), zmq.POLLIN):
+        if not self.socket.poll(int(deadline_s * MS_PER_S), zmq.POLLIN):
             self._reset()
             raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
                                 f"within {deadline_s:.1f}s")

@@ -103,16 +103,22 @@ def ids(batch) -> list[str]:
     return [g.record_id for g in batch.groups]
 
 
+def store_groups(address: str, prefix: str, count: int) -> list[str]:
+    """Send `count` groups and wait for every ack; return their record ids in order."""
+    producer = TrajectoryProducer(address)
+    record_ids = [f"{prefix}{i}" for i in range(count)]
+    for record_id in record_ids:
+        producer.submit(group(record_id))
+    producer.flush()
+    return record_ids
+
+
 @pytest.mark.parametrize("crash_buffer_too", [False, True])
 def test_learner_restart_from_a_commit_trains_each_record_once(buffer_process, crash_buffer_too):
     port = free_port()
     overrides = (f"buffer.port={port}", "buffer.segment_bytes=16384")
     buffer = buffer_process(*overrides)
-    producer = TrajectoryProducer(buffer.address)
-    sent = [f"c{i}" for i in range(60)]
-    for record_id in sent:
-        producer.submit(group(record_id))
-    producer.flush()
+    sent = store_groups(buffer.address, "c", 60)
 
     learner = BufferConsumer(buffer.address, "learner")
     trained = []
@@ -136,11 +142,7 @@ def test_learner_keeps_its_place_across_a_buffer_crash(buffer_process):
     port = free_port()
     overrides = (f"buffer.port={port}",)
     buffer = buffer_process(*overrides)
-    producer = TrajectoryProducer(buffer.address)
-    sent = [f"p{i}" for i in range(40)]
-    for record_id in sent:
-        producer.submit(group(record_id))
-    producer.flush()
+    sent = store_groups(buffer.address, "p", 40)
     learner = BufferConsumer(buffer.address, "learner")
     trained = ids(learner.next_batch(0, max_samples=8))
     learner.commit(policy_version=1)

@@ -69,7 +69,7 @@ def test_a_batch_of_spliced_frames_decodes_to_the_groups():
 
 
 def test_stats_metrics_use_buffer_names():
-    stats = BufferStats(size_groups=3, size_bytes=10, log_bytes=20, read_offset=1, committed_offset=0, end_offset=4,
+    stats = BufferStats(size=3, size_bytes=10, log_bytes=20, read_offset=1, committed_offset=0, end_offset=4,
                         policy_version=2, ingested=4, duplicates=0, ingest_groups_per_s=1.0, ingest_bytes_per_s=5.0,
                         handed_out=1, dropped_stale=7, staleness_histogram={0: 1, 2: 3}, rejected_frames=0,
                         full_rejections=0, admission_running=0, admission_waits=0, admission_wait_s=0.0,
@@ -90,3 +90,11 @@ def test_invalid_utf8_is_a_decode_error():
     for check in (decode, summarize_group, record_id_of):
         with pytest.raises(DecodeError):
             check(frame)
+
+
+def test_batches_splice_groups_whose_envelope_is_encoded_unusually():
+    group = synthetic_group("odd", completion_tokens=3)
+    canonical = encode(group)
+    unusual = b"\x93\xcc\x01" + canonical[2:]  # schema version as a uint8 instead of a fixint
+    assert decode(unusual) == group
+    assert decode(encode_batch([unusual], [0], 1, 0)).groups == [group]

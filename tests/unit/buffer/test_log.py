@@ -101,18 +101,16 @@ def test_fsync_policy(tmp_path, monkeypatch, policy, expected):
 def test_a_failed_write_leaves_no_partial_record(tmp_path, monkeypatch):
     log = SegmentLog(tmp_path, 1 << 20, "batch")
     log.append(payloads(2))
-    real_write = os.write
+    real_writev = os.writev
 
-    def write_half_then_fail(fd, data):
-        if len(data) > 8:
-            real_write(fd, bytes(data[: len(data) // 2]))
-            raise OSError(28, "No space left on device")
-        return real_write(fd, data)
+    def write_some_then_fail(fd, buffers):
+        real_writev(fd, [buffers[0], bytes(buffers[1][:3])])
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "write", write_half_then_fail)
+    monkeypatch.setattr(os, "writev", write_some_then_fail)
     with pytest.raises(OSError):
         log.append(payloads(2, start=2))
-    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "writev", real_writev)
     assert log.end_offset == 2
     assert log.append([b"next"]) == 2
     log.close()
@@ -130,3 +128,13 @@ def test_a_failure_after_a_segment_roll_undoes_the_whole_append(tmp_path, monkey
     assert (log.end_offset, len(log.segments)) == (2, 1)
     log.close()
     assert SegmentLog(tmp_path, SEGMENT_BYTES, "batch").end_offset == 2
+
+
+def test_short_vectored_writes_are_completed(tmp_path, monkeypatch):
+    real_writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, buffers: real_writev(fd, [bytes(buffers[0][:5])]))
+    log = SegmentLog(tmp_path, 1 << 20, "batch")
+    log.append(payloads(3))
+    monkeypatch.setattr(os, "writev", real_writev)
+    log.close()
+    assert [p for _, p in SegmentLog(tmp_path, 1 << 20, "batch").read_range(0, 3)] == payloads(3)

@@ -76,7 +76,7 @@ def test_commit_releases_segments_and_their_ids(tmp_path, small_config):
 
 def test_full_memory_budget_asks_to_retry_and_frees_after_handout(tmp_path, small_config):
     frame_bytes = len(records([0])[0][1])
-    config = dataclasses.replace(small_config, max_memory_bytes=3 * frame_bytes + frame_bytes // 2)  # frame sizes vary a little
+    config = dataclasses.replace(small_config, max_memory_bytes=int(3.5 * frame_bytes))  # sizes vary
     store = TrajectoryStore(config, tmp_path)
     results = store.ingest(records(range(5)))
     assert [r.full for r in results] == [False, False, False, True, True]

@@ -70,3 +70,9 @@ def test_no_handed_out_group_exceeds_the_bound_and_every_group_is_accounted_once
         assert all(staleness(policy, e.oldest_version) > k for e in selection.dropped)
         seen += [e.offset for e in selection.taken + selection.dropped]
     assert sorted(seen) == list(range(len(versions)))
+
+
+def test_a_batch_stays_within_the_byte_limit():
+    window = window_of([0] * 5)  # 7-byte frames
+    assert len(window.take(BatchLimits(0, 0, max_bytes=20)).taken) == 2
+    assert len(window.take(BatchLimits(0, 0, max_bytes=3)).taken) == 1  # a group alone always goes out

@@ -1,0 +1,212 @@
+"""Throughput and ack latency of the trajectory buffer, beside raw ZeroMQ PUSH/PULL + msgpack.
+
+Every phase sends the same groups of trajectories with 1,024 completion tokens (ids, behaviour
+log-probs, token versions, loss mask) from a producer process to a receiver process:
+  raw       PUSH → PULL, the receiver msgpack-unpacks each message (transport + deserialisation)
+  buffer    TrajectoryProducer → `asyncrl buffer`: typed check, log append, fsync per policy, ack;
+            the producer keeps --window groups in flight and times each ack
+  delivery  BufferConsumer drains the durable run's log in batches and decodes them fully
+Frames are encoded before timing (only the record id differs), so the figures are the receiver's.
+Last line: RESULT {json} (ingest figures are the durable, batched-fsync run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+from asyncrl.launch_buffer import start_buffer
+from asyncrl.messages import encode
+from asyncrl.synthetic import synthetic_group
+from asyncrl.transport import BufferConsumer, TrajectoryProducer
+from asyncrl.transport.sockets import MS_PER_S
+
+COMPLETION_TOKENS = 1024
+RECORD_ID_WIDTH = 16
+PLACEHOLDER = "X" * RECORD_ID_WIDTH
+MB = 1e6
+PERCENTILE_P99 = 99
+PHASE_TIMEOUT_S = 300  # no phase may hang the benchmark
+DELIVERY_BATCH_TRAJECTORIES = 256  # trajectories the consumer asks for per batch
+SPAWN = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's ZeroMQ context
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=2000, help="groups sent per phase")
+    parser.add_argument("--samples-per-group", type=int, default=8, help="trajectories per group (GRPO's n)")
+    parser.add_argument("--window", type=int, default=8, help="unacknowledged groups a producer keeps in flight")
+    parser.add_argument("--dir", default=None, help="where the buffer logs go (default: a temporary directory)")
+    return parser.parse_args()
+
+
+def bench_group(samples: int):
+    group = synthetic_group(PLACEHOLDER, samples=samples, completion_tokens=COMPLETION_TOKENS)
+    group.group_id = "bench"  # the record id must be the only place the placeholder appears
+    for trajectory in group.trajectories:
+        trajectory.group_id = group.group_id
+    return group
+
+
+def template_frame(samples: int) -> tuple[bytes, bytes]:
+    """An encoded group split around its record id, so each send only splices in a new id."""
+    frame = encode(bench_group(samples))
+    assert frame.count(PLACEHOLDER.encode()) == 1
+    prefix, suffix = frame.split(PLACEHOLDER.encode())
+    return prefix, suffix
+
+
+def record_id(index: int) -> str:
+    return f"{index:0{RECORD_ID_WIDTH}d}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Producer processes
+
+
+def raw_producer(address: str, payload: bytes, count: int) -> None:
+    context = zmq.Context()
+    socket = context.socket(zmq.PUSH)
+    socket.connect(address)
+    for _ in range(count):
+        socket.send(payload)
+    socket.close(linger=-1)
+    context.term()  # returns once every message is delivered; exiting before would drop the tail
+
+
+def buffer_producer(address: str, template: tuple[bytes, bytes], count: int, window: int,
+                    results: multiprocessing.Queue) -> None:
+    producer = TrajectoryProducer(address, max_in_flight=window, ack_timeout_s=30, deadline_s=300)
+    sent_at: dict[str, float] = {}
+    latencies: list[float] = []
+
+    def collect() -> None:
+        now = time.perf_counter()
+        latencies.extend(now - sent_at.pop(ack.record_id) for ack in producer.acks)
+        producer.acks.clear()
+
+    started = time.perf_counter()
+    for index in range(count):
+        rid = record_id(index)
+        frame = template[0] + rid.encode() + template[1]
+        sent_at[rid] = time.perf_counter()
+        producer.submit_encoded(rid, frame)
+        collect()
+    while producer.in_flight:
+        producer.pump()
+        collect()
+    results.put((time.perf_counter() - started, latencies))
+
+
+# ----------------------------------------------------------------------------------------------
+# Phases
+
+
+def run_raw(payload: bytes, count: int) -> float:
+    """Seconds for a PULL socket to receive and msgpack-unpack `count` messages."""
+    socket = zmq.Context.instance().socket(zmq.PULL)
+    socket.rcvtimeo = PHASE_TIMEOUT_S * MS_PER_S  # a lost message raises zmq.Again instead of hanging
+    port = socket.bind_to_random_port("tcp://127.0.0.1")
+    child = SPAWN.Process(target=raw_producer, args=(f"tcp://127.0.0.1:{port}", payload, count))
+    child.start()
+    msgpack.unpackb(socket.recv())
+    started = time.perf_counter()
+    for _ in range(count - 1):
+        msgpack.unpackb(socket.recv())
+    elapsed = time.perf_counter() - started
+    child.join()
+    socket.close()
+    return elapsed * count / (count - 1)
+
+
+def run_buffer(directory: Path, fsync: str, template: tuple[bytes, bytes], count: int, window: int):
+    """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies)."""
+    buffer = start_buffer(directory, overrides=[f"buffer.fsync={fsync}"], log_path=directory / "buffer.log")
+    try:
+        results = SPAWN.Queue()
+        child = SPAWN.Process(target=buffer_producer, args=(buffer.address, template, count, window, results))
+        child.start()
+        elapsed, latencies = results.get(timeout=PHASE_TIMEOUT_S)
+        child.join()
+    except BaseException:
+        buffer.stop()
+        raise
+    return buffer, elapsed, latencies
+
+
+def run_delivery(address: str, count: int) -> float:
+    consumer = BufferConsumer(address, "bench")
+    started = time.perf_counter()
+    received = 0
+    while received < count:
+        if time.perf_counter() - started > PHASE_TIMEOUT_S:
+            raise TimeoutError(f"delivered {received} of {count} groups within {PHASE_TIMEOUT_S}s")
+        received += len(consumer.next_batch(0, max_samples=DELIVERY_BATCH_TRAJECTORIES).groups)
+    return time.perf_counter() - started
+
+
+def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: list[float] | None = None) -> dict:
+    result = {"mode": name, "traj_per_s": trajectories / seconds, "mb_per_s": nbytes / seconds / MB}
+    if latencies:
+        cuts = statistics.quantiles(latencies, n=100)
+        result["ack_p50_ms"], result["ack_p99_ms"] = cuts[49] * MS_PER_S, cuts[PERCENTILE_P99 - 1] * MS_PER_S
+    return result
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'mode':<34}{'traj/s':>10}{'MB/s':>9}{'ack p50 ms':>12}{'ack p99 ms':>12}")
+    for r in rows:
+        p50, p99 = (f"{r[k]:>12.2f}" if k in r else f"{'-':>12}" for k in ("ack_p50_ms", "ack_p99_ms"))
+        print(f"{r['mode']:<34}{r['traj_per_s']:>10.0f}{r['mb_per_s']:>9.1f}{p50}{p99}")
+
+
+def main() -> None:
+    args = parse_args()
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_buffer_"))
+    template = template_frame(args.samples_per_group)
+    frame_bytes = len(template[0]) + RECORD_ID_WIDTH + len(template[1])
+    trajectories, nbytes = args.groups * args.samples_per_group, args.groups * frame_bytes
+    raw_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
+
+    rows = [row("raw zmq push/pull + msgpack", trajectories, len(raw_payload) * args.groups,
+                run_raw(raw_payload, args.groups))]
+    durable, seconds, latencies = run_buffer(root / "batch", "batch", template, args.groups, args.window)
+    rows.append(row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies))
+    try:
+        delivery_seconds = run_delivery(durable.address, args.groups)
+    finally:
+        durable.stop()
+    rows.append(row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds))
+    volatile, seconds, latencies = run_buffer(root / "none", "none", template, args.groups, args.window)
+    volatile.stop()
+    rows.append(row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies))
+
+    print(f"{args.groups} groups x {args.samples_per_group} trajectories x {COMPLETION_TOKENS} completion tokens "
+          f"({frame_bytes / 1e3:.0f} kB per group), window {args.window}")
+    print_table(rows)
+    durable_row, raw_row = rows[1], rows[0]
+    print("RESULT " + json.dumps({
+        "ingest_traj_per_s": round(durable_row["traj_per_s"]),
+        "ingest_mb_per_s": round(durable_row["mb_per_s"], 1),
+        "ack_p50_ms": round(durable_row["ack_p50_ms"], 2),
+        "ack_p99_ms": round(durable_row["ack_p99_ms"], 2),
+        "delivery_traj_per_s": round(rows[2]["traj_per_s"]),
+        "ingest_nofsync_traj_per_s": round(rows[3]["traj_per_s"]),
+        "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
+        "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),
+        "samples_per_group": args.samples_per_group,
+        "window": args.window,
+    }))
+
+
+if __name__ == "__main__":
+    main()
