@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
-from asyncrl.launch_buffer import BufferProcess, start_buffer
+from asyncrl.launch_buffer import BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
@@ -41,11 +41,7 @@ class LearnerServices:
 
     @classmethod
     def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int) -> "LearnerServices":
-        buffer_process = None
-        address = config.buffer.address
-        if not address:
-            buffer_process = start_buffer(run_dir / "buffer", run_dir / "config.yaml", log_path=run_dir / "logs" / "buffer.log")
-            address = buffer_process.address
+        address, buffer_process = connect_or_start_buffer(config, run_dir)
         sync = config.rollout.weight_sync
         coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
                                       sync.liveness_s)

@@ -27,7 +27,7 @@ def overrides(tmp: Path, total_steps: int) -> list[str]:
         f"model.path={tmp / 'model'}", "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
         "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "model.warm_start.steps=20",
         "model.warm_start.eval_samples=8", f"task.out_dir={tmp / 'data'}", "task.num_train=200", "task.num_val=16",
-        "task.max_digits=1", f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",
+        "task.max_digits=1", "buffer.admission_timeout_s=15", f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",
         f"data.val_files=[{tmp / 'data' / 'val.parquet'}]",
         "learner.nproc=2", f"learner.total_steps={total_steps}", "learner.checkpoint_every=2", "learner.lr=0.001",
         "learner.torch_threads=1", "buffer.batch_groups=4", f"buffer.max_staleness={MAX_STALENESS}",
