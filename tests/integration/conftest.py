@@ -8,6 +8,7 @@ in `test_rollout_engine.py` run in file order and the weight version they expect
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -63,16 +64,21 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
-    from asyncrl.tiny.model import build_tiny_model
-    from asyncrl.tiny.tokenizer import build_char_tokenizer
+    """The served model is what `asyncrl init-model` writes (a short warm start), loaded back from disk."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = build_char_tokenizer()
-    served = build_tiny_model(TINY_SHAPE, tokenizer, SERVED_SEED).eval()
+    from asyncrl.config import load_config
+    from asyncrl.tiny.build import init_model
+    from asyncrl.tiny.model import build_tiny_model
+
+    served_dir = tmp_path_factory.mktemp("tiny_served")
+    shape = [f"model.tiny.{key}={value}" for key, value in dataclasses.asdict(TINY_SHAPE).items()]
+    init_model(load_config(None, [*shape, f"model.path={served_dir}", f"run.seed={SERVED_SEED}",
+                                  "model.warm_start.steps=3", "model.warm_start.eval_samples=2"]))
+    tokenizer = AutoTokenizer.from_pretrained(served_dir)
+    served = AutoModelForCausalLM.from_pretrained(served_dir).eval()
     update = build_tiny_model(TINY_SHAPE, tokenizer, UPDATE_SEED).eval()
     assert served.config.tie_word_embeddings, "the weight-update tests need a tied model"
-    served_dir = tmp_path_factory.mktemp("tiny_served")
-    served.save_pretrained(served_dir)
-    tokenizer.save_pretrained(served_dir)
     return TinyModels(tokenizer, served, update, served_dir)
 
 
