@@ -87,4 +87,3 @@ class MetricsConfig:
     wandb_mode: str = one_of("auto", "online", "offline", "disabled")  # auto = online with WANDB_API_KEY, else offline
     wandb_project: str = "asyncrl"  # wandb project name
     wandb_entity: str = ""  # wandb team/user; empty = the account default
-    log_every: int = bounded(1, 1)  # learner steps between metric records (jsonl and wandb)
