@@ -18,6 +18,7 @@ from pathlib import Path
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.stop_signal import StopSignal
 from asyncrl.logs import setup_logging
 from rollout_servers.server import Endpoints, RolloutServer
 
@@ -47,19 +48,12 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None
     """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die. Endpoints are
     looked up at every (re)start, so servers follow a learner that restarted on new addresses."""
     context = multiprocessing.get_context("spawn")
-    stopping = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = StopSignal()
     restarts = [0] * config.rollout.num_servers
     next_start = [0.0] * config.rollout.num_servers
     processes: list[multiprocessing.Process | None] = [None] * config.rollout.num_servers
     try:
-        while not stopping:
+        while not stop.requested:
             for index, process in enumerate(processes):
                 if process is not None and process.is_alive():
                     continue

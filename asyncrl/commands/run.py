@@ -13,6 +13,7 @@ from pathlib import Path
 
 from asyncrl.commands.common import start
 from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
 _STOP_TIMEOUT_S = 30.0  # grace period after SIGTERM before SIGKILL
@@ -31,23 +32,16 @@ def main(args: argparse.Namespace) -> int:
     learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)
     rollout = _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
     log.info("run directory %s: learner pid %d, rollout pid %d (servers log to logs/)", run_dir, learner.pid, rollout.pid)
-    stop_requested = False
-
-    def request_stop(signum: int, frame: object) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = StopSignal()
     code = 0
     try:
-        while not stop_requested and learner.poll() is None:
+        while not stop.requested and learner.poll() is None:
             if rollout.poll() is not None:
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
                 code = 1
                 break
             time.sleep(_POLL_S)
-        if stop_requested:
+        if stop.requested:
             code = 130
         elif code == 0:
             code = learner.returncode or 0
