@@ -82,7 +82,7 @@ def _share_weights(services: LearnerServices | None, model: torch.nn.Module, ver
 
 def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
     fields = [("reward", "critic/score/mean"), ("staleness", "staleness/mean"), ("pg_loss", "actor/pg_loss"),
-              ("sync_s", "weight_sync/seconds"), ("step_s", "timing_s/step")]
+              ("sync_s", "weight_sync/seconds"), ("step_s", "timing_s/step"), ("rollout_tok/s", "rollout/tokens_per_s")]
     shown = " ".join(f"{label} {metrics[key]:.3f}" for label, key in fields if key in metrics)
     return f"step {version}/{total} {shown}"
 
