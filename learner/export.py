@@ -53,8 +53,7 @@ def load_trained_weights(model: torch.nn.Module, checkpoint: Path) -> None:
     weights = model.state_dict()  # tied weights appear under every name, sharing one tensor
     wanted = {name: tensor for name, tensor in weights.items() if f"{MODEL_KEY}.{name}" in stored}
     _require_covered(weights, wanted, checkpoint)
-    dcp.load({MODEL_KEY: wanted}, checkpoint_id=str(checkpoint), no_dist=True)  # copies into the tensors in place
-    model.load_state_dict(wanted, strict=False)  # no-op for in-place copies; explicit for any replaced tensor
+    dcp.load({MODEL_KEY: wanted}, checkpoint_id=str(checkpoint), no_dist=True)  # copies into the model's tensors
 
 
 def _require_covered(weights: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], checkpoint: Path) -> None:

@@ -16,12 +16,15 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config = load_config(args.config or run_dir / "config.yaml", args.overrides)
     setup_logging("export", config.run.log_level)
-    from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint
+    from learner.checkpoint import CHECKPOINTS_DIR, META_FILE, latest_checkpoint
     from learner.export import checkpoint_step, export_checkpoint
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if checkpoint is None:
         print(f"asyncrl export: no complete checkpoint under {run_dir / CHECKPOINTS_DIR}", file=sys.stderr)
+        return 1
+    if not (checkpoint / META_FILE).is_file():
+        print(f"asyncrl export: {checkpoint} is not a complete checkpoint (no {META_FILE})", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else run_dir / EXPORT_DIR / f"step_{checkpoint_step(checkpoint)}"
     export_checkpoint(checkpoint, config.model.path, config.model.dtype, out)

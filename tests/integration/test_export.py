@@ -42,6 +42,11 @@ class TrainedRun:
     export_stdout: str
 
 
+def export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", *args], capture_output=True, text=True,
+                          timeout=EXPORT_TIMEOUT_S)
+
+
 def fsdp_logits(model, prompt: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([prompt])).logits  # [1, T, V]
@@ -64,8 +69,7 @@ def trained_run(tmp_path_factory) -> TrainedRun:
             save_checkpoint(run_dir / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
         trained = full_state_dict(model)
         logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(run_dir)], capture_output=True,
-                          text=True, timeout=EXPORT_TIMEOUT_S)
+    done = export(str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
     return TrainedRun(run_dir, model_dir, trained, logits, run_dir / "export" / f"step_{TRAIN_STEPS}", done.stdout)
 
@@ -92,12 +96,15 @@ def test_transformers_loads_exact_trained_weights_and_logits(trained_run):
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
-def test_missing_checkpoint_fails_clearly(tmp_path, trained_run):
+def test_missing_or_partial_checkpoint_fails_clearly(tmp_path, trained_run):
     empty_run = tmp_path / "run"
     save_config(load_config(overrides=[f"model.path={trained_run.model_dir}"]), empty_run)
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", str(empty_run)], capture_output=True,
-                          text=True, timeout=EXPORT_TIMEOUT_S)
+    done = export(str(empty_run))
     assert done.returncode == 1 and "no complete checkpoint" in done.stderr
+    partial = empty_run / CHECKPOINTS_DIR / "step_00000003.partial"
+    partial.mkdir(parents=True)
+    done = export(str(empty_run), "--checkpoint", str(partial))
+    assert done.returncode == 1 and "not a complete checkpoint" in done.stderr
 
 
 def transformers_greedy(model_dir: Path) -> list[list[int]]:
