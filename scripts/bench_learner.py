@@ -37,7 +37,7 @@ from learner.distributed import World, init_world
 from learner.policy_model import DTYPES, attention_backend, shard_policy
 from learner.train_step import train_step
 
-FLOPS_PER_PARAM_TOKEN = 6  # forward (2) + backward (4) multiply-adds per parameter per token
+FLOPS_PER_PARAM_TOKEN = 6  # matmul FLOPs per parameter per token: forward 2, backward 4
 TERA = 1e12
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 FIRST_TOKEN_ID = 4  # above the tiny tokenizer's special tokens
@@ -112,7 +112,7 @@ def synthetic_batch(args: argparse.Namespace, vocab: int) -> TrainBatch:
     return collate(groups, pad_id=0)
 
 
-def timed_steps(model, batch: TrainBatch, args: argparse.Namespace, world: World) -> list[float]:
+def timed_steps(model: torch.nn.Module, batch: TrainBatch, args: argparse.Namespace, world: World) -> list[float]:
     """Seconds of each timed train_step, after the warm-up steps."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LearnerConfig().lr)
     algorithm = AlgorithmConfig(loss=args.loss)

@@ -6,7 +6,7 @@ import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import ContextManager, Iterator
 
 import torch.distributed as dist
 
@@ -21,10 +21,16 @@ TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_h
 VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary, above the special tokens
 
 
-@contextmanager
-def single_rank_world() -> Iterator[World]:
+def single_rank_world() -> ContextManager[World]:
     """This process as a one-rank gloo world (FSDP2 and the checkpoint collectives need one)."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return gloo_world(rank=0, size=1, port=free_port())
+
+
+@contextmanager
+def gloo_world(rank: int, size: int, port: int) -> Iterator[World]:
+    """This process as rank `rank` of a `size`-rank CPU world rendezvousing on loopback `port`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
     world = init_world("cpu")
     try:
         yield world

