@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
+from asyncrl import cli
 from asyncrl.config import load_config, save_config
 from asyncrl.config.algorithm import AlgorithmConfig
 from learner.batching import collate
@@ -113,15 +114,15 @@ def test_transformers_loads_exact_trained_weights_and_logits(trained_run):
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
-def test_missing_or_partial_checkpoint_fails_clearly(tmp_path, trained_run):
+def test_missing_or_partial_checkpoint_fails_clearly(tmp_path, trained_run, capsys):
     empty_run = tmp_path / "run"
     save_config(load_config(overrides=[f"model.path={trained_run.model_dir}"]), empty_run)
-    done = export(str(empty_run))
-    assert done.returncode == 1 and "no complete checkpoint" in done.stderr
+    assert cli.main(["export", str(empty_run)]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
     partial = empty_run / CHECKPOINTS_DIR / "step_00000003.partial"
     partial.mkdir(parents=True)
-    done = export(str(empty_run), "--checkpoint", str(partial))
-    assert done.returncode == 1 and "not a complete checkpoint" in done.stderr
+    assert cli.main(["export", str(empty_run), "--checkpoint", str(partial)]) == 1
+    assert "not a complete checkpoint" in capsys.readouterr().err
 
 
 def transformers_greedy(model_dir: Path) -> list[list[int]]:
