@@ -21,12 +21,20 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class Argument:
+    name: str  # positional ("run_dir") or option ("--out") of one command, beside --config and the overrides
+    metavar: str  # shown in the usage line, e.g. "RUN_DIR"
+    help: str
+
+
+@dataclass(frozen=True)
 class Command:
     name: str  # subcommand as typed
     summary: str  # one line for `asyncrl --help`
     description: str  # paragraph for `asyncrl <name> --help`
     target: str  # "module:function" called with the parsed arguments
     flags: tuple[Flag, ...] = ()  # shorthands for config keys
+    arguments: tuple[Argument, ...] = ()  # the command's own arguments (not config keys)
 
 
 COMMANDS = (
@@ -96,6 +104,20 @@ COMMANDS = (
         "the buffer encrypts and authenticates every connection and may bind a non-loopback host.",
         "asyncrl.commands.keygen:main",
     ),
+    Command(
+        "export",
+        "write a run's checkpoint as a Hugging Face directory (safetensors, config, tokenizer)",
+        "Loads the newest complete checkpoint of RUN_DIR (or --checkpoint) into the model at the run's "
+        "model.path (from RUN_DIR/config.yaml; overrides apply) and writes a directory that "
+        "transformers and vLLM load, to RUN_DIR/export/step_N (or --out). Runs in one process with no "
+        "process group, on the CPU. Its last line is `EXPORT_DIR <path>`.",
+        "asyncrl.commands.export:main",
+        arguments=(
+            Argument("run_dir", "RUN_DIR", "run directory written by `asyncrl run` or `asyncrl learner`"),
+            Argument("--checkpoint", "PATH", "checkpoint directory to export (default: the newest complete one)"),
+            Argument("--out", "DIR", "output directory (default: RUN_DIR/export/step_N)"),
+        ),
+    ),
 )
 
 
@@ -111,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         sub = subcommands.add_parser(command.name, help=command.summary, description=command.description)
         sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
+        for argument in command.arguments:
+            sub.add_argument(argument.name, metavar=argument.metavar, help=argument.help)
         sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
         for flag in command.flags:
             sub.add_argument(flag.name, dest=f"flag:{flag.key}", metavar="N", help=f"{flag.help} (sets {flag.key})")

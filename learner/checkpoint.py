@@ -25,6 +25,7 @@ from asyncrl.rng import rng_state_from_json, rng_state_to_json
 
 log = logging.getLogger(__name__)
 
+CHECKPOINTS_DIR = "checkpoints"  # under the run directory
 META_FILE = "meta.json"
 _PREFIX = "step_"
 _PARTIAL = ".partial"

@@ -14,7 +14,7 @@ import torch
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch, decode, encode
 from learner.batching import collate
-from learner.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
 from learner.staleness import staleness_metrics
 from learner.train_step import train_step
@@ -39,7 +39,7 @@ def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, o
     choice = config.learner.resume
     if choice == "never":
         return LoopState()
-    path = latest_checkpoint(run_dir / "checkpoints") if choice == "auto" else Path(choice)
+    path = latest_checkpoint(run_dir / CHECKPOINTS_DIR) if choice == "auto" else Path(choice)
     if path is None:
         return LoopState()
     meta = load_checkpoint(path, model, optimizer)
@@ -84,7 +84,7 @@ def run_loop(
         after_step(state.step, metrics)
         if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
             save_checkpoint(
-                run_dir / "checkpoints", state.step, model, optimizer, {"buffer_offset": state.buffer_offset},
+                run_dir / CHECKPOINTS_DIR, state.step, model, optimizer, {"buffer_offset": state.buffer_offset},
                 world, settings.keep_checkpoints,
             )
             after_checkpoint(state.step, state.buffer_offset)

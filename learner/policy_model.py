@@ -10,12 +10,17 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config.learner import LearnerConfig
 from learner.distributed import World
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_policy(model_path: str, dtype: str, settings: LearnerConfig, world: World) -> torch.nn.Module:
     """The HF causal LM at `model_path`, sharded with fully_shard per decoder layer and at the root."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype], attn_implementation=_attention())
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention_backend())
+    return shard_policy(model, settings, world)
+
+
+def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) -> torch.nn.Module:
+    """`model` on this rank's device, sharded with fully_shard per decoder layer and at the root."""
     model.to(world.device)
     if settings.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -45,7 +50,7 @@ def _mixed_precision(settings: LearnerConfig, world: World) -> MixedPrecisionPol
     return MixedPrecisionPolicy()
 
 
-def _attention() -> str:
+def attention_backend() -> str:
     """flash-attn when installed (GPU extra), else PyTorch's sdpa."""
     try:
         import flash_attn  # noqa: F401

@@ -61,11 +61,16 @@ def train_step(
         if not chunk.padding:
             per_chunk.append(metrics)
     grad_norm = _clip(model, grad_clip)
-    finite = math.isfinite(grad_norm)
+    metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
+    # Judged on whole-batch numbers that every rank holds alike, so all ranks skip or step together. The
+    # check sits before the update rather than before backward: FSDP's backward is a collective every
+    # rank must join, and a NaN gradient is harmless once it is discarded here.
+    finite = _is_finite(metrics)
     if finite:
         optimizer.step()
-    metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
-    return StepOutcome(metrics=metrics, finite=finite and math.isfinite(metrics.get("actor/pg_loss", 0.0)))
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(metrics=metrics, finite=finite)
 
 
 @dataclass
@@ -110,6 +115,11 @@ def _clip(model: torch.nn.Module, grad_clip: float) -> float:
 
 
 ADDITIVE_METRICS = ("actor/pg_loss", "actor/kl_loss")  # partial sums of the whole-batch loss: add up
+LOSS_AND_GRADIENT = (*ADDITIVE_METRICS, "actor/grad_norm")  # NaN/inf in any of these skips the update
+
+
+def _is_finite(metrics: dict[str, float]) -> bool:
+    return all(math.isfinite(metrics[key]) for key in LOSS_AND_GRADIENT if key in metrics)
 
 
 def _combine(records: list[dict[str, float]], world: World) -> dict[str, float]:

