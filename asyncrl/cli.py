@@ -21,12 +21,21 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class Positional:
+    name: str  # attribute on the parsed arguments, e.g. "run_dir"
+    metavar: str  # as shown in the usage line, e.g. "RUN_DIR"
+    help: str
+
+
+@dataclass(frozen=True)
 class Command:
     name: str  # subcommand as typed
     summary: str  # one line for `asyncrl --help`
     description: str  # paragraph for `asyncrl <name> --help`
     target: str  # "module:function" called with the parsed arguments
     flags: tuple[Flag, ...] = ()  # shorthands for config keys
+    positionals: tuple[Positional, ...] = ()  # required arguments before the overrides
+    takes_config: bool = True  # False: the command reads no config (no --config, no overrides)
 
 
 COMMANDS = (
@@ -96,6 +105,17 @@ COMMANDS = (
         "the buffer encrypts and authenticates every connection and may bind a non-loopback host.",
         "asyncrl.commands.keygen:main",
     ),
+    Command(
+        "plot",
+        "render a run's metrics as PNG plots under RUN_DIR/plots/",
+        "Reads RUN_DIR/metrics.jsonl and writes reward.png (train and validation reward, pass@k), "
+        "staleness.png, importance_weights.png (rollout_corr/*), throughput.png (tokens/s of rollout "
+        "servers and learner, buffer ingest) and weight_sync.png into RUN_DIR/plots/. Metrics the run "
+        "did not log are left out and listed; works on a run that is still going.",
+        "asyncrl.commands.plot:main",
+        positionals=(Positional("run_dir", "RUN_DIR", "run directory (holds metrics.jsonl)"),),
+        takes_config=False,
+    ),
 )
 
 
@@ -110,8 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         sub = subcommands.add_parser(command.name, help=command.summary, description=command.description)
-        sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
-        sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        for positional in command.positionals:
+            sub.add_argument(positional.name, metavar=positional.metavar, help=positional.help)
+        if command.takes_config:
+            sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
+            sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        else:
+            sub.set_defaults(config=None, overrides=[])
         for flag in command.flags:
             sub.add_argument(flag.name, dest=f"flag:{flag.key}", metavar="N", help=f"{flag.help} (sets {flag.key})")
         sub.set_defaults(target=command.target)
