@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 PREFIX = "val"  # every validation metric is named val/...
+VERSION_KEY = "val/version"  # policy version a pass validated (logged with its metrics)
+NOT_VALIDATED = -1  # validation version before the first pass
 # A sample counts as correct for pass@k when its reward reaches this: the built-in scorers give 1.0 for a
 # right answer and 0.0 otherwise; a partial-credit reward passes only with full marks.
 CORRECT_MIN_SCORE = 1.0
