@@ -69,7 +69,7 @@ FIGURES = (
     )),
     FigureSpec("throughput.png", "Throughput per role", (
         Panel("tokens/s", (Series("rollout/tokens_per_s", "rollout servers (generated)"),
-                           Series("perf/throughput", "learner (trained)"))),
+                           Series("learner/tokens_per_s", "learner (trained)"))),
         Panel("groups/s", (Series("buffer/ingest_groups_per_s", "buffer ingest"),)),
     )),
     FigureSpec("weight_sync.png", "Weight sync", (

@@ -28,6 +28,7 @@ from asyncrl.data import encode_prompt, load_prompt_file
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 PHASE_TIMEOUT_S = 900  # an engine start plus warm-up plus the workload; no phase may hang the benchmark
+EXIT_GRACE_S = 60  # a phase process that has reported gets this long to stop its engine and exit
 WARMUP_PROMPTS = 2  # prompts of the untimed first batch
 SPAWN = multiprocessing.get_context("spawn")  # vLLM starts its own processes; a forked child would break them
 # The settings of `rollout_servers.engine_args.engine_args` that shape generation; the raw engine takes
@@ -116,8 +117,11 @@ def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs), time.perf_counter() - began
 
-    _, warmup_s = generate(warmup)
-    tokens, seconds = generate(prompts)
+    try:
+        _, warmup_s = generate(warmup)
+        tokens, seconds = generate(prompts)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
     return PhaseResult("raw vLLM (LLM.generate)", tokens, seconds, start_s, warmup_s)
 
 
@@ -156,9 +160,9 @@ def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: li
     try:
         result = PhaseResult(**results.get(timeout=PHASE_TIMEOUT_S))
     finally:
-        child.join(PHASE_TIMEOUT_S)
+        child.join(EXIT_GRACE_S)
         if child.is_alive():
-            child.kill()
+            child.terminate()
     return result
 
 

@@ -21,7 +21,7 @@ def full_record(step: int) -> dict[str, float]:
         "staleness/mean": 0.5 + 0.5 * math.sin(step), "staleness/max": 2.0,
         "rollout_corr/is_weight_mean": 0.98, "rollout_corr/is_clip_frac": 0.01 * (step % 3),
         "rollout_corr/mismatch_kl": 1e-3 * step,
-        "rollout/tokens_per_s": 900.0 + step, "perf/throughput": 1500.0, "buffer/ingest_groups_per_s": 12.0,
+        "rollout/tokens_per_s": 900.0 + step, "learner/tokens_per_s": 1500.0, "buffer/ingest_groups_per_s": 12.0,
         "weight_sync/seconds": 0.2, "weight_sync/transfer_seconds": 0.05, "weight_sync/server_pause_seconds": 0.1,
     }
 
