@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training for LLMs: vLLM rollout servers generate without "
         "pause into a ZeroMQ trajectory buffer; an FSDP2 learner trains with importance-corrected PPO "
         "and broadcasts weights back every N steps.",
-        epilog="Every command takes --config FILE plus key=value overrides; see docs/configuration.md.",
+        epilog="Every command but plot takes --config FILE plus key=value overrides; see docs/configuration.md.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
