@@ -8,8 +8,11 @@ engine holds memory and cores at a time:
              one streamed request per sample, behaviour log-probs and per-token policy versions
 Workload: --num-prompts prompts from the config's validation file (the synthetic task), --n samples
 each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each phase first generates an
-untimed warm-up batch (vLLM's first steps are slow on CPU). Run with scripts/cpu_env.sh sourced on CPU.
-Last line: RESULT {json} with server_tok_s, raw_vllm_tok_s and ratio (server / raw).
+untimed warm-up batch (vLLM's first steps are slow on CPU), then times the workload --repeats times.
+On a shared machine other processes slow some repeats down, so the headline is each path's best
+repeat (closest to what the code can do); the medians are reported beside it.
+Run with scripts/cpu_env.sh sourced on CPU.
+Last line: RESULT {json} with server_tok_s, raw_vllm_tok_s and ratio (server / raw, best repeats).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,14 +46,18 @@ SHARED_ENGINE_FIELDS = (
 @dataclass
 class PhaseResult:
     name: str  # which generation path
-    output_tokens: int  # completion tokens produced by the timed batch
-    seconds: float  # wall time of the timed batch
+    output_tokens: int  # completion tokens produced by one timed batch
+    seconds: list[float]  # wall time of each timed batch
     start_s: float  # engine start
     warmup_s: float  # untimed first batch
 
     @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
+    def best_tokens_per_s(self) -> float:
+        return self.output_tokens / min(self.seconds)
+
+    @property
+    def median_tokens_per_s(self) -> float:
+        return self.output_tokens / statistics.median(self.seconds)
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the timed batch")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per sample (EOS ignored)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (a group)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches per path")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.max_inflight=32")
     return parser.parse_args()
 
@@ -99,7 +108,7 @@ def workload_prompts(config: AsyncRLConfig, count: int) -> list[list[int]]:
 # Phases (each runs in a child process)
 
 
-def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]]) -> PhaseResult:
+def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> PhaseResult:
     from vllm import LLM, SamplingParams
 
     from rollout_servers.engine_args import engine_args
@@ -119,13 +128,13 @@ def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list
 
     try:
         _, warmup_s = generate(warmup)
-        tokens, seconds = generate(prompts)
+        timed = [generate(prompts) for _ in range(repeats)]
     finally:
         llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
-    return PhaseResult("raw vLLM (LLM.generate)", tokens, seconds, start_s, warmup_s)
+    return PhaseResult("raw vLLM (LLM.generate)", timed[0][0], [s for _, s in timed], start_s, warmup_s)
 
 
-def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]]) -> PhaseResult:
+def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> PhaseResult:
     from rollout_servers.engine import RolloutEngine
 
     async def measure() -> PhaseResult:
@@ -140,22 +149,22 @@ def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[l
 
         try:
             _, warmup_s = await generate(warmup)
-            tokens, seconds = await generate(prompts)
+            timed = [await generate(prompts) for _ in range(repeats)]
         finally:
             engine.shutdown()
-        return PhaseResult("rollout server (generate_group)", tokens, seconds, start_s, warmup_s)
+        return PhaseResult("rollout server (generate_group)", timed[0][0], [s for _, s in timed], start_s, warmup_s)
 
     return asyncio.run(measure())
 
 
-def _phase_child(phase, config: AsyncRLConfig, prompts, warmup, results: multiprocessing.Queue) -> None:
-    results.put(asdict(phase(config, prompts, warmup)))
+def _phase_child(phase, config: AsyncRLConfig, prompts, warmup, repeats: int, results: multiprocessing.Queue) -> None:
+    results.put(asdict(phase(config, prompts, warmup, repeats)))
 
 
-def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]]) -> PhaseResult:
+def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> PhaseResult:
     """`phase` in a fresh process; its engine is gone when this returns."""
     results = SPAWN.Queue()
-    child = SPAWN.Process(target=_phase_child, args=(phase, config, prompts, warmup, results))
+    child = SPAWN.Process(target=_phase_child, args=(phase, config, prompts, warmup, repeats, results))
     child.start()
     try:
         result = PhaseResult(**results.get(timeout=PHASE_TIMEOUT_S))
@@ -171,9 +180,11 @@ def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: li
 
 
 def print_table(results: list[PhaseResult]) -> None:
-    print(f"{'path':<34}{'output tokens':>14}{'seconds':>9}{'tokens/s':>10}{'start s':>9}{'warm-up s':>11}")
+    print(f"{'path':<34}{'tokens/batch':>13}{'best tok/s':>11}{'median tok/s':>13}{'start s':>9}{'warm-up s':>11}  batch seconds")
     for r in results:
-        print(f"{r.name:<34}{r.output_tokens:>14}{r.seconds:>9.2f}{r.tokens_per_s:>10.0f}{r.start_s:>9.1f}{r.warmup_s:>11.1f}")
+        batches = " ".join(f"{s:.2f}" for s in r.seconds)
+        print(f"{r.name:<34}{r.output_tokens:>13}{r.best_tokens_per_s:>11.0f}{r.median_tokens_per_s:>13.0f}"
+              f"{r.start_s:>9.1f}{r.warmup_s:>11.1f}  {batches}")
 
 
 def main() -> None:
@@ -182,23 +193,27 @@ def main() -> None:
     ensure_model(config)
     prompts = workload_prompts(config, args.num_prompts)
     warmup = prompts[:WARMUP_PROMPTS]
-    raw = run_phase(raw_vllm_phase, config, prompts, warmup)
-    server = run_phase(server_phase, config, prompts, warmup)
+    raw = run_phase(raw_vllm_phase, config, prompts, warmup, args.repeats)
+    server = run_phase(server_phase, config, prompts, warmup, args.repeats)
     sampling = config.rollout.sampling
     print(f"{args.num_prompts} prompts x {sampling.n} samples x {sampling.max_tokens} output tokens, "
           f"max_inflight {config.rollout.max_inflight}, model {config.model.path}, "
           f"{os.cpu_count()} CPUs visible")
     print_table([raw, server])
     print("RESULT " + json.dumps({
-        "server_tok_s": round(server.tokens_per_s, 1),
-        "raw_vllm_tok_s": round(raw.tokens_per_s, 1),
-        "ratio": round(server.tokens_per_s / raw.tokens_per_s, 3),
+        "server_tok_s": round(server.best_tokens_per_s, 1),
+        "raw_vllm_tok_s": round(raw.best_tokens_per_s, 1),
+        "ratio": round(server.best_tokens_per_s / raw.best_tokens_per_s, 3),
+        "server_tok_s_median": round(server.median_tokens_per_s, 1),
+        "raw_vllm_tok_s_median": round(raw.median_tokens_per_s, 1),
+        "ratio_median": round(server.median_tokens_per_s / raw.median_tokens_per_s, 3),
+        "repeats": args.repeats,
         "num_prompts": args.num_prompts,
         "n": sampling.n,
         "max_tokens": sampling.max_tokens,
         "max_inflight": config.rollout.max_inflight,
-        "server_output_tokens": server.output_tokens,
-        "raw_output_tokens": raw.output_tokens,
+        "server_output_tokens_per_batch": server.output_tokens,
+        "raw_output_tokens_per_batch": raw.output_tokens,
     }))
 
 
