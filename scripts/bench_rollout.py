@@ -3,7 +3,9 @@
 Both phases run the same workload on the same engine settings (`rollout.engine` and
 `rollout.max_inflight` of the config), one after the other, each in its own process so that only one
 engine holds memory and cores at a time:
-  raw vLLM   `vllm.LLM.generate` on all prompts at once, `n` samples each (no log-probs)
+  raw vLLM   `vllm.LLM.generate` on all prompts at once, `n` samples each; batches without log-probs
+             alternate with batches that also return each sampled token's log-prob (the one extra
+             output RL needs), so the cost of that output is seen apart from the server's own
   server     `RolloutEngine.generate_group` for every prompt at once, as a server runs it: `AsyncLLM`,
              one streamed request per sample, behaviour log-probs and per-token policy versions
 Workload: --num-prompts prompts from the config's validation file (the synthetic task), --n samples
@@ -41,6 +43,11 @@ SHARED_ENGINE_FIELDS = (
     "dtype", "max_model_len", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
     "enforce_eager", "seed", "logprobs_mode", "max_num_seqs", "disable_log_stats",
 )
+
+
+RAW = "raw vLLM (LLM.generate)"
+RAW_LOGPROBS = "raw vLLM + sampled log-probs"
+SERVER = "rollout server (generate_group)"
 
 
 @dataclass
@@ -108,33 +115,41 @@ def workload_prompts(config: AsyncRLConfig, count: int) -> list[list[int]]:
 # Phases (each runs in a child process)
 
 
-def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> PhaseResult:
+def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
+    """`LLM.generate` without and with the sampled token's log-prob, alternating batch by batch so that
+    both see the same load."""
     from vllm import LLM, SamplingParams
 
-    from rollout_servers.engine_args import engine_args
+    from rollout_servers.engine_args import SAMPLED_TOKEN_ONLY, engine_args
 
     args = engine_args(config.model.path, config.rollout.engine, config.rollout.max_inflight)
     started = time.perf_counter()
     llm = LLM(model=config.model.path, **{name: getattr(args, name) for name in SHARED_ENGINE_FIELDS})
     start_s = time.perf_counter() - started
     sampling = config.rollout.sampling
-    params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                            max_tokens=sampling.max_tokens, ignore_eos=True)
+    plain, with_logprobs = (
+        SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                       max_tokens=sampling.max_tokens, ignore_eos=True, logprobs=logprobs)
+        for logprobs in (None, SAMPLED_TOKEN_ONLY)
+    )
 
-    def generate(batch: list[list[int]]) -> tuple[int, float]:
+    def generate(batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
         began = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs), time.perf_counter() - began
 
     try:
-        _, warmup_s = generate(warmup)
-        timed = [generate(prompts) for _ in range(repeats)]
+        _, warmup_s = generate(warmup, with_logprobs)
+        timed = [(generate(prompts, plain), generate(prompts, with_logprobs)) for _ in range(repeats)]
     finally:
         llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
-    return PhaseResult("raw vLLM (LLM.generate)", timed[0][0], [s for _, s in timed], start_s, warmup_s)
+    return [
+        PhaseResult(RAW, timed[0][0][0], [run[0][1] for run in timed], start_s, warmup_s),
+        PhaseResult(RAW_LOGPROBS, timed[0][1][0], [run[1][1] for run in timed], start_s, warmup_s),
+    ]
 
 
-def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> PhaseResult:
+def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
     from rollout_servers.engine import RolloutEngine
 
     async def measure() -> PhaseResult:
@@ -152,27 +167,27 @@ def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[l
             timed = [await generate(prompts) for _ in range(repeats)]
         finally:
             engine.shutdown()
-        return PhaseResult("rollout server (generate_group)", timed[0][0], [s for _, s in timed], start_s, warmup_s)
+        return PhaseResult(SERVER, timed[0][0], [s for _, s in timed], start_s, warmup_s)
 
-    return asyncio.run(measure())
+    return [asyncio.run(measure())]
 
 
 def _phase_child(phase, config: AsyncRLConfig, prompts, warmup, repeats: int, results: multiprocessing.Queue) -> None:
-    results.put(asdict(phase(config, prompts, warmup, repeats)))
+    results.put([asdict(result) for result in phase(config, prompts, warmup, repeats)])
 
 
-def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> PhaseResult:
+def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
     """`phase` in a fresh process; its engine is gone when this returns."""
     results = SPAWN.Queue()
     child = SPAWN.Process(target=_phase_child, args=(phase, config, prompts, warmup, repeats, results))
     child.start()
     try:
-        result = PhaseResult(**results.get(timeout=PHASE_TIMEOUT_S))
+        reported = [PhaseResult(**fields) for fields in results.get(timeout=PHASE_TIMEOUT_S)]
     finally:
         child.join(EXIT_GRACE_S)
         if child.is_alive():
             child.terminate()
-    return result
+    return reported
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,13 +208,13 @@ def main() -> None:
     ensure_model(config)
     prompts = workload_prompts(config, args.num_prompts)
     warmup = prompts[:WARMUP_PROMPTS]
-    raw = run_phase(raw_vllm_phase, config, prompts, warmup, args.repeats)
-    server = run_phase(server_phase, config, prompts, warmup, args.repeats)
+    raw, raw_logprobs = run_phase(raw_vllm_phase, config, prompts, warmup, args.repeats)
+    (server,) = run_phase(server_phase, config, prompts, warmup, args.repeats)
     sampling = config.rollout.sampling
     print(f"{args.num_prompts} prompts x {sampling.n} samples x {sampling.max_tokens} output tokens, "
           f"max_inflight {config.rollout.max_inflight}, model {config.model.path}, "
           f"{os.cpu_count()} CPUs visible")
-    print_table([raw, server])
+    print_table([raw, raw_logprobs, server])
     print("RESULT " + json.dumps({
         "server_tok_s": round(server.best_tokens_per_s, 1),
         "raw_vllm_tok_s": round(raw.best_tokens_per_s, 1),
@@ -207,6 +222,8 @@ def main() -> None:
         "server_tok_s_median": round(server.median_tokens_per_s, 1),
         "raw_vllm_tok_s_median": round(raw.median_tokens_per_s, 1),
         "ratio_median": round(server.median_tokens_per_s / raw.median_tokens_per_s, 3),
+        "raw_vllm_logprobs_tok_s": round(raw_logprobs.best_tokens_per_s, 1),
+        "ratio_vs_raw_logprobs": round(server.best_tokens_per_s / raw_logprobs.best_tokens_per_s, 3),
         "repeats": args.repeats,
         "num_prompts": args.num_prompts,
         "n": sampling.n,
