@@ -70,12 +70,12 @@ class RolloutServer:
         producer = TrajectoryProducer(self.endpoints.buffer, deadline_s=rollout.send_deadline_s)
         try:
             with RewardScorer(self.config.reward) as scorer:
-                validation = [asyncio.create_task(self.validator.run_when_due(engine, scorer, rollout.poll_s))] if self.validator else []
+                validation = self._start_validation(engine, scorer)
                 try:
                     await self._generate_forever(engine, admission, producer, scorer)
                 finally:
-                    for task in validation:
-                        await cancel(task)
+                    if validation is not None:
+                        await cancel(validation)
         finally:
             await cancel(sync_task)
             for closable in (sync, admission, producer):
@@ -88,6 +88,12 @@ class RolloutServer:
         prompts = load_validation_prompts(self.config, self.tokenizer)
         log.info("validating every %d versions on %d held-out prompts", self.config.validation.every, len(prompts))
         return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer)
+
+    def _start_validation(self, engine: RolloutEngine, scorer: RewardScorer) -> asyncio.Task | None:
+        """The background task that validates due versions (server 0 with validation on), or None."""
+        if self.validator is None:
+            return None
+        return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s))
 
     def _counters(self) -> dict[str, Any]:
         counters = {
