@@ -57,6 +57,8 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
                          services.fetch_batch if services else None, after_step, after_checkpoint, pad_id)
+        if services is not None:
+            services.log_final_validation(state.step)
     finally:
         if services is not None:
             services.close()

@@ -17,6 +17,7 @@ from asyncrl.launch_buffer import BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
+from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.protocol import resolve_backend
 
@@ -81,6 +82,23 @@ class LearnerServices:
         if behind and self.latest_weights is not None:
             log.info("catching up %s to version %d", behind, self.latest_version)
             self.sync_weights(self.latest_version, self.latest_weights)
+
+    def log_final_validation(self, version: int) -> None:
+        """Wait up to validation.final_wait_s for the servers' validation of the final `version` and log
+        it (and any pass still unlogged) at that step: the run's last word on held-out reward."""
+        settings = self.config.validation
+        if not settings.every or not settings.final_wait_s:
+            return
+        deadline = time.monotonic() + settings.final_wait_s
+        while time.monotonic() < deadline:
+            fresh = self.coordinator.new_validation()
+            if fresh:
+                self.metrics.log(version, fresh)
+                log.info("validation of version %d: mean score %.3f", fresh[VERSION_KEY], fresh["val/score/mean"])
+            if fresh.get(VERSION_KEY, NOT_VALIDATED) >= version:
+                return
+            time.sleep(self.config.rollout.weight_sync.heartbeat_s)
+        log.warning("no validation of the final version %d within validation.final_wait_s=%.0fs", version, settings.final_wait_s)
 
     def close(self) -> None:
         self.metrics.close()

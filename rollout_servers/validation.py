@@ -72,8 +72,9 @@ class Validator:
     """Runs passes when due and holds the latest result for the heartbeat (`SyncJoin` fields)."""
 
     def __init__(self, settings: ValidationConfig, sampling: SamplingConfig, prompts: list[ValidationPrompt],
-                 tokenizer: Any) -> None:
+                 tokenizer: Any, final_version: int) -> None:
         self.settings = settings
+        self.final_version = final_version  # the learner's last version is validated whatever `every` is
         self.sampling = dataclasses.replace(sampling, n=settings.n, temperature=settings.temperature)
         self.prompts = prompts
         self.tokenizer = tokenizer
@@ -81,9 +82,10 @@ class Validator:
         self.version = NOT_VALIDATED  # policy version the latest pass started on
 
     def is_due(self, version: int) -> bool:
-        """A multiple of `every` not validated yet (validation off when `every` is 0)."""
-        every = self.settings.every
-        return bool(every) and bool(self.prompts) and version % every == 0 and version > self.version
+        """A multiple of `every`, or the final version, not validated yet (validation off when `every` is 0)."""
+        if not self.settings.every or not self.prompts or version <= self.version:
+            return False
+        return version % self.settings.every == 0 or version == self.final_version
 
     async def run_pass(self, engine: GroupEngine, scorer: Scorer) -> dict[str, float]:
         """Sample, score and summarise every validation prompt on the engine's current weights."""

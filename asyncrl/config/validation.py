@@ -1,7 +1,8 @@
 """The `validation` section: periodic evaluation of the policy on the held-out `data.val_files`.
 
-Rollout server 0 runs a pass whenever its weights reach a policy version that is a multiple of `every`
-and reports mean reward and pass@k (overall and per data source) to the learner, which logs `val/*`.
+Rollout server 0 runs a pass whenever its weights reach a policy version that is a multiple of `every`,
+and on the final version (`learner.total_steps`), and reports mean reward and pass@k (overall and per
+data source) to the learner, which logs `val/*`.
 """
 
 from __future__ import annotations
@@ -18,3 +19,4 @@ class ValidationConfig:
     k: int = bounded(1, 1)  # k of the logged pass@k (unbiased estimator over the n samples)
     max_prompts: int = bounded(0, 0)  # held-out prompts per pass, the first ones of the files; 0 = all
     temperature: float = bounded(1.0, 0.0)  # sampling temperature of validation (0 = greedy)
+    final_wait_s: float = bounded(120.0, 0.0)  # after its last step the learner waits this long for the final version's pass

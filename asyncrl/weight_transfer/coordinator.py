@@ -77,8 +77,8 @@ class SyncCoordinator:
     def rollout_metrics(self) -> dict[str, float]:
         """Server counters summed over live servers: `rollout/tokens_per_s` since the previous call,
         `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; plus the `val/*` metrics of
-        a validation pass not returned before (see `_new_validation`)."""
-        beats = [self.members[name].heartbeat for name in self.live_members() if self.members[name].heartbeat]
+        a validation pass not returned before (see `new_validation`)."""
+        beats = self._live_heartbeats()
         tokens = sum(b.tokens_generated for b in beats)
         now = time.monotonic()
         last_tokens, last_time = self._last_tokens
@@ -91,17 +91,20 @@ class SyncCoordinator:
             "rollout/tokens_per_s": rate,
             "rollout/idle_ratio": idle / uptime if uptime else 0.0,
             "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
-        } | self._new_validation(beats)
+        } | self.new_validation()
 
-    def _new_validation(self, beats: list[SyncJoin]) -> dict[str, float]:
-        """`val/*` of validation passes these heartbeats carry and no earlier call returned, each pass
-        once, with `val/version` the policy version it validated."""
+    def new_validation(self) -> dict[str, float]:
+        """`val/*` of a validation pass that live servers' heartbeats carry and no earlier call returned
+        (each pass once), with `val/version` the policy version it validated; {} when there is none."""
         fresh: dict[str, float] = {}
-        for beat in beats:
+        for beat in self._live_heartbeats():
             if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
                 self._validations_logged[beat.server_id] = beat.validation_version
                 fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
         return fresh
+
+    def _live_heartbeats(self) -> list[SyncJoin]:
+        return [self.members[name].heartbeat for name in self.live_members() if self.members[name].heartbeat]
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""

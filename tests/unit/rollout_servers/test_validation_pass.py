@@ -14,6 +14,7 @@ from asyncrl.tasks import arithmetic
 from rollout_servers.validation import ValidationPrompt, Validator, load_validation_prompts
 
 N, K = 4, 2
+FINAL_VERSION = 33  # the learner's last version: validated although no multiple of `every`
 POLL_S = 0.01
 WAIT_S = 5.0  # bound on every wait for a background pass
 
@@ -55,7 +56,8 @@ def make_validator(every: int = 10) -> tuple[Validator, FakeEngine]:
     prompts = [prompt([1], "3"), prompt([2], "7"), prompt([3], "x=1", source="algebra")]
     engine = FakeEngine({(1,): ("3", 1), (2,): ("7", 2), (3,): ("x=1", 0)})
     settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5)
-    return Validator(settings, SamplingConfig(temperature=1.0, max_tokens=16, n=8), prompts, CharTokenizer()), engine
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=8)
+    return Validator(settings, sampling, prompts, CharTokenizer(), final_version=FINAL_VERSION), engine
 
 
 def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
@@ -72,14 +74,14 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert validator.heartbeat_fields() == {"validation": metrics, "validation_version": 10}
 
 
-def test_due_on_each_new_multiple_of_every():
+def test_due_on_each_new_multiple_of_every_and_the_final_version():
     validator, engine = make_validator(every=10)
     assert validator.heartbeat_fields() == {"validation": {}, "validation_version": -1}
-    assert [v for v in range(0, 31) if validator.is_due(v)] == [0, 10, 20, 30]
+    assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]
     asyncio.run(validator.run_pass(engine, ExactMatchScorer()))  # validates version 10
-    assert [v for v in range(0, 31) if validator.is_due(v)] == [20, 30]
+    assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [20, 30, FINAL_VERSION]
     off, _ = make_validator(every=0)
-    assert not any(off.is_due(v) for v in range(0, 31))
+    assert not any(off.is_due(v) for v in range(FINAL_VERSION + 1))
 
 
 def test_background_task_validates_due_versions_and_survives_a_failing_pass():
