@@ -91,6 +91,7 @@ class LearnerServices:
             return
         deadline = time.monotonic() + settings.final_wait_s
         while time.monotonic() < deadline:
+            self.catch_up_servers()  # a server (re)started after the last round must reach the final weights
             fresh = self.coordinator.new_validation()
             if fresh:
                 self.metrics.log(version, fresh)
