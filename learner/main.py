@@ -46,6 +46,8 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 metrics |= _share_weights(services, model, version, world)
             if services is not None:
                 services.consumer.publish_version(version)
+                if version == config.learner.total_steps:
+                    metrics |= services.final_validation(version)
                 metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics()
                 metrics["timing_s/elapsed"] = time.perf_counter() - started
                 services.metrics.log(version, metrics)
@@ -57,8 +59,6 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
                          services.fetch_batch if services else None, after_step, after_checkpoint, pad_id)
-        if services is not None:
-            services.log_final_validation(state.step)
     finally:
         if services is not None:
             services.close()

@@ -83,23 +83,22 @@ class LearnerServices:
             log.info("catching up %s to version %d", behind, self.latest_version)
             self.sync_weights(self.latest_version, self.latest_weights)
 
-    def log_final_validation(self, version: int) -> None:
-        """Wait up to validation.final_wait_s for the servers' validation of the final `version` and log
-        it (and any pass still unlogged) at that step: the run's last word on held-out reward."""
+    def final_validation(self, version: int) -> dict[str, float]:
+        """The servers' `val/*` of the final `version`, waited for up to validation.final_wait_s so that
+        the run's last record holds its held-out reward ({} when validation is off or none arrived)."""
         settings = self.config.validation
         if not settings.every or not settings.final_wait_s:
-            return
+            return {}
+        latest: dict[str, float] = {}
         deadline = time.monotonic() + settings.final_wait_s
         while time.monotonic() < deadline:
             self.catch_up_servers()  # a server (re)started after the last round must reach the final weights
-            fresh = self.coordinator.new_validation()
-            if fresh:
-                self.metrics.log(version, fresh)
-                log.info("validation of version %d: mean score %.3f", fresh[VERSION_KEY], fresh["val/score/mean"])
-            if fresh.get(VERSION_KEY, NOT_VALIDATED) >= version:
-                return
+            latest |= self.coordinator.new_validation()
+            if latest.get(VERSION_KEY, NOT_VALIDATED) >= version:
+                return latest
             time.sleep(self.config.rollout.weight_sync.heartbeat_s)
         log.warning("no validation of the final version %d within validation.final_wait_s=%.0fs", version, settings.final_wait_s)
+        return latest
 
     def close(self) -> None:
         self.metrics.close()
