@@ -35,6 +35,7 @@ class Command:
     target: str  # "module:function" called with the parsed arguments
     flags: tuple[Flag, ...] = ()  # shorthands for config keys
     arguments: tuple[Argument, ...] = ()  # the command's own arguments (not config keys)
+    takes_config: bool = True  # False: the command reads no config (no --config, no overrides)
 
 
 COMMANDS = (
@@ -118,6 +119,17 @@ COMMANDS = (
             Argument("--out", "DIR", "output directory (default: RUN_DIR/export/step_N)"),
         ),
     ),
+    Command(
+        "plot",
+        "render a run's metrics as PNG plots under RUN_DIR/plots/",
+        "Reads RUN_DIR/metrics.jsonl and writes reward.png (train and validation reward, pass@k), "
+        "staleness.png, importance_weights.png (rollout_corr/*), throughput.png (tokens/s of rollout "
+        "servers and learner, buffer ingest) and weight_sync.png into RUN_DIR/plots/. Metrics the run "
+        "did not log are left out and listed; works on a run that is still going.",
+        "asyncrl.commands.plot:main",
+        arguments=(Argument("run_dir", "RUN_DIR", "run directory (holds metrics.jsonl)"),),
+        takes_config=False,
+    ),
 )
 
 
@@ -127,15 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training for LLMs: vLLM rollout servers generate without "
         "pause into a ZeroMQ trajectory buffer; an FSDP2 learner trains with importance-corrected PPO "
         "and broadcasts weights back every N steps.",
-        epilog="Every command takes --config FILE plus key=value overrides; see docs/configuration.md.",
+        epilog="Every command but plot takes --config FILE plus key=value overrides; see docs/configuration.md.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         sub = subcommands.add_parser(command.name, help=command.summary, description=command.description)
-        sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
         for argument in command.arguments:
             sub.add_argument(argument.name, metavar=argument.metavar, help=argument.help)
-        sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        if command.takes_config:
+            sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
+            sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+        else:
+            sub.set_defaults(config=None, overrides=[])
         for flag in command.flags:
             sub.add_argument(flag.name, dest=f"flag:{flag.key}", metavar="N", help=f"{flag.help} (sets {flag.key})")
         sub.set_defaults(target=command.target)

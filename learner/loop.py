@@ -70,6 +70,7 @@ def run_loop(
             model, optimizer, collate(batch.groups, pad_id), config.algorithm, settings.micro_batch_tokens,
             settings.grad_clip, world,
         )
+        trained = time.perf_counter() - started - waited
         if not outcome.finite:
             state.bad_steps += 1
             log.warning("non-finite loss or gradient at step %d: update skipped (%d in a row)", state.step + 1, state.bad_steps)
@@ -80,7 +81,8 @@ def run_loop(
         state.step += 1
         state.buffer_offset = batch.next_offset
         metrics = outcome.metrics | staleness_metrics(batch, state.step - 1) | _batch_metrics(batch)
-        metrics |= {"timing_s/wait_batch": waited, "timing_s/step": time.perf_counter() - started}
+        metrics |= {"timing_s/wait_batch": waited, "timing_s/train": trained, "timing_s/step": time.perf_counter() - started,
+                    "learner/tokens_per_s": _trained_tokens(batch) / trained}
         after_step(state.step, metrics)
         if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
             save_checkpoint(
@@ -97,6 +99,11 @@ def _shared_batch(batch: Batch | None, world: World) -> Batch:
         assert batch is not None
         return batch
     return decode(broadcast_bytes(encode(batch) if batch is not None else None, world), max_bytes=2**62, expect=Batch)
+
+
+def _trained_tokens(batch: Batch) -> int:
+    """Completion tokens the loss covers (loss-mask ones), comparable to the servers' generated tokens."""
+    return sum(sum(t.loss_mask) for group in batch.groups for t in group.trajectories)
 
 
 def _batch_metrics(batch: Batch) -> dict[str, Any]:

@@ -46,6 +46,8 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 metrics |= _share_weights(services, model, version, world)
             if services is not None:
                 services.consumer.publish_version(version)
+                if version == config.learner.total_steps:
+                    metrics |= services.final_validation(version)
                 metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics()
                 metrics["timing_s/elapsed"] = time.perf_counter() - started
                 services.metrics.log(version, metrics)
@@ -81,9 +83,11 @@ def _share_weights(services: LearnerServices | None, model: torch.nn.Module, ver
 
 
 def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
-    fields = [("reward", "critic/score/mean"), ("staleness", "staleness/mean"), ("pg_loss", "actor/pg_loss"),
-              ("sync_s", "weight_sync/seconds"), ("step_s", "timing_s/step"), ("rollout_tok/s", "rollout/tokens_per_s")]
-    shown = " ".join(f"{label} {metrics[key]:.3f}" for label, key in fields if key in metrics)
+    fields = [("reward", "critic/score/mean", ".3f"), ("val", "val/score/mean", ".3f"),
+              ("staleness", "staleness/mean", ".3f"), ("pg_loss", "actor/pg_loss", ".3f"),
+              ("gen_tok/s", "rollout/tokens_per_s", ".0f"), ("train_tok/s", "learner/tokens_per_s", ".0f"),
+              ("sync_s", "weight_sync/seconds", ".3f"), ("step_s", "timing_s/step", ".3f")]
+    shown = " ".join(f"{label} {metrics[key]:{spec}}" for label, key, spec in fields if key in metrics)
     return f"step {version}/{total} {shown}"
 
 

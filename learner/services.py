@@ -17,6 +17,7 @@ from asyncrl.launch_buffer import BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
+from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.protocol import resolve_backend
 
@@ -81,6 +82,23 @@ class LearnerServices:
         if behind and self.latest_weights is not None:
             log.info("catching up %s to version %d", behind, self.latest_version)
             self.sync_weights(self.latest_version, self.latest_weights)
+
+    def final_validation(self, version: int) -> dict[str, float]:
+        """The servers' `val/*` of the final `version`, waited for up to validation.final_wait_s so that
+        the run's last record holds its held-out reward ({} when validation is off or none arrived)."""
+        settings = self.config.validation
+        if not settings.every or not settings.final_wait_s:
+            return {}
+        latest: dict[str, float] = {}
+        deadline = time.monotonic() + settings.final_wait_s
+        while time.monotonic() < deadline:
+            self.catch_up_servers()  # a server (re)started after the last round must reach the final weights
+            latest |= self.coordinator.new_validation()
+            if latest.get(VERSION_KEY, NOT_VALIDATED) >= version:
+                return latest
+            time.sleep(self.config.rollout.weight_sync.heartbeat_s)
+        log.warning("no validation of the final version %d within validation.final_wait_s=%.0fs", version, settings.final_wait_s)
+        return latest
 
     def close(self) -> None:
         self.metrics.close()

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -20,10 +21,12 @@ from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.sync_client import SyncClient, cancel
+from rollout_servers.validation import Validator, load_validation_prompts
 
 log = logging.getLogger(__name__)
 
 _SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
+VALIDATING_SERVER = 0  # index of the one server that runs validation passes
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class RolloutServer:
         )
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.stats = ServerStats()
+        self.validator = self._validator(server_index)
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self._finished_since_grant = 0
         self._stop = asyncio.Event()
@@ -66,20 +70,40 @@ class RolloutServer:
         producer = TrajectoryProducer(self.endpoints.buffer, deadline_s=rollout.send_deadline_s)
         try:
             with RewardScorer(self.config.reward) as scorer:
-                await self._generate_forever(engine, admission, producer, scorer)
+                validation = self._start_validation(engine, scorer)
+                try:
+                    await self._generate_forever(engine, admission, producer, scorer)
+                finally:
+                    if validation is not None:
+                        await cancel(validation)
         finally:
             await cancel(sync_task)
             for closable in (sync, admission, producer):
                 closable.close()
             engine.shutdown()
 
-    def _counters(self) -> dict[str, float]:
-        return {
+    def _validator(self, server_index: int) -> Validator | None:
+        if server_index != VALIDATING_SERVER or not self.config.validation.every:
+            return None
+        prompts = load_validation_prompts(self.config, self.tokenizer)
+        log.info("validating every %d versions on %d held-out prompts", self.config.validation.every, len(prompts))
+        return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer,
+                         final_version=self.config.learner.total_steps)
+
+    def _start_validation(self, engine: RolloutEngine, scorer: RewardScorer) -> asyncio.Task | None:
+        """The background task that validates due versions (server 0 with validation on), or None."""
+        if self.validator is None:
+            return None
+        return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s))
+
+    def _counters(self) -> dict[str, Any]:
+        counters = {
             "tokens_generated": self.stats.tokens_generated,
             "groups_sent": self.stats.groups_sent,
             "idle_seconds": self.stats.idle_seconds,
             "uptime_seconds": time.perf_counter() - self._started,
         }
+        return counters | (self.validator.heartbeat_fields() if self.validator else {})
 
     def stop(self) -> None:
         self._stop.set()

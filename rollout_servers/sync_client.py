@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
@@ -21,7 +21,7 @@ MS_PER_S = 1000
 
 class SyncClient:
     def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
-                 counters: Callable[[], dict[str, float]]) -> None:
+                 counters: Callable[[], dict[str, Any]]) -> None:
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
         self.counters = counters  # server counters carried by each heartbeat (SyncJoin fields)
         self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)

@@ -11,6 +11,7 @@ from asyncrl.config.buffer import BufferConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.config.sections import DataConfig, MetricsConfig, ModelConfig, RewardConfig, RunConfig, TaskConfig
+from asyncrl.config.validation import ValidationConfig
 
 
 @dataclass
@@ -25,6 +26,7 @@ class AsyncRLConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)  # training loop, optimizer, checkpoints, sync cadence
     buffer: BufferConfig = field(default_factory=BufferConfig)  # trajectory buffer service and its clients
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # vLLM rollout servers, sampling, weight sync
+    validation: ValidationConfig = field(default_factory=ValidationConfig)  # periodic held-out evaluation (val/* metrics)
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""
@@ -44,6 +46,10 @@ class AsyncRLConfig:
             problems.append(("data.weights", "must be non-negative with a positive sum"))
         if not self.data.train_files:
             problems.append(("data.train_files", "needs at least one file"))
+        if self.validation.every and self.validation.k > self.validation.n:
+            problems.append(("validation.k", f"must not exceed validation.n={self.validation.n} (samples per prompt)"))
+        if self.validation.every and not self.data.val_files:
+            problems.append(("data.val_files", "needs at least one file when validation.every > 0"))
         return problems + self.buffer.cross_checks()
 
 

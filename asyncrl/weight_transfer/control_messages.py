@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.messages import message
+from asyncrl.validation import NOT_VALIDATED
 
 
 @message("sync_join")
@@ -21,6 +22,8 @@ class SyncJoin:
     groups_sent: int = 0  # groups acknowledged by the buffer since the server started
     idle_seconds: float = 0.0  # time with nothing in the engine, since the server started
     uptime_seconds: float = 0.0  # time since the server started serving
+    validation: dict[str, float] = field(default_factory=dict)  # val/* metrics of its latest validation pass
+    validation_version: int = NOT_VALIDATED  # policy version that pass validated
 
 
 @message("sync_invite")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
@@ -61,6 +62,7 @@ class SyncCoordinator:
         self._group_members: tuple[str, ...] = ()
         self._round = 0
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
+        self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
 
     def live_members(self) -> list[str]:
         self._drain()
@@ -74,8 +76,9 @@ class SyncCoordinator:
 
     def rollout_metrics(self) -> dict[str, float]:
         """Server counters summed over live servers: `rollout/tokens_per_s` since the previous call,
-        `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`."""
-        beats = [self.members[name].heartbeat for name in self.live_members() if self.members[name].heartbeat]
+        `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; plus the `val/*` metrics of
+        a validation pass not returned before (see `new_validation`)."""
+        beats = self._live_heartbeats()
         tokens = sum(b.tokens_generated for b in beats)
         now = time.monotonic()
         last_tokens, last_time = self._last_tokens
@@ -88,7 +91,20 @@ class SyncCoordinator:
             "rollout/tokens_per_s": rate,
             "rollout/idle_ratio": idle / uptime if uptime else 0.0,
             "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
-        }
+        } | self.new_validation()
+
+    def new_validation(self) -> dict[str, float]:
+        """`val/*` of a validation pass that live servers' heartbeats carry and no earlier call returned
+        (each pass once), with `val/version` the policy version it validated; {} when there is none."""
+        fresh: dict[str, float] = {}
+        for beat in self._live_heartbeats():
+            if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
+                self._validations_logged[beat.server_id] = beat.validation_version
+                fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
+        return fresh
+
+    def _live_heartbeats(self) -> list[SyncJoin]:
+        return [self.members[name].heartbeat for name in self.live_members() if self.members[name].heartbeat]
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 MAX_STALENESS = 1
 RUN_TIMEOUT_S = 900
+VALIDATE_EVERY = 3  # server 0 validates versions 0, 3, 6 and each run's final version (4 in the first)
 
 
 def overrides(tmp: Path, total_steps: int) -> list[str]:
@@ -33,6 +34,7 @@ def overrides(tmp: Path, total_steps: int) -> list[str]:
         "learner.torch_threads=1", "buffer.batch_groups=4", f"buffer.max_staleness={MAX_STALENESS}",
         "rollout.num_servers=2", "rollout.max_inflight=8", "rollout.sampling.n=4", "rollout.sampling.max_tokens=6",
         "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32",
+        f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2", "validation.max_prompts=4",
     ]
 
 
@@ -82,3 +84,17 @@ def test_resume_continues_steps_and_never_reuses_a_buffer_record(finished_runs):
     assert checkpoints == ["step_00000004", "step_00000006"]  # learner.keep_checkpoints=2
     meta = json.loads((run_dir / "checkpoints" / "step_00000006" / "meta.json").read_text())
     assert meta["step"] == 6 and meta["buffer_offset"] > ranges[-1][1]
+
+
+def test_validation_is_logged_once_per_pass_and_the_run_plots(finished_runs):
+    _, _, _, run_dir = finished_runs
+    passes = [r for r in read_metrics(run_dir) if r.get("val/score/mean") is not None]
+    versions = [r["val/version"] for r in passes]
+    assert {0.0, 4.0, 6.0} <= set(versions)  # the learner waits for each run's final version
+    assert all(v % VALIDATE_EVERY == 0 or v in (4.0, 6.0) for v in versions)
+    assert all(r["val/prompts"] == 4 and 0.0 <= r["val/pass@2"] <= 1.0 for r in passes)
+    assert all(r["val/arithmetic/score/mean"] == r["val/score/mean"] for r in passes)  # one data source
+    plotted = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(run_dir)], capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT_S)
+    assert plotted.returncode == 0, plotted.stderr
+    assert {"reward.png", "staleness.png", "weight_sync.png"} <= {p.name for p in (run_dir / "plots").iterdir()}

@@ -121,3 +121,29 @@ def test_no_servers_means_an_empty_round_not_a_wait():
         assert report.servers == 0 and time.monotonic() - started < 0.5
     finally:
         coord.close()
+
+
+def test_validation_in_heartbeats_is_returned_once_per_pass():
+    coord = coordinator()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(coord.address)
+
+    def heartbeat_then_metrics(validation: dict, version: int) -> dict[str, float]:
+        sock.send(encode(SyncJoin("s0", 1, version, validation=validation, validation_version=version)))
+        deadline = time.monotonic() + TIMEOUT_S
+        while coord.members.get("s0") is None or coord.members["s0"].heartbeat.validation_version != version:
+            assert time.monotonic() < deadline, "heartbeat not received"
+            coord.live_members()
+            time.sleep(HEARTBEAT_S)
+        return coord.rollout_metrics()
+
+    try:
+        assert "val/score/mean" not in heartbeat_then_metrics({}, -1)
+        first = heartbeat_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
+        assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
+        assert "val/score/mean" not in coord.rollout_metrics()  # the same pass, heard again: not logged twice
+        second = heartbeat_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
+        assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
+    finally:
+        sock.close(0)
+        coord.close()

@@ -1,0 +1,22 @@
+"""The `validation` section: periodic evaluation of the policy on the held-out `data.val_files`.
+
+Rollout server 0 runs a pass whenever its weights reach a policy version that is a multiple of `every`,
+and on the final version (`learner.total_steps`), and reports mean reward and pass@k (overall and per
+data source) to the learner, which logs `val/*`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.config.fields import bounded
+
+
+@dataclass
+class ValidationConfig:
+    every: int = bounded(0, 0)  # policy versions between validation passes (version 0 included); 0 = off
+    n: int = bounded(4, 1)  # samples per held-out prompt (pass@k needs n >= k)
+    k: int = bounded(1, 1)  # k of the logged pass@k (unbiased estimator over the n samples)
+    max_prompts: int = bounded(0, 0)  # held-out prompts per pass, the first ones of the files; 0 = all
+    temperature: float = bounded(1.0, 0.0)  # sampling temperature of validation (0 = greedy)
+    final_wait_s: float = bounded(120.0, 0.0)  # the learner holds its last record this long for the final version's pass

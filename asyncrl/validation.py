@@ -1,0 +1,61 @@
+"""Validation metrics from scored samples: mean reward and unbiased pass@k, overall and per data source.
+
+pass@k is the chance that at least one of k samples drawn without replacement from a prompt's n samples
+is correct, estimated without bias from the c correct ones (Chen et al., 2021, "Evaluating Large
+Language Models Trained on Code"):  pass@k = 1 − C(n−c, k) / C(n, k), averaged over prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+PREFIX = "val"  # every validation metric is named val/...
+VERSION_KEY = "val/version"  # policy version a pass validated (logged with its metrics)
+NOT_VALIDATED = -1  # validation version before the first pass
+# A sample counts as correct for pass@k when its reward reaches this: the built-in scorers give 1.0 for a
+# right answer and 0.0 otherwise; a partial-credit reward passes only with full marks.
+CORRECT_MIN_SCORE = 1.0
+
+
+@dataclass(frozen=True)
+class PromptOutcome:
+    """The scored samples of one held-out prompt."""
+
+    data_source: str  # dataset of the prompt (per-source metrics)
+    scores: list[float]  # reward of each of its n samples
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with `correct` of `n` samples right: 1 − C(n−c, k) / C(n, k)."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if not 0 <= correct <= n:
+        raise ValueError(f"correct samples must lie in [0, n={n}], got {correct}")
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def validation_metrics(outcomes: Sequence[PromptOutcome], k: int) -> dict[str, float]:
+    """`val/score/mean`, `val/pass@k` and `val/prompts` over all prompts, and the same under
+    `val/<data_source>/` for each data source."""
+    by_source: dict[str, list[PromptOutcome]] = defaultdict(list)
+    for outcome in outcomes:
+        by_source[outcome.data_source].append(outcome)
+    metrics = _summary(outcomes, k, PREFIX)
+    for source, group in sorted(by_source.items()):
+        metrics |= _summary(group, k, f"{PREFIX}/{source}")
+    return metrics
+
+
+def _summary(outcomes: Sequence[PromptOutcome], k: int, prefix: str) -> dict[str, float]:
+    if not outcomes:
+        return {}
+    scores = [score for outcome in outcomes for score in outcome.scores]
+    passes = [pass_at_k(len(o.scores), sum(s >= CORRECT_MIN_SCORE for s in o.scores), k) for o in outcomes]
+    return {
+        f"{prefix}/score/mean": sum(scores) / len(scores),
+        f"{prefix}/pass@{k}": sum(passes) / len(passes),
+        f"{prefix}/prompts": float(len(outcomes)),
+    }

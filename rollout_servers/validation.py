@@ -1,0 +1,123 @@
+"""Periodic validation on the held-out prompts, run by rollout server 0 beside its generation.
+
+Whenever the engine's weights reach a policy version that is a multiple of `validation.every`, the
+server samples `validation.n` completions of each held-out prompt on the same engine, scores them with
+the same reward scorer as training, and keeps the `val/*` metrics (`asyncrl.validation`). The heartbeat
+carries the latest result to the learner, which logs it once. A pass runs concurrently with training
+generation; a weight update during the pass leaves its later tokens on newer weights, so the numbers
+are for the version the pass started on or a newer one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.config.rollout import SamplingConfig
+from asyncrl.config.validation import ValidationConfig
+from asyncrl.data import PromptRow, encode_prompt, load_prompt_file
+from asyncrl.rewards import RewardRequest, RewardResult
+from asyncrl.validation import NOT_VALIDATED, PromptOutcome, validation_metrics
+
+if TYPE_CHECKING:  # the module itself stays free of vLLM, so that it is testable with a fake engine
+    from rollout_servers.completion import Completion
+
+log = logging.getLogger(__name__)
+
+class GroupEngine(Protocol):
+    """What a pass needs from `RolloutEngine`."""
+
+    @property
+    def current_version(self) -> int: ...
+
+    @property
+    def needs_catch_up(self) -> bool: ...
+
+    async def generate_group(self, prompt_ids: list[int], sampling: SamplingConfig | None = None) -> list[Completion]: ...
+
+
+class Scorer(Protocol):
+    """What a pass needs from `RewardScorer`."""
+
+    async def score_async(self, requests: Sequence[RewardRequest]) -> list[RewardResult]: ...
+
+
+@dataclass(frozen=True)
+class ValidationPrompt:
+    row: PromptRow
+    prompt_ids: list[int]
+
+
+def load_validation_prompts(config: AsyncRLConfig, tokenizer: Any) -> list[ValidationPrompt]:
+    """The first `validation.max_prompts` rows of `data.val_files` (all when 0) that fit
+    `data.max_prompt_length`, tokenized as training prompts are."""
+    limit = config.validation.max_prompts
+    prompts = []
+    for path in config.data.val_files:
+        for row in load_prompt_file(path, config.data.skip_bad_rows):
+            prompt_ids = encode_prompt(tokenizer, row)
+            if len(prompt_ids) <= config.data.max_prompt_length:
+                prompts.append(ValidationPrompt(row, prompt_ids))
+            if limit and len(prompts) == limit:
+                return prompts
+    return prompts
+
+
+class Validator:
+    """Runs passes when due and holds the latest result for the heartbeat (`SyncJoin` fields)."""
+
+    def __init__(self, settings: ValidationConfig, sampling: SamplingConfig, prompts: list[ValidationPrompt],
+                 tokenizer: Any, final_version: int) -> None:
+        self.settings = settings
+        self.final_version = final_version  # the learner's last version is validated whatever `every` is
+        self.sampling = dataclasses.replace(sampling, n=settings.n, temperature=settings.temperature)
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.metrics: dict[str, float] = {}  # val/* of the latest pass
+        self.version = NOT_VALIDATED  # policy version the latest pass started on
+
+    def is_due(self, version: int) -> bool:
+        """A multiple of `every`, or the final version, not validated yet (validation off when `every` is 0)."""
+        if not self.settings.every or not self.prompts or version <= self.version:
+            return False
+        return version % self.settings.every == 0 or version == self.final_version
+
+    async def run_pass(self, engine: GroupEngine, scorer: Scorer) -> dict[str, float]:
+        """Sample, score and summarise every validation prompt on the engine's current weights."""
+        started, version = time.perf_counter(), engine.current_version
+        outcomes = await asyncio.gather(*(self._outcome(engine, scorer, prompt) for prompt in self.prompts))
+        seconds = time.perf_counter() - started
+        self.metrics = validation_metrics(outcomes, self.settings.k) | {"val/seconds": seconds}
+        self.version = version
+        log.info("validation of version %d: mean score %.3f, pass@%d %.3f over %d prompts in %.1fs", version,
+                 self.metrics["val/score/mean"], self.settings.k, self.metrics[f"val/pass@{self.settings.k}"],
+                 len(outcomes), seconds)
+        return self.metrics
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """`SyncJoin.validation` and `SyncJoin.validation_version`."""
+        return {"validation": dict(self.metrics), "validation_version": self.version}
+
+    async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float) -> None:
+        """Watch the engine's version and validate each due one, until cancelled."""
+        while True:
+            version = engine.current_version
+            if self.is_due(version) and not engine.needs_catch_up:
+                try:
+                    await self.run_pass(engine, scorer)
+                except Exception:  # validation is a measurement: it must never stop the server's generation
+                    log.exception("validation of version %d failed; next try at the next multiple", version)
+                    self.version = version
+            await asyncio.sleep(poll_s)
+
+    async def _outcome(self, engine: GroupEngine, scorer: Scorer, prompt: ValidationPrompt) -> PromptOutcome:
+        completions = await engine.generate_group(prompt.prompt_ids, self.sampling)
+        row = prompt.row
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        results = await scorer.score_async([RewardRequest(row.data_source, t, row.ground_truth, row.extra_info) for t in texts])
+        return PromptOutcome(row.data_source, [result.score for result in results])

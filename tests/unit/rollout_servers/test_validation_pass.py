@@ -1,0 +1,116 @@
+"""Validation passes on a fake engine and scorer: what is sampled, when, and the val/* numbers."""
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.config.rollout import SamplingConfig
+from asyncrl.config.validation import ValidationConfig
+from asyncrl.data import PromptRow, write_rows
+from asyncrl.rewards import RewardResult
+from asyncrl.tasks import arithmetic
+from rollout_servers.validation import ValidationPrompt, Validator, load_validation_prompts
+
+N, K = 4, 2
+FINAL_VERSION = 33  # the learner's last version: validated although no multiple of `every`
+POLL_S = 0.01
+WAIT_S = 5.0  # bound on every wait for a background pass
+
+
+class CharTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class FakeEngine:
+    """Answers prompt p correctly in the first `correct[p]` of its samples, wrongly in the rest."""
+
+    def __init__(self, correct: dict[tuple[int, ...], tuple[str, int]], version: int = 10) -> None:
+        self.correct, self.current_version, self.needs_catch_up = correct, version, False
+        self.samplings: list[SamplingConfig] = []
+
+    async def generate_group(self, prompt_ids, sampling=None):
+        self.samplings.append(sampling)
+        answer, right = self.correct[tuple(prompt_ids)]
+        texts = [answer if index < right else "wrong" for index in range(sampling.n)]
+        return [SimpleNamespace(token_ids=[ord(c) for c in text]) for text in texts]
+
+
+class ExactMatchScorer:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    async def score_async(self, requests):
+        if self.fail:
+            raise RuntimeError("scorer broke")
+        return [RewardResult(score=float(r.solution_str == r.ground_truth)) for r in requests]
+
+
+def prompt(ids: list[int], answer: str, source: str = "arithmetic") -> ValidationPrompt:
+    return ValidationPrompt(PromptRow([{"role": "user", "content": "q"}], source, answer), ids)
+
+
+def make_validator(every: int = 10) -> tuple[Validator, FakeEngine]:
+    prompts = [prompt([1], "3"), prompt([2], "7"), prompt([3], "x=1", source="algebra")]
+    engine = FakeEngine({(1,): ("3", 1), (2,): ("7", 2), (3,): ("x=1", 0)})
+    settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=8)
+    return Validator(settings, sampling, prompts, CharTokenizer(), final_version=FINAL_VERSION), engine
+
+
+def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
+    validator, engine = make_validator()
+    metrics = asyncio.run(validator.run_pass(engine, ExactMatchScorer()))
+    assert [(s.n, s.temperature, s.max_tokens) for s in engine.samplings] == [(N, 0.5, 16)] * 3
+    # correct samples per prompt: 1/4, 2/4, 0/4; pass@2 = 1 - C(n-c,2)/C(4,2) = 0.5, 5/6, 0
+    assert metrics["val/score/mean"] == pytest.approx(3 / 12)
+    assert metrics["val/pass@2"] == pytest.approx((0.5 + 5 / 6 + 0.0) / 3)
+    assert metrics["val/arithmetic/pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)
+    assert metrics["val/arithmetic/score/mean"] == pytest.approx(3 / 8)
+    assert metrics["val/algebra/score/mean"] == 0.0
+    assert metrics["val/seconds"] >= 0.0
+    assert validator.heartbeat_fields() == {"validation": metrics, "validation_version": 10}
+
+
+def test_due_on_each_new_multiple_of_every_and_the_final_version():
+    validator, engine = make_validator(every=10)
+    assert validator.heartbeat_fields() == {"validation": {}, "validation_version": -1}
+    assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]
+    asyncio.run(validator.run_pass(engine, ExactMatchScorer()))  # validates version 10
+    assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [20, 30, FINAL_VERSION]
+    off, _ = make_validator(every=0)
+    assert not any(off.is_due(v) for v in range(FINAL_VERSION + 1))
+
+
+def test_background_task_validates_due_versions_and_survives_a_failing_pass():
+    async def scenario(scorer) -> Validator:
+        validator, engine = make_validator(every=5)
+        task = asyncio.create_task(validator.run_when_due(engine, scorer, POLL_S))
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while validator.version != engine.current_version and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(POLL_S)
+        assert not task.done()  # still watching after the pass, failed or not
+        task.cancel()
+        return validator
+
+    assert asyncio.run(scenario(ExactMatchScorer())).metrics["val/prompts"] == 3.0
+    failed = asyncio.run(scenario(ExactMatchScorer(fail=True)))
+    assert failed.version == 10 and failed.metrics == {}
+
+
+def test_held_out_prompts_respect_max_prompts_and_prompt_length(tmp_path):
+    from asyncrl.tiny.tokenizer import build_char_tokenizer
+
+    rows = [arithmetic.make_row(q, a, i, "val") for i, (q, a) in enumerate([("1+2=", "3"), ("12345+1=", "12346"), ("4+4=", "8"), ("5-1=", "4")])]
+    path = write_rows(rows, tmp_path / "val.jsonl")
+    tokenizer = build_char_tokenizer()
+    config = AsyncRLConfig()
+    config.data.val_files = [str(path)]
+    short_prompt = len(tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, return_dict=False))
+    config.data.max_prompt_length = short_prompt  # the 8-character question is too long
+    config.validation.max_prompts = 2
+    prompts = load_validation_prompts(config, tokenizer)
+    assert [p.row.ground_truth for p in prompts] == ["3", "8"]
+    assert all(len(p.prompt_ids) == short_prompt for p in prompts)
