@@ -33,6 +33,9 @@ class TrainBatch:
         index = torch.tensor(rows, dtype=torch.long)
         return TrainBatch(*(getattr(self, name)[index] for name in _FIELDS))
 
+    def to(self, device: torch.device) -> "TrainBatch":
+        return TrainBatch(*(getattr(self, name).to(device) for name in _FIELDS))
+
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 

@@ -34,7 +34,7 @@ def train_step(
     grad_clip: float,
     world: World,
 ) -> StepOutcome:
-    batch = _to_device(batch, world.device)
+    batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     chunks = rank_chunks(batch, micro_batch_tokens, world)
     denominator = _denominator(batch, algorithm)
@@ -130,6 +130,3 @@ def _combine(records: list[dict[str, float]], world: World) -> dict[str, float]:
     passes = max(totals.pop("_passes"), 1.0)
     return {k: v if k in ADDITIVE_METRICS else v / passes for k, v in totals.items()}
 
-
-def _to_device(batch: TrainBatch, device: torch.device) -> TrainBatch:
-    return TrainBatch(*(getattr(batch, name).to(device) for name in batch.__dataclass_fields__))

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import time
 
@@ -31,6 +30,7 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
+from asyncrl.net import LOOPBACK, free_port
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from learner.batching import TrainBatch, collate
 from learner.distributed import World, init_world
@@ -76,10 +76,7 @@ def parse_args() -> argparse.Namespace:
 
 def join_single_rank_world(device: str) -> World:
     """A one-rank world (gloo on CPU, NCCL on CUDA): FSDP2 needs a process group even alone."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))
     return init_world(device)
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 from asyncrl.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.net import free_port
 from asyncrl.sync_mode import apply_mode
 
 
@@ -34,10 +34,5 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> None:
     from learner.main import spawned_rank
 
     size = config.learner.nproc
-    mp.start_processes(spawned_rank, args=(size, _free_port(), config, run_dir), nprocs=size, start_method="spawn")
+    mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size, start_method="spawn")
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -10,13 +10,13 @@ round. Every wait is bounded, so the learner never hangs on a server.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 
 import zmq
 
 from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.net import free_port
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
@@ -153,7 +153,7 @@ class SyncCoordinator:
         """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
         self._close_group()
         offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in invited])
-        port = self.group_port or _free_port(self.group_host)
+        port = self.group_port or free_port(self.group_host)
         address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
         return address, {name: init_info_for(address, offsets[name]) for name in invited}
 
@@ -216,8 +216,3 @@ def rank_layout(servers: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
         next_rank += ranks
     return offsets, next_rank
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
