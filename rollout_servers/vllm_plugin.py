@@ -72,6 +72,7 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
             buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
             self._group.broadcast(buffer)
             self.model.load_weights([(meta.name, buffer)])
+        self._group.synchronize()
 
     def shutdown(self) -> None:
         if self._group is not None:

@@ -15,6 +15,9 @@ from asyncrl.sync_mode import apply_mode
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "learner")
     config = apply_mode(config, log)
+    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment  # imports torch: after parsing
+
+    prepare_nccl_environment(config.rollout.weight_sync.host)
     run_dir = make_run_dir(config, "run")
     (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # rollout servers wait for this run's addresses
     log.info("run directory: %s", run_dir)

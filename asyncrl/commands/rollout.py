@@ -12,6 +12,9 @@ from asyncrl.sync_mode import apply_mode
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "rollout")
     config = apply_mode(config, log)
+    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment  # imports torch: after parsing
+
+    prepare_nccl_environment(config.rollout.weight_sync.host)
     run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
     from rollout_servers.supervisor import find_endpoints, supervise
 

@@ -28,6 +28,7 @@ class TinyModelConfig:
     intermediate_size: int = bounded(768, 8)  # MLP width
     max_position: int = bounded(256, 16)  # longest sequence the model supports, in tokens
     tie_word_embeddings: bool = True  # share input embedding and output head, as small Qwen2 models do
+    vocab_size: int = bounded(0, 0)  # embedding rows; 0 = the tokenizer's size (more mimics a real model's head)
 
 
 @dataclass

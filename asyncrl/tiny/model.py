@@ -14,7 +14,7 @@ _ROPE_THETA = 10000.0  # rotary base; sequences here are short
 def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen2ForCausalLM:
     """A freshly initialised Qwen2ForCausalLM of the given shape (deterministic for `seed`)."""
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=max(shape.vocab_size, len(tokenizer)),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,

@@ -4,12 +4,20 @@ Built from a `TCPStore` and a bare gloo / NCCL backend object instead of `init_p
 lives beside the learner's own FSDP world (and vLLM's internal groups) without touching the global
 default group. Every step has a deadline: the store rendezvous, the backend's connection handshake
 and each broadcast raise `WeightTransferError` when it passes, so neither side hangs on the other.
+
+NCCL differs from gloo in two ways that matter for deadlines. Its communicator is created by the first
+collective, a blocking call that waits for every peer: the handshake therefore runs on a helper thread
+that the caller stops waiting for at the deadline (the communicator is aborted so the thread is freed).
+And its broadcasts are stream-ordered, not CPU-blocking: `broadcast` only enqueues, and `synchronize`
+waits for everything enqueued, polling a CUDA event against the deadline and aborting the communicator
+when it passes. NCCL's own watchdog gets a much longer timeout so that it never kills the process first.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +33,8 @@ _STORE_PREFIX = "asyncrl/weight_transfer"  # namespaces our keys should the stor
 _HANDSHAKE_VALUE = 20261122  # broadcast once at join: proves the data path works end to end
 _POLL_S = 0.2  # how often a member re-checks, while waiting, for the trainer's port or the other members
 _JOINED_KEY = "joined"  # store counter: members that have arrived
+_EVENT_POLL_S = 1e-4  # how often `synchronize` re-checks an NCCL round's completion event
+_WATCHDOG_FACTOR = 10  # NCCL's watchdog timeout, in deadlines: ours fires first and aborts cleanly
 
 
 class WeightTransferError(RuntimeError):
@@ -65,32 +75,101 @@ class TransferGroup:
         store = _open_store(address, rank)
         backend = _connect_backend(address, rank, store)
         group = cls(address, rank, store, backend)
-        group._handshake(device or torch.device("cpu"))
+        group._bounded_handshake(device or torch.device("cpu"))
         log.info("joined %s as rank %d in %.2fs", address.describe(), rank, time.perf_counter() - started)
         return group
 
     def broadcast(self, tensor: torch.Tensor, src: int = TRAINER_RANK) -> None:
-        """Send `tensor` from `src` to every member (in place on receivers); bounded by the deadline."""
+        """Send `tensor` from `src` to every member (in place on receivers).
+
+        gloo: returns once done, bounded by the deadline. NCCL: enqueued on the current CUDA stream (work
+        that reads `tensor` afterwards on that stream sees the received data); call `synchronize` to bound it.
+        """
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.timeout = self.address.timeout
         try:
-            self._backend.broadcast([tensor], options).wait(self.address.timeout)
+            work = self._backend.broadcast([tensor], options)
+            if self.address.backend == NCCL:
+                work.wait()  # makes the current stream wait for NCCL's; the CPU goes on
+            else:
+                work.wait(self.address.timeout)
         except RuntimeError as error:
             raise WeightTransferError(
                 f"broadcast of a {tuple(tensor.shape)} {tensor.dtype} tensor in {self.address.describe()} "
                 f"failed or passed its {self.address.timeout_s}s deadline (rank {self.rank}): {error}"
             ) from error
 
+    def synchronize(self) -> None:
+        """Wait until every broadcast enqueued so far has completed, or raise once the deadline passes.
+
+        A no-op for gloo (its broadcasts complete before returning). For NCCL a passed deadline aborts the
+        communicator, so no kernel stays blocked on a missing peer; the group is unusable afterwards.
+        """
+        if self.address.backend != NCCL:
+            return
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.address.timeout_s
+        while not done.query():
+            if time.monotonic() >= deadline:
+                self.abort()
+                raise WeightTransferError(
+                    f"broadcasts in {self.address.describe()} did not complete within the "
+                    f"{self.address.timeout_s}s deadline (rank {self.rank}); the communicator was aborted"
+                )
+            time.sleep(_EVENT_POLL_S)
+
+    def abort(self) -> None:
+        """Abort the backend's pending work (NCCL: ncclCommAbort) and drop the group."""
+        backend = self._backend
+        self.close()
+        if backend is not None and self.address.backend == NCCL:
+            try:
+                backend.abort()
+            except RuntimeError as error:  # already torn down by NCCL itself; nothing left to free
+                log.debug("aborting %s: %s", self.address.describe(), error)
+
     def close(self) -> None:
         """Drop the backend and the store (rank 0's store server stops with it)."""
         self._backend = None  # type: ignore[assignment]
         self._store = None  # type: ignore[assignment]
 
+    def _bounded_handshake(self, device: torch.device) -> None:
+        """Run the handshake on a helper thread and stop waiting for it at the deadline.
+
+        NCCL creates its communicator inside the first collective, a call that blocks until every peer is
+        there; bounding it from the outside is the only way to keep that under the deadline.
+        """
+        outcome: list[BaseException | None] = []
+
+        def handshake() -> None:
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # the CUDA device is per thread
+                self._handshake(device)
+                outcome.append(None)
+            except BaseException as error:  # handed to the waiting thread below
+                outcome.append(error)
+
+        thread = threading.Thread(target=handshake, name="weight-transfer-handshake", daemon=True)
+        thread.start()
+        thread.join(self.address.timeout_s)
+        if not outcome:
+            self.abort()
+            raise WeightTransferError(
+                f"rank {self.rank} could not connect the {self.address.describe()} within its "
+                f"{self.address.timeout_s}s deadline (the backend's handshake did not return)"
+            )
+        if outcome[0] is not None:
+            self.close()
+            raise outcome[0]
+
     def _handshake(self, device: torch.device) -> None:
-        """NCCL connects lazily on the first collective: one tiny broadcast puts that under the deadline."""
+        """One tiny broadcast proves the data path end to end (and makes NCCL create its communicator)."""
         probe = torch.tensor([_HANDSHAKE_VALUE if self.rank == TRAINER_RANK else 0], device=device)
         self.broadcast(probe)
+        self.synchronize()
         if int(probe.item()) != _HANDSHAKE_VALUE:
             raise WeightTransferError(f"handshake in {self.address.describe()} returned {int(probe.item())}")
 
@@ -154,7 +233,7 @@ def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dis
             return dist.ProcessGroupGloo(store, rank, address.world_size, address.timeout)
         if address.backend == NCCL:
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = address.timeout
+            options._timeout = address.timeout * _WATCHDOG_FACTOR
             return dist.ProcessGroupNCCL(store, rank, address.world_size, options)
     except RuntimeError as error:
         raise WeightTransferError(f"rank {rank} could not connect the {address.describe()}: {error}") from error

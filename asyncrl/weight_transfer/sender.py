@@ -38,6 +38,7 @@ class WeightSender:
             wire = _materialised(tensor)
             self._group.broadcast(wire)
             total_bytes += wire.numel() * wire.element_size()
+        self._group.synchronize()
         seconds = time.perf_counter() - started
         log.info("sent %d tensors (%.1f MiB) in %.3fs", len(named_tensors), total_bytes / 2**20, seconds)
         return seconds

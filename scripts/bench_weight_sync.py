@@ -1,0 +1,188 @@
+"""Weight-sync wall time (pause → receive → resume) of a rollout engine, next to the transfer floor.
+
+Two measurements in one run, on the same model's tensors:
+  floor        two plain processes (trainer on the learner's device, receiver on the server's) in an
+               `asyncrl.weight_transfer` group: every tensor broadcast one by one, as a sync sends them,
+               and all bytes as one flat buffer (the collective's own floor)
+  engine       a `RolloutEngine` (vLLM AsyncLLM) serving the model, streaming --inflight requests, and a
+               trainer process: each round the engine pauses in keep mode, receives every tensor through
+               the vLLM plugin, and resumes; the pause-to-resume time is what generation loses per sync
+On GPU: the engine uses cuda:0 and the trainer cuda:1 (NCCL); on CPU both are gloo processes.
+Rounds are timed after one untimed warm-up round. Last line: RESULT {json} with weight_sync_ms (median
+pause-to-resume), nccl_floor_ms (median per-tensor floor), flat_floor_ms, and the bytes sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.net import free_port
+from asyncrl.weight_transfer import GroupAddress, TransferGroup, WeightSender, init_info_for, update_info_for, weights_for_transfer
+from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
+
+SPAWN = multiprocessing.get_context("spawn")  # CUDA and vLLM both need fresh processes
+HOST = "127.0.0.1"
+TRAINER_RANK, RECEIVER_RANK = 0, 1
+WAIT_S = 600  # longest wait for a child's answer: no phase may hang the benchmark
+MS = 1000
+
+
+@dataclass
+class Placement:
+    backend: str  # "nccl" or "gloo"
+    trainer: torch.device  # the learner's device
+    receiver: torch.device  # the rollout server's device (the engine's, on GPU: cuda:0)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/quickstart.yaml", help="asyncrl config giving the engine settings")
+    parser.add_argument("--model", required=True, help="Hugging Face model directory served and sent")
+    parser.add_argument("--dtype", default="bfloat16", help="dtype of the sent tensors")
+    parser.add_argument("--rounds", type=int, default=5, help="timed sync rounds per measurement")
+    parser.add_argument("--inflight", type=int, default=32, help="requests streaming while the engine syncs")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each rendezvous and round")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.engine.dtype=bfloat16")
+    return parser.parse_args()
+
+
+def placement() -> Placement:
+    if torch.cuda.device_count() >= 2:
+        return Placement("nccl", torch.device("cuda", 1), torch.device("cuda", 0))
+    return Placement("gloo", torch.device("cpu"), torch.device("cpu"))
+
+
+def load_tensors(model_dir: str, dtype: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
+    return weights_for_transfer(model)
+
+
+def group_address(where: Placement, timeout_s: float) -> GroupAddress:
+    return GroupAddress(HOST, free_port(), world_size=2, backend=where.backend, timeout_s=timeout_s)
+
+
+# floor phase: two plain processes -----------------------------------------------------------------------
+
+def floor_member(rank: int, address: GroupAddress, device: torch.device, model_dir: str, dtype: str, rounds: int, results) -> None:
+    prepare_nccl_environment(address.host)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tensors = [tensor for _, tensor in load_tensors(model_dir, dtype, device)]
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
+    group = TransferGroup.join(address, rank, device)
+    per_tensor = [_timed_round(group, tensors) for _ in range(rounds + 1)][1:]
+    one_buffer = [_timed_round(group, [flat]) for _ in range(rounds + 1)][1:]
+    group.close()
+    if rank == TRAINER_RANK:
+        results.put({"per_tensor_s": per_tensor, "flat_s": one_buffer,
+                     "bytes": sum(t.numel() * t.element_size() for t in tensors), "tensors": len(tensors)})
+
+
+def _timed_round(group: TransferGroup, tensors: list[torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for tensor in tensors:
+        group.broadcast(tensor)
+    group.synchronize()
+    return time.perf_counter() - started
+
+
+def measure_floor(args: argparse.Namespace, where: Placement) -> dict:
+    results = SPAWN.Queue()
+    address = group_address(where, args.timeout_s)
+    members = [SPAWN.Process(target=floor_member, args=(rank, address, device, args.model, args.dtype, args.rounds, results))
+               for rank, device in ((TRAINER_RANK, where.trainer), (RECEIVER_RANK, where.receiver))]
+    for process in members:
+        process.start()
+    floor = results.get(timeout=WAIT_S)
+    for process in members:
+        process.join(WAIT_S)
+    return floor
+
+
+# engine phase: a RolloutEngine and a trainer process ------------------------------------------------------
+
+def trainer(address: GroupAddress, device: torch.device, model_dir: str, dtype: str, commands, results) -> None:
+    prepare_nccl_environment(address.host)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    named = load_tensors(model_dir, dtype, device)
+    results.put(update_info_for(named))
+    sender = WeightSender.open(address, device)
+    while (version := commands.get()) is not None:
+        results.put(sender.send_weights(named))
+    sender.close()
+
+
+async def measure_engine(args: argparse.Namespace, where: Placement) -> dict:
+    from asyncrl.config.rollout import SamplingConfig
+    from rollout_servers.engine import RolloutEngine
+
+    config = load_config(args.config, args.overrides)
+    engine = await RolloutEngine.start(args.model, config.rollout)
+    commands, results = SPAWN.Queue(), SPAWN.Queue()
+    address = group_address(where, args.timeout_s)
+    sender = SPAWN.Process(target=trainer, args=(address, where.trainer, args.model, args.dtype, commands, results))
+    sender.start()
+    update_info = await asyncio.to_thread(results.get, True, WAIT_S)
+    await engine.join_weight_sync(init_info_for(address, rank_offset=RECEIVER_RANK))
+    streaming = SamplingConfig(temperature=1.0, max_tokens=config.rollout.engine.max_model_len // 2, ignore_eos=True, n=1)
+    background = [asyncio.create_task(engine.generate([1, 2, 3, 4], streaming)) for _ in range(args.inflight)]
+    pauses, sends = [], []
+    for version in range(1, args.rounds + 2):
+        commands.put(version)
+        pauses.append(await engine.update_weights(update_info, version))
+        sends.append(await asyncio.to_thread(results.get, True, WAIT_S))
+    commands.put(None)
+    for task in background:
+        task.cancel()
+    await asyncio.gather(*background, return_exceptions=True)
+    sender.join(WAIT_S)
+    engine.shutdown()
+    return {"pause_s": pauses[1:], "send_s": sends[1:]}
+
+
+def print_table(floor: dict, engine: dict) -> None:
+    rows = [
+        ("flat buffer broadcast (floor)", floor["flat_s"]),
+        ("per-tensor broadcast (floor)", floor["per_tensor_s"]),
+        ("trainer send, engine receiving", engine["send_s"]),
+        ("engine pause -> resume", engine["pause_s"]),
+    ]
+    print(f"{'measurement':34} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for name, seconds in rows:
+        print(f"{name:34} {statistics.median(seconds) * MS:10.1f} {min(seconds) * MS:8.1f} {max(seconds) * MS:8.1f}")
+    print(f"{floor['tensors']} tensors, {floor['bytes'] / 2**20:.1f} MiB per sync")
+
+
+def main() -> None:
+    args = parse_args()
+    where = placement()
+    prepare_nccl_environment(HOST)
+    floor = measure_floor(args, where)
+    engine = asyncio.run(measure_engine(args, where))
+    print_table(floor, engine)
+    sync_ms = statistics.median(engine["pause_s"]) * MS
+    floor_ms = statistics.median(floor["per_tensor_s"]) * MS
+    result = {
+        "backend": where.backend, "bytes": floor["bytes"], "tensors": floor["tensors"],
+        "weight_sync_ms": round(sync_ms, 2), "nccl_floor_ms": round(floor_ms, 2),
+        "flat_floor_ms": round(statistics.median(floor["flat_s"]) * MS, 2),
+        "trainer_send_ms": round(statistics.median(engine["send_s"]) * MS, 2),
+        "sync_vs_floor": round(sync_ms / floor_ms, 2),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU benchmarks and GPU tests of issue 9 in one go, on a host with torch (CUDA) and vLLM importable.
+# Usage: scripts/gpu_bench.sh STAGE... (default: all), stages in the order given:
+#   setup      register asyncrl's vLLM plugin from a source tree (no pip install needed) and build the
+#              Qwen2.5-0.5B-shaped model and data of configs/gpu_qwen05b.yaml
+#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, FSDP2 NCCL + bf16 equality)
+#   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
+#   learner    scripts/bench_learner.py: learner tokens/s and MFU, 0.5B shape
+#   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation
+#   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs
+# Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
+# stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-$ROOT/gpu_out}"
+CONFIG="$ROOT/configs/gpu_qwen05b.yaml"
+PYTHON="${PYTHON:-python3}"
+mkdir -p "$OUT"
+cd "$ROOT"
+export PYTHONPATH="$ROOT:/tmp/asyncrl-meta:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts (a program using it can take the GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+register_plugin() {
+    # vLLM finds plugins through package metadata; a dist-info with our entry points is all it needs.
+    "$PYTHON" - <<'EOF'
+import pathlib, tomllib
+project = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
+info = pathlib.Path("/tmp/asyncrl-meta") / f"asyncrl-{project['version']}.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: asyncrl\nVersion: {project['version']}\n")
+lines = []
+for group, entries in project.get("entry-points", {}).items():
+    lines.append(f"[{group}]")
+    lines += [f"{name} = {target}" for name, target in entries.items()]
+(info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+print("registered", info)
+EOF
+}
+
+stage_setup() {
+    nvidia-smi --query-gpu=name,memory.total --format=csv
+    "$PYTHON" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpus', torch.cuda.device_count())"
+    register_plugin
+    "$PYTHON" -m asyncrl data --config "$CONFIG" && "$PYTHON" -m asyncrl init-model --config "$CONFIG"
+}
+
+stage_tests() {
+    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_nccl.py \
+        tests/integration/test_learner_fsdp.py
+}
+
+stage_sync() {
+    "$PYTHON" scripts/bench_weight_sync.py --config "$CONFIG" --model .cache/models/qwen05b_shape --rounds 5 \
+        rollout.engine.enforce_eager=true rollout.engine.gpu_memory_utilization=0.5
+}
+
+stage_learner() {
+    "$PYTHON" scripts/bench_learner.py --device cuda --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
+        --intermediate 4864 --vocab 151936 --seq-len 1280 --prompt-len 256 --batch 8 --group-size 8 \
+        --micro-batch-tokens 10240 --steps 5 --warmup 2
+}
+
+stage_rollout() {
+    "$PYTHON" scripts/bench_rollout.py --config "$CONFIG" --model .cache/models/qwen05b_shape \
+        --num-prompts 256 --n 1 --max-tokens 1024 --repeats 2
+}
+
+stage_e2e() {
+    "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG"
+}
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(setup tests sync learner rollout e2e)
+for stage in "${stages[@]}"; do
+    started=$(date +%s)
+    echo "=== $stage"
+    "stage_$stage" > "$OUT/$stage.log" 2>&1
+    status=$?
+    echo "=== $stage exit $status in $(( $(date +%s) - started ))s"
+    grep -E "^RESULT|passed|failed|Error|error:" "$OUT/$stage.log" | tail -4
+    [ $status -ne 0 ] && tail -25 "$OUT/$stage.log"
+done
