@@ -20,6 +20,7 @@ from asyncrl.rewards import RewardRequest, RewardScorer
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.row_sampling import sampling_for_row
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.validation import Validator, load_validation_prompts
 
@@ -139,7 +140,7 @@ class RolloutServer:
 
     async def _one_group(self, engine: RolloutEngine, producer: TrajectoryProducer, scorer: RewardScorer) -> None:
         row, prompt_ids = self._next_prompt()
-        completions = await engine.generate_group(prompt_ids)
+        completions = await engine.generate_group(prompt_ids, sampling_for_row(row, self.config.rollout.sampling))
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
         group_id = uuid.uuid4().hex

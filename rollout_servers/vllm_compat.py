@@ -12,12 +12,17 @@ Differences handled here:
 - `compute_weight_checksums()` exists from 0.32.
 - `ParallelConfig.data_parallel_index` (0.32) was `data_parallel_rank` before.
 - Keep-mode pause (`pause_generation(mode="keep")`) is required; a release without it is refused.
+- 0.24's worker-side engine is built as `(config, parallel_config, model)`: it has no `device` attribute,
+  its worker runs the layerwise reload itself and calls `receive_weights(info, load_weights)`; 0.32
+  passes the device, calls the engine's `start/finish_weight_update` hooks and `receive_weights(info)`.
+  On 0.24 a round that fails mid-transfer leaves the reload unfinished (its worker resets the update
+  state without finalising), so such a server stays paused until it is restarted.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -27,9 +32,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.v1.engine.async_llm import AsyncLLM
 
+WeightLoader = Callable[[list[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.load_weights`
+
 __all__ = [
     "LegacyTrainerHooks",
+    "WeightLoader",
     "WeightTransferEngine",
+    "engine_device",
     "finish_update",
     "init_request",
     "label_weights",
@@ -67,6 +76,14 @@ def layerwise_reload_finish(model: torch.nn.Module, model_config: Any) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, model_config)
+
+
+def engine_device(engine: Any) -> torch.device:
+    """The device of the worker's model: given to the engine from 0.32, read off the model before."""
+    device = getattr(engine, "device", None)
+    if device is not None:
+        return torch.device(device)
+    return next(engine.model.parameters()).device
 
 
 def worker_index(parallel_config: Any) -> int:

@@ -41,7 +41,7 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Join (or rejoin, after a failed round) the trainer's group; the previous group is dropped on success."""
         rank = init_info.rank_offset + vllm_compat.worker_index(self.parallel_config)
-        joined = TransferGroup.join(init_info.address(), rank, self.device)
+        joined = TransferGroup.join(init_info.address(), rank, vllm_compat.engine_device(self))
         self.shutdown()
         self._group = joined
 
@@ -64,14 +64,20 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
             self.finish_weight_update()
             raise
 
-    def receive_weights(self, update_info: UpdateInfo) -> None:
-        """Receive the announced tensors in order, each straight into the model's loader."""
+    def receive_weights(self, update_info: UpdateInfo, load_weights: vllm_compat.WeightLoader | None = None) -> None:
+        """Receive the announced tensors in order, each straight into the model's loader.
+
+        vLLM 0.24 hands in its own `load_weights` (its worker runs the layerwise reload around this call);
+        later releases pass none and call our start/finish hooks instead.
+        """
         if self._group is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine: no transfer group")
+        load = load_weights or self.model.load_weights
+        device = vllm_compat.engine_device(self)
         for meta in update_info.tensors():
-            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=device)
             self._group.broadcast(buffer)
-            self.model.load_weights([(meta.name, buffer)])
+            load([(meta.name, buffer)])
         self._group.synchronize()
 
     def shutdown(self) -> None:

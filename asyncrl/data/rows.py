@@ -12,6 +12,9 @@ if TYPE_CHECKING:
 ROLES = ("system", "user", "assistant", "tool")
 
 
+ROW_MAX_TOKENS_KEY = "max_tokens"  # extra_info field: this row's responses stop at this many tokens (at most)
+
+
 class DataError(ValueError):
     """A data file or row is unusable; the message names the file, the row and the field."""
 
@@ -42,6 +45,9 @@ def parse_row(raw: Any, source_file: str, row_index: int) -> PromptRow:
     extra_info = raw.get("extra_info") or {}
     if not isinstance(extra_info, dict):
         raise DataError(f"{where}: field 'extra_info' must be an object")
+    cap = extra_info.get(ROW_MAX_TOKENS_KEY)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise DataError(f"{where}: field 'extra_info.{ROW_MAX_TOKENS_KEY}' must be a positive integer, got {cap!r}")
     return PromptRow(
         messages=_parse_messages(raw.get("prompt"), where),
         data_source=data_source,

@@ -48,6 +48,8 @@ def test_numeric_and_list_ground_truths_become_text(tmp_path):
         (lambda r: r.update(prompt=[{"role": "robot", "content": "x"}]), "prompt[0].role"),
         (lambda r: r.update(prompt=[{"role": "user", "content": 5}]), "prompt[0].content"),
         (lambda r: r.update(extra_info="x"), "extra_info"),
+        (lambda r: r.update(extra_info={"max_tokens": 0}), "extra_info.max_tokens"),
+        (lambda r: r.update(extra_info={"max_tokens": "64"}), "extra_info.max_tokens"),
     ],
 )
 def test_malformed_row_error_names_file_row_and_field(tmp_path, mutate, field):

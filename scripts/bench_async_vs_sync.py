@@ -1,0 +1,153 @@
+"""End-to-end samples/s of asyncrl's asynchronous mode against its synchronous mode, same machine, same job.
+
+Each mode runs the product's two commands, as a user would in two terminals:
+  `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0),
+for --steps optimizer steps; `learner.mode=sync` generates a batch, trains on it and syncs before the
+next batch (K=0), the async mode trains while the server generates (K=--max-staleness).
+Response lengths are long-tailed: each prompt carries its own cap (`extra_info.max_tokens`, see
+docs/configuration.md) drawn from a log-normal distribution, and EOS is ignored so every sample runs to
+its cap. Samples/s is counted from the learner's metrics after --warmup-steps steps.
+Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup and the
+staleness the async run trained with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.data import load_prompt_file
+
+JOB_TIMEOUT_S = 900  # one mode's learner run, engine start included
+STOP_TIMEOUT_S = 60  # the rollout command gets this long to stop after SIGTERM
+MODES = ("sync", "async")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpu_qwen05b.yaml", help="asyncrl config of the job")
+    parser.add_argument("--steps", type=int, default=14, help="optimizer steps per mode")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the rate")
+    parser.add_argument("--max-staleness", type=int, default=2, help="K of the async run")
+    parser.add_argument("--median-tokens", type=int, default=192, help="median response length")
+    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of response lengths (tail weight)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the length draw")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both modes")
+    return parser.parse_args()
+
+
+def long_tailed_prompts(args: argparse.Namespace, max_tokens: int, source: str, target: Path) -> dict:
+    """The config's training prompts, each with a log-normal response-length cap; returns length stats."""
+    rng = random.Random(args.seed)
+    rows, lengths = [], []
+    for row in load_prompt_file(source):
+        length = min(max_tokens, max(1, round(rng.lognormvariate(math.log(args.median_tokens), args.sigma))))
+        lengths.append(length)
+        rows.append({"prompt": row.messages, "data_source": row.data_source, "ability": row.ability,
+                     "reward_model": {"ground_truth": row.ground_truth, "style": row.reward_style},
+                     "extra_info": {**row.extra_info, "max_tokens": length}})
+    target.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ordered = sorted(lengths)
+    return {"mean": sum(lengths) / len(lengths), "p50": ordered[len(ordered) // 2],
+            "p99": ordered[int(len(ordered) * 0.99)], "max": ordered[-1]}
+
+
+def run_mode(mode: str, args: argparse.Namespace, root: Path, data_file: Path) -> list[dict]:
+    """Run learner and rollout for one mode; return the learner's metrics records."""
+    overrides = [f"run.root_dir={root}", f"run.name=bench-{mode}", f"learner.mode={mode}",
+                 f"learner.total_steps={args.steps}", f"buffer.max_staleness={args.max_staleness}",
+                 f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
+    command = [sys.executable, "-m", "asyncrl"]
+    learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides], env=_on_gpu(1))
+    rollout = subprocess.Popen([*command, "rollout", "--config", args.config, *overrides], env=_on_gpu(0),
+                               start_new_session=True)
+    try:
+        learner.wait(JOB_TIMEOUT_S)
+    finally:
+        _stop(rollout)
+        if learner.poll() is None:
+            learner.kill()
+    if learner.returncode != 0:
+        raise SystemExit(f"{mode}: the learner exited with {learner.returncode}")
+    metrics = root / f"bench-{mode}" / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _on_gpu(index: int) -> dict[str, str]:
+    """The environment of a role pinned to one GPU (or unchanged without two GPUs)."""
+    env = dict(os.environ)
+    if _gpu_count() >= 2:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    return env
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def summarise(records: list[dict], warmup_steps: int) -> dict:
+    """Samples/s between the end of the warm-up step and the last step, plus staleness and lengths."""
+    steps = [r for r in records if "batch/samples" in r]
+    timed = [r for r in steps if r["step"] > warmup_steps]
+    start = next(r["time"] for r in steps if r["step"] == warmup_steps)
+    seconds = timed[-1]["time"] - start
+    samples = sum(r["batch/samples"] for r in timed)
+    return {
+        "samples_per_s": samples / seconds, "step_s": seconds / len(timed), "steps": len(timed),
+        "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in timed) / len(timed),
+        "staleness_max": max(r.get("staleness/max", 0) for r in timed),
+        "response_length_mean": sum(r.get("response_length/mean", 0.0) for r in timed) / len(timed),
+    }
+
+
+def print_table(results: dict[str, dict]) -> None:
+    print(f"{'mode':6} {'samples/s':>10} {'step s':>8} {'staleness mean':>15} {'max':>4} {'resp len':>9}")
+    for mode, r in results.items():
+        print(f"{mode:6} {r['samples_per_s']:10.2f} {r['step_s']:8.2f} {r['staleness_mean']:15.2f} "
+              f"{r['staleness_max']:4d} {r['response_length_mean']:9.1f}")
+
+
+def main() -> None:
+    args = parse_args()
+    config = load_config(args.config, args.overrides)
+    root = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
+    data_file = root / "train_longtail.jsonl"
+    lengths = long_tailed_prompts(args, config.rollout.sampling.max_tokens, config.data.train_files[0], data_file)
+    print(f"response lengths: {lengths}")
+    results = {mode: summarise(run_mode(mode, args, root, data_file), args.warmup_steps) for mode in MODES}
+    print_table(results)
+    speedup = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
+    print(f"async / sync: {speedup:.2f}x")
+    print("RESULT " + json.dumps({
+        "async_samples_per_s": round(results["async"]["samples_per_s"], 2),
+        "sync_samples_per_s": round(results["sync"]["samples_per_s"], 2),
+        "async_vs_sync_speedup": round(speedup, 3),
+        "staleness_mean": round(results["async"]["staleness_mean"], 3),
+        "staleness_max": results["async"]["staleness_max"],
+        "response_lengths": lengths, "steps": args.steps, "warmup_steps": args.warmup_steps,
+        "max_staleness": args.max_staleness,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
