@@ -22,6 +22,7 @@ Differences handled here:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -32,9 +33,19 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from asyncrl.weight_transfer.protocol import UpdateInfo
+
+@dataclass
+class DenseUpdateInfo(UpdateInfo):
+    """Our update info as vLLM's worker reads it: 0.24 checks `update_kind` (full tensors = "dense")."""
+
+    update_kind: str = "dense"
+
+
 WeightLoader = Callable[[list[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.load_weights`
 
 __all__ = [
+    "DenseUpdateInfo",
     "LegacyTrainerHooks",
     "WeightLoader",
     "WeightTransferEngine",

@@ -32,7 +32,7 @@ def register() -> None:
 
 class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.WeightTransferEngine):
     init_info_cls = InitInfo
-    update_info_cls = UpdateInfo
+    update_info_cls = vllm_compat.DenseUpdateInfo
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)

@@ -6,7 +6,8 @@ for --steps optimizer steps; `learner.mode=sync` generates a batch, trains on it
 next batch (K=0), the async mode trains while the server generates (K=--max-staleness).
 Response lengths are long-tailed: each prompt carries its own cap (`extra_info.max_tokens`, see
 docs/configuration.md) drawn from a log-normal distribution, and EOS is ignored so every sample runs to
-its cap. Samples/s is counted from the learner's metrics after --warmup-steps steps.
+its cap. Samples/s is counted from the learner's metrics after --warmup-steps steps, up to the step
+before the last (which also writes the final checkpoint).
 Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup and the
 staleness the async run trained with.
 """
@@ -97,8 +98,9 @@ def _gpu_count() -> int:
 
 
 def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the rollout command (it stops its servers); its whole process group is killed if it hangs."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+        process.terminate()
         try:
             process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -106,16 +108,17 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def summarise(records: list[dict], warmup_steps: int) -> dict:
-    """Samples/s between the end of the warm-up step and the last step, plus staleness and lengths."""
+    """Samples/s from the end of the warm-up steps to the step before the last (the last one also pays
+    for the final checkpoint), plus staleness and response lengths."""
     steps = [r for r in records if "batch/samples" in r]
-    timed = [r for r in steps if r["step"] > warmup_steps]
+    timed = [r for r in steps if warmup_steps < r["step"] < steps[-1]["step"]]
     start = next(r["time"] for r in steps if r["step"] == warmup_steps)
     seconds = timed[-1]["time"] - start
     samples = sum(r["batch/samples"] for r in timed)
     return {
         "samples_per_s": samples / seconds, "step_s": seconds / len(timed), "steps": len(timed),
         "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in timed) / len(timed),
-        "staleness_max": max(r.get("staleness/max", 0) for r in timed),
+        "staleness_max": int(max(r.get("staleness/max", 0) for r in timed)),
         "response_length_mean": sum(r.get("response_length/mean", 0.0) for r in timed) / len(timed),
     }
 
