@@ -9,7 +9,8 @@
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation
 #   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
-# stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains.
+# stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
+# of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu_out}"
@@ -82,3 +83,4 @@ for stage in "${stages[@]}"; do
     grep -E "^RESULT|passed|failed|Error|error:" "$OUT/$stage.log" | tail -4
     [ $status -ne 0 ] && tail -25 "$OUT/$stage.log"
 done
+"$PYTHON" scripts/gpu_summary.py "$OUT"
