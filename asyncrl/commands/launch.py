@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ def main(args: argparse.Namespace) -> int:
     config = apply_mode(config, log)
     name = config.run.name or f"launch-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir).absolute() / name
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read when Ray is imported: every role line, none folded away
     from asyncrl.launch_ray.launcher import LaunchError, launch
 
     try:

@@ -13,19 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every role line reaches the driver, none folded into "[repeated]"
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup
 
-import ray  # noqa: E402  (after the environment Ray reads at import)
-from ray.exceptions import GetTimeoutError, RayActorError  # noqa: E402
-from ray.util.placement_group import PlacementGroup  # noqa: E402
-
-from asyncrl.config import AsyncRLConfig, save_config  # noqa: E402
-from asyncrl.config.ray_launch import RayRoleConfig  # noqa: E402
-from asyncrl.launch_ray.actor import RoleActor, read_keys  # noqa: E402
-from asyncrl.launch_ray.placement import actor_options, release, reserve  # noqa: E402
-from asyncrl.launch_ray.roles import (RoleSpec, RunArgs, buffer_dir, buffer_role, learner_role,  # noqa: E402
-                                      rollout_role)
-from asyncrl.stop_signal import StopSignal  # noqa: E402
+from asyncrl.config import AsyncRLConfig, save_config
+from asyncrl.config.ray_launch import RayRoleConfig
+from asyncrl.launch_ray.actor import RoleActor, read_keys
+from asyncrl.launch_ray.placement import actor_options, release, reserve
+from asyncrl.launch_ray.roles import RoleSpec, RunArgs, buffer_dir, buffer_role, learner_role, rollout_role
+from asyncrl.stop_signal import StopSignal
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -106,12 +103,10 @@ class Launch:
             self.spawn(handle)
         hosts = [self.call(handle.actor.where.remote())["ip"] for handle in self.learners]
         master = (hosts[0], self.call(self.learners[0].actor.free_port.remote()))
-        for rank, handle in enumerate(self.learners):
+        for rank, handle in enumerate(self.learners):  # all of them: rank 0 serves only once the world is complete
             handle.spec = learner_role(self.run, self.config, rank, master, buffer_address, hosts[rank])
-            ready = self.start(handle, wait_ready=rank == 0)
-            if rank == 0:
-                sync_address = _json_field(ready, "sync")
-        return sync_address
+            self.start(handle)
+        return json.loads(self.wait_ready(self.learners[0]))["sync"]
 
     def start_servers(self, buffer_address: str, sync_address: str) -> None:
         count = self.config.rollout.num_servers
@@ -281,7 +276,3 @@ def curve_keys(config: AsyncRLConfig, run_dir: Path) -> dict[str, bytes]:
     if not (directory / f"{SERVER_CERT}.key").is_file():
         generate_curve_keys(directory)
     return read_keys(directory)
-
-
-def _json_field(text: str, key: str) -> str:
-    return json.loads(text)[key]

@@ -179,3 +179,16 @@ def test_launch_survives_a_killed_rollout_server(ray_cluster, operator, tiny_mod
     while any(map(group_alive, groups)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not [group for group in groups if group_alive(group)]
+
+
+def test_launch_fails_clearly_when_the_learner_dies(ray_cluster, tmp_path):
+    args = [*overrides(tmp_path, tmp_path / "no-model"), "run.name=ray-fail"]
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--ray-address", ray_cluster.address, *args],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    text = done.stdout + done.stderr
+    assert done.returncode == 1, text[-5000:]
+    assert "asyncrl launch: learner-0 exited with code 1 before serving" in done.stderr
+    assert re.search(r"\(learner-0 pid=\d+.*\).*no-model", text)  # the learner's own error reached the driver
+    assert done.stdout.strip().splitlines()[-1] == f"RUN_DIR {tmp_path / 'runs' / 'ray-fail'}"
+    groups = [int(m["pid"]) for m in STARTED.finditer(text)]
+    assert len(groups) == 2 and not [group for group in groups if group_alive(group)]  # buffer and learner stopped
