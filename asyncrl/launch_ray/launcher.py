@@ -75,6 +75,7 @@ class Launch:
             log.info("all roles started: buffer %s, weight sync %s", buffer_address, sync_address)
             return self.supervise()
         except Stopped:
+            log.warning("stopping on SIGINT/SIGTERM")
             return 130
         finally:
             self.teardown()
@@ -173,7 +174,7 @@ class Launch:
             for handle in ([self.buffer] if self.buffer else []) + self.servers:
                 self.keep_alive(handle)
             self.sleep(self.settings.poll_s)
-        return 130
+        raise Stopped()
 
     def keep_alive(self, handle: RoleHandle) -> None:
         """Notice a dead role, schedule its restart with exponential back-off, restart it when due."""
