@@ -47,10 +47,11 @@ class Outcome:
 
 @dataclass
 class RoleHandle:
-    spec: RoleSpec
+    name: str  # buffer, learner-0, rollout-1 ...
     group: PlacementGroup
     bundle: int  # its bundle in the group; a restart takes the same one, hence the same node
     resources: RayRoleConfig
+    spec: RoleSpec | None = None  # what its actor runs, once the addresses it needs are known
     actor: Any = None
     restarts: int = 0
     restart_at: float | None = None  # monotonic time of the pending restart, while it is dead
@@ -84,7 +85,7 @@ class Launch:
 
     def start_buffer(self) -> str:
         group = self.reserve("buffer", self.settings.buffer, 1, "PACK")
-        self.buffer = RoleHandle(RoleSpec("buffer", "", []), group, 0, self.settings.buffer)
+        self.buffer = RoleHandle("buffer", group, 0, self.settings.buffer)
         self.spawn(self.buffer)
         host = self.call(self.buffer.actor.where.remote())["ip"]
         directory = buffer_dir(self.config, self.run.run_dir)
@@ -98,7 +99,7 @@ class Launch:
         """Every rank, in one placement group; returns rank 0's weight-sync address."""
         size = self.config.learner.nproc
         group = self.reserve("learner", self.settings.learner, size, self.settings.learner_strategy)
-        self.learners = [RoleHandle(RoleSpec(f"learner-{rank}", "", []), group, rank, self.settings.learner)
+        self.learners = [RoleHandle(f"learner-{rank}", group, rank, self.settings.learner)
                          for rank in range(size)]
         for handle in self.learners:
             self.spawn(handle)
@@ -113,8 +114,8 @@ class Launch:
         count = self.config.rollout.num_servers
         group = self.reserve("rollout", self.settings.rollout, count, self.settings.rollout_strategy)
         for index in range(count):
-            handle = RoleHandle(rollout_role(self.run, index, buffer_address, sync_address), group, index,
-                                self.settings.rollout)
+            handle = RoleHandle(f"rollout-{index}", group, index, self.settings.rollout,
+                                rollout_role(self.run, index, buffer_address, sync_address))
             self.servers.append(handle)
             self.spawn(handle)
             self.start(handle)
@@ -129,9 +130,9 @@ class Launch:
         """A new actor in the handle's bundle (named <run>/<role>, with .N after the Nth restart)."""
         suffix = f".{handle.restarts}" if handle.restarts else ""
         options = actor_options(handle.group, handle.bundle, handle.resources)
-        handle.actor = RoleActor.options(name=f"{self.run.run_dir.name}/{handle.spec.name}{suffix}",
+        handle.actor = RoleActor.options(name=f"{self.run.run_dir.name}/{handle.name}{suffix}",
                                          namespace=self.settings.namespace, **options).remote(
-            handle.spec.name, os.getcwd(), self.curve_keys, self.settings.stop_timeout_s)
+            handle.name, os.getcwd(), self.curve_keys, self.settings.stop_timeout_s)
 
     def start(self, handle: RoleHandle, wait_ready: bool = False) -> str:
         """Start the handle's role in its actor; with `wait_ready`, the ready file's text once it appears."""
@@ -148,13 +149,13 @@ class Launch:
         while True:
             outcome = self.outcome(handle)
             if outcome is not None:
-                raise LaunchError(f"{handle.spec.name} {outcome.reason} before serving "
+                raise LaunchError(f"{handle.name} {outcome.reason} before serving "
                                   f"(see {handle.spec.log_path(self.run.run_dir)})")
             text = self.call(handle.actor.read_file.remote(handle.spec.ready_file))
             if text:
                 return text
             if time.monotonic() > deadline:
-                raise LaunchError(f"{handle.spec.name} wrote no {handle.spec.ready_file} within "
+                raise LaunchError(f"{handle.name} wrote no {handle.spec.ready_file} within "
                                   f"ray.ready_timeout_s={self.settings.ready_timeout_s:.0f}s")
             self.sleep(self.settings.poll_s)
 
@@ -165,7 +166,7 @@ class Launch:
             outcomes = [self.outcome(handle) for handle in self.learners]
             for handle, outcome in zip(self.learners, outcomes):
                 if outcome is not None and outcome.code != 0:
-                    raise LaunchError(f"{handle.spec.name} {outcome.reason} (see {handle.spec.log_path(self.run.run_dir)}); "
+                    raise LaunchError(f"{handle.name} {outcome.reason} (see {handle.spec.log_path(self.run.run_dir)}); "
                                       "learner ranks are not restarted: run the same command again to resume "
                                       "from the newest checkpoint (learner.resume=auto)")
             if all(outcome is not None for outcome in outcomes):
@@ -183,11 +184,11 @@ class Launch:
             if outcome is None:
                 return
             if handle.restarts >= self.settings.max_restarts:
-                raise LaunchError(f"{handle.spec.name} {outcome.reason} after {handle.restarts} restarts "
+                raise LaunchError(f"{handle.name} {outcome.reason} after {handle.restarts} restarts "
                                   f"(ray.max_restarts={self.settings.max_restarts})")
             rollout = self.config.rollout
             delay = min(rollout.restart_backoff_s * 2 ** handle.restarts, rollout.restart_backoff_max_s)
-            log.warning("%s %s; restart %d in %.1fs", handle.spec.name, outcome.reason, handle.restarts + 1, delay)
+            log.warning("%s %s; restart %d in %.1fs", handle.name, outcome.reason, handle.restarts + 1, delay)
             self.discard(handle.actor)
             handle.restart_at = time.monotonic() + delay
         elif time.monotonic() >= handle.restart_at:
