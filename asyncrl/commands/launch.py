@@ -18,8 +18,13 @@ def main(args: argparse.Namespace) -> int:
     name = config.run.name or f"launch-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir).absolute() / name
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read when Ray is imported: every role line, none folded away
-    from asyncrl.launch_ray.launcher import LaunchError, launch
-
+    try:
+        from asyncrl.launch_ray.launcher import LaunchError, launch
+    except ModuleNotFoundError as error:
+        if error.name != "ray":
+            raise
+        print("asyncrl launch: Ray is not installed: pip install 'asyncrl[ray]'", file=sys.stderr)
+        return 2
     try:
         code = launch(config, args.config, args.overrides, run_dir)
     except LaunchError as error:

@@ -6,6 +6,7 @@ resources. The quickstart-shaped job reaches its first checkpoint, loses its rol
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,7 +23,8 @@ import pytest
 
 from buffer_helpers import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")]
 
 HEAD_RESOURCE, WORKER_RESOURCE = "asyncrl_test_head", "asyncrl_test_worker"  # pin roles to one node each
 RUN_NAME = "ray-e2e"
