@@ -18,6 +18,7 @@ class Flag:
     name: str  # e.g. "--num-servers"
     key: str  # config key it sets, e.g. "rollout.num_servers"
     help: str
+    metavar: str = "N"  # shown in the usage line
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,21 @@ COMMANDS = (
         "on Ctrl-C or SIGTERM. Its last line is `RUN_DIR <path>`.",
         "asyncrl.commands.run:main",
         (Flag("--num-servers", "rollout.num_servers", "rollout server processes (one vLLM engine each)"),),
+    ),
+    Command(
+        "launch",
+        "run the whole job on a Ray cluster: buffer, learner ranks and rollout servers as actors",
+        "Joins the Ray cluster at ray.address (auto: the one `ray start` runs on this node), reserves "
+        "each role's CPUs, GPUs and custom resources (ray.buffer / ray.learner / ray.rollout) with placement "
+        "groups, starts the buffer, learner.nproc learner ranks and rollout.num_servers rollout servers as "
+        "actors, wires their addresses (the buffer binds its node's address with CURVE keys), streams every "
+        "role's output here with the role as prefix, restarts rollout servers and the buffer when they die, "
+        "fails the run when a learner rank dies, and stops every role on exit, Ctrl-C or SIGTERM. Every node "
+        "needs asyncrl installed and the driver's working directory (model, data, run directory) at the same "
+        "path. Its last line is `RUN_DIR <path>`. See docs/ray.md.",
+        "asyncrl.commands.launch:main",
+        (Flag("--ray-address", "ray.address", "Ray cluster: auto, host:port or ray://host:port", "ADDRESS"),
+         Flag("--num-servers", "rollout.num_servers", "rollout servers (one vLLM engine each)")),
     ),
     Command(
         "learner",
@@ -152,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             sub.set_defaults(config=None, overrides=[])
         for flag in command.flags:
-            sub.add_argument(flag.name, dest=f"flag:{flag.key}", metavar="N", help=f"{flag.help} (sets {flag.key})")
+            sub.add_argument(flag.name, dest=f"flag:{flag.key}", metavar=flag.metavar, help=f"{flag.help} (sets {flag.key})")
         sub.set_defaults(target=command.target)
     return parser
 

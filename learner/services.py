@@ -46,7 +46,8 @@ class LearnerServices:
         sync = config.rollout.weight_sync
         coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
                                       sync.liveness_s)
-        consumer = BufferConsumer(address, "learner", start_offset=start_offset, timeout_s=config.buffer.client_timeout_s)
+        consumer = BufferConsumer(address, "learner", start_offset=start_offset, curve_dir=config.buffer.curve_dir,
+                                  timeout_s=config.buffer.client_timeout_s)
         (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"buffer": address, "sync": coordinator.address}))
         log.info("buffer at %s, weight sync at %s", address, coordinator.address)
         metrics = MetricsLogger(run_dir, config.metrics, _flat_config(run_dir))

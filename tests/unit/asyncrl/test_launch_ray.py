@@ -1,0 +1,100 @@
+"""The Ray launcher's pieces that need no cluster: role command lines, bundles, the config section,
+CURVE key shipping, and the reaper that stops a role's processes once its actor is gone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.config.ray_launch import RayRoleConfig
+from asyncrl.launch_ray.reaper import group_alive, process_alive
+from asyncrl.launch_ray.roles import RunArgs, buffer_role, learner_role, rollout_role
+
+RUN_DIR = Path("/shared/runs/demo")
+REAP_DEADLINE_S = 10.0
+
+
+def run_args() -> RunArgs:
+    return RunArgs("configs/quickstart.yaml", ["learner.total_steps=5"], RUN_DIR)
+
+
+def test_every_role_gets_the_config_overrides_and_run_directory():
+    common = ["--config", "configs/quickstart.yaml", "learner.total_steps=5", "run.root_dir=/shared/runs", "run.name=demo"]
+    buffer = buffer_role(run_args(), RUN_DIR / "buffer", "10.0.0.1", 0)
+    assert buffer.args == ["buffer", *common, f"buffer.dir={RUN_DIR / 'buffer'}", "buffer.bind_host=10.0.0.1", "buffer.port=0"]
+    assert buffer.ready_file == str(RUN_DIR / "buffer" / "endpoint")
+    server = rollout_role(run_args(), 3, "tcp://10.0.0.1:5000", "tcp://10.0.0.2:6000")
+    assert server.name == "rollout-3" and server.module == "asyncrl.launch_ray.serve_rollout"
+    assert server.args == ["--index", "3", *common, "buffer.address=tcp://10.0.0.1:5000",
+                           "rollout.weight_sync.control_address=tcp://10.0.0.2:6000"]
+
+
+def test_learner_ranks_form_one_world_and_rank_0_serves_on_its_node():
+    config = load_config(None, ["learner.nproc=4", "rollout.weight_sync.control_bind=tcp://127.0.0.1:7000"])
+    rank0 = learner_role(run_args(), config, 0, ("10.0.0.2", 29500), "tcp://10.0.0.1:5000", "10.0.0.2")
+    rank3 = learner_role(run_args(), config, 3, ("10.0.0.2", 29500), "tcp://10.0.0.1:5000", "10.0.0.3")
+    assert rank3.env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500"}
+    assert "rollout.weight_sync.control_bind=tcp://10.0.0.2:7000" in rank0.args  # the configured port, its node's host
+    assert "rollout.weight_sync.host=10.0.0.2" in rank0.args and "buffer.address=tcp://10.0.0.1:5000" in rank0.args
+    assert rank0.ready_file == str(RUN_DIR / "endpoints.json") and rank3.ready_file == ""
+
+
+def test_bundles_leave_out_zero_amounts():
+    from asyncrl.launch_ray.placement import bundle
+
+    assert bundle(RayRoleConfig(num_cpus=2, num_gpus=0, resources={"rollout_node": 1})) == {"CPU": 2, "rollout_node": 1}
+    assert bundle(RayRoleConfig(num_cpus=0, num_gpus=1)) == {"GPU": 1}
+
+
+def test_ray_section_loads_resources_and_checks_rollout_gpus():
+    config = load_config(None, ["ray.rollout.resources={rollout_node: 1}", "ray.learner.num_gpus=1"])
+    assert config.ray.rollout.resources == {"rollout_node": 1.0} and config.ray.learner.num_gpus == 1.0
+    with pytest.raises(ConfigError, match="ray.rollout.num_gpus"):
+        load_config(None, ["ray.rollout.num_gpus=2"])  # tensor_parallel_size is 1
+    with pytest.raises(ConfigError, match="ray.learner_strategy"):
+        load_config(None, ["ray.learner_strategy=RANDOM"])
+
+
+def test_curve_keys_are_generated_once_per_run_and_written_privately(tmp_path):
+    from asyncrl.launch_ray.actor import write_keys
+    from asyncrl.launch_ray.launcher import curve_keys
+
+    config = load_config(None, [])
+    keys = curve_keys(config, tmp_path)
+    assert {"server.key", "server.key_secret", "client.key", "client.key_secret"} <= set(keys)
+    assert any(name.startswith("authorized_clients/") for name in keys)
+    assert curve_keys(config, tmp_path) == keys  # the same pair for every role and every restart
+    local = Path(write_keys(keys))
+    assert stat.S_IMODE((local / "server.key_secret").stat().st_mode) == 0o600
+    assert (local / "client.key").read_bytes() == keys["client.key"]
+    assert curve_keys(load_config(None, ["buffer.address=tcp://10.0.0.1:5000"]), tmp_path / "other") == {}
+
+
+def test_reaper_stops_the_whole_group_once_its_owner_is_gone():
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a role with a child of its own, in a session of its own (as RoleProcess starts it)
+    role = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60"], start_new_session=True)
+    subprocess.run([sys.executable, "-m", "asyncrl.launch_ray.reaper", str(owner.pid), str(role.pid), "2"], check=True)
+    try:
+        time.sleep(1)
+        assert group_alive(role.pid)  # the owner lives: the reaper leaves the role alone
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + REAP_DEADLINE_S
+        while group_alive(role.pid) and time.monotonic() < deadline:
+            role.poll()  # reap our own child so that only real survivors keep the group alive
+            time.sleep(0.1)
+        assert not group_alive(role.pid) and role.returncode == -signal.SIGTERM
+        assert not process_alive(owner.pid)
+    finally:
+        owner.kill()
+        if group_alive(role.pid):
+            os.killpg(role.pid, signal.SIGKILL)
