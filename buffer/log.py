@@ -78,12 +78,14 @@ class SegmentLog:
     # ------------------------------------------------------------------------------------------
     # Writing
 
-    def append(self, payloads: list[bytes]) -> int:
+    def append(self, payloads: list[bytes], sync: bool = True) -> int:
         """Append records durably per the fsync policy; return the offset of the first.
 
-        All or nothing: on a write or fsync error the log is cut back to where it was, and the error raised."""
+        With sync=False the "batch" policy's closing fsync is left to the caller (`sync_fd`, e.g. on a
+        background thread); segments closed on the way are still synced. All or nothing: on a write or
+        fsync error the log is cut back to where it was, and the error raised."""
         first = self.end_offset
-        mark = (len(self.segments), self.segments[-1].size)
+        mark = self.mark()
         try:
             if self.fsync == "always":
                 for payload in payloads:
@@ -91,14 +93,26 @@ class SegmentLog:
                     os.fsync(self._writer)
             else:
                 self._write(payloads)
-                if self.fsync == "batch":
+                if self.fsync == "batch" and sync:
                     os.fsync(self._writer)
         except OSError:
-            self._cut_back(*mark)
+            self.cut_back(mark)
             raise
         return first
 
-    def _cut_back(self, segment_count: int, size: int) -> None:
+    def mark(self) -> tuple[int, int]:
+        """The log's current end, for `cut_back`: (segments, bytes in the last one)."""
+        return len(self.segments), self.segments[-1].size
+
+    def sync_fd(self) -> int:
+        """A duplicate of the segment being written, to fsync from another thread (the caller closes it).
+
+        A segment that closes meanwhile is synced when it closes; the duplicate keeps its file open."""
+        return os.dup(self._writer)
+
+    def cut_back(self, mark: tuple[int, int]) -> None:
+        """Remove every record appended since `mark` was taken (unsynced ones, after a failed fsync)."""
+        segment_count, size = mark
         while len(self.segments) > segment_count:
             os.close(self._writer)
             self.segments.pop().path.unlink()

@@ -2,7 +2,9 @@
 
 Every phase sends the same groups of trajectories with 1,024 completion tokens (ids, behaviour
 log-probs, token versions, loss mask) from a producer process to a receiver process:
-  raw       PUSH → PULL, the receiver msgpack-unpacks each message (transport + deserialisation)
+  raw       PUSH → PULL, the receiver msgpack-unpacks each message (transport + deserialisation), once
+            with the product's encoding (per-token fields as packed arrays: the baseline of the ratio)
+            and once with the same fields as msgpack lists of numbers (schema 1, for reference)
   buffer    TrajectoryProducer → `asyncrl buffer`: typed check, log append, fsync per policy, ack;
             the producer keeps --window groups in flight and times each ack
   delivery  BufferConsumer drains the durable run's log in batches and decodes them fully
@@ -175,33 +177,36 @@ def main() -> None:
     template = template_frame(args.samples_per_group)
     frame_bytes = len(template[0]) + RECORD_ID_WIDTH + len(template[1])
     trajectories, nbytes = args.groups * args.samples_per_group, args.groups * frame_bytes
-    raw_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
+    raw_payload = template[0] + record_id(0).encode() + template[1]
+    lists_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
 
-    rows = [row("raw zmq push/pull + msgpack", trajectories, len(raw_payload) * args.groups,
-                run_raw(raw_payload, args.groups))]
+    rows = {"raw": row("raw zmq push/pull + msgpack", trajectories, nbytes, run_raw(raw_payload, args.groups)),
+            "raw_lists": row("raw, per-token msgpack lists (v1)", trajectories, len(lists_payload) * args.groups,
+                             run_raw(lists_payload, args.groups))}
     durable, seconds, latencies = run_buffer(root / "batch", "batch", template, args.groups, args.window)
-    rows.append(row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies))
+    rows["batch"] = row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies)
     try:
         delivery_seconds = run_delivery(durable.address, args.groups)
     finally:
         durable.stop()
-    rows.append(row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds))
+    rows["delivery"] = row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds)
     volatile, seconds, latencies = run_buffer(root / "none", "none", template, args.groups, args.window)
     volatile.stop()
-    rows.append(row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies))
+    rows["none"] = row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies)
 
     print(f"{args.groups} groups x {args.samples_per_group} trajectories x {COMPLETION_TOKENS} completion tokens "
-          f"({frame_bytes / 1e3:.0f} kB per group), window {args.window}")
-    print_table(rows)
-    durable_row, raw_row = rows[1], rows[0]
+          f"({frame_bytes / 1e3:.0f} kB per group; {len(lists_payload) / 1e3:.0f} kB as lists), window {args.window}")
+    print_table(list(rows.values()))
+    durable_row, raw_row = rows["batch"], rows["raw"]
     print("RESULT " + json.dumps({
         "ingest_traj_per_s": round(durable_row["traj_per_s"]),
         "ingest_mb_per_s": round(durable_row["mb_per_s"], 1),
         "ack_p50_ms": round(durable_row["ack_p50_ms"], 2),
         "ack_p99_ms": round(durable_row["ack_p99_ms"], 2),
-        "delivery_traj_per_s": round(rows[2]["traj_per_s"]),
-        "ingest_nofsync_traj_per_s": round(rows[3]["traj_per_s"]),
+        "delivery_traj_per_s": round(rows["delivery"]["traj_per_s"]),
+        "ingest_nofsync_traj_per_s": round(rows["none"]["traj_per_s"]),
         "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
+        "raw_zmq_lists_traj_per_s": round(rows["raw_lists"]["traj_per_s"]),
         "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),
         "samples_per_group": args.samples_per_group,
         "window": args.window,
