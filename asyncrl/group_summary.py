@@ -2,10 +2,11 @@
 
 `messages.decode` parses the envelope, then the body again, and turns every per-token array into a
 list. `summarize_group` decodes both in one typed pass into twins of the message dataclasses whose
-per-token fields are left as the received bytes, then runs the same checks on them (packed-array
-checks, `validate`) over numpy views. So it accepts exactly the frames `decode` accepts as a
-TrajectoryGroup, and returns only what the buffer needs to store, deduplicate, size and judge the
-staleness of a record.
+per-token fields stay the received bytes, then checks their lengths and mask values with a few
+comparisons per trajectory (falling back to the same checks `decode` makes, for their precise error,
+when one fails) and judges staleness over numpy views of the whole group's versions and masks at
+once. So it accepts exactly the frames `decode` accepts as a TrajectoryGroup, and returns only what
+the buffer needs to store, deduplicate, size and judge the staleness of a record.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from asyncrl.messages import DECODE_FAILURES, SCHEMA_VERSION, DecodeError, Trajectory, TrajectoryGroup
-from asyncrl.packed import PackedList, checked_array
+from asyncrl.messages import (DECODE_FAILURES, PER_TOKEN_FIELDS, SCHEMA_VERSION, DecodeError, Trajectory,
+                              TrajectoryGroup, check_group_ids, check_token_counts, oldest_trained_version)
+from asyncrl.packed import Float32List, Int32List, MaskList, PackedList, packed_count
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,15 @@ def _twin(cls: type, name: str, replaced: dict[str, Any]) -> type:
     return msgspec.defstruct(name, fields)
 
 
-_PACKED = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
-           if isinstance(hint, type) and issubclass(hint, PackedList)}
+_PACKED: dict[str, type[PackedList]] = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
+                                        if isinstance(hint, type) and issubclass(hint, PackedList)}
 _RawTrajectory = _twin(Trajectory, "_RawTrajectory", dict.fromkeys(_PACKED, bytes))
 _RawGroup = _twin(TrajectoryGroup, "_RawGroup", {"trajectories": list[_RawTrajectory]})
 _GROUP_FRAME = msgspec.msgpack.Decoder(type=tuple[int, str, _RawGroup])
+assert set(PER_TOKEN_FIELDS) < set(_PACKED)
+assert [_PACKED[name] for name in ("prompt_ids", "completion_ids", *PER_TOKEN_FIELDS)] == [
+    Int32List, Int32List, Float32List, Int32List, MaskList], "update _well_formed to the Trajectory fields"
+_ID_BYTES, _LOGPROB_BYTES, _MASK_BYTES = (kind.dtype.itemsize for kind in (Int32List, Float32List, MaskList))
 
 
 def summarize_group(frame: bytes) -> GroupSummary:
@@ -57,32 +64,45 @@ def summarize_group(frame: bytes) -> GroupSummary:
 
     The caller enforces the size limit first, as `decode` does."""
     try:
-        version, kind, raw = _GROUP_FRAME.decode(frame)
+        version, kind, group = _GROUP_FRAME.decode(frame)
     except DECODE_FAILURES as error:
         raise DecodeError(f"not a trajectory group message: {error}") from None
     if version != SCHEMA_VERSION or kind != TrajectoryGroup.kind:  # type: ignore[attr-defined]
         raise DecodeError(f"not a trajectory group message: schema {version}, kind '{kind}'")
-    group = TrajectoryGroup(raw.record_id, raw.group_id, raw.server_id,
-                            [_with_arrays(index, trajectory) for index, trajectory in enumerate(raw.trajectories)])
-    group.validate()
+    check_group_ids(group.group_id, [trajectory.group_id for trajectory in group.trajectories])
+    masks = b"".join(trajectory.loss_mask for trajectory in group.trajectories)
+    if not all(map(_well_formed, group.trajectories)) or masks.translate(None, MaskList.allowed):
+        for index, trajectory in enumerate(group.trajectories):  # find the problem, say it as decode would
+            check_token_counts(_token_counts(index, trajectory))
+    versions = b"".join(trajectory.token_versions for trajectory in group.trajectories)
     return GroupSummary(
         record_id=group.record_id,
         server_id=group.server_id,
-        num_samples=group.num_samples(),
-        num_tokens=group.num_tokens(),
-        oldest_version=group.oldest_version(),
+        num_samples=len(group.trajectories),
+        num_tokens=sum(len(t.prompt_ids) + len(t.completion_ids) for t in group.trajectories) // _ID_BYTES,
+        oldest_version=oldest_trained_version(np.frombuffer(versions, Int32List.dtype),
+                                              np.frombuffer(masks, MaskList.dtype)),
     )
 
 
-def _with_arrays(index: int, raw: Any) -> Trajectory:
-    """The trajectory with its per-token fields as checked numpy views of the received bytes."""
-    fields = msgspec.structs.asdict(raw)
+def _well_formed(trajectory: Any) -> bool:
+    """Whole items in every packed field, one per completion token in the per-token ones (the fast path)."""
+    tokens, partial = divmod(len(trajectory.completion_ids), _ID_BYTES)
+    return not (partial or len(trajectory.prompt_ids) % _ID_BYTES
+                or len(trajectory.behaviour_logprobs) != tokens * _LOGPROB_BYTES
+                or len(trajectory.token_versions) != tokens * _ID_BYTES
+                or len(trajectory.loss_mask) != tokens * _MASK_BYTES)
+
+
+def _token_counts(index: int, trajectory: Any) -> dict[str, int]:
+    """Entries in each packed field of a received trajectory, after the checks `decode` makes."""
+    counts = {}
     for name, kind in _PACKED.items():
         try:
-            fields[name] = checked_array(fields[name], kind)
+            counts[name] = packed_count(getattr(trajectory, name), kind)
         except (TypeError, ValueError) as error:
             raise DecodeError(f"not a valid trajectory group: {error} - at `trajectories[{index}].{name}`") from None
-    return Trajectory(**fields)
+    return counts
 
 
 class _RecordHead(msgspec.Struct):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import msgspec
 import numpy as np
@@ -51,6 +51,39 @@ def message(kind: str) -> Callable[[type[_T]], type[_T]]:
 # ----------------------------------------------------------------------------------------------
 # Trajectories
 
+PER_TOKEN_FIELDS = ("behaviour_logprobs", "token_versions", "loss_mask")  # one entry per completion token
+
+
+def check_token_counts(counts: Mapping[str, int]) -> None:
+    """A trajectory's per-token fields (entry counts by field name) match its completion_ids."""
+    n = counts["completion_ids"]
+    for name in PER_TOKEN_FIELDS:
+        if counts[name] != n:
+            raise DecodeError(f"trajectory {name} has {counts[name]} entries, expected {n}")
+
+
+def check_group_ids(group_id: str, trajectory_group_ids: Sequence[str]) -> None:
+    """A group holds at least one trajectory, all with the group's id."""
+    if not trajectory_group_ids:
+        raise DecodeError("trajectory group is empty")
+    for other in trajectory_group_ids:
+        if other != group_id:
+            raise DecodeError(f"trajectory group_id '{other}' != group '{group_id}'")
+
+
+def oldest_trained_version(token_versions: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray) -> int:
+    """The oldest policy version among trained tokens (mask 1, version >= 0); -1 if there is none.
+
+    A sample without trained tokens (e.g. an empty aborted completion) has no staleness."""
+    versions, trained = np.asarray(token_versions), np.asarray(loss_mask)
+    if not trained.all():
+        versions = versions[trained.astype(bool)]
+    oldest = int(versions.min()) if versions.size else -1
+    if oldest < 0 and versions.size:  # unversioned tokens (-1) among the trained ones: only versioned ones count
+        versioned = versions[versions >= 0]
+        oldest = int(versioned.min()) if versioned.size else -1
+    return oldest
+
 
 @dataclass
 class Trajectory:
@@ -71,17 +104,11 @@ class Trajectory:
 
     def validate(self) -> None:
         """Per-token fields agree in length (their types and mask values were checked while decoding)."""
-        n = len(self.completion_ids)
-        for name in ("behaviour_logprobs", "token_versions", "loss_mask"):
-            if len(getattr(self, name)) != n:
-                raise DecodeError(f"trajectory {name} has {len(getattr(self, name))} entries, expected {n}")
+        check_token_counts({name: len(getattr(self, name)) for name in ("completion_ids", *PER_TOKEN_FIELDS)})
 
     def oldest_version(self) -> int:
         """The oldest policy version among trained tokens (-1 if none is trained)."""
-        versions, trained = np.asarray(self.token_versions), np.asarray(self.loss_mask)
-        if not trained.all():
-            versions = versions[trained.astype(bool)]
-        return int(versions.min()) if versions.size else -1
+        return oldest_trained_version(self.token_versions, self.loss_mask)
 
     def packed(self) -> Trajectory:
         """A copy whose per-token fields are packed bytes, as they go on the wire."""
@@ -109,20 +136,17 @@ class TrajectoryGroup:
     trajectories: list[Trajectory]  # the group's samples
 
     def validate(self) -> None:
-        if not self.trajectories:
-            raise DecodeError("trajectory group is empty")
+        check_group_ids(self.group_id, [trajectory.group_id for trajectory in self.trajectories])
         for trajectory in self.trajectories:
             trajectory.validate()
-            if trajectory.group_id != self.group_id:
-                raise DecodeError(f"trajectory group_id '{trajectory.group_id}' != group '{self.group_id}'")
 
     def oldest_version(self) -> int:
         """The oldest policy version among the group's trained tokens (-1 if none is trained).
 
         A sample without trained tokens (e.g. an empty aborted completion) has no staleness, so it
         does not make the whole group look as old as version -1."""
-        trained = (t.oldest_version() for t in self.trajectories)
-        return min((v for v in trained if v >= 0), default=-1)
+        return oldest_trained_version(np.concatenate([np.asarray(t.token_versions, np.int64) for t in self.trajectories]),
+                                      np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in self.trajectories]))
 
     def num_samples(self) -> int:
         return len(self.trajectories)

@@ -4,8 +4,7 @@ A 1,024-token trajectory as msgpack lists is some 4,000 numbers that a receiver 
 Python objects; packed, it is five byte strings, checked by their lengths and, for the loss mask, one
 scan in C. In memory the fields stay Python lists (what rollout servers build and the learner reads);
 the list types below only tell the codec how each field travels. `decode` turns them back into lists
-(`as_lists`); the buffer's ingest check takes the received bytes and makes read-only numpy views of
-them (`checked_array`), after the same checks.
+(`as_lists`); the buffer's ingest check only counts their items (`packed_count`, the same checks).
 """
 
 from __future__ import annotations
@@ -47,14 +46,20 @@ def pack(values: Sequence[float] | np.ndarray, kind: type[PackedList]) -> bytes:
     return data
 
 
-def checked_array(data: Any, kind: type[PackedList]) -> np.ndarray:
-    """A read-only view of received packed bytes; TypeError/ValueError when they are not a valid array."""
+def packed_count(data: Any, kind: type[PackedList]) -> int:
+    """Items in received packed bytes; TypeError/ValueError when they are not a valid array of `kind`."""
     if not isinstance(data, bytes):
         raise TypeError(f"expected a packed {kind.dtype.str} array (msgpack bin), got {type(data).__name__}")
     if len(data) % kind.dtype.itemsize:
         raise ValueError(f"packed {kind.dtype.str} array of {len(data)} bytes is not a whole number of "
                          f"{kind.dtype.itemsize}-byte items")
     _check_values(data, kind)
+    return len(data) // kind.dtype.itemsize
+
+
+def checked_array(data: Any, kind: type[PackedList]) -> np.ndarray:
+    """A read-only numpy view of received packed bytes, after the checks of `packed_count`."""
+    packed_count(data, kind)
     return np.frombuffer(data, dtype=kind.dtype)
 
 
