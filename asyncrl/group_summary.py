@@ -2,7 +2,7 @@
 
 `messages.decode` parses the envelope, then the body again, and turns every per-token array into a
 list. `summarize_group` decodes both in one typed pass into twins of the message dataclasses whose
-per-token fields stay the received bytes, then checks their lengths and mask values with a few
+per-token fields stay views of the received bytes (no copies), then checks their lengths and mask values with a few
 comparisons per trajectory (falling back to the same checks `decode` makes, for their precise error,
 when one fails) and judges staleness over numpy views of the whole group's versions and masks at
 once. So it accepts exactly the frames `decode` accepts as a TrajectoryGroup, and returns only what
@@ -50,7 +50,7 @@ def _twin(cls: type, name: str, replaced: dict[str, Any]) -> type:
 
 _PACKED: dict[str, type[PackedList]] = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
                                         if isinstance(hint, type) and issubclass(hint, PackedList)}
-_RawTrajectory = _twin(Trajectory, "_RawTrajectory", dict.fromkeys(_PACKED, bytes))
+_RawTrajectory = _twin(Trajectory, "_RawTrajectory", dict.fromkeys(_PACKED, memoryview))
 _RawGroup = _twin(TrajectoryGroup, "_RawGroup", {"trajectories": list[_RawTrajectory]})
 _GROUP_FRAME = msgspec.msgpack.Decoder(type=tuple[int, str, _RawGroup])
 assert set(PER_TOKEN_FIELDS) < set(_PACKED)

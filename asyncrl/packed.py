@@ -48,7 +48,7 @@ def pack(values: Sequence[float] | np.ndarray, kind: type[PackedList]) -> bytes:
 
 def packed_count(data: Any, kind: type[PackedList]) -> int:
     """Items in received packed bytes; TypeError/ValueError when they are not a valid array of `kind`."""
-    if not isinstance(data, bytes):
+    if not isinstance(data, (bytes, memoryview)):
         raise TypeError(f"expected a packed {kind.dtype.str} array (msgpack bin), got {type(data).__name__}")
     if len(data) % kind.dtype.itemsize:
         raise ValueError(f"packed {kind.dtype.str} array of {len(data)} bytes is not a whole number of "
@@ -63,8 +63,8 @@ def checked_array(data: Any, kind: type[PackedList]) -> np.ndarray:
     return np.frombuffer(data, dtype=kind.dtype)
 
 
-def _check_values(data: bytes, kind: type[PackedList]) -> None:
-    if kind.allowed is not None and data.translate(None, kind.allowed):
+def _check_values(data: bytes | memoryview, kind: type[PackedList]) -> None:
+    if kind.allowed is not None and bytes(data).translate(None, kind.allowed):
         raise ValueError(f"packed {kind.dtype.str} array holds values other than {list(kind.allowed)}")
 
 

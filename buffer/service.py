@@ -31,7 +31,7 @@ from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
 from buffer.background_sync import BackgroundSync
 from buffer.metrics import Counters, IngestRate
-from buffer.store import OffsetError, TrajectoryStore, Unsynced
+from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ class BufferService:
         except OSError as error:
             log.error("log write failed, nothing of this batch stored: %s", error)
             self._refuse_write([(identity, summary.record_id) for identity, summary, _ in groups], error)
+            self._discard_unsynced(error)  # a failing disk: what is not yet synced cannot be trusted either
             return
         for (identity, summary, _), stored in zip(groups, results):
             if stored.full:
@@ -200,12 +201,20 @@ class BufferService:
     def _on_synced(self, error: OSError | None) -> None:
         if error is None:
             self._publish(self._syncing)
+            self._syncing = 0
         else:
-            log.error("log fsync failed, unsynced records cut from the log: %s", error)
-            for unsynced in self.store.discard_unsynced():
-                self._refuse_write([(identity, ack.record_id) for identity, ack in unsynced.acks], error)
-        self._syncing = 0
+            log.error("log fsync failed: %s", error)
+            self._discard_unsynced(error)
         self._start_sync()
+
+    def _discard_unsynced(self, error: OSError) -> None:
+        """Cut every record not yet synced out of the log and tell its producer to resend."""
+        dropped = self.store.discard_unsynced()
+        if dropped:
+            log.error("cut %d unsynced write(s) from the log; their producers will resend", len(dropped))
+        for unsynced in dropped:
+            self._refuse_write([(identity, ack.record_id) for identity, ack in unsynced.acks], error)
+        self._syncing = 0  # a sync still running covers none of what remains
 
     def _publish(self, count: int) -> None:
         """The oldest `count` writes are durable: consumers may have them, producers get their acks."""
