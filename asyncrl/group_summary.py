@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from asyncrl.messages import (DECODE_FAILURES, PER_TOKEN_FIELDS, SCHEMA_VERSION, DecodeError, Trajectory,
-                              TrajectoryGroup, check_group_ids, check_token_counts, oldest_trained_version)
-from asyncrl.packed import Float32List, Int32List, MaskList, PackedList, packed_count
+from asyncrl.messages import (DECODE_FAILURES, PACKED_FIELDS, PER_TOKEN_FIELDS, SCHEMA_VERSION, DecodeError,
+                              Trajectory, TrajectoryGroup, check_group_ids, check_token_counts, oldest_trained_version)
+from asyncrl.packed import Float32List, Int32List, MaskList, packed_count
 
 
 @dataclass(frozen=True)
@@ -48,13 +48,11 @@ def _twin(cls: type, name: str, replaced: dict[str, Any]) -> type:
     return msgspec.defstruct(name, fields)
 
 
-_PACKED: dict[str, type[PackedList]] = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
-                                        if isinstance(hint, type) and issubclass(hint, PackedList)}
-_RawTrajectory = _twin(Trajectory, "_RawTrajectory", dict.fromkeys(_PACKED, memoryview))
+_RawTrajectory = _twin(Trajectory, "_RawTrajectory", dict.fromkeys(PACKED_FIELDS, memoryview))
 _RawGroup = _twin(TrajectoryGroup, "_RawGroup", {"trajectories": list[_RawTrajectory]})
 _GROUP_FRAME = msgspec.msgpack.Decoder(type=tuple[int, str, _RawGroup])
-assert set(PER_TOKEN_FIELDS) < set(_PACKED)
-assert [_PACKED[name] for name in ("prompt_ids", "completion_ids", *PER_TOKEN_FIELDS)] == [
+assert set(PER_TOKEN_FIELDS) < set(PACKED_FIELDS)
+assert [PACKED_FIELDS[name] for name in ("prompt_ids", "completion_ids", *PER_TOKEN_FIELDS)] == [
     Int32List, Int32List, Float32List, Int32List, MaskList], "update _well_formed to the Trajectory fields"
 _ID_BYTES, _LOGPROB_BYTES, _MASK_BYTES = (kind.dtype.itemsize for kind in (Int32List, Float32List, MaskList))
 
@@ -97,7 +95,7 @@ def _well_formed(trajectory: Any) -> bool:
 def _token_counts(index: int, trajectory: Any) -> dict[str, int]:
     """Entries in each packed field of a received trajectory, after the checks `decode` makes."""
     counts = {}
-    for name, kind in _PACKED.items():
+    for name, kind in PACKED_FIELDS.items():
         try:
             counts[name] = packed_count(getattr(trajectory, name), kind)
         except (TypeError, ValueError) as error:

@@ -112,7 +112,7 @@ class Trajectory:
 
     def packed(self) -> Trajectory:
         """A copy whose per-token fields are packed bytes, as they go on the wire."""
-        return dataclasses.replace(self, **{name: self._pack(name, kind) for name, kind in _PACKED_FIELDS.items()})
+        return dataclasses.replace(self, **{name: self._pack(name, kind) for name, kind in PACKED_FIELDS.items()})
 
     def _pack(self, name: str, kind: type[PackedList]) -> bytes:
         try:
@@ -121,8 +121,9 @@ class Trajectory:
             raise ValueError(f"trajectory {name}: {error}") from None
 
 
-_PACKED_FIELDS = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
-                  if isinstance(hint, type) and issubclass(hint, PackedList)}
+# Trajectory fields that travel packed, with their list types (which name the wire dtype).
+PACKED_FIELDS: dict[str, type[PackedList]] = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
+                                              if isinstance(hint, type) and issubclass(hint, PackedList)}
 
 
 @message("trajectory_group")
@@ -145,8 +146,9 @@ class TrajectoryGroup:
 
         A sample without trained tokens (e.g. an empty aborted completion) has no staleness, so it
         does not make the whole group look as old as version -1."""
-        return oldest_trained_version(np.concatenate([np.asarray(t.token_versions, np.int64) for t in self.trajectories]),
-                                      np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in self.trajectories]))
+        versions = np.concatenate([np.asarray(t.token_versions, np.int64) for t in self.trajectories])
+        trained = np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in self.trajectories])
+        return oldest_trained_version(versions, trained)
 
     def num_samples(self) -> int:
         return len(self.trajectories)
