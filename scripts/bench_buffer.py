@@ -6,7 +6,9 @@ log-probs, token versions, loss mask) from a producer process to a receiver proc
             with the product's encoding (per-token fields as packed arrays: the baseline of the ratio)
             and once with the same fields as msgpack lists of numbers (schema 1, for reference)
   buffer    TrajectoryProducer → `asyncrl buffer`: typed check, log append, fsync per policy, ack;
-            the producer keeps --window groups in flight and times each ack
+            the producer keeps --window groups in flight and times each ack; the buffer process's CPU
+            time over the phase gives its CPU per trajectory, and so the rate one free core would
+            sustain (a figure that a loaded machine moves far less than the wall-clock rate)
   delivery  BufferConsumer drains the durable run's log in batches and decodes them fully
 Frames are encoded before timing (only the record id differs), so the figures are the receiver's.
 Last line: RESULT {json} (ingest figures are the durable, batched-fsync run).
@@ -18,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -38,6 +41,7 @@ PLACEHOLDER = "X" * RECORD_ID_WIDTH
 MB = 1e6
 PERCENTILE_P99 = 99
 PHASE_TIMEOUT_S = 300  # no phase may hang the benchmark
+US_PER_S = 1e6
 DELIVERY_BATCH_TRAJECTORIES = 256  # trajectories the consumer asks for per batch
 SPAWN = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's ZeroMQ context
 
@@ -130,19 +134,27 @@ def run_raw(payload: bytes, count: int) -> float:
     return elapsed * count / (count - 1)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def run_buffer(directory: Path, fsync: str, template: tuple[bytes, bytes], count: int, window: int):
-    """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies)."""
+    """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies, its CPU s)."""
     buffer = start_buffer(directory, overrides=[f"buffer.fsync={fsync}"], log_path=directory / "buffer.log")
     try:
         results = SPAWN.Queue()
         child = SPAWN.Process(target=buffer_producer, args=(buffer.address, template, count, window, results))
+        cpu_before = cpu_seconds(buffer.process.pid)
         child.start()
         elapsed, latencies = results.get(timeout=PHASE_TIMEOUT_S)
+        cpu = cpu_seconds(buffer.process.pid) - cpu_before
         child.join()
     except BaseException:
         buffer.stop()
         raise
-    return buffer, elapsed, latencies
+    return buffer, elapsed, latencies, cpu
 
 
 def run_delivery(address: str, count: int) -> float:
@@ -156,19 +168,29 @@ def run_delivery(address: str, count: int) -> float:
     return time.perf_counter() - started
 
 
-def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: list[float] | None = None) -> dict:
+def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: list[float] | None = None,
+        cpu_s: float | None = None) -> dict:
     result = {"mode": name, "traj_per_s": trajectories / seconds, "mb_per_s": nbytes / seconds / MB}
     if latencies:
         cuts = statistics.quantiles(latencies, n=100)
         result["ack_p50_ms"], result["ack_p99_ms"] = cuts[49] * MS_PER_S, cuts[PERCENTILE_P99 - 1] * MS_PER_S
+    if cpu_s:
+        result["cpu_us_per_traj"] = cpu_s / trajectories * US_PER_S
+        result["one_core_traj_per_s"] = trajectories / cpu_s
     return result
 
 
+COLUMNS = (("traj/s", "traj_per_s", 10, 0), ("MB/s", "mb_per_s", 9, 1), ("ack p50 ms", "ack_p50_ms", 12, 2),
+           ("ack p99 ms", "ack_p99_ms", 12, 2), ("CPU us/traj", "cpu_us_per_traj", 13, 1),
+           ("1-core traj/s", "one_core_traj_per_s", 15, 0))  # header, key, width, decimals
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'mode':<34}{'traj/s':>10}{'MB/s':>9}{'ack p50 ms':>12}{'ack p99 ms':>12}")
+    print(f"{'mode':<34}" + "".join(f"{header:>{width}}" for header, _, width, _ in COLUMNS))
     for r in rows:
-        p50, p99 = (f"{r[k]:>12.2f}" if k in r else f"{'-':>12}" for k in ("ack_p50_ms", "ack_p99_ms"))
-        print(f"{r['mode']:<34}{r['traj_per_s']:>10.0f}{r['mb_per_s']:>9.1f}{p50}{p99}")
+        cells = (f"{r[key]:>{width}.{decimals}f}" if key in r else f"{'-':>{width}}"
+                 for _, key, width, decimals in COLUMNS)
+        print(f"{r['mode']:<34}" + "".join(cells))
 
 
 def main() -> None:
@@ -183,16 +205,16 @@ def main() -> None:
     rows = {"raw": row("raw zmq push/pull + msgpack", trajectories, nbytes, run_raw(raw_payload, args.groups)),
             "raw_lists": row("raw, per-token msgpack lists (v1)", trajectories, len(lists_payload) * args.groups,
                              run_raw(lists_payload, args.groups))}
-    durable, seconds, latencies = run_buffer(root / "batch", "batch", template, args.groups, args.window)
-    rows["batch"] = row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies)
+    durable, seconds, latencies, cpu = run_buffer(root / "batch", "batch", template, args.groups, args.window)
+    rows["batch"] = row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies, cpu)
     try:
         delivery_seconds = run_delivery(durable.address, args.groups)
     finally:
         durable.stop()
     rows["delivery"] = row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds)
-    volatile, seconds, latencies = run_buffer(root / "none", "none", template, args.groups, args.window)
+    volatile, seconds, latencies, cpu = run_buffer(root / "none", "none", template, args.groups, args.window)
     volatile.stop()
-    rows["none"] = row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies)
+    rows["none"] = row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies, cpu)
 
     print(f"{args.groups} groups x {args.samples_per_group} trajectories x {COMPLETION_TOKENS} completion tokens "
           f"({frame_bytes / 1e3:.0f} kB per group; {len(lists_payload) / 1e3:.0f} kB as lists), window {args.window}")
@@ -208,6 +230,8 @@ def main() -> None:
         "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
         "raw_zmq_lists_traj_per_s": round(rows["raw_lists"]["traj_per_s"]),
         "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),
+        "buffer_cpu_us_per_traj": round(durable_row["cpu_us_per_traj"], 1),
+        "buffer_one_core_traj_per_s": round(durable_row["one_core_traj_per_s"]),
         "samples_per_group": args.samples_per_group,
         "window": args.window,
     }))
