@@ -51,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=2000, help="groups sent per phase")
     parser.add_argument("--samples-per-group", type=int, default=8, help="trajectories per group (GRPO's n)")
     parser.add_argument("--window", type=int, default=8, help="unacknowledged groups a producer keeps in flight")
-    parser.add_argument("--dir", default=None, help="where the buffer logs go (default: a temporary directory)")
+    parser.add_argument("--dir", default=None,
+                        help="where the buffer logs go, kept afterwards (default: a temporary directory, removed)")
     return parser.parse_args()
 
 
@@ -174,7 +175,7 @@ def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: li
     if latencies:
         cuts = statistics.quantiles(latencies, n=100)
         result["ack_p50_ms"], result["ack_p99_ms"] = cuts[49] * MS_PER_S, cuts[PERCENTILE_P99 - 1] * MS_PER_S
-    if cpu_s:
+    if cpu_s:  # /proc counts in clock ticks (10 ms): a very short phase may read 0
         result["cpu_us_per_traj"] = cpu_s / trajectories * US_PER_S
         result["one_core_traj_per_s"] = trajectories / cpu_s
     return result
@@ -195,7 +196,12 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     args = parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_buffer_"))
+    with tempfile.TemporaryDirectory(prefix="bench_buffer_") as scratch:  # ~0.5 GB of logs per run
+        report(args, Path(args.dir or scratch))
+
+
+def report(args: argparse.Namespace, root: Path) -> None:
+    """Run every phase with its logs under `root`; print the table and the RESULT line."""
     template = template_frame(args.samples_per_group)
     frame_bytes = len(template[0]) + RECORD_ID_WIDTH + len(template[1])
     trajectories, nbytes = args.groups * args.samples_per_group, args.groups * frame_bytes
@@ -230,8 +236,8 @@ def main() -> None:
         "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
         "raw_zmq_lists_traj_per_s": round(rows["raw_lists"]["traj_per_s"]),
         "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),
-        "buffer_cpu_us_per_traj": round(durable_row["cpu_us_per_traj"], 1),
-        "buffer_one_core_traj_per_s": round(durable_row["one_core_traj_per_s"]),
+        "buffer_cpu_us_per_traj": round(durable_row.get("cpu_us_per_traj", 0), 1) or None,
+        "buffer_one_core_traj_per_s": round(durable_row.get("one_core_traj_per_s", 0)) or None,
         "samples_per_group": args.samples_per_group,
         "window": args.window,
     }))
