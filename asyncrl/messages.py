@@ -2,19 +2,23 @@
 
 Every message travels in an envelope `[schema_version, kind, body]`. Decoding is typed (msgspec
 validates each field against the dataclass annotations in C), so arbitrary bytes either yield a
-well-formed message or raise `DecodeError`; nothing else escapes `decode`.
+well-formed message or raise `DecodeError`; nothing else escapes `decode`. A trajectory's per-token
+fields travel as packed little-endian arrays (see asyncrl.packed) and are Python lists in memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import msgspec
+import numpy as np
 
-SCHEMA_VERSION = 1
+from asyncrl.packed import Float32List, Int32List, MaskList, PackedList, as_lists, pack
+
+SCHEMA_VERSION = 2  # 2: per-token fields as packed arrays (1 had msgpack lists of numbers)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a group of 16 × 32k-token samples fits comfortably
 
 
@@ -38,7 +42,7 @@ def message(kind: str) -> Callable[[type[_T]], type[_T]]:
             raise ValueError(f"message kind '{kind}' registered twice")
         cls.kind = kind  # type: ignore[attr-defined]
         _KINDS[kind] = cls
-        _DECODERS[kind] = msgspec.msgpack.Decoder(type=cls)
+        _DECODERS[kind] = msgspec.msgpack.Decoder(type=cls, dec_hook=as_lists)
         return cls
 
     return register
@@ -47,16 +51,49 @@ def message(kind: str) -> Callable[[type[_T]], type[_T]]:
 # ----------------------------------------------------------------------------------------------
 # Trajectories
 
+PER_TOKEN_FIELDS = ("behaviour_logprobs", "token_versions", "loss_mask")  # one entry per completion token
+
+
+def check_token_counts(counts: Mapping[str, int]) -> None:
+    """A trajectory's per-token fields (entry counts by field name) match its completion_ids."""
+    n = counts["completion_ids"]
+    for name in PER_TOKEN_FIELDS:
+        if counts[name] != n:
+            raise DecodeError(f"trajectory {name} has {counts[name]} entries, expected {n}")
+
+
+def check_group_ids(group_id: str, trajectory_group_ids: Sequence[str]) -> None:
+    """A group holds at least one trajectory, all with the group's id."""
+    if not trajectory_group_ids:
+        raise DecodeError("trajectory group is empty")
+    for other in trajectory_group_ids:
+        if other != group_id:
+            raise DecodeError(f"trajectory group_id '{other}' != group '{group_id}'")
+
+
+def oldest_trained_version(token_versions: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray) -> int:
+    """The oldest policy version among trained tokens (mask 1, version >= 0); -1 if there is none.
+
+    A sample without trained tokens (e.g. an empty aborted completion) has no staleness."""
+    versions, trained = np.asarray(token_versions), np.asarray(loss_mask)
+    if not trained.all():
+        versions = versions[trained.astype(bool)]
+    oldest = int(versions.min()) if versions.size else -1
+    if oldest < 0 and versions.size:  # unversioned tokens (-1) among the trained ones: only versioned ones count
+        versioned = versions[versions >= 0]
+        oldest = int(versioned.min()) if versioned.size else -1
+    return oldest
+
 
 @dataclass
 class Trajectory:
     """One sampled completion with everything the learner needs to train on it."""
 
-    prompt_ids: list[int]  # token ids of the prompt as the engine saw it
-    completion_ids: list[int]  # token ids after the prompt (model and, in multi-turn, environment tokens)
-    behaviour_logprobs: list[float]  # log π_behav(token) reported by the engine; 0.0 where loss_mask is 0
-    token_versions: list[int]  # policy version that sampled each completion token (-1 for environment tokens)
-    loss_mask: list[int]  # 1 = train on this token (model output), 0 = environment/tool token
+    prompt_ids: Int32List  # token ids of the prompt as the engine saw it
+    completion_ids: Int32List  # token ids after the prompt (model and, in multi-turn, environment tokens)
+    behaviour_logprobs: Float32List  # log π_behav(token) reported by the engine (float32); 0.0 where loss_mask is 0
+    token_versions: Int32List  # policy version that sampled each completion token (-1 for environment tokens)
+    loss_mask: MaskList  # 1 = train on this token (model output), 0 = environment/tool token
     reward: float  # scalar reward used for advantages
     group_id: str  # samples of one prompt share it (group-relative advantages)
     data_source: str  # dataset the prompt came from; selects the scorer and per-source metrics
@@ -66,18 +103,27 @@ class Trajectory:
     num_turns: int = 1  # model turns in the episode (multi-turn)
 
     def validate(self) -> None:
-        n = len(self.completion_ids)
-        for name in ("behaviour_logprobs", "token_versions", "loss_mask"):
-            if len(getattr(self, name)) != n:
-                raise DecodeError(f"trajectory {name} has {len(getattr(self, name))} entries, expected {n}")
-        if not set(self.loss_mask) <= {0, 1}:
-            raise DecodeError("trajectory loss_mask must hold only 0 and 1")
+        """Per-token fields agree in length (their types and mask values were checked while decoding)."""
+        check_token_counts({name: len(getattr(self, name)) for name in ("completion_ids", *PER_TOKEN_FIELDS)})
 
     def oldest_version(self) -> int:
         """The oldest policy version among trained tokens (-1 if none is trained)."""
-        if self.loss_mask.count(1) == len(self.loss_mask):  # all trained, the common case: a plain C-level min
-            return min(self.token_versions, default=-1)
-        return min(itertools.compress(self.token_versions, self.loss_mask), default=-1)
+        return oldest_trained_version(self.token_versions, self.loss_mask)
+
+    def packed(self) -> Trajectory:
+        """A copy whose per-token fields are packed bytes, as they go on the wire."""
+        return dataclasses.replace(self, **{name: self._pack(name, kind) for name, kind in PACKED_FIELDS.items()})
+
+    def _pack(self, name: str, kind: type[PackedList]) -> bytes:
+        try:
+            return pack(getattr(self, name), kind)
+        except ValueError as error:
+            raise ValueError(f"trajectory {name}: {error}") from None
+
+
+# Trajectory fields that travel packed, with their list types (which name the wire dtype).
+PACKED_FIELDS: dict[str, type[PackedList]] = {name: hint for name, hint in typing.get_type_hints(Trajectory).items()
+                                              if isinstance(hint, type) and issubclass(hint, PackedList)}
 
 
 @message("trajectory_group")
@@ -91,26 +137,28 @@ class TrajectoryGroup:
     trajectories: list[Trajectory]  # the group's samples
 
     def validate(self) -> None:
-        if not self.trajectories:
-            raise DecodeError("trajectory group is empty")
+        check_group_ids(self.group_id, [trajectory.group_id for trajectory in self.trajectories])
         for trajectory in self.trajectories:
             trajectory.validate()
-            if trajectory.group_id != self.group_id:
-                raise DecodeError(f"trajectory group_id '{trajectory.group_id}' != group '{self.group_id}'")
 
     def oldest_version(self) -> int:
         """The oldest policy version among the group's trained tokens (-1 if none is trained).
 
         A sample without trained tokens (e.g. an empty aborted completion) has no staleness, so it
         does not make the whole group look as old as version -1."""
-        trained = (t.oldest_version() for t in self.trajectories)
-        return min((v for v in trained if v >= 0), default=-1)
+        versions = np.concatenate([np.asarray(t.token_versions, np.int64) for t in self.trajectories])
+        trained = np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in self.trajectories])
+        return oldest_trained_version(versions, trained)
 
     def num_samples(self) -> int:
         return len(self.trajectories)
 
     def num_tokens(self) -> int:
         return sum(len(t.prompt_ids) + len(t.completion_ids) for t in self.trajectories)
+
+    def packed(self) -> TrajectoryGroup:
+        """A copy as it goes on the wire (see Trajectory.packed)."""
+        return dataclasses.replace(self, trajectories=[trajectory.packed() for trajectory in self.trajectories])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,7 +296,16 @@ def encode(msg: Any) -> bytes:
     kind = getattr(type(msg), "kind", None)
     if kind not in _KINDS or not dataclasses.is_dataclass(msg):
         raise TypeError(f"{type(msg).__name__} is not a registered asyncrl message")
-    return _ENCODER.encode((SCHEMA_VERSION, kind, msg))
+    return _ENCODER.encode((SCHEMA_VERSION, kind, _for_wire(msg)))
+
+
+def _for_wire(msg: Any) -> Any:
+    """The message with its trajectories' per-token fields packed (groups spliced in as Raw stay as they are)."""
+    if isinstance(msg, TrajectoryGroup):
+        return msg.packed()
+    if isinstance(msg, Batch):
+        return dataclasses.replace(msg, groups=[g if isinstance(g, msgspec.Raw) else g.packed() for g in msg.groups])
+    return msg
 
 
 def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type[_T] | None = None) -> Any:

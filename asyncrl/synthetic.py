@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from asyncrl.messages import Trajectory, TrajectoryGroup
 
 VOCAB_SIZE = 151_936  # Qwen2's vocabulary: realistic token-id widths on the wire
@@ -19,7 +21,7 @@ def synthetic_group(record_id: str, *, samples: int = 1, completion_tokens: int 
         Trajectory(
             prompt_ids=[rng.randrange(VOCAB_SIZE) for _ in range(PROMPT_TOKENS)],
             completion_ids=[rng.randrange(VOCAB_SIZE) for _ in range(completion_tokens)],
-            behaviour_logprobs=[-rng.random() for _ in range(completion_tokens)],
+            behaviour_logprobs=np.float32([-rng.random() for _ in range(completion_tokens)]).tolist(),  # as engines report
             token_versions=[version] * completion_tokens,
             loss_mask=[1] * completion_tokens,
             reward=float(rng.random() < 0.5),

@@ -1,9 +1,12 @@
-"""Append-only segment log: records framed with length and CRC32, fsync policy, recovery, retention.
+"""Append-only segment log: records framed with length and checksum, fsync policy, recovery, retention.
 
 A record's offset is its position in the log (0, 1, 2, ...). A segment file is named by the offset
-of its first record and holds records back to back, each as `length (u32) | crc32 (u32) | payload`.
-Recovery scans every segment: a torn or corrupt tail of the last segment (a crash mid-write) is
-truncated; damage anywhere else is not a crash artefact and stops the service with LogCorruption.
+of its first record and holds records back to back, each as `length (u32) | checksum (u32) | payload`,
+the checksum being the low 32 bits of the payload's XXH3-64 (crc32 took ~80 µs per 110 kB group here,
+XXH3 ~3 µs). Recovery scans every segment: a torn or corrupt tail of the last segment (a crash
+mid-write) is truncated; damage anywhere else is not a crash artefact and stops the service with
+LogCorruption. The directory's `log_format` file names the format, so a log of another format is
+refused rather than taken for torn records.
 """
 
 from __future__ import annotations
@@ -11,15 +14,19 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import zlib
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import xxhash
+
 log = logging.getLogger(__name__)
 
-RECORD_HEADER = struct.Struct("<II")  # payload length, crc32 of the payload
+RECORD_HEADER = struct.Struct("<II")  # payload length, checksum of the payload
+LOG_FORMAT = "2"  # 2: XXH3 record checksums, schema-2 messages; 1 (no log_format file): crc32, schema 1
+FORMAT_FILE = "log_format"
+CHECKSUM_MASK = 0xFFFFFFFF
 SEGMENT_SUFFIX = ".seg"
 OFFSET_DIGITS = 20  # segment names sort as numbers
 FSYNC_POLICIES = ("always", "batch", "none")
@@ -56,6 +63,7 @@ class SegmentLog:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = segment_bytes
         self.fsync = fsync
+        check_log_format(self.directory)
         self.segments = self._recover()
         self._readers: dict[int, int] = {}  # segment base -> read-only fd
         self._writer = os.open(self.segments[-1].path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -78,12 +86,14 @@ class SegmentLog:
     # ------------------------------------------------------------------------------------------
     # Writing
 
-    def append(self, payloads: list[bytes]) -> int:
+    def append(self, payloads: list[bytes], sync: bool = True) -> int:
         """Append records durably per the fsync policy; return the offset of the first.
 
-        All or nothing: on a write or fsync error the log is cut back to where it was, and the error raised."""
+        With sync=False the "batch" policy's closing fsync is left to the caller (`sync_fd`, e.g. on a
+        background thread); segments closed on the way are still synced. All or nothing: on a write or
+        fsync error the log is cut back to where it was, and the error raised."""
         first = self.end_offset
-        mark = (len(self.segments), self.segments[-1].size)
+        mark = self.mark()
         try:
             if self.fsync == "always":
                 for payload in payloads:
@@ -91,14 +101,26 @@ class SegmentLog:
                     os.fsync(self._writer)
             else:
                 self._write(payloads)
-                if self.fsync == "batch":
+                if self.fsync == "batch" and sync:
                     os.fsync(self._writer)
         except OSError:
-            self._cut_back(*mark)
+            self.cut_back(mark)
             raise
         return first
 
-    def _cut_back(self, segment_count: int, size: int) -> None:
+    def mark(self) -> tuple[int, int]:
+        """The log's current end, for `cut_back`: (segments, bytes in the last one)."""
+        return len(self.segments), self.segments[-1].size
+
+    def sync_fd(self) -> int:
+        """A duplicate of the segment being written, to fsync from another thread (the caller closes it).
+
+        A segment that closes meanwhile is synced when it closes; the duplicate keeps its file open."""
+        return os.dup(self._writer)
+
+    def cut_back(self, mark: tuple[int, int]) -> None:
+        """Remove every record appended since `mark` was taken (unsynced ones, after a failed fsync)."""
+        segment_count, size = mark
         while len(self.segments) > segment_count:
             os.close(self._writer)
             self.segments.pop().path.unlink()
@@ -129,7 +151,7 @@ class SegmentLog:
         segment = self.segments[-1]
         buffers = []
         for payload in payloads:
-            buffers += [RECORD_HEADER.pack(len(payload), zlib.crc32(payload)), payload]
+            buffers += [RECORD_HEADER.pack(len(payload), record_checksum(payload)), payload]
         _writev_all(self._writer, buffers)
         for payload in payloads:
             segment.positions.append(segment.size)
@@ -155,7 +177,7 @@ class SegmentLog:
         fd = self._reader(segment)
         length, checksum = RECORD_HEADER.unpack(os.pread(fd, RECORD_HEADER.size, position))
         payload = os.pread(fd, length, position + RECORD_HEADER.size)
-        if len(payload) != length or zlib.crc32(payload) != checksum:
+        if len(payload) != length or record_checksum(payload) != checksum:
             raise LogCorruption(f"record {offset} in {segment.path} fails its checksum")
         return payload
 
@@ -224,7 +246,7 @@ def scan_segment(path: Path, is_last: bool) -> Segment:
         if end <= len(data):
             length, checksum = RECORD_HEADER.unpack_from(data, position)
             payload = data[end:end + length]
-            if len(payload) == length and zlib.crc32(payload) == checksum:
+            if len(payload) == length and record_checksum(payload) == checksum:
                 segment.positions.append(position)
                 position = end + length
                 continue
@@ -237,6 +259,27 @@ def scan_segment(path: Path, is_last: bool) -> Segment:
         break
     segment.size = position
     return segment
+
+
+def record_checksum(payload: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(payload) & CHECKSUM_MASK
+
+
+def check_log_format(directory: Path) -> None:
+    """Refuse a log of another format (its records would fail their checksums); mark a new log's format."""
+    marker = directory / FORMAT_FILE
+    if marker.exists():
+        found = marker.read_text().strip()
+        if found != LOG_FORMAT:
+            raise LogCorruption(f"{directory} holds a log of format {found}; this build reads format {LOG_FORMAT}")
+    elif any(directory.glob(f"*{SEGMENT_SUFFIX}")):
+        raise LogCorruption(f"{directory} holds a log of format 1 (crc32, message schema 1) from an older asyncrl; "
+                            f"this build reads format {LOG_FORMAT}: start on a fresh buffer.dir")
+    else:
+        temporary = directory / (FORMAT_FILE + ".tmp")
+        temporary.write_text(LOG_FORMAT)
+        temporary.replace(marker)
+        fsync_directory(directory)
 
 
 def fsync_directory(directory: Path) -> None:

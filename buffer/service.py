@@ -1,10 +1,13 @@
-"""The buffer service: one ROUTER socket, one thread, one loop.
+"""The buffer service: one ROUTER socket, one loop thread (plus a thread that only runs fsync).
 
-Each turn drains up to max_receive_batch frames. Trajectory groups among them are checked, appended
-in one log write (one fsync under the batch policy) and only then acknowledged. Control messages are
-answered after that, so a batch request sees the groups that arrived with it. Batch requests that
-want to wait for data are parked until they can be filled or their wait runs out. Anything that does
-not decode, or is too large, gets an ErrorReply, is counted and logged; the loop carries on.
+Each turn drains up to max_receive_batch frames. Trajectory groups among them are checked and appended
+in one log write; they are acknowledged, and handed to consumers, only once durable. Under the batch
+policy that is group commit: one fsync at a time runs on a helper thread, covering every record
+written before it started, while the loop goes on receiving and writing the next records, which the
+following fsync covers. Control messages are answered after the turn's write (a batch request sees
+the groups that are durable by then). Batch requests that want to wait for data are parked until
+they can be filled or their wait runs out. Anything that does not decode, or is too large, gets an
+ErrorReply, is counted and logged; the loop carries on.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchReques
                               encode_batch)
 from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
+from buffer.background_sync import BackgroundSync
 from buffer.metrics import Counters, IngestRate
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
@@ -60,6 +64,12 @@ class BufferService:
         self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
         self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
                                                  config.max_message_bytes, self.security)
+        self.syncer = BackgroundSync() if config.fsync == "batch" else None
+        self._syncing = 0  # writes (oldest unsynced first) that the running background fsync covers
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        if self.syncer is not None:
+            self.poller.register(self.syncer.fileno(), zmq.POLLIN)
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {
             AdmissionRequest: self._on_admission,
             BatchRequest: self._on_batch_request,
@@ -77,7 +87,10 @@ class BufferService:
         """Run until `stop()` (e.g. from a signal handler)."""
         try:
             while self.running:
-                if self.socket.poll(self._poll_timeout_ms(), zmq.POLLIN):
+                ready = dict(self.poller.poll(self._poll_timeout_ms()))
+                if self.syncer is not None and self.syncer.fileno() in ready:
+                    self._on_synced(self.syncer.finish())
+                if self.socket in ready:
                     self.handle(self._drain())
                 now = time.monotonic()
                 self._answer_parked(now)
@@ -158,27 +171,65 @@ class BufferService:
     # Ingest
 
     def _ingest(self, groups: list[tuple[bytes, GroupSummary, bytes]]) -> None:
+        """Write the groups; acknowledge them once durable (at once, or when their background fsync ends)."""
         try:
-            results = self.store.ingest([(summary, frame) for _, summary, frame in groups])
+            results, unsynced = self.store.write([(summary, frame) for _, summary, frame in groups],
+                                                 sync=self.syncer is None)
         except OSError as error:
             log.error("log write failed, nothing of this batch stored: %s", error)
-            for identity, summary, _ in groups:
-                self._reply(identity, Ack(summary.record_id, -1, error=f"log write failed: {error}",
-                                          retry_after_ms=self.config.retry_after_ms))
+            self._refuse_write([(identity, summary.record_id) for identity, summary, _ in groups], error)
+            self._discard_unsynced(error)  # a failing disk: what is not yet synced cannot be trusted either
             return
-        stored_bytes = 0
-        for (identity, summary, frame), stored in zip(groups, results):
+        for (identity, summary, _), stored in zip(groups, results):
             if stored.full:
                 self.counters.full_rejections += 1
-                ack = Ack(summary.record_id, -1, error="buffer full", retry_after_ms=self.config.retry_after_ms)
+                self._reply(identity, Ack(summary.record_id, -1, error="buffer full",
+                                          retry_after_ms=self.config.retry_after_ms))
             else:
-                self.counters.duplicates += stored.duplicate
-                stored_bytes += 0 if stored.duplicate else len(frame)
-                ack = Ack(summary.record_id, stored.offset, duplicate=stored.duplicate)
-            self._reply(identity, ack)
-        stored_count = sum(1 for stored in results if not stored.full and not stored.duplicate)
-        self.counters.ingested += stored_count
-        self.rate.add(time.monotonic(), stored_count, stored_bytes)
+                unsynced.acks.append((identity, Ack(summary.record_id, stored.offset, duplicate=stored.duplicate)))
+        if self.syncer is None or (not unsynced.entries and len(self.store.unsynced) == 1):
+            self._publish(1)  # durable already (or only duplicates of durable records)
+        else:
+            self._start_sync()
+
+    def _start_sync(self) -> None:
+        """Sync everything written so far, unless a sync is running (the next one will cover it)."""
+        if self.syncer is not None and not self.syncer.busy and self.store.unsynced:
+            self._syncing = len(self.store.unsynced)
+            self.syncer.start(self.store.log.sync_fd())
+
+    def _on_synced(self, error: OSError | None) -> None:
+        if error is None:
+            self._publish(self._syncing)
+            self._syncing = 0
+        else:
+            log.error("log fsync failed: %s", error)
+            self._discard_unsynced(error)
+        self._start_sync()
+
+    def _discard_unsynced(self, error: OSError) -> None:
+        """Cut every record not yet synced out of the log and tell its producer to resend."""
+        dropped = self.store.discard_unsynced()
+        if dropped:
+            log.error("cut %d unsynced write(s) from the log; their producers will resend", len(dropped))
+        for unsynced in dropped:
+            self._refuse_write([(identity, ack.record_id) for identity, ack in unsynced.acks], error)
+        self._syncing = 0  # a sync still running covers none of what remains
+
+    def _publish(self, count: int) -> None:
+        """The oldest `count` writes are durable: consumers may have them, producers get their acks."""
+        for unsynced in self.store.publish(count):
+            for identity, ack in unsynced.acks:
+                self.counters.duplicates += ack.duplicate
+                self._reply(identity, ack)
+            self.counters.ingested += len(unsynced.entries)
+            self.rate.add(time.monotonic(), len(unsynced.entries), unsynced.nbytes)
+
+    def _refuse_write(self, records: list[tuple[bytes, str]], error: OSError) -> None:
+        """Nothing of these records is stored: tell their producers to resend."""
+        for identity, record_id in records:
+            self._reply(identity, Ack(record_id, -1, error=f"log write failed: {error}",
+                                      retry_after_ms=self.config.retry_after_ms))
 
     # ------------------------------------------------------------------------------------------
     # Consumption
@@ -281,6 +332,8 @@ class BufferService:
         self._reject(identity, f"the buffer does not take '{type(message).kind}' messages")
 
     def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close()
         self.socket.close()
         if self.security is not None:
             self.security.stop()

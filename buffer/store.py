@@ -1,15 +1,17 @@
 """The buffer's state without the network: log, record-id index, pending window, commit point.
 
-Every operation here is what the service does for one message; tests drive it directly.
+Every operation here is what the service does for one message; tests drive it directly. Appended
+records reach consumers only once they are durable: `ingest` appends and syncs in one call; `write`
+leaves the fsync to the caller (the service runs it on a thread) and `publish` makes them visible after.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, record_id_of, summarize_group
@@ -35,6 +37,20 @@ class Stored:
     full: bool = False  # not stored: a budget is full, the producer should retry later
 
 
+@dataclass
+class Unsynced:
+    """One `write` call's records: in the log, not yet synced, not yet visible to consumers."""
+
+    mark: tuple[int, int]  # log end before them: where a failed sync cuts the log back to
+    entries: list[Entry]  # the new records
+    ids: dict[str, int]  # their record ids -> offsets
+    acks: list[Any] = field(default_factory=list)  # the caller's replies, sent once the records are durable
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(entry.frame) for entry in self.entries)
+
+
 class TrajectoryStore:
     def __init__(self, config: BufferConfig, directory: Path) -> None:
         self.config = config
@@ -49,6 +65,8 @@ class TrajectoryStore:
         self.ids: dict[str, int] = {}  # record id -> offset, for records still in the log
         self._ids_in_order: deque[tuple[int, str]] = deque()
         self._drops_since_commit: set[int] = set()  # offsets at or past the commit dropped as stale
+        self.unsynced: deque[Unsynced] = deque()  # written, waiting for their fsync, oldest first
+        self._unsynced_ids: dict[str, int] = {}
         self.window = PendingWindow(self.committed.offset)
         self._rebuild_from_log()
 
@@ -57,7 +75,8 @@ class TrajectoryStore:
 
     @property
     def end_offset(self) -> int:
-        return self.log.end_offset
+        """Offset after the last durable record (records still waiting for their fsync lie beyond it)."""
+        return self.window.end_offset
 
     @property
     def dropped_total(self) -> int:
@@ -72,36 +91,72 @@ class TrajectoryStore:
     # Ingest
 
     def ingest(self, records: list[tuple[GroupSummary, bytes]]) -> list[Stored]:
-        """Append the new records in one log write (and one fsync under the batch policy).
+        """Append the new records in one log write (and one fsync under the batch policy) and publish them.
 
         Raises OSError when the log cannot be written; nothing of the call is stored then."""
+        results, _ = self.write(records, sync=True)
+        self.publish(len(self.unsynced))
+        return results
+
+    def write(self, records: list[tuple[GroupSummary, bytes]], sync: bool) -> tuple[list[Stored], Unsynced]:
+        """Append the new records in one log write; with sync=False the batch policy's fsync is the caller's.
+
+        The records stay invisible to consumers (but known as duplicates) until `publish`. Raises OSError
+        when the log cannot be written; nothing of the call is stored then."""
         results: list[Stored] = []
         staged: dict[str, int] = {}
         frames: list[bytes] = []
         entries: list[Entry] = []
         staged_bytes = 0
-        memory_used, disk_used = self.window.bytes, self.log.disk_bytes
+        memory_used = self.window.bytes + sum(unsynced.nbytes for unsynced in self.unsynced)
+        disk_used = self.log.disk_bytes
         for summary, frame in records:
-            known = self.ids.get(summary.record_id, staged.get(summary.record_id))
+            known = self._offset_of(summary.record_id, staged)
             if known is not None:
                 results.append(Stored(known, duplicate=True))
                 continue
             if self._full(memory_used + staged_bytes, disk_used + staged_bytes, len(frame)):
                 results.append(Stored(-1, full=True))
                 continue
-            offset = self.end_offset + len(frames)
+            offset = self.log.end_offset + len(frames)
             staged[summary.record_id] = offset
             frames.append(frame)
             entries.append(_entry(offset, summary, frame))
             staged_bytes += len(frame)
             results.append(Stored(offset))
+        unsynced = Unsynced(self.log.mark(), entries, staged)
         if frames:
-            self.log.append(frames)
-        for record_id, offset in staged.items():
-            self._remember(record_id, offset)
-        for entry in entries:
-            self.window.append(entry)
-        return results
+            self.log.append(frames, sync=sync)
+        self.unsynced.append(unsynced)
+        self._unsynced_ids.update(staged)
+        return results, unsynced
+
+    def publish(self, count: int) -> list[Unsynced]:
+        """The oldest `count` writes are durable: hand their records to consumers; return them."""
+        published = [self.unsynced.popleft() for _ in range(count)]
+        for unsynced in published:
+            for record_id, offset in unsynced.ids.items():
+                del self._unsynced_ids[record_id]
+                self._remember(record_id, offset)
+            for entry in unsynced.entries:
+                self.window.append(entry)
+        return published
+
+    def discard_unsynced(self) -> list[Unsynced]:
+        """Their fsync failed: cut every unsynced record out of the log; return the writes dropped."""
+        dropped = list(self.unsynced)
+        if dropped:
+            self.log.cut_back(dropped[0].mark)
+        self.unsynced.clear()
+        self._unsynced_ids.clear()
+        return dropped
+
+    def _offset_of(self, record_id: str, staged: dict[str, int]) -> int | None:
+        """Offset of a record already in the log (durable or not) or staged in this write; None if new."""
+        for known in (self.ids, self._unsynced_ids, staged):
+            if record_id in known:
+                return known[record_id]
+        return None
 
     def _full(self, memory_used: int, disk_used: int, frame_bytes: int) -> bool:
         """The record would overrun a budget. An empty budget takes any one record, so every record fits."""
@@ -155,7 +210,7 @@ class TrajectoryStore:
         """Rebuild the id index from every retained record and the window from the committed offset."""
         for offset, frame in self.log.read_range(self.log.first_offset, self.window.read_offset):
             self._remember(_checked(offset, record_id_of, frame), offset)
-        for offset, summary, frame in self._summaries_from_log(self.window.read_offset, self.end_offset):
+        for offset, summary, frame in self._summaries_from_log(self.window.read_offset, self.log.end_offset):
             self._remember(summary.record_id, offset)
             self.window.append(_entry(offset, summary, frame))
         log.info("buffer state: committed %d, end %d, %d group(s) waiting", self.committed.offset,

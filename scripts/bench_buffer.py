@@ -2,9 +2,13 @@
 
 Every phase sends the same groups of trajectories with 1,024 completion tokens (ids, behaviour
 log-probs, token versions, loss mask) from a producer process to a receiver process:
-  raw       PUSH → PULL, the receiver msgpack-unpacks each message (transport + deserialisation)
+  raw       PUSH → PULL, the receiver msgpack-unpacks each message (transport + deserialisation), once
+            with the product's encoding (per-token fields as packed arrays: the baseline of the ratio)
+            and once with the same fields as msgpack lists of numbers (schema 1, for reference)
   buffer    TrajectoryProducer → `asyncrl buffer`: typed check, log append, fsync per policy, ack;
-            the producer keeps --window groups in flight and times each ack
+            the producer keeps --window groups in flight and times each ack; the buffer process's CPU
+            time over the phase gives its CPU per trajectory, and so the rate one free core would
+            sustain (a figure that a loaded machine moves far less than the wall-clock rate)
   delivery  BufferConsumer drains the durable run's log in batches and decodes them fully
 Frames are encoded before timing (only the record id differs), so the figures are the receiver's.
 Last line: RESULT {json} (ingest figures are the durable, batched-fsync run).
@@ -16,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -36,6 +41,7 @@ PLACEHOLDER = "X" * RECORD_ID_WIDTH
 MB = 1e6
 PERCENTILE_P99 = 99
 PHASE_TIMEOUT_S = 300  # no phase may hang the benchmark
+US_PER_S = 1e6
 DELIVERY_BATCH_TRAJECTORIES = 256  # trajectories the consumer asks for per batch
 SPAWN = multiprocessing.get_context("spawn")  # a forked child would inherit the parent's ZeroMQ context
 
@@ -45,7 +51,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=2000, help="groups sent per phase")
     parser.add_argument("--samples-per-group", type=int, default=8, help="trajectories per group (GRPO's n)")
     parser.add_argument("--window", type=int, default=8, help="unacknowledged groups a producer keeps in flight")
-    parser.add_argument("--dir", default=None, help="where the buffer logs go (default: a temporary directory)")
+    parser.add_argument("--dir", default=None,
+                        help="where the buffer logs go, kept afterwards (default: a temporary directory, removed)")
     return parser.parse_args()
 
 
@@ -128,19 +135,27 @@ def run_raw(payload: bytes, count: int) -> float:
     return elapsed * count / (count - 1)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def run_buffer(directory: Path, fsync: str, template: tuple[bytes, bytes], count: int, window: int):
-    """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies)."""
+    """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies, its CPU s)."""
     buffer = start_buffer(directory, overrides=[f"buffer.fsync={fsync}"], log_path=directory / "buffer.log")
     try:
         results = SPAWN.Queue()
         child = SPAWN.Process(target=buffer_producer, args=(buffer.address, template, count, window, results))
+        cpu_before = cpu_seconds(buffer.process.pid)
         child.start()
         elapsed, latencies = results.get(timeout=PHASE_TIMEOUT_S)
+        cpu = cpu_seconds(buffer.process.pid) - cpu_before
         child.join()
     except BaseException:
         buffer.stop()
         raise
-    return buffer, elapsed, latencies
+    return buffer, elapsed, latencies, cpu
 
 
 def run_delivery(address: str, count: int) -> float:
@@ -154,55 +169,75 @@ def run_delivery(address: str, count: int) -> float:
     return time.perf_counter() - started
 
 
-def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: list[float] | None = None) -> dict:
+def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: list[float] | None = None,
+        cpu_s: float | None = None) -> dict:
     result = {"mode": name, "traj_per_s": trajectories / seconds, "mb_per_s": nbytes / seconds / MB}
     if latencies:
         cuts = statistics.quantiles(latencies, n=100)
         result["ack_p50_ms"], result["ack_p99_ms"] = cuts[49] * MS_PER_S, cuts[PERCENTILE_P99 - 1] * MS_PER_S
+    if cpu_s:  # /proc counts in clock ticks (10 ms): a very short phase may read 0
+        result["cpu_us_per_traj"] = cpu_s / trajectories * US_PER_S
+        result["one_core_traj_per_s"] = trajectories / cpu_s
     return result
 
 
+COLUMNS = (("traj/s", "traj_per_s", 10, 0), ("MB/s", "mb_per_s", 9, 1), ("ack p50 ms", "ack_p50_ms", 12, 2),
+           ("ack p99 ms", "ack_p99_ms", 12, 2), ("CPU us/traj", "cpu_us_per_traj", 13, 1),
+           ("1-core traj/s", "one_core_traj_per_s", 15, 0))  # header, key, width, decimals
+
+
 def print_table(rows: list[dict]) -> None:
-    print(f"{'mode':<34}{'traj/s':>10}{'MB/s':>9}{'ack p50 ms':>12}{'ack p99 ms':>12}")
+    print(f"{'mode':<34}" + "".join(f"{header:>{width}}" for header, _, width, _ in COLUMNS))
     for r in rows:
-        p50, p99 = (f"{r[k]:>12.2f}" if k in r else f"{'-':>12}" for k in ("ack_p50_ms", "ack_p99_ms"))
-        print(f"{r['mode']:<34}{r['traj_per_s']:>10.0f}{r['mb_per_s']:>9.1f}{p50}{p99}")
+        cells = (f"{r[key]:>{width}.{decimals}f}" if key in r else f"{'-':>{width}}"
+                 for _, key, width, decimals in COLUMNS)
+        print(f"{r['mode']:<34}" + "".join(cells))
 
 
 def main() -> None:
     args = parse_args()
-    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_buffer_"))
+    with tempfile.TemporaryDirectory(prefix="bench_buffer_") as scratch:  # ~0.5 GB of logs per run
+        report(args, Path(args.dir or scratch))
+
+
+def report(args: argparse.Namespace, root: Path) -> None:
+    """Run every phase with its logs under `root`; print the table and the RESULT line."""
     template = template_frame(args.samples_per_group)
     frame_bytes = len(template[0]) + RECORD_ID_WIDTH + len(template[1])
     trajectories, nbytes = args.groups * args.samples_per_group, args.groups * frame_bytes
-    raw_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
+    raw_payload = template[0] + record_id(0).encode() + template[1]
+    lists_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
 
-    rows = [row("raw zmq push/pull + msgpack", trajectories, len(raw_payload) * args.groups,
-                run_raw(raw_payload, args.groups))]
-    durable, seconds, latencies = run_buffer(root / "batch", "batch", template, args.groups, args.window)
-    rows.append(row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies))
+    rows = {"raw": row("raw zmq push/pull + msgpack", trajectories, nbytes, run_raw(raw_payload, args.groups)),
+            "raw_lists": row("raw, per-token msgpack lists (v1)", trajectories, len(lists_payload) * args.groups,
+                             run_raw(lists_payload, args.groups))}
+    durable, seconds, latencies, cpu = run_buffer(root / "batch", "batch", template, args.groups, args.window)
+    rows["batch"] = row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies, cpu)
     try:
         delivery_seconds = run_delivery(durable.address, args.groups)
     finally:
         durable.stop()
-    rows.append(row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds))
-    volatile, seconds, latencies = run_buffer(root / "none", "none", template, args.groups, args.window)
+    rows["delivery"] = row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds)
+    volatile, seconds, latencies, cpu = run_buffer(root / "none", "none", template, args.groups, args.window)
     volatile.stop()
-    rows.append(row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies))
+    rows["none"] = row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies, cpu)
 
     print(f"{args.groups} groups x {args.samples_per_group} trajectories x {COMPLETION_TOKENS} completion tokens "
-          f"({frame_bytes / 1e3:.0f} kB per group), window {args.window}")
-    print_table(rows)
-    durable_row, raw_row = rows[1], rows[0]
+          f"({frame_bytes / 1e3:.0f} kB per group; {len(lists_payload) / 1e3:.0f} kB as lists), window {args.window}")
+    print_table(list(rows.values()))
+    durable_row, raw_row = rows["batch"], rows["raw"]
     print("RESULT " + json.dumps({
         "ingest_traj_per_s": round(durable_row["traj_per_s"]),
         "ingest_mb_per_s": round(durable_row["mb_per_s"], 1),
         "ack_p50_ms": round(durable_row["ack_p50_ms"], 2),
         "ack_p99_ms": round(durable_row["ack_p99_ms"], 2),
-        "delivery_traj_per_s": round(rows[2]["traj_per_s"]),
-        "ingest_nofsync_traj_per_s": round(rows[3]["traj_per_s"]),
+        "delivery_traj_per_s": round(rows["delivery"]["traj_per_s"]),
+        "ingest_nofsync_traj_per_s": round(rows["none"]["traj_per_s"]),
         "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
+        "raw_zmq_lists_traj_per_s": round(rows["raw_lists"]["traj_per_s"]),
         "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),
+        "buffer_cpu_us_per_traj": round(durable_row.get("cpu_us_per_traj", 0), 1) or None,
+        "buffer_one_core_traj_per_s": round(durable_row.get("one_core_traj_per_s", 0)) or None,
         "samples_per_group": args.samples_per_group,
         "window": args.window,
     }))

@@ -17,8 +17,9 @@ from asyncrl.messages import (
     encode,
 )
 
-ints = st.integers(min_value=-(2**31), max_value=2**31)
+ints = st.integers(min_value=-(2**31), max_value=2**31 - 1)  # per-token ints travel as int32
 floats = st.floats(allow_nan=False, width=64)
+token_floats = st.floats(allow_nan=False, width=32)  # per-token floats travel as float32
 text = st.text(max_size=20)
 
 
@@ -28,7 +29,7 @@ def trajectories(draw, group_id=None):
     return Trajectory(
         prompt_ids=draw(st.lists(ints, max_size=20)),
         completion_ids=draw(st.lists(ints, min_size=n, max_size=n)),
-        behaviour_logprobs=draw(st.lists(floats, min_size=n, max_size=n)),
+        behaviour_logprobs=draw(st.lists(token_floats, min_size=n, max_size=n)),
         token_versions=draw(st.lists(ints, min_size=n, max_size=n)),
         loss_mask=draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n)),
         reward=draw(floats),

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-BUFFER_MAY_IMPORT = {"asyncrl", "buffer", "numpy", "zmq", "msgspec"} | set(sys.stdlib_module_names)
+BUFFER_MAY_IMPORT = {"asyncrl", "buffer", "numpy", "zmq", "msgspec", "xxhash"} | set(sys.stdlib_module_names)
 LAZY_BUFFER_IMPORTERS = ("asyncrl/cli.py", "asyncrl/commands/", "asyncrl/launch")
 
 

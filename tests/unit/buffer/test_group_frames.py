@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.group_summary import record_id_of, summarize_group
-from asyncrl.messages import (Batch, BufferStats, DecodeError, PolicyVersion, Trajectory, TrajectoryGroup, decode,
-                              encode, encode_batch)
+from asyncrl.messages import (SCHEMA_VERSION, Batch, BufferStats, DecodeError, PolicyVersion, Trajectory,
+                              TrajectoryGroup, decode, encode, encode_batch)
 from asyncrl.synthetic import synthetic_group
 
 GOOD = encode(synthetic_group("r1", samples=2, completion_tokens=8, version=3))
@@ -51,7 +51,7 @@ def test_summary_rejects_other_kinds_and_invalid_groups():
     group = synthetic_group("r3", completion_tokens=4)
     group.trajectories[0].loss_mask = [1, 1]
     with pytest.raises(DecodeError, match="loss_mask"):
-        summarize_group(msgspec.msgpack.encode((1, "trajectory_group", group)))
+        summarize_group(encode(group))
 
 
 def test_group_staleness_ignores_samples_without_trained_tokens():
@@ -86,7 +86,8 @@ def test_trajectory_fields_roundtrip():
 
 
 def test_invalid_utf8_is_a_decode_error():
-    frame = msgspec.msgpack.encode((1, "trajectory_group", {})).replace(b"trajectory_group", b"\x80rajectory_group")
+    frame = msgspec.msgpack.encode((SCHEMA_VERSION, "trajectory_group", {})).replace(b"trajectory_group",
+                                                                                   b"\x80rajectory_group")
     for check in (decode, summarize_group, record_id_of):
         with pytest.raises(DecodeError):
             check(frame)
@@ -95,6 +96,6 @@ def test_invalid_utf8_is_a_decode_error():
 def test_batches_splice_groups_whose_envelope_is_encoded_unusually():
     group = synthetic_group("odd", completion_tokens=3)
     canonical = encode(group)
-    unusual = b"\x93\xcc\x01" + canonical[2:]  # schema version as a uint8 instead of a fixint
+    unusual = b"\x93\xcc" + canonical[1:2] + canonical[2:]  # schema version as a uint8 instead of a fixint
     assert decode(unusual) == group
     assert decode(encode_batch([unusual], [0], 1, 0)).groups == [group]

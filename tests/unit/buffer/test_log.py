@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from buffer.log import RECORD_HEADER, LogCorruption, SegmentLog
+from buffer.log import FORMAT_FILE, LOG_FORMAT, RECORD_HEADER, LogCorruption, SegmentLog
 
 SEGMENT_BYTES = 256
 
@@ -138,3 +138,15 @@ def test_short_vectored_writes_are_completed(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "writev", real_writev)
     log.close()
     assert [p for _, p in SegmentLog(tmp_path, 1 << 20, "batch").read_range(0, 3)] == payloads(3)
+
+
+def test_a_log_of_another_format_is_refused_not_truncated(tmp_path):
+    SegmentLog(tmp_path, 1 << 20, "batch").append(payloads(2))
+    (tmp_path / FORMAT_FILE).unlink()  # what a log written before format 2 looks like
+    with pytest.raises(LogCorruption, match="format 1"):
+        SegmentLog(tmp_path, 1 << 20, "batch")
+    (tmp_path / FORMAT_FILE).write_text("9")
+    with pytest.raises(LogCorruption, match="format 9"):
+        SegmentLog(tmp_path, 1 << 20, "batch")
+    (tmp_path / FORMAT_FILE).write_text(LOG_FORMAT)
+    assert SegmentLog(tmp_path, 1 << 20, "batch").end_offset == 2

@@ -197,3 +197,24 @@ def test_a_failing_request_is_answered_and_the_service_goes_on(serve, small_conf
     with pytest.raises(BufferRequestError, match="internal error"):
         AdmissionClient(service.endpoint, "server-0").request(wanted=1)
     assert TrajectoryProducer(service.endpoint).send(group("after")).offset == 0
+
+
+def test_a_failed_background_fsync_is_retried_by_the_producer_and_stored_once(serve, small_config, monkeypatch):
+    service = serve(small_config)  # fsync=batch: the helper thread syncs
+    real_fsync, failures = os.fsync, []
+
+    def fail_once(fd):
+        if not failures:
+            failures.append(fd)
+            raise OSError(5, "I/O error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fail_once)
+    producer = TrajectoryProducer(service.endpoint, ack_timeout_s=5)
+    for i in range(4):
+        producer.submit(group(f"f{i}"))
+    acks = producer.flush()
+    assert failures and producer.resends > 0
+    assert sorted(ack.offset for ack in acks) == [0, 1, 2, 3]
+    batch = BufferConsumer(service.endpoint, "learner").next_batch(0)
+    assert sorted(g.record_id for g in batch.groups) == [f"f{i}" for i in range(4)]
