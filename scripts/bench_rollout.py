@@ -1,8 +1,8 @@
 """Output tokens/s of one rollout server's generation path against raw vLLM offline generation.
 
-Both phases run the same workload on the same engine settings (`rollout.engine` and
-`rollout.max_inflight` of the config), one after the other, each in its own process so that only one
-engine holds memory and cores at a time:
+Both paths run the same workload on the same engine settings (`rollout.engine` and
+`rollout.max_inflight` of the config), each in its own process with its engine resident; their timed
+batches alternate (order flipped each round) so that both see the same load on a shared machine:
   raw vLLM   `vllm.LLM.generate` on all prompts at once, `n` samples each, vLLM's defaults (tokens and
              text, no log-probs); batches alternate with ones returning the same outputs as the server
              (tokens and each sampled token's log-prob, the one extra output RL needs, no text), so
@@ -10,7 +10,7 @@ engine holds memory and cores at a time:
   server     `RolloutEngine.generate_group` for every prompt at once, as a server runs it: `AsyncLLM`,
              one request per sample, behaviour log-probs and per-token policy versions
 Workload: --num-prompts prompts from the config's validation file (the synthetic task), --n samples
-each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each phase first generates an
+each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each path first generates an
 untimed warm-up batch (vLLM's first steps are slow on CPU), then times the workload --repeats times.
 On a shared machine other processes slow some repeats down, so the headline is each path's best
 repeat (closest to what the code can do); the medians are reported beside it. CPU seconds per output
@@ -38,8 +38,8 @@ from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.data import encode_prompt, load_prompt_file
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
-PHASE_TIMEOUT_S = 900  # an engine start plus warm-up plus the workload; no phase may hang the benchmark
-EXIT_GRACE_S = 60  # a phase process that has reported gets this long to stop its engine and exit
+PHASE_TIMEOUT_S = 900  # an engine start plus warm-up, or one timed round; nothing may hang the benchmark
+EXIT_GRACE_S = 60  # a path process told to stop gets this long to stop its engine and exit
 WARMUP_PROMPTS = 2  # prompts of the untimed first batch
 SPAWN = multiprocessing.get_context("spawn")  # vLLM starts its own processes; a forked child would break them
 # The settings of `rollout_servers.engine_args.engine_args` that shape generation; the raw engine takes
@@ -155,12 +155,15 @@ def workload_prompts(config: AsyncRLConfig, count: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Phases (each runs in a child process)
+# Paths: each in its own process with its engine resident; the parent alternates their timed batches
 
 
-def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
-    """`LLM.generate` with vLLM's default outputs and with the server's, alternating batch by batch so that
-    both see the same load."""
+READY, RUN, STOP = "ready", "run", "stop"
+
+
+def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]],
+                    commands: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    """`LLM.generate` with vLLM's default outputs and with the server's: one batch of each per RUN."""
     from vllm import LLM, SamplingParams
 
     from rollout_servers.engine_args import SAMPLED_TOKEN_ONLY, engine_args
@@ -184,59 +187,77 @@ def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list
         return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine)
 
     try:
-        warmup_s = generate(warmup, server_outputs).seconds
-        timed = [(generate(prompts, plain), generate(prompts, server_outputs)) for _ in range(repeats)]
+        results.put((READY, start_s, generate(warmup, server_outputs).seconds))
+        while commands.get() == RUN:
+            results.put([asdict(generate(prompts, plain)), asdict(generate(prompts, server_outputs))])
     finally:
         llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
-    return [
-        phase_result(RAW, [run[0] for run in timed], start_s, warmup_s),
-        phase_result(RAW_LOGPROBS, [run[1] for run in timed], start_s, warmup_s),
-    ]
 
 
-def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
+def server_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]],
+                  commands: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    """`RolloutEngine.generate_group` for every prompt at once: one batch per RUN."""
     from rollout_servers.engine import RolloutEngine
 
-    async def measure() -> PhaseResult:
-        started = time.perf_counter()
-        engine = await RolloutEngine.start(config.model.path, config.rollout)
-        start_s = time.perf_counter() - started
+    loop = asyncio.new_event_loop()  # AsyncLLM stays bound to the loop that started it
+    started = time.perf_counter()
+    engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout))
+    start_s = time.perf_counter() - started
+    clock = CpuClock()
 
-        clock = CpuClock()
+    async def generate(batch: list[list[int]]) -> Batch:
+        began, (frontend, engine_cpu) = time.perf_counter(), clock.read()
+        groups = await asyncio.gather(*(engine.generate_group(ids) for ids in batch))
+        seconds, (frontend_end, engine_end) = time.perf_counter() - began, clock.read()
+        tokens = sum(len(c.token_ids) for group in groups for c in group)
+        return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine_cpu)
 
-        async def generate(batch: list[list[int]]) -> Batch:
-            began, (frontend, engine_cpu) = time.perf_counter(), clock.read()
-            groups = await asyncio.gather(*(engine.generate_group(ids) for ids in batch))
-            seconds, (frontend_end, engine_end) = time.perf_counter() - began, clock.read()
-            tokens = sum(len(c.token_ids) for group in groups for c in group)
-            return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine_cpu)
-
-        try:
-            warmup_s = (await generate(warmup)).seconds
-            timed = [await generate(prompts) for _ in range(repeats)]
-        finally:
-            engine.shutdown()
-        return phase_result(SERVER, timed, start_s, warmup_s)
-
-    return [asyncio.run(measure())]
-
-
-def _phase_child(phase, config: AsyncRLConfig, prompts, warmup, repeats: int, results: multiprocessing.Queue) -> None:
-    results.put([asdict(result) for result in phase(config, prompts, warmup, repeats)])
-
-
-def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
-    """`phase` in a fresh process; its engine is gone when this returns."""
-    results = SPAWN.Queue()
-    child = SPAWN.Process(target=_phase_child, args=(phase, config, prompts, warmup, repeats, results))
-    child.start()
     try:
-        reported = [PhaseResult(**fields) for fields in results.get(timeout=PHASE_TIMEOUT_S)]
+        results.put((READY, start_s, loop.run_until_complete(generate(warmup)).seconds))
+        while commands.get() == RUN:
+            results.put([asdict(loop.run_until_complete(generate(prompts)))])
     finally:
-        child.join(EXIT_GRACE_S)
-        if child.is_alive():
-            child.terminate()
-    return reported
+        engine.shutdown()
+
+
+class PathProcess:
+    """One path's worker process: started (engine up, warmed) on creation, one timed round per `run`."""
+
+    def __init__(self, worker, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]]) -> None:
+        self.commands, self.results = SPAWN.Queue(), SPAWN.Queue()
+        self.child = SPAWN.Process(target=worker, args=(config, prompts, warmup, self.commands, self.results))
+        self.child.start()
+        _, self.start_s, self.warmup_s = self.results.get(timeout=PHASE_TIMEOUT_S)
+
+    def run(self) -> list[Batch]:
+        self.commands.put(RUN)
+        return [Batch(**fields) for fields in self.results.get(timeout=PHASE_TIMEOUT_S)]
+
+    def stop(self) -> None:
+        self.commands.put(STOP)
+        self.child.join(EXIT_GRACE_S)
+        if self.child.is_alive():
+            self.child.terminate()
+
+
+def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
+    """Both engines resident at once (started one after the other); their timed batches alternate,
+    the order flipping each round, so that both paths see the same load on a shared machine."""
+    paths: list[PathProcess] = []
+    try:
+        paths.append(PathProcess(raw_vllm_worker, config, prompts, warmup))
+        paths.append(PathProcess(server_worker, config, prompts, warmup))
+        raw, server = paths
+        rounds = []
+        for index in range(repeats):
+            order = (raw, server) if index % 2 == 0 else (server, raw)
+            done = {id(path): path.run() for path in order}
+            rounds.append(done[id(raw)] + done[id(server)])
+    finally:
+        for path in paths:
+            path.stop()
+    return [phase_result(name, [batches[column] for batches in rounds], path.start_s, path.warmup_s)
+            for column, (name, path) in enumerate([(RAW, raw), (RAW_LOGPROBS, raw), (SERVER, server)])]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,8 +285,7 @@ def main() -> None:
     ensure_model(config)
     prompts = workload_prompts(config, args.num_prompts)
     warmup = prompts[:WARMUP_PROMPTS]
-    raw, raw_logprobs = run_phase(raw_vllm_phase, config, prompts, warmup, args.repeats)
-    (server,) = run_phase(server_phase, config, prompts, warmup, args.repeats)
+    raw, raw_logprobs, server = measure(config, prompts, warmup, args.repeats)
     sampling = config.rollout.sampling
     print(f"{args.num_prompts} prompts x {sampling.n} samples x {sampling.max_tokens} output tokens, "
           f"max_inflight {config.rollout.max_inflight}, model {config.model.path}, "
