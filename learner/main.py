@@ -48,7 +48,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 services.consumer.publish_version(version)
                 if version == config.learner.total_steps:
                     metrics |= services.final_validation(version)
-                metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics()
+                metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics(version)
                 metrics["timing_s/elapsed"] = time.perf_counter() - started
                 services.metrics.log(version, metrics)
                 log.info(_progress_line(version, config.learner.total_steps, metrics))

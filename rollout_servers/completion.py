@@ -1,14 +1,12 @@
-"""One sampled completion and the accumulator that builds it from vLLM's streamed deltas."""
+"""One sampled completion and the accumulator that builds it from vLLM's outputs (the final output alone
+where vLLM reports exact version spans, else streamed deltas tagged on arrival)."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_servers import vllm_compat
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,7 +30,8 @@ class Completion:
 
 @dataclass
 class TokenStream:
-    """Accumulates DELTA outputs of one request; tags each token with the version current on arrival."""
+    """Accumulates the outputs of one request; tags each token with the version current on arrival, which
+    the engine's exact spans replace where vLLM reports them."""
 
     request_id: str
     prompt_ids: list[int]
@@ -43,11 +42,11 @@ class TokenStream:
     exact_spans: list[tuple[int, int, int]] | None = None  # from the engine, when vLLM reports them
 
     def absorb(self, output: Any, current_version: int) -> None:
-        """Append one RequestOutput delta (a single completion: n = 1 per request)."""
+        """Append one RequestOutput: a delta, or the final output (a single completion: n = 1 per request)."""
         (delta,) = output.outputs
         new_tokens = list(delta.token_ids)
         self.token_ids += new_tokens
-        self.logprobs += [_sampled_logprob(step, token) for step, token in zip(delta.logprobs or [], new_tokens)]
+        self.logprobs += vllm_compat.sampled_logprobs(delta.logprobs, new_tokens)
         self.versions += [current_version] * len(new_tokens)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
@@ -69,12 +68,4 @@ class TokenStream:
         versions = [0] * len(self.token_ids)
         for version, start, end in self.exact_spans:
             versions[start:end] = [version] * (end - start)
-        mistagged = sum(exact != arrival for exact, arrival in zip(versions, self.versions))
-        if mistagged:  # the arrival tags are the fallback on older vLLM: say when they would have been wrong
-            log.warning("request %s: %d tokens arrived after their version changed", self.request_id, mistagged)
         return versions
-
-
-def _sampled_logprob(step: dict[int, Any], token: int) -> float:
-    """With `logprobs=0` vLLM returns exactly the sampled token's entry for each step."""
-    return float(step[token].logprob)

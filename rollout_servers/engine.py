@@ -59,9 +59,18 @@ class RolloutEngine:
         """True after a failed update: the engine stays paused until a complete update succeeds."""
         return self._needs_catch_up
 
+    @property
+    def inflight_requests(self) -> int:
+        """Requests in the engine now."""
+        return len(self._streams)
+
     def inflight_tokens(self) -> dict[str, int]:
-        """Completion tokens received so far per unfinished request."""
-        return {request_id: len(stream.token_ids) for request_id, stream in self._streams.items()}
+        """Completion tokens sampled so far per unfinished request (vLLM's count where it can tell, which
+        also covers requests that return their final output only; else the tokens streamed here)."""
+        return {
+            request_id: vllm_compat.tokens_sampled(self._llm, request_id) or len(stream.token_ids)
+            for request_id, stream in self._streams.items()
+        }
 
     async def generate(
         self,

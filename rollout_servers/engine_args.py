@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.sampling_params import RequestOutputKind
 
 from asyncrl.config.rollout import EngineConfig, SamplingConfig
 from asyncrl.weight_transfer import BACKEND_NAME
+from rollout_servers import vllm_compat
 
 _GIB = 2**30
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
@@ -33,7 +33,12 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> Asy
 
 
 def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> SamplingParams:
-    """One completion per request, streamed as deltas so each token batch is seen when it is sampled."""
+    """One completion per request with its sampled tokens' log-probs, returned in bulk where vLLM allows.
+
+    Per-token Python work in vLLM's output path is what costs throughput with small models: the log-probs
+    come as flat lists (no object per token), text is produced only when stop strings need it (the
+    server decodes the tokens itself), and the output is returned once at the end where vLLM reports
+    exact version spans (`vllm_compat.output_kind`)."""
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -43,5 +48,7 @@ def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> Sampli
         ignore_eos=sampling.ignore_eos,
         seed=seed,
         logprobs=SAMPLED_TOKEN_ONLY,
-        output_kind=RequestOutputKind.DELTA,
+        flat_logprobs=True,
+        detokenize=bool(sampling.stop),
+        output_kind=vllm_compat.output_kind(),
     )

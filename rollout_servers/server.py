@@ -7,9 +7,9 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 from transformers import AutoTokenizer
 
@@ -20,6 +20,7 @@ from asyncrl.rewards import RewardRequest, RewardScorer
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import sampling_for_row
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.validation import Validator, load_validation_prompts
@@ -41,18 +42,23 @@ class ServerStats:
     groups_sent: int = 0
     tokens_generated: int = 0
     prompts_skipped: int = 0
+    groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
     idle_seconds: float = 0.0
 
 
 class RolloutServer:
-    def __init__(self, config: AsyncRLConfig, server_index: int, endpoints: Endpoints) -> None:
+    def __init__(self, config: AsyncRLConfig, server_index: int, endpoints: Endpoints,
+                 state_dir: Path | None = None) -> None:
+        """`state_dir` keeps the server's prompt-stream position, so a restarted server regenerates the
+        prompts its previous process left unacknowledged (see `PromptStream`); None keeps it in memory."""
         self.config = config
         self.server_id = f"server-{server_index}"
         self.endpoints = endpoints
-        self.mixture = PromptMixture(
+        mixture = PromptMixture(
             config.data.train_files, config.data.weights, seed=config.run.seed + _SERVER_SEED_STRIDE * server_index,
             shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows,
         )
+        self.prompts = PromptStream(mixture, state_dir / f"{self.server_id}.prompts.json" if state_dir else None)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.stats = ServerStats()
         self.validator = self._validator(server_index)
@@ -115,7 +121,9 @@ class RolloutServer:
                                 producer: TrajectoryProducer, scorer: RewardScorer) -> None:
         rollout = self.config.rollout
         capacity = max(1, rollout.max_inflight // rollout.sampling.n)  # groups in the engine at once
-        running: set[asyncio.Task] = set()
+        # Prompts the previous process of this server was granted and left unacknowledged come first;
+        # the buffer still counts them as running for this server, so they need no new grant.
+        running = {asyncio.create_task(self._one_group(engine, producer, scorer)) for _ in range(self.prompts.owed)}
         learner_version = (await self._ask(admission, 0)).policy_version
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
@@ -141,22 +149,24 @@ class RolloutServer:
         return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished)
 
     async def _one_group(self, engine: RolloutEngine, producer: TrajectoryProducer, scorer: RewardScorer) -> None:
-        row, prompt_ids = self._next_prompt()
+        number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
         completions = await engine.generate_group(prompt_ids, sampling_for_row(row, self.config.rollout.sampling))
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
-        group_id = uuid.uuid4().hex
+        group_id = f"{self.server_id}-prompt-{number}"  # the same for a regeneration: the buffer keeps one
         trajectories = [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
         group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id, trajectories=trajectories)
-        await asyncio.to_thread(self._locked, producer.send, group)
+        ack = await asyncio.to_thread(self._locked, producer.send, group)
+        self.prompts.acknowledge(number)
+        self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1
         self.stats.groups_sent += 1
         self.stats.tokens_generated += sum(len(c.token_ids) for c in completions)
 
-    def _next_prompt(self) -> tuple[PromptRow, list[int]]:
+    def _fitting_prompt(self, rows: Iterator[PromptRow]) -> tuple[PromptRow, list[int]]:
         """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""
         while True:
-            row = next(self.mixture)
+            row = next(rows)
             prompt_ids = encode_prompt(self.tokenizer, row)
             if len(prompt_ids) <= self.config.data.max_prompt_length:
                 return row, prompt_ids

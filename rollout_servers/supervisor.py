@@ -1,8 +1,9 @@
 """`asyncrl rollout`: start N rollout server processes and keep them running.
 
-A server that exits is restarted with exponential back-off. Groups it had in flight were never
-acknowledged, so nothing of them reached the buffer: the restarted server draws fresh prompts, and
-the buffer's admission releases the dead server's grants after `buffer.admission_timeout_s`.
+A server that exits is restarted with exponential back-off. It resumes its numbered prompt stream from
+the state it keeps in the run dir: the prompts its previous process drew and never got acknowledged
+are regenerated first (under the grants the buffer still counts for it), each group under the same
+record id, so every prompt reaches the buffer exactly once (see `rollout_servers.prompt_stream`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rollout_servers.server import Endpoints, RolloutServer
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signal
+STATE_DIR = "rollout"  # under the run dir: each server's prompt-stream position (`PromptStream`)
 
 
 def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> Endpoints:
@@ -77,7 +79,7 @@ def _serve(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
-        asyncio.run(RolloutServer(config, index, endpoints).serve())
+        asyncio.run(RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR).serve())
     except KeyboardInterrupt:
         log.info("server-%d stopped", index)
 

@@ -42,7 +42,7 @@ class SyncClient:
 
     def _join(self) -> SyncJoin:
         return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up,
-                        **self.counters())
+                        inflight=self.engine.inflight_requests, **self.counters())
 
     async def _handle(self, frame: bytes) -> None:
         try:

@@ -7,8 +7,11 @@ Differences handled here:
   Our trainer side is `asyncrl.weight_transfer`, so the hooks only need to exist.
 - `finish_weight_update(weight_version=...)` and `get_weight_version()` exist from 0.32; before that
   the version is tracked by `RolloutEngine` alone.
-- 0.32 stamps each output token span with the weight version (`CompletionOutput.weight_versions`);
-  before that tokens are tagged on arrival (see `RolloutEngine`).
+- 0.32 stamps each output token span with the weight version (`CompletionOutput.weight_versions`), so
+  a request can return its final output only (no per-token streaming through asyncio); before that the
+  output is streamed as deltas and tokens are tagged with the version current on arrival.
+- Sampled log-probs arrive as `FlatLogprobs` (flat lists) where `flat_logprobs` is honoured, else as one
+  dict per position.
 - `compute_weight_checksums()` exists from 0.32.
 - `ParallelConfig.data_parallel_index` (0.32) was `data_parallel_rank` before.
 - Keep-mode pause (`pause_generation(mode="keep")`) is required; a release without it is refused.
@@ -26,11 +29,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 import torch
+from vllm.logprobs import FlatLogprobs
+from vllm.outputs import CompletionOutput
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.weight_transfer.protocol import UpdateInfo
@@ -46,6 +52,7 @@ WeightLoader = Callable[[list[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.
 
 __all__ = [
     "DenseUpdateInfo",
+    "EXACT_VERSION_SPANS",
     "LegacyTrainerHooks",
     "WeightLoader",
     "WeightTransferEngine",
@@ -55,12 +62,19 @@ __all__ = [
     "label_weights",
     "layerwise_reload_finish",
     "layerwise_reload_start",
+    "output_kind",
     "pause_keeping_requests",
+    "sampled_logprobs",
+    "tokens_sampled",
     "update_request",
     "version_spans",
     "weight_checksums",
     "worker_index",
 ]
+
+
+# True where vLLM reports the weight version of every output token span with the final output.
+EXACT_VERSION_SPANS = "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
 
 
 class LegacyTrainerHooks:
@@ -126,6 +140,30 @@ async def finish_update(engine: AsyncLLM, version: int) -> None:
         await engine.finish_weight_update(weight_version=str(version))
     else:
         await engine.finish_weight_update()
+
+
+def output_kind() -> RequestOutputKind:
+    """The final output only where it carries exact version spans; streamed deltas (tagged on arrival) else."""
+    return RequestOutputKind.FINAL_ONLY if EXACT_VERSION_SPANS else RequestOutputKind.DELTA
+
+
+def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position of a `logprobs=0` output (one entry per position)."""
+    if isinstance(logprobs, FlatLogprobs):
+        if logprobs.token_ids != token_ids:
+            raise RuntimeError(f"log-probs of {len(logprobs.token_ids)} positions do not match {len(token_ids)} tokens")
+        return logprobs.logprobs
+    return [float(step[token].logprob) for step, token in zip(logprobs or [], token_ids)]
+
+
+def tokens_sampled(engine: AsyncLLM, request_id: str) -> int | None:
+    """Output tokens sampled so far for an unfinished request, read from vLLM's output processor (which
+    sees every step even when the request returns its final output only); None where it cannot tell."""
+    processor = getattr(engine, "output_processor", None)
+    states = getattr(processor, "request_states", {})
+    internal_ids = getattr(processor, "external_req_ids", {}).get(request_id) or [request_id]
+    counts = [states[i].detokenizer.num_output_tokens() for i in internal_ids if i in states]
+    return sum(counts) if counts else None
 
 
 def version_spans(output: Any) -> list[tuple[int, int, int]] | None:

@@ -1,18 +1,21 @@
 """Output tokens/s of one rollout server's generation path against raw vLLM offline generation.
 
-Both phases run the same workload on the same engine settings (`rollout.engine` and
-`rollout.max_inflight` of the config), one after the other, each in its own process so that only one
-engine holds memory and cores at a time:
-  raw vLLM   `vllm.LLM.generate` on all prompts at once, `n` samples each; batches without log-probs
-             alternate with batches that also return each sampled token's log-prob (the one extra
-             output RL needs), so the cost of that output is seen apart from the server's own
+Both paths run the same workload on the same engine settings (`rollout.engine` and
+`rollout.max_inflight` of the config), each in its own process with its engine resident; their timed
+batches alternate (order flipped each round) so that both see the same load on a shared machine:
+  raw vLLM   `vllm.LLM.generate` on all prompts at once, `n` samples each, vLLM's defaults (tokens and
+             text, no log-probs); batches alternate with ones returning the same outputs as the server
+             (tokens and each sampled token's log-prob, the one extra output RL needs, no text), so
+             the cost of that output is seen apart from the server's own
   server     `RolloutEngine.generate_group` for every prompt at once, as a server runs it: `AsyncLLM`,
-             one streamed request per sample, behaviour log-probs and per-token policy versions
+             one request per sample, behaviour log-probs and per-token policy versions
 Workload: --num-prompts prompts from the config's validation file (the synthetic task), --n samples
-each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each phase first generates an
+each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each path first generates an
 untimed warm-up batch (vLLM's first steps are slow on CPU), then times the workload --repeats times.
 On a shared machine other processes slow some repeats down, so the headline is each path's best
-repeat (closest to what the code can do); the medians are reported beside it.
+repeat (closest to what the code can do); the medians are reported beside it. CPU seconds per output
+token of the generating process and of its engine processes are reported too: less sensitive to other
+load than wall time, they show where each path spends its work.
 Run with scripts/cpu_env.sh sourced on CPU.
 Last line: RESULT {json} with server_tok_s, raw_vllm_tok_s and ratio (server / raw, best repeats).
 """
@@ -29,12 +32,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.data import encode_prompt, load_prompt_file
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
-PHASE_TIMEOUT_S = 900  # an engine start plus warm-up plus the workload; no phase may hang the benchmark
-EXIT_GRACE_S = 60  # a phase process that has reported gets this long to stop its engine and exit
+PHASE_TIMEOUT_S = 900  # an engine start plus warm-up, or one timed round; nothing may hang the benchmark
+EXIT_GRACE_S = 60  # a path process told to stop gets this long to stop its engine and exit
 WARMUP_PROMPTS = 2  # prompts of the untimed first batch
 SPAWN = multiprocessing.get_context("spawn")  # vLLM starts its own processes; a forked child would break them
 # The settings of `rollout_servers.engine_args.engine_args` that shape generation; the raw engine takes
@@ -46,7 +51,7 @@ SHARED_ENGINE_FIELDS = (
 
 
 RAW = "raw vLLM (LLM.generate)"
-RAW_LOGPROBS = "raw vLLM + sampled log-probs"
+RAW_LOGPROBS = "raw vLLM, server's outputs"
 SERVER = "rollout server (generate_group)"
 
 
@@ -57,6 +62,8 @@ class PhaseResult:
     seconds: list[float]  # wall time of each timed batch
     start_s: float  # engine start
     warmup_s: float  # untimed first batch
+    frontend_cpu_s: list[float]  # CPU seconds of the generating process in each timed batch
+    engine_cpu_s: list[float]  # CPU seconds of its engine processes (vLLM's engine core) in each timed batch
 
     @property
     def best_tokens_per_s(self) -> float:
@@ -65,6 +72,42 @@ class PhaseResult:
     @property
     def median_tokens_per_s(self) -> float:
         return self.output_tokens / statistics.median(self.seconds)
+
+    def cpu_us_per_token(self, cpu_s: list[float]) -> float:
+        """The least CPU per output token over the batches (other load inflates it: cache misses, switches)."""
+        return 1e6 * min(cpu_s) / self.output_tokens
+
+
+class CpuClock:
+    """CPU seconds used by this process and, separately, by its live child processes."""
+
+    def __init__(self) -> None:
+        self._me = psutil.Process()
+
+    def read(self) -> tuple[float, float]:
+        children = sum(_cpu_seconds(child) for child in self._me.children(recursive=True))
+        return _cpu_seconds(self._me), children
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    try:
+        times = process.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+@dataclass
+class Batch:
+    output_tokens: int
+    seconds: float
+    frontend_cpu_s: float
+    engine_cpu_s: float
+
+
+def phase_result(name: str, batches: list[Batch], start_s: float, warmup_s: float) -> PhaseResult:
+    return PhaseResult(name, batches[0].output_tokens, [b.seconds for b in batches], start_s, warmup_s,
+                       [b.frontend_cpu_s for b in batches], [b.engine_cpu_s for b in batches])
 
 
 def parse_args() -> argparse.Namespace:
@@ -112,12 +155,15 @@ def workload_prompts(config: AsyncRLConfig, count: int) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Phases (each runs in a child process)
+# Paths: each in its own process with its engine resident; the parent alternates their timed batches
 
 
-def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
-    """`LLM.generate` without and with the sampled token's log-prob, alternating batch by batch so that
-    both see the same load."""
+READY, RUN, STOP = "ready", "run", "stop"
+
+
+def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]],
+                    commands: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    """`LLM.generate` with vLLM's default outputs and with the server's: one batch of each per RUN."""
     from vllm import LLM, SamplingParams
 
     from rollout_servers.engine_args import SAMPLED_TOKEN_ONLY, engine_args
@@ -127,67 +173,91 @@ def raw_vllm_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list
     llm = LLM(model=config.model.path, **{name: getattr(args, name) for name in SHARED_ENGINE_FIELDS})
     start_s = time.perf_counter() - started
     sampling = config.rollout.sampling
-    plain, with_logprobs = (
-        SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                       max_tokens=sampling.max_tokens, ignore_eos=True, logprobs=logprobs)
-        for logprobs in (None, SAMPLED_TOKEN_ONLY)
-    )
+    shape = dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                 max_tokens=sampling.max_tokens, ignore_eos=True)
+    plain = SamplingParams(**shape)
+    server_outputs = SamplingParams(**shape, logprobs=SAMPLED_TOKEN_ONLY, flat_logprobs=True, detokenize=False)
+    clock = CpuClock()
 
-    def generate(batch: list[list[int]], params: SamplingParams) -> tuple[int, float]:
-        began = time.perf_counter()
+    def generate(batch: list[list[int]], params: SamplingParams) -> Batch:
+        began, (frontend, engine) = time.perf_counter(), clock.read()
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
-        return sum(len(c.token_ids) for o in outputs for c in o.outputs), time.perf_counter() - began
+        seconds, (frontend_end, engine_end) = time.perf_counter() - began, clock.read()
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine)
 
     try:
-        _, warmup_s = generate(warmup, with_logprobs)
-        timed = [(generate(prompts, plain), generate(prompts, with_logprobs)) for _ in range(repeats)]
+        results.put((READY, start_s, generate(warmup, server_outputs).seconds))
+        while commands.get() == RUN:
+            results.put([asdict(generate(prompts, plain)), asdict(generate(prompts, server_outputs))])
     finally:
         llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
-    return [
-        PhaseResult(RAW, timed[0][0][0], [run[0][1] for run in timed], start_s, warmup_s),
-        PhaseResult(RAW_LOGPROBS, timed[0][1][0], [run[1][1] for run in timed], start_s, warmup_s),
-    ]
 
 
-def server_phase(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
+def server_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]],
+                  commands: multiprocessing.Queue, results: multiprocessing.Queue) -> None:
+    """`RolloutEngine.generate_group` for every prompt at once: one batch per RUN."""
     from rollout_servers.engine import RolloutEngine
 
-    async def measure() -> PhaseResult:
-        started = time.perf_counter()
-        engine = await RolloutEngine.start(config.model.path, config.rollout)
-        start_s = time.perf_counter() - started
+    loop = asyncio.new_event_loop()  # AsyncLLM stays bound to the loop that started it
+    started = time.perf_counter()
+    engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout))
+    start_s = time.perf_counter() - started
+    clock = CpuClock()
 
-        async def generate(batch: list[list[int]]) -> tuple[int, float]:
-            began = time.perf_counter()
-            groups = await asyncio.gather(*(engine.generate_group(ids) for ids in batch))
-            return sum(len(c.token_ids) for group in groups for c in group), time.perf_counter() - began
+    async def generate(batch: list[list[int]]) -> Batch:
+        began, (frontend, engine_cpu) = time.perf_counter(), clock.read()
+        groups = await asyncio.gather(*(engine.generate_group(ids) for ids in batch))
+        seconds, (frontend_end, engine_end) = time.perf_counter() - began, clock.read()
+        tokens = sum(len(c.token_ids) for group in groups for c in group)
+        return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine_cpu)
 
-        try:
-            _, warmup_s = await generate(warmup)
-            timed = [await generate(prompts) for _ in range(repeats)]
-        finally:
-            engine.shutdown()
-        return PhaseResult(SERVER, timed[0][0], [s for _, s in timed], start_s, warmup_s)
-
-    return [asyncio.run(measure())]
-
-
-def _phase_child(phase, config: AsyncRLConfig, prompts, warmup, repeats: int, results: multiprocessing.Queue) -> None:
-    results.put([asdict(result) for result in phase(config, prompts, warmup, repeats)])
-
-
-def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
-    """`phase` in a fresh process; its engine is gone when this returns."""
-    results = SPAWN.Queue()
-    child = SPAWN.Process(target=_phase_child, args=(phase, config, prompts, warmup, repeats, results))
-    child.start()
     try:
-        reported = [PhaseResult(**fields) for fields in results.get(timeout=PHASE_TIMEOUT_S)]
+        results.put((READY, start_s, loop.run_until_complete(generate(warmup)).seconds))
+        while commands.get() == RUN:
+            results.put([asdict(loop.run_until_complete(generate(prompts)))])
     finally:
-        child.join(EXIT_GRACE_S)
-        if child.is_alive():
-            child.terminate()
-    return reported
+        engine.shutdown()
+
+
+class PathProcess:
+    """One path's worker process: started (engine up, warmed) on creation, one timed round per `run`."""
+
+    def __init__(self, worker, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]]) -> None:
+        self.commands, self.results = SPAWN.Queue(), SPAWN.Queue()
+        self.child = SPAWN.Process(target=worker, args=(config, prompts, warmup, self.commands, self.results))
+        self.child.start()
+        _, self.start_s, self.warmup_s = self.results.get(timeout=PHASE_TIMEOUT_S)
+
+    def run(self) -> list[Batch]:
+        self.commands.put(RUN)
+        return [Batch(**fields) for fields in self.results.get(timeout=PHASE_TIMEOUT_S)]
+
+    def stop(self) -> None:
+        self.commands.put(STOP)
+        self.child.join(EXIT_GRACE_S)
+        if self.child.is_alive():
+            self.child.terminate()
+
+
+def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]], repeats: int) -> list[PhaseResult]:
+    """Both engines resident at once (started one after the other); their timed batches alternate,
+    the order flipping each round, so that both paths see the same load on a shared machine."""
+    paths: list[PathProcess] = []
+    try:
+        paths.append(PathProcess(raw_vllm_worker, config, prompts, warmup))
+        paths.append(PathProcess(server_worker, config, prompts, warmup))
+        raw, server = paths
+        rounds = []
+        for index in range(repeats):
+            order = (raw, server) if index % 2 == 0 else (server, raw)
+            done = {id(path): path.run() for path in order}
+            rounds.append(done[id(raw)] + done[id(server)])
+    finally:
+        for path in paths:
+            path.stop()
+    return [phase_result(name, [batches[column] for batches in rounds], path.start_s, path.warmup_s)
+            for column, (name, path) in enumerate([(RAW, raw), (RAW_LOGPROBS, raw), (SERVER, server)])]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,11 +265,18 @@ def run_phase(phase, config: AsyncRLConfig, prompts: list[list[int]], warmup: li
 
 
 def print_table(results: list[PhaseResult]) -> None:
-    print(f"{'path':<34}{'tokens/batch':>13}{'best tok/s':>11}{'median tok/s':>13}{'start s':>9}{'warm-up s':>11}  batch seconds")
+    print(f"{'path':<34}{'tokens/batch':>13}{'best tok/s':>11}{'median tok/s':>13}{'front us/tok':>13}"
+          f"{'engine us/tok':>14}{'start s':>9}{'warm-up s':>11}  batch seconds")
     for r in results:
         batches = " ".join(f"{s:.2f}" for s in r.seconds)
         print(f"{r.name:<34}{r.output_tokens:>13}{r.best_tokens_per_s:>11.0f}{r.median_tokens_per_s:>13.0f}"
+              f"{r.cpu_us_per_token(r.frontend_cpu_s):>13.0f}{r.cpu_us_per_token(r.engine_cpu_s):>14.0f}"
               f"{r.start_s:>9.1f}{r.warmup_s:>11.1f}  {batches}")
+
+
+def cpu_per_token(result: PhaseResult) -> float:
+    """Least CPU microseconds per output token of one batch, generating process and engine together."""
+    return 1e6 * min(f + e for f, e in zip(result.frontend_cpu_s, result.engine_cpu_s)) / result.output_tokens
 
 
 def main() -> None:
@@ -208,12 +285,11 @@ def main() -> None:
     ensure_model(config)
     prompts = workload_prompts(config, args.num_prompts)
     warmup = prompts[:WARMUP_PROMPTS]
-    raw, raw_logprobs = run_phase(raw_vllm_phase, config, prompts, warmup, args.repeats)
-    (server,) = run_phase(server_phase, config, prompts, warmup, args.repeats)
+    raw, raw_logprobs, server = measure(config, prompts, warmup, args.repeats)
     sampling = config.rollout.sampling
     print(f"{args.num_prompts} prompts x {sampling.n} samples x {sampling.max_tokens} output tokens, "
           f"max_inflight {config.rollout.max_inflight}, model {config.model.path}, "
-          f"{os.cpu_count()} CPUs visible")
+          f"{os.cpu_count()} CPUs visible, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print_table([raw, raw_logprobs, server])
     print("RESULT " + json.dumps({
         "server_tok_s": round(server.best_tokens_per_s, 1),
@@ -222,8 +298,11 @@ def main() -> None:
         "server_tok_s_median": round(server.median_tokens_per_s, 1),
         "raw_vllm_tok_s_median": round(raw.median_tokens_per_s, 1),
         "ratio_median": round(server.median_tokens_per_s / raw.median_tokens_per_s, 3),
-        "raw_vllm_logprobs_tok_s": round(raw_logprobs.best_tokens_per_s, 1),
-        "ratio_vs_raw_logprobs": round(server.best_tokens_per_s / raw_logprobs.best_tokens_per_s, 3),
+        "raw_vllm_same_outputs_tok_s": round(raw_logprobs.best_tokens_per_s, 1),
+        "ratio_same_outputs": round(server.best_tokens_per_s / raw_logprobs.best_tokens_per_s, 3),
+        "server_cpu_us_per_token": round(cpu_per_token(server), 1),
+        "raw_vllm_cpu_us_per_token": round(cpu_per_token(raw), 1),
+        "load_average_1m": round(os.getloadavg()[0], 2),
         "repeats": args.repeats,
         "num_prompts": args.num_prompts,
         "n": sampling.n,

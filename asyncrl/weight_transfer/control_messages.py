@@ -22,6 +22,7 @@ class SyncJoin:
     groups_sent: int = 0  # groups acknowledged by the buffer since the server started
     idle_seconds: float = 0.0  # time with nothing in the engine, since the server started
     uptime_seconds: float = 0.0  # time since the server started serving
+    inflight: int = 0  # requests in its engine now
     validation: dict[str, float] = field(default_factory=dict)  # val/* metrics of its latest validation pass
     validation_version: int = NOT_VALIDATED  # policy version that pass validated
 

@@ -22,6 +22,7 @@ from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJ
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
 from asyncrl.weight_transfer.sender import WeightSender
+from asyncrl.weight_transfer.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class SyncCoordinator:
         self._group_members: tuple[str, ...] = ()
         self._round = 0
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
+        self._server_metrics = ServerMetrics()
+        self.latest_version = 0  # newest version broadcast
         self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
 
     def live_members(self) -> list[str]:
@@ -74,10 +77,12 @@ class SyncCoordinator:
         live = self.live_members()
         return [name for name in live if self.members[name].version < version or self.members[name].needs_catch_up]
 
-    def rollout_metrics(self) -> dict[str, float]:
+    def rollout_metrics(self, learner_version: int | None = None) -> dict[str, float]:
         """Server counters summed over live servers: `rollout/tokens_per_s` since the previous call,
-        `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; plus the `val/*` metrics of
-        a validation pass not returned before (see `new_validation`)."""
+        `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; per-server rates, in-flight
+        requests and version lag behind `learner_version` (default: the newest version broadcast), see
+        `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
+        `new_validation`)."""
         beats = self._live_heartbeats()
         tokens = sum(b.tokens_generated for b in beats)
         now = time.monotonic()
@@ -91,7 +96,10 @@ class SyncCoordinator:
             "rollout/tokens_per_s": rate,
             "rollout/idle_ratio": idle / uptime if uptime else 0.0,
             "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
-        } | self.new_validation()
+        } | self._server_metrics.metrics(
+            beats, {name: member.version for name, member in self.members.items()},
+            self.latest_version if learner_version is None else learner_version,
+        ) | self.new_validation()
 
     def new_validation(self) -> dict[str, float]:
         """`val/*` of a validation pass that live servers' heartbeats carry and no earlier call returned
@@ -118,6 +126,7 @@ class SyncCoordinator:
         started = time.perf_counter()
         invited = self.live_members()
         report = RoundReport(version=version, servers=len(invited))
+        self.latest_version = max(self.latest_version, version)
         if not invited:
             return report
         self._round += 1

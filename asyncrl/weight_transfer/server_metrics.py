@@ -1,0 +1,50 @@
+"""Per-server rollout metrics from the servers' heartbeat counters: rates over the interval since the
+previous call (measured on each server's own uptime clock) and each server's version lag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncrl.weight_transfer.control_messages import SyncJoin
+
+
+@dataclass(frozen=True)
+class _Reading:
+    tokens: int  # tokens_generated at the reading
+    idle_s: float  # idle_seconds at the reading
+    uptime_s: float  # uptime_seconds at the reading
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self._previous: dict[str, _Reading] = {}
+
+    def metrics(self, beats: list[SyncJoin], versions: dict[str, int], learner_version: int) -> dict[str, float]:
+        """`rollout/<server_id>/{tokens_per_s,idle_ratio,inflight,version_lag}` for each heartbeat, plus
+        `rollout/inflight` (sum) and `rollout/version_lag/{mean,max}` over them. `versions` holds the
+        version each server is known to hold (heartbeat or last successful round)."""
+        values: dict[str, float] = {}
+        lags = []
+        for beat in beats:
+            lag = max(learner_version - versions.get(beat.server_id, beat.version), 0)
+            lags.append(lag)
+            tokens_per_s, idle_ratio = self._rates(beat)
+            prefix = f"rollout/{beat.server_id}"
+            values |= {f"{prefix}/tokens_per_s": tokens_per_s, f"{prefix}/idle_ratio": idle_ratio,
+                       f"{prefix}/inflight": float(beat.inflight), f"{prefix}/version_lag": float(lag)}
+        if beats:
+            values |= {"rollout/inflight": float(sum(b.inflight for b in beats)),
+                       "rollout/version_lag/mean": sum(lags) / len(lags), "rollout/version_lag/max": float(max(lags))}
+        return values
+
+    def _rates(self, beat: SyncJoin) -> tuple[float, float]:
+        """Tokens/s and idle share since the previous reading of this server (since its start after a restart)."""
+        now = _Reading(beat.tokens_generated, beat.idle_seconds, beat.uptime_seconds)
+        before = self._previous.get(beat.server_id)
+        if before is None or now.uptime_s < before.uptime_s:  # first reading, or the server restarted
+            before = _Reading(0, 0.0, 0.0)
+        self._previous[beat.server_id] = now
+        elapsed = now.uptime_s - before.uptime_s
+        if elapsed <= 0:
+            return 0.0, 0.0
+        return (now.tokens - before.tokens) / elapsed, (now.idle_s - before.idle_s) / elapsed

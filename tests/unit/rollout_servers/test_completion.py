@@ -1,0 +1,59 @@
+"""Building a Completion from vLLM outputs: bulk log-probs, exact version spans over arrival tags."""
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.logprobs import FlatLogprobs, Logprob
+
+from rollout_servers import vllm_compat
+from rollout_servers.completion import TokenStream
+
+
+def flat(token_ids: list[int], logprobs: list[float]) -> FlatLogprobs:
+    positions = range(len(token_ids))
+    return FlatLogprobs(list(positions), [p + 1 for p in positions], list(token_ids), list(logprobs),
+                        [1] * len(token_ids), [None] * len(token_ids))
+
+
+def output(token_ids, logprobs, finish_reason=None, spans=None):
+    completion = SimpleNamespace(token_ids=token_ids, logprobs=logprobs, finish_reason=finish_reason,
+                                 weight_versions=spans)
+    return SimpleNamespace(outputs=[completion])
+
+
+def span(version: int, start: int, end: int):
+    return SimpleNamespace(version=str(version), start=start, end=end)
+
+
+def test_flat_logprobs_are_taken_in_bulk():
+    assert vllm_compat.sampled_logprobs(flat([5, 6, 7], [-0.1, -0.2, -0.3]), [5, 6, 7]) == [-0.1, -0.2, -0.3]
+
+
+def test_flat_logprobs_of_other_tokens_are_refused():
+    with pytest.raises(RuntimeError, match="do not match"):
+        vllm_compat.sampled_logprobs(flat([5, 9], [-0.1, -0.2]), [5, 6])
+
+
+def test_per_position_dicts_give_the_sampled_tokens_entry():
+    steps = [{5: Logprob(-0.5), 8: Logprob(-2.0)}, {6: Logprob(-0.25)}]
+    assert vllm_compat.sampled_logprobs(steps, [5, 6]) == [-0.5, -0.25]
+
+
+def test_final_output_takes_versions_from_exact_spans():
+    """A final-only output arrives after the update: its arrival tag would be wrong, the spans are not."""
+    stream = TokenStream("r", [1, 2])
+    stream.absorb(output([5, 6, 7, 8], flat([5, 6, 7, 8], [-1.0] * 4), "length", [span(3, 0, 3), span(4, 3, 4)]),
+                  current_version=4)
+    completion = stream.completion()
+    assert completion.versions == [3, 3, 3, 4]
+    assert completion.version_counts() == {3: 3, 4: 1}
+    assert completion.logprobs == [-1.0] * 4 and completion.finish_reason == "length"
+
+
+def test_streamed_deltas_without_spans_keep_arrival_tags():
+    stream = TokenStream("r", [1])
+    stream.absorb(output([5, 6], flat([5, 6], [-1.0, -2.0])), current_version=0)
+    stream.absorb(output([7], flat([7], [-3.0]), "stop"), current_version=1)
+    completion = stream.completion()
+    assert completion.token_ids == [5, 6, 7] and completion.logprobs == [-1.0, -2.0, -3.0]
+    assert completion.versions == [0, 0, 1]
