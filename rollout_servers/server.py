@@ -26,6 +26,7 @@ from rollout_servers.validation import Validator, load_validation_prompts
 log = logging.getLogger(__name__)
 
 _SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
+_SEED_MODULUS = 2**31 - 1  # vLLM takes sampling seeds as 32-bit signed ints
 VALIDATING_SERVER = 0  # index of the one server that runs validation passes
 
 
@@ -47,9 +48,13 @@ class RolloutServer:
     def __init__(self, config: AsyncRLConfig, server_index: int, endpoints: Endpoints) -> None:
         self.config = config
         self.server_id = f"server-{server_index}"
+        # Sampling seeds follow the prompt order: a rerun with the same run.seed samples the same
+        # completions for the same prompts (what makes K=0 reproduce learner.mode=sync exactly).
+        self._seed_base = config.run.seed + _SERVER_SEED_STRIDE * server_index
+        self._groups_started = 0
         self.endpoints = endpoints
         self.mixture = PromptMixture(
-            config.data.train_files, config.data.weights, seed=config.run.seed + _SERVER_SEED_STRIDE * server_index,
+            config.data.train_files, config.data.weights, seed=self._seed_base,
             shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows,
         )
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
@@ -139,7 +144,8 @@ class RolloutServer:
 
     async def _one_group(self, engine: RolloutEngine, producer: TrajectoryProducer, scorer: RewardScorer) -> None:
         row, prompt_ids = self._next_prompt()
-        completions = await engine.generate_group(prompt_ids)
+        seed = self._group_seed()
+        completions = await engine.generate_group(prompt_ids, seed=seed)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
         group_id = uuid.uuid4().hex
@@ -149,6 +155,12 @@ class RolloutServer:
         self._finished_since_grant += 1
         self.stats.groups_sent += 1
         self.stats.tokens_generated += sum(len(c.token_ids) for c in completions)
+
+    def _group_seed(self) -> int:
+        """Sampling seed of the next group; its samples use this seed + their index in the group."""
+        seed = (self._seed_base + self._groups_started * self.config.rollout.sampling.n) % _SEED_MODULUS
+        self._groups_started += 1
+        return seed
 
     def _next_prompt(self) -> tuple[PromptRow, list[int]]:
         """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""
