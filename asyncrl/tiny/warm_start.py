@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import string
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -50,7 +51,8 @@ def warm_start(
     model.train()
     for step in range(schedule.steps):
         problems = draw_problems(rng, task, schedule.batch_size, exclude=held_out, unique=False)
-        batch = [supervised_example(tokenizer, question, answer) for question, answer in problems]
+        batch = [supervised_example(tokenizer, question, noisy_answer(answer, schedule.label_noise, rng))
+                 for question, answer in problems]
         input_ids, labels, attention = pad_examples(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         for group in optimizer.param_groups:
@@ -61,6 +63,11 @@ def warm_start(
         if step % LOG_EVERY == 0 or step == schedule.steps - 1:
             log.info("warm-start step %d/%d loss %.4f", step + 1, schedule.steps, loss.item())
     model.eval()
+
+
+def noisy_answer(answer: str, noise: float, rng: random.Random) -> str:
+    """`answer` with each digit replaced by a uniformly drawn digit with probability `noise`."""
+    return "".join(rng.choice(string.digits) if c.isdigit() and rng.random() < noise else c for c in answer)
 
 
 @torch.no_grad()

@@ -1,6 +1,8 @@
 """The task split: held-out questions are decided once, and neither the training file nor the warm
 start ever uses them."""
 
+import random
+
 from asyncrl.commands.data import write_task_files
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
 from asyncrl.data import load_prompt_file
@@ -52,3 +54,13 @@ def test_split_gives_fewer_val_problems_when_the_space_runs_out():
     task = TaskConfig(num_train=10, num_val=SINGLE_DIGIT_SUMS + 50, min_digits=1, max_digits=1, operators="+")
     split = split_task(task, seed=0)
     assert len(split.val) == SINGLE_DIGIT_SUMS and len(split.val_questions) == len(split.val)
+
+
+def test_label_noise_replaces_digits_at_the_configured_rate():
+    rng = random.Random(0)
+    assert warm_start_module.noisy_answer("-123", 0.0, rng) == "-123"
+    noisy = [warm_start_module.noisy_answer("1234567890", 0.3, rng) for _ in range(2000)]
+    assert all(len(answer) == 10 and answer.isdigit() for answer in noisy)
+    changed = sum(a != b for answer in noisy for a, b in zip(answer, "1234567890")) / (2000 * 10)
+    assert abs(changed - 0.3 * 0.9) < 0.01  # a replacement draws the same digit one time in ten
+    assert warm_start_module.noisy_answer("-7", 1.0, random.Random(1))[0] == "-"  # the sign is never noise
