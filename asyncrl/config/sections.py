@@ -36,7 +36,6 @@ class WarmStartConfig:
     batch_size: int = bounded(64, 1)  # sequences per supervised step
     lr: float = bounded(3e-3, 0.0, 1.0)  # peak AdamW learning rate (linear warm-up, cosine decay)
     warmup_steps: int = bounded(20, 0)  # linear warm-up steps
-    decay_steps: int = bounded(0, 0)  # length of the cosine decay; 0 = steps (lr reaches 0 at the end), more = stop part-way (a partial warm start)
     label_noise: float = bounded(0.0, 0.0, 1.0)  # chance that each answer digit shown is a random digit (a sloppy teacher: sampling errs, greedy mostly not)
     eval_samples: int = bounded(128, 1)  # held-out prompts greedily decoded to record the starting accuracy
 

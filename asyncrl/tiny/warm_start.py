@@ -47,7 +47,7 @@ def warm_start(
     whose questions is in `held_out` (validation measures generalisation, not recall)."""
     rng = random.Random(seed + WARM_START_STREAM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
-    lr_at = _warmup_cosine(schedule.lr, schedule.warmup_steps, schedule.decay_steps or schedule.steps)
+    lr_at = _warmup_cosine(schedule.lr, schedule.warmup_steps, schedule.steps)
     model.train()
     for step in range(schedule.steps):
         problems = draw_problems(rng, task, schedule.batch_size, exclude=held_out, unique=False)
