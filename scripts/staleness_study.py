@@ -8,7 +8,8 @@ Each cell (K, loss, seed) is one full `asyncrl run` of the config: same data and
   samples/s     trained samples per second of learner wall time, step 1 (engine start) excluded
   staleness     mean of `staleness/mean` over the steps
 The baseline is K=0 with the same loss and seed, in the same study: each cell's throughput is also
-reported as a ratio to it. Run with scripts/cpu_env.sh sourced on CPU.
+reported as a ratio to it. A cell finished by an earlier study with the same --steps and --out-dir is
+reused, so an interrupted study continues where it stopped. Run with scripts/cpu_env.sh sourced on CPU.
 Last line: RESULT {json} with one entry per (K, loss): means over seeds and the per-seed values.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +31,7 @@ from asyncrl.metrics import read_metrics
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 RUN_TIMEOUT_S = 1800  # one cell, engine start included; a hung cell must not hang the study
 LOSSES = ("naive_ppo", "decoupled_ppo")  # registry names in learner/losses.py
+CELL_FILE = "study_cell.json"  # a finished cell's result in its run directory; a rerun reuses it
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Cell:
     k: int
     loss: str
     seed: int
+    steps: int  # learner steps of the run
     val_start: float | None  # val/score/mean of version 0
     val_final: float | None  # val/score/mean of the final version
     samples_per_s: float | None
@@ -70,19 +74,28 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def run_cell(args: argparse.Namespace, k: int, loss: str, seed: int) -> Cell:
+    """One cell's run, or its saved result when an earlier study with the same --steps finished it."""
     name = f"k{k}-{loss}-seed{seed}"
     run_dir = Path(args.out_dir) / name
+    saved = run_dir / CELL_FILE
+    if saved.is_file():
+        cell = Cell(**json.loads(saved.read_text()))
+        if cell.returncode == 0 and cell.steps == args.steps:
+            return cell
     overrides = [
         *args.overrides, f"run.root_dir={args.out_dir}", f"run.name={name}", "learner.resume=never",
         f"buffer.max_staleness={k}", f"algorithm.loss={loss}", f"run.seed={seed}",
         f"learner.total_steps={args.steps}", f"validation.every={args.steps}", "metrics.wandb_mode=disabled",
     ]
+    shutil.rmtree(run_dir, ignore_errors=True)  # a half-run cell starts over
     started = time.perf_counter()
     done = asyncrl("run", "--config", args.config, *overrides)
     wall = time.perf_counter() - started
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    return Cell(k, loss, seed, _val_at(records, 0), _val_at(records, args.steps), _samples_per_s(records),
+    cell = Cell(k, loss, seed, args.steps, _val_at(records, 0), _val_at(records, args.steps), _samples_per_s(records),
                 _mean(r.get("staleness/mean") for r in records), round(wall, 1), done.returncode)
+    saved.write_text(json.dumps(asdict(cell)))
+    return cell
 
 
 def _val_at(records: list[dict], version: int) -> float | None:
