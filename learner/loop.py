@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.messages import Batch, decode, encode
+from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
@@ -67,7 +67,7 @@ def run_loop(
         batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
         waited = time.perf_counter() - started
         outcome = train_step(
-            model, optimizer, collate(batch.groups, pad_id), config.algorithm, settings.micro_batch_tokens,
+            model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, settings.micro_batch_tokens,
             settings.grad_clip, world,
         )
         trained = time.perf_counter() - started - waited
@@ -91,6 +91,12 @@ def run_loop(
             )
             after_checkpoint(state.step, state.buffer_offset)
     return state
+
+
+def canonical_order(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """The batch's groups sorted by content, not by arrival: the same samples give the same micro-batches
+    and float sums whatever order concurrent requests finished in (K=0 then reproduces sync mode)."""
+    return sorted(groups, key=lambda group: [(t.prompt_ids, t.completion_ids) for t in group.trajectories])
 
 
 def _shared_batch(batch: Batch | None, world: World) -> Batch:

@@ -28,6 +28,7 @@ from rollout_servers.validation import Validator, load_validation_prompts
 log = logging.getLogger(__name__)
 
 _SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
+_SEED_MODULUS = 2**31 - 1  # vLLM takes sampling seeds as 32-bit signed ints
 VALIDATING_SERVER = 0  # index of the one server that runs validation passes
 
 
@@ -53,9 +54,12 @@ class RolloutServer:
         prompts its previous process left unacknowledged (see `PromptStream`); None keeps it in memory."""
         self.config = config
         self.server_id = f"server-{server_index}"
+        # Sampling seeds follow the prompt order: a rerun with the same run.seed samples the same
+        # completions for the same prompts (what makes K=0 reproduce learner.mode=sync exactly).
+        self._seed_base = config.run.seed + _SERVER_SEED_STRIDE * server_index
         self.endpoints = endpoints
         mixture = PromptMixture(
-            config.data.train_files, config.data.weights, seed=config.run.seed + _SERVER_SEED_STRIDE * server_index,
+            config.data.train_files, config.data.weights, seed=self._seed_base,
             shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows,
         )
         self.prompts = PromptStream(mixture, state_dir / f"{self.server_id}.prompts.json" if state_dir else None)
@@ -150,7 +154,8 @@ class RolloutServer:
 
     async def _one_group(self, engine: RolloutEngine, producer: TrajectoryProducer, scorer: RewardScorer) -> None:
         number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
-        completions = await engine.generate_group(prompt_ids, sampling_for_row(row, self.config.rollout.sampling))
+        sampling = sampling_for_row(row, self.config.rollout.sampling)
+        completions = await engine.generate_group(prompt_ids, sampling, seed=self._group_seed(number))
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
         group_id = f"{self.server_id}-prompt-{number}"  # the same for a regeneration: the buffer keeps one
@@ -162,6 +167,11 @@ class RolloutServer:
         self._finished_since_grant += 1
         self.stats.groups_sent += 1
         self.stats.tokens_generated += sum(len(c.token_ids) for c in completions)
+
+    def _group_seed(self, number: int) -> int:
+        """Sampling seed of prompt `number`'s group (its samples use this + their index): it follows the
+        prompt stream, so a rerun, or a regeneration after a restart, samples the same completions."""
+        return (self._seed_base + number * self.config.rollout.sampling.n) % _SEED_MODULUS
 
     def _fitting_prompt(self, rows: Iterator[PromptRow]) -> tuple[PromptRow, list[int]]:
         """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""

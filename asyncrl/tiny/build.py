@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.tasks.splits import split_task
 from asyncrl.tiny.model import build_tiny_model
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from asyncrl.tiny.warm_start import greedy_accuracy, warm_start
@@ -21,7 +22,6 @@ from asyncrl.tiny.warm_start import greedy_accuracy, warm_start
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "init_report.json"  # written into the model directory; holds the cache key and accuracies
-_EVAL_SEED_OFFSET = 1  # accuracy is measured on problems drawn from a different stream than training
 
 
 def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
@@ -35,14 +35,11 @@ def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed)
-
-    def evaluate() -> float:
-        samples, seed = config.model.warm_start.eval_samples, config.run.seed + _EVAL_SEED_OFFSET
-        return greedy_accuracy(model, tokenizer, config.task, samples, seed)
-
-    before = evaluate()
-    warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed)
-    after = evaluate()
+    split = split_task(config.task, config.run.seed)
+    held_out = split.val[: config.model.warm_start.eval_samples]  # the validation file's first problems
+    before = greedy_accuracy(model, tokenizer, held_out)
+    warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions)
+    after = greedy_accuracy(model, tokenizer, held_out)
     report = {
         "cache_key": key,
         "parameters": sum(p.numel() for p in model.parameters()),

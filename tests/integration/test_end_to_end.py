@@ -6,7 +6,6 @@ run continues the step counter and the buffer position without training on any r
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,40 +13,27 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
+from run_helpers import RUN_TIMEOUT_S, asyncrl, prepare, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 MAX_STALENESS = 1
-RUN_TIMEOUT_S = 900
 VALIDATE_EVERY = 3  # server 0 validates versions 0, 3, 6 and each run's final version (4 in the first)
 
 
 def overrides(tmp: Path, total_steps: int) -> list[str]:
-    return [
-        f"run.root_dir={tmp / 'runs'}", "run.name=e2e", "metrics.wandb_mode=disabled",
-        f"model.path={tmp / 'model'}", "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-        "model.tiny.num_layers=2", "model.tiny.intermediate_size=128", "model.warm_start.steps=20",
-        "model.warm_start.eval_samples=8", f"task.out_dir={tmp / 'data'}", "task.num_train=200", "task.num_val=16",
-        "task.max_digits=1", "buffer.admission_timeout_s=15", f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",
-        f"data.val_files=[{tmp / 'data' / 'val.parquet'}]",
-        "learner.nproc=2", f"learner.total_steps={total_steps}", "learner.checkpoint_every=2", "learner.lr=0.001",
-        "learner.torch_threads=1", "buffer.batch_groups=4", f"buffer.max_staleness={MAX_STALENESS}",
-        "rollout.num_servers=2", "rollout.max_inflight=8", "rollout.sampling.n=4", "rollout.sampling.max_tokens=6",
-        "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32",
-        f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2", "validation.max_prompts=4",
-    ]
-
-
-def asyncrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env=os.environ.copy())
+    return tiny_job(
+        tmp, total_steps, "run.name=e2e", "learner.nproc=2", "learner.checkpoint_every=2", "buffer.batch_groups=4",
+        f"buffer.max_staleness={MAX_STALENESS}", "rollout.num_servers=2", "rollout.max_inflight=8",
+        "rollout.sampling.n=4", f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2",
+        "validation.max_prompts=4",
+    )
 
 
 @pytest.fixture(scope="module")
 def finished_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    for command in ("data", "init-model"):
-        assert asyncrl(command, *overrides(tmp, 4)).returncode == 0
+    prepare(tmp, overrides(tmp, 4))
     first = asyncrl("run", *overrides(tmp, 4))
     run_dir = tmp / "runs" / "e2e"
     first_records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []

@@ -59,5 +59,5 @@ def test_warm_start_lowers_the_answer_loss():
 
     before = loss()
     schedule = WarmStartConfig(steps=40, batch_size=16, lr=3e-3, warmup_steps=5)
-    warm_start(model, tokenizer, TaskConfig(max_digits=1, operators="+"), schedule, seed=0)
+    warm_start(model, tokenizer, TaskConfig(max_digits=1, operators="+"), schedule, seed=0, held_out=frozenset())
     assert loss() < 0.6 * before  # random init ≈ ln(100) ≈ 4.6 nats; 40 steps learn the format at least

@@ -1,0 +1,79 @@
+"""`asyncrl run` stops cleanly on Ctrl-C (SIGINT to its process group, as a terminal sends it) and on
+SIGTERM: every process it started is gone afterwards and the last line is the run directory.
+
+SIGINT arrives mid-training (learner, buffer, rollout supervisor, server, vLLM engine core all up);
+SIGTERM arrives while the rollout server is still starting its engine, the other moment users stop.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from run_helpers import alive, descendants, kill_tree, prepare, tiny_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+STOP_BOUND_S = 90  # run.py gives its children 30 s of grace before SIGKILL; slack for a loaded box
+WAIT_BOUND_S = 600  # for the moment the signal is sent (engine start and first step on a loaded box)
+POLL_S = 0.5
+
+
+def _start_run(tmp: Path, name: str) -> subprocess.Popen:
+    # Its own session, like a shell's foreground job: killpg reaches exactly what a terminal would.
+    command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(tmp, 50, f"run.name={name}")]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True, env=os.environ.copy())
+
+
+def _wait_for(condition, run: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + WAIT_BOUND_S
+    while not condition():
+        assert run.poll() is None, f"run exited early with {run.returncode} while waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {WAIT_BOUND_S} s"
+        time.sleep(POLL_S)
+
+
+def _stop_and_check(run: subprocess.Popen, signum: int, run_dir: Path) -> None:
+    tree = descendants(run.pid)
+    assert len(tree) >= 3, tree  # learner, rollout supervisor, and what they started
+    os.killpg(run.pid, signum)
+    stdout, _ = run.communicate(timeout=STOP_BOUND_S)
+    assert run.returncode == 130, run.returncode
+    assert stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"
+    deadline = time.monotonic() + STOP_BOUND_S
+    while alive(tree) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    assert not alive(tree), f"left behind: {alive(tree)}"
+
+
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("signals")
+    prepare(tmp, tiny_job(tmp, 50))
+    return tmp
+
+
+def test_ctrl_c_mid_training_stops_every_process(job_dir):
+    run_dir = job_dir / "runs" / "sigint"
+    run = _start_run(job_dir, "sigint")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step")
+        _stop_and_check(run, signal.SIGINT, run_dir)
+    finally:
+        kill_tree(run.pid)
+
+
+def test_sigterm_during_engine_start_stops_every_process(job_dir):
+    run_dir = job_dir / "runs" / "sigterm"
+    run = _start_run(job_dir, "sigterm")
+    try:
+        _wait_for(lambda: (run_dir / "logs" / "rollout0.log").is_file(), run, "rollout server start")
+        _stop_and_check(run, signal.SIGTERM, run_dir)
+    finally:
+        kill_tree(run.pid)
