@@ -1,5 +1,5 @@
-"""One sampled completion and the accumulator that builds it from vLLM's outputs (the final output alone
-where vLLM reports exact version spans, else streamed deltas tagged on arrival)."""
+"""One sampled completion and the accumulator that builds it from vLLM's final output and the policy
+versions of its tokens."""
 
 from __future__ import annotations
 
@@ -30,27 +30,30 @@ class Completion:
 
 @dataclass
 class TokenStream:
-    """Accumulates the outputs of one request; tags each token with the version current on arrival, which
-    the engine's exact spans replace where vLLM reports them."""
+    """One request's final output and the version its tokens were sampled with: vLLM's exact spans where
+    it reports them (0.32+), else the boundaries the engine recorded at each weight update (the number of
+    tokens sampled when the update paused the engine, read from vLLM's output processor)."""
 
     request_id: str
     prompt_ids: list[int]
+    start_version: int  # the engine's version when the request was submitted
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
-    exact_spans: list[tuple[int, int, int]] | None = None  # from the engine, when vLLM reports them
+    exact_spans: list[tuple[int, int, int]] | None = None  # (version, start, end), from the engine
+    boundaries: list[tuple[int, int]] = field(default_factory=list)  # (tokens sampled before, new version)
 
-    def absorb(self, output: Any, current_version: int) -> None:
-        """Append one RequestOutput: a delta, or the final output (a single completion: n = 1 per request)."""
-        (delta,) = output.outputs
-        new_tokens = list(delta.token_ids)
-        self.token_ids += new_tokens
-        self.logprobs += vllm_compat.sampled_logprobs(delta.logprobs, new_tokens)
-        self.versions += [current_version] * len(new_tokens)
-        if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
-            self.exact_spans = vllm_compat.version_spans(delta)
+    def version_changed(self, sampled: int, version: int) -> None:
+        """An update to `version` landed after `sampled` tokens of this request (the engine was paused)."""
+        self.boundaries.append((sampled, version))
+
+    def absorb(self, output: Any) -> None:
+        """Take the request's final output (a single completion: n = 1 per request)."""
+        (final,) = output.outputs
+        self.token_ids = list(final.token_ids)
+        self.logprobs = vllm_compat.sampled_logprobs(final.logprobs, self.token_ids)
+        self.finish_reason = final.finish_reason or ""
+        self.exact_spans = vllm_compat.version_spans(final)
 
     def completion(self) -> Completion:
         if len(self.logprobs) != len(self.token_ids):
@@ -62,10 +65,12 @@ class TokenStream:
         )
 
     def _final_versions(self) -> list[int]:
-        """The engine's exact spans where available; the arrival tags otherwise."""
-        if self.exact_spans is None:
-            return self.versions
-        versions = [0] * len(self.token_ids)
-        for version, start, end in self.exact_spans:
-            versions[start:end] = [version] * (end - start)
+        """The engine's exact spans where available; the recorded update boundaries otherwise."""
+        versions = [self.start_version] * len(self.token_ids)
+        if self.exact_spans is not None:
+            for version, start, end in self.exact_spans:
+                versions[start:end] = [version] * (end - start)
+            return versions
+        for sampled, version in self.boundaries:
+            versions[sampled:] = [version] * max(0, len(versions) - sampled)
         return versions

@@ -20,8 +20,8 @@ from rollout_servers.engine_args import engine_args, sampling_params
 log = logging.getLogger(__name__)
 
 # After a keep-mode pause, outputs of the last step may still be on their way through vLLM's output
-# handler (vLLM itself sleeps 20 ms for this). Waiting a little longer lets every stream read them before
-# the version changes, so arrival tags stay right on releases without exact version spans.
+# handler (vLLM itself sleeps 20 ms for this). Waiting a little longer lets the output processor count
+# them before the update's boundaries are read, on releases without exact version spans.
 OUTPUT_SETTLE_S = 0.05
 
 
@@ -66,10 +66,9 @@ class RolloutEngine:
 
     def inflight_tokens(self) -> dict[str, int]:
         """Completion tokens sampled so far per unfinished request (vLLM's count where it can tell, which
-        also covers requests that return their final output only; else the tokens streamed here)."""
+        covers requests that return their final output only); 0 for a request vLLM has not taken in yet."""
         return {
-            request_id: vllm_compat.tokens_sampled(self._llm, request_id) or len(stream.token_ids)
-            for request_id, stream in self._streams.items()
+            request_id: vllm_compat.tokens_sampled(self._llm, request_id) or 0 for request_id in self._streams
         }
 
     async def generate(
@@ -83,10 +82,10 @@ class RolloutEngine:
         """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given)."""
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params(sampling or self._config.sampling, seed)
-        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids))
+        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version)
         try:
             async for output in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
-                stream.absorb(output, self._version)
+                stream.absorb(output)
         finally:
             del self._streams[request_id]
         return stream.completion()
@@ -128,6 +127,7 @@ class RolloutEngine:
                 self._needs_catch_up = True
                 message = f"weight update to version {version} failed; engine stays paused: {error}"
                 raise WeightSyncError(message) from error
+            self._mark_version_change(version)
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
             seconds = time.perf_counter() - started
@@ -142,6 +142,11 @@ class RolloutEngine:
         """Stop vLLM's processes. The AsyncLLM object is kept: collecting it early can block in zmq's
         context teardown (seen here as a hang at the end of the test session)."""
         self._llm.shutdown()
+
+    def _mark_version_change(self, version: int) -> None:
+        """While paused: tokens sampled so far by each request in flight belong to the old weights."""
+        for request_id, sampled in self.inflight_tokens().items():
+            self._streams[request_id].version_changed(sampled, version)
 
     async def _receive(self, update_info: dict[str, Any], version: int) -> None:
         await self._llm.start_weight_update()

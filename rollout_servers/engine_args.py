@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from asyncrl.config.rollout import EngineConfig, SamplingConfig
 from asyncrl.weight_transfer import BACKEND_NAME
-from rollout_servers import vllm_compat
 
 _GIB = 2**30
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
@@ -37,8 +37,7 @@ def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> Sampli
 
     Per-token Python work in vLLM's output path is what costs throughput with small models: the log-probs
     come as flat lists (no object per token), text is produced only when stop strings need it (the
-    server decodes the tokens itself), and the output is returned once at the end where vLLM reports
-    exact version spans (`vllm_compat.output_kind`)."""
+    server decodes the tokens itself), and the output is returned once, at the end."""
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -50,5 +49,5 @@ def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> Sampli
         logprobs=SAMPLED_TOKEN_ONLY,
         flat_logprobs=True,
         detokenize=bool(sampling.stop),
-        output_kind=vllm_compat.output_kind(),
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )

@@ -7,9 +7,10 @@ Differences handled here:
   Our trainer side is `asyncrl.weight_transfer`, so the hooks only need to exist.
 - `finish_weight_update(weight_version=...)` and `get_weight_version()` exist from 0.32; before that
   the version is tracked by `RolloutEngine` alone.
-- 0.32 stamps each output token span with the weight version (`CompletionOutput.weight_versions`), so
-  a request can return its final output only (no per-token streaming through asyncio); before that the
-  output is streamed as deltas and tokens are tagged with the version current on arrival.
+- 0.32 stamps each output token span with the weight version (`CompletionOutput.weight_versions`);
+  before that `RolloutEngine` records, while paused for an update, how many tokens each request had
+  sampled (`tokens_sampled`). Either way a request returns its final output only (no per-token
+  streaming through asyncio, which halved a server's throughput on a GPU).
 - Sampled log-probs arrive as `FlatLogprobs` (flat lists) where `flat_logprobs` is honoured, else as one
   dict per position.
 - `compute_weight_checksums()` exists from 0.32.
@@ -30,13 +31,11 @@ from typing import Any, Callable, NoReturn
 
 import torch
 from vllm.logprobs import FlatLogprobs
-from vllm.outputs import CompletionOutput
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.weight_transfer.protocol import UpdateInfo
@@ -52,7 +51,6 @@ WeightLoader = Callable[[list[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.
 
 __all__ = [
     "DenseUpdateInfo",
-    "EXACT_VERSION_SPANS",
     "LegacyTrainerHooks",
     "WeightLoader",
     "WeightTransferEngine",
@@ -62,7 +60,6 @@ __all__ = [
     "label_weights",
     "layerwise_reload_finish",
     "layerwise_reload_start",
-    "output_kind",
     "pause_keeping_requests",
     "sampled_logprobs",
     "tokens_sampled",
@@ -71,10 +68,6 @@ __all__ = [
     "weight_checksums",
     "worker_index",
 ]
-
-
-# True where vLLM reports the weight version of every output token span with the final output.
-EXACT_VERSION_SPANS = "weight_versions" in getattr(CompletionOutput, "__dataclass_fields__", {})
 
 
 class LegacyTrainerHooks:
@@ -140,11 +133,6 @@ async def finish_update(engine: AsyncLLM, version: int) -> None:
         await engine.finish_weight_update(weight_version=str(version))
     else:
         await engine.finish_weight_update()
-
-
-def output_kind() -> RequestOutputKind:
-    """The final output only where it carries exact version spans; streamed deltas (tagged on arrival) else."""
-    return RequestOutputKind.FINAL_ONLY if EXACT_VERSION_SPANS else RequestOutputKind.DELTA
 
 
 def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:

@@ -65,7 +65,8 @@ stage_learner() {
 
 stage_rollout() {
     "$PYTHON" scripts/bench_rollout.py --config "$CONFIG" --model .cache/models/qwen05b_shape \
-        --num-prompts 256 --n 1 --max-tokens 1024 --repeats 2
+        --num-prompts 256 --n 1 --max-tokens 1024 --repeats 2 \
+        rollout.engine.gpu_memory_utilization=0.4  # both engines stay resident on GPU 0
 }
 
 stage_e2e() {

@@ -122,33 +122,54 @@ def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, l
     assert logprob_gap(after, tiny_models.served, prompt) > DIFFERENT_WEIGHTS_GAP
 
 
-def test_request_spanning_an_update_carries_both_versions(rollout_engine, weight_sender, loop_runner, tiny_models):
-    prompt = prompt_ids(tiny_models)
-
+def spanning_request(rollout_engine, weight_sender, loop_runner, prompt, new_weights, version: int):
+    """A long greedy request with an update to `new_weights` as `version` landing after TOKENS_BEFORE_UPDATE."""
     async def update_mid_request():
         request = asyncio.create_task(rollout_engine.generate(prompt, greedy(SPANNING_TOKENS), request_id="spanning"))
         while rollout_engine.inflight_tokens().get("spanning", 0) < TOKENS_BEFORE_UPDATE:
             await asyncio.sleep(0.001)
-        await update_to(rollout_engine, weight_sender, tiny_models.served, version=2)
+        await update_to(rollout_engine, weight_sender, new_weights, version=version)
         return await request
 
-    completion = loop_runner.run(update_mid_request())
+    return loop_runner.run(update_mid_request())
+
+
+def assert_versions_split_at_the_update(completion, old_weights, prompt, old_version: int, new_version: int) -> None:
     counts = completion.version_counts()
     log.warning("spanning request: tokens per version %s", counts)
-
     assert completion.finish_reason == "length" and len(completion.token_ids) == SPANNING_TOKENS
-    assert set(counts) == {1, 2} and counts[1] >= TOKENS_BEFORE_UPDATE and counts[2] > 0
+    assert set(counts) == {old_version, new_version}
+    assert counts[old_version] >= TOKENS_BEFORE_UPDATE and counts[new_version] > 0
     assert completion.versions == sorted(completion.versions), "old version first, then the new one"
-    boundary = counts[1]
-    old_weights_greedy = transformers_greedy(tiny_models.update, prompt, boundary)
-    assert completion.token_ids[:boundary] == old_weights_greedy, "old-version tokens follow the old weights"
-    assert logprob_gap(completion, tiny_models.update, prompt, end=boundary) < LOGPROB_TOLERANCE
+    boundary = counts[old_version]
+    assert completion.token_ids[:boundary] == transformers_greedy(old_weights, prompt, boundary), \
+        "old-version tokens follow the old weights"
+    assert logprob_gap(completion, old_weights, prompt, end=boundary) < LOGPROB_TOLERANCE
     # After the boundary the engine samples with the new weights over a KV cache partly written by the old
     # ones, which neither model reproduces exactly. The old weights would reproduce every log-prob within
     # LOGPROB_TOLERANCE; from the first new-version token on they do not.
-    first_new_gap = logprob_gap(completion, tiny_models.update, prompt, start=boundary, end=boundary + 1)
+    first_new_gap = logprob_gap(completion, old_weights, prompt, start=boundary, end=boundary + 1)
     assert first_new_gap > 10 * LOGPROB_TOLERANCE
-    assert logprob_gap(completion, tiny_models.update, prompt, start=boundary) > DIFFERENT_WEIGHTS_GAP
+    assert logprob_gap(completion, old_weights, prompt, start=boundary) > DIFFERENT_WEIGHTS_GAP
+
+
+def test_request_spanning_an_update_carries_both_versions(rollout_engine, weight_sender, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+    completion = spanning_request(rollout_engine, weight_sender, loop_runner, prompt, tiny_models.served, version=2)
+    assert_versions_split_at_the_update(completion, tiny_models.update, prompt, old_version=1, new_version=2)
+
+
+def test_without_exact_spans_the_pause_time_counts_split_the_versions(
+    rollout_engine, weight_sender, loop_runner, tiny_models, monkeypatch
+):
+    """vLLM before 0.32 reports no version spans: the engine's own boundaries, read from vLLM's output
+    processor while paused, must split the tokens exactly where the weights changed."""
+    from rollout_servers import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "version_spans", lambda output: None)
+    prompt = prompt_ids(tiny_models)
+    completion = spanning_request(rollout_engine, weight_sender, loop_runner, prompt, tiny_models.update, version=3)
+    assert_versions_split_at_the_update(completion, tiny_models.served, prompt, old_version=2, new_version=3)
 
 
 def test_rendezvous_without_trainer_fails_within_deadline(rollout_engine, loop_runner, tiny_models):

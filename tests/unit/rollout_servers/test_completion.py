@@ -1,4 +1,5 @@
-"""Building a Completion from vLLM outputs: bulk log-probs, exact version spans over arrival tags."""
+"""Building a Completion from vLLM's final output: bulk log-probs, exact version spans, else the update
+boundaries the engine recorded while paused."""
 
 from types import SimpleNamespace
 
@@ -41,19 +42,28 @@ def test_per_position_dicts_give_the_sampled_tokens_entry():
 
 def test_final_output_takes_versions_from_exact_spans():
     """A final-only output arrives after the update: its arrival tag would be wrong, the spans are not."""
-    stream = TokenStream("r", [1, 2])
-    stream.absorb(output([5, 6, 7, 8], flat([5, 6, 7, 8], [-1.0] * 4), "length", [span(3, 0, 3), span(4, 3, 4)]),
-                  current_version=4)
+    stream = TokenStream("r", [1, 2], start_version=3)
+    stream.version_changed(2, 4)  # spans win over boundaries where vLLM reports them
+    stream.absorb(output([5, 6, 7, 8], flat([5, 6, 7, 8], [-1.0] * 4), "length", [span(3, 0, 3), span(4, 3, 4)]))
     completion = stream.completion()
     assert completion.versions == [3, 3, 3, 4]
     assert completion.version_counts() == {3: 3, 4: 1}
     assert completion.logprobs == [-1.0] * 4 and completion.finish_reason == "length"
 
 
-def test_streamed_deltas_without_spans_keep_arrival_tags():
-    stream = TokenStream("r", [1])
-    stream.absorb(output([5, 6], flat([5, 6], [-1.0, -2.0])), current_version=0)
-    stream.absorb(output([7], flat([7], [-3.0]), "stop"), current_version=1)
+def test_without_spans_the_update_boundaries_give_the_versions():
+    stream = TokenStream("r", [1], start_version=0)
+    stream.version_changed(2, 1)  # two tokens sampled when version 1 arrived
+    stream.version_changed(4, 3)
+    stream.absorb(output([5, 6, 7, 8, 9], flat([5, 6, 7, 8, 9], [-1.0, -2.0, -3.0, -4.0, -5.0]), "stop"))
     completion = stream.completion()
-    assert completion.token_ids == [5, 6, 7] and completion.logprobs == [-1.0, -2.0, -3.0]
-    assert completion.versions == [0, 0, 1]
+    assert completion.token_ids == [5, 6, 7, 8, 9] and completion.logprobs == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert completion.versions == [0, 0, 1, 1, 3]
+    assert completion.finish_reason == "stop"
+
+
+def test_an_update_before_the_first_token_labels_every_token_new():
+    stream = TokenStream("r", [1], start_version=2)
+    stream.version_changed(0, 3)
+    stream.absorb(output([5, 6], flat([5, 6], [-1.0, -2.0]), "length"))
+    assert stream.completion().versions == [3, 3]
