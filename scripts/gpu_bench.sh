@@ -70,7 +70,7 @@ stage_rollout() {
 }
 
 stage_e2e() {
-    "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG"
+    "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG" metrics.wandb_mode=disabled  # no wandb on the image
 }
 
 stages=("$@")

@@ -67,15 +67,18 @@ class TransferGroup:
         self.rank = rank
         self._store = store  # rank 0 hosts the store server: it must outlive the group
         self._backend = backend
+        self.device = torch.device("cpu")  # where this member sends and receives; set by join
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, device: torch.device | None = None) -> TransferGroup:
-        """Meet the other members; raise `WeightTransferError` if they are not all there in time."""
+        """Meet the other members; raise `WeightTransferError` if they are not all there in time. Without a
+        `device`, an NCCL member uses the current CUDA device, a gloo member the CPU."""
         started = time.perf_counter()
         store = _open_store(address, rank)
         backend = _connect_backend(address, rank, store)
         group = cls(address, rank, store, backend)
-        group._bounded_handshake(device or torch.device("cpu"))
+        group.device = device or _default_device(address.backend)
+        group._bounded_handshake(group.device)
         log.info("joined %s as rank %d in %.2fs", address.describe(), rank, time.perf_counter() - started)
         return group
 
@@ -238,3 +241,7 @@ def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dis
     except RuntimeError as error:
         raise WeightTransferError(f"rank {rank} could not connect the {address.describe()}: {error}") from error
     raise ValueError(f"weight-transfer backend must be '{GLOO}' or '{NCCL}', got '{address.backend}'")
+
+
+def _default_device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == NCCL else torch.device("cpu")

@@ -35,7 +35,7 @@ class WeightSender:
         started = time.perf_counter()
         total_bytes = 0
         for _, tensor in named_tensors:
-            wire = _materialised(tensor)
+            wire = _materialised(tensor).to(self._group.device)  # NCCL sends from the GPU only
             self._group.broadcast(wire)
             total_bytes += wire.numel() * wire.element_size()
         self._group.synchronize()
