@@ -40,7 +40,7 @@ DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.
 mkdir -p "$WORK/wheels"
 for wheel in "${WHEELS[@]}"; do
     python3 -m pip download -q --no-deps "${PLATFORMS[@]}" -d "$WORK/wheels" "$wheel" 2>/dev/null \
-        || python3 -m pip download -q --no-deps -d "$WORK/wheels" "$wheel"  # pure-Python sdists
+        || python3 -m pip wheel -q --no-deps -w "$WORK/wheels" "$wheel"  # pure-Python sdists (antlr4) built here
 done
 rm -rf "$WORK/site" && mkdir -p "$WORK/site"
 for wheel in "$WORK"/wheels/*.whl; do unzip -q -o "$wheel" -d "$WORK/site"; done
