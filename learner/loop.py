@@ -16,6 +16,7 @@ from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
+from learner.logprobs import sampling_temperature
 from learner.staleness import staleness_metrics
 from learner.train_step import train_step
 
@@ -68,7 +69,7 @@ def run_loop(
         waited = time.perf_counter() - started
         outcome = train_step(
             model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, settings.micro_batch_tokens,
-            settings.grad_clip, world,
+            settings.grad_clip, world, sampling_temperature(config.rollout),
         )
         trained = time.perf_counter() - started - waited
         if not outcome.finite:

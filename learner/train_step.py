@@ -33,17 +33,20 @@ def train_step(
     micro_batch_tokens: int,
     grad_clip: float,
     world: World,
+    temperature: float = 1.0,
 ) -> StepOutcome:
+    """`temperature` divides the logits (`learner.logprobs.sampling_temperature`), so that π is the
+    distribution the rollout servers' behaviour log-probs were taken from."""
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     chunks = rank_chunks(batch, micro_batch_tokens, world)
     denominator = _denominator(batch, algorithm)
-    proximal = _proximal_logprobs(model, batch, chunks) if algorithm.loss in NEEDS_PROXIMAL else None
+    proximal = _proximal_logprobs(model, batch, chunks, temperature) if algorithm.loss in NEEDS_PROXIMAL else None
     optimizer.zero_grad(set_to_none=True)
     per_chunk = []
     for index, chunk in enumerate(chunks):
         part = batch.select(chunk.rows)
-        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask)  # [b, T-1] each
+        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, temperature)  # [b, T-1] each
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=part.behaviour_logprobs,
@@ -100,10 +103,12 @@ def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
 
 
 @torch.no_grad()
-def _proximal_logprobs(model: torch.nn.Module, batch: TrainBatch, chunks: list[Chunk]) -> list[torch.Tensor]:
+def _proximal_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, chunks: list[Chunk], temperature: float
+) -> list[torch.Tensor]:
     """log π_prox per chunk, [b, T-1] each: the weights before this update, computed once up front."""
     parts = [batch.select(chunk.rows) for chunk in chunks]
-    return [target_logprobs(model, part.input_ids, part.attention_mask)[0] for part in parts]
+    return [target_logprobs(model, part.input_ids, part.attention_mask, temperature)[0] for part in parts]
 
 
 def _clip(model: torch.nn.Module, grad_clip: float) -> float:
