@@ -181,6 +181,7 @@ class AdmissionRequest:
     server_id: str  # asking rollout server
     wanted: int  # prompt groups it would like to start
     finished: int = 0  # groups it started earlier and has since sent or abandoned
+    request_id: str = ""  # unique per request; a resend repeats it and gets the first answer ("" = never repeated)
 
 
 @message("admission_grant")

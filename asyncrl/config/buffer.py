@@ -39,6 +39,7 @@ class BufferConfig:
     stats_window_s: float = bounded(10.0, 0.1)  # window of the ingest-rate metrics
     curve_dir: str = ""  # CURVE keys from `asyncrl keygen`; set = encrypt and authenticate every connection
     client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
+    client_resend_s: float = bounded(5.0, 0.01)  # clients: resend a request or record unanswered this long (a restarted buffer gets it)
 
     def cross_checks(self) -> list[tuple[str, str]]:
         problems = []
