@@ -30,6 +30,7 @@ from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchReques
 from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
 from buffer.background_sync import BackgroundSync
+from buffer.dir_lock import DirectoryLock
 from buffer.metrics import Counters, IngestRate
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
@@ -60,6 +61,7 @@ class BufferService:
         self.parked: list[ParkedRequest] = []
         self.running = True
         self._next_reject_log = 0.0
+        self._owns_context = context is None
         self.context = context or zmq.Context()
         self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
         self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
@@ -337,15 +339,19 @@ class BufferService:
         self.socket.close()
         if self.security is not None:
             self.security.stop()
+        if self._owns_context:
+            self.context.term()  # waits until the listener is really closed: a successor can bind its address
         self.store.close()
 
 
 def run_buffer(config: BufferConfig, directory: str | Path) -> None:
-    """Serve until SIGTERM or SIGINT, then close the log cleanly (a kill -9 is recovered on the next start)."""
-    service = BufferService(config, directory)
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop_signal, lambda *_: service.stop())
-    service.serve()
+    """Serve until SIGTERM or SIGINT, then close the log cleanly (a kill -9 is recovered on the next start).
+    The directory is locked first: a predecessor still shutting down is waited for, never written beside."""
+    with DirectoryLock(Path(directory), config.lock_timeout_s):
+        service = BufferService(config, directory)
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop_signal, lambda *_: service.stop())
+        service.serve()
 
 
 def _write_endpoint(directory: Path, endpoint: str) -> None:

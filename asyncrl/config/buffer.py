@@ -26,6 +26,7 @@ class BufferConfig:
     bind_host: str = "127.0.0.1"  # interface the service binds; anything but loopback requires curve_dir
     port: int = bounded(0, 0, 65535)  # TCP port of the service; 0 = a free port, written to <dir>/endpoint
     dir: str = ""  # log segments, committed offset and endpoint file; empty = <run dir>/buffer
+    lock_timeout_s: float = bounded(30.0, 0.0)  # a buffer whose dir another buffer process holds waits this long, then fails
     fsync: str = one_of("batch", "always", "none")  # before acks: fsync per received batch, per record, or never
     segment_bytes: int = bounded(64 * 2**20, 4096)  # log segments close past this size; retention deletes whole ones
     max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
