@@ -57,7 +57,7 @@ assert [PACKED_FIELDS[name] for name in ("prompt_ids", "completion_ids", *PER_TO
 _ID_BYTES, _LOGPROB_BYTES, _MASK_BYTES = (kind.dtype.itemsize for kind in (Int32List, Float32List, MaskList))
 
 
-def summarize_group(frame: bytes) -> GroupSummary:
+def summarize_group(frame: bytes | memoryview) -> GroupSummary:
     """Check that `frame` is a valid TrajectoryGroup message and summarise it; raise DecodeError if not.
 
     The caller enforces the size limit first, as `decode` does."""

@@ -31,6 +31,7 @@ from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
 from buffer.background_sync import BackgroundSync
 from buffer.dir_lock import DirectoryLock
+from buffer.log import Payload
 from buffer.metrics import Counters, IngestRate
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
@@ -109,23 +110,27 @@ class BufferService:
         soonest = min(parked.deadline for parked in self.parked) - time.monotonic()
         return max(0, min(HOUSEKEEPING_MS, int(soonest * MS_PER_S)))
 
-    def _drain(self) -> list[list[bytes]]:
+    def _drain(self) -> list[list[zmq.Frame]]:
+        """Up to max_receive_batch waiting messages, as ZeroMQ frames: a record's bytes are checked and
+        written from the message ZeroMQ received them into, never copied (nothing keeps them after the
+        turn, so ZeroMQ's allocator reuses that memory for the next messages)."""
         messages = []
         while len(messages) < self.config.max_receive_batch:
             try:
-                messages.append(self.socket.recv_multipart(zmq.NOBLOCK))
+                messages.append(self.socket.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 break
         return messages
 
-    def handle(self, messages: list[list[bytes]]) -> None:
+    def handle(self, messages: list[list[zmq.Frame]]) -> None:
         """Ingest the trajectory groups among `messages` durably, then answer the rest in order."""
-        groups: list[tuple[bytes, GroupSummary, bytes]] = []
+        groups: list[tuple[bytes, GroupSummary, Payload]] = []
         controls: list[tuple[bytes, Any]] = []
-        for identity, *frames in messages:
-            parsed = self._parse(identity, frames)
+        for identity_frame, *frames in messages:
+            identity, payloads = identity_frame.bytes, [frame.buffer for frame in frames]
+            parsed = self._parse(identity, payloads)
             if isinstance(parsed, GroupSummary):
-                groups.append((identity, parsed, frames[0]))
+                groups.append((identity, parsed, payloads[0]))
             elif parsed is not None:
                 controls.append((identity, parsed))
         if groups:
@@ -137,7 +142,7 @@ class BufferService:
                 log.exception("failed to answer a '%s' request", type(message).kind)
                 self._reply(identity, ErrorReply(f"internal error answering '{type(message).kind}': {error}"))
 
-    def _parse(self, identity: bytes, frames: list[bytes]) -> GroupSummary | Any | None:
+    def _parse(self, identity: bytes, frames: list[Payload]) -> GroupSummary | Any | None:
         """A GroupSummary for a trajectory group, the message for anything else, None if rejected."""
         if len(frames) != 1:
             return self._reject(identity, f"expected 1 frame per message, got {len(frames)}")
@@ -172,7 +177,7 @@ class BufferService:
     # ------------------------------------------------------------------------------------------
     # Ingest
 
-    def _ingest(self, groups: list[tuple[bytes, GroupSummary, bytes]]) -> None:
+    def _ingest(self, groups: list[tuple[bytes, GroupSummary, Payload]]) -> None:
         """Write the groups; acknowledge them once durable (at once, or when their background fsync ends)."""
         try:
             results, unsynced = self.store.write([(summary, frame) for _, summary, frame in groups],
@@ -268,7 +273,7 @@ class BufferService:
             return
         selection = self.store.take(self._limits(parked.request))
         self._count_handout(selection)
-        self._send(parked.identity, encode_batch([entry.frame for entry in selection.taken],
+        self._send(parked.identity, encode_batch(self.store.frames(selection.taken),
                                                  [entry.offset for entry in selection.taken],
                                                  self.store.window.read_offset, len(selection.dropped)))
 
