@@ -12,6 +12,7 @@ the buffer needs to store, deduplicate, size and judge the staleness of a record
 from __future__ import annotations
 
 import dataclasses
+import operator
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -55,9 +56,12 @@ assert set(PER_TOKEN_FIELDS) < set(PACKED_FIELDS)
 assert [PACKED_FIELDS[name] for name in ("prompt_ids", "completion_ids", *PER_TOKEN_FIELDS)] == [
     Int32List, Int32List, Float32List, Int32List, MaskList], "update _well_formed to the Trajectory fields"
 _ID_BYTES, _LOGPROB_BYTES, _MASK_BYTES = (kind.dtype.itemsize for kind in (Int32List, Float32List, MaskList))
+_MASK_MAX = max(MaskList.allowed)  # one numpy max checks every mask byte: the allowed values are 0..max
+assert MaskList.allowed == bytes(range(_MASK_MAX + 1))
+_PROMPT_IDS, _COMPLETION_IDS = operator.attrgetter("prompt_ids"), operator.attrgetter("completion_ids")
 
 
-def summarize_group(frame: bytes) -> GroupSummary:
+def summarize_group(frame: bytes | memoryview) -> GroupSummary:
     """Check that `frame` is a valid TrajectoryGroup message and summarise it; raise DecodeError if not.
 
     The caller enforces the size limit first, as `decode` does."""
@@ -67,19 +71,20 @@ def summarize_group(frame: bytes) -> GroupSummary:
         raise DecodeError(f"not a trajectory group message: {error}") from None
     if version != SCHEMA_VERSION or kind != TrajectoryGroup.kind:  # type: ignore[attr-defined]
         raise DecodeError(f"not a trajectory group message: schema {version}, kind '{kind}'")
-    check_group_ids(group.group_id, [trajectory.group_id for trajectory in group.trajectories])
-    masks = b"".join(trajectory.loss_mask for trajectory in group.trajectories)
-    if not all(map(_well_formed, group.trajectories)) or masks.translate(None, MaskList.allowed):
-        for index, trajectory in enumerate(group.trajectories):  # find the problem, say it as decode would
+    trajectories = group.trajectories
+    check_group_ids(group.group_id, [trajectory.group_id for trajectory in trajectories])
+    masks = np.frombuffer(b"".join(trajectory.loss_mask for trajectory in trajectories), MaskList.dtype)
+    if not all(map(_well_formed, trajectories)) or (masks.size and masks.max() > _MASK_MAX):
+        for index, trajectory in enumerate(trajectories):  # find the problem, say it as decode would
             check_token_counts(_token_counts(index, trajectory))
-    versions = b"".join(trajectory.token_versions for trajectory in group.trajectories)
+    versions = np.frombuffer(b"".join(trajectory.token_versions for trajectory in trajectories), Int32List.dtype)
+    id_bytes = sum(map(len, map(_PROMPT_IDS, trajectories))) + sum(map(len, map(_COMPLETION_IDS, trajectories)))
     return GroupSummary(
         record_id=group.record_id,
         server_id=group.server_id,
-        num_samples=len(group.trajectories),
-        num_tokens=sum(len(t.prompt_ids) + len(t.completion_ids) for t in group.trajectories) // _ID_BYTES,
-        oldest_version=oldest_trained_version(np.frombuffer(versions, Int32List.dtype),
-                                              np.frombuffer(masks, MaskList.dtype)),
+        num_samples=len(trajectories),
+        num_tokens=id_bytes // _ID_BYTES,
+        oldest_version=oldest_trained_version(versions, masks),
     )
 
 

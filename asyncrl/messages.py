@@ -181,6 +181,7 @@ class AdmissionRequest:
     server_id: str  # asking rollout server
     wanted: int  # prompt groups it would like to start
     finished: int = 0  # groups it started earlier and has since sent or abandoned
+    request_id: str = ""  # unique per request; a resend repeats it and gets the first answer ("" = never repeated)
 
 
 @message("admission_grant")
@@ -334,14 +335,15 @@ def decode(data: bytes, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, expect: type
     return msg
 
 
-def group_body(frame: bytes) -> msgspec.Raw:
-    """The encoded TrajectoryGroup inside an envelope, without decoding it (for re-embedding)."""
-    if frame.startswith(_GROUP_PREFIX):
-        return msgspec.Raw(memoryview(frame)[len(_GROUP_PREFIX):])
+def group_body(frame: bytes | memoryview) -> msgspec.Raw:
+    """The encoded TrajectoryGroup inside an envelope, without decoding or copying it (for re-embedding)."""
+    view = memoryview(frame)
+    if view[:len(_GROUP_PREFIX)] == _GROUP_PREFIX:
+        return msgspec.Raw(view[len(_GROUP_PREFIX):])
     return _ENVELOPE.decode(frame)[2]
 
 
-def encode_batch(group_frames: Sequence[bytes], offsets: list[int], next_offset: int, dropped_stale: int) -> bytes:
+def encode_batch(group_frames: Sequence[bytes | memoryview], offsets: list[int], next_offset: int, dropped_stale: int) -> bytes:
     """Encode a Batch from already-encoded TrajectoryGroup messages, splicing their bytes in as they are."""
     raw_groups: Any = [group_body(frame) for frame in group_frames]
     return encode(Batch(groups=raw_groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped_stale))

@@ -5,6 +5,8 @@ stored for training (stored minus dropped as stale) and `running` the groups gra
 not yet reported finished. With the learner taking batch_groups per step this keeps every group
 within K versions of the learner when it is trained on; the read-time check enforces the bound
 whatever happens. A server that stops asking for admission_timeout_s has its running groups released.
+A request the client had to resend (its reply was lost or late) carries the same id and gets the
+first answer again, without counting its finished groups or its grant twice.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class ServerLease:
     running: int = 0  # groups granted and not reported finished
     last_seen: float = 0.0  # monotonic time of the last request
     waiting_since: float | None = None  # when the server was first granted less than it wanted
+    last_request: str = ""  # id of the last request applied
+    last_grant: int = 0  # what it was granted
 
 
 class Admission:
@@ -39,9 +43,14 @@ class Admission:
     def capacity(self, version: int, accepted: int) -> int:
         return (self.max_staleness + version + 1) * self.batch_groups - (accepted + self.running)
 
-    def grant(self, server_id: str, wanted: int, finished: int, version: int, accepted: int, now: float) -> int:
-        """Record the server's finished groups, then grant up to `wanted` within capacity."""
+    def grant(self, server_id: str, wanted: int, finished: int, version: int, accepted: int, now: float,
+              request_id: str = "") -> int:
+        """Record the server's finished groups, then grant up to `wanted` within capacity; a repeat of the
+        last request (same non-empty id) gets the same grant and changes nothing."""
         lease = self.leases.setdefault(server_id, ServerLease())
+        if request_id and request_id == lease.last_request:
+            lease.last_seen = now
+            return lease.last_grant
         lease.running = max(0, lease.running - max(0, finished))
         lease.last_seen = now
         granted = max(0, min(wanted, self.capacity(version, accepted)))
@@ -52,6 +61,7 @@ class Admission:
         elif lease.waiting_since is not None:
             self.wait_s += now - lease.waiting_since
             lease.waiting_since = None
+        lease.last_request, lease.last_grant = request_id, granted
         return granted
 
     def expire(self, now: float) -> None:

@@ -31,6 +31,7 @@ SEGMENT_SUFFIX = ".seg"
 OFFSET_DIGITS = 20  # segment names sort as numbers
 FSYNC_POLICIES = ("always", "batch", "none")
 IOV_MAX = os.sysconf("SC_IOV_MAX")  # most buffers one writev takes
+Payload = bytes | memoryview  # a record's bytes: a view of the ZeroMQ message it arrived in, or read from the log
 
 
 class LogCorruption(RuntimeError):
@@ -86,7 +87,7 @@ class SegmentLog:
     # ------------------------------------------------------------------------------------------
     # Writing
 
-    def append(self, payloads: list[bytes], sync: bool = True) -> int:
+    def append(self, payloads: list[Payload], sync: bool = True) -> int:
         """Append records durably per the fsync policy; return the offset of the first.
 
         With sync=False the "batch" policy's closing fsync is left to the caller (`sync_fd`, e.g. on a
@@ -131,7 +132,7 @@ class SegmentLog:
             segment.positions.pop()
         segment.size = size
 
-    def _write(self, payloads: list[bytes]) -> None:
+    def _write(self, payloads: list[Payload]) -> None:
         """Write records with as few system calls as possible, starting a new segment when one is full."""
         chunk: list[bytes] = []
         chunk_bytes = 0
@@ -146,7 +147,7 @@ class SegmentLog:
         if chunk:
             self._write_chunk(chunk)
 
-    def _write_chunk(self, payloads: list[bytes]) -> None:
+    def _write_chunk(self, payloads: list[Payload]) -> None:
         """One vectored write of header, payload, header, payload, ...: the payloads are not copied."""
         segment = self.segments[-1]
         buffers = []
@@ -261,7 +262,7 @@ def scan_segment(path: Path, is_last: bool) -> Segment:
     return segment
 
 
-def record_checksum(payload: bytes) -> int:
+def record_checksum(payload: Payload) -> int:
     return xxhash.xxh3_64_intdigest(payload) & CHECKSUM_MASK
 
 

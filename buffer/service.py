@@ -30,6 +30,8 @@ from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchReques
 from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
 from buffer.admission import Admission
 from buffer.background_sync import BackgroundSync
+from buffer.dir_lock import DirectoryLock
+from buffer.log import Payload
 from buffer.metrics import Counters, IngestRate
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
@@ -60,6 +62,7 @@ class BufferService:
         self.parked: list[ParkedRequest] = []
         self.running = True
         self._next_reject_log = 0.0
+        self._owns_context = context is None
         self.context = context or zmq.Context()
         self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
         self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
@@ -107,23 +110,27 @@ class BufferService:
         soonest = min(parked.deadline for parked in self.parked) - time.monotonic()
         return max(0, min(HOUSEKEEPING_MS, int(soonest * MS_PER_S)))
 
-    def _drain(self) -> list[list[bytes]]:
+    def _drain(self) -> list[list[zmq.Frame]]:
+        """Up to max_receive_batch waiting messages, as ZeroMQ frames: a record's bytes are checked and
+        written from the message ZeroMQ received them into, never copied (nothing keeps them after the
+        turn, so ZeroMQ's allocator reuses that memory for the next messages)."""
         messages = []
         while len(messages) < self.config.max_receive_batch:
             try:
-                messages.append(self.socket.recv_multipart(zmq.NOBLOCK))
+                messages.append(self.socket.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 break
         return messages
 
-    def handle(self, messages: list[list[bytes]]) -> None:
+    def handle(self, messages: list[list[zmq.Frame]]) -> None:
         """Ingest the trajectory groups among `messages` durably, then answer the rest in order."""
-        groups: list[tuple[bytes, GroupSummary, bytes]] = []
+        groups: list[tuple[bytes, GroupSummary, Payload]] = []
         controls: list[tuple[bytes, Any]] = []
-        for identity, *frames in messages:
-            parsed = self._parse(identity, frames)
+        for identity_frame, *frames in messages:
+            identity, payloads = identity_frame.bytes, [frame.buffer for frame in frames]
+            parsed = self._parse(identity, payloads)
             if isinstance(parsed, GroupSummary):
-                groups.append((identity, parsed, frames[0]))
+                groups.append((identity, parsed, payloads[0]))
             elif parsed is not None:
                 controls.append((identity, parsed))
         if groups:
@@ -135,7 +142,7 @@ class BufferService:
                 log.exception("failed to answer a '%s' request", type(message).kind)
                 self._reply(identity, ErrorReply(f"internal error answering '{type(message).kind}': {error}"))
 
-    def _parse(self, identity: bytes, frames: list[bytes]) -> GroupSummary | Any | None:
+    def _parse(self, identity: bytes, frames: list[Payload]) -> GroupSummary | Any | None:
         """A GroupSummary for a trajectory group, the message for anything else, None if rejected."""
         if len(frames) != 1:
             return self._reject(identity, f"expected 1 frame per message, got {len(frames)}")
@@ -170,7 +177,7 @@ class BufferService:
     # ------------------------------------------------------------------------------------------
     # Ingest
 
-    def _ingest(self, groups: list[tuple[bytes, GroupSummary, bytes]]) -> None:
+    def _ingest(self, groups: list[tuple[bytes, GroupSummary, Payload]]) -> None:
         """Write the groups; acknowledge them once durable (at once, or when their background fsync ends)."""
         try:
             results, unsynced = self.store.write([(summary, frame) for _, summary, frame in groups],
@@ -266,7 +273,7 @@ class BufferService:
             return
         selection = self.store.take(self._limits(parked.request))
         self._count_handout(selection)
-        self._send(parked.identity, encode_batch([entry.frame for entry in selection.taken],
+        self._send(parked.identity, encode_batch(self.store.frames(selection.taken),
                                                  [entry.offset for entry in selection.taken],
                                                  self.store.window.read_offset, len(selection.dropped)))
 
@@ -295,7 +302,7 @@ class BufferService:
 
     def _on_admission(self, identity: bytes, request: AdmissionRequest) -> None:
         granted = self.admission.grant(request.server_id, request.wanted, request.finished, self.policy_version,
-                                       self.store.accepted, time.monotonic())
+                                       self.store.accepted, time.monotonic(), request.request_id)
         self._reply(identity, AdmissionGrant(granted, self.policy_version))
 
     def _on_policy_version(self, identity: bytes, update: PolicyVersion) -> None:
@@ -337,15 +344,19 @@ class BufferService:
         self.socket.close()
         if self.security is not None:
             self.security.stop()
+        if self._owns_context:
+            self.context.term()  # waits until the listener is really closed: a successor can bind its address
         self.store.close()
 
 
 def run_buffer(config: BufferConfig, directory: str | Path) -> None:
-    """Serve until SIGTERM or SIGINT, then close the log cleanly (a kill -9 is recovered on the next start)."""
-    service = BufferService(config, directory)
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop_signal, lambda *_: service.stop())
-    service.serve()
+    """Serve until SIGTERM or SIGINT, then close the log cleanly (a kill -9 is recovered on the next start).
+    The directory is locked first: a predecessor still shutting down is waited for, never written beside."""
+    with DirectoryLock(Path(directory), config.lock_timeout_s):
+        service = BufferService(config, directory)
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop_signal, lambda *_: service.stop())
+        service.serve()
 
 
 def _write_endpoint(directory: Path, endpoint: str) -> None:

@@ -17,7 +17,7 @@ from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, record_id_of, summarize_group
 from asyncrl.messages import DecodeError
 from buffer.commits import CommitPoint, load_commit, save_commit
-from buffer.log import LogCorruption, SegmentLog
+from buffer.log import LogCorruption, Payload, SegmentLog
 from buffer.window import BatchLimits, Entry, PendingWindow, Selection
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Unsynced:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(entry.frame) for entry in self.entries)
+        return sum(entry.nbytes for entry in self.entries)
 
 
 class TrajectoryStore:
@@ -90,7 +90,7 @@ class TrajectoryStore:
     # ------------------------------------------------------------------------------------------
     # Ingest
 
-    def ingest(self, records: list[tuple[GroupSummary, bytes]]) -> list[Stored]:
+    def ingest(self, records: list[tuple[GroupSummary, Payload]]) -> list[Stored]:
         """Append the new records in one log write (and one fsync under the batch policy) and publish them.
 
         Raises OSError when the log cannot be written; nothing of the call is stored then."""
@@ -98,14 +98,14 @@ class TrajectoryStore:
         self.publish(len(self.unsynced))
         return results
 
-    def write(self, records: list[tuple[GroupSummary, bytes]], sync: bool) -> tuple[list[Stored], Unsynced]:
+    def write(self, records: list[tuple[GroupSummary, Payload]], sync: bool) -> tuple[list[Stored], Unsynced]:
         """Append the new records in one log write; with sync=False the batch policy's fsync is the caller's.
 
         The records stay invisible to consumers (but known as duplicates) until `publish`. Raises OSError
         when the log cannot be written; nothing of the call is stored then."""
         results: list[Stored] = []
         staged: dict[str, int] = {}
-        frames: list[bytes] = []
+        frames: list[Payload] = []
         entries: list[Entry] = []
         staged_bytes = 0
         memory_used = self.window.bytes + sum(unsynced.nbytes for unsynced in self.unsynced)
@@ -183,6 +183,10 @@ class TrajectoryStore:
         else:
             self.window.rewind(offset, self._entries_from_log(offset, self.window.read_offset))
 
+    def frames(self, entries: list[Entry]) -> list[bytes]:
+        """The records' bytes, read back from the log (checksums checked)."""
+        return [self.log.read(entry.offset) for entry in entries]
+
     def take(self, limits: BatchLimits) -> Selection:
         selection = self.window.take(limits)
         self._drops_since_commit.update(entry.offset for entry in selection.dropped)
@@ -227,8 +231,8 @@ class TrajectoryStore:
         self.log.close()
 
 
-def _entry(offset: int, summary: GroupSummary, frame: bytes) -> Entry:
-    return Entry(offset, frame, summary.num_samples, summary.num_tokens, summary.oldest_version)
+def _entry(offset: int, summary: GroupSummary, frame: Payload) -> Entry:
+    return Entry(offset, len(frame), summary.num_samples, summary.num_tokens, summary.oldest_version)
 
 
 def _checked(offset: int, parse: Callable[[bytes], _T], frame: bytes) -> _T:

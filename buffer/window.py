@@ -1,4 +1,7 @@
-"""The records from the read cursor to the end of the log, held in memory, and batch selection.
+"""The records from the read cursor to the end of the log, summarised in memory, and batch selection.
+
+An entry holds what selection needs (offset, size, samples, tokens, oldest version), not the record's
+bytes: those are in the log (and the page cache), and are read back when a batch hands them out.
 
 Selection walks from the cursor in log order. A group whose staleness (judged now, for the requesting
 learner's version) exceeds the bound is dropped whole; the others are taken whole until the batch is
@@ -18,7 +21,7 @@ from asyncrl.staleness import staleness
 @dataclass(frozen=True)
 class Entry:
     offset: int  # position in the log
-    frame: bytes  # the encoded TrajectoryGroup message as received
+    nbytes: int  # size of the encoded TrajectoryGroup message (the log holds its bytes)
     num_samples: int  # trajectories in the group
     num_tokens: int  # prompt + completion tokens of the group
     oldest_version: int  # oldest trained token version (-1 if none)
@@ -67,7 +70,7 @@ class PendingWindow:
         if entry.offset != self.end_offset:
             raise ValueError(f"entry at offset {entry.offset} does not follow the window end {self.end_offset}")
         self.entries.append(entry)
-        self.bytes += len(entry.frame)
+        self.bytes += entry.nbytes
 
     def plan(self, limits: BatchLimits) -> Selection:
         """What `take` would hand out now, without consuming anything."""
@@ -79,7 +82,7 @@ class PendingWindow:
                 selection.dropped.append(entry)
                 selection.consumed += 1
                 continue
-            grown = (samples + entry.num_samples, tokens + entry.num_tokens, nbytes + len(entry.frame))
+            grown = (samples + entry.num_samples, tokens + entry.num_tokens, nbytes + entry.nbytes)
             if selection.taken and limits.overflows(*grown):
                 selection.full = True
                 break
@@ -100,7 +103,7 @@ class PendingWindow:
 
     def skip(self, count: int) -> None:
         for _ in range(count):
-            self.bytes -= len(self.entries.popleft().frame)
+            self.bytes -= self.entries.popleft().nbytes
         self.read_offset += count
 
     def rewind(self, offset: int, earlier: Iterable[Entry]) -> None:
@@ -109,5 +112,5 @@ class PendingWindow:
         if len(restored) != self.read_offset - offset:
             raise ValueError(f"rewind to {offset} needs {self.read_offset - offset} records, got {len(restored)}")
         self.entries.extendleft(reversed(restored))
-        self.bytes += sum(len(entry.frame) for entry in restored)
+        self.bytes += sum(entry.nbytes for entry in restored)
         self.read_offset = offset

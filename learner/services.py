@@ -47,7 +47,7 @@ class LearnerServices:
         coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
                                       sync.liveness_s)
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, curve_dir=config.buffer.curve_dir,
-                                  timeout_s=config.buffer.client_timeout_s)
+                                  timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s)
         (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"buffer": address, "sync": coordinator.address}))
         log.info("buffer at %s, weight sync at %s", address, coordinator.address)
         metrics = MetricsLogger(run_dir, config.metrics, _flat_config(run_dir))

@@ -77,9 +77,10 @@ class RolloutServer:
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
                           rollout.weight_sync.heartbeat_s, self._counters)
         sync_task = asyncio.create_task(sync.run())
-        admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=self.config.buffer.curve_dir,
-                                    timeout_s=self.config.buffer.client_timeout_s)
-        producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=self.config.buffer.curve_dir,
+        buffer = self.config.buffer
+        admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
+                                    timeout_s=buffer.client_timeout_s, resend_s=buffer.client_resend_s)
+        producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=buffer.curve_dir, ack_timeout_s=buffer.client_resend_s,
                                       deadline_s=rollout.send_deadline_s)
         try:
             with RewardScorer(self.config.reward) as scorer:

@@ -233,6 +233,7 @@ def report(args: argparse.Namespace, root: Path) -> None:
         "ack_p99_ms": round(durable_row["ack_p99_ms"], 2),
         "delivery_traj_per_s": round(rows["delivery"]["traj_per_s"]),
         "ingest_nofsync_traj_per_s": round(rows["none"]["traj_per_s"]),
+        "buffer_nofsync_cpu_us_per_traj": round(rows["none"].get("cpu_us_per_traj", 0), 1) or None,
         "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
         "raw_zmq_lists_traj_per_s": round(rows["raw_lists"]["traj_per_s"]),
         "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),

@@ -26,6 +26,7 @@ class BufferConfig:
     bind_host: str = "127.0.0.1"  # interface the service binds; anything but loopback requires curve_dir
     port: int = bounded(0, 0, 65535)  # TCP port of the service; 0 = a free port, written to <dir>/endpoint
     dir: str = ""  # log segments, committed offset and endpoint file; empty = <run dir>/buffer
+    lock_timeout_s: float = bounded(30.0, 0.0)  # a buffer whose dir another buffer process holds waits this long, then fails
     fsync: str = one_of("batch", "always", "none")  # before acks: fsync per received batch, per record, or never
     segment_bytes: int = bounded(64 * 2**20, 4096)  # log segments close past this size; retention deletes whole ones
     max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
@@ -39,6 +40,7 @@ class BufferConfig:
     stats_window_s: float = bounded(10.0, 0.1)  # window of the ingest-rate metrics
     curve_dir: str = ""  # CURVE keys from `asyncrl keygen`; set = encrypt and authenticate every connection
     client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
+    client_resend_s: float = bounded(5.0, 0.01)  # clients: resend a request or record unanswered this long (a restarted buffer gets it)
 
     def cross_checks(self) -> list[tuple[str, str]]:
         problems = []

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import uuid
+
 import zmq
 
 from asyncrl.messages import (AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition, BufferStats,
@@ -12,15 +15,20 @@ from asyncrl.transport.sockets import MS_PER_S, RequestChannel
 class AdmissionClient:
     """A rollout server asks how many new prompt groups it may start.
 
-    Report in `finished` every group started earlier and since sent (acknowledged) or abandoned, once."""
+    Report in `finished` every group started earlier and since sent (acknowledged) or abandoned, once.
+    Each request carries an id unique to this client (a random prefix, then a count), so the buffer
+    applies a request the channel had to resend only once."""
 
     def __init__(self, address: str, server_id: str, *, curve_dir: str = "", timeout_s: float = 30.0,
-                 context: zmq.Context | None = None) -> None:
+                 resend_s: float = 5.0, context: zmq.Context | None = None) -> None:
         self.server_id = server_id
-        self.channel = RequestChannel(address, curve_dir, timeout_s, context)
+        self.channel = RequestChannel(address, curve_dir, timeout_s, context, resend_s)
+        self._prefix = uuid.uuid4().hex  # a restarted server's ids never repeat its previous process's
+        self._numbers = itertools.count(1)
 
     def request(self, wanted: int, finished: int = 0) -> AdmissionGrant:
-        return self.channel.request(AdmissionRequest(self.server_id, wanted, finished), AdmissionGrant)
+        request_id = f"{self._prefix}-{next(self._numbers)}"
+        return self.channel.request(AdmissionRequest(self.server_id, wanted, finished, request_id), AdmissionGrant)
 
     def close(self) -> None:
         self.channel.close()
@@ -35,11 +43,10 @@ class BufferConsumer:
     either side resumes exactly where the learner is."""
 
     def __init__(self, address: str, consumer_id: str, *, start_offset: int = -1, curve_dir: str = "",
-                 timeout_s: float = 30.0, context: zmq.Context | None = None) -> None:
+                 timeout_s: float = 30.0, resend_s: float = 5.0, context: zmq.Context | None = None) -> None:
         self.consumer_id = consumer_id
         self.position = start_offset
-        self.timeout_s = timeout_s
-        self.channel = RequestChannel(address, curve_dir, timeout_s, context)
+        self.channel = RequestChannel(address, curve_dir, timeout_s, context, resend_s)
 
     def next_batch(self, policy_version: int, max_samples: int = 0, max_tokens: int = 0,
                    wait_s: float = 0.0) -> Batch:
@@ -51,7 +58,7 @@ class BufferConsumer:
             self.position = self.stats().read_offset
         request = BatchRequest(self.consumer_id, policy_version, max_samples, max_tokens,
                                timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position)
-        batch = self.channel.request(request, Batch, timeout_s=wait_s + self.timeout_s)
+        batch = self.channel.request(request, Batch, wait_s=wait_s)
         self.position = batch.next_offset
         return batch
 

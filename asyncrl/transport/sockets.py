@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -101,23 +102,38 @@ def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> z
 
 
 class RequestChannel:
-    """One request at a time to the buffer. A reply that misses its deadline could arrive later and be
-    taken for the next request's reply, so a timeout replaces the socket."""
+    """One request at a time to the buffer. A request unanswered for `resend_s` (beyond the time the buffer
+    may hold it) is sent again, on a fresh socket, until `timeout_s` has passed without a reply: a request
+    that died with a buffer reaches the buffer restarted on the same address, and a late reply to an
+    earlier copy is never taken for a later request's reply (it goes to the closed socket). Every request
+    the buffer takes is safe to repeat: batch requests carry the consumer's position, commits and versions
+    are idempotent, and an admission request carries an id the buffer answers once."""
 
     def __init__(self, address: str, curve_dir: str = "", timeout_s: float = 30.0,
-                 context: zmq.Context | None = None) -> None:
-        self.address, self.curve_dir, self.timeout_s = address, curve_dir, timeout_s
+                 context: zmq.Context | None = None, resend_s: float = 5.0) -> None:
+        self.address, self.curve_dir, self.timeout_s, self.resend_s = address, curve_dir, timeout_s, resend_s
         self.context = context or zmq.Context.instance()
         self.socket = connect_dealer(self.context, address, curve_dir)
+        self.resends = 0  # copies sent again because no reply came in time
 
-    def request(self, message: Any, expect: type[_T], timeout_s: float | None = None) -> _T:
-        """Send `message`, return the reply of type `expect`; BufferTimeout past the deadline."""
-        deadline_s = self.timeout_s if timeout_s is None else timeout_s
-        self.socket.send(encode(message))
-        if not self.socket.poll(int(deadline_s * MS_PER_S), zmq.POLLIN):
+    def request(self, message: Any, expect: type[_T], wait_s: float = 0.0) -> _T:
+        """Send `message`, return the reply of type `expect`. The buffer may hold the request up to `wait_s`
+        (a batch request waiting for data); BufferTimeout after wait_s + timeout_s without a reply."""
+        frame = encode(message)
+        deadline = time.monotonic() + wait_s + self.timeout_s
+        attempts = 0
+        while True:
+            self.socket.send(frame)
+            attempts += 1
+            now = time.monotonic()
+            until = min(deadline, now + wait_s + self.resend_s)
+            if self.socket.poll(max(0, int((until - now) * MS_PER_S)), zmq.POLLIN):
+                break
             self._reset()
-            raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
-                                f"within {deadline_s:.1f}s")
+            if time.monotonic() >= deadline:
+                raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
+                                    f"within {wait_s + self.timeout_s:.1f}s ({attempts} attempts)")
+            self.resends += 1
         reply = decode(self.socket.recv())
         if isinstance(reply, ErrorReply):
             raise BufferRequestError(f"buffer at {self.address} refused {type(message).__name__}: {reply.error}")

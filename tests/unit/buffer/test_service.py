@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from asyncrl.messages import Ack, ErrorReply, decode, encode
+from asyncrl.net import free_port
 from asyncrl.synthetic import synthetic_group
 from asyncrl.transport import (AdmissionClient, BufferConsumer, BufferRequestError, BufferTimeout,
                                TrajectoryProducer, generate_curve_keys)
@@ -19,6 +20,8 @@ from buffer.service import BufferService
 
 REPLY_TIMEOUT_MS = 5000
 TOKENS = 16
+RESEND_S = 0.2  # clients' resend period in the restart test
+PARK_S = 1.0  # how long that test's batch request may wait in the buffer
 
 
 def group(record_id: str, version: int = 0, samples: int = 1):
@@ -218,3 +221,35 @@ def test_a_failed_background_fsync_is_retried_by_the_producer_and_stored_once(se
     assert sorted(ack.offset for ack in acks) == [0, 1, 2, 3]
     batch = BufferConsumer(service.endpoint, "learner").next_batch(0)
     assert sorted(g.record_id for g in batch.groups) == [f"f{i}" for i in range(4)]
+
+
+def test_a_request_lost_with_a_stopped_buffer_is_answered_by_its_successor(serve, small_config, tmp_path):
+    config = dataclasses.replace(small_config, port=free_port())
+    first = BufferService(config, tmp_path / "log")
+    thread = threading.Thread(target=first.serve, daemon=True)
+    thread.start()
+    producer = TrajectoryProducer(first.endpoint, ack_timeout_s=RESEND_S)
+    for record_id in ("g0", "g1"):
+        producer.submit(group(record_id))
+    assert sorted(ack.offset for ack in producer.flush()) == [0, 1]
+    consumer = BufferConsumer(first.endpoint, "learner", resend_s=RESEND_S)
+    assert [g.record_id for g in consumer.next_batch(0, max_samples=1).groups] == ["g0"]
+    result: dict = {}
+    waiting = threading.Thread(target=lambda: result.setdefault("batch", consumer.next_batch(0, max_samples=3, wait_s=PARK_S)))
+    waiting.start()
+    deadline = time.monotonic() + REPLY_TIMEOUT_MS / 1000
+    while not first.parked:  # only g1 is there: the request waits in the buffer, and dies with it
+        assert time.monotonic() < deadline, "the batch request was never parked"
+        time.sleep(0.01)
+    first.stop()
+    thread.join(timeout=5)
+
+    second = serve(config, tmp_path / "log")  # same directory, same address
+    assert second.endpoint == first.endpoint
+    for record_id in ("g2", "g3"):
+        producer.submit(group(record_id))  # the producer's socket reconnects by itself
+    assert sorted((ack.offset, ack.duplicate) for ack in producer.flush()) == [(2, False), (3, False)]
+    waiting.join(timeout=60)
+    batch = result["batch"]
+    assert [g.record_id for g in batch.groups] == ["g1", "g2", "g3"] and batch.offsets == [1, 2, 3]
+    assert consumer.position == 4 and consumer.channel.resends >= 1

@@ -18,8 +18,9 @@ def records(ids, version: int = 0):
     return [(summarize_group(frame), frame) for frame in frames]
 
 
-def taken_ids(selection) -> list[str]:
-    return [summarize_group(entry.frame).record_id for entry in selection.taken]
+def taken_ids(store: TrajectoryStore, selection) -> list[str]:
+    """Record ids of the selection's groups, as the store hands them out (read back from its log)."""
+    return [summarize_group(frame).record_id for frame in store.frames(selection.taken)]
 
 
 def test_resends_are_acknowledged_but_stored_once(tmp_path, small_config):
@@ -37,13 +38,13 @@ def test_resends_are_acknowledged_but_stored_once(tmp_path, small_config):
 def test_restart_resumes_from_the_committed_offset(tmp_path, small_config):
     store = TrajectoryStore(small_config, tmp_path)
     store.ingest(records(range(10)))
-    assert taken_ids(store.take(BatchLimits(0, 1, max_samples=4))) == ["0", "1", "2", "3"]
+    assert taken_ids(store, store.take(BatchLimits(0, 1, max_samples=4))) == ["0", "1", "2", "3"]
     store.commit(4, policy_version=1)
     store.take(BatchLimits(0, 1, max_samples=4))  # handed out, not committed: the consumer crashed
     store.close()
     restarted = TrajectoryStore(small_config, tmp_path)
     assert (restarted.committed.offset, restarted.committed.policy_version) == (4, 1)
-    assert taken_ids(restarted.take(BatchLimits(1, 1))) == [str(i) for i in range(4, 10)]
+    assert taken_ids(restarted, restarted.take(BatchLimits(1, 1))) == [str(i) for i in range(4, 10)]
 
 
 def test_seek_rewinds_to_the_checkpoint_and_forward_past_handed_out(tmp_path, small_config):
@@ -52,9 +53,9 @@ def test_seek_rewinds_to_the_checkpoint_and_forward_past_handed_out(tmp_path, sm
     store.take(BatchLimits(0, 1, max_samples=20))
     store.commit(5, 0)
     store.seek(5)  # the consumer restarted from a checkpoint at offset 5
-    assert taken_ids(store.take(BatchLimits(0, 1, max_samples=3))) == ["5", "6", "7"]
+    assert taken_ids(store, store.take(BatchLimits(0, 1, max_samples=3))) == ["5", "6", "7"]
     store.seek(25)
-    assert taken_ids(store.take(BatchLimits(0, 1))) == [str(i) for i in range(25, 30)]
+    assert taken_ids(store, store.take(BatchLimits(0, 1))) == [str(i) for i in range(25, 30)]
     with pytest.raises(OffsetError):
         store.seek(4)  # below the commit: released
     with pytest.raises(OffsetError):
@@ -114,7 +115,7 @@ def test_records_waiting_for_their_fsync_are_known_but_not_handed_out(tmp_path, 
     assert [(r.offset, r.duplicate) for r in results + again] == [(0, False), (1, False), (1, True), (2, False)]
     assert store.end_offset == 0 and store.take(BatchLimits(0, 1)).taken == []
     assert store.publish(1) == [first]
-    assert store.end_offset == 2 and taken_ids(store.take(BatchLimits(0, 1))) == ["0", "1"]
+    assert store.end_offset == 2 and taken_ids(store, store.take(BatchLimits(0, 1))) == ["0", "1"]
     assert store.publish(1) == [second] and store.end_offset == 3
 
 

@@ -10,7 +10,7 @@ from buffer.window import BatchLimits, Entry, PendingWindow
 def window_of(versions: list[int], samples: int = 2, tokens: int = 10, start: int = 0) -> PendingWindow:
     window = PendingWindow(start)
     for index, version in enumerate(versions):
-        window.append(Entry(start + index, b"x" * 7, samples, tokens, version))
+        window.append(Entry(start + index, 7, samples, tokens, version))
     return window
 
 
