@@ -147,3 +147,20 @@ def test_episode_time_budget_drops_the_cut_turn_and_keeps_the_rest():
     episode = asyncio.run(loop_for(engine, episode_timeout_s=0.3).run(countdown_row(4), SAMPLING))
     assert (episode.finish_reason, episode.num_turns, episode.error) == ("time_budget", 1, "")
     assert episode.transcript.loss_mask == [1, 1] + [0] * OBSERVATION_LEN
+
+
+def test_episode_reaches_the_learner_through_the_wire_unchanged():
+    from asyncrl.messages import TrajectoryGroup, decode, encode
+    from learner.batching import collate
+
+    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5)], updates={0: 4})
+    trajectory = asyncio.run(loop_for(engine).run(countdown_row(2), SAMPLING)).trajectory("g", "src")
+    group = decode(encode(TrajectoryGroup("g", "g", "server-0", [trajectory])))
+    assert group.trajectories[0] == trajectory
+    batch = collate([group], TOKENIZER.pad_token_id)
+    start = len(trajectory.prompt_ids) - 1  # the learner predicts token i+1 at position i
+    targets = slice(start, start + len(trajectory.completion_ids))
+    assert batch.input_ids[0].tolist() == trajectory.prompt_ids + trajectory.completion_ids
+    assert batch.loss_mask[0, targets].tolist() == [1.0] * 3 + [0.0] * OBSERVATION_LEN + [1.0] * 2
+    assert batch.token_versions[0, targets].tolist() == [3] * (3 + OBSERVATION_LEN) + [4] * 2
+    assert batch.loss_mask[0, :start].sum() == 0
