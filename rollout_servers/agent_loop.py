@@ -67,21 +67,8 @@ class Episode:
     info: dict[str, float] = field(default_factory=dict)  # the last step's info
 
     def trajectory(self, group_id: str, data_source: str) -> Trajectory:
-        transcript = self.transcript
-        return Trajectory(
-            prompt_ids=transcript.prompt_ids,
-            completion_ids=transcript.completion_ids,
-            behaviour_logprobs=transcript.logprobs,
-            token_versions=transcript.versions,
-            loss_mask=transcript.loss_mask,
-            reward=self.reward,
-            group_id=group_id,
-            data_source=data_source,
-            finish_reason=self.finish_reason,
-            reward_info=self.info,
-            reward_error=self.error,
-            num_turns=self.num_turns,
-        )
+        return self.transcript.trajectory(self.reward, group_id, data_source, self.finish_reason, self.num_turns,
+                                          self.info, self.error)
 
 
 class AgentLoop:

@@ -4,6 +4,7 @@ group scored off the engine's loop and sent to the buffer (acknowledged), weight
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -20,6 +21,8 @@ from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.chat_endpoint import ChatEndpoint
+from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
@@ -56,6 +59,8 @@ class RolloutServer:
         prompts its previous process left unacknowledged (see `PromptStream`); None keeps it in memory."""
         self.config = config
         self.server_id = f"server-{server_index}"
+        self._index = server_index
+        self._state_dir = state_dir
         # Sampling seeds follow the prompt order: a rerun with the same run.seed samples the same
         # completions for the same prompts (what makes K=0 reproduce learner.mode=sync exactly).
         self._seed_base = config.run.seed + _SERVER_SEED_STRIDE * server_index
@@ -86,7 +91,9 @@ class RolloutServer:
                                     timeout_s=self.config.buffer.client_timeout_s)
         producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=self.config.buffer.curve_dir,
                                       deadline_s=rollout.send_deadline_s)
+        chat = None
         try:
+            chat = await self._start_chat(engine, producer)
             with RewardScorer(self.config.reward) as scorer:
                 validation = self._start_validation(engine, scorer, agent)
                 try:
@@ -95,10 +102,30 @@ class RolloutServer:
                     if validation is not None:
                         await cancel(validation)
         finally:
+            if chat is not None:
+                await chat.stop()
             await cancel(sync_task)
             for closable in (sync, admission, producer):
                 closable.close()
             engine.shutdown()
+
+    async def _start_chat(self, engine: RolloutEngine, producer: TrajectoryProducer) -> ChatEndpoint | None:
+        """The OpenAI-compatible endpoint when `rollout.chat.enabled`; its address goes to `<server_id>.chat.json`."""
+        settings, rollout = self.config.rollout.chat, self.config.rollout
+        if not settings.enabled:
+            return None
+        sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id)
+
+        async def send(group: TrajectoryGroup):
+            return await asyncio.to_thread(self._locked, producer.send, group)
+
+        endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send)
+        port = await endpoint.start(settings, settings.port + self._index if settings.port else 0)
+        if self._state_dir is not None:
+            self._state_dir.mkdir(parents=True, exist_ok=True)
+            address = {"url": f"http://{settings.host}:{port}/v1"}
+            (self._state_dir / f"{self.server_id}.chat.json").write_text(json.dumps(address))
+        return endpoint
 
     def _validator(self, server_index: int) -> Validator | None:
         if server_index != VALIDATING_SERVER or not self.config.validation.every:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from asyncrl.messages import Trajectory
+
 OBSERVATION_LOGPROB = 0.0  # behaviour log-prob recorded for tokens the model did not sample
 
 
@@ -51,3 +53,21 @@ class Transcript:
     def untrained(self) -> None:
         """Mask every token: the episode stays in its group but teaches nothing (its environment failed)."""
         self.loss_mask = [0] * len(self.completion_ids)
+
+    def trajectory(self, reward: float, group_id: str, data_source: str, finish_reason: str, num_turns: int,
+                   info: dict[str, float] | None = None, error: str = "") -> Trajectory:
+        """The episode as the buffer and the learner take it."""
+        return Trajectory(
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            behaviour_logprobs=self.logprobs,
+            token_versions=self.versions,
+            loss_mask=self.loss_mask,
+            reward=reward,
+            group_id=group_id,
+            data_source=data_source,
+            finish_reason=finish_reason,
+            reward_info=dict(info or {}),
+            reward_error=error,
+            num_turns=num_turns,
+        )

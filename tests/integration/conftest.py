@@ -34,6 +34,7 @@ SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
 
 _T = TypeVar("_T")
+_KEPT_ALIVE: list[Any] = []  # objects that must never be garbage-collected (see rollout_engine)
 
 
 @dataclass
@@ -96,6 +97,10 @@ def rollout_engine(tiny_models: TinyModels, loop_runner: LoopRunner) -> Iterator
     engine = loop_runner.run(RolloutEngine.start(str(tiny_models.served_dir), config))
     yield engine
     engine.shutdown()
+    # Kept referenced until the process exits (tests/conftest.py leaves with os._exit): collected, vLLM's ZeroMQ
+    # contexts block forever in Context.term(), and a garbage collection can run before the exit (seen while
+    # pytest's terminal summary imported a plugin's module).
+    _KEPT_ALIVE.append(engine)
 
 
 @pytest.fixture(scope="session")

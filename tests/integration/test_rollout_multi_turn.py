@@ -122,3 +122,70 @@ def test_update_between_turns_gives_later_turns_the_new_version(rollout_engine, 
     assert transcript.versions[first_observation_end:] == [old + 1] * (len(transcript.versions) - first_observation_end)
     assert [c.versions for _, c in engine.calls] == [[old] * TURN_TOKENS] + [[old + 1] * TURN_TOKENS] * (TURNS - 1)
     assert episode.trajectory("g", "countdown").oldest_version() == old
+
+
+def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, loop_runner, tiny_models):
+    """An external agent drives the policy over HTTP for two turns; closing the session sends a trajectory
+    whose ids, masks, log-probs and versions are the engine's, token by token."""
+    import aiohttp
+
+    from asyncrl.config.rollout import ChatEndpointConfig
+    from asyncrl.messages import Ack
+    from rollout_servers.chat_endpoint import ChatEndpoint
+    from rollout_servers.chat_sessions import ChatSessions
+
+    engine = RecordingEngine(rollout_engine)
+    tokenizer = tiny_models.tokenizer
+    sent: list = []
+
+    async def sink(group):
+        sent.append(group)
+        return Ack(record_id=group.record_id, offset=len(sent) - 1)
+
+    settings = ChatEndpointConfig(enabled=True)
+    endpoint = ChatEndpoint(ChatSessions(engine, tokenizer, MAX_MODEL_LEN, settings, "server-0"), SAMPLING,
+                            "tiny", sink)
+    version = rollout_engine.current_version
+
+    async def agent() -> tuple[list[dict], dict]:
+        port = await endpoint.start(settings, 0)
+        base = f"http://127.0.0.1:{port}/v1"
+        messages = [{"role": "user", "content": "hi"}]
+        replies = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for turn, seed in enumerate((31, 32)):
+                    body = {"model": "tiny", "messages": messages, "session_id": "s1", "seed": seed, "logprobs": True}
+                    async with http.post(f"{base}/chat/completions", json=body) as response:
+                        assert response.status == 200, await response.text()
+                        replies.append(await response.json())
+                    messages = messages + [replies[-1]["choices"][0]["message"], {"role": "tool", "content": str(turn)}]
+                async with http.post(f"{base}/chat/completions",
+                                     json={"messages": [{"role": "user", "content": "edited"}], "session_id": "s1"}) as response:
+                    assert response.status == 409  # history that is not what the session recorded
+                async with http.post(f"{base}/sessions/s1/close", json={"reward": 0.75}) as response:
+                    closed = await response.json()
+        finally:
+            await endpoint.stop()
+        return replies, closed
+
+    replies, closed = loop_runner.run(agent())
+
+    assert closed == {"session_id": "s1", "record_id": "server-0-chat-s1", "sent": True, "offset": 0, "duplicate": False}
+    (group,) = sent
+    (trajectory,) = group.trajectories
+    (first_prompt, first), (second_prompt, second) = engine.calls
+    chat = ChatDelta(tokenizer)
+    observation = chat.observation_ids([{"role": "tool", "content": "0"}], first.token_ids)
+    assert first_prompt == trajectory.prompt_ids == chat.prompt_ids([{"role": "user", "content": "hi"}])
+    assert second_prompt == first_prompt + first.token_ids + observation
+    assert trajectory.completion_ids == first.token_ids + observation + second.token_ids
+    assert trajectory.loss_mask == [1] * TURN_TOKENS + [0] * len(observation) + [1] * TURN_TOKENS
+    assert trajectory.behaviour_logprobs == first.logprobs + [0.0] * len(observation) + second.logprobs
+    assert trajectory.token_versions == [version] * len(trajectory.completion_ids)
+    assert (trajectory.reward, trajectory.num_turns, trajectory.finish_reason) == (0.75, 2, "session_closed")
+    assert [r["choices"][0]["message"]["content"] for r in replies] == [
+        tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in (first, second)]
+    assert [t["logprob"] for t in replies[0]["choices"][0]["logprobs"]["content"]] == first.logprobs
+    assert replies[1]["usage"] == {"prompt_tokens": len(second_prompt), "completion_tokens": TURN_TOKENS,
+                                   "total_tokens": len(second_prompt) + TURN_TOKENS}
