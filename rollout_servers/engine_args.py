@@ -27,6 +27,7 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> Asy
         seed=engine.seed,
         logprobs_mode=engine.logprobs_mode,
         max_num_seqs=max_inflight,
+        enable_chunked_prefill=vllm_compat.chunked_prefill(),
         weight_transfer_config={"backend": BACKEND_NAME},
         disable_log_stats=True,
     )
