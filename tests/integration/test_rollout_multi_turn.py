@@ -3,8 +3,9 @@ across turns, the learner's ids equal the engine's ids, and a weight update betw
 turn's tokens the new version.
 
 This file sorts after `test_rollout_engine.py`, whose tests move the shared engine's weights and expect
-version 0 first; here the engine may be at any version, holding the served model's weights (the state
-`test_rollout_engine.py` leaves, and the start state), and the update sends those same weights again.
+version 0 first. Here the engine may hold any weights at any version (and a weight-sync group that a
+test there replaced), so a module fixture first sends it the served model's weights over a new group,
+as the next version; the update between turns sends those same weights again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, EnvironmentRegistry
 from asyncrl.weight_transfer import update_info_for, weights_for_transfer
 from rollout_servers.agent_loop import AgentLoop
+from tests.integration.conftest import join_fresh_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -30,6 +32,26 @@ TURN_TOKENS = 6  # tokens per model turn (EOS ignored: fixed lengths)
 MAX_MODEL_LEN = 256  # the shared engine's context
 LOGPROB_TOLERANCE = 1e-4  # float32 on both sides, as in test_rollout_engine.py
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=TURN_TOKENS, ignore_eos=True, n=1)
+
+
+@pytest.fixture(scope="module")
+def served_sender(rollout_engine, loop_runner, tiny_models):
+    """A weight sender whose group the engine has joined, after it sent the served model as the next version."""
+    named = weights_for_transfer(tiny_models.served)
+
+    async def serve_known_weights():
+        sender = await join_fresh_group(rollout_engine)
+        await send(rollout_engine, sender, named, rollout_engine.current_version + 1)
+        return sender
+
+    sender = loop_runner.run(serve_known_weights())
+    yield sender
+    sender.close()
+
+
+async def send(engine, sender, named, version: int) -> None:
+    await asyncio.gather(asyncio.to_thread(sender.send_weights, named),
+                         engine.update_weights(update_info_for(named), version))
 
 
 class RecordingEngine:
@@ -92,7 +114,8 @@ def check_episode_tokens(episode, engine: RecordingEngine, tokenizer, served_mod
     assert len(gaps) == TURNS * TURN_TOKENS and max(gaps) < LOGPROB_TOLERANCE
 
 
-def test_episode_ids_masks_logprobs_and_versions_token_by_token(rollout_engine, loop_runner, tiny_models):
+def test_episode_ids_masks_logprobs_and_versions_token_by_token(rollout_engine, served_sender, loop_runner,
+                                                                tiny_models):
     engine = RecordingEngine(rollout_engine)
     version = rollout_engine.current_version
     episode = loop_runner.run(run_episode(engine, tiny_models.tokenizer, seed=21))
@@ -103,14 +126,13 @@ def test_episode_ids_masks_logprobs_and_versions_token_by_token(rollout_engine, 
     assert episode.transcript.versions == [version] * len(episode.transcript.completion_ids)
 
 
-def test_update_between_turns_gives_later_turns_the_new_version(rollout_engine, weight_sender, loop_runner,
+def test_update_between_turns_gives_later_turns_the_new_version(rollout_engine, served_sender, loop_runner,
                                                                  tiny_models):
     old = rollout_engine.current_version
     named = weights_for_transfer(tiny_models.served)  # the weights it holds: only the version moves
 
     async def update() -> None:
-        await asyncio.gather(asyncio.to_thread(weight_sender.send_weights, named),
-                             rollout_engine.update_weights(update_info_for(named), old + 1))
+        await send(rollout_engine, served_sender, named, old + 1)
 
     engine = RecordingEngine(rollout_engine, after_first_turn=update)
     episode = loop_runner.run(run_episode(engine, tiny_models.tokenizer, seed=22))
@@ -124,7 +146,7 @@ def test_update_between_turns_gives_later_turns_the_new_version(rollout_engine, 
     assert episode.trajectory("g", "countdown").oldest_version() == old
 
 
-def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, loop_runner, tiny_models):
+def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, served_sender, loop_runner, tiny_models):
     """An external agent drives the policy over HTTP for two turns; closing the session sends a trajectory
     whose ids, masks, log-probs and versions are the engine's, token by token."""
     import aiohttp
