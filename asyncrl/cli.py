@@ -43,9 +43,10 @@ COMMANDS = (
     Command(
         "data",
         "write synthetic verifiable train/val files (verl layout)",
-        "Writes train and validation files for the synthetic task in verl's layout (prompt as a chat "
-        "list, data_source, ability, reward_model.ground_truth, extra_info) under task.out_dir. "
-        "Difficulty: task.min_digits/max_digits and task.operators. Deterministic for run.seed.",
+        "Writes train and validation files for the synthetic task task.name (arithmetic, or the "
+        "multi-turn calculator and guess_number) in verl's layout (prompt as a chat list, data_source, "
+        "ability, reward_model.ground_truth, extra_info) under task.out_dir. Difficulty: "
+        "task.min_digits/max_digits and task.operators, task.guess_number.*. Deterministic for run.seed.",
         "asyncrl.commands.data:main",
     ),
     Command(
@@ -53,7 +54,8 @@ COMMANDS = (
         "build the tiny default model and tokenizer locally, then warm-start it",
         "Builds a Qwen2-architecture causal LM (shape under model.tiny) with a character-level "
         "tokenizer and chat template, with nothing downloaded, and warm-starts it with a short "
-        "supervised phase (model.warm_start) on the synthetic task. Saves a Hugging Face directory at "
+        "supervised phase (model.warm_start) on the synthetic task (teacher episodes for multi-turn "
+        "tasks). Saves a Hugging Face directory at "
         "model.path that transformers and vLLM load, and records the starting accuracy in "
         "init_report.json there. Cached: a second call with the same config returns at once.",
         "asyncrl.commands.init_model:main",

@@ -123,6 +123,7 @@ def _batch_metrics(batch: Batch) -> dict[str, Any]:
         "buffer/dropped_stale_in_batch": float(batch.dropped_stale),
         "batch/samples": float(len(samples)),
         "reward/failures": float(sum(1 for t in samples if t.reward_error)),
+        "multi_turn/num_turns/mean": sum(t.num_turns for t in samples) / len(samples),
         "batch/offset_min": float(min(batch.offsets)),
         "batch/offset_max": float(max(batch.offsets)),
     }

@@ -8,6 +8,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from asyncrl.config.rollout import EngineConfig, SamplingConfig
 from asyncrl.weight_transfer import BACKEND_NAME
+from rollout_servers import vllm_compat
 
 _GIB = 2**30
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
@@ -27,6 +28,7 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> Asy
         seed=engine.seed,
         logprobs_mode=engine.logprobs_mode,
         max_num_seqs=max_inflight,
+        enable_chunked_prefill=vllm_compat.chunked_prefill(),
         weight_transfer_config={"backend": BACKEND_NAME},
         disable_log_stats=True,
     )

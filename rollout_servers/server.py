@@ -4,6 +4,7 @@ group scored off the engine's loop and sent to the buffer (acknowledged), weight
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -15,9 +16,13 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture, PromptRow, encode_prompt
+from asyncrl.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
+from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.chat_endpoint import ChatEndpoint
+from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
@@ -54,6 +59,8 @@ class RolloutServer:
         prompts its previous process left unacknowledged (see `PromptStream`); None keeps it in memory."""
         self.config = config
         self.server_id = f"server-{server_index}"
+        self._index = server_index
+        self._state_dir = state_dir
         # Sampling seeds follow the prompt order: a rerun with the same run.seed samples the same
         # completions for the same prompts (what makes K=0 reproduce learner.mode=sync exactly).
         self._seed_base = config.run.seed + _SERVER_SEED_STRIDE * server_index
@@ -64,6 +71,7 @@ class RolloutServer:
         )
         self.prompts = PromptStream(mixture, state_dir / f"{self.server_id}.prompts.json" if state_dir else None)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.environments = EnvironmentRegistry.from_config(config.environment.by_source)  # fails fast on a bad name
         self.stats = ServerStats()
         self.validator = self._validator(server_index)
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
@@ -74,6 +82,8 @@ class RolloutServer:
     async def serve(self) -> None:
         rollout = self.config.rollout
         engine = await RolloutEngine.start(self.config.model.path, rollout, version=0)
+        agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
+                          rollout.engine.max_model_len)
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
                           rollout.weight_sync.heartbeat_s, self._counters)
         sync_task = asyncio.create_task(sync.run())
@@ -82,19 +92,41 @@ class RolloutServer:
                                     timeout_s=buffer.client_timeout_s, resend_s=buffer.client_resend_s)
         producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=buffer.curve_dir, ack_timeout_s=buffer.client_resend_s,
                                       deadline_s=rollout.send_deadline_s)
+        chat = None
         try:
+            chat = await self._start_chat(engine, producer)
             with RewardScorer(self.config.reward) as scorer:
-                validation = self._start_validation(engine, scorer)
+                validation = self._start_validation(engine, scorer, agent)
                 try:
-                    await self._generate_forever(engine, admission, producer, scorer)
+                    await self._generate_forever(engine, agent, admission, producer, scorer)
                 finally:
                     if validation is not None:
                         await cancel(validation)
         finally:
+            if chat is not None:
+                await chat.stop()
             await cancel(sync_task)
             for closable in (sync, admission, producer):
                 closable.close()
             engine.shutdown()
+
+    async def _start_chat(self, engine: RolloutEngine, producer: TrajectoryProducer) -> ChatEndpoint | None:
+        """The OpenAI-compatible endpoint when `rollout.chat.enabled`; its address goes to `<server_id>.chat.json`."""
+        settings, rollout = self.config.rollout.chat, self.config.rollout
+        if not settings.enabled:
+            return None
+        sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id)
+
+        async def send(group: TrajectoryGroup):
+            return await asyncio.to_thread(self._locked, producer.send, group)
+
+        endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send)
+        port = await endpoint.start(settings, settings.port + self._index if settings.port else 0)
+        if self._state_dir is not None:
+            self._state_dir.mkdir(parents=True, exist_ok=True)
+            address = {"url": f"http://{settings.host}:{port}/v1"}
+            (self._state_dir / f"{self.server_id}.chat.json").write_text(json.dumps(address))
+        return endpoint
 
     def _validator(self, server_index: int) -> Validator | None:
         if server_index != VALIDATING_SERVER or not self.config.validation.every:
@@ -104,11 +136,11 @@ class RolloutServer:
         return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer,
                          final_version=self.config.learner.total_steps)
 
-    def _start_validation(self, engine: RolloutEngine, scorer: RewardScorer) -> asyncio.Task | None:
+    def _start_validation(self, engine: RolloutEngine, scorer: RewardScorer, agent: AgentLoop) -> asyncio.Task | None:
         """The background task that validates due versions (server 0 with validation on), or None."""
         if self.validator is None:
             return None
-        return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s))
+        return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s, agent))
 
     def _counters(self) -> dict[str, Any]:
         counters = {
@@ -122,13 +154,13 @@ class RolloutServer:
     def stop(self) -> None:
         self._stop.set()
 
-    async def _generate_forever(self, engine: RolloutEngine, admission: AdmissionClient,
+    async def _generate_forever(self, engine: RolloutEngine, agent: AgentLoop, admission: AdmissionClient,
                                 producer: TrajectoryProducer, scorer: RewardScorer) -> None:
         rollout = self.config.rollout
         capacity = max(1, rollout.max_inflight // rollout.sampling.n)  # groups in the engine at once
         # Prompts the previous process of this server was granted and left unacknowledged come first;
         # the buffer still counts them as running for this server, so they need no new grant.
-        running = {asyncio.create_task(self._one_group(engine, producer, scorer)) for _ in range(self.prompts.owed)}
+        running = {asyncio.create_task(self._one_group(engine, agent, producer, scorer)) for _ in range(self.prompts.owed)}
         learner_version = (await self._ask(admission, 0)).policy_version
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
@@ -138,7 +170,7 @@ class RolloutServer:
             grant = await self._ask(admission, wanted)
             learner_version = grant.policy_version
             for _ in range(grant.granted):
-                running.add(asyncio.create_task(self._one_group(engine, producer, scorer)))
+                running.add(asyncio.create_task(self._one_group(engine, agent, producer, scorer)))
             idle_from = time.perf_counter() if not running else None
             if running:
                 done, running = await asyncio.wait(running, timeout=rollout.poll_s, return_when=asyncio.FIRST_COMPLETED)
@@ -153,21 +185,25 @@ class RolloutServer:
         finished, self._finished_since_grant = self._finished_since_grant, 0
         return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished)
 
-    async def _one_group(self, engine: RolloutEngine, producer: TrajectoryProducer, scorer: RewardScorer) -> None:
+    async def _one_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
+                         scorer: RewardScorer) -> None:
         number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
         sampling = sampling_for_row(row, self.config.rollout.sampling)
-        completions = await engine.generate_group(prompt_ids, sampling, seed=self._group_seed(number))
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
         group_id = f"{self.server_id}-prompt-{number}"  # the same for a regeneration: the buffer keeps one
-        trajectories = [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
+        if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
+            trajectories = await agent.run_group(row, sampling, self._group_seed(number), group_id)
+        else:
+            completions = await engine.generate_group(prompt_ids, sampling, seed=self._group_seed(number))
+            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
+            trajectories = [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
         group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id, trajectories=trajectories)
         ack = await asyncio.to_thread(self._locked, producer.send, group)
         self.prompts.acknowledge(number)
         self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1
         self.stats.groups_sent += 1
-        self.stats.tokens_generated += sum(len(c.token_ids) for c in completions)
+        self.stats.tokens_generated += sum(sum(t.loss_mask) for t in trajectories)  # sampled tokens (model turns)
 
     def _group_seed(self, number: int) -> int:
         """Sampling seed of prompt `number`'s group (its samples use this + their index): it follows the

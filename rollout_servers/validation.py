@@ -25,9 +25,12 @@ from asyncrl.rewards import RewardRequest, RewardResult
 from asyncrl.validation import NOT_VALIDATED, PromptOutcome, validation_metrics
 
 if TYPE_CHECKING:  # the module itself stays free of vLLM, so that it is testable with a fake engine
+    from asyncrl.messages import Trajectory
     from rollout_servers.completion import Completion
 
 log = logging.getLogger(__name__)
+
+VALIDATION_GROUP_ID = "validation"  # validation episodes are measured, never sent to the buffer
 
 class GroupEngine(Protocol):
     """What a pass needs from `RolloutEngine`."""
@@ -39,6 +42,15 @@ class GroupEngine(Protocol):
     def needs_catch_up(self) -> bool: ...
 
     async def generate_group(self, prompt_ids: list[int], sampling: SamplingConfig | None = None) -> list[Completion]: ...
+
+
+class Episodes(Protocol):
+    """What a pass needs from `AgentLoop` (prompts of multi-turn data sources are played out as episodes)."""
+
+    def handles(self, data_source: str) -> bool: ...
+
+    async def run_group(self, row: PromptRow, sampling: SamplingConfig, seed: int | None,
+                        group_id: str) -> list[Trajectory]: ...
 
 
 class Scorer(Protocol):
@@ -87,10 +99,10 @@ class Validator:
             return False
         return version % self.settings.every == 0 or version == self.final_version
 
-    async def run_pass(self, engine: GroupEngine, scorer: Scorer) -> dict[str, float]:
+    async def run_pass(self, engine: GroupEngine, scorer: Scorer, episodes: Episodes | None = None) -> dict[str, float]:
         """Sample, score and summarise every validation prompt on the engine's current weights."""
         started, version = time.perf_counter(), engine.current_version
-        outcomes = await asyncio.gather(*(self._outcome(engine, scorer, prompt) for prompt in self.prompts))
+        outcomes = await asyncio.gather(*(self._outcome(engine, scorer, episodes, prompt) for prompt in self.prompts))
         seconds = time.perf_counter() - started
         self.metrics = validation_metrics(outcomes, self.settings.k) | {"val/seconds": seconds}
         self.version = version
@@ -103,21 +115,26 @@ class Validator:
         """`SyncJoin.validation` and `SyncJoin.validation_version`."""
         return {"validation": dict(self.metrics), "validation_version": self.version}
 
-    async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float) -> None:
+    async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float,
+                           episodes: Episodes | None = None) -> None:
         """Watch the engine's version and validate each due one, until cancelled."""
         while True:
             version = engine.current_version
             if self.is_due(version) and not engine.needs_catch_up:
                 try:
-                    await self.run_pass(engine, scorer)
+                    await self.run_pass(engine, scorer, episodes)
                 except Exception:  # validation is a measurement: it must never stop the server's generation
                     log.exception("validation of version %d failed; next try at the next multiple", version)
                     self.version = version
             await asyncio.sleep(poll_s)
 
-    async def _outcome(self, engine: GroupEngine, scorer: Scorer, prompt: ValidationPrompt) -> PromptOutcome:
-        completions = await engine.generate_group(prompt.prompt_ids, self.sampling)
+    async def _outcome(self, engine: GroupEngine, scorer: Scorer, episodes: Episodes | None,
+                       prompt: ValidationPrompt) -> PromptOutcome:
         row = prompt.row
+        if episodes is not None and episodes.handles(row.data_source):
+            trajectories = await episodes.run_group(row, self.sampling, None, VALIDATION_GROUP_ID)
+            return PromptOutcome(row.data_source, [trajectory.reward for trajectory in trajectories])
+        completions = await engine.generate_group(prompt.prompt_ids, self.sampling)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, t, row.ground_truth, row.extra_info) for t in texts])
         return PromptOutcome(row.data_source, [result.score for result in results])

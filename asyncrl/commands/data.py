@@ -8,17 +8,17 @@ from pathlib import Path
 from asyncrl.commands.common import start
 from asyncrl.config.sections import TaskConfig
 from asyncrl.data import write_rows
-from asyncrl.tasks import arithmetic
-from asyncrl.tasks.splits import split_task
+from asyncrl.tasks.catalog import task_kind
 
 
 def write_task_files(task: TaskConfig, seed: int) -> dict[str, Path]:
     """Write train/val files for `task`; validation questions never appear in the training file."""
-    problems = split_task(task, seed)
+    kind = task_kind(task)
+    problems = kind.split(task, seed)
     out = Path(task.out_dir)
     return {
         split: write_rows(
-            (arithmetic.make_row(q, a, index, split) for index, (q, a) in enumerate(rows)),
+            (kind.make_row(problem, index, split, task) for index, problem in enumerate(rows)),
             out / f"{split}.{task.format}",
         )
         for split, rows in (("train", problems.train), ("val", problems.val))

@@ -46,6 +46,15 @@ class WeightSyncConfig:
 
 
 @dataclass
+class ChatEndpointConfig:
+    enabled: bool = False  # serve OpenAI-compatible /v1/chat/completions on each server (external agents drive the policy)
+    host: str = "127.0.0.1"  # address the endpoint listens on (loopback unless you mean to expose it)
+    port: int = bounded(0, 0, 65535)  # server i listens on port + i; 0 = a free port (logged, and written to <run>/rollout/server-i.chat.json)
+    max_sessions: int = bounded(256, 1)  # open sessions per server at most; a new one beyond is refused (HTTP 429)
+    session_idle_s: float = bounded(600.0, 1.0)  # a session with no request this long is dropped unsent
+
+
+@dataclass
 class RolloutConfig:
     num_servers: int = bounded(1, 1)  # rollout server processes, one vLLM engine each
     max_inflight: int = bounded(32, 1)  # requests a server keeps in its engine at once
@@ -58,3 +67,4 @@ class RolloutConfig:
     restart_backoff_s: float = bounded(2.0, 0.0)  # first delay before restarting a dead server (doubles each time)
     restart_backoff_max_s: float = bounded(60.0, 0.0)  # longest delay between restarts
     stop_timeout_s: float = bounded(30.0, 0.1)  # grace period for servers to stop on SIGTERM before SIGKILL
+    chat: ChatEndpointConfig = field(default_factory=ChatEndpointConfig)  # OpenAI-compatible endpoint recording sessions as trajectories

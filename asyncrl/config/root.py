@@ -8,6 +8,7 @@ from hydra.core.config_store import ConfigStore
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.buffer import BufferConfig
+from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.ray_launch import RayConfig
 from asyncrl.config.rollout import RolloutConfig
@@ -28,6 +29,7 @@ class AsyncRLConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)  # trajectory buffer service and its clients
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # vLLM rollout servers, sampling, weight sync
     validation: ValidationConfig = field(default_factory=ValidationConfig)  # periodic held-out evaluation (val/* metrics)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn episodes: environments by data source, limits
     ray: RayConfig = field(default_factory=RayConfig)  # `asyncrl launch`: placement of the roles on a Ray cluster
 
     def cross_checks(self) -> list[tuple[str, str]]:
@@ -52,6 +54,7 @@ class AsyncRLConfig:
             problems.append(("validation.k", f"must not exceed validation.n={self.validation.n} (samples per prompt)"))
         if self.validation.every and not self.data.val_files:
             problems.append(("data.val_files", "needs at least one file when validation.every > 0"))
+        problems += self.environment.cross_checks(self.rollout.engine.max_model_len)
         return problems + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
 
 

@@ -50,8 +50,20 @@ class ModelConfig:
 
 
 @dataclass
+class CalculatorTaskConfig:
+    tool_use_rate: float = bounded(0.5, 0.0, 1.0)  # warm-start teacher: share of episodes that call <calc>; the rest answer unaided (mostly wrong)
+
+
+@dataclass
+class GuessNumberTaskConfig:
+    max_number: int = bounded(20, 2)  # the hidden number is drawn uniformly from 1..max_number
+    max_guesses: int = bounded(6, 1)  # guesses per episode (written into each row's extra_info)
+    bisect_rate: float = bounded(0.3, 0.0, 1.0)  # warm-start teacher: share of guesses at the middle of the range left; the rest anywhere in it
+
+
+@dataclass
 class TaskConfig:
-    name: str = one_of("arithmetic")  # synthetic verifiable task written by `asyncrl data`
+    name: str = one_of("arithmetic", "calculator", "guess_number")  # synthetic task written by `asyncrl data` and taught by the warm start
     out_dir: str = ".cache/data/arithmetic"  # where train/val files are written
     format: str = one_of("parquet", "jsonl")  # file format of the written files
     num_train: int = bounded(20000, 1)  # training prompts
@@ -59,6 +71,8 @@ class TaskConfig:
     min_digits: int = bounded(1, 1, 18)  # fewest digits per operand (difficulty, lower end)
     max_digits: int = bounded(2, 1, 18)  # most digits per operand (difficulty, upper end)
     operators: str = "+-"  # operators drawn uniformly; any of "+-*"
+    calculator: CalculatorTaskConfig = field(default_factory=CalculatorTaskConfig)  # multi-turn tool use (name=calculator; questions use the digit/operator fields)
+    guess_number: GuessNumberTaskConfig = field(default_factory=GuessNumberTaskConfig)  # multi-turn higher/lower game (name=guess_number)
 
 
 @dataclass

@@ -7,15 +7,12 @@ take verl's four keyword arguments.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-from asyncrl.rewards.results import describe_exception
+from asyncrl.user_code import UserCodeError, import_file
 
 RewardFunction = Callable[..., Any]  # compute_score(data_source, solution_str, ground_truth, extra_info)
 
@@ -38,29 +35,11 @@ def load_reward_function(path: str | Path, name: str) -> RewardFunction:
 
 
 def _import_file(file: Path) -> ModuleType:
-    if not file.is_file():
-        raise RewardFunctionError(f"reward.custom_fn.path: reward function file '{file}' does not exist")
-    module_name = _module_name(file)
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"reward.custom_fn.path: '{file}' cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    # registered before running it so that code relying on its own module (dataclasses, pickling) works
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # a broken user file: report it as such, with its own error chained
-        del sys.modules[module_name]
-        raise RewardFunctionError(
-            f"reward.custom_fn.path: importing '{file}' failed: {describe_exception(error)}"
-        ) from error
-    return module
-
-
-def _module_name(file: Path) -> str:
-    """A module name unique per file, so that two reward files with the same stem do not collide."""
-    digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    return f"asyncrl_reward_{file.stem}_{digest}"
+        return import_file(file, "asyncrl_reward")
+    except UserCodeError as error:
+        message = str(error).replace("file '", "reward function file '", 1)
+        raise RewardFunctionError(f"reward.custom_fn.path: {message}") from error
 
 
 def _find_function(module: ModuleType, file: Path, name: str) -> RewardFunction:

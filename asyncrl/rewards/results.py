@@ -7,6 +7,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from asyncrl.user_code import describe_exception
+
+__all__ = ["SCORE_KEY", "RewardRequest", "RewardResult", "describe_exception", "result_from_return"]
+
 SCORE_KEY = "score"  # verl: a reward function may return a dict whose "score" entry is the reward
 
 
@@ -40,11 +44,6 @@ class RewardResult:
     @classmethod
     def failure(cls, error: str) -> RewardResult:
         return cls(score=0.0, error=error)
-
-
-def describe_exception(error: BaseException) -> str:
-    """The error string recorded for a scorer that raised: "ValueError: message"."""
-    return f"{type(error).__name__}: {error}"
 
 
 def result_from_return(value: Any) -> RewardResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import string
 from typing import Any
 
 DATA_SOURCE = "arithmetic"
@@ -31,6 +32,11 @@ def make_row(question: str, answer: str, index: int, split: str) -> dict[str, An
 def score(solution_str: str, ground_truth: str) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, is exactly the answer."""
     return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+def noisy_answer(answer: str, noise: float, rng: random.Random) -> str:
+    """`answer` with each digit replaced by a uniformly drawn digit with probability `noise`."""
+    return "".join(rng.choice(string.digits) if c.isdigit() and rng.random() < noise else c for c in answer)
 
 
 def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:

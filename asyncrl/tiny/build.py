@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.tasks.splits import split_task
+from asyncrl.tasks.catalog import task_kind
 from asyncrl.tiny.model import build_tiny_model
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from asyncrl.tiny.warm_start import greedy_accuracy, warm_start
@@ -35,11 +35,14 @@ def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed)
-    split = split_task(config.task, config.run.seed)
+    kind = task_kind(config.task)
+    split = kind.split(config.task, config.run.seed)
     held_out = split.val[: config.model.warm_start.eval_samples]  # the validation file's first problems
-    before = greedy_accuracy(model, tokenizer, held_out)
+    # single-turn greedy accuracy only: a multi-turn task's starting reward is validation's version 0
+    accuracy = greedy_accuracy if kind.teacher is None else _not_measured
+    before = accuracy(model, tokenizer, held_out)
     warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions)
-    after = greedy_accuracy(model, tokenizer, held_out)
+    after = accuracy(model, tokenizer, held_out)
     report = {
         "cache_key": key,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -49,8 +52,12 @@ def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 1),
     }
     _save(model, tokenizer, target, report)
-    log.info("saved tiny model to %s: greedy accuracy %.3f -> %.3f", target, before, after)
+    log.info("saved tiny model to %s: greedy accuracy %s -> %s", target, before, after)
     return report
+
+
+def _not_measured(model: Any, tokenizer: Any, problems: Any) -> None:
+    return None
 
 
 def cache_key(config: AsyncRLConfig) -> str:

@@ -8,18 +8,23 @@ from __future__ import annotations
 import logging
 import math
 import random
-import string
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
+from asyncrl.environments import ChatDelta
 from asyncrl.tasks import arithmetic
+from asyncrl.tasks.arithmetic import noisy_answer
+from asyncrl.tasks.catalog import Teacher, task_kind
+from asyncrl.tasks.dialogue import IGNORE_INDEX, dialogue_example
 from asyncrl.tasks.splits import Problem, draw_problems
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding positions)
+Example = tuple[list[int], list[int]]  # input ids, labels
+
 LOG_EVERY = 50  # supervised steps between progress lines
 WARM_START_STREAM = 7919  # seed offset: the split's own stream (seed) would start with the held-out questions
 ANSWER_SLACK_TOKENS = 3  # decode budget beyond the longest possible answer (sign, end marker)
@@ -51,10 +56,9 @@ def warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
     lr_at = _warmup_cosine(schedule.lr, schedule.warmup_steps, schedule.steps)
     model.train()
+    examples = _example_source(tokenizer, task, schedule, held_out)
     for step in range(schedule.steps):
-        problems = draw_problems(rng, task, schedule.batch_size, exclude=held_out, unique=False)
-        batch = [supervised_example(tokenizer, question, noisy_answer(answer, schedule.label_noise, rng))
-                 for question, answer in problems]
+        batch = examples(rng)
         input_ids, labels, attention = pad_examples(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         for group in optimizer.param_groups:
@@ -67,9 +71,22 @@ def warm_start(
     model.eval()
 
 
-def noisy_answer(answer: str, noise: float, rng: random.Random) -> str:
-    """`answer` with each digit replaced by a uniformly drawn digit with probability `noise`."""
-    return "".join(rng.choice(string.digits) if c.isdigit() and rng.random() < noise else c for c in answer)
+def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedule: WarmStartConfig,
+                    held_out: frozenset[str]) -> Callable[[random.Random], list[Example]]:
+    """A batch of supervised examples per call: question → noisy answer, or a multi-turn task's teacher episodes."""
+    teacher: Teacher | None = task_kind(task).teacher
+    if teacher is None:
+        def single_turn(rng: random.Random) -> list[Example]:
+            problems = draw_problems(rng, task, schedule.batch_size, exclude=held_out, unique=False)
+            return [supervised_example(tokenizer, question, noisy_answer(answer, schedule.label_noise, rng))
+                    for question, answer in problems]
+        return single_turn
+    chat = ChatDelta(tokenizer)
+
+    def multi_turn(rng: random.Random) -> list[Example]:
+        return [dialogue_example(tokenizer, chat, teacher(rng, task, schedule.label_noise, held_out))
+                for _ in range(schedule.batch_size)]
+    return multi_turn
 
 
 @torch.no_grad()

@@ -34,6 +34,7 @@ SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
 
 _T = TypeVar("_T")
+_KEPT_ALIVE: list[Any] = []  # objects that must never be garbage-collected (see rollout_engine)
 
 
 @dataclass
@@ -96,22 +97,27 @@ def rollout_engine(tiny_models: TinyModels, loop_runner: LoopRunner) -> Iterator
     engine = loop_runner.run(RolloutEngine.start(str(tiny_models.served_dir), config))
     yield engine
     engine.shutdown()
+    # Kept referenced until the process exits (tests/conftest.py leaves with os._exit): collected, vLLM's ZeroMQ
+    # contexts block forever in Context.term(), and a garbage collection can run before the exit (seen while
+    # pytest's terminal summary imported a plugin's module).
+    _KEPT_ALIVE.append(engine)
+
+
+async def join_fresh_group(engine: Any, timeout_s: float = SYNC_TIMEOUT_S) -> Any:
+    """A new gloo weight-sync group between a trainer-side `WeightSender` and `engine` (which leaves its old one)."""
+    from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for
+
+    address = GroupAddress("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=timeout_s)
+    sender, _ = await asyncio.gather(
+        asyncio.to_thread(WeightSender.open, address), engine.join_weight_sync(init_info_for(address, 1))
+    )
+    return sender
 
 
 @pytest.fixture(scope="session")
 def weight_sender(rollout_engine: Any, loop_runner: LoopRunner) -> Iterator[Any]:
     """The trainer's end of a gloo group joined by the engine (trainer rank 0, engine rank 1)."""
-    from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for
-
-    address = GroupAddress("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=SYNC_TIMEOUT_S)
-
-    async def rendezvous() -> WeightSender:
-        sender, _ = await asyncio.gather(
-            asyncio.to_thread(WeightSender.open, address), rollout_engine.join_weight_sync(init_info_for(address, 1))
-        )
-        return sender
-
-    sender = loop_runner.run(rendezvous())
+    sender = loop_runner.run(join_fresh_group(rollout_engine))
     yield sender
     sender.close()
 

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
-from tests.integration.conftest import SYNC_TIMEOUT_S, free_port
+from tests.integration.conftest import SYNC_TIMEOUT_S, free_port, join_fresh_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def test_rendezvous_without_trainer_fails_within_deadline(rollout_engine, loop_r
 
 
 def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_engine, loop_runner, tiny_models):
-    from asyncrl.weight_transfer import WeightSender, init_info_for
+    from asyncrl.weight_transfer import WeightSender
     from rollout_servers.engine import WeightSyncError
 
     prompt = prompt_ids(tiny_models)
@@ -198,11 +198,7 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
     new_version = version_before + 1
 
     async def fresh_group() -> WeightSender:
-        where = GroupAddress("127.0.0.1", free_port(), 2, "gloo", BROKEN_ROUND_TIMEOUT_S)
-        sender, _ = await asyncio.gather(
-            asyncio.to_thread(WeightSender.open, where), rollout_engine.join_weight_sync(init_info_for(where, 1))
-        )
-        return sender
+        return await join_fresh_group(rollout_engine, BROKEN_ROUND_TIMEOUT_S)
 
     async def interrupted_round() -> float:
         sender = await fresh_group()

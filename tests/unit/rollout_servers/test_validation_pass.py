@@ -114,3 +114,31 @@ def test_held_out_prompts_respect_max_prompts_and_prompt_length(tmp_path):
     prompts = load_validation_prompts(config, tokenizer)
     assert [p.row.ground_truth for p in prompts] == ["3", "8"]
     assert all(len(p.prompt_ids) == short_prompt for p in prompts)
+
+
+class FakeEpisodes:
+    """Plays prompts of data source "game" as episodes whose rewards are given; records what it was asked."""
+
+    def __init__(self, rewards: list[float]) -> None:
+        self.rewards, self.calls = rewards, []
+
+    def handles(self, data_source):
+        return data_source == "game"
+
+    async def run_group(self, row, sampling, seed, group_id):
+        self.calls.append((row.ground_truth, sampling.n, seed, group_id))
+        return [SimpleNamespace(reward=reward) for reward in self.rewards]
+
+
+def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rewards():
+    prompts = [prompt([1], "3"), prompt([9], "7", source="game")]
+    engine = FakeEngine({(1,): ("3", 2)})
+    settings = ValidationConfig(every=10, n=N, k=K, temperature=0.5)
+    validator = Validator(settings, SamplingConfig(n=8), prompts, CharTokenizer(), final_version=FINAL_VERSION)
+    episodes = FakeEpisodes([1.0, 0.5, 0.0, 1.0])
+    metrics = asyncio.run(validator.run_pass(engine, ExactMatchScorer(), episodes))
+    assert episodes.calls == [("7", N, None, "validation")]
+    assert len(engine.samplings) == 1  # only the single-turn prompt went to the engine directly
+    assert metrics["val/game/score/mean"] == pytest.approx(2.5 / 4)
+    assert metrics["val/arithmetic/score/mean"] == pytest.approx(2 / 4)
+    assert metrics["val/game/pass@2"] == pytest.approx(1 - 1 / 6)  # 2 of 4 reach a reward of 1

@@ -1,0 +1,159 @@
+"""Chat sessions of external agents, recorded token-in/token-out as trajectories.
+
+An agent program talks to the policy through the OpenAI chat-completions endpoint (`chat_endpoint.py`)
+and names its conversation with a session id. Clients resend the whole conversation on every request;
+the session keeps the exact ids it has sent to the engine, checks that the resent history is what it
+recorded (its own replies included, as returned), renders only the new messages as a delta
+(`ChatDelta`) and appends them, so the conversation is never re-tokenized. Model tokens keep their
+behaviour log-probs and versions, the agent's messages get loss mask 0 (`Transcript`). Closing a
+session with a reward turns it into a trajectory; sessions closed with the same `group_id` go to the
+buffer together, as one group, once `group_size` of them are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
+from asyncrl.environments import ChatDelta, Message, Transcript
+from asyncrl.messages import Trajectory, TrajectoryGroup
+from rollout_servers.agent_loop import TurnEngine
+from rollout_servers.completion import Completion
+
+SESSION_CLOSED = "session_closed"  # finish reason of a chat session's trajectory
+CHAT_DATA_SOURCE = "chat"  # data source of session trajectories unless the close request names one
+
+
+class SessionError(ValueError):
+    """A request the session cannot serve; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ChatSession:
+    transcript: Transcript
+    messages: list[Message]  # the conversation as the client sees it, our replies included
+    last_model_ids: list[int] = field(default_factory=list)  # the last reply's ids (how its turn ended)
+    turns: int = 0  # model turns sampled
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time per session
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str  # the reply decoded without special tokens (what the client sends back next time)
+    completion: Completion  # the engine's ids, log-probs and versions of the reply
+    prompt_tokens: int  # ids the engine was given for this turn
+
+
+class ChatSessions:
+    def __init__(self, engine: TurnEngine, tokenizer: Any, max_model_len: int, settings: ChatEndpointConfig,
+                 server_id: str) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._max_model_len = max_model_len
+        self._settings = settings
+        self._server_id = server_id
+        self._chat = ChatDelta(tokenizer)
+        self._sessions: dict[str, ChatSession] = {}
+        self._closed: dict[str, list[Trajectory]] = {}  # group id → closed sessions waiting for their group
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def reply(self, session_id: str, messages: Sequence[Message], sampling: SamplingConfig,
+                    seed: int | None = None) -> Reply:
+        """The policy's next turn in session `session_id`, whose full conversation so far is `messages`."""
+        self._drop_idle()
+        session = self._sessions.get(session_id) or self._open(session_id, messages)
+        async with session.lock:
+            context, observation, new_messages = self._extend(session, normalized(messages))
+            room = self._max_model_len - len(context)
+            if room <= 0:
+                raise SessionError(400, f"session '{session_id}' is at the context length ({self._max_model_len} tokens)")
+            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room))
+            completion = await self._engine.generate(context, turn_sampling, seed=seed)
+            text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            if observation:
+                session.transcript.add_observation(observation)
+            session.transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
+            session.messages += [*new_messages, {"role": "assistant", "content": text}]
+            session.last_model_ids, session.turns = list(completion.token_ids), session.turns + 1
+            session.last_used = time.monotonic()
+        return Reply(text, completion, len(context))
+
+    def tokens(self, token_ids: Sequence[int]) -> list[str]:
+        """The text of each id (OpenAI's logprobs name every token)."""
+        return [self._tokenizer.decode([token_id]) for token_id in token_ids]
+
+    def close(self, session_id: str, reward: float, group_id: str = "", group_size: int = 1,
+              data_source: str = CHAT_DATA_SOURCE) -> tuple[str, TrajectoryGroup | None]:
+        """End a session with its reward: its record id, and the group to send once `group_size` are closed."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionError(404, f"no open session '{session_id}'")
+        if not session.turns:
+            raise SessionError(400, f"session '{session_id}' has no model turn to train on")
+        if group_size < 1:
+            raise SessionError(400, f"group_size must be at least 1, got {group_size}")
+        del self._sessions[session_id]
+        record_id = f"{self._server_id}-chat-{group_id or session_id}"
+        trajectory = session.transcript.trajectory(float(reward), record_id, data_source, SESSION_CLOSED, session.turns)
+        waiting = self._closed.setdefault(record_id, [])
+        waiting.append(trajectory)
+        if len(waiting) < group_size:
+            return record_id, None
+        del self._closed[record_id]
+        return record_id, TrajectoryGroup(record_id=record_id, group_id=record_id, server_id=self._server_id,
+                                          trajectories=waiting)
+
+    def _open(self, session_id: str, messages: list[Message]) -> ChatSession:
+        if len(self._sessions) >= self._settings.max_sessions:
+            raise SessionError(429, f"{len(self._sessions)} sessions open (rollout.chat.max_sessions); close some first")
+        if not messages:
+            raise SessionError(400, "messages must not be empty")
+        session = ChatSession(Transcript([], self._engine.current_version), [])
+        self._sessions[session_id] = session
+        return session
+
+    def _extend(self, session: ChatSession, messages: list[Message]) -> tuple[list[int], list[int], list[Message]]:
+        """The ids for the next turn, the delta's ids, and the messages new since the last reply."""
+        if not session.turns:
+            session.transcript.prompt_ids = self._chat.prompt_ids(messages)
+            return session.transcript.context(), [], messages
+        known = session.messages
+        if messages[: len(known)] != known:
+            raise SessionError(409, "the conversation differs from what this session recorded (replies must be "
+                                    "sent back as returned); start a new session for an edited history")
+        new_messages = messages[len(known):]
+        if not new_messages:
+            raise SessionError(400, "no new message since the last reply")
+        observation = self._chat.observation_ids(new_messages, session.last_model_ids)
+        return session.transcript.context() + observation, observation, new_messages
+
+    def _drop_idle(self) -> None:
+        cutoff = time.monotonic() - self._settings.session_idle_s
+        for session_id in [s for s, session in self._sessions.items() if session.last_used < cutoff]:
+            del self._sessions[session_id]
+
+
+def normalized(messages: Sequence[Any]) -> list[Message]:
+    """OpenAI messages as {"role", "content"} with text content (parts joined, null as "")."""
+    result = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise SessionError(400, f"messages[{index}] must be an object with a 'role'")
+        content = message.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not isinstance(content, str):
+            raise SessionError(400, f"messages[{index}].content must be a string or a list of text parts")
+        result.append({"role": message["role"], "content": content})
+    return result
