@@ -37,15 +37,16 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self._group: TransferGroup | None = None
-        self._device: torch.device | None = None  # read at join time: during a reload the model is on meta
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Join (or rejoin, after a failed round) the trainer's group; the previous group is dropped on success."""
         rank = init_info.rank_offset + vllm_compat.worker_index(self.parallel_config)
-        device = self._device or vllm_compat.engine_device(self)  # a rejoin may come mid-reload
+        # Read the device before any update: during a reload the model sits on the meta device, so a
+        # rejoin after a failed round takes the previous group's.
+        device = self._group.device if self._group is not None else vllm_compat.engine_device(self)
         joined = TransferGroup.join(init_info.address(), rank, device)
         self.shutdown()
-        self._group, self._device = joined, device
+        self._group = joined
 
     def start_weight_update(self) -> None:
         vllm_compat.layerwise_reload_start(self.model)
@@ -76,7 +77,7 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
             raise RuntimeError("update_weights before init_weight_transfer_engine: no transfer group")
         load = load_weights or self.model.load_weights
         for meta in update_info.tensors():
-            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._device)
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._group.device)
             self._group.broadcast(buffer)
             load([(meta.name, buffer)])
         self._group.synchronize()

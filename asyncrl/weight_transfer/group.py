@@ -62,12 +62,14 @@ class GroupAddress:
 class TransferGroup:
     """One member's handle on the group: broadcast from the trainer, bounded by the deadline."""
 
-    def __init__(self, address: GroupAddress, rank: int, store: dist.Store, backend: dist.Backend) -> None:
+    def __init__(
+        self, address: GroupAddress, rank: int, store: dist.Store, backend: dist.Backend, device: torch.device
+    ) -> None:
         self.address = address
         self.rank = rank
         self._store = store  # rank 0 hosts the store server: it must outlive the group
         self._backend = backend
-        self.device = torch.device("cpu")  # where this member sends and receives; set by join
+        self.device = device  # where this member sends and receives
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, device: torch.device | None = None) -> TransferGroup:
@@ -76,8 +78,7 @@ class TransferGroup:
         started = time.perf_counter()
         store = _open_store(address, rank)
         backend = _connect_backend(address, rank, store)
-        group = cls(address, rank, store, backend)
-        group.device = device or _default_device(address.backend)
+        group = cls(address, rank, store, backend, device or _default_device(address.backend))
         group._bounded_handshake(group.device)
         log.info("joined %s as rank %d in %.2fs", address.describe(), rank, time.perf_counter() - started)
         return group
