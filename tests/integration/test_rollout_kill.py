@@ -113,6 +113,10 @@ def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, 
         for process in [supervisor, *started]:
             if process.is_running():
                 process.kill()
+    # Stopped mid-work, the server may leave prompts drawn and unacknowledged: its state file keeps them
+    # for the next start to regenerate, so they count as owed, not as skipped.
+    at_stop = read_state(state_path)
+    owed_at_stop, drawn_at_stop = in_flight(at_stop), at_stop["drawn"]
 
     received = drain(BufferConsumer(buffer.address, "learner"))
     numbers = Counter(int(group.record_id.rsplit("-", 1)[1]) for group in received)
@@ -120,9 +124,10 @@ def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, 
     assert lost_if_not_regenerated, "the kill came while prompts were in flight"
     assert lost_if_not_regenerated <= set(numbers), "every prompt in flight at the kill was delivered"
     assert max(numbers.values()) == 1, "no prompt delivered twice"
-    assert sorted(numbers) == list(range(len(numbers))), "no prompt skipped: numbers are contiguous"
+    assert set(numbers) | owed_at_stop == set(range(drawn_at_stop)), "no prompt skipped: delivered or still owed"
     # ...and prompt k is the k-th prompt of the server's stream, regenerated ones included (no re-draws)
     expected = PromptStream(PromptMixture(config.data.train_files, seed=SEED, shuffle=config.data.shuffle))
-    prompts = [expected.take(lambda rows: encode_prompt(tiny_models.tokenizer, next(rows)))[1] for _ in numbers]
+    prompts = [expected.take(lambda rows: encode_prompt(tiny_models.tokenizer, next(rows)))[1]
+               for _ in range(drawn_at_stop)]
     by_number = {int(g.record_id.rsplit("-", 1)[1]): g for g in received}
     assert all(by_number[k].trajectories[0].prompt_ids == prompts[k] for k in numbers)
