@@ -63,13 +63,14 @@ def run_loop(
     `after_step(version, metrics)` syncs weights, publishes the version and logs;
     `after_checkpoint(version, buffer_offset)` commits the offset once the checkpoint holds it."""
     settings = config.learner
+    temperature = sampling_temperature(config.rollout)  # fixed for the run: the servers' sampling settings
     while state.step < settings.total_steps:
         started = time.perf_counter()
         batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
         waited = time.perf_counter() - started
         outcome = train_step(
             model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, settings.micro_batch_tokens,
-            settings.grad_clip, world, sampling_temperature(config.rollout),
+            settings.grad_clip, world, temperature,
         )
         trained = time.perf_counter() - started - waited
         if not outcome.finite:
