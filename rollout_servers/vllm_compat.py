@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterable, NoReturn
 
 import torch
 from vllm.logprobs import FlatLogprobs
@@ -50,7 +50,7 @@ class DenseUpdateInfo(UpdateInfo):
     update_kind: str = "dense"
 
 
-WeightLoader = Callable[[list[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.load_weights`
+WeightLoader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.load_weights`
 
 __all__ = [
     "DenseUpdateInfo",

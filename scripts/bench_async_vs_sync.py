@@ -8,8 +8,10 @@ Response lengths are long-tailed: each prompt carries its own cap (`extra_info.m
 docs/configuration.md) drawn from a log-normal distribution, and EOS is ignored so every sample runs to
 its cap. Samples/s is counted from the learner's metrics after --warmup-steps steps, up to the step
 before the last (which also writes the final checkpoint).
+--modes runs a subset; with a fixed --out-dir, a mode run earlier is read back from its metrics, so the two
+modes can run in separate calls (each under a host's per-command time limit) and still be compared.
 Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup and the
-staleness the async run trained with.
+staleness the async run trained with (once both modes have run).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--median-tokens", type=int, default=192, help="median response length")
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of response lengths (tail weight)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the length draw")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now")
+    parser.add_argument("--out-dir", default="", help="run directories of both modes (default: a new temporary one)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both modes")
     return parser.parse_args()
 
@@ -62,8 +67,9 @@ def long_tailed_prompts(args: argparse.Namespace, max_tokens: int, source: str, 
             "p99": ordered[int(len(ordered) * 0.99)], "max": ordered[-1]}
 
 
-def run_mode(mode: str, args: argparse.Namespace, root: Path, data_file: Path) -> list[dict]:
-    """Run learner and rollout for one mode; return the learner's metrics records."""
+def run_mode(mode: str, args: argparse.Namespace, root: Path, data_file: Path) -> None:
+    """Run learner and rollout for one mode (a previous run of it in `root` is replaced, not resumed)."""
+    shutil.rmtree(root / f"bench-{mode}", ignore_errors=True)
     overrides = [f"run.root_dir={root}", f"run.name=bench-{mode}", f"learner.mode={mode}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={args.max_staleness}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
@@ -79,8 +85,14 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, data_file: Path) -
             learner.kill()
     if learner.returncode != 0:
         raise SystemExit(f"{mode}: the learner exited with {learner.returncode}")
-    metrics = root / f"bench-{mode}" / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _metrics_file(root: Path, mode: str) -> Path:
+    return root / f"bench-{mode}" / "metrics.jsonl"
+
+
+def _metrics(root: Path, mode: str) -> list[dict]:
+    return [json.loads(line) for line in _metrics_file(root, mode).read_text().splitlines()]
 
 
 def _on_gpu(index: int) -> dict[str, str]:
@@ -133,12 +145,20 @@ def print_table(results: dict[str, dict]) -> None:
 def main() -> None:
     args = parse_args()
     config = load_config(args.config, args.overrides)
-    root = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
+    root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
     data_file = root / "train_longtail.jsonl"
     lengths = long_tailed_prompts(args, config.rollout.sampling.max_tokens, config.data.train_files[0], data_file)
     print(f"response lengths: {lengths}")
-    results = {mode: summarise(run_mode(mode, args, root, data_file), args.warmup_steps) for mode in MODES}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"--modes: unknown mode '{mode}' (choose from {', '.join(MODES)})")
+        run_mode(mode, args, root, data_file)
+    results = {mode: summarise(_metrics(root, mode), args.warmup_steps) for mode in MODES if _metrics_file(root, mode).exists()}
     print_table(results)
+    if set(results) != set(MODES):
+        print(f"run the remaining modes with --out-dir {root} to compare them")
+        return
     speedup = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
     print(f"async / sync: {speedup:.2f}x")
     print("RESULT " + json.dumps({

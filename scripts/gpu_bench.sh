@@ -8,7 +8,8 @@
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
 #   learner    scripts/bench_learner.py: learner tokens/s and MFU, 0.5B shape
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation
-#   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs
+#   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs; E2E_MODES=sync (or async)
+#              runs one mode per call (a host's per-command limit), both kept in /tmp/asyncrl-e2e
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
@@ -71,7 +72,8 @@ stage_rollout() {
 }
 
 stage_e2e() {
-    "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG" metrics.wandb_mode=disabled  # no wandb on the image
+    "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG" --out-dir /tmp/asyncrl-e2e \
+        --modes "${E2E_MODES:-sync,async}" metrics.wandb_mode=disabled  # no wandb on the image
 }
 
 stages=("$@")

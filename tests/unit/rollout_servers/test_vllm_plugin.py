@@ -1,0 +1,71 @@
+"""The plugin's receive loop: one loader call pulls every announced tensor, received on demand and in order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.weight_transfer import update_info_for
+from asyncrl.weight_transfer.protocol import UpdateInfo
+from rollout_servers.vllm_plugin import AsyncRLWeightTransferEngine
+
+SENT = [("a.weight", torch.full((2, 3), 1.5)), ("b.bias", torch.arange(4, dtype=torch.float32)),
+        ("c.weight", torch.full((1,), -2.0))]
+
+
+class ScriptedGroup:
+    """Stands in for the transfer group: each broadcast fills the next sent tensor and is logged."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._pending = [tensor for _, tensor in tensors]
+        self.log: list[str] = []
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        buffer.copy_(self._pending.pop(0))
+        self.log.append("broadcast")
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+def plugin_with(group: ScriptedGroup) -> AsyncRLWeightTransferEngine:
+    plugin = object.__new__(AsyncRLWeightTransferEngine)  # vLLM's constructor needs a running worker
+    plugin._group = group
+    return plugin
+
+
+def announced() -> UpdateInfo:
+    return UpdateInfo(**update_info_for(SENT))
+
+
+def test_one_loader_call_receives_each_tensor_just_before_it_is_loaded() -> None:
+    group = ScriptedGroup(SENT)
+    calls: list[list[tuple[str, torch.Tensor]]] = []
+
+    def load_weights(weights) -> None:
+        loaded = []
+        for name, tensor in weights:
+            group.log.append(f"load {name}")
+            loaded.append((name, tensor.clone()))
+        calls.append(loaded)
+
+    plugin_with(group).receive_weights(announced(), load_weights)
+
+    assert len(calls) == 1
+    assert [name for name, _ in calls[0]] == [name for name, _ in SENT]
+    for (_, got), (_, sent) in zip(calls[0], SENT):
+        assert torch.equal(got, sent)
+    assert group.log == ["broadcast", "load a.weight", "broadcast", "load b.bias", "broadcast", "load c.weight", "synchronize"]
+
+
+def test_a_loader_that_stops_early_still_completes_the_round_then_fails() -> None:
+    group = ScriptedGroup(SENT)
+
+    def load_first_only(weights) -> None:
+        next(iter(weights))
+
+    with pytest.raises(RuntimeError, match="stopped before 2 announced tensors, first 'b.bias'"):
+        plugin_with(group).receive_weights(announced(), load_first_only)
+    assert group.log == ["broadcast", "broadcast", "broadcast", "synchronize"]
