@@ -29,9 +29,18 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def target_width(self) -> int:
+        """T - 1: the width of the per-target-position fields."""
+        return self.input_ids.shape[1] - 1
+
     def select(self, rows: list[int]) -> "TrainBatch":
+        """The given rows, cut to the longest of them: rows are right-padded, so the columns beyond hold
+        padding only, and a micro-batch of short rows must not pay for the batch's longest one."""
         index = torch.tensor(rows, dtype=torch.long)
-        return TrainBatch(*(getattr(self, name)[index] for name in _FIELDS))
+        width = int(self.attention_mask[index].sum(dim=1).max())
+        picked = {name: getattr(self, name)[index] for name in _FIELDS}
+        return TrainBatch(**{name: _first_columns(value, width, self.input_ids.shape[1]) for name, value in picked.items()})
 
     def to(self, device: torch.device) -> "TrainBatch":
         return TrainBatch(*(getattr(self, name).to(device) for name in _FIELDS))
@@ -60,13 +69,16 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
 
 
 def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
-    """Row indices per micro-batch: consecutive rows while rows × longest row stays within the budget
-    (a single row longer than the budget still forms its own micro-batch)."""
+    """Row indices per micro-batch, rows taken shortest first while rows × longest row stays within the
+    budget (a single row longer than the budget still forms its own micro-batch). Rows of similar length
+    share a micro-batch, so little of a pass goes to padding when response lengths are long-tailed; the
+    order depends on the batch's content only, so equal batches give equal micro-batches."""
     lengths = batch.attention_mask.sum(dim=1).tolist()  # [B]
     chunks: list[list[int]] = []
     current: list[int] = []
     longest = 0
-    for row, length in enumerate(lengths):
+    for row in sorted(range(len(lengths)), key=lambda r: lengths[r]):  # stable: ties keep batch order
+        length = lengths[row]
         if current and (len(current) + 1) * max(longest, length) > token_budget:
             chunks.append(current)
             current, longest = [], 0
@@ -93,3 +105,11 @@ def _fill_row(
     loss_mask[row, targets] = torch.tensor(trajectory.loss_mask, dtype=torch.float32)
     behaviour[row, targets] = torch.tensor(trajectory.behaviour_logprobs, dtype=torch.float32)
     versions[row, targets] = torch.tensor(trajectory.token_versions, dtype=torch.long)
+
+
+
+def _first_columns(field: Tensor, width: int, full_width: int) -> Tensor:
+    """A [b, T] field cut to `width` columns, a [b, T-1] one to `width` - 1; [b] fields unchanged."""
+    if field.dim() == 1:
+        return field
+    return field[:, : width - (full_width - field.shape[1])]

@@ -50,7 +50,7 @@ def train_step(
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=part.behaviour_logprobs,
-            advantages=advantages[chunk.rows],
+            advantages=advantages[chunk.rows, : part.target_width],
             loss_mask=part.loss_mask,
             proximal_logprobs=None if proximal is None else proximal[index],
             entropy=entropy,

@@ -36,6 +36,7 @@ class RolloutEngine:
         self._llm = llm
         self._config = config
         self._version = version
+        self._load_in_place = vllm_compat.loads_in_place(config.weight_sync.load_in_place, llm.model_config)
         self._streams: dict[str, TokenStream] = {}
         self._update_lock = asyncio.Lock()
         self._needs_catch_up = False
@@ -102,13 +103,15 @@ class RolloutEngine:
         """Join the learner's weight-sync group (`asyncrl.weight_transfer.init_info_for`); bounded by its deadline."""
         started = time.perf_counter()
         try:
-            await self._llm.init_weight_transfer_engine(vllm_compat.init_request(init_info))
+            request = vllm_compat.init_request(init_info | {"load_in_place": self._load_in_place})
+            await self._llm.init_weight_transfer_engine(request)
         except Exception as error:
             raise WeightSyncError(
                 f"joining the weight-sync group at {init_info.get('host')}:{init_info.get('port')} failed after "
                 f"{time.perf_counter() - started:.1f}s (deadline {init_info.get('timeout_s')}s): {error}"
             ) from error
-        log.info("joined the weight-sync group in %.2fs", time.perf_counter() - started)
+        log.info("joined the weight-sync group in %.2fs (%s)", time.perf_counter() - started,
+                 "loading in place" if self._load_in_place else "layerwise reload")
 
     async def update_weights(self, update_info: dict[str, Any], version: int) -> float:
         """Receive the learner's broadcast of `update_info`'s tensors as policy `version`.
@@ -120,13 +123,15 @@ class RolloutEngine:
         async with self._update_lock:
             started = time.perf_counter()
             await vllm_compat.pause_keeping_requests(self._llm)
-            await asyncio.sleep(OUTPUT_SETTLE_S)
+            paused_at = time.perf_counter()
             try:
                 await self._receive(update_info, version)
             except Exception as error:
                 self._needs_catch_up = True
                 message = f"weight update to version {version} failed; engine stays paused: {error}"
                 raise WeightSyncError(message) from error
+            # The receive itself gives the last step's outputs time to be counted; wait only for the rest.
+            await asyncio.sleep(max(0.0, OUTPUT_SETTLE_S - (time.perf_counter() - paused_at)))
             self._mark_version_change(version)
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
@@ -149,6 +154,6 @@ class RolloutEngine:
             self._streams[request_id].version_changed(sampled, version)
 
     async def _receive(self, update_info: dict[str, Any], version: int) -> None:
-        await self._llm.start_weight_update()
+        await vllm_compat.start_update(self._llm, self._load_in_place)
         await self._llm.update_weights(vllm_compat.update_request(update_info))
         await vllm_compat.finish_update(self._llm, version)

@@ -19,6 +19,8 @@ Differences handled here:
   is prefilled in chunks: it rewinds the request's generator, which a CPU generator cannot do. Many
   long prompts in flight (multi-turn episodes) make chunks; chunked prefill is off on CPU.
 - Keep-mode pause (`pause_generation(mode="keep")`) is required; a release without it is refused.
+- Loading in place (no layerwise reload) is chosen with `start_weight_update(is_checkpoint_format=False)`
+  on 0.24 (its worker then skips the reload); 0.32 leaves the reload to our engine's hooks.
 - 0.24's worker-side engine is built as `(config, parallel_config, model)`: it has no `device` attribute,
   its worker runs the layerwise reload itself and calls `receive_weights(info, load_weights)`; 0.32
   passes the device, calls the engine's `start/finish_weight_update` hooks and `receive_weights(info)`.
@@ -63,8 +65,10 @@ __all__ = [
     "label_weights",
     "layerwise_reload_finish",
     "layerwise_reload_start",
+    "loads_in_place",
     "pause_keeping_requests",
     "sampled_logprobs",
+    "start_update",
     "tokens_sampled",
     "update_request",
     "version_spans",
@@ -97,6 +101,27 @@ def layerwise_reload_finish(model: torch.nn.Module, model_config: Any) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(model, model_config)
+
+
+def loads_in_place(requested: bool, model_config: Any) -> bool:
+    """Whether received weights may be copied straight into the serving parameters.
+
+    Safe where loading leaves nothing to post-process: an unquantized model on a CUDA-like platform, whose
+    linear layers serve the loaded tensors as they are. On CPU vLLM repacks linear weights after loading
+    (and may drop the originals), and quantized layers re-derive kernel tensors: those need the layerwise
+    reload.
+    """
+    from vllm.platforms import current_platform
+
+    return requested and current_platform.is_cuda_alike() and getattr(model_config, "quantization", None) is None
+
+
+async def start_update(engine: AsyncLLM, in_place: bool) -> None:
+    """Open an update session: 0.24's worker runs the layerwise reload unless told the weights need none."""
+    if "is_checkpoint_format" in inspect.signature(engine.start_weight_update).parameters:
+        await engine.start_weight_update(is_checkpoint_format=not in_place)
+    else:
+        await engine.start_weight_update()
 
 
 def chunked_prefill() -> bool | None:

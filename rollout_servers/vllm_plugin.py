@@ -2,8 +2,9 @@
 
 The worker side of `asyncrl.weight_transfer`: it joins the trainer's private gloo/NCCL group at
 `init_weight_transfer_engine`, and on `update_weights` receives each announced tensor by broadcast and
-feeds it to the model's `load_weights` inside vLLM's layerwise reload (started and finished by
-`start_weight_update` / `finish_weight_update`).
+feeds it to the model's `load_weights`: inside vLLM's layerwise reload (started and finished by
+`start_weight_update` / `finish_weight_update`), or straight into the serving parameters where the
+engine chose to load in place (`vllm_compat.loads_in_place`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self._group: TransferGroup | None = None
+        self._in_place = False  # set at each join from the init request
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Join (or rejoin, after a failed round) the trainer's group; the previous group is dropped on success."""
@@ -47,12 +49,15 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         joined = TransferGroup.join(init_info.address(), rank, device)
         self.shutdown()
         self._group = joined
+        self._in_place = init_info.load_in_place
 
     def start_weight_update(self) -> None:
-        vllm_compat.layerwise_reload_start(self.model)
+        if not self._in_place:
+            vllm_compat.layerwise_reload_start(self.model)
 
     def finish_weight_update(self) -> None:
-        vllm_compat.layerwise_reload_finish(self.model, self.model_config)
+        if not self._in_place:
+            vllm_compat.layerwise_reload_finish(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Parse, receive and load one update. On any failure the reload is finished before re-raising.
@@ -73,12 +78,13 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         The loader pulls each tensor from a generator that receives it on demand: one call instead of one
         per tensor (vLLM's loader walks the model's modules on every call, which dominated a sync of a few
         hundred tensors), while the layerwise reload still frees each layer's buffers once it is complete.
-        vLLM 0.24 hands in its own `load_weights` (its worker runs the layerwise reload around this call);
+        vLLM 0.24 hands in its own `load_weights` (its worker runs the layerwise reload around this call, or
+        hands a kernel-format loader when loading in place: checkpoint names need the model's own loader);
         later releases pass none and call our start/finish hooks instead.
         """
         if self._group is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine: no transfer group")
-        load = load_weights or self.model.load_weights
+        load = self.model.load_weights if self._in_place or load_weights is None else load_weights
         received = self._received(update_info)
         load(received)
         unread = [name for name, _ in received]  # still received, so the trainer's round completes

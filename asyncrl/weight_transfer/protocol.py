@@ -38,6 +38,7 @@ class InitInfo:
     backend: str  # "gloo" or "nccl"
     timeout_s: float  # deadline of the rendezvous and of each broadcast, seconds
     rank_offset: int  # group rank of this server's first worker (its tensor-parallel rank 0)
+    load_in_place: bool = False  # load into the serving parameters, no layerwise reload (the engine decides)
 
     def address(self) -> GroupAddress:
         return GroupAddress(self.host, self.port, self.world_size, self.backend, self.timeout_s)

@@ -31,9 +31,25 @@ def test_micro_batches_respect_the_token_budget():
     lengths = batch.attention_mask.sum(1).tolist()
     assert lengths == [4, 4, 4, 10, 2]
     chunks = micro_batches(batch, token_budget=12)
-    assert chunks == [[0, 1, 2], [3], [4]]
+    assert chunks == [[4, 0, 1], [2], [3]]  # shortest first; ties in batch order
     for chunk in chunks:
         assert len(chunk) == 1 or len(chunk) * max(lengths[i] for i in chunk) <= 12
     assert sorted(i for chunk in chunks for i in chunk) == list(range(5))
-    assert micro_batches(batch, token_budget=1) == [[0], [1], [2], [3], [4]]
+    assert micro_batches(batch, token_budget=1) == [[4], [0], [1], [2], [3]]
     assert torch.equal(batch.select([3]).input_ids[0, :10], torch.tensor([1] * 9 + [2]))
+
+
+def test_selected_rows_are_cut_to_their_longest_row():
+    rows = [trajectory([1] * n, [2, 3], [-0.5, -0.25], [0, 1], [1, 1]) for n in (1, 8, 2)]
+    batch = collate([TrajectoryGroup("r", "g", "s", rows)], pad_id=0)
+    assert batch.input_ids.shape == (3, 10)
+    short = batch.select([2, 0])
+    assert short.input_ids.tolist() == [[1, 1, 2, 3], [1, 2, 3, 0]]
+    assert short.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert short.target_width == 3
+    for name in ("loss_mask", "behaviour_logprobs", "token_versions"):
+        assert getattr(short, name).shape == (2, 3)
+        assert torch.equal(getattr(short, name), getattr(batch, name)[[2, 0], :3])
+    assert short.behaviour_logprobs.tolist() == [[0.0, -0.5, -0.25], [-0.5, -0.25, 0.0]]
+    assert short.rewards.shape == (2,) and short.group_index.tolist() == [0, 0]
+    assert batch.select([1]).input_ids.shape == (1, 10)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from asyncrl.weight_transfer import update_info_for
 from asyncrl.weight_transfer.protocol import UpdateInfo
+from rollout_servers import vllm_compat
 from rollout_servers.vllm_plugin import AsyncRLWeightTransferEngine
 
 SENT = [("a.weight", torch.full((2, 3), 1.5)), ("b.bias", torch.arange(4, dtype=torch.float32)),
@@ -30,9 +33,9 @@ class ScriptedGroup:
         self.log.append("synchronize")
 
 
-def plugin_with(group: ScriptedGroup) -> AsyncRLWeightTransferEngine:
+def plugin_with(group: ScriptedGroup, in_place: bool = False, model: object = None) -> AsyncRLWeightTransferEngine:
     plugin = object.__new__(AsyncRLWeightTransferEngine)  # vLLM's constructor needs a running worker
-    plugin._group = group
+    plugin._group, plugin._in_place, plugin.model = group, in_place, model
     return plugin
 
 
@@ -69,3 +72,34 @@ def test_a_loader_that_stops_early_still_completes_the_round_then_fails() -> Non
     with pytest.raises(RuntimeError, match="stopped before 2 announced tensors, first 'b.bias'"):
         plugin_with(group).receive_weights(announced(), load_first_only)
     assert group.log == ["broadcast", "broadcast", "broadcast", "synchronize"]
+
+
+class RecordingModel:
+    """The model's own checkpoint-format loader, as vLLM models expose it."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights) -> None:
+        self.loaded += [name for name, _ in weights]
+
+
+def test_loading_in_place_uses_the_models_own_loader_not_the_one_handed_in() -> None:
+    model = RecordingModel()
+
+    def kernel_format_loader(weights) -> None:
+        raise AssertionError("vLLM 0.24's kernel-format loader cannot take checkpoint names")
+
+    plugin_with(ScriptedGroup(SENT), in_place=True, model=model).receive_weights(announced(), kernel_format_loader)
+    assert model.loaded == [name for name, _ in SENT]
+
+
+def test_loading_in_place_is_chosen_only_for_unquantized_models_on_cuda(monkeypatch) -> None:
+    from vllm.platforms import current_platform
+
+    unquantized, quantized = SimpleNamespace(quantization=None), SimpleNamespace(quantization="fp8")
+    assert not vllm_compat.loads_in_place(True, unquantized), "CPU repacks linear weights after loading"
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    assert vllm_compat.loads_in_place(True, unquantized)
+    assert not vllm_compat.loads_in_place(False, unquantized)
+    assert not vllm_compat.loads_in_place(True, quantized)
