@@ -25,6 +25,17 @@ log = logging.getLogger(__name__)
 OUTPUT_SETTLE_S = 0.05
 
 
+def _prefix_cache_salt(version: int) -> str:
+    """Salt of a new request's prefix-cache keys: the policy version it starts under.
+
+    An update loads new weights but leaves vLLM's prefix cache holding key/values computed with the old
+    ones; a new request must not reuse them, or its log-probs would be those of neither policy. Requests
+    in flight keep their own cache (keep-mode pause), and requests started under one version still share
+    prompt blocks (a group's samples, for one).
+    """
+    return f"asyncrl-policy-v{version}"
+
+
 class WeightSyncError(RuntimeError):
     """Joining the weight-sync group or applying an update failed (the message says which and why)."""
 
@@ -85,7 +96,8 @@ class RolloutEngine:
         params = sampling_params(sampling or self._config.sampling, seed)
         stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version)
         try:
-            async for output in self._llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+            prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
+            async for output in self._llm.generate(prompt, params, request_id):
                 stream.absorb(output)
         finally:
             del self._streams[request_id]
