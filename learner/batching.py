@@ -107,7 +107,6 @@ def _fill_row(
     versions[row, targets] = torch.tensor(trajectory.token_versions, dtype=torch.long)
 
 
-
 def _first_columns(field: Tensor, width: int, full_width: int) -> Tensor:
     """A [b, T] field cut to `width` columns, a [b, T-1] one to `width` - 1; [b] fields unchanged."""
     if field.dim() == 1:

