@@ -224,13 +224,20 @@ class BufferService:
         self._syncing = 0  # a sync still running covers none of what remains
 
     def _publish(self, count: int) -> None:
-        """The oldest `count` writes are durable: consumers may have them, producers get their acks."""
+        """The oldest `count` writes are durable: consumers may have them, producers get their acks.
+
+        A producer's acks go out as one message of one frame per ack: each send wakes ZeroMQ's I/O
+        thread (~15 µs of CPU per ack here, and often a reschedule on 2 cores), and a producer reads
+        frames one at a time, so it sees the same complete Ack messages as before."""
+        acks: dict[bytes, list[bytes]] = {}
         for unsynced in self.store.publish(count):
             for identity, ack in unsynced.acks:
                 self.counters.duplicates += ack.duplicate
-                self._reply(identity, ack)
+                acks.setdefault(identity, []).append(encode(ack))
             self.counters.ingested += len(unsynced.entries)
             self.rate.add(time.monotonic(), len(unsynced.entries), unsynced.nbytes)
+        for identity, frames in acks.items():
+            self.socket.send_multipart([identity, *frames])
 
     def _refuse_write(self, records: list[tuple[bytes, str]], error: OSError) -> None:
         """Nothing of these records is stored: tell their producers to resend."""

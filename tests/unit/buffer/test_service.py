@@ -253,3 +253,19 @@ def test_a_request_lost_with_a_stopped_buffer_is_answered_by_its_successor(serve
     batch = result["batch"]
     assert [g.record_id for g in batch.groups] == ["g1", "g2", "g3"] and batch.offsets == [1, 2, 3]
     assert consumer.position == 4 and consumer.channel.resends >= 1
+
+
+def test_acks_published_together_go_to_their_producer_as_one_message_of_one_frame_each(small_config, tmp_path):
+    service = BufferService(dataclasses.replace(small_config, fsync="none"), tmp_path / "log")
+    producer = connect_dealer(zmq.Context.instance(), service.endpoint)
+    for record_id in ("a", "b", "c"):
+        producer.send(encode(group(record_id)))
+    messages = []
+    while len(messages) < 3 and service.socket.poll(REPLY_TIMEOUT_MS):
+        messages += service._drain()
+    service.handle(messages)  # one turn: one write, one publish
+    assert producer.poll(REPLY_TIMEOUT_MS)
+    frames = producer.recv_multipart()
+    assert [decode(frame) for frame in frames] == [Ack("a", 0), Ack("b", 1), Ack("c", 2)]
+    producer.close()
+    service.close()
