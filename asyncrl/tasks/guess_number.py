@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from asyncrl.config.sections import TaskConfig
-from asyncrl.environments.guess_number import HIGHER, MAX_GUESSES_KEY, feedback
+from asyncrl.environments.guess_number import HIGHER, MAX_GUESSES_KEY, REWARD_KEY, feedback
 from asyncrl.tasks.dialogue import Dialogue
 from asyncrl.tasks.splits import Problem, TaskSplit
 
@@ -41,7 +41,12 @@ def make_row(problem: Problem, index: int, split_name: str, task: TaskConfig) ->
         "prompt": [{"role": "user", "content": prompt}],
         "ability": "game",
         "reward_model": {"style": "rule", "ground_truth": target},
-        "extra_info": {"index": index, "split": split_name, MAX_GUESSES_KEY: task.guess_number.max_guesses},
+        "extra_info": {
+            "index": index,
+            "split": split_name,
+            MAX_GUESSES_KEY: task.guess_number.max_guesses,
+            REWARD_KEY: task.guess_number.reward,
+        },
     }
 
 

@@ -4,7 +4,7 @@ start ever uses them."""
 import random
 
 from asyncrl.commands.data import write_task_files
-from asyncrl.config.sections import TaskConfig, WarmStartConfig
+from asyncrl.config.sections import GuessNumberTaskConfig, TaskConfig, WarmStartConfig
 from asyncrl.data import load_prompt_file
 from asyncrl.tasks.splits import split_task
 from asyncrl.tiny import warm_start as warm_start_module
@@ -64,3 +64,11 @@ def test_label_noise_replaces_digits_at_the_configured_rate():
     changed = sum(a != b for answer in noisy for a, b in zip(answer, "1234567890")) / (2000 * 10)
     assert abs(changed - 0.3 * 0.9) < 0.01  # a replacement draws the same digit one time in ten
     assert warm_start_module.noisy_answer("-7", 1.0, random.Random(1))[0] == "-"  # the sign is never noise
+
+
+def test_guess_number_rows_carry_the_game_settings_for_the_environment(tmp_path):
+    settings = GuessNumberTaskConfig(max_number=31, max_guesses=5, reward="solved")
+    task = TaskConfig(name="guess_number", out_dir=str(tmp_path), num_train=5, num_val=3, guess_number=settings)
+    rows = load_prompt_file(write_task_files(task, seed=0)["val"])
+    assert len(rows) == 3 and all(1 <= int(row.ground_truth) <= 31 for row in rows)
+    assert {(row.extra_info["max_guesses"], row.extra_info["reward"]) for row in rows} == {(5, "solved")}
