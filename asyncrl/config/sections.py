@@ -59,6 +59,8 @@ class GuessNumberTaskConfig:
     max_number: int = bounded(20, 2)  # the hidden number is drawn uniformly from 1..max_number
     max_guesses: int = bounded(6, 1)  # guesses per episode (written into each row's extra_info)
     bisect_rate: float = bounded(0.3, 0.0, 1.0)  # warm-start teacher: share of guesses at the middle of the range left; the rest anywhere in it
+    reward: str = one_of("fewer_guesses", "solved")  # fewer_guesses: 1 − (guesses − 1)/max_guesses when found; solved: 1 when found (in each row's extra_info)
+    feedback: str = one_of("direction", "range")  # after a wrong guess: "higher"/"lower"; range: also the numbers still possible, "higher: 17-31"
 
 
 @dataclass

@@ -1,6 +1,18 @@
 """Built-in `guess_number` environment: the model guesses a hidden integer and hears "higher" or "lower"
-after each wrong guess. Solving it sooner earns more: reward 1 − (guesses − 1) / max_guesses on success,
-0 when the guesses run out, so bisecting beats guessing at random.
+after each wrong guess. Two reward rules, chosen per row by `extra_info.reward`:
+
+- `fewer_guesses` (the default): 1 − (guesses − 1) / max_guesses on success, 0 when the guesses run out;
+- `solved`: 1 on success within max_guesses, else 0. With max_guesses = ⌈log2(max_number + 1)⌉ only
+  bisection always wins, and a lucky early hit earns no more than a methodical one, so the reward tracks
+  the skill instead of the luck of the draw.
+
+Two kinds of feedback, chosen per row by `extra_info.feedback`:
+
+- `direction` (the default): "higher", "lower" or "invalid";
+- `range`: the same word plus the numbers still possible, "higher: 17-31" (1..`extra_info.max_number` at
+  first, narrowed by every answer so far). Bisection needs the range left; with `direction` the policy
+  must rebuild it from every earlier turn, which a tiny model does poorly: its guesses stray outside the
+  range. With `range` the last message holds the whole state, and the task left is to pick its middle.
 
 A row's `reward_model.ground_truth` is the hidden number; `extra_info.max_guesses` caps the guesses.
 """
@@ -12,6 +24,13 @@ from asyncrl.environments.base import Environment, Message, ModelTurn, StepResul
 
 MAX_GUESSES_KEY = "max_guesses"  # extra_info field: guesses allowed in the episode
 DEFAULT_MAX_GUESSES = 6  # when the row does not say
+REWARD_KEY = "reward"  # extra_info field: the reward rule, one of REWARD_RULES
+FEWER_GUESSES, SOLVED = "fewer_guesses", "solved"
+REWARD_RULES = (FEWER_GUESSES, SOLVED)  # the first is the default: rows written before the rule existed
+FEEDBACK_KEY = "feedback"  # extra_info field: the kind of feedback, one of FEEDBACK_STYLES
+DIRECTION, RANGE = "direction", "range"
+FEEDBACK_STYLES = (DIRECTION, RANGE)  # the first is the default, as for REWARD_RULES
+MAX_NUMBER_KEY = "max_number"  # extra_info field: the largest possible number (needed by range feedback)
 HIGHER, LOWER, INVALID = "higher", "lower", "invalid"  # feedback: the number is higher / lower / not a number
 
 
@@ -22,9 +41,41 @@ def feedback(guess: int | None, target: int) -> str:
     return HIGHER if target > guess else LOWER
 
 
-def solved_reward(guesses: int, max_guesses: int) -> float:
+def narrow(low: int, high: int, guess: int | None, answer: str) -> tuple[int, int]:
+    """The numbers still possible after `answer` to `guess`; a guess outside the range narrows nothing."""
+    if answer == HIGHER:
+        return max(low, guess + 1), high
+    if answer == LOWER:
+        return low, min(high, guess - 1)
+    return low, high
+
+
+def observation_text(answer: str, low: int, high: int, style: str) -> str:
+    """The user message after a wrong guess: the answer, and with `range` feedback what is still possible."""
+    return f"{answer}: {low}-{high}" if style == RANGE else answer
+
+
+def solved_reward(guesses: int, max_guesses: int, rule: str = FEWER_GUESSES) -> float:
     """Reward of finding the number with the `guesses`-th guess."""
+    if rule == SOLVED:
+        return 1.0
     return 1.0 - (guesses - 1) / max_guesses
+
+
+def row_choice(extra_info: dict, key: str, choices: tuple[str, ...]) -> str:
+    """The row's setting `key` (default: the first choice); an unknown value is a malformed row (the
+    episode fails as env_error)."""
+    value = str(extra_info.get(key, choices[0]))
+    if value not in choices:
+        raise ValueError(f"guess_number: extra_info.{key} '{value}' is not one of {list(choices)}")
+    return value
+
+
+def max_number(extra_info: dict, style: str) -> int:
+    """The top of the first range; range feedback cannot do without it."""
+    if style == RANGE and MAX_NUMBER_KEY not in extra_info:
+        raise ValueError(f"guess_number: range feedback needs extra_info.{MAX_NUMBER_KEY}")
+    return int(extra_info.get(MAX_NUMBER_KEY, 0))
 
 
 class GuessNumberEnvironment(Environment):
@@ -32,10 +83,16 @@ class GuessNumberEnvironment(Environment):
         self._target = 0
         self._max_guesses = DEFAULT_MAX_GUESSES
         self._guesses = 0
+        self._rule = FEWER_GUESSES
+        self._style = DIRECTION
+        self._low, self._high = 1, 0  # the numbers still possible
 
     async def reset(self, sample: PromptRow) -> list[Message]:
         self._target = int(sample.ground_truth)
         self._max_guesses = int(sample.extra_info.get(MAX_GUESSES_KEY, DEFAULT_MAX_GUESSES))
+        self._rule = row_choice(sample.extra_info, REWARD_KEY, REWARD_RULES)
+        self._style = row_choice(sample.extra_info, FEEDBACK_KEY, FEEDBACK_STYLES)
+        self._low, self._high = 1, max_number(sample.extra_info, self._style)
         self._guesses = 0
         return list(sample.messages)
 
@@ -45,7 +102,10 @@ class GuessNumberEnvironment(Environment):
         guess = int(text) if text.isdigit() else None
         info = {"guesses": float(self._guesses)}
         if guess == self._target:
-            return StepResult(reward=solved_reward(self._guesses, self._max_guesses), done=True, info=info | {"solved": 1.0})
+            return StepResult(reward=solved_reward(self._guesses, self._max_guesses, self._rule), done=True, info=info | {"solved": 1.0})
         if self._guesses >= self._max_guesses:
             return StepResult(done=True, info=info | {"solved": 0.0})
-        return StepResult(observation=[{"role": "user", "content": feedback(guess, self._target)}], info=info)
+        answer = feedback(guess, self._target)
+        self._low, self._high = narrow(self._low, self._high, guess, answer)
+        message = {"role": "user", "content": observation_text(answer, self._low, self._high, self._style)}
+        return StepResult(observation=[message], info=info)

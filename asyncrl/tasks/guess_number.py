@@ -12,7 +12,15 @@ import random
 from typing import Any
 
 from asyncrl.config.sections import TaskConfig
-from asyncrl.environments.guess_number import HIGHER, MAX_GUESSES_KEY, feedback
+from asyncrl.environments.guess_number import (
+    FEEDBACK_KEY,
+    MAX_GUESSES_KEY,
+    MAX_NUMBER_KEY,
+    REWARD_KEY,
+    feedback,
+    narrow,
+    observation_text,
+)
 from asyncrl.tasks.dialogue import Dialogue
 from asyncrl.tasks.splits import Problem, TaskSplit
 
@@ -41,7 +49,14 @@ def make_row(problem: Problem, index: int, split_name: str, task: TaskConfig) ->
         "prompt": [{"role": "user", "content": prompt}],
         "ability": "game",
         "reward_model": {"style": "rule", "ground_truth": target},
-        "extra_info": {"index": index, "split": split_name, MAX_GUESSES_KEY: task.guess_number.max_guesses},
+        "extra_info": {
+            "index": index,
+            "split": split_name,
+            MAX_GUESSES_KEY: task.guess_number.max_guesses,
+            MAX_NUMBER_KEY: task.guess_number.max_number,
+            REWARD_KEY: task.guess_number.reward,
+            FEEDBACK_KEY: task.guess_number.feedback,
+        },
     }
 
 
@@ -56,6 +71,6 @@ def teacher_dialogue(rng: random.Random, task: TaskConfig, label_noise: float, h
             turns.append((str(guess), []))
             break
         answer = feedback(guess, target)
-        low, high = (guess + 1, high) if answer == HIGHER else (low, guess - 1)
-        turns.append((str(guess), [{"role": "user", "content": answer}]))
+        low, high = narrow(low, high, guess, answer)
+        turns.append((str(guess), [{"role": "user", "content": observation_text(answer, low, high, settings.feedback)}]))
     return Dialogue([{"role": "user", "content": question(settings.max_number)}], turns)

@@ -72,6 +72,34 @@ def test_guess_number_feedback_and_reward_falls_with_guesses():
     assert asyncio.run(environment.step(turn("2", 1))) == StepResult([], 0.0, True, {"guesses": 2.0, "solved": 0.0})
 
 
+def test_guess_number_solved_rule_pays_one_whenever_found_in_time():
+    environment = GuessNumberEnvironment()
+    asyncio.run(environment.reset(row("guess_number", "7", max_guesses=3, reward="solved")))
+    answers = [asyncio.run(environment.step(turn(text, i))) for i, text in enumerate(["4", "9", "7"])]
+    assert [(a.reward, a.done) for a in answers] == [(0.0, False), (0.0, False), (1.0, True)]
+    asyncio.run(environment.reset(row("guess_number", "7", max_guesses=2, reward="solved")))
+    asyncio.run(environment.step(turn("1")))
+    assert asyncio.run(environment.step(turn("2", 1))) == StepResult([], 0.0, True, {"guesses": 2.0, "solved": 0.0})
+
+
+def test_guess_number_rejects_an_unknown_reward_rule():
+    with pytest.raises(ValueError, match="extra_info.reward 'fastest' is not one of"):
+        asyncio.run(GuessNumberEnvironment().reset(row("guess_number", "7", reward="fastest")))
+
+
+def test_guess_number_range_feedback_narrows_and_ignores_guesses_outside_the_range():
+    environment = GuessNumberEnvironment()
+    asyncio.run(environment.reset(row("guess_number", "7", max_guesses=6, max_number=31, feedback="range")))
+    answers = [asyncio.run(environment.step(turn(text, i))) for i, text in enumerate(["16", "3", "20", "x", "6"])]
+    texts = [a.observation[0]["content"] for a in answers]
+    assert texts == ["lower: 1-15", "higher: 4-15", "lower: 4-15", "invalid: 4-15", "higher: 7-15"]
+
+
+def test_guess_number_range_feedback_needs_max_number():
+    with pytest.raises(ValueError, match="range feedback needs extra_info.max_number"):
+        asyncio.run(GuessNumberEnvironment().reset(row("guess_number", "7", feedback="range")))
+
+
 def test_registry_resolves_builtins_and_user_classes_per_data_source():
     registry = EnvironmentRegistry.from_config({"calc": "calculator", "mine": spec("CountdownEnvironment")})
     assert registry.handles("calc") and registry.handles("mine") and not registry.handles("arithmetic")

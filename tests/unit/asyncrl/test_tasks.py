@@ -1,11 +1,15 @@
 """The task split: held-out questions are decided once, and neither the training file nor the warm
 start ever uses them."""
 
+import asyncio
 import random
 
 from asyncrl.commands.data import write_task_files
-from asyncrl.config.sections import TaskConfig, WarmStartConfig
-from asyncrl.data import load_prompt_file
+from asyncrl.config.sections import GuessNumberTaskConfig, TaskConfig, WarmStartConfig
+from asyncrl.data import PromptRow, load_prompt_file
+from asyncrl.environments import ModelTurn
+from asyncrl.environments.guess_number import GuessNumberEnvironment
+from asyncrl.tasks import guess_number
 from asyncrl.tasks.splits import split_task
 from asyncrl.tiny import warm_start as warm_start_module
 from asyncrl.tiny.model import build_tiny_model
@@ -64,3 +68,26 @@ def test_label_noise_replaces_digits_at_the_configured_rate():
     changed = sum(a != b for answer in noisy for a, b in zip(answer, "1234567890")) / (2000 * 10)
     assert abs(changed - 0.3 * 0.9) < 0.01  # a replacement draws the same digit one time in ten
     assert warm_start_module.noisy_answer("-7", 1.0, random.Random(1))[0] == "-"  # the sign is never noise
+
+
+def test_guess_number_rows_carry_the_game_settings_for_the_environment(tmp_path):
+    settings = GuessNumberTaskConfig(max_number=31, max_guesses=5, reward="solved", feedback="range")
+    task = TaskConfig(name="guess_number", out_dir=str(tmp_path), num_train=5, num_val=3, guess_number=settings)
+    rows = load_prompt_file(write_task_files(task, seed=0)["val"])
+    assert len(rows) == 3 and all(1 <= int(row.ground_truth) <= 31 for row in rows)
+    seen = {tuple(row.extra_info[key] for key in ("max_number", "max_guesses", "reward", "feedback")) for row in rows}
+    assert seen == {(31, 5, "solved", "range")}
+
+
+def test_guess_number_teacher_bisects_and_hears_what_the_environment_says():
+    settings = GuessNumberTaskConfig(max_number=31, max_guesses=5, bisect_rate=1.0, feedback="range")
+    task = TaskConfig(name="guess_number", guess_number=settings)
+    dialogue = guess_number.teacher_dialogue(random.Random(3), task, 0.0, frozenset())
+    guesses = [text for text, _ in dialogue.turns]
+    assert guesses[0] == "16"  # the middle of 1..31; bisection then always finds the number, the last guess
+    extra_info = guess_number.make_row(("", "0"), 0, "train", task)["extra_info"]
+    row = PromptRow(dialogue.messages, "guess_number", guesses[-1], extra_info=extra_info)
+    environment = GuessNumberEnvironment()
+    asyncio.run(environment.reset(row))
+    heard = [asyncio.run(environment.step(ModelTurn(text, [], "stop", i))).observation for i, text in enumerate(guesses)]
+    assert heard == [observation for _, observation in dialogue.turns]
