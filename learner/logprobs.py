@@ -29,40 +29,48 @@ def sampling_temperature(rollout: RolloutConfig) -> float:
 
 
 def target_logprobs(
-    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """log π(token_{t+1} | tokens_≤t) with π = softmax(logits / temperature), and the entropy of π at t
-    (detached), both [B, T-1] in float32 (float64 for float64 logits)."""
+    (detached; None without `with_entropy`, which saves two vocabulary-wide passes), both [B, T-1] in
+    float32 (float64 for float64 logits)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
     batch, length, vocab = logits.shape
     # Every position gets a target (the last one a dummy, dropped below) so the logits stay one
     # contiguous [B·T, V] view instead of a sliced copy.
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)  # [B, T]
-    chosen, entropy = TargetLogprob.apply(logits.reshape(batch * length, vocab), targets.reshape(-1), temperature)
-    return chosen.view(batch, length)[:, :-1], entropy.view(batch, length)[:, :-1]  # [B, T-1] each
+    chosen, entropy = TargetLogprob.apply(logits.reshape(batch * length, vocab), targets.reshape(-1), temperature,
+                                          CHUNK_ELEMENTS, with_entropy)
+    if entropy is not None:
+        entropy = entropy.view(batch, length)[:, :-1]  # [B, T-1]
+    return chosen.view(batch, length)[:, :-1], entropy  # [B, T-1]
 
 
 class TargetLogprob(torch.autograd.Function):
-    """(log-prob of each row's target, entropy of each row) of softmax(logits / temperature); the
+    """(log-prob of each row's target, entropy of each row or None) of softmax(logits / temperature); the
     gradient flows to the logits through the log-prob only."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_elements: int = CHUNK_ELEMENTS):
-        # logits [N, V] (model dtype), targets [N] → chosen [N], entropy [N], in the working dtype
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, chunk_elements: int = CHUNK_ELEMENTS,
+                with_entropy: bool = True):
+        # logits [N, V] (model dtype), targets [N] → chosen [N], entropy [N] or None, in the working dtype
         rows = logits.shape[0]
         chosen = torch.empty(rows, dtype=_working_dtype(logits), device=logits.device)  # [N]
-        entropy = torch.empty_like(chosen)  # [N]
+        entropy = torch.empty_like(chosen) if with_entropy else None  # [N]
         normaliser = torch.empty_like(chosen)  # [N] logsumexp of the tempered logits
         for part in _row_chunks(logits, chunk_elements):
             scaled = logits[part].to(chosen.dtype) / temperature  # [n, V]
             lse = torch.logsumexp(scaled, dim=-1)  # [n]
             normaliser[part] = lse
             chosen[part] = scaled.gather(-1, targets[part].unsqueeze(-1)).squeeze(-1) - lse
-            probs = torch.exp(scaled - lse.unsqueeze(-1))  # [n, V]
-            entropy[part] = lse - (probs * scaled).sum(dim=-1)
+            if entropy is not None:
+                probs = torch.exp(scaled - lse.unsqueeze(-1))  # [n, V]
+                entropy[part] = lse - (probs * scaled).sum(dim=-1)
         ctx.save_for_backward(logits, targets, normaliser)
         ctx.temperature, ctx.chunk_elements = temperature, chunk_elements
-        ctx.mark_non_differentiable(entropy)
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
         return chosen, entropy
 
     @staticmethod
@@ -77,7 +85,7 @@ class TargetLogprob(torch.autograd.Function):
             grad = -probs * weight  # [n, V]
             grad.scatter_add_(-1, targets[part].unsqueeze(-1), weight)
             grad_logits[part] = (grad / ctx.temperature).to(logits.dtype)
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def _working_dtype(logits: Tensor) -> torch.dtype:

@@ -108,7 +108,8 @@ def _proximal_logprobs(
 ) -> list[torch.Tensor]:
     """log π_prox per chunk, [b, T-1] each: the weights before this update, computed once up front."""
     parts = [batch.select(chunk.rows) for chunk in chunks]
-    return [target_logprobs(model, part.input_ids, part.attention_mask, temperature)[0] for part in parts]
+    return [target_logprobs(model, part.input_ids, part.attention_mask, temperature, with_entropy=False)[0]
+            for part in parts]
 
 
 def _clip(model: torch.nn.Module, grad_clip: float) -> float:

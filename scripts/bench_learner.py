@@ -10,7 +10,7 @@ runs the full path: advantages, proximal pass, micro-batched loss and backward, 
 MFU = 6 · parameters · tokens / step time / peak FLOP/s: the usual forward + backward count; the
 proximal forward of decoupled PPO (≈ 2 · parameters · tokens more) and attention FLOPs are not counted.
 Qwen2.5-0.5B's shape: --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936.
-Last line: RESULT {json} with learner_tok_s and mfu (null on CPU).
+Last line: RESULT {json} with learner_tok_s, mfu and peak_memory_gib (both null on CPU).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from learner.distributed import World, init_world
 from learner.policy_model import DTYPES, attention_backend, shard_policy
 from learner.train_step import train_step
 
+GIB = 2**30
 FLOPS_PER_PARAM_TOKEN = 6  # matmul FLOPs per parameter per token: forward 2, backward 4
 TERA = 1e12
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
@@ -135,6 +136,7 @@ def report(args: argparse.Namespace, world: World, params: int, vocab: int, toke
     tok_s = tokens / step_s
     on_cuda = world.device.type == "cuda"
     mfu = FLOPS_PER_PARAM_TOKEN * params * tok_s / (args.peak_tflops * TERA) if on_cuda else None
+    peak_gib = torch.cuda.max_memory_allocated(world.device) / GIB if on_cuda else None
     device_name = torch.cuda.get_device_name(world.device) if on_cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"model: hidden {args.hidden}, layers {args.layers}, heads {args.heads}/{args.kv_heads}, "
           f"intermediate {args.intermediate}, vocab {vocab}, {params / 1e6:.1f}M params, {args.dtype}, {device_name}")
@@ -143,9 +145,11 @@ def report(args: argparse.Namespace, world: World, params: int, vocab: int, toke
     print(f"{'step':>6} {'seconds':>9} {'tokens/s':>10}")
     for index, value in enumerate(seconds, 1):
         print(f"{index:>6} {value:>9.3f} {tokens / value:>10.0f}")
-    print(f"{'median':>6} {step_s:>9.3f} {tok_s:>10.0f}" + (f"   MFU {mfu:.1%} of {args.peak_tflops:g} TFLOP/s" if on_cuda else ""))
+    print(f"{'median':>6} {step_s:>9.3f} {tok_s:>10.0f}" + (f"   MFU {mfu:.1%} of {args.peak_tflops:g} TFLOP/s, "
+                                                             f"peak memory {peak_gib:.1f} GiB" if on_cuda else ""))
     return {"learner_tok_s": round(tok_s, 1), "mfu": None if mfu is None else round(mfu, 4), "step_s": round(step_s, 4),
-            "tokens_per_step": tokens, "params": params, "device": device_name, "loss": args.loss}
+            "peak_memory_gib": None if peak_gib is None else round(peak_gib, 1), "tokens_per_step": tokens,
+            "params": params, "device": device_name, "loss": args.loss, "micro_batch_tokens": args.micro_batch_tokens}
 
 
 def main() -> None:

@@ -68,8 +68,8 @@ stage_sync() {
 
 stage_learner() {
     "$PYTHON" scripts/bench_learner.py --device cuda --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
-        --intermediate 4864 --vocab 151936 --seq-len 1280 --prompt-len 256 --batch 8 --group-size 8 \
-        --micro-batch-tokens 10240 --steps 5 --warmup 2
+        --intermediate 4864 --vocab 151936 --seq-len 768 --prompt-len 256 --batch 64 --group-size 8 \
+        --micro-batch-tokens 32768 --steps 3 --warmup 2  # the gpu_qwen05b preset's micro-batch
 }
 
 stage_rollout() {

@@ -85,6 +85,23 @@ def test_target_logprobs_score_the_next_token_of_every_position():
     assert torch.allclose(entropy.double(), expected_entropy, atol=1e-5)
 
 
+def test_log_probs_without_entropy_are_the_same_and_still_differentiable():
+    logits = torch.randn(2, 5, VOCAB, requires_grad=True)
+
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, use_cache):
+            return SimpleNamespace(logits=logits)
+
+    input_ids = torch.randint(0, VOCAB, (2, 5))
+    with_entropy, _ = target_logprobs(Fixed(), input_ids, torch.ones_like(input_ids), temperature=0.5)
+    chosen, entropy = target_logprobs(Fixed(), input_ids, torch.ones_like(input_ids), 0.5, with_entropy=False)
+    assert entropy is None
+    assert torch.equal(chosen, with_entropy)
+    chosen.sum().backward()
+    expected_grad, = torch.autograd.grad(with_entropy.sum(), logits)
+    assert torch.allclose(logits.grad, expected_grad)
+
+
 @pytest.mark.parametrize(
     ("mode", "temperature", "expected"),
     [("processed_logprobs", 0.7, 0.7), ("raw_logprobs", 0.7, 1.0), ("processed_logprobs", 0.0, 1.0)],
