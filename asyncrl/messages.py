@@ -182,6 +182,7 @@ class AdmissionRequest:
     wanted: int  # prompt groups it would like to start
     finished: int = 0  # groups it started earlier and has since sent or abandoned
     request_id: str = ""  # unique per request; a resend repeats it and gets the first answer ("" = never repeated)
+    running: int = -1  # groups it has started and not yet finished, `finished` deducted (-1 = not reported)
 
 
 @message("admission_grant")

@@ -6,7 +6,9 @@ not yet reported finished. With the learner taking batch_groups per step this ke
 within K versions of the learner when it is trained on; the read-time check enforces the bound
 whatever happens. A server that stops asking for admission_timeout_s has its running groups released.
 A request the client had to resend (its reply was lost or late) carries the same id and gets the
-first answer again, without counting its finished groups or its grant twice.
+first answer again, without counting its finished groups or its grant twice. A server that reports its
+own running count is taken at its word: a restarted buffer, whose counts start empty, then knows
+what each server has in flight from its first request on instead of admitting past the bound.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ class Admission:
         return (self.max_staleness + version + 1) * self.batch_groups - (accepted + self.running)
 
     def grant(self, server_id: str, wanted: int, finished: int, version: int, accepted: int, now: float,
-              request_id: str = "") -> int:
-        """Record the server's finished groups, then grant up to `wanted` within capacity; a repeat of the
-        last request (same non-empty id) gets the same grant and changes nothing."""
+              request_id: str = "", running: int = -1) -> int:
+        """Record the server's finished groups (or its own running count, when it reports one: >= 0), then
+        grant up to `wanted` within capacity; a repeat of the last request (same non-empty id) gets the
+        same grant and changes nothing."""
         lease = self.leases.setdefault(server_id, ServerLease())
         if request_id and request_id == lease.last_request:
             lease.last_seen = now
             return lease.last_grant
-        lease.running = max(0, lease.running - max(0, finished))
+        lease.running = running if running >= 0 else max(0, lease.running - max(0, finished))
         lease.last_seen = now
         granted = max(0, min(wanted, self.capacity(version, accepted)))
         lease.running += granted

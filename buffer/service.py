@@ -309,7 +309,7 @@ class BufferService:
 
     def _on_admission(self, identity: bytes, request: AdmissionRequest) -> None:
         granted = self.admission.grant(request.server_id, request.wanted, request.finished, self.policy_version,
-                                       self.store.accepted, time.monotonic(), request.request_id)
+                                       self.store.accepted, time.monotonic(), request.request_id, request.running)
         self._reply(identity, AdmissionGrant(granted, self.policy_version))
 
     def _on_policy_version(self, identity: bytes, update: PolicyVersion) -> None:

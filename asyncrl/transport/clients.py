@@ -26,9 +26,12 @@ class AdmissionClient:
         self._prefix = uuid.uuid4().hex  # a restarted server's ids never repeat its previous process's
         self._numbers = itertools.count(1)
 
-    def request(self, wanted: int, finished: int = 0) -> AdmissionGrant:
+    def request(self, wanted: int, finished: int = 0, running: int = -1) -> AdmissionGrant:
+        """`running`: groups started and not yet finished after this report, so that a buffer that
+        restarted (and lost its count) admits no more than the bound allows (-1 = not known)."""
         request_id = f"{self._prefix}-{next(self._numbers)}"
-        return self.channel.request(AdmissionRequest(self.server_id, wanted, finished, request_id), AdmissionGrant)
+        request = AdmissionRequest(self.server_id, wanted, finished, request_id, running)
+        return self.channel.request(request, AdmissionGrant)
 
     def close(self) -> None:
         self.channel.close()

@@ -55,3 +55,15 @@ def test_a_resent_request_gets_the_first_answer_and_counts_once():
     # requests without an id are never taken for repeats: (0 + 1 + 1) * 4 - (2 + 2) = 4 left
     assert [admission.grant("b", 1, 0, version=1, accepted=2, now=4) for _ in range(2)] == [1, 1]
     assert admission.running == 4
+
+
+def test_a_restarted_buffer_counts_what_servers_report_running():
+    before = Admission(max_staleness=1, batch_groups=4, timeout_s=10)
+    assert before.grant("a", wanted=6, finished=0, version=0, accepted=0, now=0, running=0) == 6
+    restarted = Admission(max_staleness=1, batch_groups=4, timeout_s=10)  # its counts start empty
+    # "a" has finished 2 of its 6 since; it reports the 4 still running, and only 8 - 4 may start
+    assert restarted.grant("a", wanted=6, finished=2, version=0, accepted=2, now=1, running=4) == 2
+    assert restarted.running == 6
+    # without the report, the same request would have been granted past the bound
+    legacy = Admission(max_staleness=1, batch_groups=4, timeout_s=10)
+    assert legacy.grant("a", wanted=6, finished=2, version=0, accepted=2, now=1) == 6

@@ -159,6 +159,14 @@ def test_admission_over_the_wire(serve, small_config):
     assert consumer.stats().admission_waits == 2  # the first two requests got less than wanted
 
 
+def test_admission_takes_the_servers_running_count_over_the_wire(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_staleness=1, batch_groups=4))
+    admission = AdmissionClient(service.endpoint, "server-0")
+    # as after a buffer restart: the buffer has no count of its own, the server says 5 are still running
+    assert admission.request(wanted=10, finished=1, running=5).granted == 3  # (1 + 0 + 1) * 4 - (0 + 5)
+    assert service.admission.running == 8
+
+
 def test_commit_errors_are_reported_not_fatal(serve, small_config):
     service = serve(small_config)
     consumer = BufferConsumer(service.endpoint, "learner")
