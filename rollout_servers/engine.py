@@ -49,6 +49,7 @@ class RolloutEngine:
         self._version = version
         self._load_in_place = vllm_compat.loads_in_place(config.weight_sync.load_in_place, llm.model_config)
         self._streams: dict[str, TokenStream] = {}
+        self._tokens_sampled = 0
         self._update_lock = asyncio.Lock()
         self._needs_catch_up = False
 
@@ -70,6 +71,12 @@ class RolloutEngine:
     def needs_catch_up(self) -> bool:
         """True after a failed update: the engine stays paused until a complete update succeeds."""
         return self._needs_catch_up
+
+    @property
+    def tokens_sampled(self) -> int:
+        """Completion tokens of every finished request so far, whatever asked for it (rollouts, agent turns,
+        chat sessions, validation)."""
+        return self._tokens_sampled
 
     @property
     def inflight_requests(self) -> int:
@@ -99,6 +106,7 @@ class RolloutEngine:
             prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
             async for output in self._llm.generate(prompt, params, request_id):
                 stream.absorb(output)
+            self._tokens_sampled += len(stream.token_ids)
         finally:
             del self._streams[request_id]
         return stream.completion()

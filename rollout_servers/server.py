@@ -46,7 +46,6 @@ class Endpoints:
 @dataclass
 class ServerStats:
     groups_sent: int = 0
-    tokens_generated: int = 0
     prompts_skipped: int = 0
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
     idle_seconds: float = 0.0
@@ -86,7 +85,7 @@ class RolloutServer:
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
                           rollout.engine.max_model_len)
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
-                          rollout.weight_sync.heartbeat_s, self._counters)
+                          rollout.weight_sync.heartbeat_s, lambda: self._counters(engine))
         sync_task = asyncio.create_task(sync.run())
         buffer = self.config.buffer
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
@@ -143,9 +142,9 @@ class RolloutServer:
             return None
         return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s, agent))
 
-    def _counters(self) -> dict[str, Any]:
+    def _counters(self, engine: RolloutEngine) -> dict[str, Any]:
         counters = {
-            "tokens_generated": self.stats.tokens_generated,
+            "tokens_generated": engine.tokens_sampled,
             "groups_sent": self.stats.groups_sent,
             "idle_seconds": self.stats.idle_seconds,
             "uptime_seconds": time.perf_counter() - self._started,
@@ -207,7 +206,6 @@ class RolloutServer:
         self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1
         self.stats.groups_sent += 1
-        self.stats.tokens_generated += sum(sum(t.loss_mask) for t in trajectories)  # sampled tokens (model turns)
 
     def _group_seed(self, number: int) -> int:
         """Sampling seed of prompt `number`'s group (its samples use this + their index): it follows the

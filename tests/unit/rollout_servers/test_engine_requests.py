@@ -1,4 +1,4 @@
-"""New requests never share prefix-cache entries with requests started under other weights."""
+"""What RolloutEngine asks vLLM for and counts, with AsyncLLM stood in: prefix-cache salts, sampled tokens."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_prefix_cache_salt_follows_the_policy_version() -> None:
     assert salts[0] == salts[1], "requests under one version share prompt blocks"
     assert salts[2] != salts[0], "a request under new weights must not reuse old key/values"
     assert all(prompt["prompt_token_ids"] == [1, 2, 3] for prompt in llm.prompts)
+
+
+def test_every_finished_request_counts_its_sampled_tokens() -> None:
+    engine = RolloutEngine(RecordingLLM(), RolloutConfig(), version=0)
+
+    async def sample() -> None:
+        await engine.generate([1, 2, 3])
+        await engine.generate_group([4], RolloutConfig().sampling)
+
+    asyncio.run(sample())
+    assert engine.tokens_sampled == 1 + RolloutConfig().sampling.n  # one token per request
