@@ -13,11 +13,13 @@ tokens, one inside a turn as two versions within it. Limits end an episode, neve
 | max_tokens     | the next turn or observation would pass the episode's token limit | yes     |
 | time_budget    | `environment.episode_timeout_s` ran out (a cut turn is dropped)   | yes     |
 | abort          | the engine aborted the turn's request                             | yes     |
+| stale          | the server abandoned the group: too stale to be trained (below)   | no      |
 | env_error      | the environment raised or answered garbage                        | no      |
 | env_timeout    | an environment call ran past `environment.call_timeout_s`         | no      |
 
 An episode whose environment failed keeps its tokens but gets loss mask 0 everywhere and reward 0,
-with the failure in `reward_error`: a broken environment says nothing about the policy.
+with the failure in `reward_error`: a broken environment says nothing about the policy. A `stale`
+episode ends at once and its group is not sent (`RolloutEngine.abandon_stale`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, EnvironmentFailure, EnvironmentRegistry, ModelTurn, Transcript
 from asyncrl.environments.guard import GuardedEnvironment
 from asyncrl.messages import Trajectory
-from rollout_servers.completion import Completion
+from rollout_servers.completion import STALE, Completion
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,8 @@ class AgentLoop:
             completion = await self._sample(transcript, sampling, room, _turn_seed(seed, turn), deadline)
             if completion is None:
                 return TIME_BUDGET
+            if completion.finish_reason == STALE:
+                return STALE
             transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
             episode.num_turns += 1
             if completion.finish_reason == ABORT:

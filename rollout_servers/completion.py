@@ -8,6 +8,8 @@ from typing import Any
 
 from rollout_servers import vllm_compat
 
+STALE = "stale"  # finish reason of a request the engine gave up on: its group can no longer be trained
+
 
 @dataclass
 class Completion:
@@ -18,7 +20,7 @@ class Completion:
     token_ids: list[int]  # completion tokens, in order
     logprobs: list[float]  # behaviour log-prob of each sampled token
     versions: list[int]  # policy version whose weights sampled each token
-    finish_reason: str  # "stop", "length", "abort"
+    finish_reason: str  # "stop", "length", "abort", or STALE
 
     def version_counts(self) -> dict[int, int]:
         """Tokens per policy version (a request that spanned updates has several)."""
@@ -42,6 +44,17 @@ class TokenStream:
     finish_reason: str = ""
     exact_spans: list[tuple[int, int, int]] | None = None  # (version, start, end), from the engine
     boundaries: list[tuple[int, int]] = field(default_factory=list)  # (tokens sampled before, new version)
+    abandon_when_stale: bool = False  # a training request: stop sampling it once its group is too stale
+    abandoned: bool = False  # it was stopped for that reason (its tokens are not used)
+
+    def oldest_version(self) -> int:
+        """Version of the request's first token, or the lowest it can still be while none is sampled."""
+        version = self.start_version
+        for sampled, new_version in self.boundaries:
+            if sampled > 0:
+                break
+            version = new_version
+        return version
 
     def version_changed(self, sampled: int, version: int) -> None:
         """An update to `version` landed after `sampled` tokens of this request (the engine was paused)."""
@@ -56,6 +69,8 @@ class TokenStream:
         self.exact_spans = vllm_compat.version_spans(final)
 
     def completion(self) -> Completion:
+        if self.abandoned:
+            return Completion(self.request_id, self.prompt_ids, [], [], [], STALE)
         if len(self.logprobs) != len(self.token_ids):
             raise RuntimeError(
                 f"request {self.request_id}: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens"

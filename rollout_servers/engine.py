@@ -5,10 +5,12 @@ in-flight weight updates (pause in keep mode, receive, resume) from the learner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterator
 
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -23,6 +25,10 @@ log = logging.getLogger(__name__)
 # handler (vLLM itself sleeps 20 ms for this). Waiting a little longer lets the output processor count
 # them before the update's boundaries are read, on releases without exact version spans.
 OUTPUT_SETTLE_S = 0.05
+# Set while the current task samples a training group (`RolloutEngine.training_group`): its requests may be
+# abandoned once the group can no longer be trained. A context variable reaches the requests an agent loop
+# makes several calls down without a flag on every signature, and never the chat or validation requests.
+_TRAINING_GROUP = contextvars.ContextVar("asyncrl_training_group", default=False)
 
 
 def _prefix_cache_salt(version: int) -> str:
@@ -49,6 +55,7 @@ class RolloutEngine:
         self._version = version
         self._load_in_place = vllm_compat.loads_in_place(config.weight_sync.load_in_place, llm.model_config)
         self._streams: dict[str, TokenStream] = {}
+        self._requests: dict[str, asyncio.Task] = {}  # request id -> the task reading vLLM's output
         self._tokens_sampled = 0
         self._update_lock = asyncio.Lock()
         self._needs_catch_up = False
@@ -101,15 +108,48 @@ class RolloutEngine:
         """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given)."""
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params(sampling or self._config.sampling, seed)
-        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version)
+        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version,
+                                                         abandon_when_stale=_TRAINING_GROUP.get())
+        prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
+        # vLLM aborts a request whose output reader is cancelled: reading in a task of its own lets
+        # `abandon_stale` stop this request alone.
+        reader = self._requests[request_id] = asyncio.ensure_future(self._read(stream, prompt, params))
         try:
-            prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
-            async for output in self._llm.generate(prompt, params, request_id):
-                stream.absorb(output)
-            self._tokens_sampled += len(stream.token_ids)
+            await reader
+        except asyncio.CancelledError:
+            if not stream.abandoned or asyncio.current_task().cancelling():
+                raise  # the caller itself was cancelled
         finally:
-            del self._streams[request_id]
+            del self._streams[request_id], self._requests[request_id]
         return stream.completion()
+
+    async def _read(self, stream: TokenStream, prompt: dict[str, Any], params: Any) -> None:
+        async for output in self._llm.generate(prompt, params, stream.request_id):
+            stream.absorb(output)
+        self._tokens_sampled += len(stream.token_ids)
+
+    @contextlib.contextmanager
+    def training_group(self) -> Iterator[None]:
+        """Requests made inside (by this task and the tasks it starts) sample a training group: they may
+        be abandoned by `abandon_stale`."""
+        token = _TRAINING_GROUP.set(True)
+        try:
+            yield
+        finally:
+            _TRAINING_GROUP.reset(token)
+
+    def abandon_stale(self, learner_version: int, max_staleness: int) -> int:
+        """Stop sampling every training request whose tokens are already staler than `max_staleness`
+        against `learner_version` (the buffer would drop its group, whatever is sampled next); such a
+        request returns a `STALE` completion without tokens. Returns the number of requests stopped."""
+        stopped = 0
+        for request_id, stream in self._streams.items():
+            too_old = learner_version - stream.oldest_version() > max_staleness
+            if stream.abandon_when_stale and too_old and not stream.abandoned:
+                stream.abandoned = True
+                self._requests[request_id].cancel()
+                stopped += 1
+        return stopped
 
     async def generate_group(
         self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *, seed: int | None = None

@@ -23,7 +23,7 @@ from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_sessions import ChatSessions
-from rollout_servers.completion import Completion
+from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import sampling_for_row
@@ -48,6 +48,7 @@ class ServerStats:
     groups_sent: int = 0
     prompts_skipped: int = 0
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
+    groups_abandoned: int = 0  # groups stopped mid-generation: too stale to be trained, so never sent
     idle_seconds: float = 0.0
 
 
@@ -146,6 +147,7 @@ class RolloutServer:
         counters = {
             "tokens_generated": engine.tokens_sampled,
             "groups_sent": self.stats.groups_sent,
+            "groups_abandoned": self.stats.groups_abandoned,
             "idle_seconds": self.stats.idle_seconds,
             "uptime_seconds": time.perf_counter() - self._started,
         }
@@ -170,6 +172,7 @@ class RolloutServer:
             wanted = 0 if engine.needs_catch_up or lagging else capacity - len(running)
             grant = await self._ask(admission, wanted)
             learner_version = grant.policy_version
+            self._abandon_stale(engine, learner_version)
             self._groups_running += grant.granted
             for _ in range(grant.granted):
                 running.add(asyncio.create_task(self._one_group(engine, agent, producer, scorer)))
@@ -183,6 +186,13 @@ class RolloutServer:
             if idle_from is not None:
                 self.stats.idle_seconds += time.perf_counter() - idle_from
 
+    def _abandon_stale(self, engine: RolloutEngine, learner_version: int) -> None:
+        """Stop sampling groups the buffer would drop as staler than K: a long response that started many
+        versions ago would otherwise hold engine capacity only to be thrown away."""
+        stopped = engine.abandon_stale(learner_version, self.config.buffer.max_staleness)
+        if stopped:
+            log.info("stopped %d request(s) too stale for learner version %d", stopped, learner_version)
+
     async def _ask(self, admission: AdmissionClient, wanted: int):
         finished, self._finished_since_grant = self._finished_since_grant, 0
         self._groups_running -= finished
@@ -191,21 +201,33 @@ class RolloutServer:
     async def _one_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
                          scorer: RewardScorer) -> None:
         number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
-        sampling = sampling_for_row(row, self.config.rollout.sampling)
         group_id = f"{self.server_id}-prompt-{number}"  # the same for a regeneration: the buffer keeps one
-        if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
-            trajectories = await agent.run_group(row, sampling, self._group_seed(number), group_id)
+        trajectories = await self._sample_group(engine, agent, scorer, row, prompt_ids, number, group_id)
+        if trajectories is None:  # too stale to be trained: used up like a group the buffer drops, not sent
+            self.stats.groups_abandoned += 1
         else:
-            completions = await engine.generate_group(prompt_ids, sampling, seed=self._group_seed(number))
-            texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
-            trajectories = [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
-        group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id, trajectories=trajectories)
-        ack = await asyncio.to_thread(self._locked, producer.send, group)
+            group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id,
+                                    trajectories=trajectories)
+            ack = await asyncio.to_thread(self._locked, producer.send, group)
+            self.stats.groups_duplicate += ack.duplicate
+            self.stats.groups_sent += 1
         self.prompts.acknowledge(number)
-        self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1
-        self.stats.groups_sent += 1
+
+    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, row: PromptRow,
+                            prompt_ids: list[int], number: int, group_id: str) -> list[Trajectory] | None:
+        """The prompt's scored trajectories, or None when the engine abandoned the group as too stale."""
+        sampling = sampling_for_row(row, self.config.rollout.sampling)
+        with engine.training_group():
+            if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
+                trajectories = await agent.run_group(row, sampling, self._group_seed(number), group_id)
+                return None if any(t.finish_reason == STALE for t in trajectories) else trajectories
+            completions = await engine.generate_group(prompt_ids, sampling, seed=self._group_seed(number))
+        if any(c.finish_reason == STALE for c in completions):
+            return None
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
+        return [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
 
     def _group_seed(self, number: int) -> int:
         """Sampling seed of prompt `number`'s group (its samples use this + their index): it follows the

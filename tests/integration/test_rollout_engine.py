@@ -17,6 +17,7 @@ import torch
 
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
+from rollout_servers.completion import STALE
 from tests.integration.conftest import SYNC_TIMEOUT_S, free_port, join_fresh_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -107,6 +108,27 @@ def test_group_holds_n_seeded_completions_of_one_prompt(rollout_engine, loop_run
     assert all(len(c.token_ids) == SAMPLED_TOKENS and c.prompt_ids == prompt for c in group)
     assert len({tuple(c.token_ids) for c in group}) > 1, "each sample draws with its own seed"
     assert [c.token_ids for c in again] == [c.token_ids for c in group], "seeded groups repeat"
+
+
+def test_a_training_request_too_stale_to_train_is_stopped_and_the_engine_serves_on(rollout_engine, loop_runner,
+                                                                                  tiny_models):
+    prompt = prompt_ids(tiny_models)
+    long = SamplingConfig(temperature=1.0, max_tokens=SPANNING_TOKENS, ignore_eos=True)
+
+    async def stop_mid_request():
+        with rollout_engine.training_group():
+            request = asyncio.ensure_future(rollout_engine.generate(prompt, long))
+        deadline = time.monotonic() + SYNC_TIMEOUT_S
+        while not any(rollout_engine.inflight_tokens().values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # until sampling has started
+        stopped = rollout_engine.abandon_stale(rollout_engine.current_version + 2, max_staleness=1)
+        return stopped, await asyncio.wait_for(request, SYNC_TIMEOUT_S)
+
+    stopped, completion = loop_runner.run(stop_mid_request())
+    assert stopped == 1 and (completion.finish_reason, completion.token_ids) == (STALE, [])
+    assert rollout_engine.inflight_requests == 0
+    after = loop_runner.run(rollout_engine.generate(prompt, SamplingConfig(max_tokens=8, ignore_eos=True)))
+    assert len(after.token_ids) == 8 and after.finish_reason == "length"
 
 
 def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, loop_runner, tiny_models):

@@ -15,7 +15,7 @@ from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, EnvironmentRegistry
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.agent_loop import TURN_SEED_STRIDE, AgentLoop
-from rollout_servers.completion import Completion
+from rollout_servers.completion import STALE, Completion
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "environments.py"
 TOKENIZER = build_char_tokenizer()
@@ -39,6 +39,7 @@ class ScriptedEngine:
     current_version: int = 3
     updates: dict[int, int] = field(default_factory=dict)
     hang_on: int = -1  # request number that never finishes
+    stale_on: int = -1  # request number the engine abandons as too stale
     requests: list[tuple[list[int], int, int | None]] = field(default_factory=list)  # (prompt, max_tokens, seed)
 
     async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None) -> Completion:
@@ -46,6 +47,8 @@ class ScriptedEngine:
         self.requests.append((list(prompt_ids), sampling.max_tokens, seed))
         if number == self.hang_on:
             await asyncio.sleep(HANG_S)
+        if number == self.stale_on:
+            return Completion(f"r{number}", list(prompt_ids), [], [], [], STALE)
         token_ids, logprobs = self.turns[number % len(self.turns)]
         token_ids, logprobs = token_ids[: sampling.max_tokens], logprobs[: sampling.max_tokens]
         finish = "stop" if token_ids[-1:] == [EOS] else "length"
@@ -164,3 +167,10 @@ def test_episode_reaches_the_learner_through_the_wire_unchanged():
     assert batch.loss_mask[0, targets].tolist() == [1.0] * 3 + [0.0] * OBSERVATION_LEN + [1.0] * 2
     assert batch.token_versions[0, targets].tolist() == [3] * (3 + OBSERVATION_LEN) + [4] * 2
     assert batch.loss_mask[0, :start].sum() == 0
+
+
+def test_an_abandoned_turn_ends_the_episode_at_once():
+    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5)], stale_on=1)
+    episode = asyncio.run(loop_for(engine, max_turns=5).run(countdown_row(turns=3), SamplingConfig(max_tokens=8)))
+    assert episode.finish_reason == STALE
+    assert episode.num_turns == 1 and len(engine.requests) == 2  # no step after the abandoned turn

@@ -7,7 +7,7 @@ import pytest
 from vllm.logprobs import FlatLogprobs, Logprob
 
 from rollout_servers import vllm_compat
-from rollout_servers.completion import TokenStream
+from rollout_servers.completion import STALE, TokenStream
 
 
 def flat(token_ids: list[int], logprobs: list[float]) -> FlatLogprobs:
@@ -67,3 +67,21 @@ def test_an_update_before_the_first_token_labels_every_token_new():
     stream.version_changed(0, 3)
     stream.absorb(output([5, 6], flat([5, 6], [-1.0, -2.0]), "length"))
     assert stream.completion().versions == [3, 3]
+
+
+def test_the_oldest_version_is_that_of_the_first_token_sampled():
+    stream = TokenStream("r", [1], start_version=2)
+    assert stream.oldest_version() == 2
+    stream.version_changed(0, 3)  # nothing sampled under version 2
+    stream.version_changed(0, 4)
+    assert stream.oldest_version() == 4
+    stream.version_changed(7, 5)  # the first tokens came from version 4
+    assert stream.oldest_version() == 4
+
+
+def test_an_abandoned_request_gives_a_stale_completion_without_tokens():
+    stream = TokenStream("r", [1], start_version=0)
+    stream.absorb(output([5, 6], flat([5, 6], [-1.0, -2.0]), "abort"))
+    stream.abandoned = True
+    completion = stream.completion()
+    assert (completion.finish_reason, completion.token_ids, completion.logprobs) == (STALE, [], [])

@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from asyncrl.config.rollout import RolloutConfig
+from rollout_servers.completion import STALE
 from rollout_servers.engine import RolloutEngine
 
 
@@ -50,3 +53,42 @@ def test_every_finished_request_counts_its_sampled_tokens() -> None:
 
     asyncio.run(sample())
     assert engine.tokens_sampled == 1 + RolloutConfig().sampling.n  # one token per request
+
+
+class HangingLLM(RecordingLLM):
+    """Samples nothing until its reader is cancelled, as vLLM aborts a request then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        self.prompts.append(prompt)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.aborted.append(request_id)
+            raise
+        yield  # never reached: an async generator, like AsyncLLM.generate
+
+
+def test_only_training_requests_past_the_bound_are_abandoned() -> None:
+    llm = HangingLLM()
+    engine = RolloutEngine(llm, RolloutConfig(), version=3)
+
+    async def scenario() -> None:
+        with engine.training_group():
+            training = asyncio.ensure_future(engine.generate([1], request_id="training"))
+        chat = asyncio.ensure_future(engine.generate([2], request_id="chat"))  # e.g. a chat session's turn
+        await asyncio.sleep(0.01)
+        assert engine.abandon_stale(learner_version=5, max_staleness=2) == 0  # staleness 2: still trainable
+        assert engine.abandon_stale(learner_version=9, max_staleness=2) == 1
+        completion = await asyncio.wait_for(training, timeout=5)
+        assert (completion.finish_reason, completion.token_ids) == (STALE, [])
+        assert llm.aborted == ["training"] and engine.inflight_requests == 1
+        chat.cancel()  # a caller's own cancellation still reaches it
+        with pytest.raises(asyncio.CancelledError):
+            await chat
+        assert llm.aborted == ["training", "chat"] and engine.inflight_requests == 0
+
+    asyncio.run(scenario())
