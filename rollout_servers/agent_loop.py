@@ -54,7 +54,8 @@ class TurnEngine(Protocol):
     def current_version(self) -> int: ...
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *,
-                       seed: int | None = None, request_id: str | None = None) -> Completion: ...
+                       seed: int | None = None, request_id: str | None = None,
+                       earliest_version: int | None = None) -> Completion: ...
 
 
 @dataclass
@@ -152,7 +153,9 @@ class AgentLoop:
         if remaining <= 0:
             return None
         try:
-            return await asyncio.wait_for(self._engine.generate(transcript.context(), turn_sampling, seed=seed), remaining)
+            request = self._engine.generate(transcript.context(), turn_sampling, seed=seed,
+                                            earliest_version=min(transcript.versions, default=None))
+            return await asyncio.wait_for(request, remaining)
         except asyncio.TimeoutError:
             return None
 

@@ -46,15 +46,17 @@ class TokenStream:
     boundaries: list[tuple[int, int]] = field(default_factory=list)  # (tokens sampled before, new version)
     abandon_when_stale: bool = False  # a training request: stop sampling it once its group is too stale
     abandoned: bool = False  # it was stopped for that reason (its tokens are not used)
+    earliest_version: int | None = None  # oldest version among the sample's earlier tokens (previous turns)
 
     def oldest_version(self) -> int:
-        """Version of the request's first token, or the lowest it can still be while none is sampled."""
+        """Version of the sample's oldest token: its earlier turns' if older, else this request's first
+        token's, or the lowest that can still be while none is sampled."""
         version = self.start_version
         for sampled, new_version in self.boundaries:
             if sampled > 0:
                 break
             version = new_version
-        return version
+        return version if self.earliest_version is None else min(version, self.earliest_version)
 
     def version_changed(self, sampled: int, version: int) -> None:
         """An update to `version` landed after `sampled` tokens of this request (the engine was paused)."""

@@ -104,12 +104,17 @@ class RolloutEngine:
         *,
         seed: int | None = None,
         request_id: str | None = None,
+        earliest_version: int | None = None,
     ) -> Completion:
-        """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given)."""
+        """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given).
+
+        `earliest_version`: the oldest policy version among tokens the sample already holds (an agent's
+        earlier turns); the request is as stale as they are when `abandon_stale` judges it."""
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params(sampling or self._config.sampling, seed)
         stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version,
-                                                         abandon_when_stale=_TRAINING_GROUP.get())
+                                                         abandon_when_stale=_TRAINING_GROUP.get(),
+                                                         earliest_version=earliest_version)
         prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
         # vLLM aborts a request whose output reader is cancelled: reading in a task of its own lets
         # `abandon_stale` stop this request alone.

@@ -41,10 +41,13 @@ class ScriptedEngine:
     hang_on: int = -1  # request number that never finishes
     stale_on: int = -1  # request number the engine abandons as too stale
     requests: list[tuple[list[int], int, int | None]] = field(default_factory=list)  # (prompt, max_tokens, seed)
+    earliest_versions: list[int | None] = field(default_factory=list)  # what each request said of earlier turns
 
-    async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None) -> Completion:
+    async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None,
+                       earliest_version=None) -> Completion:
         number = len(self.requests)
         self.requests.append((list(prompt_ids), sampling.max_tokens, seed))
+        self.earliest_versions.append(earliest_version)
         if number == self.hang_on:
             await asyncio.sleep(HANG_S)
         if number == self.stale_on:
@@ -174,3 +177,10 @@ def test_an_abandoned_turn_ends_the_episode_at_once():
     episode = asyncio.run(loop_for(engine, max_turns=5).run(countdown_row(turns=3), SamplingConfig(max_tokens=8)))
     assert episode.finish_reason == STALE
     assert episode.num_turns == 1 and len(engine.requests) == 2  # no step after the abandoned turn
+
+
+def test_each_turn_tells_the_engine_how_old_the_episode_already_is():
+    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5), turn("de", -2.5)], updates={0: 4, 1: 5})
+    asyncio.run(loop_for(engine, max_turns=3).run(countdown_row(turns=5), SamplingConfig(max_tokens=8)))
+    # turn 1 is sampled under version 3, turn 2 under 4: the episode stays as old as its first turn
+    assert engine.earliest_versions == [None, 3, 3]

@@ -77,6 +77,7 @@ def test_the_oldest_version_is_that_of_the_first_token_sampled():
     assert stream.oldest_version() == 4
     stream.version_changed(7, 5)  # the first tokens came from version 4
     assert stream.oldest_version() == 4
+    assert TokenStream("r", [1], start_version=6, earliest_version=3).oldest_version() == 3  # an earlier turn's
 
 
 def test_an_abandoned_request_gives_a_stale_completion_without_tokens():

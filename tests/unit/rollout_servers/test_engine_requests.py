@@ -92,3 +92,16 @@ def test_only_training_requests_past_the_bound_are_abandoned() -> None:
         assert llm.aborted == ["training", "chat"] and engine.inflight_requests == 0
 
     asyncio.run(scenario())
+
+
+def test_a_turn_is_as_stale_as_the_earlier_turns_of_its_episode() -> None:
+    engine = RolloutEngine(HangingLLM(), RolloutConfig(), version=9)
+
+    async def scenario() -> None:
+        with engine.training_group():
+            turn = asyncio.ensure_future(engine.generate([1], earliest_version=6))  # sampled now, under 9
+        await asyncio.sleep(0.01)
+        assert engine.abandon_stale(learner_version=9, max_staleness=2) == 1  # 9 - 6 > 2
+        assert (await asyncio.wait_for(turn, timeout=5)).finish_reason == STALE
+
+    asyncio.run(scenario())
