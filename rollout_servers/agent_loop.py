@@ -13,13 +13,13 @@ tokens, one inside a turn as two versions within it. Limits end an episode, neve
 | max_tokens     | the next turn or observation would pass the episode's token limit | yes     |
 | time_budget    | `environment.episode_timeout_s` ran out (a cut turn is dropped)   | yes     |
 | abort          | the engine aborted the turn's request                             | yes     |
-| stale          | the server abandoned the group: too stale to be trained (below)   | no      |
+| stale          | the server stopped the group as too stale to train (see below)    | no      |
 | env_error      | the environment raised or answered garbage                        | no      |
 | env_timeout    | an environment call ran past `environment.call_timeout_s`         | no      |
 
 An episode whose environment failed keeps its tokens but gets loss mask 0 everywhere and reward 0,
 with the failure in `reward_error`: a broken environment says nothing about the policy. A `stale`
-episode ends at once and its group is not sent (`RolloutEngine.abandon_stale`).
+episode ends at once, and the server samples its group again (`RolloutEngine.abandon_stale`).
 """
 
 from __future__ import annotations

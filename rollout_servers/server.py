@@ -4,6 +4,7 @@ group scored off the engine's loop and sent to the buffer (acknowledged), weight
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -48,7 +49,7 @@ class ServerStats:
     groups_sent: int = 0
     prompts_skipped: int = 0
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
-    groups_abandoned: int = 0  # groups stopped mid-generation: too stale to be trained, so never sent
+    groups_resampled: int = 0  # groups stopped mid-generation as too stale to be trained, then sampled again
     idle_seconds: float = 0.0
 
 
@@ -147,7 +148,7 @@ class RolloutServer:
         counters = {
             "tokens_generated": engine.tokens_sampled,
             "groups_sent": self.stats.groups_sent,
-            "groups_abandoned": self.stats.groups_abandoned,
+            "groups_resampled": self.stats.groups_resampled,
             "idle_seconds": self.stats.idle_seconds,
             "uptime_seconds": time.perf_counter() - self._started,
         }
@@ -187,8 +188,8 @@ class RolloutServer:
                 self.stats.idle_seconds += time.perf_counter() - idle_from
 
     def _abandon_stale(self, engine: RolloutEngine, learner_version: int) -> None:
-        """Stop sampling groups the buffer would drop as staler than K: a long response that started many
-        versions ago would otherwise hold engine capacity only to be thrown away."""
+        """Stop sampling groups the buffer would drop as staler than K (they are sampled again): a long
+        response that started many versions ago would otherwise hold engine capacity only to be dropped."""
         stopped = engine.abandon_stale(learner_version, self.config.buffer.max_staleness)
         if stopped:
             log.info("stopped %d request(s) too stale for learner version %d", stopped, learner_version)
@@ -202,23 +203,25 @@ class RolloutServer:
                          scorer: RewardScorer) -> None:
         number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
         group_id = f"{self.server_id}-prompt-{number}"  # the same for a regeneration: the buffer keeps one
-        trajectories = await self._sample_group(engine, agent, scorer, row, prompt_ids, number, group_id)
-        if trajectories is None:  # too stale to be trained: used up like a group the buffer drops, not sent
-            self.stats.groups_abandoned += 1
-        else:
-            group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id,
-                                    trajectories=trajectories)
-            ack = await asyncio.to_thread(self._locked, producer.send, group)
-            self.stats.groups_duplicate += ack.duplicate
-            self.stats.groups_sent += 1
+        sample = (engine, agent, scorer, row, prompt_ids, number, group_id)
+        trajectories = await self._sample_group(*sample, stoppable=True)
+        if trajectories is None:  # stopped as too stale to be trained: once more, under newer weights, to the end
+            self.stats.groups_resampled += 1
+            trajectories = await self._sample_group(*sample, stoppable=False)
+        group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id, trajectories=trajectories)
+        ack = await asyncio.to_thread(self._locked, producer.send, group)
         self.prompts.acknowledge(number)
+        self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1
+        self.stats.groups_sent += 1
 
     async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, row: PromptRow,
-                            prompt_ids: list[int], number: int, group_id: str) -> list[Trajectory] | None:
-        """The prompt's scored trajectories, or None when the engine abandoned the group as too stale."""
+                            prompt_ids: list[int], number: int, group_id: str,
+                            stoppable: bool) -> list[Trajectory] | None:
+        """The prompt's scored trajectories, or None when the engine stopped the group as too stale (only
+        if `stoppable`). The group keeps its place in admission either way: it is the same group."""
         sampling = sampling_for_row(row, self.config.rollout.sampling)
-        with engine.training_group():
+        with engine.training_group() if stoppable else contextlib.nullcontext():
             if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
                 trajectories = await agent.run_group(row, sampling, self._group_seed(number), group_id)
                 return None if any(t.finish_reason == STALE for t in trajectories) else trajectories

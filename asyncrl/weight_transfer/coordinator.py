@@ -96,7 +96,7 @@ class SyncCoordinator:
             "rollout/tokens_per_s": rate,
             "rollout/idle_ratio": idle / uptime if uptime else 0.0,
             "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
-            "rollout/groups_abandoned": float(sum(b.groups_abandoned for b in beats)),
+            "rollout/groups_resampled": float(sum(b.groups_resampled for b in beats)),
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
