@@ -77,7 +77,6 @@ class RolloutServer:
         self.validator = self._validator(server_index)
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self._finished_since_grant = 0
-        self._groups_running = 0  # groups started (owed or granted) and not yet reported finished
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
 
@@ -164,17 +163,15 @@ class RolloutServer:
         # Prompts the previous process of this server was granted and left unacknowledged come first;
         # the buffer still counts them as running for this server, so they need no new grant.
         running = {asyncio.create_task(self._one_group(engine, agent, producer, scorer)) for _ in range(self.prompts.owed)}
-        self._groups_running += len(running)
-        learner_version = (await self._ask(admission, 0)).policy_version
+        learner_version = (await self._ask(admission, 0, len(running))).policy_version
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
             # only for what will be started now: nothing while the weights lag by more than K.
             lagging = learner_version - engine.current_version > self.config.buffer.max_staleness
             wanted = 0 if engine.needs_catch_up or lagging else capacity - len(running)
-            grant = await self._ask(admission, wanted)
+            grant = await self._ask(admission, wanted, len(running))
             learner_version = grant.policy_version
             self._abandon_stale(engine, learner_version)
-            self._groups_running += grant.granted
             for _ in range(grant.granted):
                 running.add(asyncio.create_task(self._one_group(engine, agent, producer, scorer)))
             idle_from = time.perf_counter() if not running else None
@@ -194,10 +191,11 @@ class RolloutServer:
         if stopped:
             log.info("stopped %d request(s) too stale for learner version %d", stopped, learner_version)
 
-    async def _ask(self, admission: AdmissionClient, wanted: int):
+    async def _ask(self, admission: AdmissionClient, wanted: int, running: int):
+        """Report the groups finished since the last request and the `running` ones (tasks not done: every
+        done task has counted itself finished), and ask for `wanted` more."""
         finished, self._finished_since_grant = self._finished_since_grant, 0
-        self._groups_running -= finished
-        return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished, self._groups_running)
+        return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished, running)
 
     async def _one_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
                          scorer: RewardScorer) -> None:
