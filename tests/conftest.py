@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -25,3 +26,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def _drop_role_log_handlers():
+    """A test that runs a role's main in-process gets `setup_logging`'s handlers on the root logger,
+    bound to the stderr pytest captured for that test; later tests would log into that closed stream."""
+    yield
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if type(h) in (logging.StreamHandler, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
