@@ -11,7 +11,7 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.messages import DecodeError, decode, encode
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
+from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
 from rollout_servers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,18 @@ class SyncClient:
 
     async def _handle(self, frame: bytes) -> None:
         try:
-            invite = decode(frame, expect=SyncInvite)
+            message = decode(frame)
         except DecodeError as error:
             log.warning("ignoring an undecodable weight-sync frame: %s", error)
             return
+        if isinstance(message, SyncPrepare):  # answered at once: it tells the learner this server is there now
+            await self.socket.send(encode(SyncReady(self.server_id, message.round_id)))
+        elif isinstance(message, SyncInvite):
+            await self._update(message)
+        else:
+            log.warning("ignoring a %s message on the weight-sync socket", type(message).__name__)
+
+    async def _update(self, invite: SyncInvite) -> None:
         done = SyncDone(self.server_id, invite.round_id, ok=False)
         try:
             if invite.init_info:

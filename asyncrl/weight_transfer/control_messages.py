@@ -28,6 +28,22 @@ class SyncJoin:
     validation_version: int = NOT_VALIDATED  # policy version that pass validated
 
 
+@message("sync_prepare")
+@dataclass
+class SyncPrepare:
+    """Round `round_id` is about to start: a server answers `SyncReady` at once, and only the servers that
+    answer are put in the round's group. A heartbeat only says a server was there; this says it is now."""
+
+    round_id: int  # the round the invite will carry
+
+
+@message("sync_ready")
+@dataclass
+class SyncReady:
+    server_id: str  # answering server
+    round_id: int  # the round of the prepare it answers
+
+
 @message("sync_invite")
 @dataclass
 class SyncInvite:

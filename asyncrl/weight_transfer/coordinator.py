@@ -1,9 +1,11 @@
 """The learner's side of weight sync rounds: who takes part, the group, the broadcast, the outcome.
 
 Servers announce themselves with `SyncJoin` heartbeats on the coordinator's ROUTER socket. A round
-invites every live server, (re)builds the transfer group when membership changed or the last round
-failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails or
-stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
+first asks every live server to confirm it is there (`SyncPrepare` → `SyncReady`, within `liveness_s`),
+so a server that died since its last heartbeat costs that wait, not a rendezvous deadline; it then
+invites the servers that answered, (re)builds the transfer group when membership changed or the last
+round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
+or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
 round. Every wait is bounded, so the learner never hangs on a server.
 """
 
@@ -18,7 +20,7 @@ import zmq
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin
+from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
 from asyncrl.weight_transfer.sender import WeightSender
@@ -42,7 +44,7 @@ class Member:
 @dataclass
 class RoundReport:
     version: int  # policy version broadcast
-    servers: int  # servers invited
+    servers: int  # servers live when the round began (asked to take part)
     succeeded: list[str] = field(default_factory=list)  # servers that loaded the weights
     failed: dict[str, str] = field(default_factory=dict)  # server -> reason
     seconds: float = 0.0  # coordinator wall time of the round
@@ -125,12 +127,16 @@ class SyncCoordinator:
     def broadcast(self, version: int, named_tensors: NamedTensors) -> RoundReport:
         """One round: every live server receives `named_tensors` as `version`, or is reported failed."""
         started = time.perf_counter()
-        invited = self.live_members()
-        report = RoundReport(version=version, servers=len(invited))
+        candidates = self.live_members()
+        report = RoundReport(version=version, servers=len(candidates))
         self.latest_version = max(self.latest_version, version)
-        if not invited:
+        if not candidates:
             return report
         self._round += 1
+        invited = self._confirm_present(report, candidates)
+        if not invited:
+            report.seconds = time.perf_counter() - started
+            return report
         rebuild = self._sender is None or tuple(invited) != self._group_members
         address, init_infos = self._plan_group(invited) if rebuild else (None, {})
         update_info = update_info_for(named_tensors)
@@ -145,12 +151,12 @@ class SyncCoordinator:
         except WeightTransferError as error:
             log.warning("weight sync round %d (version %d) failed: %s", self._round, version, error)
             self._close_group()
-            report.failed = {name: f"transfer: {error}" for name in invited}
+            report.failed |= {name: f"transfer: {error}" for name in invited}
             self._collect(report, invited, time.monotonic() + self.liveness_s)
             report.seconds = time.perf_counter() - started
             return report
         self._collect(report, invited, time.monotonic() + self.timeout_s)
-        if report.failed:
+        if any(name in report.failed for name in invited):
             self._close_group()  # a member may be stuck mid-broadcast: never reuse this group
         report.seconds = time.perf_counter() - started
         return report
@@ -166,6 +172,27 @@ class SyncCoordinator:
         port = self.group_port or free_port(self.group_host)
         address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
         return address, {name: init_info_for(address, offsets[name]) for name in invited}
+
+    def _confirm_present(self, report: RoundReport, candidates: list[str]) -> list[str]:
+        """The candidates that answer this round's `SyncPrepare` within `liveness_s`; the others are
+        reported failed and forgotten until they heartbeat again."""
+        for name in candidates:
+            self.socket.send_multipart([self.members[name].identity, encode(SyncPrepare(self._round))])
+        waiting = set(candidates)
+        deadline = time.monotonic() + self.liveness_s
+        while waiting and time.monotonic() < deadline:
+            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
+                break
+            reply = self._receive_one()
+            if isinstance(reply, SyncReady) and reply.round_id == self._round:
+                waiting.discard(reply.server_id)
+        self._forget_silent(report, waiting, f"no answer to the round's prepare within {self.liveness_s:g}s")
+        return [name for name in candidates if name not in waiting]
+
+    def _forget_silent(self, report: RoundReport, silent: set[str], reason: str) -> None:
+        for name in silent:
+            report.failed.setdefault(name, reason)
+            self.members.pop(name, None)  # silent: it must announce itself again
 
     def _collect(self, report: RoundReport, invited: list[str], deadline: float) -> None:
         """Gather SyncDone replies for this round until all arrived or the deadline."""
@@ -185,9 +212,7 @@ class SyncCoordinator:
                     report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
                 else:
                     report.failed[reply.server_id] = reply.error
-        for name in waiting:
-            report.failed.setdefault(name, "no reply before the deadline")
-            self.members.pop(name, None)  # silent: it must announce itself again
+        self._forget_silent(report, waiting, "no reply before the deadline")
 
     def _drain(self) -> None:
         while self.socket.poll(0):
