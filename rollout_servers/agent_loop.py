@@ -38,13 +38,13 @@ from asyncrl.environments import ChatDelta, EnvironmentFailure, EnvironmentRegis
 from asyncrl.environments.guard import GuardedEnvironment
 from asyncrl.messages import Trajectory
 from rollout_servers.completion import STALE, Completion
+from rollout_servers.row_sampling import SEED_MODULUS
 
 log = logging.getLogger(__name__)
 
 ENV_DONE, MAX_TURNS, MAX_TOKENS, TIME_BUDGET = "env_done", "max_turns", "max_tokens", "time_budget"
 ABORT = "abort"  # vLLM's finish reason of an aborted request
 TURN_SEED_STRIDE = 7_919  # sampling seed of turn t = the sample's seed + t × this (distinct draws per turn)
-_SEED_MODULUS = 2**31 - 1  # vLLM takes sampling seeds as 32-bit signed ints
 
 
 class TurnEngine(Protocol):
@@ -179,4 +179,4 @@ class AgentLoop:
 
 
 def _turn_seed(seed: int | None, turn: int) -> int | None:
-    return None if seed is None else (seed + turn * TURN_SEED_STRIDE) % _SEED_MODULUS
+    return None if seed is None else (seed + turn * TURN_SEED_STRIDE) % SEED_MODULUS

@@ -27,14 +27,13 @@ from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
-from rollout_servers.row_sampling import sampling_for_row
+from rollout_servers.row_sampling import group_seed, sampling_for_row
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.validation import Validator, load_validation_prompts
 
 log = logging.getLogger(__name__)
 
 _SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
-_SEED_MODULUS = 2**31 - 1  # vLLM takes sampling seeds as 32-bit signed ints
 VALIDATING_SERVER = 0  # index of the one server that runs validation passes
 
 
@@ -230,10 +229,9 @@ class RolloutServer:
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
         return [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
 
-    def _group_seed(self, number: int) -> int:
-        """Sampling seed of prompt `number`'s group (its samples use this + their index): it follows the
-        prompt stream, so a rerun, or a regeneration after a restart, samples the same completions."""
-        return (self._seed_base + number * self.config.rollout.sampling.n) % _SEED_MODULUS
+    def _group_seed(self, number: int) -> int | None:
+        rollout = self.config.rollout
+        return group_seed(self._seed_base, number, rollout.sampling.n, rollout.seeded_sampling)
 
     def _fitting_prompt(self, rows: Iterator[PromptRow]) -> tuple[PromptRow, list[int]]:
         """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""

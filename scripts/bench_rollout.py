@@ -4,11 +4,13 @@ Both paths run the same workload on the same engine settings (`rollout.engine` a
 `rollout.max_inflight` of the config), each in its own process with its engine resident; their timed
 batches alternate (order flipped each round) so that both see the same load on a shared machine:
   raw vLLM   `vllm.LLM.generate` on all prompts at once, `n` samples each, vLLM's defaults (tokens and
-             text, no log-probs); batches alternate with ones returning the same outputs as the server
-             (tokens and each sampled token's log-prob, the one extra output RL needs, no text), so
-             the cost of that output is seen apart from the server's own
+             text, no log-probs, no seeds); batches alternate with ones asking what the server asks
+             (tokens and each sampled token's log-prob, the one extra output RL needs, no text, and
+             the server's per-sample seeds), so the cost of those requests is seen apart from the
+             server's own
   server     `RolloutEngine.generate_group` for every prompt at once, as a server runs it: `AsyncLLM`,
-             one request per sample, behaviour log-probs and per-token policy versions
+             one request per sample, behaviour log-probs and per-token policy versions, each sample
+             seeded as a server seeds it unless `rollout.seeded_sampling=false`
 Workload: --num-prompts prompts from the config's validation file (the synthetic task), --n samples
 each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each path first generates an
 untimed warm-up batch (vLLM's first steps are slow on CPU), then times the workload --repeats times.
@@ -27,6 +29,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +43,9 @@ from asyncrl.data import encode_prompt, load_prompt_file
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 PHASE_TIMEOUT_S = 900  # an engine start plus warm-up, or one timed round; nothing may hang the benchmark
 EXIT_GRACE_S = 60  # a path process told to stop gets this long to stop its engine and exit
+CHILD_POLL_S = 1.0  # how often the parent checks that a path process it waits on is still alive
 WARMUP_PROMPTS = 2  # prompts of the untimed first batch
+SEED_BASE = 1_000  # sampling seed of the first prompt's group when seeded (a group's samples: seed + index)
 SPAWN = multiprocessing.get_context("spawn")  # vLLM starts its own processes; a forked child would break them
 # The settings of `rollout_servers.engine_args.engine_args` that shape generation; the raw engine takes
 # the same values so that only the generation path differs.
@@ -51,7 +56,7 @@ SHARED_ENGINE_FIELDS = (
 
 
 RAW = "raw vLLM (LLM.generate)"
-RAW_LOGPROBS = "raw vLLM, server's outputs"
+RAW_LOGPROBS = "raw vLLM, server's requests"
 SERVER = "rollout server (generate_group)"
 
 
@@ -154,6 +159,13 @@ def workload_prompts(config: AsyncRLConfig, count: int) -> list[list[int]]:
     return prompts
 
 
+def group_seeds(config: AsyncRLConfig, count: int) -> list[int | None]:
+    """Each prompt's group seed, spaced by `n` as a server spaces them; None each when unseeded."""
+    if not config.rollout.seeded_sampling:
+        return [None] * count
+    return [SEED_BASE + index * config.rollout.sampling.n for index in range(count)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Paths: each in its own process with its engine resident; the parent alternates their timed batches
 
@@ -176,10 +188,14 @@ def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: lis
     shape = dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                  max_tokens=sampling.max_tokens, ignore_eos=True)
     plain = SamplingParams(**shape)
-    server_outputs = SamplingParams(**shape, logprobs=SAMPLED_TOKEN_ONLY, flat_logprobs=True, detokenize=False)
+
+    def server_outputs(count: int) -> list[SamplingParams]:
+        return [SamplingParams(**shape, logprobs=SAMPLED_TOKEN_ONLY, flat_logprobs=True, detokenize=False, seed=seed)
+                for seed in group_seeds(config, count)]
+
     clock = CpuClock()
 
-    def generate(batch: list[list[int]], params: SamplingParams) -> Batch:
+    def generate(batch: list[list[int]], params: SamplingParams | list[SamplingParams]) -> Batch:
         began, (frontend, engine) = time.perf_counter(), clock.read()
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         seconds, (frontend_end, engine_end) = time.perf_counter() - began, clock.read()
@@ -187,9 +203,9 @@ def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: lis
         return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine)
 
     try:
-        results.put((READY, start_s, generate(warmup, server_outputs).seconds))
+        results.put((READY, start_s, generate(warmup, server_outputs(len(warmup))).seconds))
         while commands.get() == RUN:
-            results.put([asdict(generate(prompts, plain)), asdict(generate(prompts, server_outputs))])
+            results.put([asdict(generate(prompts, plain)), asdict(generate(prompts, server_outputs(len(prompts))))])
     finally:
         llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
 
@@ -207,7 +223,8 @@ def server_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: list[
 
     async def generate(batch: list[list[int]]) -> Batch:
         began, (frontend, engine_cpu) = time.perf_counter(), clock.read()
-        groups = await asyncio.gather(*(engine.generate_group(ids) for ids in batch))
+        seeds = group_seeds(config, len(batch))
+        groups = await asyncio.gather(*(engine.generate_group(ids, seed=seed) for ids, seed in zip(batch, seeds)))
         seconds, (frontend_end, engine_end) = time.perf_counter() - began, clock.read()
         tokens = sum(len(c.token_ids) for group in groups for c in group)
         return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine_cpu)
@@ -225,13 +242,27 @@ class PathProcess:
 
     def __init__(self, worker, config: AsyncRLConfig, prompts: list[list[int]], warmup: list[list[int]]) -> None:
         self.commands, self.results = SPAWN.Queue(), SPAWN.Queue()
-        self.child = SPAWN.Process(target=worker, args=(config, prompts, warmup, self.commands, self.results))
+        self.child = SPAWN.Process(target=worker, args=(config, prompts, warmup, self.commands, self.results),
+                                   name=worker.__name__)
         self.child.start()
-        _, self.start_s, self.warmup_s = self.results.get(timeout=PHASE_TIMEOUT_S)
+        _, self.start_s, self.warmup_s = self._result()
 
     def run(self) -> list[Batch]:
         self.commands.put(RUN)
-        return [Batch(**fields) for fields in self.results.get(timeout=PHASE_TIMEOUT_S)]
+        return [Batch(**fields) for fields in self._result()]
+
+    def _result(self):
+        """The child's next result; a child that dies first (e.g. its engine refused the settings) ends
+        the benchmark at once, pointing at its error above, instead of after PHASE_TIMEOUT_S."""
+        deadline = time.monotonic() + PHASE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                return self.results.get(timeout=CHILD_POLL_S)
+            except queue.Empty:
+                if not self.child.is_alive():
+                    raise SystemExit(f"{self.child.name} exited with code {self.child.exitcode} "
+                                     "before reporting (its error is printed above)") from None
+        raise SystemExit(f"{self.child.name} reported nothing within {PHASE_TIMEOUT_S}s")
 
     def stop(self) -> None:
         self.commands.put(STOP)
@@ -288,7 +319,7 @@ def main() -> None:
     raw, raw_logprobs, server = measure(config, prompts, warmup, args.repeats)
     sampling = config.rollout.sampling
     print(f"{args.num_prompts} prompts x {sampling.n} samples x {sampling.max_tokens} output tokens, "
-          f"max_inflight {config.rollout.max_inflight}, model {config.model.path}, "
+          f"max_inflight {config.rollout.max_inflight}, seeded {config.rollout.seeded_sampling}, model {config.model.path}, "
           f"{os.cpu_count()} CPUs visible, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print_table([raw, raw_logprobs, server])
     print("RESULT " + json.dumps({
@@ -308,6 +339,7 @@ def main() -> None:
         "n": sampling.n,
         "max_tokens": sampling.max_tokens,
         "max_inflight": config.rollout.max_inflight,
+        "seeded_sampling": config.rollout.seeded_sampling,
         "server_output_tokens_per_batch": server.output_tokens,
         "raw_output_tokens_per_batch": raw.output_tokens,
     }))

@@ -61,6 +61,10 @@ class RolloutConfig:
     max_inflight: int = bounded(32, 1)  # requests a server keeps in its engine at once
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
+    # each training sample gets a sampling seed from its prompt's place in the stream: a rerun or a regeneration
+    # samples the same completions (on CPU; GPU kernels are not batch-invariant); false = unseeded, which vLLM
+    # draws for the whole batch at once, where it draws seeded requests' noise one request at a time
+    seeded_sampling: bool = True
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # learner → server weight transfer
     poll_s: float = bounded(0.2, 0.001)  # server loop: longest wait before asking admission again
     send_deadline_s: float = bounded(120.0, 0.1)  # a finished group not acknowledged by the buffer in this time fails the server
