@@ -189,7 +189,7 @@ def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: lis
                  max_tokens=sampling.max_tokens, ignore_eos=True)
     plain = SamplingParams(**shape)
 
-    def server_outputs(count: int) -> list[SamplingParams]:
+    def server_requests(count: int) -> list[SamplingParams]:
         return [SamplingParams(**shape, logprobs=SAMPLED_TOKEN_ONLY, flat_logprobs=True, detokenize=False, seed=seed)
                 for seed in group_seeds(config, count)]
 
@@ -203,9 +203,9 @@ def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: lis
         return Batch(tokens, seconds, frontend_end - frontend, engine_end - engine)
 
     try:
-        results.put((READY, start_s, generate(warmup, server_outputs(len(warmup))).seconds))
+        results.put((READY, start_s, generate(warmup, server_requests(len(warmup))).seconds))
         while commands.get() == RUN:
-            results.put([asdict(generate(prompts, plain)), asdict(generate(prompts, server_outputs(len(prompts))))])
+            results.put([asdict(generate(prompts, plain)), asdict(generate(prompts, server_requests(len(prompts))))])
     finally:
         llm.llm_engine.engine_core.shutdown()  # else the child waits on its engine process at exit
 
