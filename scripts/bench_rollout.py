@@ -15,7 +15,9 @@ Workload: --num-prompts prompts from the config's validation file (the synthetic
 each, exactly --max-tokens output tokens per sample (`ignore_eos`). Each path first generates an
 untimed warm-up batch (vLLM's first steps are slow on CPU), then times the workload --repeats times.
 On a shared machine other processes slow some repeats down, so the headline is each path's best
-repeat (closest to what the code can do); the medians are reported beside it. CPU seconds per output
+repeat (closest to what the code can do); the medians are reported beside it, and the geometric mean
+of the per-round ratios with a ~95 % interval (`ratio_paired`: [mean, low, high]; a round's batches run
+back to back, so pairing cancels most of the load that changes between rounds). CPU seconds per output
 token of the generating process and of its engine processes are reported too: less sensitive to other
 load than wall time, they show where each path spends its work.
 Run with scripts/cpu_env.sh sourced on CPU.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -310,6 +313,16 @@ def cpu_per_token(result: PhaseResult) -> float:
     return 1e6 * min(f + e for f, e in zip(result.frontend_cpu_s, result.engine_cpu_s)) / result.output_tokens
 
 
+def paired_ratio(numerator: PhaseResult, denominator: PhaseResult) -> tuple[float, float, float]:
+    """Geometric mean of the per-round tokens/s ratios (the two batches of a round ran back to back, so
+    they saw nearly the same load) and its ~95 % interval (± two standard errors of the log ratios)."""
+    logs = [math.log((numerator.output_tokens / a) / (denominator.output_tokens / b))
+            for a, b in zip(numerator.seconds, denominator.seconds)]
+    mean = statistics.fmean(logs)
+    spread = 2 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else math.inf
+    return math.exp(mean), math.exp(mean - spread), math.exp(mean + spread)
+
+
 def main() -> None:
     args = parse_args()
     config = load_settings(args)
@@ -322,6 +335,9 @@ def main() -> None:
           f"max_inflight {config.rollout.max_inflight}, seeded {config.rollout.seeded_sampling}, model {config.model.path}, "
           f"{os.cpu_count()} CPUs visible, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print_table([raw, raw_logprobs, server])
+    for label, baseline in (("raw vLLM", raw), ("raw vLLM with the server's requests", raw_logprobs)):
+        mean, low, high = paired_ratio(server, baseline)
+        print(f"server / {label}, per round: {mean:.3f} (~95 % interval {low:.3f}-{high:.3f})")
     print("RESULT " + json.dumps({
         "server_tok_s": round(server.best_tokens_per_s, 1),
         "raw_vllm_tok_s": round(raw.best_tokens_per_s, 1),
@@ -331,6 +347,8 @@ def main() -> None:
         "ratio_median": round(server.median_tokens_per_s / raw.median_tokens_per_s, 3),
         "raw_vllm_same_outputs_tok_s": round(raw_logprobs.best_tokens_per_s, 1),
         "ratio_same_outputs": round(server.best_tokens_per_s / raw_logprobs.best_tokens_per_s, 3),
+        "ratio_paired": [round(x, 3) for x in paired_ratio(server, raw)],
+        "ratio_same_outputs_paired": [round(x, 3) for x in paired_ratio(server, raw_logprobs)],
         "server_cpu_us_per_token": round(cpu_per_token(server), 1),
         "raw_vllm_cpu_us_per_token": round(cpu_per_token(raw), 1),
         "load_average_1m": round(os.getloadavg()[0], 2),
