@@ -8,7 +8,8 @@
 #              the vLLM engine tests on CUDA (log-probs, updates in place, versions, interrupted updates)
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
 #   learner    scripts/bench_learner.py: learner tokens/s and MFU, 0.5B shape
-#   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation
+#   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
+#              adds config overrides, e.g. ROLLOUT_OVERRIDES=rollout.seeded_sampling=true (the preset's is false)
 #   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs; E2E_MODES=sync (or async)
 #              runs one mode per call (a host's per-command limit), both kept in /tmp/asyncrl-e2e
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
@@ -75,7 +76,7 @@ stage_learner() {
 stage_rollout() {
     "$PYTHON" scripts/bench_rollout.py --config "$CONFIG" --model .cache/models/qwen05b_shape \
         --num-prompts 256 --n 1 --max-tokens 1024 --repeats 2 \
-        rollout.engine.gpu_memory_utilization=0.4  # both engines stay resident on GPU 0
+        rollout.engine.gpu_memory_utilization=0.4 ${ROLLOUT_OVERRIDES:-}  # both engines stay resident on GPU 0
 }
 
 stage_e2e() {
