@@ -1,0 +1,118 @@
+"""The server's side of a weight-sync round on a real ZeroMQ socket pair, with a fake engine: a prepare
+is answered at once, an invite becomes a (re)join plus an update, and nothing the coordinator sends can
+end the client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq
+import zmq.asyncio
+
+from asyncrl.messages import decode, encode
+from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
+from rollout_servers.sync_client import SyncClient, cancel
+
+HEARTBEAT_S = 0.05
+REPLY_TIMEOUT_S = 10.0  # bound on every wait for the client's answer
+
+
+class FakeEngine:
+    """Records the joins and updates it is asked for; an update fails while `fail_updates` is set."""
+
+    def __init__(self) -> None:
+        self.current_version, self.needs_catch_up, self.inflight_requests = 0, False, 0
+        self.joined: list[dict] = []
+        self.updates: list[int] = []
+        self.fail_updates = False
+
+    async def join_weight_sync(self, init_info: dict) -> None:
+        self.joined.append(init_info)
+
+    async def update_weights(self, update_info: dict, version: int) -> float:
+        if self.fail_updates:
+            raise RuntimeError("receive timed out")
+        self.updates.append(version)
+        self.current_version = version
+        return 0.25
+
+
+async def next_reply(router: zmq.asyncio.Socket) -> tuple[bytes, object]:
+    """The client's next message that is not a heartbeat, with its routing id."""
+    while True:
+        identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
+        message = decode(frame)
+        if not isinstance(message, SyncJoin):
+            return identity, message
+
+
+async def first_heartbeat(router: zmq.asyncio.Socket) -> tuple[bytes, SyncJoin]:
+    identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
+    return identity, decode(frame, expect=SyncJoin)
+
+
+async def talk_to_a_client(scenario) -> FakeEngine:
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:0")
+    engine = FakeEngine()
+    client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", engine, 1, HEARTBEAT_S, counters=dict)
+    task = asyncio.ensure_future(client.run())
+    try:
+        await scenario(router, engine)
+        assert not task.done(), "the client must keep running"
+    finally:
+        await cancel(task)
+        client.close()
+        router.close(0)
+    return engine
+
+
+def test_a_prepare_is_answered_at_once_without_touching_the_engine():
+    async def scenario(router, engine):
+        identity, heartbeat = await first_heartbeat(router)
+        assert heartbeat.server_id == "s0"
+        await router.send_multipart([identity, encode(SyncPrepare(round_id=5))])
+        _, reply = await next_reply(router)
+        assert reply == SyncReady("s0", 5)
+        assert engine.joined == [] and engine.updates == []
+
+    asyncio.run(talk_to_a_client(scenario))
+
+
+def test_an_invite_joins_the_new_group_then_updates_and_reports():
+    async def scenario(router, engine):
+        identity, _ = await first_heartbeat(router)
+        invite = SyncInvite(round_id=2, version=3, update_info={"names": []}, init_info={"host": "h", "port": 1})
+        await router.send_multipart([identity, encode(invite)])
+        _, reply = await next_reply(router)
+        assert reply == SyncDone("s0", 2, ok=True, seconds=0.25)
+        assert engine.joined == [{"host": "h", "port": 1}] and engine.updates == [3]
+
+    asyncio.run(talk_to_a_client(scenario))
+
+
+def test_a_failed_update_is_reported_and_the_client_still_answers_the_next_round():
+    async def scenario(router, engine):
+        identity, _ = await first_heartbeat(router)
+        engine.fail_updates = True
+        await router.send_multipart([identity, encode(SyncInvite(round_id=1, version=1, update_info={}))])
+        _, reply = await next_reply(router)
+        assert isinstance(reply, SyncDone) and not reply.ok and "receive timed out" in reply.error
+        await router.send_multipart([identity, encode(SyncPrepare(round_id=2))])
+        _, reply = await next_reply(router)
+        assert reply == SyncReady("s0", 2)
+
+    asyncio.run(talk_to_a_client(scenario))
+
+
+def test_garbage_and_unexpected_messages_are_ignored():
+    async def scenario(router, engine):
+        identity, _ = await first_heartbeat(router)
+        await router.send_multipart([identity, b"\x00not msgpack"])
+        await router.send_multipart([identity, encode(SyncJoin("learner?", 1, 0))])  # a kind servers never get
+        await router.send_multipart([identity, encode(SyncPrepare(round_id=9))])
+        _, reply = await next_reply(router)
+        assert reply == SyncReady("s0", 9)  # the first answer: nothing before it was taken for a round
+
+    asyncio.run(talk_to_a_client(scenario))
