@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import zmq
 
@@ -179,11 +180,7 @@ class SyncCoordinator:
         for name in candidates:
             self.socket.send_multipart([self.members[name].identity, encode(SyncPrepare(self._round))])
         waiting = set(candidates)
-        deadline = time.monotonic() + self.liveness_s
-        while waiting and time.monotonic() < deadline:
-            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
-                break
-            reply = self._receive_one()
+        for reply in self._messages_until(time.monotonic() + self.liveness_s, waiting):
             if isinstance(reply, SyncReady) and reply.round_id == self._round:
                 waiting.discard(reply.server_id)
         self._forget_silent(report, waiting, f"no answer to the round's prepare within {self.liveness_s:g}s")
@@ -197,10 +194,7 @@ class SyncCoordinator:
     def _collect(self, report: RoundReport, invited: list[str], deadline: float) -> None:
         """Gather SyncDone replies for this round until all arrived or the deadline."""
         waiting = set(invited)
-        while waiting and time.monotonic() < deadline:
-            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
-                break
-            reply = self._receive_one()
+        for reply in self._messages_until(deadline, waiting):
             if isinstance(reply, SyncDone) and reply.round_id == self._round and reply.server_id in waiting:
                 waiting.discard(reply.server_id)
                 if reply.ok:
@@ -213,6 +207,14 @@ class SyncCoordinator:
                 else:
                     report.failed[reply.server_id] = reply.error
         self._forget_silent(report, waiting, "no reply before the deadline")
+
+    def _messages_until(self, deadline: float, waiting: set[str]) -> Iterator[object]:
+        """Messages as they arrive (heartbeats are taken in on the way) while `waiting`, which the caller
+        empties, still names a server and the deadline has not passed."""
+        while waiting and time.monotonic() < deadline:
+            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
+                return
+            yield self._receive_one()
 
     def _drain(self) -> None:
         while self.socket.poll(0):
