@@ -42,7 +42,7 @@ class WeightSyncConfig:
     control_bind: str = "tcp://127.0.0.1:0"  # where the learner's coordinator listens for servers (port 0 = free)
     control_address: str = ""  # servers: the coordinator's address; empty = read <run dir>/endpoints.json
     heartbeat_s: float = bounded(1.0, 0.01)  # servers announce themselves (and their counters) this often
-    liveness_s: float = bounded(10.0, 0.1)  # a server silent this long is left out of weight-sync rounds; a round waits this long for servers to confirm they are there
+    liveness_s: float = bounded(10.0, 0.1)  # a server silent this long is left out of weight-sync rounds; a round waits this long (at most timeout_s) for servers to confirm they are there
     load_in_place: bool = True  # CUDA + unquantized model: copy received weights into the serving parameters (no layerwise reload, faster); false = always vLLM's layerwise reload
 
 

@@ -175,15 +175,17 @@ class SyncCoordinator:
         return address, {name: init_info_for(address, offsets[name]) for name in invited}
 
     def _confirm_present(self, report: RoundReport, candidates: list[str]) -> list[str]:
-        """The candidates that answer this round's `SyncPrepare` within `liveness_s`; the others are
-        reported failed and forgotten until they heartbeat again."""
+        """The candidates that answer this round's `SyncPrepare` within `liveness_s` (at most `timeout_s`,
+        the bound of every wait in a round); the others are reported failed and forgotten until they
+        heartbeat again."""
         for name in candidates:
             self.socket.send_multipart([self.members[name].identity, encode(SyncPrepare(self._round))])
         waiting = set(candidates)
-        for reply in self._messages_until(time.monotonic() + self.liveness_s, waiting):
+        wait_s = min(self.liveness_s, self.timeout_s)
+        for reply in self._messages_until(time.monotonic() + wait_s, waiting):
             if isinstance(reply, SyncReady) and reply.round_id == self._round:
                 waiting.discard(reply.server_id)
-        self._forget_silent(report, waiting, f"no answer to the round's prepare within {self.liveness_s:g}s")
+        self._forget_silent(report, waiting, f"no answer to the round's prepare within {wait_s:g}s")
         return [name for name in candidates if name not in waiting]
 
     def _forget_silent(self, report: RoundReport, silent: set[str], reason: str) -> None:

@@ -126,6 +126,21 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
         coord.close()
 
 
+def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
+    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", timeout_s=1.0, liveness_s=60.0)
+    silent = FakeServer("silent", coord.address, answer=False)
+    silent.start()
+    try:
+        coord.wait_for_members(1, timeout_s=10)
+        started = time.monotonic()
+        report = coord.broadcast(1, weights(1.0))
+        assert "silent" in report.failed and not report.succeeded
+        assert time.monotonic() - started < 30.0  # bounded by timeout_s (1 s), not liveness_s (60 s)
+    finally:
+        silent.stop.set()
+        coord.close()
+
+
 def test_no_servers_means_an_empty_round_not_a_wait():
     coord = coordinator()
     try:
