@@ -1,0 +1,119 @@
+"""How a rollout server turns one prompt into one acknowledged group (`RolloutServer._one_group`), with the
+engine, scorer and buffer producer stood in: a group the engine stopped as too stale is sampled once more,
+to the end, and sent once under the prompt's record id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.data import write_rows
+from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
+from asyncrl.rewards import RewardResult
+from asyncrl.tiny.tokenizer import build_char_tokenizer
+from rollout_servers.completion import STALE, Completion
+from rollout_servers.server import Endpoints, RolloutServer
+
+N = 2  # samples per group
+STOPPED_ATTEMPTS = 1  # attempts the fake engine stops as too stale before it lets one finish
+REWARD = 0.75
+
+
+@dataclass
+class StoppingEngine:
+    """Stops the first `stop_first` training groups as too stale (what `abandon_stale` leaves behind);
+    records, for every group, whether it was sampled as a stoppable training group."""
+
+    stop_first: int
+    stoppable: list[bool] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
+    _training: bool = False
+
+    @contextlib.contextmanager
+    def training_group(self):
+        self._training = True
+        try:
+            yield
+        finally:
+            self._training = False
+
+    async def generate_group(self, prompt_ids, sampling=None, *, seed=None) -> list[Completion]:
+        attempt = len(self.stoppable)
+        self.stoppable.append(self._training)
+        self.seeds.append(seed)
+        if attempt < self.stop_first:
+            assert self._training, "only a training group may be stopped"
+            return [Completion(f"a{attempt}-{i}", list(prompt_ids), [], [], [], STALE) for i in range(N)]
+        return [Completion(f"a{attempt}-{i}", list(prompt_ids), [7, 8], [-0.5, -0.25], [attempt, attempt], "stop")
+                for i in range(N)]
+
+
+class SingleTurn:
+    def handles(self, data_source: str) -> bool:
+        return False
+
+
+@dataclass
+class StoppingAgent:
+    """A multi-turn agent loop whose first `stop_first` groups end with an episode stopped as too stale."""
+
+    engine: StoppingEngine
+
+    def handles(self, data_source: str) -> bool:
+        return True
+
+    async def run_group(self, row, sampling, seed, group_id) -> list[Trajectory]:
+        completions = await self.engine.generate_group([1], sampling, seed=seed)
+        return [Trajectory([1], c.token_ids, c.logprobs, c.versions, [1] * len(c.token_ids), REWARD, group_id,
+                           row.data_source, c.finish_reason) for c in completions]
+
+
+class FixedScorer:
+    async def score_async(self, requests) -> list[RewardResult]:
+        return [RewardResult(REWARD) for _ in requests]
+
+
+@dataclass
+class RecordingProducer:
+    sent: list[TrajectoryGroup] = field(default_factory=list)
+
+    def send(self, group: TrajectoryGroup) -> Ack:
+        self.sent.append(group)
+        return Ack(group.record_id, offset=len(self.sent) - 1)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> RolloutServer:
+    tokenizer_dir = tmp_path / "tokenizer"
+    build_char_tokenizer().save_pretrained(tokenizer_dir)
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "data_source": "t",
+             "reward_model": {"ground_truth": "2", "style": "rule"}}]
+    data = write_rows(rows, tmp_path / "train.jsonl")
+    config = load_config(None, [f"model.path={tokenizer_dir}", f"data.train_files=[{data}]", "data.weights=[1.0]",
+                                "validation.every=0", f"rollout.sampling.n={N}"])
+    return RolloutServer(config, 0, Endpoints(buffer="tcp://127.0.0.1:1", sync="tcp://127.0.0.1:2"))
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+@pytest.mark.parametrize("stop_first", [0, STOPPED_ATTEMPTS])
+def test_a_group_stopped_as_too_stale_is_sampled_once_more_and_sent_once(server, stop_first, multi_turn):
+    engine, producer = StoppingEngine(stop_first), RecordingProducer()
+    agent = StoppingAgent(engine) if multi_turn else SingleTurn()
+
+    asyncio.run(server._one_group(engine, agent, producer, FixedScorer()))
+
+    (group,) = producer.sent
+    assert group.record_id == group.group_id == "server-0-prompt-0"
+    assert [t.completion_ids for t in group.trajectories] == [[7, 8]] * N
+    assert [t.token_versions for t in group.trajectories] == [[stop_first] * 2] * N, "the finished attempt's tokens"
+    assert all(t.reward == REWARD and t.finish_reason == "stop" for t in group.trajectories)
+    # Only the first attempt may be stopped; the one after a stop runs to the end whatever happens.
+    assert engine.stoppable == [True] + [False] * stop_first
+    assert len(set(engine.seeds)) == 1, "the same prompt, sampled again with its own seeds"
+    assert (server.stats.groups_resampled, server.stats.groups_sent) == (stop_first, 1)
+    assert server.prompts.owed == 0, "the prompt is acknowledged: a restart does not regenerate it"
