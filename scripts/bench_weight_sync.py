@@ -5,8 +5,11 @@ Two measurements in one run, on the same model's tensors:
                `asyncrl.weight_transfer` group: every tensor broadcast one by one, as a sync sends them,
                and all bytes as one flat buffer (the collective's own floor)
   engine       a `RolloutEngine` (vLLM AsyncLLM) serving the model, streaming --inflight requests, and a
-               trainer process: each round the engine pauses in keep mode, receives every tensor through
-               the vLLM plugin, and resumes; the pause-to-resume time is what generation loses per sync
+               trainer process: each round the trainer stages the weights on its device as the learner's
+               coordinator does (`rollout.weight_sync.staging_bytes`), then the engine pauses in keep mode,
+               receives every tensor through the vLLM plugin, and resumes; the pause-to-resume time is what
+               generation loses per sync. The trainer holds the weights in CPU memory, as the learner does
+               after its full-state gather (--trainer-weights device: already on its GPU)
 On GPU: the engine uses cuda:0 and the trainer cuda:1 (NCCL); on CPU both are gloo processes.
 Rounds are timed after one untimed warm-up round. Last line: RESULT {json} with weight_sync_ms (median
 pause-to-resume), nccl_floor_ms (median per-tensor floor), flat_floor_ms, and the bytes sent.
@@ -28,6 +31,7 @@ from asyncrl.config import load_config
 from asyncrl.net import free_port
 from asyncrl.weight_transfer import GroupAddress, TransferGroup, WeightSender, init_info_for, update_info_for, weights_for_transfer
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
+from asyncrl.weight_transfer.sender import stage_for_transfer
 
 SPAWN = multiprocessing.get_context("spawn")  # CUDA and vLLM both need fresh processes
 HOST = "127.0.0.1"
@@ -51,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed sync rounds per measurement")
     parser.add_argument("--inflight", type=int, default=32, help="requests streaming while the engine syncs")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each rendezvous and round")
+    parser.add_argument("--trainer-weights", choices=("cpu", "device"), default="cpu",
+                        help="where the trainer holds the weights between rounds: cpu, as the learner does; device: its GPU")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.engine.dtype=bfloat16")
     return parser.parse_args()
 
@@ -112,15 +118,20 @@ def measure_floor(args: argparse.Namespace, where: Placement) -> dict:
 
 # engine phase: a RolloutEngine and a trainer process ------------------------------------------------------
 
-def trainer(address: GroupAddress, device: torch.device, model_dir: str, dtype: str, commands, results) -> None:
+def trainer(address: GroupAddress, device: torch.device, held_on: torch.device, staging_bytes: int, model_dir: str,
+            dtype: str, commands, results) -> None:
+    """Each round: stage (as the learner's coordinator does before inviting servers), say so, send."""
     prepare_nccl_environment(address.host)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    named = load_tensors(model_dir, dtype, device)
+    named = load_tensors(model_dir, dtype, held_on)
     results.put(update_info_for(named))
     sender = WeightSender.open(address, device)
     while (version := commands.get()) is not None:
-        results.put(sender.send_weights(named))
+        staged = stage_for_transfer(named, device, staging_bytes)
+        results.put("staged")
+        results.put(sender.send_weights(staged))
+        del staged
     sender.close()
 
 
@@ -132,7 +143,10 @@ async def measure_engine(args: argparse.Namespace, where: Placement) -> dict:
     engine = await RolloutEngine.start(args.model, config.rollout)
     commands, results = SPAWN.Queue(), SPAWN.Queue()
     address = group_address(where, args.timeout_s)
-    sender = SPAWN.Process(target=trainer, args=(address, where.trainer, args.model, args.dtype, commands, results))
+    held_on = where.trainer if args.trainer_weights == "device" else torch.device("cpu")
+    staging_bytes = config.rollout.weight_sync.staging_bytes
+    sender = SPAWN.Process(target=trainer, args=(address, where.trainer, held_on, staging_bytes, args.model, args.dtype,
+                                                 commands, results))
     sender.start()
     update_info = await asyncio.to_thread(results.get, True, WAIT_S)
     await engine.join_weight_sync(init_info_for(address, rank_offset=RECEIVER_RANK))
@@ -141,6 +155,7 @@ async def measure_engine(args: argparse.Namespace, where: Placement) -> dict:
     pauses, sends = [], []
     for version in range(1, args.rounds + 2):
         commands.put(version)
+        await asyncio.to_thread(results.get, True, WAIT_S)  # staged: the servers are invited only now
         pauses.append(await engine.update_weights(update_info, version))
         sends.append(await asyncio.to_thread(results.get, True, WAIT_S))
     commands.put(None)
@@ -149,7 +164,7 @@ async def measure_engine(args: argparse.Namespace, where: Placement) -> dict:
     await asyncio.gather(*background, return_exceptions=True)
     sender.join(WAIT_S)
     engine.shutdown()
-    return {"pause_s": pauses[1:], "send_s": sends[1:]}
+    return {"pause_s": pauses[1:], "send_s": sends[1:], "staging_bytes": staging_bytes}
 
 
 def print_table(floor: dict, engine: dict) -> None:
@@ -180,6 +195,7 @@ def main() -> None:
         "flat_floor_ms": round(statistics.median(floor["flat_s"]) * MS, 2),
         "trainer_send_ms": round(statistics.median(engine["send_s"]) * MS, 2),
         "sync_vs_floor": round(sync_ms / floor_ms, 2),
+        "trainer_weights": args.trainer_weights, "staging_bytes": engine["staging_bytes"],
     }
     print("RESULT " + json.dumps(result), flush=True)
 

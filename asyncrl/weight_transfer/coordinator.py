@@ -22,9 +22,9 @@ from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
-from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
+from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError, transfer_device
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
-from asyncrl.weight_transfer.sender import WeightSender
+from asyncrl.weight_transfer.sender import WeightSender, stage_for_transfer
 from asyncrl.weight_transfer.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -54,13 +54,17 @@ class RoundReport:
 
 
 class SyncCoordinator:
-    def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float) -> None:
+    def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float,
+                 staging_bytes: int = 0) -> None:
+        """`staging_bytes`: device memory for copying a round's weights to the transfer device before the
+        servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent."""
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(bind)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.group_host, self.group_port, self.backend = group_host, group_port, backend
         self.timeout_s, self.liveness_s = timeout_s, liveness_s
+        self.staging_bytes = staging_bytes
         self.members: dict[str, Member] = {}
         self._sender: WeightSender | None = None
         self._group_members: tuple[str, ...] = ()
@@ -141,6 +145,7 @@ class SyncCoordinator:
         rebuild = self._sender is None or tuple(invited) != self._group_members
         address, init_infos = self._plan_group(invited) if rebuild else (None, {})
         update_info = update_info_for(named_tensors)
+        named_tensors = stage_for_transfer(named_tensors, transfer_device(self.backend), self.staging_bytes)
         for name in invited:
             invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
             self.socket.send_multipart([self.members[name].identity, encode(invite)])

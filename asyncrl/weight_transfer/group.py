@@ -78,7 +78,7 @@ class TransferGroup:
         started = time.perf_counter()
         store = _open_store(address, rank)
         backend = _connect_backend(address, rank, store)
-        group = cls(address, rank, store, backend, device or _default_device(address.backend))
+        group = cls(address, rank, store, backend, device or transfer_device(address.backend))
         group._bounded_handshake(group.device)
         log.info("joined %s as rank %d in %.2fs", address.describe(), rank, time.perf_counter() - started)
         return group
@@ -244,5 +244,6 @@ def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dis
     raise ValueError(f"weight-transfer backend must be '{GLOO}' or '{NCCL}', got '{address.backend}'")
 
 
-def _default_device(backend: str) -> torch.device:
+def transfer_device(backend: str) -> torch.device:
+    """Where a member of a `backend` group sends and receives by default: NCCL the current CUDA device."""
     return torch.device("cuda", torch.cuda.current_device()) if backend == NCCL else torch.device("cpu")

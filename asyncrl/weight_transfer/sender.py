@@ -47,6 +47,28 @@ class WeightSender:
         self._group.close()
 
 
+def stage_for_transfer(named_tensors: NamedTensors, device: torch.device, budget_bytes: int) -> NamedTensors:
+    """The tensors to send, as many as `budget_bytes` holds already full, contiguous and on `device`.
+
+    Staging before the servers are invited moves the host-to-GPU copies of weights kept in CPU memory out
+    of the servers' pause, which then covers the broadcast alone. Tensors past the budget stay where they
+    are and are copied one at a time as they are sent. Without the memory for them, nothing is staged."""
+    staged: NamedTensors = []
+    used = 0
+    try:
+        for name, tensor in named_tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if used + nbytes <= budget_bytes:
+                tensor = _materialised(tensor).to(device)
+                used += nbytes
+            staged.append((name, tensor))
+    except torch.OutOfMemoryError:
+        log.warning("no %s memory to stage %.1f MiB of weights: sending them unstaged (the servers pause longer); "
+                    "lower rollout.weight_sync.staging_bytes (now %d) to stage less", device, used / 2**20, budget_bytes)
+        return list(named_tensors)
+    return staged
+
+
 def _materialised(tensor: torch.Tensor) -> torch.Tensor:
     """A full, contiguous tensor: FSDP shards (DTensor) gather via `full_tensor()`, views are copied."""
     full_tensor = getattr(tensor, "full_tensor", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 import zmq
 
@@ -62,20 +63,24 @@ class FakeServer(threading.Thread):
         sock.close(0)
 
 
-def coordinator() -> SyncCoordinator:
-    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=LIVENESS_S)
+def coordinator(staging_bytes: int = 0) -> SyncCoordinator:
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=LIVENESS_S,
+                           staging_bytes=staging_bytes)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
-    return [("a.weight", torch.full((3, 2), scale)), ("lm_head.weight", torch.arange(4.0) * scale)]
+    # the middle one is a transposed view, as some state-dict entries are: it must arrive laid out as its shape says
+    return [("a.weight", torch.full((3, 2), scale)), ("b.weight", (torch.arange(6.0).reshape(2, 3) * scale).t()),
+            ("lm_head.weight", torch.arange(4.0) * scale)]
 
 
 def test_rank_layout_gives_each_server_consecutive_ranks_after_the_trainer():
     assert rank_layout([("s0", 2), ("s1", 2), ("s2", 1)]) == ({"s0": 1, "s1": 3, "s2": 5}, 6)
 
 
-def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds():
-    coord = coordinator()
+@pytest.mark.parametrize("staging_bytes", [0, 24, 1 << 20], ids=["unstaged", "first-staged", "all-staged"])
+def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(staging_bytes):
+    coord = coordinator(staging_bytes)
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
     for server in servers:
         server.start()

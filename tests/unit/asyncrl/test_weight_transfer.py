@@ -21,6 +21,7 @@ from asyncrl.weight_transfer import (
     update_info_for,
     weights_for_transfer,
 )
+from asyncrl.weight_transfer.sender import stage_for_transfer
 
 DEADLINE_S = 2.0  # rendezvous deadline of the failure tests
 POLL_SLACK_S = 0.5  # the rendezvous re-checks every 0.2 s
@@ -95,3 +96,38 @@ def test_output_head_is_sent_exactly_once(tied):
     names = [name for name, _ in weights_for_transfer(model)]
     assert names.count("lm_head.weight") == 1
     assert len(names) == len(set(names))
+
+
+def test_staging_copies_what_the_budget_holds_to_the_device_and_leaves_the_rest():
+    # 24, 400 and 16 bytes of float32; a 60-byte budget takes the first and third (400 would overrun it)
+    small = torch.arange(6.0).reshape(3, 2).t()  # a view: staging must make it contiguous
+    large = torch.ones(10, 10)
+    tail = torch.full((4,), 2.0)
+    named = [("small", small), ("large", large), ("tail", tail)]
+
+    staged = stage_for_transfer(named, torch.device("meta"), budget_bytes=60)
+
+    assert [name for name, _ in staged] == ["small", "large", "tail"], "order and names kept"
+    assert [tensor.device.type for _, tensor in staged] == ["meta", "cpu", "meta"]
+    assert staged[1][1] is large, "past the budget: left as it is, copied when sent"
+    assert all(tensor.is_contiguous() for _, tensor in staged if tensor.device.type == "meta")
+    assert [tensor.shape for _, tensor in staged] == [small.shape, large.shape, tail.shape]
+    unstaged = stage_for_transfer(named, torch.device("meta"), budget_bytes=0)
+    assert all(a is b for (_, a), (_, b) in zip(unstaged, named))
+
+
+def test_staging_without_the_memory_for_it_sends_everything_unstaged(monkeypatch, caplog):
+    named = [("a", torch.zeros(4)), ("b", torch.ones(4))]
+    copies = []
+
+    def to_device_until_out_of_memory(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if copies:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        copies.append(tensor)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.Tensor, "to", to_device_until_out_of_memory)
+    staged = stage_for_transfer(named, torch.device("meta"), budget_bytes=1 << 20)
+
+    assert all(a is b for (_, a), (_, b) in zip(staged, named)), "the original tensors, copied as they are sent"
+    assert "rollout.weight_sync.staging_bytes" in caplog.text
