@@ -18,6 +18,7 @@ from asyncrl.config.rollout import RolloutConfig, SamplingConfig
 from rollout_servers import vllm_compat
 from rollout_servers.completion import Completion, TokenStream
 from rollout_servers.engine_args import engine_args, sampling_params
+from rollout_servers.sample_slots import SampleDone, reporting_done
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +158,15 @@ class RolloutEngine:
         return stopped
 
     async def generate_group(
-        self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *, seed: int | None = None
+        self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *, seed: int | None = None,
+        on_sample_done: SampleDone | None = None,
     ) -> list[Completion]:
-        """`sampling.n` completions of one prompt, each its own request (its own token versions)."""
+        """`sampling.n` completions of one prompt, each its own request (its own token versions);
+        `on_sample_done` is told as each one finishes."""
         sampling = sampling or self._config.sampling
         seeds = [None if seed is None else seed + index for index in range(sampling.n)]
-        return list(await asyncio.gather(*(self.generate(prompt_ids, sampling, seed=s) for s in seeds)))
+        samples = (reporting_done(self.generate(prompt_ids, sampling, seed=s), on_sample_done) for s in seeds)
+        return list(await asyncio.gather(*samples))
 
     async def join_weight_sync(self, init_info: dict[str, Any]) -> None:
         """Join the learner's weight-sync group (`asyncrl.weight_transfer.init_info_for`); bounded by its deadline."""

@@ -28,6 +28,7 @@ from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
+from rollout_servers.sample_slots import Claim, SampleSlots
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.validation import Validator, load_validation_prompts
 
@@ -50,6 +51,17 @@ class ServerStats:
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
     groups_resampled: int = 0  # groups stopped mid-generation as too stale to be trained, then sampled again
     idle_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """One prompt's group while it is sampled."""
+
+    row: PromptRow
+    prompt_ids: list[int]
+    number: int  # place in the server's prompt stream: seeds, acknowledgement
+    group_id: str  # the same for a regeneration, so the buffer keeps one
+    slots: Claim  # a slot of the server's capacity per sample not yet finished
 
 
 class RolloutServer:
@@ -76,6 +88,7 @@ class RolloutServer:
         self.validator = self._validator(server_index)
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self._finished_since_grant = 0
+        self._slots = SampleSlots(config.rollout.max_inflight)
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
 
@@ -158,21 +171,20 @@ class RolloutServer:
     async def _generate_forever(self, engine: RolloutEngine, agent: AgentLoop, admission: AdmissionClient,
                                 producer: TrajectoryProducer, scorer: RewardScorer) -> None:
         rollout = self.config.rollout
-        capacity = max(1, rollout.max_inflight // rollout.sampling.n)  # groups in the engine at once
         # Prompts the previous process of this server was granted and left unacknowledged come first;
         # the buffer still counts them as running for this server, so they need no new grant.
-        running = {asyncio.create_task(self._one_group(engine, agent, producer, scorer)) for _ in range(self.prompts.owed)}
+        running = {self._start_group(engine, agent, producer, scorer) for _ in range(self.prompts.owed)}
         learner_version = (await self._ask(admission, 0, len(running))).policy_version
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
             # only for what will be started now: nothing while the weights lag by more than K.
             lagging = learner_version - engine.current_version > self.config.buffer.max_staleness
-            wanted = 0 if engine.needs_catch_up or lagging else capacity - len(running)
+            wanted = 0 if engine.needs_catch_up or lagging else self._slots.free_groups(rollout.sampling.n, len(running))
             grant = await self._ask(admission, wanted, len(running))
             learner_version = grant.policy_version
             self._abandon_stale(engine, learner_version)
             for _ in range(grant.granted):
-                running.add(asyncio.create_task(self._one_group(engine, agent, producer, scorer)))
+                running.add(self._start_group(engine, agent, producer, scorer))
             idle_from = time.perf_counter() if not running else None
             if running:
                 done, running = await asyncio.wait(running, timeout=rollout.poll_s, return_when=asyncio.FIRST_COMPLETED)
@@ -196,38 +208,48 @@ class RolloutServer:
         finished, self._finished_since_grant = self._finished_since_grant, 0
         return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished, running)
 
+    def _start_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
+                     scorer: RewardScorer) -> asyncio.Task:
+        """Sample the next prompt's group in a task; its samples hold their slots from now on."""
+        slots = self._slots.claim(self.config.rollout.sampling.n)
+        return asyncio.create_task(self._one_group(engine, agent, producer, scorer, slots))
+
     async def _one_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
-                         scorer: RewardScorer) -> None:
-        number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
-        group_id = f"{self.server_id}-prompt-{number}"  # the same for a regeneration: the buffer keeps one
-        sample = (engine, agent, scorer, row, prompt_ids, number, group_id)
-        trajectories = await self._sample_group(*sample, stoppable=True)
-        if trajectories is None:  # stopped as too stale to be trained: once more, under newer weights, to the end
-            self.stats.groups_resampled += 1
-            trajectories = await self._sample_group(*sample, stoppable=False)
-        group = TrajectoryGroup(record_id=group_id, group_id=group_id, server_id=self.server_id, trajectories=trajectories)
+                         scorer: RewardScorer, slots: Claim) -> None:
+        try:
+            number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
+            job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots)
+            trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=True)
+            if trajectories is None:  # stopped as too stale to be trained: once more, under newer weights, to the end
+                self.stats.groups_resampled += 1
+                slots.renew()
+                trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=False)
+        finally:
+            slots.release()
+        group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
+                                trajectories=trajectories)
         ack = await asyncio.to_thread(self._locked, producer.send, group)
         self.prompts.acknowledge(number)
         self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1
         self.stats.groups_sent += 1
 
-    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, row: PromptRow,
-                            prompt_ids: list[int], number: int, group_id: str,
+    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, job: GroupJob,
                             stoppable: bool) -> list[Trajectory] | None:
         """The prompt's scored trajectories, or None when the engine stopped the group as too stale (only
         if `stoppable`). The group keeps its place in admission either way: it is the same group."""
+        row, seed, done = job.row, self._group_seed(job.number), job.slots.sample_done
         sampling = sampling_for_row(row, self.config.rollout.sampling)
         with engine.training_group() if stoppable else contextlib.nullcontext():
             if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
-                trajectories = await agent.run_group(row, sampling, self._group_seed(number), group_id)
+                trajectories = await agent.run_group(row, sampling, seed, job.group_id, on_sample_done=done)
                 return None if any(t.finish_reason == STALE for t in trajectories) else trajectories
-            completions = await engine.generate_group(prompt_ids, sampling, seed=self._group_seed(number))
+            completions = await engine.generate_group(job.prompt_ids, sampling, seed=seed, on_sample_done=done)
         if any(c.finish_reason == STALE for c in completions):
             return None
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
-        return [_trajectory(c, r.score, r.info, r.error, group_id, row.data_source) for c, r in zip(completions, results)]
+        return [_trajectory(c, r.score, r.info, r.error, job.group_id, row.data_source) for c, r in zip(completions, results)]
 
     def _group_seed(self, number: int) -> int | None:
         rollout = self.config.rollout

@@ -59,7 +59,7 @@ class ChatEndpointConfig:
 @dataclass
 class RolloutConfig:
     num_servers: int = bounded(1, 1)  # rollout server processes, one vLLM engine each
-    max_inflight: int = bounded(32, 1)  # requests a server keeps in its engine at once
+    max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
     # each training sample gets a sampling seed from its prompt's place in the stream: a rerun or a regeneration

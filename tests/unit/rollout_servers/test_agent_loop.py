@@ -103,11 +103,14 @@ def test_three_turns_token_by_token_with_an_update_between_turns():
     trajectory.validate()
 
 
-def test_group_runs_n_episodes_with_consecutive_seeds():
+def test_group_runs_n_episodes_with_consecutive_seeds_and_reports_each_finished():
     engine = ScriptedEngine([turn("x", -1.0)])
-    group = asyncio.run(loop_for(engine).run_group(countdown_row(1), SAMPLING, 40, "g"))
+    finished = []
+    group = asyncio.run(loop_for(engine).run_group(countdown_row(1), SAMPLING, 40, "g",
+                                                   on_sample_done=lambda: finished.append(len(engine.requests))))
     assert [t.group_id for t in group] == ["g", "g"]
     assert sorted(r[2] for r in engine.requests) == [40, 41]
+    assert len(finished) == SAMPLING.n, "each episode's slot is freed once, when it ends"
 
 
 def test_max_turns_ends_the_episode_trained():

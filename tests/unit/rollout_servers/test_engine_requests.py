@@ -44,15 +44,17 @@ def test_prefix_cache_salt_follows_the_policy_version() -> None:
     assert all(prompt["prompt_token_ids"] == [1, 2, 3] for prompt in llm.prompts)
 
 
-def test_every_finished_request_counts_its_sampled_tokens() -> None:
+def test_every_finished_request_counts_its_sampled_tokens_and_each_sample_of_a_group_reports_itself() -> None:
     engine = RolloutEngine(RecordingLLM(), RolloutConfig(), version=0)
+    finished = []
 
     async def sample() -> None:
         await engine.generate([1, 2, 3])
-        await engine.generate_group([4], RolloutConfig().sampling)
+        await engine.generate_group([4], RolloutConfig().sampling, on_sample_done=lambda: finished.append(1))
 
     asyncio.run(sample())
     assert engine.tokens_sampled == 1 + RolloutConfig().sampling.n  # one token per request
+    assert len(finished) == RolloutConfig().sampling.n
 
 
 class HangingLLM(RecordingLLM):

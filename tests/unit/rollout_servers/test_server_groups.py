@@ -1,6 +1,7 @@
 """How a rollout server turns one prompt into one acknowledged group (`RolloutServer._one_group`), with the
 engine, scorer and buffer producer stood in: a group the engine stopped as too stale is sampled once more,
-to the end, and sent once under the prompt's record id."""
+to the end, and sent once under the prompt's record id; each sample frees its slot of the server's
+capacity as it finishes, not when its whole group does."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardResult
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.completion import STALE, Completion
+from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.server import Endpoints, RolloutServer
 
 N = 2  # samples per group
@@ -30,8 +32,10 @@ class StoppingEngine:
     records, for every group, whether it was sampled as a stoppable training group."""
 
     stop_first: int
+    slots: SampleSlots
     stoppable: list[bool] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
+    slots_held: list[int] = field(default_factory=list)  # slots in use when each attempt began
     _training: bool = False
 
     @contextlib.contextmanager
@@ -42,10 +46,13 @@ class StoppingEngine:
         finally:
             self._training = False
 
-    async def generate_group(self, prompt_ids, sampling=None, *, seed=None) -> list[Completion]:
+    async def generate_group(self, prompt_ids, sampling=None, *, seed=None, on_sample_done=None) -> list[Completion]:
         attempt = len(self.stoppable)
         self.stoppable.append(self._training)
         self.seeds.append(seed)
+        self.slots_held.append(self.slots.in_use)
+        for _ in range(N):
+            on_sample_done()
         if attempt < self.stop_first:
             assert self._training, "only a training group may be stopped"
             return [Completion(f"a{attempt}-{i}", list(prompt_ids), [], [], [], STALE) for i in range(N)]
@@ -67,8 +74,8 @@ class StoppingAgent:
     def handles(self, data_source: str) -> bool:
         return True
 
-    async def run_group(self, row, sampling, seed, group_id) -> list[Trajectory]:
-        completions = await self.engine.generate_group([1], sampling, seed=seed)
+    async def run_group(self, row, sampling, seed, group_id, on_sample_done=None) -> list[Trajectory]:
+        completions = await self.engine.generate_group([1], sampling, seed=seed, on_sample_done=on_sample_done)
         return [Trajectory([1], c.token_ids, c.logprobs, c.versions, [1] * len(c.token_ids), REWARD, group_id,
                            row.data_source, c.finish_reason) for c in completions]
 
@@ -102,10 +109,10 @@ def server(tmp_path: Path) -> RolloutServer:
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 @pytest.mark.parametrize("stop_first", [0, STOPPED_ATTEMPTS])
 def test_a_group_stopped_as_too_stale_is_sampled_once_more_and_sent_once(server, stop_first, multi_turn):
-    engine, producer = StoppingEngine(stop_first), RecordingProducer()
+    engine, producer = StoppingEngine(stop_first, server._slots), RecordingProducer()
     agent = StoppingAgent(engine) if multi_turn else SingleTurn()
 
-    asyncio.run(server._one_group(engine, agent, producer, FixedScorer()))
+    asyncio.run(server._one_group(engine, agent, producer, FixedScorer(), server._slots.claim(N)))
 
     (group,) = producer.sent
     assert group.record_id == group.group_id == "server-0-prompt-0"
@@ -116,4 +123,41 @@ def test_a_group_stopped_as_too_stale_is_sampled_once_more_and_sent_once(server,
     assert engine.stoppable == [True] + [False] * stop_first
     assert len(set(engine.seeds)) == 1, "the same prompt, sampled again with its own seeds"
     assert (server.stats.groups_resampled, server.stats.groups_sent) == (stop_first, 1)
+    assert engine.slots_held == [N] * (1 + stop_first), "a resampled group holds a slot per sample again"
+    assert server._slots.in_use == 0
     assert server.prompts.owed == 0, "the prompt is acknowledged: a restart does not regenerate it"
+
+
+@dataclass
+class StaggeredEngine:
+    """Finishes a group's first sample at once and the others only when `release` is set."""
+
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @contextlib.contextmanager
+    def training_group(self):
+        yield
+
+    async def generate_group(self, prompt_ids, sampling=None, *, seed=None, on_sample_done=None) -> list[Completion]:
+        async def sample(index: int) -> Completion:
+            if index:
+                await self.release.wait()
+            on_sample_done()
+            return Completion(f"r{index}", list(prompt_ids), [7], [-0.5], [0], "stop")
+
+        return list(await asyncio.gather(*(sample(i) for i in range(N))))
+
+
+def test_a_finished_sample_frees_its_slot_while_its_group_still_generates(server):
+    engine, producer = StaggeredEngine(), RecordingProducer()
+
+    async def sample_one_group() -> list[int]:
+        group = asyncio.create_task(server._one_group(engine, SingleTurn(), producer, FixedScorer(), server._slots.claim(N)))
+        await asyncio.sleep(0.01)  # the first sample finishes, the others still generate
+        held_meanwhile = server._slots.in_use
+        engine.release.set()
+        await group
+        return [held_meanwhile, server._slots.in_use]
+
+    assert asyncio.run(sample_one_group()) == [N - 1, 0]
+    assert len(producer.sent) == 1
