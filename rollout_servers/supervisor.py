@@ -14,11 +14,13 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.exit_codes import CANNOT_START
 from asyncrl.stop_signal import StopSignal
 from asyncrl.logs import setup_logging
 from rollout_servers.server import Endpoints, RolloutServer
@@ -27,6 +29,10 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signal
 STATE_DIR = "rollout"  # under the run dir: each server's prompt-stream position (`PromptStream`)
+
+
+class ServerCannotStart(RuntimeError):
+    """A server could not be built from the config's inputs; its log holds the reason."""
 
 
 def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> Endpoints:
@@ -59,6 +65,9 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None
             for index, process in enumerate(processes):
                 if process is not None and process.is_alive():
                     continue
+                if process is not None and process.exitcode == CANNOT_START:
+                    raise ServerCannotStart(f"server-{index} cannot start from this config (not restarted): see "
+                                            f"{server_log(run_dir, index)}")
                 if process is not None:
                     restarts[index] += 1
                     delay = min(config.rollout.restart_backoff_s * 2 ** (restarts[index] - 1), config.rollout.restart_backoff_max_s)
@@ -74,12 +83,21 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None
         _stop_all([p for p in processes if p is not None], config.rollout.stop_timeout_s)
 
 
+def server_log(run_dir: Path | str, index: int) -> Path:
+    return Path(run_dir) / "logs" / f"rollout{index}.log"
+
+
 def _serve(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str) -> None:
-    setup_logging(f"rollout{index}", config.run.log_level, Path(run_dir) / "logs" / f"rollout{index}.log")
+    setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
-        asyncio.run(RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR).serve())
+        server = RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR)
+    except Exception as error:
+        log.exception("server-%d cannot start: %s: %s", index, type(error).__name__, error)
+        sys.exit(CANNOT_START)
+    try:
+        asyncio.run(server.serve())
     except KeyboardInterrupt:
         log.info("server-%d stopped", index)
 

@@ -17,6 +17,7 @@ from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
 _STOP_TIMEOUT_S = 30.0  # grace period after SIGTERM before SIGKILL
+_ERRORS_SHOWN = 3  # error lines of the rollout supervisor's log repeated on the console when it gives up
 
 
 def main(args: argparse.Namespace) -> int:
@@ -38,6 +39,8 @@ def main(args: argparse.Namespace) -> int:
         while not stop.requested and learner.poll() is None:
             if rollout.poll() is not None:
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
+                for line in _last_errors(run_dir / "logs" / "rollout.log"):
+                    log.error("  %s", line)
                 code = 1
                 break
             time.sleep(_POLL_S)
@@ -50,6 +53,14 @@ def main(args: argparse.Namespace) -> int:
             _stop(process)
     print(f"RUN_DIR {run_dir}", flush=True)
     return code
+
+
+def _last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:
+    """The last `count` error lines of a log (why a child gave up), oldest first."""
+    if not log_path.is_file():
+        return []
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [line for line in lines if " ERROR " in line][-count:]
 
 
 def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False) -> subprocess.Popen:

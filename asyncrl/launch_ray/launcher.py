@@ -19,6 +19,7 @@ from ray.util.placement_group import PlacementGroup
 
 from asyncrl.config import AsyncRLConfig, save_config
 from asyncrl.config.ray_launch import RayRoleConfig
+from asyncrl.exit_codes import CANNOT_START
 from asyncrl.launch_ray.actor import RoleActor, read_keys
 from asyncrl.launch_ray.placement import actor_options, release, reserve
 from asyncrl.launch_ray.roles import RoleSpec, RunArgs, buffer_dir, buffer_role, learner_role, rollout_role
@@ -183,6 +184,9 @@ class Launch:
             outcome = self.outcome(handle)
             if outcome is None:
                 return
+            if outcome.code == CANNOT_START:
+                raise LaunchError(f"{handle.name} cannot start from this config (not restarted): see "
+                                  f"{handle.spec.log_path(self.run.run_dir)}")
             if handle.restarts >= self.settings.max_restarts:
                 raise LaunchError(f"{handle.name} {outcome.reason} after {handle.restarts} restarts "
                                   f"(ray.max_restarts={self.settings.max_restarts})")

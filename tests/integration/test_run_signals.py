@@ -77,3 +77,18 @@ def test_sigterm_during_engine_start_stops_every_process(job_dir):
         _stop_and_check(run, signal.SIGTERM, run_dir)
     finally:
         kill_tree(run.pid)
+
+
+def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(job_dir):
+    # A wrong input (here a data file that is not there) fails the same way every time: the server is not
+    # restarted with back-off while the learner waits, the run ends and the console says why.
+    missing = job_dir / "missing.parquet"
+    command = [sys.executable, "-m", "asyncrl.cli", "run",
+               *tiny_job(job_dir, 50, "run.name=cannot-start", f"data.train_files=[{missing}]")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert f"data file not found: {missing}" in run.stderr
+    assert "cannot start from this config (not restarted)" in run.stderr
+    supervisor_log = (job_dir / "runs" / "cannot-start" / "logs" / "rollout.log").read_text()
+    assert "restart" not in supervisor_log.replace("not restarted", "")
+    assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {job_dir / 'runs' / 'cannot-start'}"

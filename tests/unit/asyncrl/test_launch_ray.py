@@ -15,6 +15,8 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.ray_launch import RayRoleConfig
+from asyncrl.exit_codes import CANNOT_START
+from asyncrl.launch_ray.launcher import Launch, LaunchError, Outcome, RoleHandle
 from asyncrl.launch_ray.reaper import group_alive, process_alive
 from asyncrl.launch_ray.roles import RunArgs, buffer_role, learner_role, rollout_role
 
@@ -98,3 +100,37 @@ def test_reaper_stops_the_whole_group_once_its_owner_is_gone():
         owner.kill()
         if group_alive(role.pid):
             os.killpg(role.pid, signal.SIGKILL)
+
+
+class EndedRoles(Launch):
+    """A launch whose roles have all exited with `code` (no cluster: the Ray calls are stood in)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(load_config(None, []), run_args(), {})
+        self.code = code
+        self.discarded = 0
+
+    def outcome(self, handle: RoleHandle) -> Outcome:
+        return Outcome(self.code, f"exited with code {self.code}")
+
+    def discard(self, actor) -> None:
+        self.discarded += 1
+
+
+def server_handle() -> RoleHandle:
+    handle = RoleHandle("rollout-0", group=None, bundle=0, resources=RayRoleConfig())
+    handle.spec = rollout_role(run_args(), 0, "tcp://10.0.0.1:5000", "tcp://10.0.0.2:6000")
+    return handle
+
+
+def test_a_server_that_cannot_start_from_its_config_ends_the_launch_instead_of_restarting():
+    launch, handle = EndedRoles(CANNOT_START), server_handle()
+    with pytest.raises(LaunchError, match="rollout-0 cannot start from this config .*rollout-0.out"):
+        launch.keep_alive(handle)
+    assert (launch.discarded, handle.restart_at) == (0, None)
+
+
+def test_a_server_that_crashed_is_restarted_with_back_off():
+    launch, handle = EndedRoles(1), server_handle()
+    launch.keep_alive(handle)
+    assert launch.discarded == 1 and handle.restart_at is not None

@@ -1,0 +1,5 @@
+"""Exit codes a role process ends with for its launcher (the local supervisor, the Ray launcher) to read."""
+
+# The role could not be built from its inputs (model path, data files, environments, validation prompts):
+# the same inputs would fail again, so a launcher reports it and does not restart the role.
+CANNOT_START = 3
