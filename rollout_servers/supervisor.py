@@ -84,6 +84,7 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None
 
 
 def server_log(run_dir: Path | str, index: int) -> Path:
+    """Where server `index` of the run in `run_dir` logs."""
     return Path(run_dir) / "logs" / f"rollout{index}.log"
 
 
