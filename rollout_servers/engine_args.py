@@ -46,6 +46,7 @@ def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> Sampli
         top_p=sampling.top_p,
         max_tokens=sampling.max_tokens,
         stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
         ignore_eos=sampling.ignore_eos,
         seed=seed,
         logprobs=SAMPLED_TOKEN_ONLY,

@@ -4,9 +4,15 @@ Each mode runs the product's two commands, as a user would in two terminals:
   `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0),
 for --steps optimizer steps; `learner.mode=sync` generates a batch, trains on it and syncs before the
 next batch (K=0), the async mode trains while the server generates (K=--max-staleness).
-Response lengths are long-tailed: each prompt carries its own cap (`extra_info.max_tokens`, see
-docs/configuration.md) drawn from a log-normal distribution, and EOS is ignored so every sample runs to
-its cap. Samples/s is counted from the learner's metrics after --warmup-steps steps, up to the step
+Response lengths are long-tailed, in one of two ways (--lengths):
+  per-prompt  each prompt carries its own cap (`extra_info.max_tokens`, see docs/configuration.md) drawn
+              from a log-normal distribution, and EOS is ignored so every sample runs to its cap: a
+              group's samples are equally long
+  per-sample  each sample draws its own length, as EOS-driven lengths vary inside a group in real RL: a set
+              of stop token ids (`rollout.sampling.stop_token_ids`) that a randomly initialised model,
+              whose next-token distribution is near uniform, samples with probability 1 - 2^(-1/median)
+              per token, so lengths are geometric with that median, capped at max_tokens (random weights only)
+Samples/s is counted from the learner's metrics after --warmup-steps steps, up to the step
 before the last (which also writes the final checkpoint).
 --modes runs a subset; with a fixed --out-dir, a mode run earlier is read back from its metrics, so the two
 modes can run in separate calls (each under a host's per-command time limit) and still be compared.
@@ -34,6 +40,7 @@ from asyncrl.data import load_prompt_file
 JOB_TIMEOUT_S = 900  # one mode's learner run, engine start included
 STOP_TIMEOUT_S = 60  # the rollout command gets this long to stop after SIGTERM
 MODES = ("sync", "async")
+SIMULATED_SAMPLES = 100_000  # draws behind the reported length stats of --lengths per-sample
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--median-tokens", type=int, default=192, help="median response length")
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of response lengths (tail weight)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the length draw")
+    parser.add_argument("--lengths", choices=("per-prompt", "per-sample"), default="per-prompt",
+                        help="long-tailed lengths per prompt (log-normal caps) or per sample (geometric, stop ids)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now")
     parser.add_argument("--out-dir", default="", help="run directories of both modes (default: a new temporary one)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both modes")
@@ -62,6 +71,24 @@ def long_tailed_prompts(args: argparse.Namespace, max_tokens: int, source: str, 
                      "reward_model": {"ground_truth": row.ground_truth, "style": row.reward_style},
                      "extra_info": {**row.extra_info, "max_tokens": length}})
     target.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return _length_stats(lengths)
+
+
+def stop_token_ids(vocab_size: int, median_tokens: int, seed: int) -> list[int]:
+    """Token ids a near-uniform next-token distribution samples with probability 1 - 2^(-1/median) per
+    token: lengths are then geometric with the given median."""
+    per_token = 1 - 2 ** (-1 / median_tokens)
+    return sorted(random.Random(seed).sample(range(vocab_size), max(1, round(vocab_size * per_token))))
+
+
+def geometric_lengths(median_tokens: int, max_tokens: int, samples: int, seed: int) -> dict:
+    """Length stats of `samples` geometric draws with that median, capped at max_tokens (what per-sample gives)."""
+    rng, per_token = random.Random(seed), 1 - 2 ** (-1 / median_tokens)
+    lengths = [min(max_tokens, 1 + int(math.log(1 - rng.random()) / math.log(1 - per_token))) for _ in range(samples)]
+    return _length_stats(lengths)
+
+
+def _length_stats(lengths: list[int]) -> dict:
     ordered = sorted(lengths)
     return {"mean": sum(lengths) / len(lengths), "p50": ordered[len(ordered) // 2],
             "p99": ordered[int(len(ordered) * 0.99)], "max": ordered[-1]}
@@ -151,7 +178,15 @@ def main() -> None:
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     data_file = root / "train_longtail.jsonl"
-    lengths = long_tailed_prompts(args, config.rollout.sampling.max_tokens, config.data.train_files[0], data_file)
+    max_tokens = config.rollout.sampling.max_tokens
+    if args.lengths == "per-sample":
+        vocab_size = json.loads((Path(config.model.path) / "config.json").read_text())["vocab_size"]
+        stops = stop_token_ids(vocab_size, args.median_tokens, args.seed)
+        args.overrides.append(f"rollout.sampling.stop_token_ids=[{','.join(map(str, stops))}]")
+        data_file = Path(config.data.train_files[0])
+        lengths = geometric_lengths(args.median_tokens, max_tokens, SIMULATED_SAMPLES, args.seed)
+    else:
+        lengths = long_tailed_prompts(args, max_tokens, config.data.train_files[0], data_file)
     print(f"response lengths: {lengths}")
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -174,7 +209,7 @@ def main() -> None:
         "sync_response_length_mean": round(results["sync"]["response_length_mean"], 1),
         "staleness_mean": round(results["async"]["staleness_mean"], 3),
         "staleness_max": results["async"]["staleness_max"],
-        "response_lengths": lengths, "steps": args.steps, "warmup_steps": args.warmup_steps,
+        "lengths": args.lengths, "response_lengths": lengths, "steps": args.steps, "warmup_steps": args.warmup_steps,
         "max_staleness": args.max_staleness,
     }), flush=True)
 

@@ -29,6 +29,7 @@ class SamplingConfig:
     top_p: float = bounded(1.0, 0.0, 1.0)  # nucleus mass kept when sampling; 1 = off
     max_tokens: int = bounded(128, 1)  # completion tokens per sample at most (finish reason "length" beyond)
     stop: list[str] = items()  # strings that end a completion (finish reason "stop"); EOS always does
+    stop_token_ids: list[int] = items()  # token ids that end a completion (finish reason "stop", the id kept), e.g. a chat template's end of turn; EOS always does
     n: int = bounded(8, 1)  # completions per prompt (one group, for group-relative advantages)
     ignore_eos: bool = False  # keep sampling past EOS up to max_tokens (benchmarks and tests only)
 

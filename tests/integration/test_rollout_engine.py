@@ -9,6 +9,7 @@ version 1 = the update model (test 2), version 2 = the served model again, sent 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -108,6 +109,19 @@ def test_group_holds_n_seeded_completions_of_one_prompt(rollout_engine, loop_run
     assert all(len(c.token_ids) == SAMPLED_TOKENS and c.prompt_ids == prompt for c in group)
     assert len({tuple(c.token_ids) for c in group}) > 1, "each sample draws with its own seed"
     assert [c.token_ids for c in again] == [c.token_ids for c in group], "seeded groups repeat"
+
+
+def test_a_stop_token_id_ends_the_completion_and_is_kept(rollout_engine, loop_runner, tiny_models):
+    prompt = prompt_ids(tiny_models)
+    free_run = loop_runner.run(rollout_engine.generate(prompt, greedy(SAMPLED_TOKENS)))
+    stop_id = free_run.token_ids[2]
+    end = free_run.token_ids.index(stop_id) + 1  # the first time greedy decoding samples it
+    stopping = dataclasses.replace(greedy(SAMPLED_TOKENS), stop_token_ids=[stop_id])
+    stopped = loop_runner.run(rollout_engine.generate(prompt, stopping))
+
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free_run.token_ids[:end], "the same greedy tokens, up to and with the stop id"
+    assert len(stopped.logprobs) == len(stopped.versions) == end
 
 
 def test_a_training_request_too_stale_to_train_is_stopped_and_the_engine_serves_on(rollout_engine, loop_runner,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scripts.bench_async_vs_sync import summarise
+from scripts.bench_async_vs_sync import geometric_lengths, stop_token_ids, summarise
 
 
 def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_length():
@@ -21,3 +21,14 @@ def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_lengt
     assert summary["samples_per_s"] == pytest.approx((8 + 16) / 4.0)
     assert summary["tokens_per_s"] == pytest.approx((8 * 100 + 16 * 400) / 4.0)
     assert summary["staleness_mean"] == pytest.approx(0.75) and summary["staleness_max"] == 2
+
+
+def test_per_sample_lengths_stop_on_a_share_of_the_vocabulary_that_gives_the_median():
+    vocab, median = 151_936, 192
+    ids = stop_token_ids(vocab, median, seed=0)
+    # P(stop) per token = 1 - 2^(-1/192) = 0.3604 %: 548 of 151,936 ids under a uniform next-token draw
+    assert len(ids) == 548 and len(set(ids)) == 548 and all(0 <= i < vocab for i in ids)
+    assert ids == stop_token_ids(vocab, median, seed=0) != stop_token_ids(vocab, median, seed=1)
+    stats = geometric_lengths(median, max_tokens=1024, samples=20_000, seed=0)
+    assert 180 <= stats["p50"] <= 205 and stats["max"] == 1024  # the cap holds the tail
+    assert 250 <= stats["mean"] <= 285  # geometric mean 277 before the cap, a little less with it
