@@ -19,7 +19,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture, PromptRow, encode_prompt
 from asyncrl.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from asyncrl.rewards import RewardRequest, RewardScorer
+from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_endpoint import ChatEndpoint
@@ -86,6 +86,7 @@ class RolloutServer:
         self.environments = EnvironmentRegistry.from_config(config.environment.by_source)  # fails fast on a bad name
         self.stats = ServerStats()
         self.validator = self._validator(server_index)
+        self._check_rewards(mixture)
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self._finished_since_grant = 0
         self._slots = SampleSlots(config.rollout.max_inflight)
@@ -140,6 +141,14 @@ class RolloutServer:
             address = {"url": f"http://{settings.host}:{port}/v1"}
             (self._state_dir / f"{self.server_id}.chat.json").write_text(json.dumps(address))
         return endpoint
+
+    def _check_rewards(self, mixture: PromptMixture) -> None:
+        """Fail now, not at the first scored group after the engine started, on a reward function that does
+        not load or data that no built-in scorer handles (environments reward their own data)."""
+        rows = [row for source in mixture.sources for row in source]
+        rows += [prompt.row for prompt in self.validator.prompts] if self.validator else []
+        check_reward_setup(self.config.reward, {row.data_source for row in rows
+                                                if not self.environments.handles(row.data_source)})
 
     def _validator(self, server_index: int) -> Validator | None:
         if server_index != VALIDATING_SERVER or not self.config.validation.every:

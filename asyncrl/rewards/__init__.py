@@ -8,13 +8,14 @@ from asyncrl.rewards.builtin import UnknownDataSourceError, compute_score
 from asyncrl.rewards.custom import RewardFunctionError, load_reward_function
 from asyncrl.rewards.pool import WorkerStartError
 from asyncrl.rewards.results import RewardRequest, RewardResult
-from asyncrl.rewards.scorer import RewardScorer
+from asyncrl.rewards.scorer import RewardScorer, check_reward_setup
 
 __all__ = [
     "RewardFunctionError",
     "RewardRequest",
     "RewardResult",
     "RewardScorer",
+    "check_reward_setup",
     "UnknownDataSourceError",
     "WorkerStartError",
     "compute_score",

@@ -27,18 +27,10 @@ class RewardScorer:
     """
 
     def __init__(self, config: RewardConfig) -> None:
-        custom = config.custom_fn
-        # workers resolve the path themselves; an absolute one does not depend on where they start
-        function_path = str(Path(custom.path).expanduser().resolve()) if custom.path else ""
+        function_path = _function_path(config)
         if function_path:
-            load_reward_function(function_path, custom.name)
-        self._uses_builtins = not function_path
-        self._pool = ScoringPool(function_path, custom.name, config.num_workers, config.timeout_s)
-
-    def check_data_sources(self, data_sources: Iterable[str]) -> None:
-        """Raise `UnknownDataSourceError` at startup for data no scorer handles (a custom function takes all)."""
-        if self._uses_builtins:
-            check_data_sources(data_sources)
+            load_reward_function(function_path, config.custom_fn.name)
+        self._pool = ScoringPool(function_path, config.custom_fn.name, config.num_workers, config.timeout_s)
 
     def submit(self, request: RewardRequest) -> Future[RewardResult]:
         """Queue one request without waiting; the future always completes, with a result or a failure."""
@@ -65,3 +57,21 @@ class RewardScorer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.close()
+
+
+def check_reward_setup(config: RewardConfig, data_sources: Iterable[str]) -> None:
+    """What scoring `data_sources` would fail on, checked without starting workers: a custom function that
+    does not load (`RewardFunctionError`), or, with the built-ins, a data source none of them handles
+    (`UnknownDataSourceError`)."""
+    function_path = _function_path(config)
+    if function_path:
+        load_reward_function(function_path, config.custom_fn.name)
+    else:
+        check_data_sources(data_sources)
+
+
+def _function_path(config: RewardConfig) -> str:
+    """The custom reward file as an absolute path ("" for the built-ins): workers resolve it themselves,
+    and an absolute one does not depend on where they start."""
+    custom = config.custom_fn
+    return str(Path(custom.path).expanduser().resolve()) if custom.path else ""

@@ -18,6 +18,7 @@ from asyncrl.rewards import (
     RewardScorer,
     UnknownDataSourceError,
     WorkerStartError,
+    check_reward_setup,
     compute_score,
     load_reward_function,
 )
@@ -200,7 +201,8 @@ def test_builtin_scorer_scores_a_mixed_batch_and_records_unknown_sources(builtin
     assert results[2].error.startswith("UnknownDataSourceError: no built-in scorer for data_source 'trivia'")
     assert not (results[0].error or results[1].error or results[3].error)
     with pytest.raises(UnknownDataSourceError):
-        builtin_scorer.check_data_sources(["trivia"])
+        check_reward_setup(RewardConfig(), ["arithmetic", "trivia"])
+    check_reward_setup(RewardConfig(), ["arithmetic", "openai/gsm8k"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def test_float_and_dict_returns_through_the_pool():
 
 
 def test_a_custom_function_takes_every_data_source(misbehaving_scorer):
-    misbehaving_scorer.check_data_sources(["trivia"])
+    check_reward_setup(custom_config("misbehaving_reward"), ["trivia"])
     assert misbehaving_scorer.score([request("42", data_source="trivia")]) == [RewardResult(score=1.0)]
 
 

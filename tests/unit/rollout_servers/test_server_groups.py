@@ -15,7 +15,8 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.data import write_rows
 from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
-from asyncrl.rewards import RewardResult
+from asyncrl.rewards import RewardFunctionError, RewardResult
+from asyncrl.rewards.builtin import UnknownDataSourceError
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.sample_slots import SampleSlots
@@ -94,16 +95,29 @@ class RecordingProducer:
         return Ack(group.record_id, offset=len(self.sent) - 1)
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> RolloutServer:
+def build_server(tmp_path: Path, data_source: str = "arithmetic", *overrides: str) -> RolloutServer:
     tokenizer_dir = tmp_path / "tokenizer"
     build_char_tokenizer().save_pretrained(tokenizer_dir)
-    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "data_source": "t",
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "data_source": data_source,
              "reward_model": {"ground_truth": "2", "style": "rule"}}]
     data = write_rows(rows, tmp_path / "train.jsonl")
     config = load_config(None, [f"model.path={tokenizer_dir}", f"data.train_files=[{data}]", "data.weights=[1.0]",
-                                "validation.every=0", f"rollout.sampling.n={N}"])
+                                "validation.every=0", f"rollout.sampling.n={N}", *overrides])
     return RolloutServer(config, 0, Endpoints(buffer="tcp://127.0.0.1:1", sync="tcp://127.0.0.1:2"))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> RolloutServer:
+    return build_server(tmp_path)
+
+
+def test_a_server_with_data_no_scorer_handles_or_a_missing_reward_function_fails_when_built(tmp_path):
+    # before its engine starts: the supervisor then reports it instead of restarting it (exit code 3)
+    with pytest.raises(UnknownDataSourceError, match="no built-in scorer for data_source 'trivia'"):
+        build_server(tmp_path, "trivia")
+    missing = tmp_path / "missing_reward.py"
+    with pytest.raises(RewardFunctionError, match="missing_reward.py"):
+        build_server(tmp_path, "trivia", f"reward.custom_fn.path={missing}")
 
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
