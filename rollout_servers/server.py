@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import threading
@@ -145,10 +146,9 @@ class RolloutServer:
     def _check_rewards(self, mixture: PromptMixture) -> None:
         """Fail now, not at the first scored group after the engine started, on a reward function that does
         not load or data that no built-in scorer handles (environments reward their own data)."""
-        rows = [row for source in mixture.sources for row in source]
-        rows += [prompt.row for prompt in self.validator.prompts] if self.validator else []
-        check_reward_setup(self.config.reward, {row.data_source for row in rows
-                                                if not self.environments.handles(row.data_source)})
+        validation_rows = [prompt.row for prompt in self.validator.prompts] if self.validator else []
+        sources = {row.data_source for row in itertools.chain(*mixture.sources, validation_rows)}
+        check_reward_setup(self.config.reward, {source for source in sources if not self.environments.handles(source)})
 
     def _validator(self, server_index: int) -> Validator | None:
         if server_index != VALIDATING_SERVER or not self.config.validation.every:
