@@ -38,7 +38,7 @@ from asyncrl.environments import ChatDelta, EnvironmentFailure, EnvironmentRegis
 from asyncrl.environments.guard import GuardedEnvironment
 from asyncrl.messages import Trajectory
 from rollout_servers.completion import STALE, Completion
-from rollout_servers.row_sampling import SEED_MODULUS
+from rollout_servers.row_sampling import SEED_MODULUS, sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,8 @@ class AgentLoop:
                         on_sample_done: SampleDone | None = None) -> list[Trajectory]:
         """`sampling.n` episodes of `row`, each with its own environment and seed; `on_sample_done` is told
         as each episode finishes."""
-        seeds = [None if seed is None else seed + index for index in range(sampling.n)]
-        episodes = await asyncio.gather(*(reporting_done(self.run(row, sampling, s), on_sample_done) for s in seeds))
+        episodes = await asyncio.gather(*(reporting_done(self.run(row, sampling, s), on_sample_done)
+                                          for s in sample_seeds(seed, sampling.n)))
         return [episode.trajectory(group_id, row.data_source) for episode in episodes]
 
     async def run(self, row: PromptRow, sampling: SamplingConfig, seed: int | None = None) -> Episode:

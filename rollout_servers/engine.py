@@ -18,6 +18,7 @@ from asyncrl.config.rollout import RolloutConfig, SamplingConfig
 from rollout_servers import vllm_compat
 from rollout_servers.completion import Completion, TokenStream
 from rollout_servers.engine_args import engine_args, sampling_params
+from rollout_servers.row_sampling import sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 
 log = logging.getLogger(__name__)
@@ -164,8 +165,8 @@ class RolloutEngine:
         """`sampling.n` completions of one prompt, each its own request (its own token versions);
         `on_sample_done` is told as each one finishes."""
         sampling = sampling or self._config.sampling
-        seeds = [None if seed is None else seed + index for index in range(sampling.n)]
-        samples = (reporting_done(self.generate(prompt_ids, sampling, seed=s), on_sample_done) for s in seeds)
+        samples = (reporting_done(self.generate(prompt_ids, sampling, seed=s), on_sample_done)
+                   for s in sample_seeds(seed, sampling.n))
         return list(await asyncio.gather(*samples))
 
     async def join_weight_sync(self, init_info: dict[str, Any]) -> None:

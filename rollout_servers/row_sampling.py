@@ -31,3 +31,8 @@ def group_seed(seed_base: int, number: int, n: int, seeded: bool) -> int | None:
     if not seeded:
         return None
     return (seed_base + number * n) % SEED_MODULUS
+
+
+def sample_seeds(seed: int | None, n: int) -> list[int | None]:
+    """The seeds of a group's `n` samples: the group's seed + the sample's index (None stays unseeded)."""
+    return [None if seed is None else seed + index for index in range(n)]
