@@ -27,10 +27,8 @@ class RewardScorer:
     """
 
     def __init__(self, config: RewardConfig) -> None:
-        function_path = _function_path(config)
-        if function_path:
-            load_reward_function(function_path, config.custom_fn.name)
-        self._pool = ScoringPool(function_path, config.custom_fn.name, config.num_workers, config.timeout_s)
+        check_reward_setup(config, data_sources=())  # a custom function that does not load fails here, not in a worker
+        self._pool = ScoringPool(_function_path(config), config.custom_fn.name, config.num_workers, config.timeout_s)
 
     def submit(self, request: RewardRequest) -> Future[RewardResult]:
         """Queue one request without waiting; the future always completes, with a result or a failure."""
