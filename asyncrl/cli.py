@@ -175,8 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's namespace. KEY=VALUE overrides may also follow a command's options (argparse alone
+    takes them only before, e.g. not in `export RUN_DIR --out DIR model.dtype=bfloat16`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    takes_config = next(command.takes_config for command in COMMANDS if command.name == args.command)
+    if extra and (not takes_config or any(value.startswith("-") or "=" not in value for value in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides += extra
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     args.overrides += [f"{name[5:]}={value}" for name, value in vars(args).items() if name.startswith("flag:") and value is not None]
     module_name, function_name = args.target.split(":")
     from asyncrl.config import ConfigError
