@@ -14,9 +14,11 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.logs import setup_logging
+from asyncrl.weight_transfer.group import transfer_device
+from asyncrl.weight_transfer.protocol import resolve_backend
 from learner.distributed import World, init_world
 from learner.loop import LoopState, resume_state, run_loop
-from learner.policy_model import full_state_dict, load_policy
+from learner.policy_model import DTYPES, full_weights, full_weights_bytes, load_policy
 from learner.services import LearnerServices
 
 log = logging.getLogger(__name__)
@@ -29,7 +31,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     torch.manual_seed(config.run.seed)
-    model = load_policy(config.model.path, config.model.dtype, config.learner, world)
+    model = load_policy(config.model.path, config.learner.master_dtype, config.learner, world)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learner.lr, betas=(config.learner.beta1, config.learner.beta2),
         weight_decay=config.learner.weight_decay,
@@ -38,12 +40,13 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
     services = LearnerServices.start(config, run_dir, state.buffer_offset) if world.is_main else None
     try:
-        _share_weights(services, model, state.step, world)
+        share = WeightSharing(config, model, world, services)
+        share(state.step)
         started = time.perf_counter()
 
         def after_step(version: int, metrics: dict[str, float]) -> None:
             if version % config.learner.sync_every == 0 or version == config.learner.total_steps:
-                metrics |= _share_weights(services, model, version, world)
+                metrics |= share(version)
             if services is not None:
                 services.consumer.publish_version(version)
                 if version == config.learner.total_steps:
@@ -67,19 +70,38 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     return state
 
 
-def _share_weights(services: LearnerServices | None, model: torch.nn.Module, version: int, world: World) -> dict[str, float]:
-    """Gather the full weights (a collective on every rank) and broadcast them from rank 0."""
-    weights = list(full_state_dict(model).items())
-    if services is None:
-        return {}
-    report = services.sync_weights(version, weights)
-    return {
-        "weight_sync/seconds": report.seconds,
-        "weight_sync/transfer_seconds": report.transfer_seconds,
-        "weight_sync/server_pause_seconds": report.max_server_pause_s,
-        "weight_sync/servers_ok": float(len(report.succeeded)),
-        "weight_sync/servers_failed": float(len(report.failed)),
-    }
+class WeightSharing:
+    """Gathers the full weights (a collective on every rank) in `model.dtype`, the servers' dtype, and
+    broadcasts them from rank 0. They are gathered straight onto the learner's GPU when NCCL sends from
+    there and they fit in `rollout.weight_sync.staging_bytes`; otherwise into CPU memory, from where the
+    coordinator stages what fits before the servers pause."""
+
+    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerServices | None) -> None:
+        self.model, self.services = model, services
+        self.dtype = DTYPES[config.model.dtype]
+        sync = config.rollout.weight_sync
+        sends_from_gpu = world.device.type == "cuda" and transfer_device(resolve_backend(sync.backend)).type == "cuda"
+        fits = full_weights_bytes(model, self.dtype) <= sync.staging_bytes
+        self.device = world.device if sends_from_gpu and fits else torch.device("cpu")
+
+    def __call__(self, version: int) -> dict[str, float]:
+        """Share the weights as `version`; rank 0 returns the round's metrics, the other ranks {}."""
+        if self.services is not None:
+            self.services.release_weights()  # the previous round's copy goes before the next is gathered
+        started = time.perf_counter()
+        weights = full_weights(self.model, self.dtype, self.device, keep=self.services is not None)
+        gathered_s = time.perf_counter() - started
+        if self.services is None:
+            return {}
+        report = self.services.sync_weights(version, weights)
+        return {
+            "weight_sync/gather_seconds": gathered_s,
+            "weight_sync/seconds": report.seconds,
+            "weight_sync/transfer_seconds": report.transfer_seconds,
+            "weight_sync/server_pause_seconds": report.max_server_pause_s,
+            "weight_sync/servers_ok": float(len(report.succeeded)),
+            "weight_sync/servers_failed": float(len(report.failed)),
+        }
 
 
 def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:

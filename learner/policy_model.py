@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config.learner import LearnerConfig
+from asyncrl.weight_transfer.sender import materialised
 from learner.distributed import World
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,10 +31,27 @@ def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) 
     return model
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded weights on every rank's CPU (tied output heads included under their own name)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+def full_weights_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the unsharded weights in `dtype`, a tied weight counted once (what `full_weights` holds)."""
+    unique = {id(tensor): tensor for tensor in model.state_dict(keep_vars=True).values()}
+    return sum(tensor.numel() for tensor in unique.values()) * dtype.itemsize
+
+
+def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool) -> list[tuple[str, torch.Tensor]]:
+    """Unsharded weights in `dtype` on `device`, in state-dict order; a tied weight is gathered once and
+    listed under each of its names. Gathering is a collective: every rank calls this, and ranks with `keep`
+    False take part and get an empty list. Each weight is cast as soon as it is gathered, so a learner that
+    keeps float32 weights never holds a whole float32 copy. The result is a copy: training on does not
+    change it (a late server caught up with it gets the version it was sent as)."""
+    weights: list[tuple[str, torch.Tensor]] = []
+    gathered: dict[int, torch.Tensor | None] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in gathered:
+            full = materialised(tensor.detach())  # a shard's all-gather: every rank takes part
+            gathered[id(tensor)] = full.to(device=device, dtype=dtype, copy=True) if keep else None  # copy: never the live weight
+        if keep:
+            weights.append((name, gathered[id(tensor)]))
+    return weights
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -77,6 +77,10 @@ class LearnerServices:
             log.warning("weight sync v%d: %d/%d servers failed: %s", version, len(report.failed), report.servers, report.failed)
         return report
 
+    def release_weights(self) -> None:
+        """Drop the latest round's weights (about to be replaced), so that two copies are never held."""
+        self.latest_weights = None
+
     def catch_up_servers(self) -> None:
         """Servers that joined late or missed a round get the latest weights before they sample again."""
         behind = self.coordinator.lagging_members(self.latest_version)

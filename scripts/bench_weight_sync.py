@@ -8,8 +8,9 @@ Two measurements in one run, on the same model's tensors:
                trainer process: each round the trainer stages the weights on its device as the learner's
                coordinator does (`rollout.weight_sync.staging_bytes`), then the engine pauses in keep mode,
                receives every tensor through the vLLM plugin, and resumes; the pause-to-resume time is what
-               generation loses per sync. The trainer holds the weights in CPU memory, as the learner does
-               after its full-state gather (--trainer-weights device: already on its GPU)
+               generation loses per sync. The trainer holds the weights on its GPU, as the learner does when
+               they fit in rollout.weight_sync.staging_bytes (--trainer-weights cpu: in CPU memory, as the
+               learner holds weights too large for it)
 On GPU: the engine uses cuda:0 and the trainer cuda:1 (NCCL); on CPU both are gloo processes.
 Rounds are timed after one untimed warm-up round. Last line: RESULT {json} with weight_sync_ms (median
 pause-to-resume), nccl_floor_ms (median per-tensor floor), flat_floor_ms, and the bytes sent.
@@ -55,8 +56,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="timed sync rounds per measurement")
     parser.add_argument("--inflight", type=int, default=32, help="requests streaming while the engine syncs")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each rendezvous and round")
-    parser.add_argument("--trainer-weights", choices=("cpu", "device"), default="cpu",
-                        help="where the trainer holds the weights between rounds: cpu, as the learner does; device: its GPU")
+    parser.add_argument("--trainer-weights", choices=("device", "cpu"), default="device",
+                        help="where the trainer holds the weights between rounds: device (its GPU), as the learner does "
+                             "when they fit in rollout.weight_sync.staging_bytes; cpu, as it does otherwise")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.engine.dtype=bfloat16")
     return parser.parse_args()
 

@@ -21,7 +21,8 @@ class LearnerConfig:
     grad_clip: float = bounded(1.0, 0.0)  # max global gradient norm (0 = no clipping)
     micro_batch_tokens: int = bounded(8192, 1)  # padded tokens per forward/backward pass; bounds activation memory
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
-    mixed_precision: bool = True  # bf16 parameters/compute with fp32 reduction on GPU (ignored on CPU)
+    mixed_precision: bool = True  # GPU: forward/backward in bf16 (weights cast per pass), gradients reduced in fp32 (ignored on CPU)
+    master_dtype: str = one_of("float32", "bfloat16", "float16")  # the learner's weights and optimizer state; bfloat16 halves their memory but rounds away updates under ~0.4 % of a weight (lr 1e-6 trains nothing)
     sync_every: int = bounded(1, 1)  # optimizer steps between weight broadcasts to the rollout servers
     checkpoint_every: int = bounded(50, 1)  # optimizer steps between checkpoints (model, optimizer, data, buffer offset)
     keep_checkpoints: int = bounded(2, 1)  # most recent checkpoints kept on disk

@@ -45,7 +45,7 @@ class WeightSyncConfig:
     heartbeat_s: float = bounded(1.0, 0.01)  # servers announce themselves (and their counters) this often
     liveness_s: float = bounded(10.0, 0.1)  # a server silent this long is left out of weight-sync rounds; a round waits this long (at most timeout_s) for servers to confirm they are there
     load_in_place: bool = True  # CUDA + unquantized model: copy received weights into the serving parameters (no layerwise reload, faster); false = always vLLM's layerwise reload
-    staging_bytes: int = bounded(8 * 2**30, 0)  # learner: GPU memory (bytes) for copying a round's weights onto its GPU before the servers pause, so the pause covers the NCCL broadcast alone; weights past it are copied during the broadcast; 0 = none
+    staging_bytes: int = bounded(8 * 2**30, 0)  # learner: GPU memory (bytes) for the latest weights in model.dtype: when they fit, the learner gathers them onto its GPU and keeps them there between rounds; else into CPU memory, and this much is copied to the GPU before the servers pause (the pause then covers the NCCL broadcast alone); 0 = CPU only
 
 
 @dataclass

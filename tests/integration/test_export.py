@@ -20,9 +20,9 @@ from asyncrl.config import load_config, save_config
 from asyncrl.config.algorithm import AlgorithmConfig
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, save_checkpoint
-from learner.policy_model import full_state_dict, load_policy
+from learner.policy_model import load_policy
 from learner.train_step import train_step
-from learner_helpers import free_port, gloo_world, random_groups, save_tiny_model
+from learner_helpers import free_port, gathered_weights, gloo_world, random_groups, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def trainer_rank(rank: int, size: int, port: int, model_dir: str, run_dir: str, 
                                  GRAD_CLIP, world)
             assert outcome.finite
             save_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
-        trained = full_state_dict(model)  # collective: every rank gathers
+        trained = gathered_weights(model)  # collective: every rank gathers
         logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]  # FSDP forwards are collective too
         if world.is_main:
             torch.save({"trained": trained, "logits": logits}, reference_file)
@@ -112,6 +112,14 @@ def test_transformers_loads_exact_trained_weights_and_logits(trained_run):
         with torch.no_grad():
             logits = exported(input_ids=torch.tensor([prompt])).logits  # [1, T, V]
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
+def test_export_writes_model_dtype_from_float32_master_weights(trained_run, tmp_path):
+    done = export(str(trained_run.run_dir), "--out", str(tmp_path / "bf16"), "model.dtype=bfloat16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").state_dict()
+    for name, value in trained_run.trained.items():
+        assert weights[name].dtype == torch.bfloat16 and torch.equal(weights[name], value.to(torch.bfloat16)), name
 
 
 def test_missing_or_partial_checkpoint_fails_clearly(tmp_path, trained_run, capsys):

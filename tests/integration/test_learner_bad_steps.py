@@ -10,8 +10,8 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
 from learner.loop import LoopState, TooManyBadSteps, run_loop
-from learner.policy_model import full_state_dict, load_policy
-from learner_helpers import random_groups, save_tiny_model, single_rank_world
+from learner.policy_model import load_policy
+from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ class ScriptedBuffer:
 
     def __call__(self, version: int) -> Batch:
         self.versions.append(version)
-        self.weights_seen.append({k: v.clone() for k, v in full_state_dict(self.model).items()})
+        self.weights_seen.append({k: v.clone() for k, v in gathered_weights(self.model).items()})
         return self.batches[len(self.versions) - 1]
 
 
@@ -66,7 +66,7 @@ def train_on(model_dir, run_dir, batches: list[Batch], total_steps: int) -> Trai
     with single_rank_world() as world:
         model = load_policy(str(model_dir), "float32", config.learner, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr)
-        initial = {k: v.clone() for k, v in full_state_dict(model).items()}
+        initial = {k: v.clone() for k, v in gathered_weights(model).items()}
         buffer = ScriptedBuffer(model, batches)
         logged: list[int] = []
         state = LoopState()
@@ -76,7 +76,7 @@ def train_on(model_dir, run_dir, batches: list[Batch], total_steps: int) -> Trai
                      lambda v, o: None, pad_id=0)
         except TooManyBadSteps as raised:
             error = raised
-        return Trained(state, buffer, initial, full_state_dict(model), logged, len(optimizer.state), error)
+        return Trained(state, buffer, initial, gathered_weights(model), logged, len(optimizer.state), error)
 
 
 def assert_same_weights(a: dict, b: dict) -> None:

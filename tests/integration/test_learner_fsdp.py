@@ -17,7 +17,8 @@ from asyncrl.tiny.model import build_tiny_model
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from learner.batching import collate
 from learner.distributed import init_world
-from learner.policy_model import full_state_dict, load_policy
+from learner.policy_model import load_policy
+from learner_helpers import gathered_weights
 from learner.train_step import train_step
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,7 @@ def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str,
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     algorithm = AlgorithmConfig(loss=loss, grpo_std_norm=False)
     outcome = train_step(model, optimizer, collate(make_groups(), 0), algorithm, 24, 0.0, world)
-    state = full_state_dict(model)
+    state = gathered_weights(model)
     if rank == 0:
         torch.save({"metrics": outcome.metrics, "state": state}, out)
     dist.destroy_process_group()

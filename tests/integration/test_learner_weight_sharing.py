@@ -1,0 +1,120 @@
+"""The learner's weights: kept in `learner.master_dtype`, shared with the servers in `model.dtype`.
+
+On a one-rank gloo world with the tiny tied model saved in bfloat16 (as the GPU preset's model is)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.config import load_config
+from learner.main import WeightSharing
+from learner.policy_model import full_weights, full_weights_bytes, load_policy
+from learner_helpers import save_tiny_model, single_rank_world
+
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class RecordingServices:
+    """Stands in for rank 0's `LearnerServices`: keeps what each round would broadcast."""
+
+    def __init__(self) -> None:
+        self.rounds: list[tuple[int, list[tuple[str, torch.Tensor]]]] = []
+
+    def release_weights(self) -> None:
+        pass
+
+    def sync_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]):
+        self.rounds.append((version, weights))
+        return _Report()
+
+
+class _Report:
+    seconds = transfer_seconds = max_server_pause_s = 0.0
+    succeeded: list[str] = ["server-0"]
+    failed: dict[str, str] = {}
+
+
+def saved_model(tmp_path, dtype: str = "bfloat16"):
+    path = save_tiny_model(tmp_path / "model")
+    AutoModelForCausalLM.from_pretrained(path).to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+def test_float32_master_weights_take_updates_that_bfloat16_rounds_away(tmp_path):
+    path = saved_model(tmp_path)
+    config = load_config(None, [f"model.path={path}", "model.dtype=bfloat16"])
+    assert config.learner.master_dtype == "float32"
+    moved = {}
+    with single_rank_world() as world:
+        for master in ("float32", "bfloat16"):
+            model = load_policy(str(path), master, config.learner, world)
+            assert {p.dtype for p in model.parameters()} == {getattr(torch, master)}
+            before = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            for parameter in model.parameters():
+                parameter.grad = torch.ones_like(parameter)
+            optimizer.step()
+            after = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))
+            weight = "model.layers.0.mlp.up_proj.weight"
+            moved[master] = (after[weight] != before[weight]).float().mean().item()
+    assert moved["float32"] > 0.99  # an AdamW step moves every weight by ~lr
+    assert moved["bfloat16"] < 0.2  # most 1e-6 steps are below half a bfloat16 ulp of a weight
+
+
+@pytest.mark.parametrize("served", ["bfloat16", "float32"])
+def test_weights_are_shared_in_model_dtype_as_copies_with_the_tied_head_gathered_once(tmp_path, served):
+    path = saved_model(tmp_path, served)
+    config = load_config(None, [f"model.path={path}", f"model.dtype={served}"])
+    services = RecordingServices()
+    with single_rank_world() as world:
+        model = load_policy(str(path), "float32", config.learner, world)
+        sharing = WeightSharing(config, model, world, services)
+        assert sharing.device == torch.device("cpu")  # gloo sends from the CPU
+        metrics = sharing(7)
+        version, sent = services.rounds[0]
+        names = [name for name, _ in sent]
+        assert version == 7 and names == list(model.state_dict().keys()) and set(TIED) <= set(names)
+        tensors = dict(sent)
+        assert {t.dtype for t in tensors.values()} == {getattr(torch, served)}
+        assert tensors[TIED[0]] is tensors[TIED[1]]  # gathered once, listed under both names
+        unique_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
+        assert full_weights_bytes(model, getattr(torch, served)) == unique_bytes
+        master = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, master[name].to(getattr(torch, served))), name
+        snapshot = {name: tensor.clone() for name, tensor in tensors.items()}
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)  # training on must not reach what was sent as version 7
+        for name, tensor in tensors.items():
+            assert torch.equal(tensor, snapshot[name]), name
+        assert metrics["weight_sync/servers_ok"] == 1.0 and metrics["weight_sync/gather_seconds"] >= 0.0
+
+
+def test_ranks_that_do_not_keep_the_weights_get_none(tmp_path):
+    path = save_tiny_model(tmp_path / "model")
+    config = load_config(None, [f"model.path={path}"])
+    with single_rank_world() as world:
+        model = load_policy(str(path), "float32", config.learner, world)
+        assert full_weights(model, torch.float32, torch.device("cpu"), keep=False) == []
+        assert WeightSharing(config, model, world, services=None)(1) == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staging_bytes", [8 * 2**30, 0])
+def test_on_a_gpu_the_weights_are_gathered_onto_it_when_they_fit(tmp_path, staging_bytes):
+    path = saved_model(tmp_path)
+    config = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", "rollout.weight_sync.backend=auto",
+                                f"rollout.weight_sync.staging_bytes={staging_bytes}"])
+    services = RecordingServices()
+    with single_rank_world("cuda") as world:
+        model = load_policy(str(path), "float32", config.learner, world)
+        sharing = WeightSharing(config, model, world, services)
+        sharing(1)
+        sent = dict(services.rounds[0][1])
+        expected = world.device if staging_bytes else torch.device("cpu")
+        assert {(t.device, t.dtype) for t in sent.values()} == {(expected, torch.bfloat16)}
+        for name, parameter in model.state_dict().items():
+            assert torch.equal(sent[name].cpu(), parameter.full_tensor().to(torch.bfloat16).cpu()), name
