@@ -1,6 +1,7 @@
 """`asyncrl rollout`: start N rollout server processes and keep them running.
 
-A server that exits is restarted with exponential back-off. It resumes its numbered prompt stream from
+A server that exits is restarted with exponential back-off; one that keeps dying soon after it starts is
+given up on after `rollout.max_restarts` such restarts in a row. It resumes its numbered prompt stream from
 the state it keeps in the run dir: the prompts its previous process drew and never got acknowledged
 are regenerated first (under the grants the buffer still counts for it), each group under the same
 record id, so every prompt reaches the buffer exactly once (see `rollout_servers.prompt_stream`).
@@ -16,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import AsyncRLConfig
@@ -23,6 +25,7 @@ from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import CANNOT_START
 from asyncrl.stop_signal import StopSignal
 from asyncrl.logs import setup_logging
+from asyncrl.restarts import QuickDeaths
 from rollout_servers.server import Endpoints, RolloutServer
 
 log = logging.getLogger(__name__)
@@ -31,8 +34,26 @@ _POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signa
 STATE_DIR = "rollout"  # under the run dir: each server's prompt-stream position (`PromptStream`)
 
 
-class ServerCannotStart(RuntimeError):
+class SupervisorGaveUp(RuntimeError):
+    """A server is not restarted again; the supervisor stops with the reason."""
+
+
+class ServerCannotStart(SupervisorGaveUp):
     """A server could not be built from the config's inputs; its log holds the reason."""
+
+
+class ServerKeepsFailing(SupervisorGaveUp):
+    """A server died `rollout.max_restarts` + 1 times in a row, each soon after it started."""
+
+
+@dataclass
+class ServerSlot:
+    """One server index: its current process and the restart bookkeeping that outlives it."""
+
+    deaths: QuickDeaths  # deaths in a row soon after a start: back-off and giving up
+    process: multiprocessing.Process | None = None
+    started_at: float = 0.0  # monotonic time the current process started
+    next_start: float = 0.0  # monotonic time the next process may start
 
 
 def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> Endpoints:
@@ -53,34 +74,42 @@ def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> En
 
 
 def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None:
-    """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die. Endpoints are
-    looked up at every (re)start, so servers follow a learner that restarted on new addresses."""
+    """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die (`SupervisorGaveUp`
+    when one cannot start or keeps dying). Endpoints are looked up at every (re)start, so servers follow a
+    learner that restarted on new addresses."""
     context = multiprocessing.get_context("spawn")
     stop = StopSignal()
-    restarts = [0] * config.rollout.num_servers
-    next_start = [0.0] * config.rollout.num_servers
-    processes: list[multiprocessing.Process | None] = [None] * config.rollout.num_servers
+    slots = [ServerSlot(QuickDeaths.of(config.rollout, config.rollout.max_restarts)) for _ in range(config.rollout.num_servers)]
     try:
         while not stop.requested:
-            for index, process in enumerate(processes):
-                if process is not None and process.is_alive():
+            for index, slot in enumerate(slots):
+                if slot.process is not None and slot.process.is_alive():
                     continue
-                if process is not None and process.exitcode == CANNOT_START:
-                    raise ServerCannotStart(f"server-{index} cannot start from this config (not restarted): see "
-                                            f"{server_log(run_dir, index)}")
-                if process is not None:
-                    restarts[index] += 1
-                    delay = min(config.rollout.restart_backoff_s * 2 ** (restarts[index] - 1), config.rollout.restart_backoff_max_s)
-                    log.warning("server-%d exited with code %s; restart %d in %.1fs", index, process.exitcode, restarts[index], delay)
-                    next_start[index] = time.monotonic() + delay
-                    processes[index] = None
-                if time.monotonic() >= next_start[index]:
+                if slot.process is not None:
+                    schedule_restart(slot, index, run_dir, time.monotonic())
+                if time.monotonic() >= slot.next_start:
                     endpoints = find_endpoints(config, endpoints_dir, config.rollout.connect_timeout_s)
-                    processes[index] = context.Process(target=_serve, args=(config, index, endpoints, str(run_dir)), daemon=False)
-                    processes[index].start()
+                    slot.process = context.Process(target=_serve, args=(config, index, endpoints, str(run_dir)), daemon=False)
+                    slot.process.start()
+                    slot.started_at = time.monotonic()
             time.sleep(_POLL_S)
     finally:
-        _stop_all([p for p in processes if p is not None], config.rollout.stop_timeout_s)
+        _stop_all([slot.process for slot in slots if slot.process is not None], config.rollout.stop_timeout_s)
+
+
+def schedule_restart(slot: ServerSlot, index: int, run_dir: Path, now: float) -> None:
+    """Book the restart of the dead process in `slot` after its back-off, or raise `SupervisorGaveUp`."""
+    code = slot.process.exitcode
+    if code == CANNOT_START:
+        raise ServerCannotStart(f"server-{index} cannot start from this config (not restarted): see {server_log(run_dir, index)}")
+    ran_s = now - slot.started_at
+    delay = slot.deaths.restart_delay(ran_s)
+    if delay is None:
+        raise ServerKeepsFailing(f"server-{index} keeps dying: {slot.deaths.describe()} (last exit code {code}; "
+                                 f"rollout.max_restarts={slot.deaths.max_restarts}): see {server_log(run_dir, index)}")
+    log.warning("server-%d exited with code %s after %.0fs; restart in %.1fs (%s)", index, code, ran_s, delay,
+                slot.deaths.describe())
+    slot.process, slot.next_start = None, now + delay
 
 
 def server_log(run_dir: Path | str, index: int) -> Path:

@@ -16,7 +16,7 @@ def main(args: argparse.Namespace) -> int:
 
     prepare_nccl_environment(config.rollout.weight_sync.host)
     run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
-    from rollout_servers.supervisor import ServerCannotStart, find_endpoints, supervise
+    from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
 
     if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
         log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
@@ -25,7 +25,7 @@ def main(args: argparse.Namespace) -> int:
     log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer, endpoints.sync)
     try:
         supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."))
-    except ServerCannotStart as error:
+    except SupervisorGaveUp as error:
         log.error("%s", error)
         return 1
     return 0

@@ -31,7 +31,7 @@ class RayConfig:
     rollout_strategy: str = one_of("SPREAD", "PACK", *STRATEGIES[2:])  # placement of the rollout servers' bundles
     placement_timeout_s: float = bounded(120.0, 1.0)  # longest wait for the cluster to grant a role's resources
     ready_timeout_s: float = bounded(600.0, 1.0)  # longest wait for the buffer / learner rank 0 to report its address
-    max_restarts: int = bounded(10, 0)  # restarts of each rollout server and of the buffer before the run fails
+    max_restarts: int = bounded(10, 0)  # restarts in a row of a rollout server or the buffer dying within rollout.healthy_after_s of its start; its next such death fails the run
     poll_s: float = bounded(1.0, 0.05)  # how often the driver checks every role
     stop_timeout_s: float = bounded(30.0, 0.1)  # grace after SIGTERM before a role's processes are killed
 

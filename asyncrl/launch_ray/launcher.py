@@ -23,6 +23,7 @@ from asyncrl.exit_codes import CANNOT_START
 from asyncrl.launch_ray.actor import RoleActor, read_keys
 from asyncrl.launch_ray.placement import actor_options, release, reserve
 from asyncrl.launch_ray.roles import RoleSpec, RunArgs, buffer_dir, buffer_role, learner_role, rollout_role
+from asyncrl.restarts import QuickDeaths
 from asyncrl.stop_signal import StopSignal
 
 log = logging.getLogger("asyncrl.launch")
@@ -54,7 +55,9 @@ class RoleHandle:
     resources: RayRoleConfig
     spec: RoleSpec | None = None  # what its actor runs, once the addresses it needs are known
     actor: Any = None
-    restarts: int = 0
+    deaths: QuickDeaths | None = None  # deaths in a row soon after a start (roles that are restarted)
+    restarts: int = 0  # restarts so far, which name its actors apart
+    started_at: float = 0.0  # monotonic time its role last started
     restart_at: float | None = None  # monotonic time of the pending restart, while it is dead
 
 
@@ -138,6 +141,7 @@ class Launch:
     def start(self, handle: RoleHandle, wait_ready: bool = False) -> str:
         """Start the handle's role in its actor; with `wait_ready`, the ready file's text once it appears."""
         spec = handle.spec
+        handle.started_at = time.monotonic()
         self.call(handle.actor.start.remote(spec.module, spec.args, spec.env, spec.log_path(self.run.run_dir),
                                             spec.ready_file))
         where = self.call(handle.actor.where.remote())
@@ -187,12 +191,13 @@ class Launch:
             if outcome.code == CANNOT_START:
                 raise LaunchError(f"{handle.name} cannot start from this config (not restarted): see "
                                   f"{handle.spec.log_path(self.run.run_dir)}")
-            if handle.restarts >= self.settings.max_restarts:
-                raise LaunchError(f"{handle.name} {outcome.reason} after {handle.restarts} restarts "
-                                  f"(ray.max_restarts={self.settings.max_restarts})")
-            rollout = self.config.rollout
-            delay = min(rollout.restart_backoff_s * 2 ** handle.restarts, rollout.restart_backoff_max_s)
-            log.warning("%s %s; restart %d in %.1fs", handle.name, outcome.reason, handle.restarts + 1, delay)
+            handle.deaths = handle.deaths or QuickDeaths.of(self.config.rollout, self.settings.max_restarts)
+            delay = handle.deaths.restart_delay(time.monotonic() - handle.started_at)
+            if delay is None:
+                raise LaunchError(f"{handle.name} {outcome.reason}: {handle.deaths.describe()} "
+                                  f"(ray.max_restarts={self.settings.max_restarts}); see {handle.spec.log_path(self.run.run_dir)}")
+            log.warning("%s %s; restart %d in %.1fs (%s)", handle.name, outcome.reason, handle.restarts + 1, delay,
+                        handle.deaths.describe())
             self.discard(handle.actor)
             handle.restart_at = time.monotonic() + delay
         elif time.monotonic() >= handle.restart_at:

@@ -134,3 +134,26 @@ def test_a_server_that_crashed_is_restarted_with_back_off():
     launch, handle = EndedRoles(1), server_handle()
     launch.keep_alive(handle)
     assert launch.discarded == 1 and handle.restart_at is not None
+
+
+def die_after(launch: EndedRoles, handle: RoleHandle, ran_s: float) -> None:
+    """The handle's role, (re)started `ran_s` ago, is found dead."""
+    handle.started_at, handle.restart_at = time.monotonic() - ran_s, None
+    launch.keep_alive(handle)
+
+
+def test_a_server_that_keeps_dying_soon_after_its_start_fails_the_launch_naming_its_log():
+    launch, handle = EndedRoles(1), server_handle()
+    launch.settings.max_restarts = 2
+    die_after(launch, handle, ran_s=1.0)
+    die_after(launch, handle, ran_s=1.0)
+    with pytest.raises(LaunchError, match=r"rollout-0 exited with code 1: death 3 in a row .*ray.max_restarts=2.*rollout-0.out"):
+        die_after(launch, handle, ran_s=1.0)
+
+
+def test_a_server_that_ran_healthy_before_it_died_starts_its_count_afresh():
+    launch, handle = EndedRoles(1), server_handle()
+    launch.settings.max_restarts = 2
+    for ran_s in (1.0, 1.0, launch.config.rollout.healthy_after_s, 1.0):
+        die_after(launch, handle, ran_s)
+    assert handle.deaths.in_a_row == 2 and launch.discarded == 4

@@ -1,0 +1,63 @@
+"""The local supervisor's restart policy: back-off per quick death in a row, a fresh count after a healthy
+run, and giving up with the reason (`schedule_restart`; the processes are stand-ins with an exit code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from asyncrl.config.rollout import RolloutConfig
+from asyncrl.exit_codes import CANNOT_START
+from asyncrl.restarts import QuickDeaths
+from rollout_servers.supervisor import ServerCannotStart, ServerKeepsFailing, ServerSlot, schedule_restart
+
+SETTINGS = RolloutConfig(restart_backoff_s=2.0, restart_backoff_max_s=10.0, healthy_after_s=300.0, max_restarts=4)
+
+
+@dataclass
+class DeadProcess:
+    exitcode: int
+
+
+def die(slot: ServerSlot, after_s: float, code: int = 1, run_dir=".") -> float:
+    """The slot's process dies `after_s` after it started; returns the delay booked before the next start."""
+    now = slot.started_at + after_s
+    slot.process = DeadProcess(code)
+    schedule_restart(slot, 0, run_dir, now)
+    assert slot.process is None
+    delay = slot.next_start - now
+    slot.started_at = slot.next_start  # restarted when due
+    return delay
+
+
+def test_quick_deaths_double_the_back_off_up_to_its_cap_then_give_up_naming_keys_and_log(tmp_path):
+    slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
+    assert [die(slot, after_s=5.0) for _ in range(4)] == [2.0, 4.0, 8.0, 10.0]
+    with pytest.raises(ServerKeepsFailing) as raised:
+        die(slot, after_s=5.0, code=-9, run_dir=tmp_path)
+    message = str(raised.value)
+    assert "server-0 keeps dying: death 5 in a row" in message and "rollout.max_restarts=4" in message
+    assert "rollout.healthy_after_s=300s" in message and "last exit code -9" in message
+    assert str(tmp_path / "logs" / "rollout0.log") in message
+
+
+def test_a_server_that_ran_healthy_starts_its_count_afresh():
+    slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
+    assert [die(slot, after_s=1.0) for _ in range(4)] == [2.0, 4.0, 8.0, 10.0]
+    assert die(slot, after_s=300.0) == 2.0  # ran long enough: back to the first delay, count 1
+    assert [die(slot, after_s=1.0) for _ in range(3)] == [4.0, 8.0, 10.0]
+    with pytest.raises(ServerKeepsFailing):
+        die(slot, after_s=1.0)
+
+
+def test_a_server_that_cannot_start_is_not_restarted():
+    slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
+    with pytest.raises(ServerCannotStart, match="cannot start from this config"):
+        die(slot, after_s=1.0, code=CANNOT_START)
+
+
+def test_no_restarts_allowed_gives_up_at_the_first_quick_death():
+    slot = ServerSlot(QuickDeaths.of(RolloutConfig(), max_restarts=0), process=DeadProcess(1))
+    with pytest.raises(ServerKeepsFailing, match="death 1 in a row"):
+        schedule_restart(slot, 0, ".", now=1.0)
