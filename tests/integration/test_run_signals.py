@@ -92,3 +92,18 @@ def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(
     supervisor_log = (job_dir / "runs" / "cannot-start" / "logs" / "rollout.log").read_text()
     assert "restart" not in supervisor_log.replace("not restarted", "")
     assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {job_dir / 'runs' / 'cannot-start'}"
+
+
+def test_a_server_that_keeps_dying_at_start_ends_the_run_after_its_restarts(job_dir):
+    # Built fine, but its engine refuses the settings each time it starts (a context longer than the model's
+    # positions; on a GPU, e.g. no memory for the KV cache): restarted rollout.max_restarts times, then given up.
+    command = [sys.executable, "-m", "asyncrl.cli", "run",
+               *tiny_job(job_dir, 50, "run.name=keeps-dying", "rollout.engine.max_model_len=100000",
+                         "rollout.max_restarts=1", "rollout.restart_backoff_s=0.1")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "server-0 keeps dying: death 2 in a row within rollout.healthy_after_s=300s" in run.stderr
+    assert "rollout.max_restarts=1" in run.stderr
+    supervisor_log = (job_dir / "runs" / "keeps-dying" / "logs" / "rollout.log").read_text()
+    assert supervisor_log.count("restart in 0.1s (death 1 in a row") == 1
+    assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {job_dir / 'runs' / 'keeps-dying'}"
