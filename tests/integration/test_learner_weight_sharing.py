@@ -4,14 +4,19 @@ On a one-rank gloo world with the tiny tied model saved in bfloat16 (as the GPU 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
+from learner.distributed import init_world
 from learner.main import WeightSharing
 from learner.policy_model import full_weights, full_weights_bytes, load_policy
-from learner_helpers import save_tiny_model, single_rank_world
+from learner_helpers import free_port, save_tiny_model, single_rank_world
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -103,6 +108,7 @@ def test_ranks_that_do_not_keep_the_weights_get_none(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("staging_bytes", [8 * 2**30, 0])
 def test_on_a_gpu_the_weights_are_gathered_onto_it_when_they_fit(tmp_path, staging_bytes):
     path = saved_model(tmp_path)
@@ -118,3 +124,34 @@ def test_on_a_gpu_the_weights_are_gathered_onto_it_when_they_fit(tmp_path, stagi
         assert {(t.device, t.dtype) for t in sent.values()} == {(expected, torch.bfloat16)}
         for name, parameter in model.state_dict().items():
             assert torch.equal(sent[name].cpu(), parameter.full_tensor().to(torch.bfloat16).cpu()), name
+
+
+def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
+    """Spawned CUDA rank: share the weights once; rank 0 saves what it sent and the master weights."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = init_world("cuda")
+    config = load_config(None, [f"model.path={model_dir}", "model.dtype=bfloat16", "rollout.weight_sync.backend=nccl"])
+    model = load_policy(model_dir, "float32", config.learner, world)
+    services = RecordingServices() if world.is_main else None
+    metrics = WeightSharing(config, model, world, services)(1)
+    master = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))  # a collective too
+    if world.is_main:
+        sent = services.rounds[0][1]
+        torch.save({"devices": {(str(t.device), t.dtype) for _, t in sent}, "sent": {n: t.cpu() for n, t in sent},
+                    "master": master}, out)
+    else:
+        assert metrics == {}
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpu_ranks_gather_onto_rank_0s_gpu_in_model_dtype(tmp_path):
+    path = saved_model(tmp_path)
+    out = tmp_path / "sent.pt"
+    mp.start_processes(sharing_rank, args=(2, free_port(), str(path), str(out)), nprocs=2, start_method="spawn")
+    result = torch.load(out)
+    assert result["devices"] == {("cuda:0", torch.bfloat16)}
+    assert result["sent"].keys() == result["master"].keys()
+    for name, tensor in result["sent"].items():
+        assert torch.equal(tensor, result["master"][name].to(torch.bfloat16)), name
