@@ -31,6 +31,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)
     torch.manual_seed(config.run.seed)
+    warn_if_updates_round_away(config)
     model = load_policy(config.model.path, config.learner.master_dtype, config.learner, world)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learner.lr, betas=(config.learner.beta1, config.learner.beta2),
@@ -68,6 +69,17 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
         if dist.is_initialized():
             dist.destroy_process_group()
     return state
+
+
+def warn_if_updates_round_away(config: AsyncRLConfig) -> None:
+    """16-bit master weights keep a step only where it reaches half a unit of the weight's last place."""
+    dtype = DTYPES[config.learner.master_dtype]
+    if dtype.itemsize >= torch.float32.itemsize:
+        return
+    resolution = torch.finfo(dtype).eps / 2
+    log.warning("learner.master_dtype=%s: an optimizer step smaller than %.1e times a weight is rounded away "
+                "(AdamW moves each weight by about learner.lr=%g); float32 keeps every step",
+                config.learner.master_dtype, resolution, config.learner.lr)
 
 
 class WeightSharing:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
 from learner.distributed import init_world
-from learner.main import WeightSharing
+from learner.main import WeightSharing, warn_if_updates_round_away
 from learner.policy_model import full_weights, full_weights_bytes, load_policy
 from learner_helpers import free_port, save_tiny_model, single_rank_world
 
@@ -66,6 +66,15 @@ def test_float32_master_weights_take_updates_that_bfloat16_rounds_away(tmp_path)
             moved[master] = (after[weight] != before[weight]).float().mean().item()
     assert moved["float32"] > 0.99  # an AdamW step moves every weight by ~lr
     assert moved["bfloat16"] < 0.2  # most 1e-6 steps are below half a bfloat16 ulp of a weight
+
+
+@pytest.mark.parametrize("master, warned", [("bfloat16", True), ("float16", True), ("float32", False)])
+def test_16_bit_master_weights_are_warned_about(master, warned, caplog):
+    warn_if_updates_round_away(load_config(None, [f"learner.master_dtype={master}", "learner.lr=1e-6"]))
+    messages = [record.getMessage() for record in caplog.records if record.levelname == "WARNING"]
+    assert bool(messages) == warned
+    if warned:
+        assert f"learner.master_dtype={master}" in messages[0] and "learner.lr=1e-06" in messages[0]
 
 
 @pytest.mark.parametrize("served", ["bfloat16", "float32"])
