@@ -16,7 +16,7 @@ from asyncrl.config import load_config
 from learner.distributed import init_world
 from learner.main import WeightSharing, warn_if_updates_round_away
 from learner.policy_model import full_weights, full_weights_bytes, load_policy
-from learner_helpers import free_port, save_tiny_model, single_rank_world
+from learner_helpers import free_port, gathered_weights, save_tiny_model, single_rank_world
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -56,12 +56,12 @@ def test_float32_master_weights_take_updates_that_bfloat16_rounds_away(tmp_path)
         for master in ("float32", "bfloat16"):
             model = load_policy(str(path), master, config.learner, world)
             assert {p.dtype for p in model.parameters()} == {getattr(torch, master)}
-            before = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))
+            before = gathered_weights(model)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
             for parameter in model.parameters():
                 parameter.grad = torch.ones_like(parameter)
             optimizer.step()
-            after = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))
+            after = gathered_weights(model)
             weight = "model.layers.0.mlp.up_proj.weight"
             moved[master] = (after[weight] != before[weight]).float().mean().item()
     assert moved["float32"] > 0.99  # an AdamW step moves every weight by ~lr
@@ -95,7 +95,7 @@ def test_weights_are_shared_in_model_dtype_as_copies_with_the_tied_head_gathered
         assert tensors[TIED[0]] is tensors[TIED[1]]  # gathered once, listed under both names
         unique_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors.values()}.values())
         assert full_weights_bytes(model, getattr(torch, served)) == unique_bytes
-        master = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))
+        master = gathered_weights(model)
         for name, tensor in tensors.items():
             assert torch.equal(tensor, master[name].to(getattr(torch, served))), name
         snapshot = {name: tensor.clone() for name, tensor in tensors.items()}
@@ -143,7 +143,7 @@ def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> N
     model = load_policy(model_dir, "float32", config.learner, world)
     services = RecordingServices() if world.is_main else None
     metrics = WeightSharing(config, model, world, services)(1)
-    master = dict(full_weights(model, torch.float32, torch.device("cpu"), keep=True))  # a collective too
+    master = gathered_weights(model)  # a collective too
     if world.is_main:
         sent = services.rounds[0][1]
         torch.save({"devices": {(str(t.device), t.dtype) for _, t in sent}, "sent": {n: t.cpu() for n, t in sent},
