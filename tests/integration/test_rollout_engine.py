@@ -19,7 +19,7 @@ import torch
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
 from rollout_servers.completion import STALE
-from tests.integration.conftest import SYNC_TIMEOUT_S, free_port, join_fresh_group
+from tests.integration.conftest import ENGINE_CPU_THREADS, SYNC_TIMEOUT_S, free_port, join_fresh_group
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 log = logging.getLogger(__name__)
@@ -272,3 +272,14 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
     assert completion.versions == [new_version] * GREEDY_TOKENS
     assert completion.token_ids == transformers_greedy(tiny_models.update, prompt, GREEDY_TOKENS)
     assert logprob_gap(completion, tiny_models.update, prompt) < LOGPROB_TOLERANCE
+
+
+
+def test_the_engine_workers_run_with_the_configured_cpu_threads(rollout_engine, loop_runner):
+    def torch_threads(worker) -> int:  # defined here so that it travels by value to vLLM's worker
+        import torch
+
+        return torch.get_num_threads()
+
+    threads = loop_runner.run(rollout_engine._llm.collective_rpc(torch_threads))
+    assert threads and set(threads) == {ENGINE_CPU_THREADS}

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import pytest
 
-from asyncrl.config.rollout import RolloutConfig
+from asyncrl.config.rollout import EngineConfig, RolloutConfig
 from rollout_servers.completion import STALE
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.engine_args import engine_process_env
 
 
 class RecordingLLM:
@@ -107,3 +109,16 @@ def test_a_turn_is_as_stale_as_the_earlier_turns_of_its_episode() -> None:
         assert (await asyncio.wait_for(turn, timeout=5)).finish_reason == STALE
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("outer", [None, "4"])
+def test_engine_threads_are_set_only_while_the_engine_starts(monkeypatch, outer) -> None:
+    if outer is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", outer)
+    with engine_process_env(EngineConfig(cpu_threads=1)):
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ.get("OMP_NUM_THREADS") == outer
+    with engine_process_env(EngineConfig(cpu_threads=0)):
+        assert os.environ.get("OMP_NUM_THREADS") == outer
