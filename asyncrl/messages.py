@@ -201,6 +201,7 @@ class BatchRequest:
     max_tokens: int = 0  # tokens wanted (0 = no limit by tokens)
     timeout_ms: int = 0  # wait this long for enough data (0 = answer at once)
     from_offset: int = -1  # consumer's position (checkpointed or last next_offset); -1 = the buffer's read cursor
+    from_ahead: list[int] = field(default_factory=list)  # records at or past from_offset it has consumed too (last next_ahead)
 
 
 @message("batch")
@@ -208,8 +209,9 @@ class BatchRequest:
 class Batch:
     groups: list[TrajectoryGroup]  # whole groups, in log order
     offsets: list[int]  # log offset of each group
-    next_offset: int  # offset to commit once the batch is trained on
+    next_offset: int  # offset to commit once the batch is trained on: every record before it is consumed
     dropped_stale: int = 0  # groups skipped as too stale while assembling this batch
+    next_ahead: list[int] = field(default_factory=list)  # records at or past next_offset consumed too; committed with it
 
 
 @message("commit")
@@ -218,6 +220,7 @@ class Commit:
     consumer_id: str  # committing learner
     offset: int  # everything before this offset has been trained on and checkpointed
     policy_version: int  # learner version at the commit
+    ahead: list[int] = field(default_factory=list)  # records at or past `offset` trained on (or dropped) too
 
 
 @message("policy_version")
@@ -269,11 +272,12 @@ class BufferStats:
     admission_waits: int  # admission requests granted fewer groups than wanted
     admission_wait_s: float  # time servers spent granted less than they wanted, summed over servers
     admission_released: int  # admitted groups released because their server stopped asking (timeout)
+    read_ahead: list[int] = field(default_factory=list)  # records at or past read_offset already handed out or dropped
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for wandb/metrics.jsonl."""
         flat = {f"buffer/{name}": float(value) for name, value in dataclasses.asdict(self).items()
-                if name != "staleness_histogram"}
+                if name not in ("staleness_histogram", "read_ahead")}
         flat.update({f"buffer/staleness_{s}": float(n) for s, n in sorted(self.staleness_histogram.items())})
         return flat
 
@@ -344,10 +348,12 @@ def group_body(frame: bytes | memoryview) -> msgspec.Raw:
     return _ENVELOPE.decode(frame)[2]
 
 
-def encode_batch(group_frames: Sequence[bytes | memoryview], offsets: list[int], next_offset: int, dropped_stale: int) -> bytes:
+def encode_batch(group_frames: Sequence[bytes | memoryview], offsets: list[int], next_offset: int, dropped_stale: int,
+                 next_ahead: list[int]) -> bytes:
     """Encode a Batch from already-encoded TrajectoryGroup messages, splicing their bytes in as they are."""
     raw_groups: Any = [group_body(frame) for frame in group_frames]
-    return encode(Batch(groups=raw_groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped_stale))
+    return encode(Batch(groups=raw_groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped_stale,
+                        next_ahead=next_ahead))
 
 
 def kinds() -> dict[str, type]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from buffer.log import fsync_directory
@@ -17,6 +17,8 @@ class CommitPoint:
     offset: int = 0  # every record below it is trained on and checkpointed by the learner
     policy_version: int = 0  # learner version at the commit
     dropped_before: int = 0  # records below `offset` dropped as stale (admission counts accepted = stored − dropped)
+    ahead: list[int] = field(default_factory=list)  # records at or past `offset` consumed too (handed out or dropped)
+    dropped_ahead: list[int] = field(default_factory=list)  # those of `ahead` dropped as stale
 
 
 def load_commit(directory: Path) -> CommitPoint:

@@ -251,7 +251,7 @@ class BufferService:
     def _on_batch_request(self, identity: bytes, request: BatchRequest) -> None:
         self._hear_version(request.policy_version)
         try:
-            self.store.seek(request.from_offset)
+            self.store.seek(request.from_offset, request.from_ahead)
         except OffsetError as error:
             self._reply(identity, ErrorReply(str(error)))
             return
@@ -274,15 +274,16 @@ class BufferService:
 
     def _answer(self, parked: ParkedRequest) -> None:
         try:  # a parked request's position may have been committed past since it arrived
-            self.store.seek(parked.request.from_offset)
+            self.store.seek(parked.request.from_offset, parked.request.from_ahead)
         except OffsetError as error:
             self._reply(parked.identity, ErrorReply(str(error)))
             return
         selection = self.store.take(self._limits(parked.request))
         self._count_handout(selection)
+        next_offset, next_ahead = self.store.window.position()
         self._send(parked.identity, encode_batch(self.store.frames(selection.taken),
                                                  [entry.offset for entry in selection.taken],
-                                                 self.store.window.read_offset, len(selection.dropped)))
+                                                 next_offset, len(selection.dropped), next_ahead))
 
     def _limits(self, request: BatchRequest) -> BatchLimits:
         return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens,
@@ -298,7 +299,7 @@ class BufferService:
     def _on_commit(self, identity: bytes, commit: Commit) -> None:
         self._hear_version(commit.policy_version)
         try:
-            self.store.commit(commit.offset, commit.policy_version)
+            self.store.commit(commit.offset, commit.policy_version, commit.ahead)
         except OffsetError as error:
             self._reply(identity, ErrorReply(str(error)))
             return
@@ -339,7 +340,7 @@ class BufferService:
             staleness_histogram=dict(counters.staleness), rejected_frames=counters.rejected_frames,
             full_rejections=counters.full_rejections, admission_running=self.admission.running,
             admission_waits=self.admission.waits, admission_wait_s=self.admission.wait_s,
-            admission_released=self.admission.released,
+            admission_released=self.admission.released, read_ahead=window.position()[1],
         )
 
     def _on_unexpected(self, identity: bytes, message: Any) -> None:

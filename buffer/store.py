@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, record_id_of, summarize_group
@@ -60,14 +60,15 @@ class TrajectoryStore:
         if self.committed.offset > self.log.end_offset:
             log.warning("committed offset %d is past the log end %d (log lost its tail): resuming at the end",
                         self.committed.offset, self.log.end_offset)
-            self.committed = replace(self.committed, offset=self.log.end_offset)
+            self.committed = replace(self.committed, offset=self.log.end_offset, ahead=[], dropped_ahead=[])
         self.log.release_before(self.committed.offset)
         self.ids: dict[str, int] = {}  # record id -> offset, for records still in the log
         self._ids_in_order: deque[tuple[int, str]] = deque()
-        self._drops_since_commit: set[int] = set()  # offsets at or past the commit dropped as stale
+        # offsets at or past the commit dropped as stale
+        self._drops_since_commit: set[int] = set(self.committed.dropped_ahead)
         self.unsynced: deque[Unsynced] = deque()  # written, waiting for their fsync, oldest first
         self._unsynced_ids: dict[str, int] = {}
-        self.window = PendingWindow(self.committed.offset)
+        self.window = PendingWindow(self.committed.offset, self.committed.ahead)
         self._rebuild_from_log()
 
     # ------------------------------------------------------------------------------------------
@@ -171,17 +172,20 @@ class TrajectoryStore:
     # ------------------------------------------------------------------------------------------
     # Consumption
 
-    def seek(self, offset: int) -> None:
-        """Put the read cursor at the consumer's position (-1 = leave it where it is)."""
-        if offset < 0 or offset == self.window.read_offset:
+    def seek(self, offset: int, ahead: Sequence[int] = ()) -> None:
+        """Put the read position where the consumer is: every record before `offset` and those in `ahead`
+        consumed (-1 = leave it where it is). Records consumed since are handed out again."""
+        if offset < 0 or (offset, sorted(ahead)) == self.window.position():
             return
-        if offset < max(self.committed.offset, self.log.first_offset) or offset > self.end_offset:
-            raise OffsetError(f"offset {offset} is outside the servable range "
-                              f"[{self.committed.offset}, {self.end_offset}] (committed, end)")
-        if offset > self.window.read_offset:
-            self.window.skip(offset - self.window.read_offset)
-        else:
-            self.window.rewind(offset, self._entries_from_log(offset, self.window.read_offset))
+        self._check_position(offset, ahead)
+        uncommitted = [o for o in self.committed.ahead if o >= offset and o not in ahead]
+        if uncommitted:
+            raise OffsetError(f"records {uncommitted[:5]} are committed but not consumed at offset {offset}: "
+                              "a position older than the commit")
+        window = PendingWindow(offset, ahead)
+        for entry in self._entries_from_log(offset, self.end_offset):
+            window.append(entry)
+        self.window = window
 
     def frames(self, entries: list[Entry]) -> list[bytes]:
         """The records' bytes, read back from the log (checksums checked)."""
@@ -193,19 +197,28 @@ class TrajectoryStore:
         self._drops_since_commit.difference_update(entry.offset for entry in selection.taken)
         return selection
 
-    def commit(self, offset: int, policy_version: int) -> None:
+    def commit(self, offset: int, policy_version: int, ahead: Sequence[int] = ()) -> None:
         """Persist the consumer's commit, then delete the segments it releases."""
-        if offset < self.committed.offset or offset > self.end_offset:
-            raise OffsetError(f"commit of offset {offset} outside [{self.committed.offset}, {self.end_offset}]")
-        if offset > self.window.read_offset:  # handed out before a buffer restart
-            self.window.skip(offset - self.window.read_offset)
+        if offset < self.committed.offset:
+            raise OffsetError(f"commit of offset {offset} is before the committed offset {self.committed.offset}")
+        self._check_position(offset, ahead, subject="commit of offset")
+        self.window.consume_through(offset, ahead)  # handed out before a buffer restart
         released_drops = {o for o in self._drops_since_commit if o < offset}
         self._drops_since_commit -= released_drops
-        self.committed = CommitPoint(offset, policy_version, self.committed.dropped_before + len(released_drops))
+        self.committed = CommitPoint(offset, policy_version, self.committed.dropped_before + len(released_drops),
+                                     ahead=sorted(ahead), dropped_ahead=sorted(self._drops_since_commit.intersection(ahead)))
         save_commit(self.directory, self.committed)
         first = self.log.release_before(offset)
         while self._ids_in_order and self._ids_in_order[0][0] < first:
             del self.ids[self._ids_in_order.popleft()[1]]
+
+    def _check_position(self, offset: int, ahead: Sequence[int], subject: str = "offset") -> None:
+        first = max(self.committed.offset, self.log.first_offset)
+        if not first <= offset <= self.end_offset:
+            raise OffsetError(f"{subject} {offset} is outside the servable range [{first}, {self.end_offset}]")
+        outside = [o for o in ahead if not offset <= o < self.end_offset]
+        if outside:
+            raise OffsetError(f"consumed offsets {outside[:5]} lie outside [{offset}, {self.end_offset}) (offset, end)")
 
     # ------------------------------------------------------------------------------------------
     # Recovery

@@ -1,19 +1,23 @@
-"""The records from the read cursor to the end of the log, summarised in memory, and batch selection.
+"""The records the consumer has not consumed yet, summarised in memory, and batch selection.
 
 An entry holds what selection needs (offset, size, samples, tokens, oldest version), not the record's
 bytes: those are in the log (and the page cache), and are read back when a batch hands them out.
 
-Selection walks from the cursor in log order. A group whose staleness (judged now, for the requesting
-learner's version) exceeds the bound is dropped whole; the others are taken whole until the batch is
-full. Everything the walk passes is consumed: the batch's next_offset lies after it.
+Selection is earliest deadline first: a group can be trained until the learner is `max_staleness`
+versions past its oldest token, so the groups with the oldest tokens go first (log order among equals).
+Groups finish out of order (long responses hold old tokens), and a log-order walk let a group that
+arrived in time wait behind younger ones until it was too stale. Every group already staler than the
+bound (judged now, for the requesting learner's version) is dropped whole; the others are taken whole
+until the batch is full.
+
+Consumption is therefore not a prefix of the log: the position is `read_offset` (every record before it
+consumed) plus `ahead`, the records at or past it consumed too (handed out or dropped).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from asyncrl.staleness import staleness
 
@@ -47,70 +51,92 @@ class Selection:
     taken: list[Entry] = field(default_factory=list)  # groups for the batch, in log order
     dropped: list[Entry] = field(default_factory=list)  # groups too stale, dropped
     staleness: list[int] = field(default_factory=list)  # staleness of each taken group
-    consumed: int = 0  # records walked past from the cursor (taken + dropped)
     full: bool = False  # the limits were reached
 
 
 class PendingWindow:
-    """Contiguous records [read_offset, end): what the buffer has not yet handed out."""
+    """Records [read_offset, end_offset) not consumed yet; `ahead`: the consumed ones in that range."""
 
-    def __init__(self, read_offset: int) -> None:
+    def __init__(self, read_offset: int, ahead: Iterable[int] = ()) -> None:
         self.read_offset = read_offset
-        self.entries: deque[Entry] = deque()
+        self.end_offset = read_offset
+        self.ahead: set[int] = set(ahead)
+        self.entries: dict[int, Entry] = {}  # offset -> entry, in log order
+        self._by_version: dict[int, dict[int, Entry]] = {}  # oldest version -> its entries, in log order
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    @property
-    def end_offset(self) -> int:
-        return self.read_offset + len(self.entries)
-
     def append(self, entry: Entry) -> None:
+        """The next record of the log (skipped if the position already counts it as consumed)."""
         if entry.offset != self.end_offset:
             raise ValueError(f"entry at offset {entry.offset} does not follow the window end {self.end_offset}")
-        self.entries.append(entry)
-        self.bytes += entry.nbytes
+        self.end_offset += 1
+        if entry.offset not in self.ahead:
+            self.entries[entry.offset] = entry
+            self._by_version.setdefault(entry.oldest_version, {})[entry.offset] = entry
+            self.bytes += entry.nbytes
 
     def plan(self, limits: BatchLimits) -> Selection:
         """What `take` would hand out now, without consuming anything."""
         selection = Selection()
+        chosen: list[tuple[Entry, int]] = []  # (entry, staleness), in deadline order
         samples = tokens = nbytes = 0
-        for entry in self.entries:
+        for entry in self._oldest_first():  # stale groups come before any that can be taken (untrained ones aside)
             lag = staleness(limits.policy_version, entry.oldest_version)
             if lag > limits.max_staleness:
                 selection.dropped.append(entry)
-                selection.consumed += 1
                 continue
             grown = (samples + entry.num_samples, tokens + entry.num_tokens, nbytes + entry.nbytes)
-            if selection.taken and limits.overflows(*grown):
+            if chosen and limits.overflows(*grown):
                 selection.full = True
                 break
-            selection.taken.append(entry)
-            selection.staleness.append(lag)
-            selection.consumed += 1
+            chosen.append((entry, lag))
             samples, tokens, nbytes = grown
             if limits.full(samples, tokens):
                 selection.full = True
                 break
+        chosen.sort(key=lambda pair: pair[0].offset)
+        selection.taken, selection.staleness = [entry for entry, _ in chosen], [lag for _, lag in chosen]
+        selection.dropped.sort(key=lambda entry: entry.offset)
         return selection
 
     def take(self, limits: BatchLimits) -> Selection:
-        """Hand out the planned groups and drop the stale ones: the cursor moves past both."""
+        """Hand out the planned groups and drop the stale ones: both count as consumed."""
         selection = self.plan(limits)
-        self.skip(selection.consumed)
+        self.consume(entry.offset for entry in selection.taken + selection.dropped)
         return selection
 
-    def skip(self, count: int) -> None:
-        for _ in range(count):
-            self.bytes -= self.entries.popleft().nbytes
-        self.read_offset += count
+    def consume(self, offsets: Iterable[int]) -> None:
+        """Mark these records consumed (those already consumed are ignored) and move `read_offset` past
+        the consumed prefix."""
+        for offset in offsets:
+            entry = self.entries.pop(offset, None)
+            if entry is not None:
+                self._forget(entry)
+                self.ahead.add(offset)
+        while self.read_offset in self.ahead:
+            self.ahead.remove(self.read_offset)
+            self.read_offset += 1
 
-    def rewind(self, offset: int, earlier: Iterable[Entry]) -> None:
-        """Move the cursor back to `offset`; `earlier` are the records [offset, read_offset) in order."""
-        restored = list(itertools.islice(earlier, self.read_offset - offset))
-        if len(restored) != self.read_offset - offset:
-            raise ValueError(f"rewind to {offset} needs {self.read_offset - offset} records, got {len(restored)}")
-        self.entries.extendleft(reversed(restored))
-        self.bytes += sum(entry.nbytes for entry in restored)
-        self.read_offset = offset
+    def consume_through(self, offset: int, ahead: Iterable[int]) -> None:
+        """Everything a consumer at (`offset`, `ahead`) has consumed counts as consumed here too."""
+        self.consume([*range(self.read_offset, min(offset, self.end_offset)), *ahead])
+
+    def position(self) -> tuple[int, list[int]]:
+        """(read_offset, sorted ahead): what a consumer stores and sends back to resume here."""
+        return self.read_offset, sorted(self.ahead)
+
+    def _oldest_first(self) -> Iterator[Entry]:
+        """Entries by oldest version (untrained groups, -1, first), then log order. The versions present
+        are few (about K + 2), so this costs no sort of the entries."""
+        for version in sorted(self._by_version):
+            yield from self._by_version[version].values()
+
+    def _forget(self, entry: Entry) -> None:
+        bucket = self._by_version[entry.oldest_version]
+        del bucket[entry.offset]
+        if not bucket:
+            del self._by_version[entry.oldest_version]
+        self.bytes -= entry.nbytes

@@ -31,6 +31,7 @@ class TooManyBadSteps(RuntimeError):
 class LoopState:
     step: int = 0  # optimizer steps done = policy version
     buffer_offset: int = -1  # buffer log position after the last trained batch (-1 = the buffer's commit)
+    buffer_ahead: list[int] = field(default_factory=list)  # records at or past buffer_offset trained (or dropped) too
     bad_steps: int = 0  # consecutive skipped steps
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -44,7 +45,7 @@ def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, o
     if path is None:
         return LoopState()
     meta = load_checkpoint(path, model, optimizer)
-    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"])
+    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []))
 
 
 def run_loop(
@@ -56,12 +57,12 @@ def run_loop(
     state: LoopState,
     fetch_batch: Callable[[int], Batch] | None,
     after_step: Callable[[int, dict[str, float]], None],
-    after_checkpoint: Callable[[int, int], None],
+    after_checkpoint: Callable[[int, int, list[int]], None],
     pad_id: int,
 ) -> LoopState:
     """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
     `after_step(version, metrics)` syncs weights, publishes the version and logs;
-    `after_checkpoint(version, buffer_offset)` commits the offset once the checkpoint holds it."""
+    `after_checkpoint(version, buffer_offset, buffer_ahead)` commits the position once the checkpoint holds it."""
     settings = config.learner
     temperature = sampling_temperature(config.rollout)  # fixed for the run: the servers' sampling settings
     while state.step < settings.total_steps:
@@ -81,17 +82,17 @@ def run_loop(
             continue
         state.bad_steps = 0
         state.step += 1
-        state.buffer_offset = batch.next_offset
+        state.buffer_offset, state.buffer_ahead = batch.next_offset, batch.next_ahead
         metrics = outcome.metrics | staleness_metrics(batch, state.step - 1) | _batch_metrics(batch)
         metrics |= {"timing_s/wait_batch": waited, "timing_s/train": trained, "timing_s/step": time.perf_counter() - started,
                     "learner/tokens_per_s": _trained_tokens(batch) / trained}
         after_step(state.step, metrics)
         if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
             save_checkpoint(
-                run_dir / CHECKPOINTS_DIR, state.step, model, optimizer, {"buffer_offset": state.buffer_offset},
+                run_dir / CHECKPOINTS_DIR, state.step, model, optimizer, {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead},
                 world, settings.keep_checkpoints,
             )
-            after_checkpoint(state.step, state.buffer_offset)
+            after_checkpoint(state.step, state.buffer_offset, state.buffer_ahead)
     return state
 
 

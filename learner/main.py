@@ -39,7 +39,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     )
     state = resume_state(config, run_dir, model, optimizer)
     pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
-    services = LearnerServices.start(config, run_dir, state.buffer_offset) if world.is_main else None
+    services = LearnerServices.start(config, run_dir, state.buffer_offset, state.buffer_ahead) if world.is_main else None
     try:
         share = WeightSharing(config, model, world, services)
         share(state.step)
@@ -57,9 +57,9 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 services.metrics.log(version, metrics)
                 log.info(_progress_line(version, config.learner.total_steps, metrics))
 
-        def after_checkpoint(version: int, buffer_offset: int) -> None:
+        def after_checkpoint(version: int, buffer_offset: int, buffer_ahead: list[int]) -> None:
             if services is not None:
-                services.consumer.commit(version, buffer_offset)
+                services.consumer.commit(version, buffer_offset, buffer_ahead)
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
                          services.fetch_batch if services else None, after_step, after_checkpoint, pad_id)

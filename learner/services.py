@@ -41,12 +41,13 @@ class LearnerServices:
     latest_version: int = 0
 
     @classmethod
-    def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int) -> "LearnerServices":
+    def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int, start_ahead: list[int]) -> "LearnerServices":
         address, buffer_process = connect_or_start_buffer(config, run_dir)
         sync = config.rollout.weight_sync
         coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
                                       sync.liveness_s, sync.staging_bytes)
-        consumer = BufferConsumer(address, "learner", start_offset=start_offset, curve_dir=config.buffer.curve_dir,
+        consumer = BufferConsumer(address, "learner", start_offset=start_offset, start_ahead=start_ahead,
+                                  curve_dir=config.buffer.curve_dir,
                                   timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s)
         (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"buffer": address, "sync": coordinator.address}))
         log.info("buffer at %s, weight sync at %s", address, coordinator.address)
@@ -56,7 +57,8 @@ class LearnerServices:
     def fetch_batch(self, version: int) -> Batch:
         """`buffer.batch_groups` whole groups fit for `version`; catches lagging servers up while waiting."""
         wanted = self.config.buffer.batch_groups
-        groups, offsets, dropped, next_offset = [], [], 0, self.consumer.position
+        groups, offsets, dropped = [], [], 0
+        next_offset, next_ahead = self.consumer.position, self.consumer.ahead
         deadline = time.monotonic() + self.config.learner.batch_timeout_s
         while len(groups) < wanted:
             if time.monotonic() > deadline:
@@ -67,8 +69,8 @@ class LearnerServices:
             groups += part.groups
             offsets += part.offsets
             dropped += part.dropped_stale
-            next_offset = part.next_offset
-        return Batch(groups=groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped)
+            next_offset, next_ahead = part.next_offset, part.next_ahead
+        return Batch(groups=groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped, next_ahead=next_ahead)
 
     def sync_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> RoundReport:
         self.latest_weights, self.latest_version = weights, version

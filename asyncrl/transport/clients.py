@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from typing import Sequence
 
 import zmq
 
@@ -40,15 +41,18 @@ class AdmissionClient:
 class BufferConsumer:
     """The learner's side: batches from its position in the log, commits, version updates, stats.
 
-    `position` is the offset after the last batch; the learner stores it in its checkpoint and passes
-    it back as `start_offset` after a restart (-1: start at the buffer's read cursor, which after a
-    buffer start is its committed offset). Every batch request carries the position, so a restart of
-    either side resumes exactly where the learner is."""
+    `position` and `ahead` say what the learner has consumed: every record before `position`, and those
+    at or past it listed in `ahead` (the buffer hands out the oldest groups first, not in log order). The
+    learner stores both in its checkpoint and passes them back as `start_offset` and `start_ahead` after a
+    restart (-1: start at the buffer's read position, which after a buffer start is its commit). Every
+    batch request carries them, so a restart of either side resumes exactly where the learner is."""
 
-    def __init__(self, address: str, consumer_id: str, *, start_offset: int = -1, curve_dir: str = "",
-                 timeout_s: float = 30.0, resend_s: float = 5.0, context: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, consumer_id: str, *, start_offset: int = -1, start_ahead: Sequence[int] = (),
+                 curve_dir: str = "", timeout_s: float = 30.0, resend_s: float = 5.0,
+                 context: zmq.Context | None = None) -> None:
         self.consumer_id = consumer_id
         self.position = start_offset
+        self.ahead = list(start_ahead)
         self.channel = RequestChannel(address, curve_dir, timeout_s, context, resend_s)
 
     def next_batch(self, policy_version: int, max_samples: int = 0, max_tokens: int = 0,
@@ -57,18 +61,20 @@ class BufferConsumer:
 
         Waits up to wait_s for the limit to be reached, then returns what there is (maybe nothing).
         After a BufferTimeout, calling again is safe: the request carries the position."""
-        if self.position < 0:  # pin the buffer's cursor first, so even a lost first reply loses nothing
-            self.position = self.stats().read_offset
+        if self.position < 0:  # pin the buffer's position first, so even a lost first reply loses nothing
+            stats = self.stats()
+            self.position, self.ahead = stats.read_offset, stats.read_ahead
         request = BatchRequest(self.consumer_id, policy_version, max_samples, max_tokens,
-                               timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position)
+                               timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position, from_ahead=self.ahead)
         batch = self.channel.request(request, Batch, wait_s=wait_s)
-        self.position = batch.next_offset
+        self.position, self.ahead = batch.next_offset, batch.next_ahead
         return batch
 
-    def commit(self, policy_version: int, offset: int | None = None) -> BufferPosition:
-        """Commit `offset` (default: the current position) once it is trained on and checkpointed."""
-        target = self.position if offset is None else offset
-        return self.channel.request(Commit(self.consumer_id, target, policy_version), BufferPosition)
+    def commit(self, policy_version: int, offset: int | None = None, ahead: Sequence[int] = ()) -> BufferPosition:
+        """Commit `offset` and `ahead` (default: the current position) once trained on and checkpointed."""
+        if offset is None:
+            offset, ahead = self.position, self.ahead
+        return self.channel.request(Commit(self.consumer_id, offset, policy_version, list(ahead)), BufferPosition)
 
     def publish_version(self, version: int, weights_at: str = "") -> BufferPosition:
         """Tell the buffer the learner's new version (it widens admission)."""

@@ -20,10 +20,12 @@ pytestmark = pytest.mark.slow
 
 TOKENS = 64
 WAIT_S = 30
+LATEST_VERSION = 1  # version of the groups that are not late in the restart test
+LATE_EVERY = 5  # in that test every fifth group holds older tokens: the buffer hands it out early
 
 
-def group(record_id: str):
-    return synthetic_group(record_id, completion_tokens=TOKENS)
+def group(record_id: str, version: int = 0):
+    return synthetic_group(record_id, completion_tokens=TOKENS, version=version)
 
 
 def wait_until(condition, what: str) -> None:
@@ -103,12 +105,14 @@ def ids(batch) -> list[str]:
     return [g.record_id for g in batch.groups]
 
 
-def store_groups(address: str, prefix: str, count: int) -> list[str]:
-    """Send `count` groups and wait for every ack; return their record ids in order."""
+def store_groups(address: str, prefix: str, count: int, late_every: int = 0) -> list[str]:
+    """Send `count` groups and wait for every ack; return their record ids in order. With `late_every`,
+    every such group holds version-0 tokens among version-1 ones (a long response that finished late)."""
     producer = TrajectoryProducer(address)
     record_ids = [f"{prefix}{i}" for i in range(count)]
-    for record_id in record_ids:
-        producer.submit(group(record_id))
+    for index, record_id in enumerate(record_ids):
+        late = late_every and index % late_every == late_every - 1
+        producer.submit(group(record_id, version=0 if late else LATEST_VERSION))
     producer.flush()
     return record_ids
 
@@ -118,24 +122,25 @@ def test_learner_restart_from_a_commit_trains_each_record_once(buffer_process, c
     port = free_port()
     overrides = (f"buffer.port={port}", "buffer.segment_bytes=16384")
     buffer = buffer_process(*overrides)
-    sent = store_groups(buffer.address, "c", 60)
+    sent = store_groups(buffer.address, "c", 60, late_every=LATE_EVERY)
 
     learner = BufferConsumer(buffer.address, "learner")
     trained = []
     for _ in range(3):
-        trained += ids(learner.next_batch(0, max_samples=8))
-    checkpoint = learner.position  # saved with the learner's checkpoint, then committed
+        trained += ids(learner.next_batch(LATEST_VERSION, max_samples=8))
+    checkpoint = (learner.position, learner.ahead)  # saved with the learner's checkpoint, then committed
+    assert checkpoint[1], "the late groups went out ahead of the log order"
     learner.commit(policy_version=3)
     for _ in range(2):
-        learner.next_batch(0, max_samples=8)  # trained after the checkpoint, lost with the crash
+        learner.next_batch(LATEST_VERSION, max_samples=8)  # trained after the checkpoint, lost with the crash
     learner.close()
     if crash_buffer_too:
         buffer.kill()
         buffer = buffer_process(*overrides)
 
-    restarted = BufferConsumer(buffer.address, "learner", start_offset=checkpoint)
-    trained += [g.record_id for g in drain(restarted)]
-    assert trained == sent
+    restarted = BufferConsumer(buffer.address, "learner", start_offset=checkpoint[0], start_ahead=checkpoint[1])
+    trained += [g.record_id for g in drain(restarted, LATEST_VERSION)]
+    assert sorted(trained) == sorted(sent) and len(set(trained)) == len(sent)
 
 
 def test_learner_keeps_its_place_across_a_buffer_crash(buffer_process):

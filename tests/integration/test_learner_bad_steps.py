@@ -73,7 +73,7 @@ def train_on(model_dir, run_dir, batches: list[Batch], total_steps: int) -> Trai
         error = None
         try:
             run_loop(config, run_dir, world, model, optimizer, state, buffer, lambda v, m: logged.append(v),
-                     lambda v, o: None, pad_id=0)
+                     lambda v, o, a: None, pad_id=0)
         except TooManyBadSteps as raised:
             error = raised
         return Trained(state, buffer, initial, gathered_weights(model), logged, len(optimizer.state), error)

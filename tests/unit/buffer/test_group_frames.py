@@ -64,8 +64,8 @@ def test_group_staleness_ignores_samples_without_trained_tokens():
 
 def test_a_batch_of_spliced_frames_decodes_to_the_groups():
     groups = [synthetic_group(f"b{i}", completion_tokens=5) for i in range(3)]
-    batch = decode(encode_batch([encode(g) for g in groups], [4, 6, 9], 10, 2))
-    assert batch == Batch(groups=groups, offsets=[4, 6, 9], next_offset=10, dropped_stale=2)
+    batch = decode(encode_batch([encode(g) for g in groups], [4, 6, 9], 3, 2, [4, 6, 9]))
+    assert batch == Batch(groups=groups, offsets=[4, 6, 9], next_offset=3, dropped_stale=2, next_ahead=[4, 6, 9])
 
 
 def test_stats_metrics_use_buffer_names():
@@ -98,4 +98,4 @@ def test_batches_splice_groups_whose_envelope_is_encoded_unusually():
     canonical = encode(group)
     unusual = b"\x93\xcc" + canonical[1:2] + canonical[2:]  # schema version as a uint8 instead of a fixint
     assert decode(unusual) == group
-    assert decode(encode_batch([unusual], [0], 1, 0)).groups == [group]
+    assert decode(encode_batch([unusual], [0], 1, 0, [])).groups == [group]

@@ -88,6 +88,30 @@ def test_stale_groups_are_dropped_and_counted(serve, small_config):
     assert stats.dropped_stale == 3 and stats.staleness_histogram == {1: 1, 0: 2}
 
 
+def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_without_duplicates(serve, small_config,
+                                                                                                   tmp_path):
+    config = dataclasses.replace(small_config, max_staleness=1)
+    service = serve(config, tmp_path / "log")
+    producer = TrajectoryProducer(service.endpoint)
+    for i, version in enumerate([1, 1, 0, 1]):  # g2 holds the oldest tokens (a long response) and came late
+        producer.submit(group(f"g{i}", version=version))
+    producer.flush()
+    learner = BufferConsumer(service.endpoint, "learner")
+    first = learner.next_batch(policy_version=1, max_samples=2)
+    assert [g.record_id for g in first.groups] == ["g0", "g2"] and not first.dropped_stale
+    assert (first.next_offset, first.next_ahead) == (1, [2])
+    learner.commit(policy_version=1)
+    assert [g.record_id for g in learner.next_batch(policy_version=1, max_samples=1).groups] == ["g1"]
+    service.stop()  # g1 was handed out but not committed: a restarted learner trains it again, g2 not
+
+    restarted = serve(config, tmp_path / "log")
+    fresh = BufferConsumer(restarted.endpoint, "learner")  # no checkpoint: pins the buffer's position
+    resumed = BufferConsumer(restarted.endpoint, "learner-from-checkpoint", start_offset=1, start_ahead=[2])
+    assert [g.record_id for g in fresh.next_batch(policy_version=2).groups] == ["g1", "g3"]
+    assert [g.record_id for g in resumed.next_batch(policy_version=2).groups] == ["g1", "g3"]
+    assert (resumed.position, resumed.ahead) == (4, [])
+
+
 def test_bad_frames_are_rejected_counted_and_service_keeps_serving(serve, small_config):
     service = serve(dataclasses.replace(small_config, max_message_bytes=4096))
     good = encode(group("ok"))

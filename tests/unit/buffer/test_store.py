@@ -129,3 +129,30 @@ def test_a_failed_fsync_cuts_every_unsynced_record_out_of_the_log(tmp_path, smal
     assert [(r.offset, r.duplicate) for r in store.ingest(records([5, 0]))] == [(1, False), (0, True)]
     store.close()
     assert TrajectoryStore(small_config, tmp_path).end_offset == 2
+
+
+def test_a_commit_with_records_taken_ahead_survives_a_restart(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    store.ingest(records(range(3), version=1) + records([3], version=0))  # the oldest group arrived last
+    assert taken_ids(store, store.take(BatchLimits(1, 1, max_samples=1))) == ["3"]
+    assert store.window.position() == (0, [3])
+    store.commit(0, 1, ahead=[3])
+    store.close()
+    restarted = TrajectoryStore(small_config, tmp_path)
+    assert (restarted.committed.offset, restarted.committed.ahead) == (0, [3])
+    assert taken_ids(restarted, restarted.take(BatchLimits(1, 1))) == ["0", "1", "2"]
+    with pytest.raises(OffsetError, match="committed but not consumed"):
+        restarted.seek(0, [])  # a consumer position older than the commit would train group 3 twice
+
+
+def test_stale_drops_ahead_of_the_commit_stay_counted_across_restarts(tmp_path, small_config):
+    store = TrajectoryStore(small_config, tmp_path)
+    store.ingest(records(range(2), version=5) + records([2], version=0))
+    selection = store.take(BatchLimits(policy_version=5, max_staleness=1, max_samples=1))
+    assert [e.offset for e in selection.taken] == [0] and [e.offset for e in selection.dropped] == [2]
+    store.commit(1, 5, ahead=[2])
+    assert store.accepted == 2
+    store.close()
+    restarted = TrajectoryStore(small_config, tmp_path)
+    assert restarted.accepted == 2 and restarted.committed.dropped_ahead == [2]
+    assert taken_ids(restarted, restarted.take(BatchLimits(5, 1))) == ["1"]

@@ -48,14 +48,45 @@ def test_batch_by_tokens_and_an_oversized_first_group_still_goes_out():
     assert len(window.take(BatchLimits(0, 0, max_tokens=50)).taken) == 1  # never stuck behind a big group
 
 
-def test_plan_consumes_nothing_and_rewind_restores():
+def test_plan_consumes_nothing():
     window = window_of([0, 1, 2, 3])
     window.plan(BatchLimits(3, 0))
-    assert window.read_offset == 0 and len(window) == 4
-    taken = window.take(BatchLimits(3, 5)).taken
-    window.rewind(0, iter(taken))
-    assert [e.offset for e in window.entries] == [0, 1, 2, 3]
-    assert window.bytes == 4 * 7
+    assert window.position() == (0, []) and len(window) == 4 and window.bytes == 4 * 7
+
+
+def test_the_oldest_groups_go_first_and_the_position_lists_what_was_taken_ahead():
+    window = window_of([5, 3, 5, 4], samples=2)  # the long-running groups (versions 3, 4) arrived late
+    selection = window.take(BatchLimits(policy_version=5, max_staleness=2, max_samples=4))
+    assert [e.offset for e in selection.taken] == [1, 3] and selection.staleness == [2, 1]
+    assert window.position() == (0, [1, 3])
+    assert [e.offset for e in window.take(BatchLimits(5, 2, max_samples=2)).taken] == [0]
+    assert window.position() == (2, [3])  # the consumed prefix closes up
+
+
+def test_a_late_group_is_trained_before_it_turns_stale():
+    """One group per step, K = 1: in log order the version-0 group behind two version-1 groups would wait a step
+    and be dropped at version 2; oldest first, it goes out at version 1."""
+    window = window_of([1, 1, 0])
+    first = window.take(BatchLimits(policy_version=1, max_staleness=1, max_samples=2))
+    assert [e.offset for e in first.taken] == [2] and not first.dropped
+    second = window.take(BatchLimits(policy_version=2, max_staleness=1, max_samples=2))
+    assert [e.offset for e in second.taken] == [0] and not second.dropped
+
+
+def test_every_stale_group_is_dropped_even_behind_a_full_batch():
+    window = window_of([3, 3, 0, 0])
+    selection = window.take(BatchLimits(policy_version=3, max_staleness=1, max_samples=2))
+    assert [e.offset for e in selection.taken] == [0] and [e.offset for e in selection.dropped] == [2, 3]
+    assert window.position() == (1, [2, 3])
+
+
+def test_a_resumed_position_skips_what_it_consumed():
+    window = PendingWindow(2, ahead=[4])
+    for offset in range(2, 6):
+        window.append(Entry(offset, 7, 2, 10, 0))
+    assert sorted(window.entries) == [2, 3, 5] and window.bytes == 3 * 7
+    window.consume_through(3, [5])  # a commit from before a restart: both sides' consumption counts
+    assert window.position() == (3, [4, 5]) and sorted(window.entries) == [3]
 
 
 @settings(max_examples=200, deadline=None)
