@@ -265,6 +265,7 @@ class BufferStats:
     ingest_bytes_per_s: float  # append rate over the last stats window, in bytes
     handed_out: int  # groups handed out in batches since the service started
     dropped_stale: int  # groups dropped at read time because staleness exceeded max_staleness
+    dropped_passed_over: int  # of those, groups a full batch had left behind while still fresh enough (the rest came too late)
     staleness_histogram: dict[int, int]  # staleness → groups handed out with it
     rejected_frames: int  # frames rejected as undecodable or over the size limit
     full_rejections: int  # ingests answered "retry later" because a memory or disk budget was full

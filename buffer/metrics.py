@@ -33,6 +33,7 @@ class Counters:
     duplicates: int = 0  # resends acknowledged without storing
     handed_out: int = 0  # groups handed out in batches
     dropped_stale: int = 0  # groups dropped at read time as too stale
+    dropped_passed_over: int = 0  # of those, groups a full batch had left behind while they were still fresh enough
     rejected_frames: int = 0  # undecodable or oversized frames
     full_rejections: int = 0  # ingests told to retry later (budget full)
     staleness: Counter = field(default_factory=Counter)  # staleness -> groups handed out with it

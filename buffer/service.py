@@ -292,6 +292,7 @@ class BufferService:
     def _count_handout(self, selection: Selection) -> None:
         self.counters.handed_out += len(selection.taken)
         self.counters.dropped_stale += len(selection.dropped)
+        self.counters.dropped_passed_over += selection.dropped_passed_over
         self.counters.staleness.update(selection.staleness)
         if selection.dropped:
             log.info("dropped %d group(s) as staler than %d", len(selection.dropped), self.config.max_staleness)
@@ -337,6 +338,7 @@ class BufferService:
             ingested=counters.ingested, duplicates=counters.duplicates,
             ingest_groups_per_s=groups_per_s, ingest_bytes_per_s=bytes_per_s,
             handed_out=counters.handed_out, dropped_stale=counters.dropped_stale,
+            dropped_passed_over=counters.dropped_passed_over,
             staleness_histogram=dict(counters.staleness), rejected_frames=counters.rejected_frames,
             full_rejections=counters.full_rejections, admission_running=self.admission.running,
             admission_waits=self.admission.waits, admission_wait_s=self.admission.wait_s,

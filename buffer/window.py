@@ -52,6 +52,7 @@ class Selection:
     dropped: list[Entry] = field(default_factory=list)  # groups too stale, dropped
     staleness: list[int] = field(default_factory=list)  # staleness of each taken group
     full: bool = False  # the limits were reached
+    dropped_passed_over: int = 0  # dropped groups that an earlier full batch had left behind while still fresh enough
 
 
 class PendingWindow:
@@ -63,6 +64,7 @@ class PendingWindow:
         self.ahead: set[int] = set(ahead)
         self.entries: dict[int, Entry] = {}  # offset -> entry, in log order
         self._by_version: dict[int, dict[int, Entry]] = {}  # oldest version -> its entries, in log order
+        self._passed_over: set[int] = set()  # entries a full batch left behind while they could still be trained
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -105,7 +107,11 @@ class PendingWindow:
     def take(self, limits: BatchLimits) -> Selection:
         """Hand out the planned groups and drop the stale ones: both count as consumed."""
         selection = self.plan(limits)
+        selection.dropped_passed_over = sum(entry.offset in self._passed_over for entry in selection.dropped)
         self.consume(entry.offset for entry in selection.taken + selection.dropped)
+        if selection.full:
+            self._passed_over.update(offset for offset, entry in self.entries.items()
+                                     if staleness(limits.policy_version, entry.oldest_version) <= limits.max_staleness)
         return selection
 
     def consume(self, offsets: Iterable[int]) -> None:
@@ -115,6 +121,7 @@ class PendingWindow:
             entry = self.entries.pop(offset, None)
             if entry is not None:
                 self._forget(entry)
+                self._passed_over.discard(offset)
                 self.ahead.add(offset)
         while self.read_offset in self.ahead:
             self.ahead.remove(self.read_offset)

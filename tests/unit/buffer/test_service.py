@@ -112,6 +112,20 @@ def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_wi
     assert (resumed.position, resumed.ahead) == (4, [])
 
 
+def test_stale_drops_say_whether_a_full_batch_had_left_the_group_behind(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_staleness=1))
+    producer = TrajectoryProducer(service.endpoint)
+    for record_id in ("a", "b"):
+        producer.send(group(record_id, version=0))
+    learner = BufferConsumer(service.endpoint, "learner")
+    assert [g.record_id for g in learner.next_batch(policy_version=0, max_samples=1).groups] == ["a"]  # full: b waits
+    producer.send(group("late", version=0))  # arrives after every batch that version 0 could go out in
+    producer.send(group("fresh", version=2))
+    assert [g.record_id for g in learner.next_batch(policy_version=2).groups] == ["fresh"]
+    stats = learner.stats()
+    assert (stats.dropped_stale, stats.dropped_passed_over) == (2, 1)
+
+
 def test_bad_frames_are_rejected_counted_and_service_keeps_serving(serve, small_config):
     service = serve(dataclasses.replace(small_config, max_message_bytes=4096))
     good = encode(group("ok"))
