@@ -21,8 +21,8 @@ def tiny_job(tmp: Path, total_steps: int, *extra: str) -> list[str]:
         "model.warm_start.eval_samples=8", f"task.out_dir={tmp / 'data'}", "task.num_train=200", "task.num_val=16",
         "task.max_digits=1", "buffer.admission_timeout_s=15", f"data.train_files=[{tmp / 'data' / 'train.parquet'}]",
         f"data.val_files=[{tmp / 'data' / 'val.parquet'}]", f"learner.total_steps={total_steps}", "learner.lr=0.001",
-        "learner.torch_threads=1", "rollout.sampling.max_tokens=6", "rollout.engine.max_model_len=64",
-        "rollout.engine.dtype=float32", *extra,
+        "learner.torch_threads=1", "rollout.engine.cpu_threads=1", "rollout.sampling.max_tokens=6",
+        "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", *extra,
     ]
 
 
