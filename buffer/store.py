@@ -205,8 +205,9 @@ class TrajectoryStore:
         self.window.consume_through(offset, ahead)  # handed out before a buffer restart
         released_drops = {o for o in self._drops_since_commit if o < offset}
         self._drops_since_commit -= released_drops
+        dropped_ahead = sorted(self._drops_since_commit.intersection(ahead))
         self.committed = CommitPoint(offset, policy_version, self.committed.dropped_before + len(released_drops),
-                                     ahead=sorted(ahead), dropped_ahead=sorted(self._drops_since_commit.intersection(ahead)))
+                                     ahead=sorted(ahead), dropped_ahead=dropped_ahead)
         save_commit(self.directory, self.committed)
         first = self.log.release_before(offset)
         while self._ids_in_order and self._ids_in_order[0][0] < first:

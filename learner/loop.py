@@ -89,7 +89,8 @@ def run_loop(
         after_step(state.step, metrics)
         if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
             save_checkpoint(
-                run_dir / CHECKPOINTS_DIR, state.step, model, optimizer, {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead},
+                run_dir / CHECKPOINTS_DIR, state.step, model, optimizer,
+                {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead},
                 world, settings.keep_checkpoints,
             )
             after_checkpoint(state.step, state.buffer_offset, state.buffer_ahead)
