@@ -58,7 +58,6 @@ class LearnerServices:
         """`buffer.batch_groups` whole groups fit for `version`; catches lagging servers up while waiting."""
         wanted = self.config.buffer.batch_groups
         groups, offsets, dropped = [], [], 0
-        next_offset, next_ahead = self.consumer.position, self.consumer.ahead
         deadline = time.monotonic() + self.config.learner.batch_timeout_s
         while len(groups) < wanted:
             if time.monotonic() > deadline:
@@ -69,8 +68,9 @@ class LearnerServices:
             groups += part.groups
             offsets += part.offsets
             dropped += part.dropped_stale
-            next_offset, next_ahead = part.next_offset, part.next_ahead
-        return Batch(groups=groups, offsets=offsets, next_offset=next_offset, dropped_stale=dropped, next_ahead=next_ahead)
+        # the consumer's position moved with every part: it is where the whole batch leaves the learner
+        return Batch(groups=groups, offsets=offsets, next_offset=self.consumer.position, dropped_stale=dropped,
+                     next_ahead=self.consumer.ahead)
 
     def sync_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> RoundReport:
         self.latest_weights, self.latest_version = weights, version
