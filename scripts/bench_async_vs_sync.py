@@ -13,11 +13,16 @@ Response lengths are long-tailed, in one of two ways (--lengths):
               whose next-token distribution is near uniform, samples with probability 1 - 2^(-1/median)
               per token, so lengths are geometric with that median, capped at max_tokens (random weights only)
 Samples/s is counted from the learner's metrics after --warmup-steps steps, up to the step
-before the last (which also writes the final checkpoint).
---modes runs a subset; with a fixed --out-dir, a mode run earlier is read back from its metrics, so the two
-modes can run in separate calls (each under a host's per-command time limit) and still be compared.
+before the last (which also writes the final checkpoint); over the same steps, the groups the buffer
+dropped as staler than K and the share of the learner's time spent waiting for a batch.
+--max-staleness takes a list (e.g. 1,2,4,8) to sweep K: the async mode runs once per K (run directory
+bench-async-k<K>), each compared with the one sync run, so staleness can be tuned against throughput.
+--modes runs a subset; with a fixed --out-dir, a run made earlier is read back from its metrics, so the
+runs can be made in separate calls (each under a host's per-command time limit) and still be compared;
+--modes '' runs nothing and reports what --out-dir holds.
 Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup and the
-staleness the async run trained with (once both modes have run).
+staleness the async run trained with, for the first K listed, and `sweep` with every K's figures
+(once sync and the async runs have run).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import load_config
@@ -43,18 +49,47 @@ MODES = ("sync", "async")
 SIMULATED_SAMPLES = 100_000  # draws behind the reported length stats of --lengths per-sample
 
 
+@dataclass(frozen=True)
+class Run:
+    """One learner + rollout run of the benchmark."""
+    mode: str  # learner.mode
+    k: int  # buffer.max_staleness
+
+    @property
+    def name(self) -> str:
+        """Its run directory under --out-dir."""
+        return "bench-sync" if self.mode == "sync" else f"bench-async-k{self.k}"
+
+    @property
+    def label(self) -> str:
+        return "sync" if self.mode == "sync" else f"async K={self.k}"
+
+
+def planned_runs(ks: list[int]) -> list[Run]:
+    """The sync run, then one async run per K (sync mode never reads stale data, so one K serves it)."""
+    return [Run("sync", ks[0]), *(Run("async", k) for k in ks)]
+
+
+def _k_list(text: str) -> list[int]:
+    ks = [int(k) for k in text.split(",")]
+    if not ks or min(ks) < 0 or len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a list of distinct staleness bounds >= 0")
+    return ks
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/gpu_qwen05b.yaml", help="asyncrl config of the job")
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per mode")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the rate")
-    parser.add_argument("--max-staleness", type=int, default=2, help="K of the async run")
+    parser.add_argument("--max-staleness", type=_k_list, default=[2],
+                        help="K of the async run; a comma-separated list runs one async run per K")
     parser.add_argument("--median-tokens", type=int, default=192, help="median response length")
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of response lengths (tail weight)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the length draw")
     parser.add_argument("--lengths", choices=("per-prompt", "per-sample"), default="per-prompt",
                         help="long-tailed lengths per prompt (log-normal caps) or per sample (geometric, stop ids)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now ('' = none, only report)")
     parser.add_argument("--out-dir", default="", help="run directories of both modes (default: a new temporary one)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both modes")
     return parser.parse_args()
@@ -94,11 +129,11 @@ def _length_stats(lengths: list[int]) -> dict:
             "p99": ordered[int(len(ordered) * 0.99)], "max": ordered[-1]}
 
 
-def run_mode(mode: str, args: argparse.Namespace, root: Path, data_file: Path) -> None:
-    """Run learner and rollout for one mode (a previous run of it in `root` is replaced, not resumed)."""
-    shutil.rmtree(root / f"bench-{mode}", ignore_errors=True)
-    overrides = [f"run.root_dir={root}", f"run.name=bench-{mode}", f"learner.mode={mode}",
-                 f"learner.total_steps={args.steps}", f"buffer.max_staleness={args.max_staleness}",
+def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) -> None:
+    """Run learner and rollout once (a previous run of the same name in `root` is replaced, not resumed)."""
+    shutil.rmtree(root / run.name, ignore_errors=True)
+    overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
+                 f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
     command = [sys.executable, "-m", "asyncrl"]
     learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides], env=_on_gpu(1))
@@ -111,15 +146,15 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, data_file: Path) -
         if learner.poll() is None:
             learner.kill()
     if learner.returncode != 0:
-        raise SystemExit(f"{mode}: the learner exited with {learner.returncode}")
+        raise SystemExit(f"{run.label}: the learner exited with {learner.returncode}")
 
 
-def _metrics_file(root: Path, mode: str) -> Path:
-    return root / f"bench-{mode}" / "metrics.jsonl"
+def _metrics_file(root: Path, run: Run) -> Path:
+    return root / run.name / "metrics.jsonl"
 
 
-def _metrics(root: Path, mode: str) -> list[dict]:
-    return [json.loads(line) for line in _metrics_file(root, mode).read_text().splitlines()]
+def _metrics(root: Path, run: Run) -> list[dict]:
+    return [json.loads(line) for line in _metrics_file(root, run).read_text().splitlines()]
 
 
 def _on_gpu(index: int) -> dict[str, str]:
@@ -148,28 +183,54 @@ def _stop(process: subprocess.Popen) -> None:
 
 def summarise(records: list[dict], warmup_steps: int) -> dict:
     """Samples/s and trained response tokens/s from the end of the warm-up steps to the step before the
-    last (the last one also pays for the final checkpoint), plus staleness and response lengths. Tokens/s
-    is reported beside samples/s because an async run can train shorter responses than it generates
-    over a short window (the long ones finish later), which flatters samples/s."""
+    last (the last one also pays for the final checkpoint), plus staleness, response lengths, the groups
+    dropped as stale and the learner's waiting over the same steps. Tokens/s is reported beside samples/s
+    because an async run can train shorter responses than it generates over a short window (the long
+    ones finish later, or too late), which flatters samples/s."""
     steps = [r for r in records if "batch/samples" in r]
     timed = [r for r in steps if warmup_steps < r["step"] < steps[-1]["step"]]
-    start = next(r["time"] for r in steps if r["step"] == warmup_steps)
-    seconds = timed[-1]["time"] - start
+    start = next(r for r in steps if r["step"] == warmup_steps)
+    seconds = timed[-1]["time"] - start["time"]
     samples = sum(r["batch/samples"] for r in timed)
+
+    def counted(key: str) -> int:  # a cumulative buffer counter's growth over the timed steps
+        return int(timed[-1].get(key, 0) - start.get(key, 0))
+
     return {
         "samples_per_s": samples / seconds, "step_s": seconds / len(timed), "steps": len(timed),
         "tokens_per_s": sum(r["batch/samples"] * r.get("response_length/mean", 0.0) for r in timed) / seconds,
         "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in timed) / len(timed),
         "staleness_max": int(max(r.get("staleness/max", 0) for r in timed)),
         "response_length_mean": sum(r.get("response_length/mean", 0.0) for r in timed) / len(timed),
+        "groups_handed_out": counted("buffer/handed_out"),
+        "groups_dropped_stale": counted("buffer/dropped_stale"),
+        "learner_wait_share": sum(r.get("timing_s/wait_batch", 0.0) for r in timed) / seconds,
     }
 
 
-def print_table(results: dict[str, dict]) -> None:
-    print(f"{'mode':6} {'samples/s':>10} {'tokens/s':>9} {'step s':>8} {'staleness mean':>15} {'max':>4} {'resp len':>9}")
-    for mode, r in results.items():
-        print(f"{mode:6} {r['samples_per_s']:10.2f} {r['tokens_per_s']:9.0f} {r['step_s']:8.2f} "
-              f"{r['staleness_mean']:15.2f} {r['staleness_max']:4d} {r['response_length_mean']:9.1f}")
+def print_table(results: dict[Run, dict], baseline: dict | None) -> None:
+    """One row per run; ratios against the sync run where it has run."""
+    print(f"{'run':10} {'samples/s':>10} {'tokens/s':>9} {'vs sync':>8} {'step s':>7} {'staleness mean':>15} "
+          f"{'max':>4} {'resp len':>9} {'dropped':>8} {'learner waits':>14}")
+    for run, r in results.items():
+        ratio = f"{r['samples_per_s'] / baseline['samples_per_s']:7.2f}x" if baseline else f"{'-':>8}"
+        dropped = f"{r['groups_dropped_stale']}/{r['groups_dropped_stale'] + r['groups_handed_out']}"
+        print(f"{run.label:10} {r['samples_per_s']:10.2f} {r['tokens_per_s']:9.0f} {ratio} {r['step_s']:7.2f} "
+              f"{r['staleness_mean']:15.2f} {r['staleness_max']:4d} {r['response_length_mean']:9.1f} {dropped:>8} "
+              f"{r['learner_wait_share']:13.0%}")
+    print("dropped = groups dropped as stale / groups that reached the learner's reads, over the timed steps")
+
+
+def sweep_entry(run: Run, result: dict, sync: dict) -> dict:
+    return {
+        "k": run.k, "samples_per_s": round(result["samples_per_s"], 2), "tokens_per_s": round(result["tokens_per_s"], 1),
+        "speedup": round(result["samples_per_s"] / sync["samples_per_s"], 3),
+        "token_speedup": round(result["tokens_per_s"] / sync["tokens_per_s"], 3),
+        "staleness_mean": round(result["staleness_mean"], 3), "staleness_max": result["staleness_max"],
+        "response_length_mean": round(result["response_length_mean"], 1),
+        "groups_dropped_stale": result["groups_dropped_stale"], "groups_handed_out": result["groups_handed_out"],
+        "learner_wait_share": round(result["learner_wait_share"], 3),
+    }
 
 
 def main() -> None:
@@ -188,29 +249,35 @@ def main() -> None:
     else:
         lengths = long_tailed_prompts(args, max_tokens, config.data.train_files[0], data_file)
     print(f"response lengths: {lengths}")
-    for mode in args.modes.split(","):
-        if mode not in MODES:
-            raise SystemExit(f"--modes: unknown mode '{mode}' (choose from {', '.join(MODES)})")
-        run_mode(mode, args, root, data_file)
-    results = {mode: summarise(_metrics(root, mode), args.warmup_steps) for mode in MODES if _metrics_file(root, mode).exists()}
-    print_table(results)
-    if set(results) != set(MODES):
+    modes = [mode for mode in args.modes.split(",") if mode]
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES)})")
+    runs = planned_runs(args.max_staleness)
+    for run in runs:
+        if run.mode in modes:
+            run_mode(run, args, root, data_file)
+    results = {run: summarise(_metrics(root, run), args.warmup_steps) for run in runs if _metrics_file(root, run).exists()}
+    sync = results.get(runs[0])
+    print_table(results, sync)
+    if len(results) != len(runs):
         print(f"run the remaining modes with --out-dir {root} to compare them")
         return
-    speedup = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    token_speedup = results["async"]["tokens_per_s"] / results["sync"]["tokens_per_s"]
-    print(f"async / sync: {speedup:.2f}x in samples/s, {token_speedup:.2f}x in trained response tokens/s")
+    first = results[runs[1]]
+    speedup = first["samples_per_s"] / sync["samples_per_s"]
+    token_speedup = first["tokens_per_s"] / sync["tokens_per_s"]
+    print(f"async K={runs[1].k} / sync: {speedup:.2f}x in samples/s, {token_speedup:.2f}x in trained response tokens/s")
     print("RESULT " + json.dumps({
-        "async_samples_per_s": round(results["async"]["samples_per_s"], 2),
-        "sync_samples_per_s": round(results["sync"]["samples_per_s"], 2),
+        "async_samples_per_s": round(first["samples_per_s"], 2),
+        "sync_samples_per_s": round(sync["samples_per_s"], 2),
         "async_vs_sync_speedup": round(speedup, 3),
         "async_vs_sync_token_speedup": round(token_speedup, 3),
-        "async_response_length_mean": round(results["async"]["response_length_mean"], 1),
-        "sync_response_length_mean": round(results["sync"]["response_length_mean"], 1),
-        "staleness_mean": round(results["async"]["staleness_mean"], 3),
-        "staleness_max": results["async"]["staleness_max"],
+        "async_response_length_mean": round(first["response_length_mean"], 1),
+        "sync_response_length_mean": round(sync["response_length_mean"], 1),
+        "staleness_mean": round(first["staleness_mean"], 3),
+        "staleness_max": first["staleness_max"],
         "lengths": args.lengths, "response_lengths": lengths, "steps": args.steps, "warmup_steps": args.warmup_steps,
-        "max_staleness": args.max_staleness,
+        "max_staleness": runs[1].k,
+        "sweep": [sweep_entry(run, results[run], sync) for run in runs[1:]],
     }), flush=True)
 
 

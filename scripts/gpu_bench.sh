@@ -12,7 +12,9 @@
 #              adds config overrides, e.g. ROLLOUT_OVERRIDES=rollout.seeded_sampling=true (the preset's is false)
 #   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs; E2E_MODES=sync (or async)
 #              runs one mode per call (a host's per-command limit), both kept in /tmp/asyncrl-e2e;
-#              E2E_ARGS adds options, e.g. E2E_ARGS="--lengths per-sample" (lengths varying inside a group)
+#              E2E_ARGS adds options, e.g. E2E_ARGS="--lengths per-sample" (lengths varying inside a group),
+#              E2E_ARGS="--max-staleness 1,2,4,8" (one async run per K: the staleness sweep); E2E_MODES=''
+#              runs nothing and reports the runs already in /tmp/asyncrl-e2e
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
@@ -82,7 +84,7 @@ stage_rollout() {
 
 stage_e2e() {
     "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG" --out-dir /tmp/asyncrl-e2e \
-        --modes "${E2E_MODES:-sync,async}" ${E2E_ARGS:-} metrics.wandb_mode=disabled  # no wandb on the image
+        --modes "${E2E_MODES-sync,async}" ${E2E_ARGS:-} metrics.wandb_mode=disabled  # no wandb on the image
 }
 
 stages=("$@")

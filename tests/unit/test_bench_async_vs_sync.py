@@ -1,19 +1,23 @@
 """The async-vs-sync benchmark's summary: samples/s and trained response tokens/s over the timed steps."""
 
+import argparse
+
 import pytest
 
-from scripts.bench_async_vs_sync import geometric_lengths, stop_token_ids, summarise
+from scripts.bench_async_vs_sync import Run, _k_list, geometric_lengths, planned_runs, stop_token_ids, summarise
 
 
 def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_length():
     # step 1 is warm-up (its end starts the clock); step 4, the last, pays for the final checkpoint
     records = [
-        {"step": 1, "time": 10.0, "batch/samples": 8, "response_length/mean": 900.0},
+        {"step": 1, "time": 10.0, "batch/samples": 8, "response_length/mean": 900.0, "buffer/dropped_stale": 3,
+         "buffer/handed_out": 1, "timing_s/wait_batch": 9.0},
         {"step": 2, "time": 12.0, "batch/samples": 8, "response_length/mean": 100.0, "staleness/mean": 1.0,
-         "staleness/max": 2},
+         "staleness/max": 2, "buffer/dropped_stale": 4, "buffer/handed_out": 2, "timing_s/wait_batch": 0.5},
         {"step": 3, "time": 14.0, "batch/samples": 16, "response_length/mean": 400.0, "staleness/mean": 0.5,
-         "staleness/max": 1},
-        {"step": 4, "time": 30.0, "batch/samples": 8, "response_length/mean": 900.0},
+         "staleness/max": 1, "buffer/dropped_stale": 6, "buffer/handed_out": 4, "timing_s/wait_batch": 1.5},
+        {"step": 4, "time": 30.0, "batch/samples": 8, "response_length/mean": 900.0, "buffer/dropped_stale": 9,
+         "buffer/handed_out": 5, "timing_s/wait_batch": 16.0},
         {"step": 4, "time": 31.0, "val/score/mean": 0.5},  # not a training step
     ]
     summary = summarise(records, warmup_steps=1)
@@ -21,6 +25,19 @@ def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_lengt
     assert summary["samples_per_s"] == pytest.approx((8 + 16) / 4.0)
     assert summary["tokens_per_s"] == pytest.approx((8 * 100 + 16 * 400) / 4.0)
     assert summary["staleness_mean"] == pytest.approx(0.75) and summary["staleness_max"] == 2
+    # counters grow over steps 2-3 only: the warm-up's and the last step's drops and waits are not timed
+    assert summary["groups_dropped_stale"] == 6 - 3 and summary["groups_handed_out"] == 4 - 1
+    assert summary["learner_wait_share"] == pytest.approx((0.5 + 1.5) / 4.0)
+
+
+def test_a_staleness_sweep_runs_sync_once_then_async_once_per_k_each_in_its_own_directory():
+    runs = planned_runs(_k_list("1,2,8"))
+    assert [(run.mode, run.k) for run in runs] == [("sync", 1), ("async", 1), ("async", 2), ("async", 8)]
+    assert [run.name for run in runs] == ["bench-sync", "bench-async-k1", "bench-async-k2", "bench-async-k8"]
+    assert Run("async", 4).label == "async K=4"
+    for bad in ("2,2", "-1", "a"):
+        with pytest.raises((argparse.ArgumentTypeError, ValueError)):
+            _k_list(bad)
 
 
 def test_per_sample_lengths_stop_on_a_share_of_the_vocabulary_that_gives_the_median():
