@@ -120,9 +120,10 @@ def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
     fields = [("reward", "critic/score/mean", ".3f"), ("val", "val/score/mean", ".3f"),
               ("staleness", "staleness/mean", ".3f"), ("pg_loss", "actor/pg_loss", ".3f"),
               ("gen_tok/s", "rollout/tokens_per_s", ".0f"), ("train_tok/s", "learner/tokens_per_s", ".0f"),
-              ("sync_s", "weight_sync/seconds", ".3f"), ("step_s", "timing_s/step", ".3f")]
-    shown = " ".join(f"{label} {metrics[key]:{spec}}" for label, key, spec in fields if key in metrics)
-    return f"step {version}/{total} {shown}"
+              ("sync_s", "weight_sync/seconds", ".3f"), ("wait_s", "timing_s/wait_batch", ".3f"),
+              ("step_s", "timing_s/step", ".3f")]
+    shown = [f"{label} {metrics[key]:{spec}}" for label, key, spec in fields if key in metrics]
+    return " ".join([f"step {version}/{total}", *shown])
 
 
 def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str) -> None:
