@@ -260,7 +260,7 @@ def main() -> None:
     sync = results.get(runs[0])
     print_table(results, sync)
     if len(results) != len(runs):
-        print(f"run the remaining modes with --out-dir {root} to compare them")
+        print(f"make the remaining runs (--modes) with --out-dir {root} to compare them")
         return
     first = results[runs[1]]
     speedup = first["samples_per_s"] / sync["samples_per_s"]
