@@ -7,8 +7,8 @@
 Each reply is one engine request sampled like training rollouts (config sampling; the request's
 temperature, top_p, max_tokens / max_completion_tokens, stop and seed override it). A closed session
 becomes a trajectory (`chat_sessions.py`) and its group is sent to the buffer like any other, under the
-record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once. Sessions do not
-pass through admission: the staleness bound still holds at read time, but they add to what is in flight.
+record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once. A new session
+waits for a place within the staleness bound (`chat_admission.py`); without one in time it gets HTTP 503.
 """
 
 from __future__ import annotations

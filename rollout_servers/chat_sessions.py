@@ -7,7 +7,8 @@ recorded (its own replies included, as returned), renders only the new messages 
 (`ChatDelta`) and appends them, so the conversation is never re-tokenized. Model tokens keep their
 behaviour log-probs and versions, the agent's messages get loss mask 0 (`Transcript`). Closing a
 session with a reward turns it into a trajectory; sessions closed with the same `group_id` go to the
-buffer together, as one group, once `group_size` of them are closed.
+buffer together, as one group, once `group_size` of them are closed. A new session waits for a place
+within the staleness bound (`ChatAdmission`) before its first turn.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta, Message, Transcript
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from rollout_servers.agent_loop import TurnEngine
+from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.completion import Completion
 
 SESSION_CLOSED = "session_closed"  # finish reason of a chat session's trajectory
@@ -55,8 +57,9 @@ class Reply:
 
 class ChatSessions:
     def __init__(self, engine: TurnEngine, tokenizer: Any, max_model_len: int, settings: ChatEndpointConfig,
-                 server_id: str) -> None:
+                 server_id: str, admission: ChatAdmission) -> None:
         self._engine = engine
+        self._admission = admission
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._settings = settings
@@ -72,7 +75,7 @@ class ChatSessions:
                     seed: int | None = None) -> Reply:
         """The policy's next turn in session `session_id`, whose full conversation so far is `messages`."""
         self._drop_idle()
-        session = self._sessions.get(session_id) or self._open(session_id, messages)
+        session = self._sessions.get(session_id) or await self._open(session_id, messages)
         async with session.lock:
             context, observation, new_messages = self._extend(session, normalized(messages))
             room = self._max_model_len - len(context)
@@ -103,7 +106,7 @@ class ChatSessions:
             raise SessionError(400, f"session '{session_id}' has no model turn to train on")
         if group_size < 1:
             raise SessionError(400, f"group_size must be at least 1, got {group_size}")
-        del self._sessions[session_id]
+        self._forget(session_id)
         record_id = f"{self._server_id}-chat-{group_id or session_id}"
         trajectory = session.transcript.trajectory(float(reward), record_id, data_source, SESSION_CLOSED, session.turns)
         waiting = self._closed.setdefault(record_id, [])
@@ -114,14 +117,29 @@ class ChatSessions:
         return record_id, TrajectoryGroup(record_id=record_id, group_id=record_id, server_id=self._server_id,
                                           trajectories=waiting)
 
-    def _open(self, session_id: str, messages: list[Message]) -> ChatSession:
-        if len(self._sessions) >= self._settings.max_sessions:
-            raise SessionError(429, f"{len(self._sessions)} sessions open (rollout.chat.max_sessions); close some first")
+    async def _open(self, session_id: str, messages: list[Message]) -> ChatSession:
+        opening = len(self._sessions) + self._admission.waiting
+        if opening >= self._settings.max_sessions:
+            raise SessionError(429, f"{opening} sessions open or opening (rollout.chat.max_sessions); close some first")
         if not messages:
             raise SessionError(400, "messages must not be empty")
+        wait_s = self._settings.admission_wait_s
+        try:
+            await self._admission.enter(wait_s)
+        except TimeoutError:
+            raise SessionError(503, f"no place for a new session within the staleness bound after {wait_s:g}s "
+                                    "(rollout.chat.admission_wait_s): the learner is behind the work in flight; "
+                                    "retry later") from None
+        if session_id in self._sessions:  # the same session opened by a concurrent request meanwhile
+            self._admission.leave()
+            return self._sessions[session_id]
         session = ChatSession(Transcript([], self._engine.current_version), [])
         self._sessions[session_id] = session
         return session
+
+    def _forget(self, session_id: str) -> None:
+        del self._sessions[session_id]
+        self._admission.leave()
 
     def _extend(self, session: ChatSession, messages: list[Message]) -> tuple[list[int], list[int], list[Message]]:
         """The ids for the next turn, the delta's ids, and the messages new since the last reply."""
@@ -141,7 +159,7 @@ class ChatSessions:
     def _drop_idle(self) -> None:
         cutoff = time.monotonic() - self._settings.session_idle_s
         for session_id in [s for s, session in self._sessions.items() if session.last_used < cutoff]:
-            del self._sessions[session_id]
+            self._forget(session_id)
 
 
 def normalized(messages: Sequence[Any]) -> list[Message]:

@@ -23,6 +23,7 @@ from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.completion import STALE, Completion
@@ -91,6 +92,7 @@ class RolloutServer:
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self._finished_since_grant = 0
         self._slots = SampleSlots(config.rollout.max_inflight)
+        self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
 
@@ -130,7 +132,8 @@ class RolloutServer:
         settings, rollout = self.config.rollout.chat, self.config.rollout
         if not settings.enabled:
             return None
-        sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id)
+        sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id,
+                                self._chat_places)
 
         async def send(group: TrajectoryGroup):
             return await asyncio.to_thread(self._locked, producer.send, group)
@@ -188,11 +191,11 @@ class RolloutServer:
             # Every granted group counts against the staleness bound until reported finished, so ask
             # only for what will be started now: nothing while the weights lag by more than K.
             lagging = learner_version - engine.current_version > self.config.buffer.max_staleness
-            wanted = 0 if engine.needs_catch_up or lagging else self._slots.free_groups(rollout.sampling.n, len(running))
+            wanted = 0 if engine.needs_catch_up or lagging else self._wanted(len(running))
             grant = await self._ask(admission, wanted, len(running))
             learner_version = grant.policy_version
             self._abandon_stale(engine, learner_version)
-            for _ in range(grant.granted):
+            for _ in range(self._chat_places.take_grants(grant.granted)):  # waiting chat sessions come first
                 running.add(self._start_group(engine, agent, producer, scorer))
             idle_from = time.perf_counter() if not running else None
             if running:
@@ -211,10 +214,17 @@ class RolloutServer:
         if stopped:
             log.info("stopped %d request(s) too stale for learner version %d", stopped, learner_version)
 
+    def _wanted(self, running: int) -> int:
+        """Groups to ask admission for: the prompt groups that fit the free sample slots, and places for
+        the chat sessions waiting to open."""
+        return self._slots.free_groups(self.config.rollout.sampling.n, running) + self._chat_places.wanted()
+
     async def _ask(self, admission: AdmissionClient, wanted: int, running: int):
         """Report the groups finished since the last request and the `running` ones (tasks not done: every
-        done task has counted itself finished), and ask for `wanted` more."""
+        done task has counted itself finished; the grants open chat sessions hold are added), and ask for
+        `wanted` more."""
         finished, self._finished_since_grant = self._finished_since_grant, 0
+        running += self._chat_places.held
         return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished, running)
 
     def _start_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,

@@ -56,6 +56,7 @@ class ChatEndpointConfig:
     port: int = bounded(0, 0, 65535)  # server i listens on port + i; 0 = a free port (logged, and written to <run>/rollout/server-i.chat.json)
     max_sessions: int = bounded(256, 1)  # open sessions per server at most; a new one beyond is refused (HTTP 429)
     session_idle_s: float = bounded(600.0, 1.0)  # a session with no request this long is dropped unsent
+    admission_wait_s: float = bounded(300.0, 0.0)  # a new session waits this long for a place within the staleness bound, then gets HTTP 503
 
 
 @dataclass

@@ -149,11 +149,13 @@ def test_update_between_turns_gives_later_turns_the_new_version(rollout_engine, 
 
 def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, served_sender, loop_runner, tiny_models):
     """An external agent drives the policy over HTTP for two turns; closing the session sends a trajectory
-    whose ids, masks, log-probs and versions are the engine's, token by token."""
+    whose ids, masks, log-probs and versions are the engine's, token by token. A session opens only with a
+    place within the staleness bound: one more, with none granted, is refused with HTTP 503."""
     import aiohttp
 
     from asyncrl.config.rollout import ChatEndpointConfig
     from asyncrl.messages import Ack
+    from rollout_servers.chat_admission import ChatAdmission
     from rollout_servers.chat_endpoint import ChatEndpoint
     from rollout_servers.chat_sessions import ChatSessions
 
@@ -165,13 +167,20 @@ def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, serv
         sent.append(group)
         return Ack(record_id=group.record_id, offset=len(sent) - 1)
 
-    settings = ChatEndpointConfig(enabled=True)
-    endpoint = ChatEndpoint(ChatSessions(engine, tokenizer, MAX_MODEL_LEN, settings, "server-0"), SAMPLING,
+    settings = ChatEndpointConfig(enabled=True, admission_wait_s=0.2)
+    places = ChatAdmission(sessions_per_group=1)
+    endpoint = ChatEndpoint(ChatSessions(engine, tokenizer, MAX_MODEL_LEN, settings, "server-0", places), SAMPLING,
                             "tiny", sink)
     version = rollout_engine.current_version
 
+    async def grant_one_group() -> None:  # the server loop's part, with room for one group in the bound
+        while not places.wanted():
+            await asyncio.sleep(0.01)
+        places.take_grants(1)
+
     async def agent() -> tuple[list[dict], dict]:
         port = await endpoint.start(settings, 0)
+        granting = asyncio.create_task(grant_one_group())
         base = f"http://127.0.0.1:{port}/v1"
         messages = [{"role": "user", "content": "hi"}]
         replies = []
@@ -186,13 +195,17 @@ def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, serv
                 async with http.post(f"{base}/chat/completions",
                                      json={"messages": [{"role": "user", "content": "edited"}], "session_id": "s1"}) as response:
                     assert response.status == 409  # history that is not what the session recorded
+                async with http.post(f"{base}/chat/completions", json={"messages": messages, "session_id": "s2"}) as response:
+                    assert response.status == 503 and "rollout.chat.admission_wait_s" in await response.text()
                 async with http.post(f"{base}/sessions/s1/close", json={"reward": 0.75}) as response:
                     closed = await response.json()
         finally:
+            granting.cancel()
             await endpoint.stop()
         return replies, closed
 
     replies, closed = loop_runner.run(agent())
+    assert (places.open, places.held, places.waiting) == (0, 0, 0), "the closed session gave its place back"
 
     assert closed == {"session_id": "s1", "record_id": "server-0-chat-s1", "sent": True, "offset": 0, "duplicate": False}
     (group,) = sent

@@ -1,5 +1,5 @@
-"""Chat sessions on the scripted engine: token-in/token-out across requests, history checks, limits and
-groups of closed sessions."""
+"""Chat sessions on the scripted engine: token-in/token-out across requests, history checks, limits,
+groups of closed sessions, and places within the staleness bound."""
 
 from __future__ import annotations
 
@@ -9,14 +9,28 @@ import pytest
 
 from asyncrl.config.rollout import ChatEndpointConfig
 from asyncrl.environments import ChatDelta
+from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.chat_sessions import ChatSessions, SessionError, normalized
 from tests.unit.rollout_servers.test_agent_loop import EOS, SAMPLING, TOKENIZER, ScriptedEngine, ids, turn
 
 USER = {"role": "user", "content": "hi"}
+SHORT_WAIT_S = 0.05
 
 
-def sessions_on(engine, max_sessions: int = 4) -> ChatSessions:
-    return ChatSessions(engine, TOKENIZER, 256, ChatEndpointConfig(enabled=True, max_sessions=max_sessions), "server-1")
+class OpenPlaces(ChatAdmission):
+    """A place for every session at once (how places are granted is tested in test_chat_admission.py)."""
+
+    def __init__(self) -> None:
+        super().__init__(sessions_per_group=1)
+
+    async def enter(self, timeout_s: float) -> None:
+        self.open += 1
+
+
+def sessions_on(engine, max_sessions: int = 4, places: ChatAdmission | None = None,
+                admission_wait_s: float = SHORT_WAIT_S) -> ChatSessions:
+    settings = ChatEndpointConfig(enabled=True, max_sessions=max_sessions, admission_wait_s=admission_wait_s)
+    return ChatSessions(engine, TOKENIZER, 256, settings, "server-1", places or OpenPlaces())
 
 
 def test_two_requests_extend_the_ids_and_close_into_a_trajectory():
@@ -67,6 +81,32 @@ def test_session_limit_groups_and_closing_errors():
     with pytest.raises(SessionError, match="no open session 'a'") as error:
         sessions.close("a", 1.0)
     assert error.value.status == 404
+
+
+def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_dropped():
+    places = ChatAdmission(sessions_per_group=2)
+    sessions = sessions_on(ScriptedEngine([turn("x", -1.0)]), places=places, admission_wait_s=5.0)
+
+    async def open_two_then_a_third():
+        first = asyncio.create_task(sessions.reply("a", [USER], SAMPLING))
+        await asyncio.sleep(0.01)
+        waited = (len(sessions), places.wanted())  # no place yet: the server asks admission for one group
+        places.take_grants(1)
+        await first
+        await sessions.reply("b", [USER], SAMPLING)  # the group's second place needs no new grant
+        sessions._settings.admission_wait_s = SHORT_WAIT_S
+        with pytest.raises(SessionError, match="no place for a new session") as error:
+            await sessions.reply("c", [USER], SAMPLING)
+        return waited, error.value.status
+
+    assert asyncio.run(open_two_then_a_third()) == ((0, 1), 503)
+    assert (len(sessions), places.open, places.held, places.waiting) == (2, 2, 1, 0), "the refused one holds nothing"
+    sessions.close("a", 1.0)
+    assert (places.open, places.held) == (1, 1)
+    sessions._sessions["b"].last_used -= sessions._settings.session_idle_s + 1
+    with pytest.raises(SessionError, match="no place"):  # the idle one is dropped first: its place is given back
+        asyncio.run(sessions.reply("c", [USER], SAMPLING))
+    assert (len(sessions), places.open, places.held) == (0, 0, 0)
 
 
 def test_messages_are_normalized_to_role_and_text():

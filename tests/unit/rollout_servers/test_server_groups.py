@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,10 +15,11 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.data import write_rows
-from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
+from asyncrl.messages import Ack, AdmissionGrant, Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardFunctionError, RewardResult
 from asyncrl.rewards.builtin import UnknownDataSourceError
 from asyncrl.tiny.tokenizer import build_char_tokenizer
+from buffer.admission import Admission
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.server import Endpoints, RolloutServer
@@ -175,3 +177,40 @@ def test_a_finished_sample_frees_its_slot_while_its_group_still_generates(server
 
     assert asyncio.run(sample_one_group()) == [N - 1, 0]
     assert len(producer.sent) == 1
+
+
+@dataclass
+class BufferAdmission:
+    """The buffer's own admission count behind the client's `request`, without sockets."""
+
+    admission: Admission
+    accepted: int = 0  # groups stored for training
+
+    def request(self, wanted: int, finished: int = 0, running: int = -1) -> AdmissionGrant:
+        granted = self.admission.grant("server-0", wanted, finished, 0, self.accepted, time.monotonic(), running=running)
+        return AdmissionGrant(granted, policy_version=0)
+
+
+def test_open_chat_sessions_count_against_the_staleness_bound(server):
+    batch_groups = 2
+    buffer = BufferAdmission(Admission(max_staleness=0, batch_groups=batch_groups, timeout_s=60))
+    places = server._chat_places
+
+    async def scenario() -> list[tuple[int, int]]:
+        rounds = []  # (prompt groups the server may start, grants held for chat) after each request
+
+        async def ask() -> None:
+            grant = await server._ask(buffer, server._wanted(0), 0)
+            rounds.append((places.take_grants(grant.granted), places.held))
+
+        sessions = [asyncio.create_task(places.enter(5.0)) for _ in range(N + 1)]
+        await asyncio.sleep(0.01)
+        await ask()  # 3 waiting sessions are 2 groups of N: the whole bound, and before any prompt group
+        await asyncio.gather(*sessions)
+        await ask()  # the sessions still hold it
+        for _ in sessions:
+            places.leave()
+        await ask()  # closed: the bound is the prompts' again
+        return rounds
+
+    assert asyncio.run(scenario()) == [(0, batch_groups), (0, batch_groups), (batch_groups, 0)]
