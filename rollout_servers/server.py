@@ -173,6 +173,8 @@ class RolloutServer:
             "groups_sent": self.stats.groups_sent,
             "groups_resampled": self.stats.groups_resampled,
             "idle_seconds": self.stats.idle_seconds,
+            "chat_sessions": self._chat_places.open,
+            "chat_waiting": self._chat_places.waiting,
             "uptime_seconds": time.perf_counter() - self._started,
         }
         return counters | (self.validator.heartbeat_fields() if self.validator else {})

@@ -24,6 +24,8 @@ class SyncJoin:
     idle_seconds: float = 0.0  # time with nothing in the engine, since the server started
     uptime_seconds: float = 0.0  # time since the server started serving
     inflight: int = 0  # requests in its engine now
+    chat_sessions: int = 0  # chat sessions open on it now (each holds a place within the staleness bound)
+    chat_waiting: int = 0  # chat sessions waiting now for a place within the staleness bound
     validation: dict[str, float] = field(default_factory=dict)  # val/* metrics of its latest validation pass
     validation_version: int = NOT_VALIDATED  # policy version that pass validated
 

@@ -81,3 +81,4 @@ def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(tmp_path):
     assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
     assert any(r["critic/score/mean"] > 1 for r in records), "no batch held a chat group"
     assert all(r["staleness/max"] <= MAX_STALENESS for r in records)
+    assert all({"rollout/chat_sessions", "rollout/chat_waiting"} <= set(r) for r in records)

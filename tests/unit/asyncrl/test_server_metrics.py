@@ -54,7 +54,9 @@ def test_coordinator_reports_heartbeat_counters_per_server():
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coordinator.address)
     try:
-        sock.send(encode(beat("server-7", 2, tokens=50, idle_s=0.0, uptime_s=5.0, inflight=3)))
+        heartbeat = beat("server-7", 2, tokens=50, idle_s=0.0, uptime_s=5.0, inflight=3)
+        heartbeat.chat_sessions, heartbeat.chat_waiting = 4, 2
+        sock.send(encode(heartbeat))
         deadline = time.monotonic() + 10.0
         while not coordinator.live_members():
             assert time.monotonic() < deadline, "heartbeat not received"
@@ -62,6 +64,7 @@ def test_coordinator_reports_heartbeat_counters_per_server():
         values = coordinator.rollout_metrics(learner_version=5)
         assert values["rollout/server-7/version_lag"] == 3.0 and values["rollout/server-7/inflight"] == 3.0
         assert values["rollout/server-7/tokens_per_s"] == pytest.approx(10.0)
+        assert (values["rollout/chat_sessions"], values["rollout/chat_waiting"]) == (4.0, 2.0)
     finally:
         sock.close(0)
         coordinator.close()
