@@ -13,6 +13,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.heap import freeze_startup_heap
 from asyncrl.logs import setup_logging
 from asyncrl.weight_transfer.group import transfer_device
 from asyncrl.weight_transfer.protocol import resolve_backend
@@ -43,6 +44,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     try:
         share = WeightSharing(config, model, world, services)
         share(state.step)
+        freeze_startup_heap()  # torch, the model and the services live as long as this rank
         started = time.perf_counter()
 
         def after_step(version: int, metrics: dict[str, float]) -> None:

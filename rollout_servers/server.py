@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture, PromptRow, encode_prompt
 from asyncrl.environments import EnvironmentRegistry
+from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
@@ -114,6 +115,7 @@ class RolloutServer:
             chat = await self._start_chat(engine, producer)
             with RewardScorer(self.config.reward) as scorer:
                 validation = self._start_validation(engine, scorer, agent)
+                freeze_startup_heap()  # vLLM, torch and the engine's front end: a full collection would stall the loop
                 try:
                     await self._generate_forever(engine, agent, admission, producer, scorer)
                 finally:

@@ -11,7 +11,11 @@ log-probs, token versions, loss mask) from a producer process to a receiver proc
             sustain (a figure that a loaded machine moves far less than the wall-clock rate)
   delivery  BufferConsumer drains the durable run's log in batches and decodes them fully
 Frames are encoded before timing (only the record id differs), so the figures are the receiver's.
-Last line: RESULT {json} (ingest figures are the durable, batched-fsync run).
+The raw and durable ingest phases run --repeats times, interleaved (order flipped each round), each
+durable round into a fresh log; the headline figures are the medians over rounds, and the ratio is the
+median of each round's ingest / raw (the two phases of a round ran back to back, under nearly the same
+load). Delivery reads the last durable round's log; fsync=none and the lists baseline run once.
+Last line: RESULT {json} (ingest figures are the durable, batched-fsync rounds).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -29,7 +34,7 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from asyncrl.launch_buffer import start_buffer
+from asyncrl.launch_buffer import BufferProcess, start_buffer
 from asyncrl.messages import encode
 from asyncrl.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
@@ -51,9 +56,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=2000, help="groups sent per phase")
     parser.add_argument("--samples-per-group", type=int, default=8, help="trajectories per group (GRPO's n)")
     parser.add_argument("--window", type=int, default=8, help="unacknowledged groups a producer keeps in flight")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of the raw and durable ingest phases (medians reported)")
     parser.add_argument("--dir", default=None,
-                        help="where the buffer logs go, kept afterwards (default: a temporary directory, removed)")
-    return parser.parse_args()
+                        help="where the buffer logs go; the last durable round's and the fsync=none run's are kept "
+                             "afterwards (default: a temporary directory, removed)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
 
 
 def bench_group(samples: int):
@@ -177,7 +188,13 @@ def row(name: str, trajectories: int, nbytes: int, seconds: float, latencies: li
         result["ack_p50_ms"], result["ack_p99_ms"] = cuts[49] * MS_PER_S, cuts[PERCENTILE_P99 - 1] * MS_PER_S
     if cpu_s:  # /proc counts in clock ticks (10 ms): a very short phase may read 0
         result["cpu_us_per_traj"] = cpu_s / trajectories * US_PER_S
-        result["one_core_traj_per_s"] = trajectories / cpu_s
+    return with_one_core_rate(result)
+
+
+def with_one_core_rate(result: dict) -> dict:
+    """Add the rate one free core would sustain at the row's CPU per trajectory (when it has one)."""
+    if "cpu_us_per_traj" in result:
+        result["one_core_traj_per_s"] = US_PER_S / result["cpu_us_per_traj"]
     return result
 
 
@@ -200,30 +217,83 @@ def main() -> None:
         report(args, Path(args.dir or scratch))
 
 
+RAW_MODE, BATCH_MODE = "raw zmq push/pull + msgpack", "buffer ingest, fsync=batch"
+
+
+def ingest_rounds(args: argparse.Namespace, root: Path, template: tuple[bytes, bytes], raw_payload: bytes,
+                  nbytes: int) -> tuple[list[dict[str, dict]], BufferProcess]:
+    """`--repeats` rounds of raw and durable ingest, order flipped each round; the last round's buffer is
+    returned still running (delivery reads its log)."""
+    trajectories = args.groups * args.samples_per_group
+    rounds: list[dict[str, dict]] = []
+    durable: BufferProcess | None = None
+    try:
+        for index in range(args.repeats):
+            if durable is not None:  # an earlier round's log is not read again: free its disk and page cache
+                durable.stop()
+                shutil.rmtree(root / f"batch{index - 1}")
+                durable = None
+            phases: dict[str, dict] = {}
+            for mode in ("raw", "batch") if index % 2 == 0 else ("batch", "raw"):
+                if mode == "raw":
+                    phases[mode] = row(RAW_MODE, trajectories, nbytes, run_raw(raw_payload, args.groups))
+                else:
+                    durable, seconds, latencies, cpu = run_buffer(root / f"batch{index}", "batch", template,
+                                                                  args.groups, args.window)
+                    phases[mode] = row(BATCH_MODE, trajectories, nbytes, seconds, latencies, cpu)
+            rounds.append(phases)
+    except BaseException:
+        if durable is not None:
+            durable.stop()
+        raise
+    assert durable is not None  # parse_args asks for at least one round
+    return rounds, durable
+
+
+def median_row(name: str, rows: list[dict]) -> dict:
+    """Each figure's median over `rows` (figures a row lacks, e.g. CPU of a too-short phase, are left out)."""
+    keys = [key for key in rows[0] if key not in ("mode", "one_core_traj_per_s") and all(key in r for r in rows)]
+    return with_one_core_rate({"mode": name, **{key: statistics.median(r[key] for r in rows) for key in keys}})
+
+
+def print_rounds(rounds: list[dict[str, dict]]) -> None:
+    print(f"{'round':<7}{'raw traj/s':>12}{'ingest traj/s':>15}{'ratio':>8}{'ack p50 ms':>12}{'ack p99 ms':>12}"
+          f"{'CPU us/traj':>13}")
+    for index, phases in enumerate(rounds, start=1):
+        raw, batch = phases["raw"], phases["batch"]
+        cpu = f"{batch['cpu_us_per_traj']:>13.1f}" if "cpu_us_per_traj" in batch else f"{'-':>13}"
+        print(f"{index:<7}{raw['traj_per_s']:>12.0f}{batch['traj_per_s']:>15.0f}"
+              f"{batch['traj_per_s'] / raw['traj_per_s']:>8.2f}{batch['ack_p50_ms']:>12.2f}{batch['ack_p99_ms']:>12.2f}"
+              + cpu)
+
+
 def report(args: argparse.Namespace, root: Path) -> None:
-    """Run every phase with its logs under `root`; print the table and the RESULT line."""
+    """Run every phase with its logs under `root`; print the tables and the RESULT line."""
     template = template_frame(args.samples_per_group)
     frame_bytes = len(template[0]) + RECORD_ID_WIDTH + len(template[1])
     trajectories, nbytes = args.groups * args.samples_per_group, args.groups * frame_bytes
     raw_payload = template[0] + record_id(0).encode() + template[1]
     lists_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
 
-    rows = {"raw": row("raw zmq push/pull + msgpack", trajectories, nbytes, run_raw(raw_payload, args.groups)),
-            "raw_lists": row("raw, per-token msgpack lists (v1)", trajectories, len(lists_payload) * args.groups,
-                             run_raw(lists_payload, args.groups))}
-    durable, seconds, latencies, cpu = run_buffer(root / "batch", "batch", template, args.groups, args.window)
-    rows["batch"] = row("buffer ingest, fsync=batch", trajectories, nbytes, seconds, latencies, cpu)
+    rounds, durable = ingest_rounds(args, root, template, raw_payload, nbytes)
     try:
         delivery_seconds = run_delivery(durable.address, args.groups)
     finally:
         durable.stop()
-    rows["delivery"] = row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds)
+    ratios = [phases["batch"]["traj_per_s"] / phases["raw"]["traj_per_s"] for phases in rounds]
+    rows = {"raw": median_row(RAW_MODE, [phases["raw"] for phases in rounds]),
+            "raw_lists": row("raw, per-token msgpack lists (v1)", trajectories, len(lists_payload) * args.groups,
+                             run_raw(lists_payload, args.groups)),
+            "batch": median_row(BATCH_MODE, [phases["batch"] for phases in rounds]),
+            "delivery": row("buffer delivery (consumer decodes)", trajectories, nbytes, delivery_seconds)}
     volatile, seconds, latencies, cpu = run_buffer(root / "none", "none", template, args.groups, args.window)
     volatile.stop()
     rows["none"] = row("buffer ingest, fsync=none", trajectories, nbytes, seconds, latencies, cpu)
 
     print(f"{args.groups} groups x {args.samples_per_group} trajectories x {COMPLETION_TOKENS} completion tokens "
           f"({frame_bytes / 1e3:.0f} kB per group; {len(lists_payload) / 1e3:.0f} kB as lists), window {args.window}")
+    print_rounds(rounds)
+    print(f"medians over {args.repeats} round(s) for raw and fsync=batch; one run each for the other rows:")
     print_table(list(rows.values()))
     durable_row, raw_row = rows["batch"], rows["raw"]
     print("RESULT " + json.dumps({
@@ -236,11 +306,14 @@ def report(args: argparse.Namespace, root: Path) -> None:
         "buffer_nofsync_cpu_us_per_traj": round(rows["none"].get("cpu_us_per_traj", 0), 1) or None,
         "raw_zmq_traj_per_s": round(raw_row["traj_per_s"]),
         "raw_zmq_lists_traj_per_s": round(rows["raw_lists"]["traj_per_s"]),
-        "ingest_vs_raw": round(durable_row["traj_per_s"] / raw_row["traj_per_s"], 2),
+        "ingest_vs_raw": round(statistics.median(ratios), 2),
+        "ingest_vs_raw_min": round(min(ratios), 2),
+        "ingest_vs_raw_max": round(max(ratios), 2),
         "buffer_cpu_us_per_traj": round(durable_row.get("cpu_us_per_traj", 0), 1) or None,
         "buffer_one_core_traj_per_s": round(durable_row.get("one_core_traj_per_s", 0)) or None,
         "samples_per_group": args.samples_per_group,
         "window": args.window,
+        "repeats": args.repeats,
     }))
 
 
