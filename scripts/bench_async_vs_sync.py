@@ -90,8 +90,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lengths", choices=("per-prompt", "per-sample"), default="per-prompt",
                         help="long-tailed lengths per prompt (log-normal caps) or per sample (geometric, stop ids)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now ('' = none, only report)")
-    parser.add_argument("--out-dir", default="", help="run directories of both modes (default: a new temporary one)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both modes")
+    parser.add_argument("--out-dir", default="",
+                        help="where every mode's run directory goes; runs already there are read back "
+                             "(default: a new temporary one)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every mode")
     return parser.parse_args()
 
 
