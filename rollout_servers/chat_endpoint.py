@@ -13,6 +13,8 @@ waits for a place within the staleness bound (`chat_admission.py`); without one 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -28,6 +30,7 @@ from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, Reply,
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-Id"
+IDLE_CHECKS_PER_LIMIT = 10  # idle sessions are looked for this many times per rollout.chat.session_idle_s (dropped ≤ 10 % late)
 GroupSink = Callable[[TrajectoryGroup], Awaitable[Ack]]  # sends a finished group to the buffer
 
 
@@ -38,6 +41,7 @@ class ChatEndpoint:
         self._model_name = model_name
         self._sink = sink
         self._runner: web.AppRunner | None = None
+        self._idle_checks: asyncio.Task | None = None
         self.port = 0
 
     async def start(self, settings: ChatEndpointConfig, port: int) -> int:
@@ -53,12 +57,23 @@ class ChatEndpoint:
         site = web.TCPSite(self._runner, settings.host, port)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        self._idle_checks = asyncio.create_task(self._drop_idle_sessions(settings.session_idle_s / IDLE_CHECKS_PER_LIMIT))
         log.info("chat endpoint on http://%s:%d/v1", settings.host, self.port)
         return self.port
 
     async def stop(self) -> None:
+        if self._idle_checks is not None:
+            self._idle_checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._idle_checks
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _drop_idle_sessions(self, every_s: float) -> None:
+        """Sessions also go idle when no request comes at all (the agent crashed): look for them on a clock."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.sessions.drop_idle()
 
     async def _completions(self, request: web.Request) -> web.Response:
         try:

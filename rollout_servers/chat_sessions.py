@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -25,6 +26,8 @@ from asyncrl.messages import Trajectory, TrajectoryGroup
 from rollout_servers.agent_loop import TurnEngine
 from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.completion import Completion
+
+log = logging.getLogger(__name__)
 
 SESSION_CLOSED = "session_closed"  # finish reason of a chat session's trajectory
 CHAT_DATA_SOURCE = "chat"  # data source of session trajectories unless the close request names one
@@ -74,7 +77,7 @@ class ChatSessions:
     async def reply(self, session_id: str, messages: Sequence[Message], sampling: SamplingConfig,
                     seed: int | None = None) -> Reply:
         """The policy's next turn in session `session_id`, whose full conversation so far is `messages`."""
-        self._drop_idle()
+        self.drop_idle()
         session = self._sessions.get(session_id) or await self._open(session_id, messages)
         async with session.lock:
             context, observation, new_messages = self._extend(session, normalized(messages))
@@ -156,10 +159,18 @@ class ChatSessions:
         observation = self._chat.observation_ids(new_messages, session.last_model_ids)
         return session.transcript.context() + observation, observation, new_messages
 
-    def _drop_idle(self) -> None:
+    def drop_idle(self) -> int:
+        """Drop, unsent, the sessions with no request for `session_idle_s` (none that is being answered now),
+        giving their places back; return how many. An agent that crashed leaves its sessions holding places
+        that its group-mates and the server's prompts need, and the learner may be waiting for them."""
         cutoff = time.monotonic() - self._settings.session_idle_s
-        for session_id in [s for s, session in self._sessions.items() if session.last_used < cutoff]:
+        idle = [s for s, session in self._sessions.items() if session.last_used < cutoff and not session.lock.locked()]
+        for session_id in idle:
             self._forget(session_id)
+        if idle:
+            log.warning("dropped %d chat session(s) without a request for %.0fs (rollout.chat.session_idle_s), unsent; "
+                        "their admission places are free again", len(idle), self._settings.session_idle_s)
+        return len(idle)
 
 
 def normalized(messages: Sequence[Any]) -> list[Message]:

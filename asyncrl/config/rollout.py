@@ -55,7 +55,7 @@ class ChatEndpointConfig:
     host: str = "127.0.0.1"  # address the endpoint listens on (loopback unless you mean to expose it)
     port: int = bounded(0, 0, 65535)  # server i listens on port + i; 0 = a free port (logged, and written to <run>/rollout/server-i.chat.json)
     max_sessions: int = bounded(256, 1)  # open sessions per server at most; a new one beyond is refused (HTTP 429)
-    session_idle_s: float = bounded(600.0, 1.0)  # a session with no request this long is dropped unsent
+    session_idle_s: float = bounded(300.0, 1.0)  # a session with no request this long is dropped unsent and its admission place freed; below learner.batch_timeout_s
     admission_wait_s: float = bounded(300.0, 0.0)  # a new session waits this long for a place within the staleness bound, then gets HTTP 503
 
 

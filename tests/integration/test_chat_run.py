@@ -1,9 +1,10 @@
 """An external agent trains the policy through the chat endpoint of a running job (`asyncrl run` with
 `rollout.chat.enabled=true`): its sessions get places from the buffer's admission through the server's
 loop, beside the server's own prompt groups, their groups reach the learner, and no trained sample is
-staler than K."""
+staler than K. An agent that abandons its sessions does not stall the job: they are dropped once idle."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -25,12 +26,15 @@ TOTAL_STEPS = 6
 CHAT_REWARD = 10.0  # far above the arithmetic task's rewards (0..1): a batch holding a chat group shows it
 REQUEST_TIMEOUT_S = 120
 POLL_S = 0.2
+ABANDONED_SESSIONS = 8  # groups of 2: the whole in-flight budget of K = 1 and 2-group batches, twice over
+IDLE_S = 5  # rollout.chat.session_idle_s of the abandoning agent's job
+BATCH_TIMEOUT_S = 90  # a job whose learner starved behind the abandoned sessions fails in this time, not 600 s
 
 
-def overrides(tmp: Path) -> list[str]:
+def overrides(tmp: Path, *extra: str) -> list[str]:
     return tiny_job(tmp, TOTAL_STEPS, "run.name=chat", "rollout.chat.enabled=true", "buffer.batch_groups=2",
                     f"buffer.max_staleness={MAX_STALENESS}", f"rollout.sampling.n={SESSIONS_PER_GROUP}",
-                    "rollout.max_inflight=4", "validation.every=0")
+                    "rollout.max_inflight=4", "validation.every=0", *extra)
 
 
 def post(url: str, body: dict) -> dict:
@@ -39,13 +43,20 @@ def post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def drive_sessions(chat_file: Path, run: subprocess.Popen, closes: list[dict]) -> None:
-    """Play an agent until the run ends: open a group's sessions, one turn each, then close them with a reward."""
+def chat_url(chat_file: Path, run: subprocess.Popen) -> str | None:
+    """The endpoint's address once the server has written it; None if the run ended first."""
     while not chat_file.exists():
         if run.poll() is not None:
-            return
+            return None
         time.sleep(POLL_S)
-    url = json.loads(chat_file.read_text())["url"]
+    return json.loads(chat_file.read_text())["url"]
+
+
+def drive_sessions(chat_file: Path, run: subprocess.Popen, closes: list[dict]) -> None:
+    """Play an agent until the run ends: open a group's sessions, one turn each, then close them with a reward."""
+    url = chat_url(chat_file, run)
+    if url is None:
+        return
     group = 0
     while run.poll() is None:
         names = [f"g{group}-{member}" for member in range(SESSIONS_PER_GROUP)]
@@ -82,3 +93,41 @@ def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(tmp_path):
     assert any(r["critic/score/mean"] > 1 for r in records), "no batch held a chat group"
     assert all(r["staleness/max"] <= MAX_STALENESS for r in records)
     assert all({"rollout/chat_sessions", "rollout/chat_waiting"} <= set(r) for r in records)
+
+
+def abandon_session(chat_file: Path, run: subprocess.Popen, name: str, answered: list[str]) -> None:
+    """An agent that crashes after its first turn: the session is opened, answered, and never heard of again."""
+    url = chat_url(chat_file, run)
+    if url is None:
+        return
+    try:
+        post(f"{url}/chat/completions", {"messages": [{"role": "user", "content": "1+1"}], "session_id": name})
+        answered.append(name)
+    except (urllib.error.URLError, ConnectionError):  # the run stopped its servers
+        return
+
+
+def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path):
+    job = overrides(tmp_path, f"rollout.chat.session_idle_s={IDLE_S}", f"learner.batch_timeout_s={BATCH_TIMEOUT_S}")
+    prepare(tmp_path, job)
+    run_dir = tmp_path / "runs" / "chat"
+    run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *job],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    answered: list[str] = []
+    agents = [threading.Thread(target=abandon_session, args=(run_dir / "rollout" / "server-0.chat.json", run,
+                                                             f"lost-{index}", answered))
+              for index in range(ABANDONED_SESSIONS)]
+    for agent in agents:
+        agent.start()
+    try:
+        _, stderr = run.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        kill_tree(run.pid)
+        for agent in agents:
+            agent.join(timeout=REQUEST_TIMEOUT_S)
+
+    assert run.returncode == 0, stderr[-3000:]
+    assert len(answered) == ABANDONED_SESSIONS, "every abandoned session held a place"
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, TOTAL_STEPS + 1))
+    dropped = re.findall(r"dropped (\d+) chat session\(s\) without a request", (run_dir / "logs" / "rollout0.log").read_text())
+    assert sum(map(int, dropped)) == ABANDONED_SESSIONS

@@ -76,3 +76,10 @@ def test_cli_rejects_bad_key_before_any_work(tmp_path):
     assert result.returncode == 2
     assert "task.max_digitz" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_chat_sessions_are_dropped_before_the_learner_gives_up_waiting():
+    with pytest.raises(ConfigError, match=r"rollout.chat.session_idle_s: must be below learner.batch_timeout_s=600"):
+        load_config(None, ["rollout.chat.enabled=true", "rollout.chat.session_idle_s=600"])
+    load_config(None, ["rollout.chat.enabled=true", "rollout.chat.session_idle_s=599"])
+    load_config(None, ["rollout.chat.session_idle_s=600"])  # no endpoint, no sessions to wait for

@@ -10,11 +10,13 @@ import pytest
 from asyncrl.config.rollout import ChatEndpointConfig
 from asyncrl.environments import ChatDelta
 from rollout_servers.chat_admission import ChatAdmission
+from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_sessions import ChatSessions, SessionError, normalized
 from tests.unit.rollout_servers.test_agent_loop import EOS, SAMPLING, TOKENIZER, ScriptedEngine, ids, turn
 
 USER = {"role": "user", "content": "hi"}
 SHORT_WAIT_S = 0.05
+IDLE_S = 0.2  # session_idle_s of the idle tests: checked every 20 ms
 
 
 class OpenPlaces(ChatAdmission):
@@ -113,3 +115,38 @@ def test_messages_are_normalized_to_role_and_text():
     assert normalized([{"role": "assistant", "content": None, "tool_calls": []}]) == [{"role": "assistant", "content": ""}]
     with pytest.raises(SessionError, match=r"messages\[0\] must be an object with a 'role'"):
         normalized(["hi"])
+
+
+def test_idle_sessions_are_dropped_on_a_clock_when_no_request_comes():
+    """An agent that crashed sends nothing more: its sessions must still give their places back."""
+    places = OpenPlaces()
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5), turn("c", -0.5)]), places=places)
+    sessions._settings.session_idle_s = IDLE_S
+
+    async def open_two_then_go_quiet() -> list[int]:
+        endpoint = ChatEndpoint(sessions, SAMPLING, "tiny", sink=None)
+        await endpoint.start(sessions._settings, 0)
+        try:
+            await sessions.reply("a", [USER], SAMPLING)
+            await sessions.reply("b", [USER], SAMPLING)
+            counts = [len(sessions)]
+            await asyncio.sleep(IDLE_S * 3)
+            return counts + [len(sessions)]
+        finally:
+            await endpoint.stop()
+
+    assert asyncio.run(open_two_then_go_quiet()) == [2, 0]
+    assert places.open == 0
+
+
+def test_a_session_being_answered_is_not_idle():
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
+    asyncio.run(sessions.reply("a", [USER], SAMPLING))
+    sessions._sessions["a"].last_used -= sessions._settings.session_idle_s + 1
+
+    async def drop_while_answering() -> int:
+        async with sessions._sessions["a"].lock:
+            return sessions.drop_idle()
+
+    assert asyncio.run(drop_while_answering()) == 0 and len(sessions) == 1
+    assert sessions.drop_idle() == 1 and len(sessions) == 0
