@@ -70,6 +70,7 @@ class ChatSessions:
         self._chat = ChatDelta(tokenizer)
         self._sessions: dict[str, ChatSession] = {}
         self._closed: dict[str, list[Trajectory]] = {}  # group id → closed sessions waiting for their group
+        self.dropped_idle = 0  # sessions dropped unsent as idle since the server started
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -167,6 +168,7 @@ class ChatSessions:
         idle = [s for s, session in self._sessions.items() if session.last_used < cutoff and not session.lock.locked()]
         for session_id in idle:
             self._forget(session_id)
+        self.dropped_idle += len(idle)
         if idle:
             log.warning("dropped %d chat session(s) without a request for %.0fs (rollout.chat.session_idle_s), unsent; "
                         "their admission places are free again", len(idle), self._settings.session_idle_s)

@@ -94,6 +94,7 @@ class RolloutServer:
         self._finished_since_grant = 0
         self._slots = SampleSlots(config.rollout.max_inflight)
         self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
+        self._chat_sessions: ChatSessions | None = None  # the endpoint's sessions, when it serves
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
 
@@ -136,6 +137,7 @@ class RolloutServer:
             return None
         sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id,
                                 self._chat_places)
+        self._chat_sessions = sessions
 
         async def send(group: TrajectoryGroup):
             return await asyncio.to_thread(self._locked, producer.send, group)
@@ -177,6 +179,7 @@ class RolloutServer:
             "idle_seconds": self.stats.idle_seconds,
             "chat_sessions": self._chat_places.open,
             "chat_waiting": self._chat_places.waiting,
+            "chat_dropped_idle": self._chat_sessions.dropped_idle if self._chat_sessions else 0,
             "uptime_seconds": time.perf_counter() - self._started,
         }
         return counters | (self.validator.heartbeat_fields() if self.validator else {})

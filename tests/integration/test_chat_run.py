@@ -128,6 +128,9 @@ def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path):
 
     assert run.returncode == 0, stderr[-3000:]
     assert len(answered) == ABANDONED_SESSIONS, "every abandoned session held a place"
-    assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, TOTAL_STEPS + 1))
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
+    # heartbeats come once a second and the steps after the drop may all fall within one: the log counts exactly
+    assert all(0 <= r["rollout/chat_dropped_idle"] <= ABANDONED_SESSIONS for r in records)
     dropped = re.findall(r"dropped (\d+) chat session\(s\) without a request", (run_dir / "logs" / "rollout0.log").read_text())
     assert sum(map(int, dropped)) == ABANDONED_SESSIONS

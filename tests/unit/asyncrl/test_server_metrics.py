@@ -55,7 +55,7 @@ def test_coordinator_reports_heartbeat_counters_per_server():
     sock.connect(coordinator.address)
     try:
         heartbeat = beat("server-7", 2, tokens=50, idle_s=0.0, uptime_s=5.0, inflight=3)
-        heartbeat.chat_sessions, heartbeat.chat_waiting = 4, 2
+        heartbeat.chat_sessions, heartbeat.chat_waiting, heartbeat.chat_dropped_idle = 4, 2, 3
         sock.send(encode(heartbeat))
         deadline = time.monotonic() + 10.0
         while not coordinator.live_members():
@@ -64,7 +64,8 @@ def test_coordinator_reports_heartbeat_counters_per_server():
         values = coordinator.rollout_metrics(learner_version=5)
         assert values["rollout/server-7/version_lag"] == 3.0 and values["rollout/server-7/inflight"] == 3.0
         assert values["rollout/server-7/tokens_per_s"] == pytest.approx(10.0)
-        assert (values["rollout/chat_sessions"], values["rollout/chat_waiting"]) == (4.0, 2.0)
+        assert (values["rollout/chat_sessions"], values["rollout/chat_waiting"], values["rollout/chat_dropped_idle"]) == (
+            4.0, 2.0, 3.0)
     finally:
         sock.close(0)
         coordinator.close()

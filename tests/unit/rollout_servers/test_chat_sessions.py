@@ -150,3 +150,4 @@ def test_a_session_being_answered_is_not_idle():
 
     assert asyncio.run(drop_while_answering()) == 0 and len(sessions) == 1
     assert sessions.drop_idle() == 1 and len(sessions) == 0
+    assert sessions.dropped_idle == 1
