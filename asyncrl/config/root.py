@@ -56,9 +56,10 @@ class AsyncRLConfig:
             problems.append(("data.val_files", "needs at least one file when validation.every > 0"))
         chat = self.rollout.chat
         if chat.enabled and chat.session_idle_s >= self.learner.batch_timeout_s:
-            problems.append(("rollout.chat.session_idle_s", f"must be below learner.batch_timeout_s={self.learner.batch_timeout_s:g}: "
-                             "sessions an agent abandoned hold admission places until dropped, and the learner may "
-                             "wait for those places that long"))
+            problems.append(("rollout.chat.session_idle_s",
+                             f"must be below learner.batch_timeout_s={self.learner.batch_timeout_s:g}: sessions an "
+                             "agent abandoned hold admission places until dropped, and the learner may wait for "
+                             "those places that long"))
         problems += self.environment.cross_checks(self.rollout.engine.max_model_len)
         return problems + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
 
