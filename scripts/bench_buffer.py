@@ -221,10 +221,9 @@ RAW_MODE, BATCH_MODE = "raw zmq push/pull + msgpack", "buffer ingest, fsync=batc
 
 
 def ingest_rounds(args: argparse.Namespace, root: Path, template: tuple[bytes, bytes], raw_payload: bytes,
-                  nbytes: int) -> tuple[list[dict[str, dict]], BufferProcess]:
+                  trajectories: int, nbytes: int) -> tuple[list[dict[str, dict]], BufferProcess]:
     """`--repeats` rounds of raw and durable ingest, order flipped each round; the last round's buffer is
     returned still running (delivery reads its log)."""
-    trajectories = args.groups * args.samples_per_group
     rounds: list[dict[str, dict]] = []
     durable: BufferProcess | None = None
     try:
@@ -250,6 +249,11 @@ def ingest_rounds(args: argparse.Namespace, root: Path, template: tuple[bytes, b
     return rounds, durable
 
 
+def round_ratio(phases: dict[str, dict]) -> float:
+    """Durable ingest over raw ZeroMQ within one round (its two phases ran back to back)."""
+    return phases["batch"]["traj_per_s"] / phases["raw"]["traj_per_s"]
+
+
 def median_row(name: str, rows: list[dict]) -> dict:
     """Each figure's median over `rows` (figures a row lacks, e.g. CPU of a too-short phase, are left out)."""
     keys = [key for key in rows[0] if key not in ("mode", "one_core_traj_per_s") and all(key in r for r in rows)]
@@ -263,7 +267,7 @@ def print_rounds(rounds: list[dict[str, dict]]) -> None:
         raw, batch = phases["raw"], phases["batch"]
         cpu = f"{batch['cpu_us_per_traj']:>13.1f}" if "cpu_us_per_traj" in batch else f"{'-':>13}"
         print(f"{index:<7}{raw['traj_per_s']:>12.0f}{batch['traj_per_s']:>15.0f}"
-              f"{batch['traj_per_s'] / raw['traj_per_s']:>8.2f}{batch['ack_p50_ms']:>12.2f}{batch['ack_p99_ms']:>12.2f}"
+              f"{round_ratio(phases):>8.2f}{batch['ack_p50_ms']:>12.2f}{batch['ack_p99_ms']:>12.2f}"
               + cpu)
 
 
@@ -275,12 +279,12 @@ def report(args: argparse.Namespace, root: Path) -> None:
     raw_payload = template[0] + record_id(0).encode() + template[1]
     lists_payload = msgpack.packb(dataclasses.asdict(bench_group(args.samples_per_group)))
 
-    rounds, durable = ingest_rounds(args, root, template, raw_payload, nbytes)
+    rounds, durable = ingest_rounds(args, root, template, raw_payload, trajectories, nbytes)
     try:
         delivery_seconds = run_delivery(durable.address, args.groups)
     finally:
         durable.stop()
-    ratios = [phases["batch"]["traj_per_s"] / phases["raw"]["traj_per_s"] for phases in rounds]
+    ratios = [round_ratio(phases) for phases in rounds]
     rows = {"raw": median_row(RAW_MODE, [phases["raw"] for phases in rounds]),
             "raw_lists": row("raw, per-token msgpack lists (v1)", trajectories, len(lists_payload) * args.groups,
                              run_raw(lists_payload, args.groups)),
