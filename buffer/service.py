@@ -23,7 +23,7 @@ import zmq
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, summarize_group
-from asyncrl.heap import freeze_startup_heap
+from asyncrl.heap import freeze_startup_heap, keep_freed_memory
 from asyncrl.launch_buffer import ENDPOINT_FILE
 from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
                               Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
@@ -364,6 +364,8 @@ def run_buffer(config: BufferConfig, directory: str | Path) -> None:
     """Serve until SIGTERM or SIGINT, then close the log cleanly (a kill -9 is recovered on the next start).
     The directory is locked first: a predecessor still shutting down is waited for, never written beside."""
     with DirectoryLock(Path(directory), config.lock_timeout_s):
+        if config.heap_keep_bytes:
+            keep_freed_memory(config.heap_keep_bytes)  # received frames reuse freed ones' pages instead of faulting
         service = BufferService(config, directory)
         freeze_startup_heap()  # after recovery: what the log's index holds now lives as long as the service
         for stop_signal in (signal.SIGTERM, signal.SIGINT):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from asyncrl.config.fields import bounded, one_of
 
 LOOPBACK_NAMES = ("localhost",)
+C_INT_MAX = 2**31 - 1  # mallopt takes a C int
 
 
 def is_loopback(host: str) -> bool:
@@ -37,6 +38,7 @@ class BufferConfig:
     retry_after_ms: int = bounded(50, 1)  # wait a producer is told to take before resending when the buffer is full
     max_message_bytes: int = bounded(64 * 2**20, 1024)  # larger frames are rejected with an error reply
     max_receive_batch: int = bounded(256, 1)  # frames drained per loop turn; one log write and fsync cover them
+    heap_keep_bytes: int = bounded(64 * 2**20, 0, C_INT_MAX)  # freed bytes malloc keeps for new frames (glibc); 0 = libc default
     stats_window_s: float = bounded(10.0, 0.1)  # window of the ingest-rate metrics
     curve_dir: str = ""  # CURVE keys from `asyncrl keygen`; set = encrypt and authenticate every connection
     client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
