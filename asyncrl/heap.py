@@ -6,7 +6,8 @@ process's loop stands still meanwhile: ~250 ms in a rollout server on the 2-core
 the learner, ~13 ms in the buffer (docs/benchmarks.md). Freezing moves the objects alive at the end of
 startup into a permanent generation that collections skip, so later full collections walk only what
 the role allocated since. Frozen objects are still freed by reference counting when their last
-reference goes; only reference cycles among them would outlive their use, and startup leaves few.
+reference goes; only reference cycles among them would outlive their use, and startup leaves few;
+they are thawed at exit, for the interpreter's last collection.
 
 Keeping freed memory. glibc's malloc hands the free top of an arena back to the kernel once more than
 128 KB of it are free, and serves blocks over 128 KB (at first) with a fresh mmap each. A process that
@@ -17,6 +18,7 @@ trajectories/s, page faults being dear in a VM. Raising both thresholds lets fre
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import gc
@@ -31,9 +33,14 @@ GLIBC_MAX_MMAP_THRESHOLD = 4 * 2**20 * ctypes.sizeof(ctypes.c_long)  # the large
 def freeze_startup_heap() -> int:
     """Collect what startup left as garbage, then freeze every object alive now; return how many are frozen.
 
-    Call once per process, when the role has built its long-lived state and is about to serve."""
+    Call once per process, when the role has built its long-lived state and is about to serve. At exit the
+    objects are thawed again, so that the interpreter's last collection frees the cycles among them:
+    frozen, they would outlive it, and extension modules that count their objects at teardown (triton's
+    bindings, imported with vLLM) print every survivor as a leak."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once, however often this is called
+    atexit.register(gc.unfreeze)
     frozen = gc.get_freeze_count()
     log.debug("froze %d startup objects: full collections no longer walk them", frozen)
     return frozen

@@ -1,6 +1,7 @@
 """freeze_startup_heap: what is alive at the end of startup leaves the collector's passes, garbage does not
-survive into the frozen set, and what the role allocates later is still collected. keep_freed_memory: freed
-blocks are reused rather than returned to the kernel and faulted in again."""
+survive into the frozen set, what the role allocates later is still collected, and at exit the frozen objects
+are collected too. keep_freed_memory: freed blocks are reused rather than returned to the kernel and faulted
+in again."""
 
 import gc
 import platform
@@ -59,6 +60,25 @@ def test_cycles_made_after_the_freeze_are_still_collected_automatically(thawed):
     allocations = [[] for _ in range(3 * gc.get_threshold()[0])]  # enough to trigger a young collection
     assert later() is None
     del allocations
+
+
+EXIT_PROBE = """
+from asyncrl.heap import freeze_startup_heap
+class Node:
+    def __init__(self):
+        self.partner = None
+    def __del__(self):
+        print("freed", flush=True)
+first, second = Node(), Node()
+first.partner, second.partner = second, first
+freeze_startup_heap()
+del first, second  # a frozen cycle turned garbage: only a collection that sees it can free it
+"""
+
+
+def test_a_frozen_cycle_is_freed_by_the_last_collection_at_exit():
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["freed", "freed"]
 
 
 FAULT_PROBE = """
