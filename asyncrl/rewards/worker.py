@@ -52,8 +52,10 @@ def score_request(function: RewardFunction, request: RewardRequest) -> RewardRes
 
 def worker_main(conn: Connection, path: str, name: str) -> None:
     """Entry point of a spawned worker process."""
-    # Ctrl-C reaches the whole process group; the pool alone decides when its workers stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, and `asyncrl run` stopping a role, signal the whole process group; the pool alone decides when
+    # its workers stop (a worker killed first was counted as a death and replaced while the server shut down)
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, signal.SIG_IGN)
     try:
         function = resolve_reward_function(path, name)
     except Exception as error:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -255,6 +257,14 @@ def test_killed_workers_are_replaced_so_the_pool_keeps_its_capacity(misbehaving_
     assert misbehaving_scorer.score([request("hang")])[0].error.startswith("timeout")
     after = workers_running_in_parallel(misbehaving_scorer)
     assert len(after) == NUM_WORKERS and after != before  # two processes again, one of them new
+
+
+def test_stop_signals_to_the_process_group_leave_the_workers_to_the_pool(misbehaving_scorer):
+    before = workers_running_in_parallel(misbehaving_scorer)
+    for pid in before:  # what Ctrl-C, or `asyncrl run` stopping the rollout role, sends to every process
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+    assert workers_running_in_parallel(misbehaving_scorer) == before  # none died, none was replaced
 
 
 def workers_running_in_parallel(scorer: RewardScorer) -> set[int]:
