@@ -1,4 +1,5 @@
-"""A flag set by SIGTERM or SIGINT, for supervising loops that must stop their children cleanly."""
+"""Stop signals: a flag set by SIGTERM or SIGINT, for supervising loops that must stop their children cleanly,
+and the switch that keeps a process that has begun to stop from being interrupted in its teardown."""
 
 from __future__ import annotations
 
@@ -13,3 +14,12 @@ class StopSignal:
 
     def _request(self, signum: int, frame: object) -> None:
         self.requested = True
+
+
+def ignore_stop_signals() -> None:
+    """From now on SIGTERM and SIGINT do nothing: call once a process has begun to stop. A role's process often
+    gets the same stop twice (from `asyncrl run` to the whole process group, then from its own supervisor), and a
+    second KeyboardInterrupt would break the teardown halfway (vLLM's shutdown, atexit handlers). Whoever sent
+    the signal still escalates to SIGKILL if the process does not exit in time."""
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, signal.SIG_IGN)

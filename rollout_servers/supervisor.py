@@ -23,7 +23,7 @@ from pathlib import Path
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import CANNOT_START
-from asyncrl.stop_signal import StopSignal
+from asyncrl.stop_signal import StopSignal, ignore_stop_signals
 from asyncrl.logs import setup_logging
 from asyncrl.restarts import QuickDeaths
 from rollout_servers.server import Endpoints, RolloutServer
@@ -130,6 +130,8 @@ def _serve(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str
         asyncio.run(server.serve())
     except KeyboardInterrupt:
         log.info("server-%d stopped", index)
+    finally:
+        ignore_stop_signals()  # the supervisor's SIGTERM follows the run's: the exit path must run to its end
 
 
 def _stop_all(processes: list[multiprocessing.Process], timeout_s: float) -> None:

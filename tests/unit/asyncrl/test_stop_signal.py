@@ -1,0 +1,42 @@
+"""ignore_stop_signals: a process that has begun to stop finishes its teardown through a second stop signal."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(30)
+
+STOPPING_TWICE = """
+import atexit, os, signal, sys, time
+from asyncrl.stop_signal import ignore_stop_signals
+signal.signal(signal.SIGTERM, signal.default_int_handler)  # as a rollout server does
+def teardown():
+    os.kill(os.getpid(), signal.SIGTERM)  # the second stop, while the exit path runs
+    time.sleep(0.2)
+    print("teardown finished", flush=True)
+atexit.register(teardown)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # the first stop
+    time.sleep(10)
+except KeyboardInterrupt:
+    print("stopping", flush=True)
+finally:
+    if sys.argv[1] == "ignore":
+        ignore_stop_signals()
+"""
+
+
+def run_stopped_twice(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", STOPPING_TWICE, mode], capture_output=True, text=True, timeout=20)
+
+
+def test_a_second_stop_signal_does_not_break_the_teardown():
+    done = run_stopped_twice("ignore")
+    assert done.stdout.split("\n")[:2] == ["stopping", "teardown finished"]
+    assert "KeyboardInterrupt" not in done.stderr
+
+
+def test_without_it_the_second_stop_interrupts_the_teardown():  # the probe shows the hazard it guards
+    done = run_stopped_twice("default")
+    assert "teardown finished" not in done.stdout and "KeyboardInterrupt" in done.stderr
