@@ -7,7 +7,7 @@ import logging
 import time
 from pathlib import Path
 
-from asyncrl.config import AsyncRLConfig, load_config, save_config
+from asyncrl.config import AsyncRLConfig, ConfigError, load_config, save_config
 from asyncrl.logs import setup_logging
 
 
@@ -29,3 +29,16 @@ def start(args: argparse.Namespace, role: str) -> tuple[AsyncRLConfig, logging.L
     """Load the config and set up logging for `role`."""
     config = load(args)
     return config, setup_logging(role, config.run.log_level)
+
+
+def check_input_files(config: AsyncRLConfig) -> None:
+    """Raise ConfigError naming every local file the rollout side reads that is not there, before any role
+    starts: a mistyped path fails at once instead of after the learner and a vLLM engine have started."""
+    wanted = [("data.train_files", path) for path in config.data.train_files]
+    if config.validation.every:
+        wanted += [("data.val_files", path) for path in config.data.val_files]
+    if config.reward.custom_fn.path:
+        wanted.append(("reward.custom_fn.path", config.reward.custom_fn.path))
+    missing = [f"{key}: no file at {path}" for key, path in wanted if not Path(path).is_file()]
+    if missing:
+        raise ConfigError("input files not found:\n  " + "\n  ".join(missing))

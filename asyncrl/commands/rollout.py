@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from asyncrl.commands.common import start
+from asyncrl.commands.common import check_input_files, start
 from asyncrl.sync_mode import apply_mode
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "rollout")
     config = apply_mode(config, log)
+    check_input_files(config)
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment  # imports torch: after parsing
 
     prepare_nccl_environment(config.rollout.weight_sync.host)

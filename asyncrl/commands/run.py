@@ -11,17 +11,19 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.commands.common import start
+from asyncrl.commands.common import check_input_files, start
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
 _STOP_TIMEOUT_S = 30.0  # grace period after SIGTERM before SIGKILL
-_ERRORS_SHOWN = 3  # error lines of the rollout supervisor's log repeated on the console when it gives up
+_ERRORS_SHOWN = 3  # error records of the rollout supervisor's log repeated on the console when it gives up
+_CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError lists up to 5 rows and a count)
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "run")
+    check_input_files(config)
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
         while not stop.requested and learner.poll() is None:
             if rollout.poll() is not None:
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
-                for line in _last_errors(run_dir / "logs" / "rollout.log"):
+                for line in last_errors(run_dir / "logs" / "rollout.log"):
                     log.error("  %s", line)
                 code = 1
                 break
@@ -55,12 +57,22 @@ def main(args: argparse.Namespace) -> int:
     return code
 
 
-def _last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:
-    """The last `count` error lines of a log (why a child gave up), oldest first."""
+def last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:
+    """The last `count` error records of a log (why a child gave up), oldest first: each ERROR line with the
+    indented lines that continue its message (a DataError's rows, say); tracebacks stay in the log."""
     if not log_path.is_file():
         return []
-    lines = log_path.read_text(errors="replace").splitlines()
-    return [line for line in lines if " ERROR " in line][-count:]
+    records: list[list[str]] = []
+    continues = False  # the line before belongs to an error record that may go on
+    for line in log_path.read_text(errors="replace").splitlines():
+        if " ERROR " in line:
+            records.append([line])
+            continues = True
+        elif continues and line.startswith("  ") and len(records[-1]) <= _CONTINUATION_LINES:
+            records[-1].append(line)
+        else:
+            continues = False
+    return [line for record in records[-count:] for line in record]
 
 
 def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False) -> subprocess.Popen:

@@ -80,14 +80,15 @@ def test_sigterm_during_engine_start_stops_every_process(job_dir):
 
 
 def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(job_dir):
-    # A wrong input (here a data file that is not there) fails the same way every time: the server is not
-    # restarted with back-off while the learner waits, the run ends and the console says why.
-    missing = job_dir / "missing.parquet"
+    # A wrong input (here a data file whose row has no prompt) fails the same way every time: the server is
+    # not restarted with back-off while the learner waits, the run ends and the console says why.
+    malformed = job_dir / "malformed.jsonl"
+    malformed.write_text('{"question": "2+2"}\n')
     command = [sys.executable, "-m", "asyncrl.cli", "run",
-               *tiny_job(job_dir, 50, "run.name=cannot-start", f"data.train_files=[{missing}]")]
+               *tiny_job(job_dir, 50, "run.name=cannot-start", f"data.train_files=[{malformed}]")]
     run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
     assert run.returncode == 1, run.stderr[-3000:]
-    assert f"data file not found: {missing}" in run.stderr
+    assert "DataError: malformed rows" in run.stderr and f"{malformed}, row 0:" in run.stderr  # the row, on the console
     assert "cannot start from this config (not restarted)" in run.stderr
     supervisor_log = (job_dir / "runs" / "cannot-start" / "logs" / "rollout.log").read_text()
     assert "restart" not in supervisor_log.replace("not restarted", "")
