@@ -192,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.overrides += [f"{name[5:]}={value}" for name, value in vars(args).items() if name.startswith("flag:") and value is not None]
     module_name, function_name = args.target.split(":")
     from asyncrl.config import ConfigError
+    from asyncrl.exit_codes import INTERRUPTED
 
     try:
         return int(getattr(importlib.import_module(module_name), function_name)(args) or 0)
@@ -200,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print(f"asyncrl {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

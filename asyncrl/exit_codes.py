@@ -3,3 +3,6 @@
 # The role could not be built from its inputs (model path, data files, environments, validation prompts):
 # the same inputs would fail again, so a launcher reports it and does not restart the role.
 CANNOT_START = 3
+
+# The role stopped on SIGINT/SIGTERM before its work was done (128 + SIGINT, as shells report Ctrl-C).
+INTERRUPTED = 130

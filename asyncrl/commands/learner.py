@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from asyncrl.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.net import free_port
 from asyncrl.sync_mode import apply_mode
 
@@ -26,16 +28,34 @@ def main(args: argparse.Namespace) -> int:
 
         train(config, run_dir)
     else:
-        spawn_ranks(config, str(run_dir))
+        if not spawn_ranks(config, str(run_dir)):
+            log.warning("stopped by a signal: the ranks closed their services and exited")
+            return INTERRUPTED
     print(f"RUN_DIR {run_dir}", flush=True)
     return 0
 
 
-def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> None:
+def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> bool:
+    """Run learner.nproc local ranks to the end; False when a stop signal ended them first.
+
+    SIGTERM (what `asyncrl run` sends the learner's process group) is taken like Ctrl-C, here and in every
+    rank: a rank unwinds through its `finally` (buffer stopped, metrics closed, its process group left) and
+    exits, and this process waits for that. Killed outright, a rank left the multiprocessing resource tracker
+    warning about a leaked semaphore (tqdm's, from loading the model) on the console."""
     import torch.multiprocessing as mp
 
     from learner.main import spawned_rank
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     size = config.learner.nproc
-    mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size, start_method="spawn")
+    context = mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size,
+                                 start_method="spawn", join=False)
+    try:
+        while not context.join():
+            pass
+    except KeyboardInterrupt:  # the ranks got the same signal: they are on their way out
+        for process in context.processes:
+            process.join()
+        return False
+    return True
 

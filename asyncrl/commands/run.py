@@ -13,6 +13,7 @@ from pathlib import Path
 
 from asyncrl.commands.common import check_input_files, start
 from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
@@ -47,7 +48,7 @@ def main(args: argparse.Namespace) -> int:
                 break
             time.sleep(_POLL_S)
         if stop.requested:
-            code = 130
+            code = INTERRUPTED
         elif code == 0:
             code = learner.returncode or 0
     finally:
