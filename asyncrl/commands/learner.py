@@ -27,10 +27,9 @@ def main(args: argparse.Namespace) -> int:
         from learner.main import train
 
         train(config, run_dir)
-    else:
-        if not spawn_ranks(config, str(run_dir)):
-            log.warning("stopped by a signal: the ranks closed their services and exited")
-            return INTERRUPTED
+    elif not spawn_ranks(config, str(run_dir)):
+        log.warning("stopped by a signal: the ranks closed their services and exited")
+        return INTERRUPTED
     print(f"RUN_DIR {run_dir}", flush=True)
     return 0
 
