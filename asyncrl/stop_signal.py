@@ -16,6 +16,12 @@ class StopSignal:
         self.requested = True
 
 
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt from now on, as Ctrl-C does: a role stopped by its launcher unwinds
+    through its `finally` blocks instead of dying where it stands."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
 def ignore_stop_signals() -> None:
     """From now on SIGTERM and SIGINT do nothing: call once a process has begun to stop. A role's process often
     gets the same stop twice (from `asyncrl run` to the whole process group, then from its own supervisor), and a

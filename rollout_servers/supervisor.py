@@ -14,7 +14,6 @@ import json
 import logging
 import multiprocessing
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from pathlib import Path
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import CANNOT_START
-from asyncrl.stop_signal import StopSignal, ignore_stop_signals
+from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_on_sigterm
 from asyncrl.logs import setup_logging
 from asyncrl.restarts import QuickDeaths
 from rollout_servers.server import Endpoints, RolloutServer
@@ -119,7 +118,7 @@ def server_log(run_dir: Path | str, index: int) -> Path:
 
 def _serve(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str) -> None:
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupt_on_sigterm()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
         server = RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR)

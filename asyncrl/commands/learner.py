@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 
 from asyncrl.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.net import free_port
+from asyncrl.stop_signal import interrupt_on_sigterm
 from asyncrl.sync_mode import apply_mode
 
 
@@ -45,7 +45,7 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> bool:
 
     from learner.main import spawned_rank
 
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    interrupt_on_sigterm()
     size = config.learner.nproc
     context = mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size,
                                  start_method="spawn", join=False)

@@ -7,13 +7,13 @@ closing) ends it. These are in-process objects between a parent and its own chil
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from asyncrl.rewards.builtin import compute_score
 from asyncrl.rewards.custom import RewardFunction, load_reward_function
 from asyncrl.rewards.results import RewardRequest, RewardResult, describe_exception, result_from_return
+from asyncrl.stop_signal import ignore_stop_signals
 
 STOP = None  # sent by the pool to end an idle worker
 
@@ -54,8 +54,7 @@ def worker_main(conn: Connection, path: str, name: str) -> None:
     """Entry point of a spawned worker process."""
     # Ctrl-C, and `asyncrl run` stopping a role, signal the whole process group; the pool alone decides when
     # its workers stop (a worker killed first was counted as a death and replaced while the server shut down)
-    for stop_signal in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop_signal, signal.SIG_IGN)
+    ignore_stop_signals()
     try:
         function = resolve_reward_function(path, name)
     except Exception as error:

@@ -1,4 +1,5 @@
-"""ignore_stop_signals: a process that has begun to stop finishes its teardown through a second stop signal."""
+"""interrupt_on_sigterm turns a stop into a KeyboardInterrupt; ignore_stop_signals lets a process that has begun to
+stop finish its teardown through a second stop signal."""
 
 import subprocess
 import sys
@@ -9,8 +10,8 @@ pytestmark = pytest.mark.timeout(30)
 
 STOPPING_TWICE = """
 import atexit, os, signal, sys, time
-from asyncrl.stop_signal import ignore_stop_signals
-signal.signal(signal.SIGTERM, signal.default_int_handler)  # as a rollout server does
+from asyncrl.stop_signal import ignore_stop_signals, interrupt_on_sigterm
+interrupt_on_sigterm()  # as a rollout server does
 def teardown():
     os.kill(os.getpid(), signal.SIGTERM)  # the second stop, while the exit path runs
     time.sleep(0.2)
