@@ -1,5 +1,6 @@
 """Turning trajectory groups into padded training tensors, and cutting them into micro-batches by a
-token budget so that memory stays flat as response lengths vary.
+token budget so that memory stays flat as response lengths vary (a packed micro-batch's rows go to the
+model back to back: `learner.packing`).
 
 Positions are "target" positions: entry t of every [B, T-1] tensor describes the token at t + 1, which
 the logits at position t predict. Completion token j of a sample sits at target position P + j - 1,
@@ -68,22 +69,24 @@ def collate(groups: list[TrajectoryGroup], pad_id: int) -> TrainBatch:
     return TrainBatch(input_ids, attention, loss_mask, behaviour, versions, rewards, group_index)
 
 
-def micro_batches(batch: TrainBatch, token_budget: int) -> list[list[int]]:
-    """Row indices per micro-batch, rows taken shortest first while rows × longest row stays within the
-    budget (a single row longer than the budget still forms its own micro-batch). Rows of similar length
-    share a micro-batch, so little of a pass goes to padding when response lengths are long-tailed; the
-    order depends on the batch's content only, so equal batches give equal micro-batches."""
+def micro_batches(batch: TrainBatch, token_budget: int, packed: bool = False) -> list[list[int]]:
+    """Row indices per micro-batch, rows taken shortest first while the micro-batch's tokens stay within the
+    budget: padded, rows × longest row; packed, the sum of the rows' lengths (a single row longer than the
+    budget still forms its own micro-batch). Rows of similar length share a micro-batch, so little of a
+    padded pass goes to padding when response lengths are long-tailed; the order depends on the batch's
+    content only, so equal batches give equal micro-batches."""
     lengths = batch.attention_mask.sum(dim=1).tolist()  # [B]
     chunks: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for row in sorted(range(len(lengths)), key=lambda r: lengths[r]):  # stable: ties keep batch order
         length = lengths[row]
-        if current and (len(current) + 1) * max(longest, length) > token_budget:
+        tokens = total + length if packed else (len(current) + 1) * max(longest, length)
+        if current and tokens > token_budget:
             chunks.append(current)
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(row)
-        longest = max(longest, length)
+        longest, total = max(longest, length), total + length
     if current:
         chunks.append(current)
     return chunks

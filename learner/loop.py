@@ -16,9 +16,8 @@ from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
-from learner.logprobs import sampling_temperature
 from learner.staleness import staleness_metrics
-from learner.train_step import train_step
+from learner.train_step import Passes, train_step
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +58,19 @@ def run_loop(
     after_step: Callable[[int, dict[str, float]], None],
     after_checkpoint: Callable[[int, int, list[int]], None],
     pad_id: int,
+    passes: Passes,
 ) -> LoopState:
     """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
     `after_step(version, metrics)` syncs weights, publishes the version and logs;
-    `after_checkpoint(version, buffer_offset, buffer_ahead)` commits the position once the checkpoint holds it."""
+    `after_checkpoint(version, buffer_offset, buffer_ahead)` commits the position once the checkpoint holds it;
+    `passes` says how each batch goes through the model."""
     settings = config.learner
-    temperature = sampling_temperature(config.rollout)  # fixed for the run: the servers' sampling settings
     while state.step < settings.total_steps:
         started = time.perf_counter()
         batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
         waited = time.perf_counter() - started
         outcome = train_step(
-            model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, settings.micro_batch_tokens,
-            settings.grad_clip, world, temperature,
+            model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, passes, settings.grad_clip, world,
         )
         trained = time.perf_counter() - started - waited
         if not outcome.finite:

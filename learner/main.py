@@ -19,9 +19,12 @@ from asyncrl.stop_signal import interrupt_on_sigterm
 from asyncrl.weight_transfer.group import transfer_device
 from asyncrl.weight_transfer.protocol import resolve_backend
 from learner.distributed import World, init_world
+from learner.logprobs import sampling_temperature
 from learner.loop import LoopState, resume_state, run_loop
+from learner.memory import resolve_micro_batch_tokens
 from learner.policy_model import DTYPES, full_weights, full_weights_bytes, load_policy
 from learner.services import LearnerServices
+from learner.train_step import Passes
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     torch.manual_seed(config.run.seed)
     warn_if_updates_round_away(config)
     model = load_policy(config.model.path, config.learner.master_dtype, config.learner, world)
+    passes = plan_passes(config, model, world)  # before the optimizer state exists: auto sizing leaves room for it
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learner.lr, betas=(config.learner.beta1, config.learner.beta2),
         weight_decay=config.learner.weight_decay,
@@ -65,13 +69,22 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 services.consumer.commit(version, buffer_offset, buffer_ahead)
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
-                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id)
+                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes)
     finally:
         if services is not None:
             services.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     return state
+
+
+def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> Passes:
+    """Micro-batch size (measured when auto), packing, and the servers' sampling temperature; every rank calls."""
+    packed = config.learner.packs(world.device.type == "cuda")
+    tokens = resolve_micro_batch_tokens(model, config.learner, world, model.config.vocab_size,
+                                        model.config.max_position_embeddings, packed)
+    log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
+    return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout))
 
 
 def warn_if_updates_round_away(config: AsyncRLConfig) -> None:

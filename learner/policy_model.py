@@ -3,31 +3,41 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.weight_transfer.sender import materialised
+from learner import attention
+from learner.activation_checkpointing import apply_activation_checkpointing
 from learner.distributed import World
+from learner.logprobs import SCORING_METHOD, attach_scoring
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_policy(model_path: str, dtype: str, settings: LearnerConfig, world: World) -> torch.nn.Module:
     """The HF causal LM at `model_path`, sharded with fully_shard per decoder layer and at the root."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention_backend())
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention.register())
     return shard_policy(model, settings, world)
 
 
 def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) -> torch.nn.Module:
-    """`model` on this rank's device, sharded with fully_shard per decoder layer and at the root."""
+    """`model` (loaded with `attention.register()`'s implementation) on this rank's device: activation
+    checkpointing and `torch.compile` per decoder layer as configured, then sharded with fully_shard per
+    decoder layer and at the root, with `score_targets` run under FSDP like `forward`."""
+    attach_scoring(model)
     model.to(world.device)
-    if settings.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    policy = _mixed_precision(settings, world)
-    for layer in _decoder_layers(model):
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    layers = _decoder_layers(model)
+    apply_activation_checkpointing(layers, settings.activation_checkpointing)
+    if settings.compile:
+        for layer in layers:
+            layer.compile(dynamic=True)
+    sharding = {"mp_policy": _mixed_precision(settings, world), "offload_policy": _offload(settings, world)}
+    for layer in layers:
+        fully_shard(layer, **sharding)
+    fully_shard(model, **sharding)
+    register_fsdp_forward_method(model, SCORING_METHOD)
     return model
 
 
@@ -67,10 +77,9 @@ def _mixed_precision(settings: LearnerConfig, world: World) -> MixedPrecisionPol
     return MixedPrecisionPolicy()
 
 
-def attention_backend() -> str:
-    """flash-attn when installed (GPU extra), else PyTorch's sdpa."""
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return "sdpa"
-    return "flash_attention_2"
+def _offload(settings: LearnerConfig, world: World) -> OffloadPolicy:
+    """GPU: with `cpu_offload`, sharded weights, gradients and optimizer state live in CPU memory (the optimizer
+    steps there); FSDP copies each layer's weights to the GPU for its forward and backward."""
+    if settings.cpu_offload and world.device.type == "cuda":
+        return CPUOffloadPolicy()
+    return OffloadPolicy()

@@ -15,8 +15,18 @@ from learner.batching import TrainBatch, micro_batches
 from learner.distributed import World, sum_across_ranks
 from learner.logprobs import target_logprobs
 from learner.losses import LossInputs, compute_policy_loss
+from learner.memory import out_of_memory_names_keys
 
 NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask")  # losses that anchor the clip on the learner's pre-update policy
+
+
+@dataclass(frozen=True)
+class Passes:
+    """How a step's rows go through the model."""
+
+    micro_batch_tokens: int  # tokens per forward/backward pass (packed: real tokens; padded: rows x longest row)
+    packed: bool = False  # each micro-batch's samples back to back in one sequence (learner.packing)
+    temperature: float = 1.0  # divides the logits (learner.logprobs.sampling_temperature)
 
 
 @dataclass
@@ -30,23 +40,42 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
     algorithm: AlgorithmConfig,
-    micro_batch_tokens: int,
+    passes: Passes,
     grad_clip: float,
     world: World,
-    temperature: float = 1.0,
 ) -> StepOutcome:
-    """`temperature` divides the logits (`learner.logprobs.sampling_temperature`), so that π is the
-    distribution the rollout servers' behaviour log-probs were taken from."""
+    """`passes.temperature` makes π the distribution the rollout servers' behaviour log-probs were taken from."""
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
-    chunks = rank_chunks(batch, micro_batch_tokens, world)
+    chunks = rank_chunks(batch, passes.micro_batch_tokens, world, passes.packed)
     denominator = _denominator(batch, algorithm)
-    proximal = _proximal_logprobs(model, batch, chunks, temperature) if algorithm.loss in NEEDS_PROXIMAL else None
-    optimizer.zero_grad(set_to_none=True)
+    with out_of_memory_names_keys(passes.micro_batch_tokens):
+        proximal = _proximal_logprobs(model, batch, chunks, passes) if algorithm.loss in NEEDS_PROXIMAL else None
+        optimizer.zero_grad(set_to_none=True)
+        per_chunk = _train_passes(model, batch, chunks, advantages, proximal, denominator, algorithm, world, passes)
+    grad_norm = _clip(model, grad_clip)
+    metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
+    # Judged on whole-batch numbers that every rank holds alike, so all ranks skip or step together. The
+    # check sits before the update rather than before backward: FSDP's backward is a collective every
+    # rank must join, and a NaN gradient is harmless once it is discarded here.
+    finite = _is_finite(metrics)
+    if finite:
+        optimizer.step()
+    else:
+        optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(metrics=metrics, finite=finite)
+
+
+def _train_passes(
+    model: torch.nn.Module, batch: TrainBatch, chunks: list["Chunk"], advantages: torch.Tensor,
+    proximal: list[torch.Tensor] | None, denominator: float, algorithm: AlgorithmConfig, world: World, passes: Passes,
+) -> list[dict[str, float]]:
+    """Forward and backward of each micro-batch, gradients accumulating; the metrics of each real pass."""
     per_chunk = []
     for index, chunk in enumerate(chunks):
         part = batch.select(chunk.rows)
-        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, temperature)  # [b, T-1] each
+        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature,
+                                            packed=passes.packed)  # [b, T-1] each
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=part.behaviour_logprobs,
@@ -63,17 +92,7 @@ def train_step(
         (loss * scale).backward()
         if not chunk.padding:
             per_chunk.append(metrics)
-    grad_norm = _clip(model, grad_clip)
-    metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
-    # Judged on whole-batch numbers that every rank holds alike, so all ranks skip or step together. The
-    # check sits before the update rather than before backward: FSDP's backward is a collective every
-    # rank must join, and a NaN gradient is harmless once it is discarded here.
-    finite = _is_finite(metrics)
-    if finite:
-        optimizer.step()
-    else:
-        optimizer.zero_grad(set_to_none=True)
-    return StepOutcome(metrics=metrics, finite=finite)
+    return per_chunk
 
 
 @dataclass
@@ -82,14 +101,14 @@ class Chunk:
     padding: bool = False  # a stand-in pass so that every rank runs as many passes as the busiest one
 
 
-def rank_chunks(batch: TrainBatch, micro_batch_tokens: int, world: World) -> list[Chunk]:
+def rank_chunks(batch: TrainBatch, micro_batch_tokens: int, world: World, packed: bool = False) -> list[Chunk]:
     """This rank's micro-batches: rows rank, rank + size, ... cut by the token budget. FSDP gathers
     parameters collectively, so every rank runs the same number of passes; shorter lists are padded."""
     counts = []
     mine: list[Chunk] = []
     for rank in range(world.size):
         share = list(range(rank, len(batch), world.size))
-        chunks = [Chunk([share[i] for i in rows]) for rows in micro_batches(batch.select(share), micro_batch_tokens)] if share else []
+        chunks = [Chunk([share[i] for i in rows]) for rows in micro_batches(batch.select(share), micro_batch_tokens, packed)] if share else []
         counts.append(len(chunks))
         if rank == world.rank:
             mine = chunks
@@ -103,13 +122,11 @@ def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
 
 
 @torch.no_grad()
-def _proximal_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, chunks: list[Chunk], temperature: float
-) -> list[torch.Tensor]:
+def _proximal_logprobs(model: torch.nn.Module, batch: TrainBatch, chunks: list[Chunk], passes: Passes) -> list[torch.Tensor]:
     """log π_prox per chunk, [b, T-1] each: the weights before this update, computed once up front."""
     parts = [batch.select(chunk.rows) for chunk in chunks]
-    return [target_logprobs(model, part.input_ids, part.attention_mask, temperature, with_entropy=False)[0]
-            for part in parts]
+    return [target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature, with_entropy=False,
+                            packed=passes.packed)[0] for part in parts]
 
 
 def _clip(model: torch.nn.Module, grad_clip: float) -> float:

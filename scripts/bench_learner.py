@@ -1,26 +1,42 @@
-"""Learner throughput: tokens/s of one optimizer step (`learner.train_step`) on a synthetic batch, and on
-CUDA an MFU estimate.
+"""Learner throughput: tokens/s, MFU and peak memory of the learner's real optimizer step
+(`learner.train_step`) on a synthetic RL batch, packed against padded micro-batches side by side.
 
-The model is a randomly initialised Qwen2-architecture causal LM of the given shape (by default the
-quickstart's tiny model), sharded with FSDP2 exactly as the learner does (one rank; bf16 mixed precision
-on CUDA). The batch is `--batch` samples in groups of `--group-size` (GRPO), each `--seq-len` tokens of
-random ids (`--prompt-len` prompt, the rest trained completion) with random 0/1 rewards, so every step
-runs the full path: advantages, proximal pass, micro-batched loss and backward, clip, AdamW.
+The model is a randomly initialised Qwen2-architecture causal LM of a named shape (`--shape`, Qwen2.5's
+dimensions; `tiny` is the quickstart's), sharded with FSDP2 exactly as the learner does it (one rank; bf16
+mixed precision on CUDA; `--activation-checkpointing`, `--compile`, `--cpu-offload` as the learner's keys).
+The batch holds `--batch` samples in groups of `--group-size` (GRPO) with random token ids: a
+`--prompt-len` prompt and a trained completion whose length is log-normal (median `--median-tokens`,
+`--sigma`, at most `--seq-len` in all; `--sigma 0` gives every sample the full length), random 0/1
+rewards. Every step runs the whole path: advantages, the proximal pass (decoupled PPO), the micro-batched
+loss and backward, clipping, AdamW.
 
-MFU = 6 · parameters · tokens / step time / peak FLOP/s: the usual forward + backward count; the
-proximal forward of decoupled PPO (≈ 2 · parameters · tokens more) and attention FLOPs are not counted.
-Qwen2.5-0.5B's shape: --hidden 896 --layers 24 --heads 14 --kv-heads 2 --intermediate 4864 --vocab 151936.
-Last line: RESULT {json} with learner_tok_s, mfu and peak_memory_gib (both null on CPU).
+Each variant in `--variants` (packed, padded) trains the same model for `--warmup` + `--steps` steps with
+its own optimizer; the table gives each variant's median step and the ratio to the last variant (padded:
+what the learner did before packing). `--micro-batch-tokens auto` sizes each variant's micro-batches as
+the learner does (`learner.memory`).
+
+FLOPs per step (model FLOPs, as MFU counts them: recomputation from activation checkpointing is not counted):
+    forward  F = 2 · P · N + 2 · layers · d_attn · Σ L_i²
+    step     = 3 · F (forward and backward) + F (the proximal forward, for losses that need it)
+with P the parameters that multiply a vector per token (the output head included, an untied input
+embedding left out: a lookup), N = Σ L_i the tokens of the step (prompt and completion, padding left out),
+d_attn = heads · head_dim, and causal attention taking half of the L² scores. MFU = FLOPs / step time /
+`--peak-tflops`.
+Last line: RESULT {json} with learner_tok_s, mfu, peak_memory_gib, params (the first variant's, with every
+variant's figures under "variants"); mfu and peak memory are null on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
 import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,46 +48,70 @@ from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK, free_port
 from asyncrl.tiny.tokenizer import build_char_tokenizer
+from learner import attention
 from learner.batching import TrainBatch, collate
 from learner.distributed import World, init_world
-from learner.policy_model import DTYPES, attention_backend, shard_policy
-from learner.train_step import train_step
+from learner.memory import resolve_micro_batch_tokens
+from learner.policy_model import DTYPES, shard_policy
+from learner.train_step import NEEDS_PROXIMAL, Passes, train_step
 
 GIB = 2**30
-FLOPS_PER_PARAM_TOKEN = 6  # matmul FLOPs per parameter per token: forward 2, backward 4
 TERA = 1e12
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 FIRST_TOKEN_ID = 4  # above the tiny tokenizer's special tokens
 BEHAVIOUR_LOGPROB_RANGE = (-4.0, -0.5)  # typical log-probs of sampled tokens
+QWEN_VOCAB = 151936
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int  # 0 = the tiny character tokenizer's
+    tied: bool
+
+
+_TINY = TinyModelConfig()
+SHAPES = {  # Qwen2.5's published dimensions
+    "tiny": Shape(_TINY.hidden_size, _TINY.num_layers, _TINY.num_heads, _TINY.num_kv_heads, _TINY.intermediate_size, 0, True),
+    "0.5b": Shape(896, 24, 14, 2, 4864, QWEN_VOCAB, True),
+    "1.5b": Shape(1536, 28, 12, 2, 8960, QWEN_VOCAB, True),
+    "3b": Shape(2048, 36, 16, 2, 11008, QWEN_VOCAB, True),
+    "7b": Shape(3584, 28, 28, 4, 18944, 152064, False),
+}
 
 
 def parse_args() -> argparse.Namespace:
-    tiny = TinyModelConfig()
-    learner = LearnerConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=tiny.hidden_size, help="hidden size")
-    parser.add_argument("--layers", type=int, default=tiny.num_layers, help="decoder layers")
-    parser.add_argument("--heads", type=int, default=tiny.num_heads, help="attention heads")
-    parser.add_argument("--kv-heads", type=int, default=tiny.num_kv_heads, help="key/value heads")
-    parser.add_argument("--intermediate", type=int, default=tiny.intermediate_size, help="MLP width")
-    parser.add_argument("--vocab", type=int, default=0, help="vocabulary size (0 = the tiny character tokenizer's)")
-    parser.add_argument("--seq-len", type=int, default=tiny.max_position, help="tokens per sample, prompt included")
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="model dimensions (Qwen2.5's)")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0 = the shape's)")
+    parser.add_argument("--seq-len", type=int, default=_TINY.max_position, help="longest sample, prompt included")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sample (not trained)")
+    parser.add_argument("--median-tokens", type=int, default=0, help="median completion length (0 = the longest)")
+    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of completion lengths (0 = fixed)")
     parser.add_argument("--batch", type=int, default=16, help="samples per optimizer step")
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt group (GRPO's n)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=learner.micro_batch_tokens, help="padded tokens per pass")
+    parser.add_argument("--micro-batch-tokens", default="8192", help="tokens per pass, or auto (learner.micro_batch_tokens)")
+    parser.add_argument("--variants", default="packed,padded", help="comma-separated: packed, padded (the last is the baseline)")
+    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "selective", "full"])
+    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (learner.compile)")
+    parser.add_argument("--cpu-offload", action="store_true", help="optimizer state in CPU memory (learner.cpu_offload)")
     parser.add_argument("--loss", default=AlgorithmConfig().loss, help="policy loss (algorithm.loss)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="master weights' dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per variant")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0 = torch's default)")
     parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="peak dense TFLOP/s for MFU")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
     args = parser.parse_args()
     if args.batch % args.group_size or args.prompt_len >= args.seq_len:
         parser.error("--batch must be a multiple of --group-size, and --prompt-len below --seq-len")
+    if set(args.variants.split(",")) - {"packed", "padded"}:
+        parser.error("--variants takes packed and/or padded")
     return args
 
 
@@ -81,49 +121,102 @@ def join_single_rank_world(device: str) -> World:
     return init_world(device)
 
 
-def build_model(args: argparse.Namespace, vocab: int) -> torch.nn.Module:
+def model_shape(args: argparse.Namespace) -> Shape:
+    shape = SHAPES[args.shape]
+    vocab = shape.vocab or len(build_char_tokenizer())
+    return Shape(shape.hidden, args.layers or shape.layers, shape.heads, shape.kv_heads, shape.intermediate, vocab, shape.tied)
+
+
+def build_model(shape: Shape, args: argparse.Namespace, world: World) -> torch.nn.Module:
+    """Random weights, initialised straight on the rank's device (a 3B model takes minutes on a CPU)."""
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len,
-        tie_word_embeddings=True, torch_dtype=args.dtype,
+        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=args.seq_len, tie_word_embeddings=shape.tied,
     )
     torch.manual_seed(args.seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attention_backend()).to(DTYPES[args.dtype])
+    with world.device:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention.register(), dtype=DTYPES[args.dtype])
+    return model
+
+
+def completion_lengths(args: argparse.Namespace, rng: random.Random) -> list[int]:
+    """Per sample: log-normal around the median, between 1 and what the longest sample leaves after the prompt."""
+    longest = args.seq_len - args.prompt_len
+    median = args.median_tokens or longest
+    if args.sigma <= 0:
+        return [min(median, longest)] * args.batch
+    return [min(longest, max(1, round(rng.lognormvariate(math.log(median), args.sigma)))) for _ in range(args.batch)]
 
 
 def synthetic_batch(args: argparse.Namespace, vocab: int) -> TrainBatch:
-    """`--batch` full-length samples (no padding) in groups of `--group-size`, random ids and rewards."""
+    """`--batch` samples in groups of `--group-size`, random ids, rewards and behaviour log-probs."""
     rng = random.Random(args.seed)
-    completion = args.seq_len - args.prompt_len
+    lengths = iter(completion_lengths(args, rng))
     groups = []
     for g in range(args.batch // args.group_size):
-        trajectories = [
-            Trajectory(
+        trajectories = []
+        for _ in range(args.group_size):
+            completion = next(lengths)
+            trajectories.append(Trajectory(
                 [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(args.prompt_len)],
                 [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(completion)],
                 [rng.uniform(*BEHAVIOUR_LOGPROB_RANGE) for _ in range(completion)],
                 [0] * completion, [1] * completion, float(rng.random() < 0.5), f"g{g}", "synthetic", "length",
-            )
-            for _ in range(args.group_size)
-        ]
+            ))
         groups.append(TrajectoryGroup(f"r{g}", f"g{g}", "bench", trajectories))
     return collate(groups, pad_id=0)
 
 
-def timed_steps(model: torch.nn.Module, batch: TrainBatch, args: argparse.Namespace, world: World) -> list[float]:
-    """Seconds of each timed train_step, after the warm-up steps."""
+def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: str) -> float:
+    """Model FLOPs of one step (the formula in the module docstring)."""
+    lengths = batch.attention_mask.sum(dim=1).double()  # [B]
+    config = model.config
+    attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    forward = 2 * matmul_parameters(model, shape) * float(lengths.sum()) + 2 * shape.layers * attention_width * float(lengths.square().sum())
+    return (3 + (1 if loss in NEEDS_PROXIMAL else 0)) * forward
+
+
+def matmul_parameters(model: torch.nn.Module, shape: Shape) -> int:
+    """Parameters a token is multiplied with: all of them, less an untied input embedding (a lookup)."""
+    total = sum(p.numel() for p in model.parameters())  # a tied head counts once
+    return total if shape.tied else total - model.get_input_embeddings().weight.numel()
+
+
+@dataclass
+class VariantResult:
+    name: str
+    micro_batch_tokens: int
+    seconds: list[float]
+    peak_gib: float | None
+
+
+def run_variant(name: str, model: torch.nn.Module, batch: TrainBatch, args: argparse.Namespace, world: World, shape: Shape) -> VariantResult:
+    """`--warmup` then `--steps` timed train steps of one variant, with a fresh AdamW."""
+    packed = name == "packed"
+    settings = LearnerConfig(micro_batch_tokens=args.micro_batch_tokens, cpu_offload=args.cpu_offload)
+    tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LearnerConfig().lr)
+    passes = Passes(micro_batch_tokens=tokens, packed=packed)
     algorithm = AlgorithmConfig(loss=args.loss)
-    grad_clip = LearnerConfig().grad_clip
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(world.device)
     seconds = []
     for index in range(args.warmup + args.steps):
         _synchronize(world)
         started = time.perf_counter()
-        train_step(model, optimizer, batch, algorithm, args.micro_batch_tokens, grad_clip, world)
+        train_step(model, optimizer, batch, algorithm, passes, LearnerConfig().grad_clip, world)
         _synchronize(world)
         if index >= args.warmup:
             seconds.append(time.perf_counter() - started)
-    return seconds
+        print(f"  {name} step {index + 1}/{args.warmup + args.steps}: {time.perf_counter() - started:.3f} s", flush=True)
+    peak = torch.cuda.max_memory_allocated(world.device) / GIB if world.device.type == "cuda" else None
+    del optimizer  # its state and the gradients must not count against the next variant
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if world.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return VariantResult(name, tokens, seconds, peak)
 
 
 def _synchronize(world: World) -> None:
@@ -131,25 +224,38 @@ def _synchronize(world: World) -> None:
         torch.cuda.synchronize(world.device)
 
 
-def report(args: argparse.Namespace, world: World, params: int, vocab: int, tokens: int, seconds: list[float]) -> dict:
-    step_s = statistics.median(seconds)
-    tok_s = tokens / step_s
+def report(args: argparse.Namespace, world: World, shape: Shape, params: int, batch: TrainBatch, flops: float,
+           results: list[VariantResult]) -> dict:
     on_cuda = world.device.type == "cuda"
-    mfu = FLOPS_PER_PARAM_TOKEN * params * tok_s / (args.peak_tflops * TERA) if on_cuda else None
-    peak_gib = torch.cuda.max_memory_allocated(world.device) / GIB if on_cuda else None
+    tokens = batch.num_tokens()
+    lengths = batch.attention_mask.sum(dim=1).tolist()
     device_name = torch.cuda.get_device_name(world.device) if on_cuda else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"model: hidden {args.hidden}, layers {args.layers}, heads {args.heads}/{args.kv_heads}, "
-          f"intermediate {args.intermediate}, vocab {vocab}, {params / 1e6:.1f}M params, {args.dtype}, {device_name}")
-    print(f"batch: {args.batch} samples x {args.seq_len} tokens ({tokens} tokens), groups of {args.group_size}, "
-          f"loss {args.loss}, micro_batch_tokens {args.micro_batch_tokens}, warm-up {args.warmup} steps")
-    print(f"{'step':>6} {'seconds':>9} {'tokens/s':>10}")
-    for index, value in enumerate(seconds, 1):
-        print(f"{index:>6} {value:>9.3f} {tokens / value:>10.0f}")
-    print(f"{'median':>6} {step_s:>9.3f} {tok_s:>10.0f}" + (f"   MFU {mfu:.1%} of {args.peak_tflops:g} TFLOP/s, "
-                                                             f"peak memory {peak_gib:.1f} GiB" if on_cuda else ""))
-    return {"learner_tok_s": round(tok_s, 1), "mfu": None if mfu is None else round(mfu, 4), "step_s": round(step_s, 4),
-            "peak_memory_gib": None if peak_gib is None else round(peak_gib, 1), "tokens_per_step": tokens,
-            "params": params, "device": device_name, "loss": args.loss, "micro_batch_tokens": args.micro_batch_tokens}
+    print(f"model: {args.shape} shape (hidden {shape.hidden}, layers {shape.layers}, heads {shape.heads}/{shape.kv_heads}, "
+          f"intermediate {shape.intermediate}, vocab {shape.vocab}), {params / 1e6:.1f}M params, master {args.dtype}, "
+          f"activation checkpointing {args.activation_checkpointing}{', compiled' if args.compile else ''}"
+          f"{', cpu offload' if args.cpu_offload else ''}, {device_name}")
+    print(f"batch: {len(lengths)} samples, {tokens} tokens (lengths median {int(statistics.median(lengths))}, "
+          f"max {max(lengths)}), groups of {args.group_size}, loss {args.loss}, {flops / TERA:.1f} TFLOP per step")
+    baseline = statistics.median(results[-1].seconds)
+    print(f"{'variant':>8} {'mb tokens':>10} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs ' + results[-1].name:>10}")
+    figures = {}
+    for result in results:
+        step_s = statistics.median(result.seconds)
+        mfu = flops / step_s / (args.peak_tflops * TERA) if on_cuda else None
+        figures[result.name] = {
+            "learner_tok_s": round(tokens / step_s, 1), "mfu": None if mfu is None else round(mfu, 4),
+            "step_s": round(step_s, 4), "peak_memory_gib": None if result.peak_gib is None else round(result.peak_gib, 1),
+            "micro_batch_tokens": result.micro_batch_tokens, "speedup": round(baseline / step_s, 3),
+        }
+        shown_mfu = f"{mfu:.1%}" if mfu is not None else "-"
+        shown_peak = f"{result.peak_gib:.1f}" if result.peak_gib is not None else "-"
+        print(f"{result.name:>8} {result.micro_batch_tokens:>10} {step_s:>8.3f} {tokens / step_s:>10.0f} {shown_mfu:>7} "
+              f"{shown_peak:>9} {baseline / step_s:>9.2f}x")
+    first = figures[results[0].name]
+    return {**first, "variant": results[0].name, "params": params, "shape": args.shape, "tokens_per_step": tokens,
+            "tflop_per_step": round(flops / TERA, 2), "device": device_name, "loss": args.loss,
+            "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
+            "cpu_offload": args.cpu_offload, "variants": figures}
 
 
 def main() -> None:
@@ -158,14 +264,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     world = join_single_rank_world(args.device)
     try:
-        vocab = args.vocab or len(build_char_tokenizer())
-        model = build_model(args, vocab)
+        shape = model_shape(args)
+        model = build_model(shape, args, world)
         params = sum(p.numel() for p in model.parameters())  # a tied head counts once
-        settings = LearnerConfig(gradient_checkpointing=args.gradient_checkpointing)
+        batch = synthetic_batch(args, shape.vocab)
+        flops = step_flops(model, shape, batch, args.loss)
+        settings = LearnerConfig(activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                                 cpu_offload=args.cpu_offload)
         model = shard_policy(model, settings, world)
-        batch = synthetic_batch(args, vocab)
-        seconds = timed_steps(model, batch, args, world)
-        result = report(args, world, params, vocab, batch.num_tokens(), seconds)
+        results = [run_variant(name, model, batch, args, world, shape) for name in args.variants.split(",")]
+        result = report(args, world, shape, params, batch, flops, results)
     finally:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)

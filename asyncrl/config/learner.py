@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from asyncrl.config.fields import bounded, one_of
 
+AUTO = "auto"
+
 
 @dataclass
 class LearnerConfig:
@@ -19,8 +21,11 @@ class LearnerConfig:
     beta1: float = bounded(0.9, 0.0, 1.0)  # AdamW first-moment decay
     beta2: float = bounded(0.999, 0.0, 1.0)  # AdamW second-moment decay
     grad_clip: float = bounded(1.0, 0.0)  # max global gradient norm (0 = no clipping)
-    micro_batch_tokens: int = bounded(8192, 1)  # padded tokens per forward/backward pass; bounds activation memory
-    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, ~30% more compute)
+    micro_batch_tokens: str = AUTO  # tokens per forward/backward pass (packed: real tokens; padded: rows x longest row); auto = sized from the GPU memory free at start (8192 on CPU)
+    packing: str = one_of(AUTO, "always", "never")  # samples back to back in one sequence (no padding FLOPs); auto = on GPU, padded on CPU
+    activation_checkpointing: str = one_of("none", "selective", "full")  # recompute in backward: selective = elementwise ops only, full = whole layers (least memory, ~1/3 more compute)
+    compile: bool = False  # torch.compile each decoder layer (first steps slower while it compiles)
+    cpu_offload: bool = False  # GPU: keep sharded weights, gradients and optimizer state in CPU memory (largest models; slower steps)
     mixed_precision: bool = True  # GPU: forward/backward in bf16 (weights cast per pass), gradients reduced in fp32 (ignored on CPU)
     master_dtype: str = one_of("float32", "bfloat16", "float16")  # the learner's weights and optimizer state; bfloat16 halves their memory but rounds away updates under ~0.4 % of a weight (lr 1e-6 trains nothing)
     sync_every: int = bounded(1, 1)  # optimizer steps between weight broadcasts to the rollout servers
@@ -30,3 +35,17 @@ class LearnerConfig:
     max_bad_steps: int = bounded(3, 1)  # consecutive non-finite losses (each step skipped) before the run stops
     batch_timeout_s: float = bounded(600.0, 0.1)  # longest wait for one batch from the buffer before failing clearly
     torch_threads: int = bounded(0, 0)  # intra-op CPU threads per rank (0 = torch's default)
+
+    def micro_batch_budget(self) -> int | None:
+        """`micro_batch_tokens` as a number, None for auto."""
+        return None if self.micro_batch_tokens == AUTO else int(self.micro_batch_tokens)
+
+    def packs(self, on_gpu: bool) -> bool:
+        """Whether micro-batches are packed: `packing`, with auto meaning on a GPU."""
+        return self.packing == "always" or (self.packing == AUTO and on_gpu)
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        value = self.micro_batch_tokens
+        if value != AUTO and not (value.isdigit() and int(value) > 0):
+            return [("learner.micro_batch_tokens", f"'{value}' is neither 'auto' nor a positive number of tokens")]
+        return []

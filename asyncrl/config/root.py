@@ -61,7 +61,7 @@ class AsyncRLConfig:
                              "agent abandoned hold admission places until dropped, and the learner may wait for "
                              "those places that long"))
         problems += self.environment.cross_checks(self.rollout.engine.max_model_len)
-        return problems + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
+        return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
 
 
 ConfigStore.instance().store(name="asyncrl", node=AsyncRLConfig)

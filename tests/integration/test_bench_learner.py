@@ -1,4 +1,5 @@
-"""scripts/bench_learner.py runs the learner's real train step on a tiny shape and ends with its RESULT line."""
+"""scripts/bench_learner.py runs the learner's real train step, packed and padded, on a small shape and ends
+with its RESULT line."""
 
 import json
 import subprocess
@@ -14,15 +15,27 @@ BENCH_TIMEOUT_S = 180
 SAMPLES, SEQ_LEN = 4, 32
 
 
-def test_bench_reports_tokens_per_second_and_no_mfu_on_cpu():
-    args = ["--device", "cpu", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
-            "--seq-len", str(SEQ_LEN), "--prompt-len", "8", "--batch", str(SAMPLES), "--group-size", "2",
-            "--warmup", "1", "--steps", "2"]
+def bench(*extra: str) -> dict:
+    args = ["--device", "cpu", "--shape", "tiny", "--layers", "1", "--seq-len", str(SEQ_LEN), "--prompt-len", "8",
+            "--batch", str(SAMPLES), "--group-size", "2", "--warmup", "1", "--steps", "2", "--threads", "1", *extra]
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT ")
-    result = json.loads(last.removeprefix("RESULT "))
-    assert result["tokens_per_step"] == SAMPLES * SEQ_LEN  # full-length samples: no padding counted
+    return json.loads(last.removeprefix("RESULT "))
+
+
+def test_bench_reports_both_variants_and_no_mfu_on_cpu():
+    result = bench("--sigma", "0")
+    assert result["tokens_per_step"] == SAMPLES * SEQ_LEN  # full-length samples
+    assert result["variant"] == "packed" and set(result["variants"]) == {"packed", "padded"}
     assert result["learner_tok_s"] == pytest.approx(result["tokens_per_step"] / result["step_s"], rel=1e-2)  # both rounded
+    assert result["variants"]["padded"]["speedup"] == 1.0  # the baseline
     assert result["learner_tok_s"] > 0 and result["mfu"] is None and result["peak_memory_gib"] is None
+    assert result["tflop_per_step"] >= 0 and result["params"] > 0
+
+
+def test_long_tailed_lengths_leave_padding_out_of_the_token_count():
+    result = bench("--median-tokens", "6", "--sigma", "1.0", "--variants", "packed")
+    assert SAMPLES * (8 + 1) <= result["tokens_per_step"] < SAMPLES * SEQ_LEN
+    assert set(result["variants"]) == {"packed"}

@@ -23,7 +23,7 @@ from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, META_FILE, latest_checkpoint, save_checkpoint
 from learner.loop import resume_state
 from learner.policy_model import load_policy
-from learner.train_step import train_step
+from learner.train_step import Passes, train_step
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def optimizer_state(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def train(model, optimizer, world, step: int) -> None:
-    outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), MICRO_BATCH_TOKENS,
+    outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), Passes(MICRO_BATCH_TOKENS),
                          GRAD_CLIP, world)
     assert outcome.finite
 

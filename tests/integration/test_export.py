@@ -21,7 +21,7 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, save_checkpoint
 from learner.policy_model import load_policy
-from learner.train_step import train_step
+from learner.train_step import Passes, train_step
 from learner_helpers import free_port, gathered_weights, gloo_world, random_groups, save_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def trainer_rank(rank: int, size: int, port: int, model_dir: str, run_dir: str, 
         model = load_policy(model_dir, "float32", config.learner, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
         for step in range(1, TRAIN_STEPS + 1):
-            outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), MICRO_BATCH_TOKENS,
+            outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), Passes(MICRO_BATCH_TOKENS),
                                  GRAD_CLIP, world)
             assert outcome.finite
             save_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)

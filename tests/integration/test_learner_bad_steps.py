@@ -10,6 +10,7 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
 from learner.loop import LoopState, TooManyBadSteps, run_loop
+from learner.train_step import Passes
 from learner.policy_model import load_policy
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 
@@ -73,7 +74,7 @@ def train_on(model_dir, run_dir, batches: list[Batch], total_steps: int) -> Trai
         error = None
         try:
             run_loop(config, run_dir, world, model, optimizer, state, buffer, lambda v, m: logged.append(v),
-                     lambda v, o, a: None, pad_id=0)
+                     lambda v, o, a: None, pad_id=0, passes=Passes(4096))
         except TooManyBadSteps as raised:
             error = raised
         return Trained(state, buffer, initial, gathered_weights(model), logged, len(optimizer.state), error)

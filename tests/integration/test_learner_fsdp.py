@@ -19,7 +19,7 @@ from learner.batching import collate
 from learner.distributed import init_world
 from learner.policy_model import load_policy
 from learner_helpers import gathered_weights
-from learner.train_step import train_step
+from learner.train_step import Passes, train_step
 
 pytestmark = pytest.mark.slow
 BF16_UPDATE_TOLERANCE = 0.05  # relative norm of the update difference allowed between 1 and 2 bf16 ranks
@@ -47,22 +47,23 @@ def make_groups() -> list[TrajectoryGroup]:
     return groups
 
 
-def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu") -> None:
+def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu", packed: bool = False) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     world = init_world(device)
     model = load_policy(model_dir, "float32", LearnerConfig(mixed_precision=True), world)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     algorithm = AlgorithmConfig(loss=loss, grpo_std_norm=False)
-    outcome = train_step(model, optimizer, collate(make_groups(), 0), algorithm, 24, 0.0, world)
+    outcome = train_step(model, optimizer, collate(make_groups(), 0), algorithm, Passes(24, packed=packed), 0.0, world)
     state = gathered_weights(model)
     if rank == 0:
         torch.save({"metrics": outcome.metrics, "state": state}, out)
     dist.destroy_process_group()
 
 
-def run(size: int, model_dir, out, loss: str, device: str = "cpu") -> dict:
-    mp.start_processes(worker, args=(size, free_port(), str(model_dir), str(out), loss, device), nprocs=size, start_method="spawn")
+def run(size: int, model_dir, out, loss: str, device: str = "cpu", packed: bool = False) -> dict:
+    mp.start_processes(worker, args=(size, free_port(), str(model_dir), str(out), loss, device, packed), nprocs=size,
+                       start_method="spawn")
     return torch.load(out)
 
 
@@ -70,13 +71,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("loss", ["decoupled_ppo", "naive_ppo"])
-def test_two_ranks_equal_one_process(tmp_path, loss):
+@pytest.mark.parametrize(("loss", "packed"), [("decoupled_ppo", False), ("naive_ppo", False), ("decoupled_ppo", True)])
+def test_two_ranks_equal_one_process(tmp_path, loss, packed):
     tokenizer = build_char_tokenizer()
     shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
     build_tiny_model(shape, tokenizer, seed=0).save_pretrained(tmp_path / "model")
-    single = run(1, tmp_path / "model", tmp_path / "one.pt", loss)
-    double = run(2, tmp_path / "model", tmp_path / "two.pt", loss)
+    single = run(1, tmp_path / "model", tmp_path / "one.pt", loss, packed=packed)
+    double = run(2, tmp_path / "model", tmp_path / "two.pt", loss, packed=packed)
     assert single["metrics"]["actor/pg_loss"] == pytest.approx(double["metrics"]["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert single["metrics"]["actor/pg_loss"] != 0.0
     initial = build_tiny_model(shape, tokenizer, seed=0).state_dict()

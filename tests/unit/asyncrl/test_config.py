@@ -15,6 +15,14 @@ def test_defaults_load_and_overrides_apply():
     assert config.data.weights == [1.0, 3.0]
 
 
+def test_micro_batch_tokens_take_auto_or_a_number_from_a_file_or_an_override(tmp_path):
+    assert load_config().learner.micro_batch_budget() is None  # auto by default
+    path = tmp_path / "job.yaml"
+    path.write_text("learner:\n  micro_batch_tokens: 4096\n")
+    assert load_config(path).learner.micro_batch_budget() == 4096
+    assert load_config(path, ["learner.micro_batch_tokens=auto"]).learner.micro_batch_budget() is None
+
+
 def test_yaml_file_then_overrides(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("run:\n  seed: 3\n  name: from-file\nmodel:\n  tiny:\n    num_layers: 2\n")
@@ -37,6 +45,10 @@ def test_yaml_file_then_overrides(tmp_path):
         ("data.weights=[1,2]", "data.weights"),
         ("data.weights=[-1]", "data.weights"),
         ("+run.extra=1", "+run.extra=1"),
+        ("learner.micro_batch_tokens=lots", "learner.micro_batch_tokens"),
+        ("learner.micro_batch_tokens=0", "learner.micro_batch_tokens"),
+        ("learner.activation_checkpointing=some", "learner.activation_checkpointing"),
+        ("learner.packing=yes", "learner.packing"),
     ],
 )
 def test_bad_override_names_the_key(override, named):

@@ -53,3 +53,15 @@ def test_selected_rows_are_cut_to_their_longest_row():
     assert short.behaviour_logprobs.tolist() == [[0.0, -0.5, -0.25], [-0.5, -0.25, 0.0]]
     assert short.rewards.shape == (2,) and short.group_index.tolist() == [0, 0]
     assert batch.select([1]).input_ids.shape == (1, 10)
+
+
+def test_packed_micro_batches_count_real_tokens_not_padding():
+    rows = [trajectory([1] * n, [2], [0.0], [0], [1]) for n in (3, 3, 3, 9, 1)]
+    batch = collate([TrajectoryGroup("r", "g", "s", rows)], pad_id=0)
+    lengths = batch.attention_mask.sum(1).tolist()  # [4, 4, 4, 10, 2]
+    chunks = micro_batches(batch, token_budget=12, packed=True)
+    assert chunks == [[4, 0, 1], [2], [3]]  # 2+4+4 = 10; adding 4 would make 14
+    assert micro_batches(batch, token_budget=14, packed=True) == [[4, 0, 1, 2], [3]]  # padded: 4 rows x 4 = 16 > 14
+    assert micro_batches(batch, token_budget=14) == [[4, 0, 1], [2], [3]]
+    for chunk in chunks:
+        assert len(chunk) == 1 or sum(lengths[i] for i in chunk) <= 12

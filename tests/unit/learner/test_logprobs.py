@@ -1,17 +1,19 @@
-"""Target log-probs and entropies computed chunk by chunk at a temperature, against the plain float64
-formulas: values, gradients through the log-prob only, chunk boundaries, and the temperature rule."""
+"""Target log-probs and entropies straight from hidden states, chunk by chunk at a temperature, against the
+plain float64 formulas over full logits: values, gradients (to the hidden states and the output weight),
+chunk boundaries, and the temperature rule; then through a real (tiny) Qwen2 model, padded and packed."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import math
 
 import pytest
 import torch
 
 from asyncrl.config.rollout import EngineConfig, RolloutConfig, SamplingConfig
-from learner.logprobs import TargetLogprob, sampling_temperature, target_logprobs
+from learner.logprobs import LinearTargetLogprob, attach_scoring, sampling_temperature, target_logprobs
+from policy_helpers import tiny_policy
 
-VOCAB = 11
+VOCAB, HIDDEN = 11, 5
 TOLERANCE = 1e-10  # float64 throughout: the chunked and plain paths may differ only by rounding
 
 
@@ -22,84 +24,126 @@ def reference(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -
     return chosen, entropy
 
 
+def random_head(rows: int, dtype=torch.float64, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, HIDDEN, dtype=dtype, generator=generator)
+    weight = torch.randn(VOCAB, HIDDEN, dtype=dtype, generator=generator) * 2
+    targets = torch.randint(0, VOCAB, (rows,), generator=generator)
+    return hidden, weight, targets
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 @pytest.mark.parametrize("chunk_elements", [VOCAB, 3 * VOCAB, 10**6])  # one row, three rows, all rows per chunk
-def test_values_and_gradient_equal_the_plain_formulas(temperature, chunk_elements):
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(7, VOCAB, dtype=torch.float64, generator=generator) * 3
-    targets = torch.randint(0, VOCAB, (7,), generator=generator)
-    upstream = torch.randn(7, dtype=torch.float64, generator=generator)
+def test_values_and_gradients_equal_log_softmax_of_the_full_logits(temperature, chunk_elements):
+    hidden, weight, targets = random_head(7)
+    upstream = torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
-    fast = logits.clone().requires_grad_()
-    chosen, entropy = TargetLogprob.apply(fast, targets, temperature, chunk_elements)
+    fast_hidden, fast_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    chosen, entropy = LinearTargetLogprob.apply(fast_hidden, fast_weight, targets, temperature, chunk_elements)
     (chosen * upstream).sum().backward()
-    plain = logits.clone().requires_grad_()
-    expected_chosen, expected_entropy = reference(plain, targets, temperature)
+    plain_hidden, plain_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected_chosen, expected_entropy = reference(plain_hidden @ plain_weight.T, targets, temperature)
     (expected_chosen * upstream).sum().backward()
 
-    assert chosen.dtype == torch.float64  # float64 logits are worked on in float64
+    assert chosen.dtype == torch.float64  # a float64 model is worked on in float64
     assert torch.allclose(chosen, expected_chosen, atol=TOLERANCE)
     assert torch.allclose(entropy, expected_entropy, atol=TOLERANCE)
-    assert torch.allclose(fast.grad, plain.grad, atol=TOLERANCE)
+    assert torch.allclose(fast_hidden.grad, plain_hidden.grad, atol=TOLERANCE)
+    assert torch.allclose(fast_weight.grad, plain_weight.grad, atol=TOLERANCE)
 
 
 def test_gradcheck_and_entropy_carries_no_gradient():
-    logits = torch.randn(4, VOCAB, dtype=torch.float64, requires_grad=True)
-    targets = torch.tensor([0, 3, 10, 3])
-    assert torch.autograd.gradcheck(lambda x: TargetLogprob.apply(x, targets, 0.8, 2 * VOCAB)[0], (logits,))
-    _, entropy = TargetLogprob.apply(logits, targets, 0.8)
+    hidden, weight, targets = random_head(4)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda h, w: LinearTargetLogprob.apply(h, w, targets, 0.8, 2 * VOCAB)[0], (hidden, weight))
+    _, entropy = LinearTargetLogprob.apply(hidden, weight, targets, 0.8)
     assert not entropy.requires_grad
 
 
 def test_hand_computed_values_at_temperature_two():
-    # logits [0, ln 4] at T = 2 → tempered [0, ln 2] → p = [1/3, 2/3]
-    logits = torch.tensor([[0.0, torch.log(torch.tensor(4.0)).item()]], dtype=torch.float64)
-    chosen, entropy = TargetLogprob.apply(logits, torch.tensor([1]), 2.0)
-    assert chosen.item() == pytest.approx(torch.log(torch.tensor(2 / 3)).item(), abs=1e-6)
-    expected_entropy = -(1 / 3 * torch.log(torch.tensor(1 / 3)) + 2 / 3 * torch.log(torch.tensor(2 / 3))).item()
-    assert entropy.item() == pytest.approx(expected_entropy, abs=1e-6)
+    # hidden [1] · W = logits [0, ln 4] at T = 2 → tempered [0, ln 2] → p = [1/3, 2/3]
+    hidden = torch.tensor([[1.0]], dtype=torch.float64)
+    weight = torch.tensor([[0.0], [math.log(4.0)]], dtype=torch.float64)
+    chosen, entropy = LinearTargetLogprob.apply(hidden, weight, torch.tensor([1]), 2.0)
+    assert chosen.item() == pytest.approx(math.log(2 / 3), abs=1e-12)
+    assert entropy.item() == pytest.approx(-(1 / 3 * math.log(1 / 3) + 2 / 3 * math.log(2 / 3)), abs=1e-12)
 
 
-def test_half_precision_logits_are_worked_on_in_float32():
-    logits = (torch.randn(3, VOCAB) * 4).to(torch.bfloat16).requires_grad_()
-    targets = torch.tensor([1, 2, 3])
-    chosen, _ = TargetLogprob.apply(logits, targets, 1.0)
+def test_a_half_precision_model_is_worked_on_in_float32():
+    hidden, weight, targets = random_head(3, dtype=torch.float32)
+    hidden, weight = hidden.to(torch.bfloat16).requires_grad_(), weight.to(torch.bfloat16).requires_grad_()
+    chosen, _ = LinearTargetLogprob.apply(hidden, weight, targets, 1.0)
     chosen.sum().backward()
-    expected, _ = reference(logits.detach().double(), targets, 1.0)
-    assert chosen.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
-    assert torch.allclose(chosen.double(), expected, atol=1e-5)
+    expected, _ = reference(hidden.detach().double() @ weight.detach().double().T, targets, 1.0)
+    assert chosen.dtype == torch.float32
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    assert torch.allclose(chosen.double(), expected, atol=0.05)  # bf16 logits: ~3 significant digits
 
 
-def test_target_logprobs_score_the_next_token_of_every_position():
-    logits = torch.randn(2, 5, VOCAB)
-
-    class Fixed(torch.nn.Module):
-        def forward(self, input_ids, attention_mask, use_cache):
-            return SimpleNamespace(logits=logits)
-
-    input_ids = torch.randint(0, VOCAB, (2, 5))
-    chosen, entropy = target_logprobs(Fixed(), input_ids, torch.ones_like(input_ids), temperature=0.5)
-    expected_chosen, expected_entropy = reference(logits[:, :-1].double(), input_ids[:, 1:], 0.5)
-    assert chosen.shape == entropy.shape == (2, 4)
-    assert torch.allclose(chosen.double(), expected_chosen, atol=1e-5)
-    assert torch.allclose(entropy.double(), expected_entropy, atol=1e-5)
+def test_without_entropy_the_log_probs_are_the_same():
+    hidden, weight, targets = random_head(6)
+    with_entropy, _ = LinearTargetLogprob.apply(hidden, weight, targets, 0.5, 2 * VOCAB, True)
+    chosen, entropy = LinearTargetLogprob.apply(hidden, weight, targets, 0.5, 2 * VOCAB, False)
+    assert entropy is None and torch.equal(chosen, with_entropy)
 
 
-def test_log_probs_without_entropy_are_the_same_and_still_differentiable():
-    logits = torch.randn(2, 5, VOCAB, requires_grad=True)
+def padded_rows(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three right-padded rows of 9, 5 and 2 tokens."""
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(1, vocab, (3, 9), generator=generator)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate((9, 5, 2)):
+        attention_mask[row, :length] = 1
+    return input_ids * attention_mask, attention_mask
 
-    class Fixed(torch.nn.Module):
-        def forward(self, input_ids, attention_mask, use_cache):
-            return SimpleNamespace(logits=logits)
 
-    input_ids = torch.randint(0, VOCAB, (2, 5))
-    with_entropy, _ = target_logprobs(Fixed(), input_ids, torch.ones_like(input_ids), temperature=0.5)
-    chosen, entropy = target_logprobs(Fixed(), input_ids, torch.ones_like(input_ids), 0.5, with_entropy=False)
-    assert entropy is None
-    assert torch.equal(chosen, with_entropy)
-    chosen.sum().backward()
-    expected_grad, = torch.autograd.grad(with_entropy.sum(), logits)
-    assert torch.allclose(logits.grad, expected_grad)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_a_model_scores_the_next_token_of_every_real_position(packed, temperature):
+    model = tiny_policy()
+    input_ids, attention_mask = padded_rows(model.config.vocab_size)
+    chosen, entropy = target_logprobs(model, input_ids, attention_mask, temperature, packed=packed)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [3, 9, V] float64
+    expected_chosen, expected_entropy = reference(logits[:, :-1], input_ids[:, 1:], temperature)
+    real = attention_mask[:, 1:].bool()
+    assert chosen.shape == entropy.shape == (3, 8)
+    assert torch.allclose(chosen[real], expected_chosen[real], atol=1e-10)
+    assert torch.allclose(entropy[real], expected_entropy[real], atol=1e-10)
+    if packed:  # nothing is computed for padding: it holds 0
+        assert torch.equal(chosen[~real], torch.zeros_like(chosen[~real]))
+
+
+def test_packed_and_padded_give_the_same_gradients():
+    grads = {}
+    for packed in (False, True):
+        model = tiny_policy()
+        input_ids, attention_mask = padded_rows(model.config.vocab_size)
+        chosen, _ = target_logprobs(model, input_ids, attention_mask, 0.8, packed=packed)
+        weights = torch.linspace(-1, 1, chosen.numel(), dtype=chosen.dtype).view_as(chosen)
+        (chosen * weights * attention_mask[:, 1:]).sum().backward()
+        grads[packed] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    for name, grad in grads[False].items():
+        assert torch.allclose(grads[True][name], grad, atol=1e-10), name
+
+
+def test_a_packed_sample_never_attends_to_the_one_before_it():
+    model = tiny_policy()
+    input_ids, attention_mask = padded_rows(model.config.vocab_size)
+    before, _ = target_logprobs(model, input_ids, attention_mask, packed=True)
+    changed = input_ids.clone()
+    changed[0, :9] = (changed[0, :9] % (model.config.vocab_size - 2)) + 1  # every token of the first sample
+    after, _ = target_logprobs(model, changed, attention_mask, packed=True)
+    assert not torch.allclose(after[0], before[0])  # the change is visible where it belongs
+    assert torch.equal(after[1:], before[1:])  # and nowhere else
+
+
+def test_models_whose_logits_are_not_a_plain_projection_are_refused():
+    model = tiny_policy()
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        attach_scoring(model)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,83 @@
+"""On a CUDA GPU in bf16: the variable-length attention kernel equals causal sdpa run on each sample alone
+(values and gradients, grouped-query heads), and a packed micro-batch scores the same log-probs as a
+padded one through a real Qwen2-shaped model, with each activation checkpointing mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from learner import attention
+from learner.activation_checkpointing import MODES, apply_activation_checkpointing
+from learner.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16_RELATIVE = 2e-2  # ‖fast − reference‖ / ‖reference‖ allowed in bf16 (rounding of 8-bit mantissas)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.detach().double() - reference.detach().double()).norm() / reference.detach().double().norm())
+
+
+def test_varlen_kernel_equals_sdpa_per_sample():
+    lengths = [700, 3, 1024, 129, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    tokens, heads, kv_heads, dim = sum(lengths), 14, 2, 64
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(tokens, h, dim, device="cuda", dtype=torch.bfloat16, generator=generator).requires_grad_()
+               for h in (heads, kv_heads, kv_heads))
+    kernel = attention.varlen_kernel(q.device, q.dtype)
+    assert kernel is not attention.per_sample_attention, "no variable-length kernel found on this GPU"
+    upstream = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    fast = kernel(q, k, v, cu, max(lengths), dim ** -0.5)
+    fast_grads = torch.autograd.grad((fast * upstream).sum(), (q, k, v))
+    slow = attention.per_sample_attention(q, k, v, cu, max(lengths), dim ** -0.5)
+    slow_grads = torch.autograd.grad((slow * upstream).sum(), (q, k, v))
+    assert relative_error(fast, slow) < BF16_RELATIVE
+    for fast_grad, slow_grad in zip(fast_grads, slow_grads):
+        assert relative_error(fast_grad, slow_grad) < BF16_RELATIVE
+
+
+@pytest.mark.parametrize("checkpointing", MODES)
+def test_packed_and_padded_log_probs_and_gradients_agree(checkpointing):
+    config = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    results = {}
+    for packed in (False, True):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+        model.set_attn_implementation(attention.register())
+        attach_scoring(model)
+        apply_activation_checkpointing(list(model.model.layers), checkpointing)
+        generator = torch.Generator().manual_seed(1)
+        input_ids = torch.randint(1, 1000, (4, 300), generator=generator)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, length in enumerate((300, 17, 250, 2)):
+            attention_mask[row, :length] = 1
+        input_ids, attention_mask = input_ids.cuda() * attention_mask.cuda(), attention_mask.cuda()
+        chosen, _ = target_logprobs(model, input_ids, attention_mask, 0.9, packed=packed)
+        real = attention_mask[:, 1:].bool()
+        chosen[real].sum().backward()
+        results[packed] = (chosen[real].detach(), model.model.layers[0].mlp.down_proj.weight.grad.clone())
+    assert relative_error(results[True][0], results[False][0]) < BF16_RELATIVE
+    assert relative_error(results[True][1], results[False][1]) < 5 * BF16_RELATIVE  # a sum over 566 bf16 terms
+
+
+def test_fused_head_on_the_gpu_equals_float64_log_softmax():
+    generator = torch.Generator(device="cuda").manual_seed(2)
+    hidden = torch.randn(3000, 256, device="cuda", generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(5000, 256, device="cuda", generator=generator) / 8).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 5000, (3000,), device="cuda", generator=generator)
+    chosen, entropy = LinearTargetLogprob.apply(hidden, weight, targets, 0.7, 5000 * 700)  # 5 chunks, the last short
+    chosen.sum().backward()
+    plain_hidden = hidden.detach().double().requires_grad_()
+    plain_weight = weight.detach().double().requires_grad_()
+    log_probs = torch.log_softmax(plain_hidden @ plain_weight.T / 0.7, dim=-1)
+    expected = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    expected.sum().backward()
+    assert relative_error(chosen, expected) < 5e-3  # the logits themselves are rounded to bf16 by the matmul
+    assert relative_error(entropy, -(log_probs.exp() * log_probs).sum(-1)) < 5e-3
+    assert relative_error(hidden.grad, plain_hidden.grad) < BF16_RELATIVE
+    assert relative_error(weight.grad, plain_weight.grad) < BF16_RELATIVE
