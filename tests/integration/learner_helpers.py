@@ -23,10 +23,10 @@ TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_h
 VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary, above the special tokens
 
 
-def single_rank_world(device: str = "cpu") -> ContextManager[World]:
+def single_rank_world(device: str = "cpu", cpu_collectives: bool = False) -> ContextManager[World]:
     """This process as a one-rank world (FSDP2 and the checkpoint collectives need one): gloo on the CPU,
-    NCCL with `device` "cuda"."""
-    return _world(rank=0, size=1, port=free_port(), device=device)
+    NCCL with `device` "cuda" (and gloo beside it with `cpu_collectives`)."""
+    return _world(rank=0, size=1, port=free_port(), device=device, cpu_collectives=cpu_collectives)
 
 
 def gloo_world(rank: int, size: int, port: int) -> ContextManager[World]:
@@ -35,10 +35,10 @@ def gloo_world(rank: int, size: int, port: int) -> ContextManager[World]:
 
 
 @contextmanager
-def _world(rank: int, size: int, port: int, device: str) -> Iterator[World]:
+def _world(rank: int, size: int, port: int, device: str, cpu_collectives: bool = False) -> Iterator[World]:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    world = init_world(device)
+    world = init_world(device, cpu_collectives)
     try:
         yield world
     finally:

@@ -1,6 +1,7 @@
 """On a CUDA GPU in bf16: the variable-length attention kernel equals causal sdpa run on each sample alone
-(values and gradients, grouped-query heads), and a packed micro-batch scores the same log-probs as a
-padded one through a real Qwen2-shaped model, with each activation checkpointing mode."""
+(values and gradients, grouped-query heads); a packed micro-batch scores the same log-probs as a padded one
+through a real Qwen2-shaped model, with each activation checkpointing mode; the fused head equals float64
+log_softmax; and a step with CPU offload trains like one without."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.learner import LearnerConfig
 from learner import attention
 from learner.activation_checkpointing import MODES, apply_activation_checkpointing
+from learner.batching import collate
 from learner.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
+from learner.policy_model import full_weights, shard_policy
+from learner.train_step import Passes, train_step
+from learner_helpers import random_groups, single_rank_world
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -40,15 +47,21 @@ def test_varlen_kernel_equals_sdpa_per_sample():
         assert relative_error(fast_grad, slow_grad) < BF16_RELATIVE
 
 
-@pytest.mark.parametrize("checkpointing", MODES)
-def test_packed_and_padded_log_probs_and_gradients_agree(checkpointing):
+def tiny_qwen2() -> Qwen2ForCausalLM:
+    """Head size 64 (what the flash kernels take), grouped-query heads, tied head, loaded with the learner's attention."""
     config = Qwen2Config(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config)
+    model.set_attn_implementation(attention.register())
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", MODES)
+def test_packed_and_padded_log_probs_and_gradients_agree(checkpointing):
     results = {}
     for packed in (False, True):
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
-        model.set_attn_implementation(attention.register())
+        model = tiny_qwen2().to("cuda", torch.bfloat16)
         attach_scoring(model)
         apply_activation_checkpointing(list(model.model.layers), checkpointing)
         generator = torch.Generator().manual_seed(1)
@@ -81,3 +94,26 @@ def test_fused_head_on_the_gpu_equals_float64_log_softmax():
     assert relative_error(entropy, -(log_probs.exp() * log_probs).sum(-1)) < 5e-3
     assert relative_error(hidden.grad, plain_hidden.grad) < BF16_RELATIVE
     assert relative_error(weight.grad, plain_weight.grad) < BF16_RELATIVE
+
+
+def test_cpu_offload_trains_like_the_gpu_and_its_weights_gather():
+    """One NCCL rank: a step with weights, gradients and AdamW state in CPU memory updates the weights as the
+    same step on the GPU does (bf16 compute both ways), and the weights gather for a sync."""
+    groups = random_groups(0, groups=4, samples=4)
+    updates = {}
+    with single_rank_world("cuda", cpu_collectives=True) as world:  # as the learner starts with cpu_offload
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = tiny_qwen2().to(torch.float32)
+            initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+            model = shard_policy(model, LearnerConfig(cpu_offload=offload), world)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            outcome = train_step(model, optimizer, collate(groups, 0), AlgorithmConfig(), Passes(4096, packed=True), 1.0, world)
+            assert outcome.finite
+            weights = dict(full_weights(model, torch.float32, world.device, keep=True))  # float32: norms move by 1e-3
+            assert all(w.device.type == "cuda" and w.dtype == torch.float32 for w in weights.values())
+            updates[offload] = {name: weights[name].float().cpu() - initial[name].cpu() for name in initial}
+    moved = [name for name, update in updates[False].items() if update.abs().max() > 0]
+    assert len(moved) == len(updates[False])
+    for name in moved:
+        assert relative_error(updates[True][name], updates[False][name]) < 0.1, name  # bf16 gradients, Adam's sign-like steps
