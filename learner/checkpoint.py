@@ -42,6 +42,7 @@ def save_checkpoint(
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+    (partial / _rank_rng_file(world.rank)).write_text(json.dumps(_rank_rng(world)))
     dist.barrier()
     if world.is_main:
         record = {"step": step, "python_rng": rng_state_to_json(random.getstate()), "torch_rng": torch.get_rng_state().tolist()}
@@ -60,8 +61,9 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(complete, key=lambda p: p.name, default=None)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and RNG state in place; returns the metadata (step, data, buffer offset)."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> dict[str, Any]:
+    """Restore model, optimizer and RNG state in place (this rank's CPU and CUDA generators where the checkpoint
+    holds them); returns the metadata (step, data, buffer offset)."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
@@ -69,8 +71,28 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     meta = json.loads((path / META_FILE).read_text())
     random.setstate(rng_state_from_json(meta["python_rng"]))
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+    _restore_rank_rng(path / _rank_rng_file(world.rank), world)
     log.info("resumed from %s (step %d)", path, meta["step"])
     return meta
+
+
+def _rank_rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.json"
+
+
+def _rank_rng(world: World) -> dict[str, Any]:
+    """This rank's torch generators: the CPU one, and its GPU's (each rank draws on its own device)."""
+    cuda = torch.cuda.get_rng_state(world.device).tolist() if world.device.type == "cuda" else None
+    return {"torch_rng": torch.get_rng_state().tolist(), "cuda_rng": cuda}
+
+
+def _restore_rank_rng(file: Path, world: World) -> None:
+    if not file.is_file():  # a checkpoint written before ranks saved their own generators
+        return
+    state = json.loads(file.read_text())
+    torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+    if state["cuda_rng"] is not None and world.device.type == "cuda":
+        torch.cuda.set_rng_state(torch.tensor(state["cuda_rng"], dtype=torch.uint8), world.device)
 
 
 def _prune(root: Path, keep: int) -> None:

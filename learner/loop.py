@@ -16,6 +16,7 @@ from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
+from learner.lr_schedule import learning_rate, set_learning_rate
 from learner.staleness import staleness_metrics
 from learner.train_step import Passes, train_step
 
@@ -35,7 +36,8 @@ class LoopState:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LoopState:
+def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 world: World) -> LoopState:
     """Where training continues: a checkpoint named by learner.resume, the latest one (auto), or scratch."""
     choice = config.learner.resume
     if choice == "never":
@@ -43,7 +45,7 @@ def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, o
     path = latest_checkpoint(run_dir / CHECKPOINTS_DIR) if choice == "auto" else Path(choice)
     if path is None:
         return LoopState()
-    meta = load_checkpoint(path, model, optimizer)
+    meta = load_checkpoint(path, model, optimizer, world)
     return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []))
 
 
@@ -59,18 +61,22 @@ def run_loop(
     after_checkpoint: Callable[[int, int, list[int]], None],
     pad_id: int,
     passes: Passes,
+    reference: torch.nn.Module | None = None,
 ) -> LoopState:
     """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
     `after_step(version, metrics)` syncs weights, publishes the version and logs;
     `after_checkpoint(version, buffer_offset, buffer_ahead)` commits the position once the checkpoint holds it;
-    `passes` says how each batch goes through the model."""
+    `passes` says how each batch goes through the model; `reference` is the frozen model of algorithm.use_reference."""
     settings = config.learner
     while state.step < settings.total_steps:
         started = time.perf_counter()
         batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
         waited = time.perf_counter() - started
+        rate = learning_rate(state.step, settings)
+        set_learning_rate(optimizer, rate)
         outcome = train_step(
             model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, passes, settings.grad_clip, world,
+            reference,
         )
         trained = time.perf_counter() - started - waited
         if not outcome.finite:
@@ -82,7 +88,7 @@ def run_loop(
         state.bad_steps = 0
         state.step += 1
         state.buffer_offset, state.buffer_ahead = batch.next_offset, batch.next_ahead
-        metrics = outcome.metrics | staleness_metrics(batch, state.step - 1) | _batch_metrics(batch)
+        metrics = outcome.metrics | staleness_metrics(batch, state.step - 1) | _batch_metrics(batch) | {"actor/lr": rate}
         metrics |= {"timing_s/wait_batch": waited, "timing_s/train": trained, "timing_s/step": time.perf_counter() - started,
                     "learner/tokens_per_s": _trained_tokens(batch) / trained}
         after_step(state.step, metrics)

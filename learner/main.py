@@ -22,7 +22,7 @@ from learner.distributed import World, init_world
 from learner.logprobs import sampling_temperature
 from learner.loop import LoopState, resume_state, run_loop
 from learner.memory import resolve_micro_batch_tokens
-from learner.policy_model import DTYPES, full_weights, full_weights_bytes, load_policy
+from learner.policy_model import DTYPES, full_weights, full_weights_bytes, load_policy, load_reference
 from learner.services import LearnerServices
 from learner.train_step import Passes
 
@@ -38,12 +38,13 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     torch.manual_seed(config.run.seed)
     warn_if_updates_round_away(config)
     model = load_policy(config.model.path, config.learner.master_dtype, config.learner, world)
+    reference = load_reference(config, world)  # before sizing the micro-batches: its weights take memory too
     passes = plan_passes(config, model, world)  # before the optimizer state exists: auto sizing leaves room for it
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.learner.lr, betas=(config.learner.beta1, config.learner.beta2),
         weight_decay=config.learner.weight_decay,
     )
-    state = resume_state(config, run_dir, model, optimizer)
+    state = resume_state(config, run_dir, model, optimizer, world)
     pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
     services = LearnerServices.start(config, run_dir, state.buffer_offset, state.buffer_ahead) if world.is_main else None
     try:
@@ -69,7 +70,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 services.consumer.commit(version, buffer_offset, buffer_ahead)
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
-                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes)
+                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes, reference)
     finally:
         if services is not None:
             services.close()

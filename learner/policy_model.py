@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM
 
+from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.weight_transfer.sender import materialised
 from learner import attention
@@ -19,6 +22,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_policy(model_path: str, dtype: str, settings: LearnerConfig, world: World) -> torch.nn.Module:
     """The HF causal LM at `model_path`, sharded with fully_shard per decoder layer and at the root."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention.register())
+    return shard_policy(model, settings, world)
+
+
+def load_reference(config: AsyncRLConfig, world: World) -> torch.nn.Module | None:
+    """The frozen reference model of `algorithm.use_reference` (None without it), in `model.dtype`, sharded
+    like the policy; it only runs forward passes, so it keeps no activations and has no optimizer state."""
+    algorithm = config.algorithm
+    if not algorithm.use_reference:
+        return None
+    path = algorithm.reference_path or config.model.path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype], attn_implementation=attention.register())
+    model.requires_grad_(False)
+    settings = replace(config.learner, activation_checkpointing="none", cpu_offload=algorithm.reference_cpu_offload)
     return shard_policy(model, settings, world)
 
 

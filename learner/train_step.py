@@ -43,16 +43,18 @@ def train_step(
     passes: Passes,
     grad_clip: float,
     world: World,
+    reference: torch.nn.Module | None = None,
 ) -> StepOutcome:
-    """`passes.temperature` makes π the distribution the rollout servers' behaviour log-probs were taken from."""
+    """`passes.temperature` makes π the distribution the rollout servers' behaviour log-probs were taken from;
+    `reference` is the frozen model of `algorithm.use_reference`."""
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     chunks = rank_chunks(batch, passes.micro_batch_tokens, world, passes.packed)
     denominator = _denominator(batch, algorithm)
     with out_of_memory_names_keys(passes.micro_batch_tokens):
-        proximal = _proximal_logprobs(model, batch, chunks, passes) if algorithm.loss in NEEDS_PROXIMAL else None
+        anchors = _anchor_logprobs(model if algorithm.loss in NEEDS_PROXIMAL else None, reference, batch, chunks, passes)
         optimizer.zero_grad(set_to_none=True)
-        per_chunk = _train_passes(model, batch, chunks, advantages, proximal, denominator, algorithm, world, passes)
+        per_chunk = _train_passes(model, batch, chunks, advantages, anchors, denominator, algorithm, world, passes)
     grad_norm = _clip(model, grad_clip)
     metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
     # Judged on whole-batch numbers that every rank holds alike, so all ranks skip or step together. The
@@ -68,7 +70,7 @@ def train_step(
 
 def _train_passes(
     model: torch.nn.Module, batch: TrainBatch, chunks: list["Chunk"], advantages: torch.Tensor,
-    proximal: list[torch.Tensor] | None, denominator: float, algorithm: AlgorithmConfig, world: World, passes: Passes,
+    anchors: "Anchors", denominator: float, algorithm: AlgorithmConfig, world: World, passes: Passes,
 ) -> list[dict[str, float]]:
     """Forward and backward of each micro-batch, gradients accumulating; the metrics of each real pass."""
     per_chunk = []
@@ -81,7 +83,8 @@ def _train_passes(
             behaviour_logprobs=part.behaviour_logprobs,
             advantages=advantages[chunk.rows, : part.target_width],
             loss_mask=part.loss_mask,
-            proximal_logprobs=None if proximal is None else proximal[index],
+            proximal_logprobs=None if anchors.proximal is None else anchors.proximal[index],
+            reference_logprobs=None if anchors.reference is None else anchors.reference[index],
             entropy=entropy,
             denominator=denominator,
         )
@@ -121,12 +124,27 @@ def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
     return float(max(len(batch), 1))
 
 
+@dataclass
+class Anchors:
+    """Log-probs fixed before the update, per chunk, [b, T-1] each (None where the step needs none)."""
+
+    proximal: list[torch.Tensor] | None  # log π_prox: the policy's weights before this update
+    reference: list[torch.Tensor] | None  # log π_ref: the frozen reference model
+
+
 @torch.no_grad()
-def _proximal_logprobs(model: torch.nn.Module, batch: TrainBatch, chunks: list[Chunk], passes: Passes) -> list[torch.Tensor]:
-    """log π_prox per chunk, [b, T-1] each: the weights before this update, computed once up front."""
-    parts = [batch.select(chunk.rows) for chunk in chunks]
-    return [target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature, with_entropy=False,
-                            packed=passes.packed)[0] for part in parts]
+def _anchor_logprobs(policy: torch.nn.Module | None, reference: torch.nn.Module | None, batch: TrainBatch,
+                     chunks: list[Chunk], passes: Passes) -> Anchors:
+    """One pass over the chunks up front scoring them under the pre-update policy and the reference."""
+    proximal: list[torch.Tensor] | None = [] if policy is not None else None
+    referenced: list[torch.Tensor] | None = [] if reference is not None else None
+    for chunk in chunks:
+        part = batch.select(chunk.rows)
+        for model, into in ((policy, proximal), (reference, referenced)):
+            if model is not None:
+                into.append(target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature,
+                                            with_entropy=False, packed=passes.packed)[0])
+    return Anchors(proximal=proximal, reference=referenced)
 
 
 def _clip(model: torch.nn.Module, grad_clip: float) -> float:

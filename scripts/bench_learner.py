@@ -18,6 +18,7 @@ the learner does (`learner.memory`).
 FLOPs per step (model FLOPs, as MFU counts them: recomputation from activation checkpointing is not counted):
     forward  F = 2 · P · N + 2 · layers · d_attn · Σ L_i²
     step     = 3 · F (forward and backward) + F (the proximal forward, for losses that need it)
+               + F (the reference model's forward, with --reference)
 with P the parameters that multiply a vector per token (the output head included, an untied input
 embedding left out: a lookup), N = Σ L_i the tokens of the step (prompt and completion, padding left out),
 d_attn = heads · head_dim, and causal attention taking half of the L² scores. MFU = FLOPs / step time /
@@ -100,6 +101,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (learner.compile)")
     parser.add_argument("--cpu-offload", action="store_true", help="optimizer state in CPU memory (learner.cpu_offload)")
     parser.add_argument("--loss", default=AlgorithmConfig().loss, help="policy loss (algorithm.loss)")
+    parser.add_argument("--reference", action="store_true",
+                        help="a frozen reference model and the KL penalty (algorithm.use_reference): one more forward per step")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="master weights' dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per variant")
@@ -140,6 +143,14 @@ def build_model(shape: Shape, args: argparse.Namespace, world: World) -> torch.n
     return model
 
 
+def frozen_reference(shape: Shape, args: argparse.Namespace, world: World) -> torch.nn.Module:
+    """The policy's starting weights again, frozen in bf16 on CUDA (model.dtype of the GPU preset), sharded
+    as the learner's `load_reference` does."""
+    dtype = "bfloat16" if world.device.type == "cuda" else args.dtype
+    model = build_model(shape, argparse.Namespace(**{**vars(args), "dtype": dtype}), world).requires_grad_(False)
+    return shard_policy(model, LearnerConfig(compile=args.compile), world)
+
+
 def completion_lengths(args: argparse.Namespace, rng: random.Random) -> list[int]:
     """Per sample: log-normal around the median, between 1 and what the longest sample leaves after the prompt."""
     longest = args.seq_len - args.prompt_len
@@ -168,13 +179,13 @@ def synthetic_batch(args: argparse.Namespace, vocab: int) -> TrainBatch:
     return collate(groups, pad_id=0)
 
 
-def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: str) -> float:
+def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: str, reference: bool) -> float:
     """Model FLOPs of one step (the formula in the module docstring)."""
     lengths = batch.attention_mask.sum(dim=1).double()  # [B]
     config = model.config
     attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
     forward = 2 * matmul_parameters(model, shape) * float(lengths.sum()) + 2 * shape.layers * attention_width * float(lengths.square().sum())
-    return (3 + (1 if loss in NEEDS_PROXIMAL else 0)) * forward
+    return (3 + (1 if loss in NEEDS_PROXIMAL else 0) + (1 if reference else 0)) * forward
 
 
 def matmul_parameters(model: torch.nn.Module, shape: Shape) -> int:
@@ -191,21 +202,22 @@ class VariantResult:
     peak_gib: float | None
 
 
-def run_variant(name: str, model: torch.nn.Module, batch: TrainBatch, args: argparse.Namespace, world: World, shape: Shape) -> VariantResult:
+def run_variant(name: str, model: torch.nn.Module, reference: torch.nn.Module | None, batch: TrainBatch,
+                args: argparse.Namespace, world: World, shape: Shape) -> VariantResult:
     """`--warmup` then `--steps` timed train steps of one variant, with a fresh AdamW."""
     packed = name == "packed"
     settings = LearnerConfig(micro_batch_tokens=args.micro_batch_tokens, cpu_offload=args.cpu_offload)
     tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LearnerConfig().lr)
     passes = Passes(micro_batch_tokens=tokens, packed=packed)
-    algorithm = AlgorithmConfig(loss=args.loss)
+    algorithm = AlgorithmConfig(loss=args.loss, use_reference=reference is not None)
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
     seconds = []
     for index in range(args.warmup + args.steps):
         _synchronize(world)
         started = time.perf_counter()
-        train_step(model, optimizer, batch, algorithm, passes, LearnerConfig().grad_clip, world)
+        train_step(model, optimizer, batch, algorithm, passes, LearnerConfig().grad_clip, world, reference)
         _synchronize(world)
         if index >= args.warmup:
             seconds.append(time.perf_counter() - started)
@@ -233,7 +245,7 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
     print(f"model: {args.shape} shape (hidden {shape.hidden}, layers {shape.layers}, heads {shape.heads}/{shape.kv_heads}, "
           f"intermediate {shape.intermediate}, vocab {shape.vocab}), {params / 1e6:.1f}M params, master {args.dtype}, "
           f"activation checkpointing {args.activation_checkpointing}{', compiled' if args.compile else ''}"
-          f"{', cpu offload' if args.cpu_offload else ''}, {device_name}")
+          f"{', cpu offload' if args.cpu_offload else ''}{', reference model' if args.reference else ''}, {device_name}")
     print(f"batch: {len(lengths)} samples, {tokens} tokens (lengths median {int(statistics.median(lengths))}, "
           f"max {max(lengths)}), groups of {args.group_size}, loss {args.loss}, {flops / TERA:.1f} TFLOP per step")
     baseline = statistics.median(results[-1].seconds)
@@ -255,7 +267,7 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
     return {**first, "variant": results[0].name, "params": params, "shape": args.shape, "tokens_per_step": tokens,
             "tflop_per_step": round(flops / TERA, 2), "device": device_name, "loss": args.loss,
             "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
-            "cpu_offload": args.cpu_offload, "variants": figures}
+            "cpu_offload": args.cpu_offload, "reference": args.reference, "variants": figures}
 
 
 def main() -> None:
@@ -268,11 +280,12 @@ def main() -> None:
         model = build_model(shape, args, world)
         params = sum(p.numel() for p in model.parameters())  # a tied head counts once
         batch = synthetic_batch(args, shape.vocab)
-        flops = step_flops(model, shape, batch, args.loss)
+        flops = step_flops(model, shape, batch, args.loss, args.reference)
         settings = LearnerConfig(activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                  cpu_offload=args.cpu_offload)
         model = shard_policy(model, settings, world)
-        results = [run_variant(name, model, batch, args, world, shape) for name in args.variants.split(",")]
+        reference = frozen_reference(shape, args, world) if args.reference else None
+        results = [run_variant(name, model, reference, batch, args, world, shape) for name in args.variants.split(",")]
         result = report(args, world, shape, params, batch, flops, results)
     finally:
         dist.destroy_process_group()

@@ -23,7 +23,9 @@ class AlgorithmConfig:
     seq_mask_low: float = bounded(0.5, 0.0, 1.0)  # seq_mask: sequences whose IS ratio is below this are dropped
     seq_mask_high: float = bounded(2.0, 1.0)  # seq_mask: sequences whose IS ratio is above this are dropped
     seq_mask_statistic: str = one_of("geometric_mean", "worst_token")  # seq_mask: ratio per sequence, or every token's
-    use_reference: bool = False  # add a KL penalty to a frozen reference model (needs its log-probs per token)
+    use_reference: bool = False  # add a KL penalty to a frozen reference model (the learner loads it and scores every batch with it)
+    reference_path: str = ""  # the reference model's directory; empty = model.path (the policy's starting weights)
+    reference_cpu_offload: bool = False  # GPU: keep the reference's weights in CPU memory, copied to the GPU layer by layer for its pass
     kl_coef: float = bounded(0.001, 0.0)  # weight of the KL penalty in the loss (with use_reference)
     kl_estimator: str = one_of("k3", "k1")  # per-token KL estimate: k3 is non-negative and low-variance, k1 unbiased
     grpo_std_norm: bool = True  # GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)

@@ -15,8 +15,10 @@ class LearnerConfig:
     nproc: int = bounded(1, 1)  # local ranks spawned by `asyncrl learner` (ignored under torchrun)
     device: str = one_of("auto", "cpu", "cuda")  # auto = cuda when available
     total_steps: int = bounded(100, 1)  # optimizer steps to run (policy version at the end)
-    lr: float = bounded(1e-5, 0.0, 1.0)  # AdamW learning rate (constant after warm-up)
-    warmup_steps: int = bounded(0, 0)  # linear learning-rate warm-up, in optimizer steps
+    lr: float = bounded(1e-5, 0.0, 1.0)  # AdamW peak learning rate (reached at the end of the warm-up)
+    warmup_steps: int = bounded(0, 0)  # linear learning-rate warm-up from lr/warmup_steps to lr, in optimizer steps
+    lr_schedule: str = one_of("constant", "cosine")  # after the warm-up: constant lr, or cosine decay to min_lr_ratio * lr at total_steps
+    min_lr_ratio: float = bounded(0.0, 0.0, 1.0)  # cosine: the final learning rate as a share of lr
     weight_decay: float = bounded(0.0, 0.0)  # AdamW decoupled weight decay
     beta1: float = bounded(0.9, 0.0, 1.0)  # AdamW first-moment decay
     beta2: float = bounded(0.999, 0.0, 1.0)  # AdamW second-moment decay

@@ -35,7 +35,7 @@ def test_bench_reports_both_variants_and_no_mfu_on_cpu():
     assert result["tflop_per_step"] >= 0 and result["params"] > 0
 
 
-def test_long_tailed_lengths_leave_padding_out_of_the_token_count():
-    result = bench("--median-tokens", "6", "--sigma", "1.0", "--variants", "packed")
+def test_long_tailed_lengths_leave_padding_out_of_the_token_count_and_a_reference_model_runs():
+    result = bench("--median-tokens", "6", "--sigma", "1.0", "--variants", "packed", "--reference")
     assert SAMPLES * (8 + 1) <= result["tokens_per_step"] < SAMPLES * SEQ_LEN
-    assert set(result["variants"]) == {"packed"}
+    assert set(result["variants"]) == {"packed"} and result["reference"] is True

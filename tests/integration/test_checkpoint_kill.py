@@ -112,7 +112,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint_exactly(tmp_path):
     with single_rank_world() as world:
         model = load_policy(str(model_dir), "float32", config.learner, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-        state = resume_state(config, run_dir, model, optimizer)
+        state = resume_state(config, run_dir, model, optimizer, world)
         assert (state.step, state.buffer_offset) == (1, BUFFER_OFFSETS[1])
         assert torch.equal(torch.get_rng_state(), expected["torch_rng"])
         assert random.getstate() == expected["python_rng"]

@@ -1,7 +1,7 @@
 """On a CUDA GPU in bf16: the variable-length attention kernel equals causal sdpa run on each sample alone
 (values and gradients, grouped-query heads); a packed micro-batch scores the same log-probs as a padded one
 through a real Qwen2-shaped model, with each activation checkpointing mode; the fused head equals float64
-log_softmax; and a step with CPU offload trains like one without."""
+log_softmax; a step with CPU offload trains like one without; and a resume restores the CUDA generator."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from asyncrl.config.learner import LearnerConfig
 from learner import attention
 from learner.activation_checkpointing import MODES, apply_activation_checkpointing
 from learner.batching import collate
+from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
 from learner.policy_model import full_weights, shard_policy
 from learner.train_step import Passes, train_step
@@ -117,3 +118,16 @@ def test_cpu_offload_trains_like_the_gpu_and_its_weights_gather():
     assert len(moved) == len(updates[False])
     for name in moved:
         assert relative_error(updates[True][name], updates[False][name]) < 0.1, name  # bf16 gradients, Adam's sign-like steps
+
+
+def test_a_resumed_gpu_rank_draws_the_same_cuda_random_numbers(tmp_path):
+    with single_rank_world("cuda") as world:
+        model = shard_policy(tiny_qwen2(), LearnerConfig(), world)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        torch.cuda.manual_seed(7)
+        torch.rand(3, device="cuda")  # a generator somewhere past its seed
+        path = save_checkpoint(tmp_path, 1, model, optimizer, {"buffer_offset": 0}, world, keep=1)
+        expected = torch.rand(5, device="cuda")
+        torch.rand(100, device="cuda")
+        load_checkpoint(path, model, optimizer, world)
+        assert torch.equal(torch.rand(5, device="cuda"), expected)
