@@ -18,12 +18,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import CANNOT_START
 from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_on_sigterm
 from asyncrl.logs import setup_logging
+from asyncrl.placement import pin
 from asyncrl.restarts import QuickDeaths
 from rollout_servers.server import Endpoints, RolloutServer
 
@@ -72,10 +74,11 @@ def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> En
     return Endpoints(config.buffer.address or found["buffer"], config.rollout.weight_sync.control_address or found["sync"])
 
 
-def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None:
+def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path,
+              server_gpus: Sequence[Sequence[int]] | None = None) -> None:
     """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die (`SupervisorGaveUp`
     when one cannot start or keeps dying). Endpoints are looked up at every (re)start, so servers follow a
-    learner that restarted on new addresses."""
+    learner that restarted on new addresses. `server_gpus[i]`: the GPUs server i may see (None: all)."""
     context = multiprocessing.get_context("spawn")
     stop = StopSignal()
     slots = [ServerSlot(QuickDeaths.of(config.rollout, config.rollout.max_restarts)) for _ in range(config.rollout.num_servers)]
@@ -88,7 +91,9 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path) -> None
                     schedule_restart(slot, index, run_dir, time.monotonic())
                 if time.monotonic() >= slot.next_start:
                     endpoints = find_endpoints(config, endpoints_dir, config.rollout.connect_timeout_s)
-                    slot.process = context.Process(target=_serve, args=(config, index, endpoints, str(run_dir)), daemon=False)
+                    gpus = list(server_gpus[index]) if server_gpus is not None else None
+                    slot.process = context.Process(target=serve_one, args=(config, index, endpoints, str(run_dir), gpus),
+                                                   daemon=False)
                     slot.process.start()
                     slot.started_at = time.monotonic()
             time.sleep(_POLL_S)
@@ -116,10 +121,14 @@ def server_log(run_dir: Path | str, index: int) -> Path:
     return Path(run_dir) / "logs" / f"rollout{index}.log"
 
 
-def _serve(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str) -> None:
+def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, gpus: list[int] | None = None) -> None:
+    """Server `index` in this process until a stop signal (exit CANNOT_START if it cannot be built); `gpus`:
+    the GPUs it may see (None: as the process found them)."""
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
     interrupt_on_sigterm()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if gpus is not None:
+        pin(gpus)  # before vLLM first touches CUDA
     try:
         server = RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR)
     except Exception as error:

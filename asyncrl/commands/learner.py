@@ -17,17 +17,25 @@ from asyncrl.sync_mode import apply_mode
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "learner")
     config = apply_mode(config, log)
-    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment  # imports torch: after parsing
+    torchrun = "WORLD_SIZE" in os.environ  # torchrun or Ray gave this process its rank and its GPUs
+    from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
+    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
+
+    plan = None if torchrun else place_local_job(config, log)
 
     prepare_nccl_environment(config.rollout.weight_sync.host)
     run_dir = make_run_dir(config, "run")
     (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # rollout servers wait for this run's addresses
     log.info("run directory: %s", run_dir)
-    if "WORLD_SIZE" in os.environ:  # under torchrun: this process is one rank of the given world
+    if torchrun:  # this process is one rank of the given world
         from learner.main import train
 
         train(config, run_dir)
-    elif not spawn_ranks(config, str(run_dir)):
+        print(f"RUN_DIR {run_dir}", flush=True)
+        return 0
+    if plan is not None:
+        pin(plan.learner)  # the ranks (spawned below) see their GPUs as 0..nproc-1
+    if not spawn_ranks(config, str(run_dir)):
         log.warning("stopped by a signal: the ranks closed their services and exited")
         return INTERRUPTED
     print(f"RUN_DIR {run_dir}", flush=True)

@@ -13,7 +13,10 @@ def main(args: argparse.Namespace) -> int:
     config, log = start(args, "rollout")
     config = apply_mode(config, log)
     check_input_files(config)
-    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment  # imports torch: after parsing
+    from asyncrl.placement import place_local_job  # imports torch: after parsing
+    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
+
+    plan = place_local_job(config, log)
 
     prepare_nccl_environment(config.rollout.weight_sync.host)
     run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
@@ -25,7 +28,8 @@ def main(args: argparse.Namespace) -> int:
     endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)
     log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer, endpoints.sync)
     try:
-        supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."))
+        supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."),
+                  plan.servers if plan is not None else None)
     except SupervisorGaveUp as error:
         log.error("%s", error)
         return 1

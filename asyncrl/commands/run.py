@@ -25,6 +25,9 @@ _CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "run")
     check_input_files(config)
+    from asyncrl.placement import place_local_job  # imports torch: after parsing
+
+    place_local_job(config, log)  # refused here, before any role starts; each role pins its own GPUs
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ class WeightSyncConfig:
     control_address: str = ""  # servers: the coordinator's address; empty = read <run dir>/endpoints.json
     heartbeat_s: float = bounded(1.0, 0.01)  # servers announce themselves (and their counters) this often
     liveness_s: float = bounded(10.0, 0.1)  # a server silent this long is left out of weight-sync rounds; a round waits this long (at most timeout_s) for servers to confirm they are there
+    max_failures: int = bounded(3, 1)  # rounds in a row a server may fail to load the weights before the learner gives up on it (until it restarts); an error no retry can fix gives up at once
     load_in_place: bool = True  # CUDA + unquantized model: copy received weights into the serving parameters (no layerwise reload, faster); false = always vLLM's layerwise reload
     staging_bytes: int = bounded(8 * 2**30, 0)  # learner: GPU memory (bytes) for the latest weights in model.dtype: when they fit, the learner gathers them onto its GPU and keeps them there between rounds; else into CPU memory, and this much is copied to the GPU before the servers pause (the pause then covers the NCCL broadcast alone); 0 = CPU only
 
@@ -62,6 +63,7 @@ class ChatEndpointConfig:
 @dataclass
 class RolloutConfig:
     num_servers: int = bounded(1, 1)  # rollout server processes, one vLLM engine each
+    gpus: list[int] = field(default_factory=list)  # GPU ids of the servers, tensor_parallel_size consecutive ones each; empty = automatic split (docs/placement.md)
     max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled

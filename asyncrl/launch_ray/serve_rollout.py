@@ -29,10 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rollout-{args.index}: {error}", file=sys.stderr)
         return 2
     from rollout_servers.server import Endpoints
-    from rollout_servers.supervisor import _serve
+    from rollout_servers.supervisor import serve_one
 
     endpoints = Endpoints(config.buffer.address, config.rollout.weight_sync.control_address)
-    _serve(config, args.index, endpoints, str(Path(config.run.root_dir) / config.run.name))
+    serve_one(config, args.index, endpoints, str(Path(config.run.root_dir) / config.run.name))
     return 0
 
 

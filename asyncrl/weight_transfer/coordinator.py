@@ -30,6 +30,12 @@ from asyncrl.weight_transfer.server_metrics import ServerMetrics
 log = logging.getLogger(__name__)
 
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
+# errors no retry can fix: the group itself is invalid (e.g. NCCL ranks sharing one GPU)
+UNRECOVERABLE_MARKERS = ("Duplicate GPU", "invalid usage", "ncclInvalidUsage")
+
+
+class WeightSyncFailed(RuntimeError):
+    """No rollout server can load the learner's weights; the message holds each one's last error."""
 
 
 @dataclass
@@ -55,9 +61,10 @@ class RoundReport:
 
 class SyncCoordinator:
     def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float,
-                 staging_bytes: int = 0) -> None:
+                 staging_bytes: int = 0, max_failures: int = 3) -> None:
         """`staging_bytes`: device memory for copying a round's weights to the transfer device before the
-        servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent."""
+        servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent. `max_failures`: rounds
+        in a row a server may fail before it is given up on (left out of rounds until it restarts)."""
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(bind)
@@ -73,6 +80,10 @@ class SyncCoordinator:
         self._server_metrics = ServerMetrics()
         self.latest_version = 0  # newest version broadcast
         self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
+        self.max_failures = max_failures
+        self._failures: dict[str, tuple[int, str]] = {}  # server -> (rounds failed in a row, last error)
+        self._given_up: dict[str, bytes] = {}  # server -> identity of the process given up on (a restart is new)
+        self._identities: dict[str, bytes] = {}  # server -> identity of its latest heartbeat (kept when forgotten)
 
     def live_members(self) -> list[str]:
         self._drain()
@@ -80,9 +91,32 @@ class SyncCoordinator:
         return sorted(name for name, m in self.members.items() if now - m.last_seen <= self.liveness_s)
 
     def lagging_members(self, version: int) -> list[str]:
-        """Live servers that hold an older version than `version`, or no complete weights."""
-        live = self.live_members()
+        """Live servers, not given up on, that hold an older version than `version`, or no complete weights."""
+        live = self._syncable()
         return [name for name in live if self.members[name].version < version or self.members[name].needs_catch_up]
+
+    def _syncable(self) -> list[str]:
+        """Live servers except those given up on (a restarted process, with a new identity, is taken again)."""
+        return [name for name in self.live_members() if self._given_up.get(name) != self.members[name].identity]
+
+    def _record_outcome(self, report: RoundReport) -> None:
+        """Count each server's failures in a row; give up on one that reached `max_failures` or failed in a way
+        no retry can fix (logged once, with the error); raise WeightSyncFailed when no live server is left."""
+        for name in report.succeeded:
+            self._failures.pop(name, None)
+        for name, reason in report.failed.items():
+            count = self._failures.get(name, (0, ""))[0] + 1
+            self._failures[name] = (count, reason)
+            hopeless = any(marker in reason for marker in UNRECOVERABLE_MARKERS)
+            identity = self._identities.get(name)
+            if (count >= self.max_failures or hopeless) and identity is not None and self._given_up.get(name) != identity:
+                self._given_up[name] = identity
+                why = "an error no retry can fix" if hopeless else f"{count} rounds in a row (rollout.weight_sync.max_failures)"
+                log.error("giving up on %s until it restarts: it failed to load the weights, %s: %s", name, why, reason)
+        live = self.live_members()
+        if live and not self._syncable() and report.failed:
+            errors = "; ".join(f"{name}: {self._failures.get(name, (0, 'unknown'))[1]}" for name in live)
+            raise WeightSyncFailed(f"no rollout server can load the learner's weights ({errors})")
 
     def rollout_metrics(self, learner_version: int | None = None) -> dict[str, float]:
         """Server counters summed over live servers: `rollout/tokens_per_s` since the previous call,
@@ -133,9 +167,15 @@ class SyncCoordinator:
         return self.live_members()
 
     def broadcast(self, version: int, named_tensors: NamedTensors) -> RoundReport:
-        """One round: every live server receives `named_tensors` as `version`, or is reported failed."""
+        """One round: every live server receives `named_tensors` as `version`, or is reported failed (and given
+        up on after `max_failures` such rounds; WeightSyncFailed when that leaves none)."""
+        report = self._run_round(version, named_tensors)
+        self._record_outcome(report)
+        return report
+
+    def _run_round(self, version: int, named_tensors: NamedTensors) -> RoundReport:
         started = time.perf_counter()
-        candidates = self.live_members()
+        candidates = self._syncable()
         report = RoundReport(version=version, servers=len(candidates))
         self.latest_version = max(self.latest_version, version)
         if not candidates:
@@ -246,6 +286,7 @@ class SyncCoordinator:
                 # same process: a heartbeat queued before the last round must not undo what it loaded
                 version = max(version, known.version)
             self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up, msg)
+            self._identities[msg.server_id] = identity
         return msg
 
     def _close_group(self) -> None:

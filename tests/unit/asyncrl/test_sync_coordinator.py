@@ -12,7 +12,7 @@ import zmq
 from asyncrl.messages import decode, encode
 from asyncrl.weight_transfer import TransferGroup, parse_update_info
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
-from asyncrl.weight_transfer.coordinator import SyncCoordinator, rank_layout
+from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.protocol import InitInfo
 
 TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
@@ -22,11 +22,12 @@ HEARTBEAT_S = 0.05
 
 class FakeServer(threading.Thread):
     """Heartbeats; answers each prepare; on each invite (re)joins the group if asked, receives every
-    tensor, reports. A server with `answer=False` heartbeats and ignores everything else."""
+    tensor, reports. A server with `answer=False` heartbeats and ignores everything else; one with `fail_with`
+    receives and then reports that error."""
 
-    def __init__(self, name: str, address: str, answer: bool = True) -> None:
+    def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "") -> None:
         super().__init__(daemon=True)
-        self.name_, self.address, self.answer = name, address, answer
+        self.name_, self.address, self.answer, self.fail_with = name, address, answer, fail_with
         self.received: dict[int, dict[str, torch.Tensor]] = {}
         self.stop = threading.Event()
         self.version = 0
@@ -55,6 +56,8 @@ class FakeServer(threading.Thread):
                     buffer = torch.empty(meta.shape, dtype=meta.dtype)
                     group.broadcast(buffer)
                     tensors[meta.name] = buffer
+                if self.fail_with:  # a server that takes part in the transfer but fails to load, every time
+                    raise RuntimeError(self.fail_with)
             except Exception as error:  # as a real server does: report, stay, catch up next round
                 sock.send(encode(SyncDone(self.name_, invite.round_id, ok=False, error=str(error))))
                 continue
@@ -63,9 +66,9 @@ class FakeServer(threading.Thread):
         sock.close(0)
 
 
-def coordinator(staging_bytes: int = 0) -> SyncCoordinator:
+def coordinator(staging_bytes: int = 0, max_failures: int = 3) -> SyncCoordinator:
     return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=LIVENESS_S,
-                           staging_bytes=staging_bytes)
+                           staging_bytes=staging_bytes, max_failures=max_failures)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -179,4 +182,61 @@ def test_validation_in_heartbeats_is_returned_once_per_pass():
         assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
     finally:
         sock.close(0)
+        coord.close()
+
+
+def test_a_server_that_keeps_failing_is_given_up_on_and_the_others_go_on(caplog):
+    coord = coordinator(max_failures=2)
+    good, broken = FakeServer("good", coord.address), FakeServer("broken", coord.address, fail_with="out of memory")
+    good.start()
+    broken.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        assert "broken" in coord.broadcast(1, weights(1.0)).failed
+        assert "broken" in coord.broadcast(2, weights(2.0)).failed  # the second in a row: given up
+        assert "giving up on broken" in caplog.text and "rollout.weight_sync.max_failures" in caplog.text
+        report = coord.broadcast(3, weights(3.0))
+        assert report.succeeded == ["good"] and not report.failed  # no longer invited
+        assert coord.lagging_members(4) == ["good"]  # nor caught up
+    finally:
+        good.stop.set()
+        broken.stop.set()
+        coord.close()
+
+
+def test_an_error_no_retry_can_fix_ends_the_sync_at_once_when_no_server_is_left():
+    coord = coordinator(max_failures=100)
+    broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
+    broken.start()
+    try:
+        coord.wait_for_members(1, timeout_s=10)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncFailed, match="Duplicate GPU"):
+            coord.broadcast(1, weights(1.0))
+        assert time.monotonic() - started < TIMEOUT_S  # the first round, not max_failures of them
+    finally:
+        broken.stop.set()
+        coord.close()
+
+
+def test_a_restarted_server_is_taken_again():
+    coord = coordinator(max_failures=1)
+    broken = FakeServer("s0", coord.address, fail_with="out of memory")
+    broken.start()
+    try:
+        coord.wait_for_members(1, timeout_s=10)
+        with pytest.raises(WeightSyncFailed):
+            coord.broadcast(1, weights(1.0))
+        broken.stop.set()
+        broken.join()
+        restarted = FakeServer("s0", coord.address)  # same name, a new process (a new socket identity)
+        restarted.start()
+        deadline = time.monotonic() + 10
+        while coord.lagging_members(1) != ["s0"]:
+            assert time.monotonic() < deadline, "the restarted server was not taken again"
+            time.sleep(HEARTBEAT_S)
+        assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
+        restarted.stop.set()
+    finally:
+        broken.stop.set()
         coord.close()

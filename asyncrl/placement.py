@@ -1,0 +1,150 @@
+"""Which GPUs each role of a job on this machine uses: the learner's ranks and every rollout server
+(`rollout.engine.tensor_parallel_size` GPUs each), from `learner.gpus` / `rollout.gpus` or, where they are
+empty, split automatically among the visible GPUs. Pure functions of the config and the visible GPUs; the
+commands print the plan, refuse an impossible one before anything starts, and pin each process to its
+GPUs through CUDA_VISIBLE_DEVICES.
+
+Automatic split: one visible GPU is shared by the learner and every server (colocated); with more, the
+servers take the first `num_servers` × tensor-parallel GPUs and the learner's ranks the next `learner.nproc`.
+A colocated plan cannot sync weights over NCCL (it refuses two ranks on one GPU): `weight_sync.backend: auto`
+then means gloo, and an explicit `nccl` is refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from asyncrl.config import AsyncRLConfig, ConfigError
+
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+class PlacementError(ConfigError):
+    """The GPUs asked for cannot be given; the message names the keys."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    learner: tuple[int, ...]  # a GPU per learner rank (physical ids)
+    servers: tuple[tuple[int, ...], ...]  # each rollout server's GPUs
+
+    @property
+    def colocated(self) -> bool:
+        """The learner shares a GPU with a server."""
+        return bool(set(self.learner) & {gpu for server in self.servers for gpu in server})
+
+    def unused(self, visible: list[int]) -> list[int]:
+        used = set(self.learner) | {gpu for server in self.servers for gpu in server}
+        return [gpu for gpu in visible if gpu not in used]
+
+    def describe(self) -> str:
+        servers = ", ".join(f"server-{i} → {_ids(gpus)}" for i, gpus in enumerate(self.servers))
+        shared = " (colocated: weights go through gloo)" if self.colocated else ""
+        return f"GPU plan: learner → {_ids(self.learner)}; {servers}{shared}"
+
+
+def plan_placement(config: AsyncRLConfig, visible: list[int]) -> Plan | None:
+    """The plan for `visible` GPUs (None on a machine without any); PlacementError for an impossible one."""
+    learner, rollout = config.learner, config.rollout
+    tp = rollout.engine.tensor_parallel_size
+    if not visible:
+        if learner.gpus or rollout.gpus:
+            key = "learner.gpus" if learner.gpus else "rollout.gpus"
+            raise PlacementError(f"{key}: no GPU is visible on this machine")
+        return None
+    wanted_learner = _checked(learner.gpus, learner.nproc, "learner.gpus", "learner.nproc", visible)
+    wanted_rollout = _checked(rollout.gpus, rollout.num_servers * tp, "rollout.gpus",
+                              "rollout.num_servers × rollout.engine.tensor_parallel_size", visible)
+    if not wanted_learner and not wanted_rollout:
+        if len(visible) == 1:
+            return _colocated(visible[0], learner.nproc, rollout.num_servers, tp)
+        need = learner.nproc + rollout.num_servers * tp
+        if need > len(visible):
+            raise PlacementError(f"learner.nproc={learner.nproc} + rollout.num_servers={rollout.num_servers} × "
+                                 f"rollout.engine.tensor_parallel_size={tp} need {need} GPUs and {len(visible)} are "
+                                 "visible: lower them, or share GPUs by listing the same ones in learner.gpus and rollout.gpus")
+    server_gpus = wanted_rollout or _take(visible, exclude=wanted_learner, count=rollout.num_servers * tp,
+                                          role="rollout servers", need_keys="rollout.num_servers, rollout.engine.tensor_parallel_size")
+    learner_gpus = wanted_learner or _take(visible, exclude=server_gpus, count=learner.nproc, role="learner ranks",
+                                           need_keys="learner.nproc")
+    shared = set(learner_gpus) & set(server_gpus)
+    if shared and set(learner_gpus) != set(server_gpus):
+        raise PlacementError(f"learner.gpus {_ids(learner_gpus)} and rollout.gpus {_ids(server_gpus)} share "
+                             f"{_ids(sorted(shared))} but not all their GPUs: give them the same list (colocated) or none in common")
+    servers = tuple(tuple(server_gpus[i * tp:(i + 1) * tp]) for i in range(rollout.num_servers))
+    return Plan(learner=tuple(learner_gpus), servers=servers)
+
+
+def visible_gpus() -> list[int]:
+    """Physical ids of the GPUs this process may use (CUDA_VISIBLE_DEVICES, else every GPU torch counts)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = os.environ.get(VISIBLE_DEVICES)
+    if listed is None:
+        return list(range(count))
+    ids = [int(part) for part in listed.split(",") if part.strip().isdigit()]
+    return ids[:count]
+
+
+def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
+    """The weight-sync backend the plan allows: `auto` is gloo when colocated; an explicit nccl is refused there."""
+    backend = config.rollout.weight_sync.backend
+    if plan is None or not plan.colocated:
+        return backend
+    if backend == "nccl":
+        raise PlacementError("rollout.weight_sync.backend=nccl: the learner and a rollout server share a GPU "
+                             f"({plan.describe()}), and NCCL cannot join two ranks on one GPU; use gloo or auto")
+    return "gloo" if backend == "auto" else backend
+
+
+def place_local_job(config: AsyncRLConfig, log) -> Plan | None:
+    """The plan of a job on this machine, logged, with `rollout.weight_sync.backend` set to what it allows
+    (changes `config` in place); PlacementError before anything starts when it cannot be given."""
+    plan = plan_placement(config, visible_gpus())
+    if plan is not None:
+        log.info("%s", plan.describe())
+        unused = plan.unused(visible_gpus())
+        if unused:
+            log.info("GPUs %s are visible and unused (rollout.num_servers, learner.nproc)", _ids(unused))
+        config.rollout.weight_sync.backend = weight_sync_backend(config, plan)
+    return plan
+
+
+def pin(gpus: tuple[int, ...] | list[int]) -> None:
+    """Make only `gpus` visible to this process and its children (before CUDA is first used)."""
+    os.environ[VISIBLE_DEVICES] = ",".join(str(gpu) for gpu in gpus)
+
+
+def _colocated(gpu: int, nproc: int, servers: int, tp: int) -> Plan:
+    if nproc > 1 or tp > 1:
+        key = "learner.nproc" if nproc > 1 else "rollout.engine.tensor_parallel_size"
+        raise PlacementError(f"{key}: one GPU is visible, and a colocated job runs one learner rank and servers of "
+                             "tensor_parallel_size 1 on it")
+    return Plan(learner=(gpu,), servers=tuple((gpu,) for _ in range(servers)))
+
+
+def _checked(gpus: list[int], count: int, key: str, count_key: str, visible: list[int]) -> list[int]:
+    if not gpus:
+        return []
+    if len(gpus) != count:
+        raise PlacementError(f"{key}: {len(gpus)} GPUs listed, {count_key} needs {count}")
+    if len(set(gpus)) != len(gpus):
+        raise PlacementError(f"{key}: {_ids(gpus)} names a GPU twice")
+    missing = [gpu for gpu in gpus if gpu not in visible]
+    if missing:
+        raise PlacementError(f"{key}: GPU {_ids(missing)} is not visible (visible: {_ids(visible)})")
+    return list(gpus)
+
+
+def _take(visible: list[int], exclude: list[int], count: int, role: str, need_keys: str) -> list[int]:
+    free = [gpu for gpu in visible if gpu not in exclude]
+    if len(free) < count:
+        raise PlacementError(f"{need_keys}: the {role} need {count} GPUs and {len(free)} of the {len(visible)} visible "
+                             f"are left for them; lower them, or list the GPUs in learner.gpus / rollout.gpus")
+    return free[:count]
+
+
+def _ids(gpus) -> str:
+    return "[" + ",".join(str(gpu) for gpu in gpus) + "]"

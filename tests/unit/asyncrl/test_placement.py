@@ -1,0 +1,94 @@
+"""Which GPUs each role gets on one machine: the automatic split for 1, 2, 4 and 8 visible GPUs with
+tensor-parallel 1 and 2, explicit lists, the refusals (each naming its keys), and the weight-sync backend a
+colocated plan allows."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.placement import PlacementError, pin, plan_placement, weight_sync_backend
+
+
+def config(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+def test_no_gpu_no_plan():
+    assert plan_placement(config(), []) is None
+
+
+def test_one_gpu_is_shared_by_the_learner_and_every_server():
+    plan = plan_placement(config("rollout.num_servers=2"), [0])
+    assert plan.learner == (0,) and plan.servers == ((0,), (0,)) and plan.colocated
+    assert weight_sync_backend(config(), plan) == "gloo"  # auto: NCCL cannot join two ranks on one GPU
+
+
+@pytest.mark.parametrize(("visible", "servers", "tp", "nproc", "expected_servers", "expected_learner"), [
+    (2, 1, 1, 1, ((0,),), (1,)),
+    (4, 3, 1, 1, ((0,), (1,), (2,)), (3,)),
+    (4, 1, 2, 2, ((0, 1),), (2, 3)),
+    (8, 3, 2, 2, ((0, 1), (2, 3), (4, 5)), (6, 7)),
+    (8, 6, 1, 2, ((0,), (1,), (2,), (3,), (4,), (5,)), (6, 7)),
+])
+def test_automatic_split(visible, servers, tp, nproc, expected_servers, expected_learner):
+    plan = plan_placement(config(f"rollout.num_servers={servers}", f"rollout.engine.tensor_parallel_size={tp}",
+                                 f"learner.nproc={nproc}"), list(range(visible)))
+    assert plan.servers == expected_servers and plan.learner == expected_learner and not plan.colocated
+    assert weight_sync_backend(config(), plan) == "auto"  # NCCL where the roles have GPUs of their own
+
+
+def test_the_physical_ids_of_visible_gpus_are_kept():
+    plan = plan_placement(config(), [3, 5])
+    assert plan.servers == ((3,),) and plan.learner == (5,)
+
+
+def test_explicit_lists_and_the_other_role_takes_what_is_left():
+    plan = plan_placement(config("learner.gpus=[0]", "rollout.num_servers=2"), list(range(4)))
+    assert plan.learner == (0,) and plan.servers == ((1,), (2,))
+    plan = plan_placement(config("rollout.gpus=[2,3]", "rollout.engine.tensor_parallel_size=2"), list(range(4)))
+    assert plan.servers == ((2, 3),) and plan.learner == (0,)
+    shared = plan_placement(config("learner.gpus=[1]", "rollout.gpus=[1]"), list(range(2)))
+    assert shared.colocated and shared.learner == (1,) and shared.servers == ((1,),)
+
+
+@pytest.mark.parametrize(("overrides", "visible", "named"), [
+    (["rollout.num_servers=2"], 2, "rollout.num_servers"),  # 2 servers + 1 learner rank on 2 GPUs
+    (["learner.nproc=2"], 2, "learner.nproc"),
+    (["learner.nproc=2"], 1, "learner.nproc"),  # colocated: one learner rank only
+    (["rollout.engine.tensor_parallel_size=2"], 1, "rollout.engine.tensor_parallel_size"),
+    (["learner.gpus=[0,1]"], 4, "learner.gpus"),  # two GPUs for one rank
+    (["rollout.gpus=[1,1]", "rollout.num_servers=2"], 4, "rollout.gpus"),  # a GPU twice
+    (["learner.gpus=[7]"], 4, "learner.gpus"),  # not visible
+    (["learner.gpus=[0,1]", "learner.nproc=2", "rollout.gpus=[1]"], 4, "share"),  # partly overlapping
+    (["learner.gpus=[0]"], 0, "learner.gpus"),  # no GPU at all
+])
+def test_impossible_plans_are_refused_naming_the_keys(overrides, visible, named):
+    with pytest.raises(PlacementError) as refused:
+        plan_placement(config(*overrides), list(range(visible)))
+    assert named in str(refused.value)
+
+
+def test_nccl_is_refused_where_the_roles_share_a_gpu():
+    plan = plan_placement(config(), [0])
+    with pytest.raises(PlacementError, match="rollout.weight_sync.backend=nccl"):
+        weight_sync_backend(config("rollout.weight_sync.backend=nccl"), plan)
+
+
+def test_pin_limits_what_children_see(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pin((2, 3))
+    seen = subprocess.run([sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert seen == "2,3" == os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def test_run_refuses_a_plan_before_any_role_starts(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", f"run.root_dir={tmp_path}", "run.name=x",
+                           "data.train_files=[README.md]", "learner.gpus=[0]"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2
+    assert "learner.gpus: no GPU is visible" in done.stderr
+    assert not (tmp_path / "x").exists()  # nothing started, no run directory
