@@ -131,9 +131,9 @@ class RequestChannel:
         (a batch request waiting for data); BufferTimeout after wait_s + timeout_s without a reply."""
         frame = encode(message)
         deadline = time.monotonic() + wait_s + self.timeout_s
-        attempts = 0
+        attempts = refused = 0
         while True:
-            self.socket.send(frame)
+            refused += not self._send(frame)
             attempts += 1
             now = time.monotonic()
             until = min(deadline, now + wait_s + self.resend_s)
@@ -142,7 +142,8 @@ class RequestChannel:
             self._reset()
             if time.monotonic() >= deadline:
                 raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
-                                    f"within {wait_s + self.timeout_s:.1f}s ({attempts} attempts)")
+                                    f"within {wait_s + self.timeout_s:.1f}s ({attempts} attempts, {refused} of them "
+                                    "refused by ZeroMQ: no connected peer or a full send queue)")
             self.resends += 1
         reply = decode(self.socket.recv())
         if isinstance(reply, ErrorReply):
@@ -150,6 +151,16 @@ class RequestChannel:
         if not isinstance(reply, expect):
             raise DecodeError(f"expected {expect.__name__} from the buffer, got {type(reply).__name__}")
         return reply
+
+    def _send(self, frame: bytes) -> bool:
+        """Queue the frame without blocking (a blocking send waits past any deadline when ZeroMQ has no
+        peer to queue it for); False if ZeroMQ refused it. The caller then waits for a reply that cannot
+        come and resends on a fresh socket, as for a lost request."""
+        try:
+            self.socket.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def _reset(self) -> None:
         self.socket.close()
