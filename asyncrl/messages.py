@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Annotated, Any, Callable, Mapping, Sequence, TypeVar
 
 import msgspec
 import numpy as np
@@ -20,6 +20,24 @@ from asyncrl.packed import Float32List, Int32List, MaskList, PackedList, as_list
 
 SCHEMA_VERSION = 2  # 2: per-token fields as packed arrays (1 had msgpack lists of numbers)
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a group of 16 × 32k-token samples fits comfortably
+
+
+# Ranges of the numbers a request may carry, checked while decoding: whatever a client sends, what the
+# buffer derives from it (counters, the staleness histogram, admission sums) stays far inside msgpack's
+# 64-bit range, and a refused request never reaches the buffer's state.
+MAX_VERSION = 2**31 - 1  # policy versions: token versions travel as int32
+MAX_OFFSET = 2**53  # log offsets: more records than any log will hold, and exact as a float metric
+MAX_COUNT = 2**31 - 1  # groups, samples or tokens in one request
+MAX_WAIT_MS = 24 * 3600 * 1000  # the longest wait a batch request may ask for (the buffer caps it lower)
+MAX_AHEAD = 2**16  # consumed offsets past a position; a real learner's are a few batches' worth
+MAX_ID_CHARS = 256  # consumer, server and request ids
+MAX_PATH_CHARS = 4096  # paths and addresses
+
+Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
+Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFSET)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Identifier = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Ahead = Annotated[list[Offset], msgspec.Meta(max_length=MAX_AHEAD)]
 
 
 class DecodeError(ValueError):
@@ -178,11 +196,11 @@ class Ack:
 @message("admission_request")
 @dataclass
 class AdmissionRequest:
-    server_id: str  # asking rollout server
-    wanted: int  # prompt groups it would like to start
-    finished: int = 0  # groups it started earlier and has since sent or abandoned
-    request_id: str = ""  # unique per request; a resend repeats it and gets the first answer ("" = never repeated)
-    running: int = -1  # groups it has started and not yet finished, `finished` deducted (-1 = not reported)
+    server_id: Identifier  # asking rollout server
+    wanted: Count  # prompt groups it would like to start
+    finished: Count = 0  # groups it started earlier and has since sent or abandoned
+    request_id: Identifier = ""  # unique per request; a resend repeats it and gets the first answer ("" = never repeated)
+    running: Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNT)] = -1  # groups started, not finished, `finished` deducted (-1 = not reported)
 
 
 @message("admission_grant")
@@ -195,13 +213,17 @@ class AdmissionGrant:
 @message("batch_request")
 @dataclass
 class BatchRequest:
-    consumer_id: str  # requesting learner
-    policy_version: int  # learner version that will train on the batch (staleness reference)
-    max_samples: int = 0  # samples wanted (0 = no limit by samples)
-    max_tokens: int = 0  # tokens wanted (0 = no limit by tokens)
-    timeout_ms: int = 0  # wait this long for enough data (0 = answer at once)
-    from_offset: int = -1  # consumer's position (checkpointed or last next_offset); -1 = the buffer's read cursor
-    from_ahead: list[int] = field(default_factory=list)  # records at or past from_offset it has consumed too (last next_ahead)
+    consumer_id: Identifier  # requesting learner
+    policy_version: Version  # learner version that will train on the batch (staleness reference)
+    max_samples: Count = 0  # samples wanted (0 = no limit by samples)
+    max_tokens: Count = 0  # tokens wanted (0 = no limit by tokens)
+    timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)] = 0  # wait this long for enough data (0 = answer at once)
+    from_offset: Annotated[int, msgspec.Meta(ge=-1, le=MAX_OFFSET)] = -1  # consumer's position; -1 = the buffer's read cursor
+    from_ahead: Ahead = field(default_factory=list)  # records at or past from_offset it has consumed too (last next_ahead)
+
+    def validate(self) -> None:
+        if self.from_offset < 0 and self.from_ahead:
+            raise DecodeError("batch request: from_ahead must be empty when from_offset is -1 (no position)")
 
 
 @message("batch")
@@ -217,17 +239,17 @@ class Batch:
 @message("commit")
 @dataclass
 class Commit:
-    consumer_id: str  # committing learner
-    offset: int  # everything before this offset has been trained on and checkpointed
-    policy_version: int  # learner version at the commit
-    ahead: list[int] = field(default_factory=list)  # records at or past `offset` trained on (or dropped) too
+    consumer_id: Identifier  # committing learner
+    offset: Offset  # everything before this offset has been trained on and checkpointed
+    policy_version: Version  # learner version at the commit
+    ahead: Ahead = field(default_factory=list)  # records at or past `offset` trained on (or dropped) too
 
 
 @message("policy_version")
 @dataclass
 class PolicyVersion:
-    version: int  # optimizer steps completed by the learner
-    weights_at: str = ""  # where servers that missed the last sync can fetch these weights (checkpoint dir)
+    version: Version  # optimizer steps completed by the learner
+    weights_at: Annotated[str, msgspec.Meta(max_length=MAX_PATH_CHARS)] = ""  # where servers that missed the last sync can fetch these weights (checkpoint dir)
 
 
 @message("buffer_position")
@@ -244,7 +266,7 @@ class BufferPosition:
 @message("stats_request")
 @dataclass
 class StatsRequest:
-    requester: str = ""  # who asks (for the buffer's log)
+    requester: Identifier = ""  # who asks (for the buffer's log)
 
 
 @message("buffer_stats")
@@ -274,6 +296,11 @@ class BufferStats:
     admission_wait_s: float  # time servers spent granted less than they wanted, summed over servers
     admission_released: int  # admitted groups released because their server stopped asking (timeout)
     read_ahead: list[int] = field(default_factory=list)  # records at or past read_offset already handed out or dropped
+    refused_requests: int = 0  # well-formed requests refused (a bad position, a client over its caps)
+    refused_over_caps: int = 0  # of those, refused by a cap (parked requests per client, wait, admission leases)
+    unparked: int = 0  # batch requests answered at once instead of waiting: the total parking caps were full
+    parked: int = 0  # batch requests waiting for data now
+    admission_leases: int = 0  # servers holding an admission lease now
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for wandb/metrics.jsonl."""

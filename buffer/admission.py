@@ -9,6 +9,8 @@ A request the client had to resend (its reply was lost or late) carries the same
 first answer again, without counting its finished groups or its grant twice. A server that reports its
 own running count is taken at its word: a restarted buffer, whose counts start empty, then knows
 what each server has in flight from its first request on instead of admitting past the bound.
+Leases are capped in number (`max_leases`; their ids are capped in size at decode): a new server past
+the cap is refused until a silent one's lease expires.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ class ServerLease:
     last_grant: int = 0  # what it was granted
 
 
+class LeasesFull(Exception):
+    """A new server asked for admission while every lease is held."""
+
+
 class Admission:
-    def __init__(self, max_staleness: int, batch_groups: int, timeout_s: float) -> None:
+    def __init__(self, max_staleness: int, batch_groups: int, timeout_s: float, max_leases: int = 1024) -> None:
         self.max_staleness = max_staleness
         self.batch_groups = batch_groups
         self.timeout_s = timeout_s
+        self.max_leases = max_leases
         self.leases: dict[str, ServerLease] = {}
         self.waits = 0  # requests granted fewer groups than wanted
         self.wait_s = 0.0  # time servers spent short of what they wanted, summed
@@ -49,8 +56,8 @@ class Admission:
               request_id: str = "", running: int = -1) -> int:
         """Record the server's finished groups (or its own running count, when it reports one: >= 0), then
         grant up to `wanted` within capacity; a repeat of the last request (same non-empty id) gets the
-        same grant and changes nothing."""
-        lease = self.leases.setdefault(server_id, ServerLease())
+        same grant and changes nothing. Raises LeasesFull for a new server while all leases are held."""
+        lease = self._lease(server_id)
         if request_id and request_id == lease.last_request:
             lease.last_seen = now
             return lease.last_grant
@@ -66,6 +73,12 @@ class Admission:
             lease.waiting_since = None
         lease.last_request, lease.last_grant = request_id, granted
         return granted
+
+    def _lease(self, server_id: str) -> ServerLease:
+        if server_id not in self.leases and len(self.leases) >= self.max_leases:
+            raise LeasesFull(f"all {self.max_leases} admission leases are held (buffer.max_leases); "
+                             f"server '{server_id}' gets one when a silent server's lease expires")
+        return self.leases.setdefault(server_id, ServerLease())
 
     def expire(self, now: float) -> None:
         """Release the running groups of servers silent for longer than the timeout."""

@@ -36,4 +36,7 @@ class Counters:
     dropped_passed_over: int = 0  # of those, groups a full batch had left behind while they were still fresh enough
     rejected_frames: int = 0  # undecodable or oversized frames
     full_rejections: int = 0  # ingests told to retry later (budget full)
+    refused_requests: int = 0  # well-formed requests refused (a bad position, a client over its caps)
+    refused_over_caps: int = 0  # of those, refused by a cap (its parked requests, its wait, admission leases)
+    unparked: int = 0  # batch requests answered at once, not parked, because the total parking caps were full
     staleness: Counter = field(default_factory=Counter)  # staleness -> groups handed out with it

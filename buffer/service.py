@@ -6,8 +6,10 @@ policy that is group commit: one fsync at a time runs on a helper thread, coveri
 written before it started, while the loop goes on receiving and writing the next records, which the
 following fsync covers. Control messages are answered after the turn's write (a batch request sees
 the groups that are durable by then). Batch requests that want to wait for data are parked until
-they can be filled or their wait runs out. Anything that does not decode, or is too large, gets an
-ErrorReply, is counted and logged; the loop carries on.
+they can be filled or their wait runs out, within caps (buffer.parking). Anything that does not
+decode (numbers out of range included), or is too large, gets an ErrorReply, is counted and logged; so
+does a well-formed request the buffer refuses (a bad position, a client over its caps). The loop carries
+on, and nothing a client sends reaches the state the other clients are served from.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,11 +30,12 @@ from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchReques
                               Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
 from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
-from buffer.admission import Admission
+from buffer.admission import Admission, LeasesFull
 from buffer.background_sync import BackgroundSync
 from buffer.dir_lock import DirectoryLock
 from buffer.log import Payload
 from buffer.metrics import Counters, IngestRate
+from buffer.parking import OverClientCap, ParkedRequest, ParkedRequests, ParkingCaps
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
 
@@ -41,14 +43,11 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_MS = 200  # longest sleep of the loop: admission leases expire and parked waits end on time
 BATCH_ENVELOPE_BYTES = 256  # room for a Batch's own fields beside its groups' bytes
-REJECT_LOG_INTERVAL_S = 1.0  # at most one log line per interval about rejected frames (all are counted)
+REJECT_LOG_INTERVAL_S = 1.0  # at most one log line per interval about rejected frames or refused requests (all are counted)
 
 
-@dataclass
-class ParkedRequest:
-    identity: bytes  # ROUTER identity of the consumer
-    request: BatchRequest
-    deadline: float  # monotonic time after which it is answered with what there is
+class OverCap(Exception):
+    """A well-formed request asks for more than the buffer's caps allow this client."""
 
 
 class BufferService:
@@ -56,11 +55,13 @@ class BufferService:
         self.config = config
         self.directory = Path(directory)
         self.store = TrajectoryStore(config, self.directory)
-        self.admission = Admission(config.max_staleness, config.batch_groups, config.admission_timeout_s)
+        self.admission = Admission(config.max_staleness, config.batch_groups, config.admission_timeout_s,
+                                   config.max_leases)
         self.counters = Counters()
         self.rate = IngestRate(config.stats_window_s)
         self.policy_version = self.store.committed.policy_version
-        self.parked: list[ParkedRequest] = []
+        self.parked = ParkedRequests(ParkingCaps(config.max_parked_per_client, config.max_parked,
+                                                 config.max_parked_ahead))
         self.running = True
         self._next_reject_log = 0.0
         self._owns_context = context is None
@@ -106,9 +107,10 @@ class BufferService:
         self.running = False
 
     def _poll_timeout_ms(self) -> int:
-        if not self.parked:
+        soonest_deadline = self.parked.soonest_deadline()
+        if soonest_deadline is None:
             return HOUSEKEEPING_MS
-        soonest = min(parked.deadline for parked in self.parked) - time.monotonic()
+        soonest = soonest_deadline - time.monotonic()
         return max(0, min(HOUSEKEEPING_MS, int(soonest * MS_PER_S)))
 
     def _drain(self) -> list[list[zmq.Frame]]:
@@ -160,14 +162,24 @@ class BufferService:
             return self._reject(identity, str(error))
 
     def _reject(self, identity: bytes, reason: str) -> None:
+        """A frame that is no request the buffer takes."""
         self.counters.rejected_frames += 1
-        now = time.monotonic()
-        if now >= self._next_reject_log:  # a flood of junk must not flood the log too
-            log.warning("rejected a frame from peer %s (%d rejected so far): %s", identity.hex(),
-                        self.counters.rejected_frames, reason)
-            self._next_reject_log = now + REJECT_LOG_INTERVAL_S
+        self._log_refusal("rejected a frame", identity, self.counters.rejected_frames, reason)
         self._reply(identity, ErrorReply(reason))
         return None
+
+    def _refuse(self, identity: bytes, error: Exception) -> None:
+        """A well-formed request the buffer will not serve: a bad position, or a client over its caps."""
+        self.counters.refused_requests += 1
+        self.counters.refused_over_caps += isinstance(error, (OverCap, OverClientCap, LeasesFull))
+        self._log_refusal("refused a request", identity, self.counters.refused_requests, str(error))
+        self._reply(identity, ErrorReply(str(error)))
+
+    def _log_refusal(self, what: str, identity: bytes, count: int, reason: str) -> None:
+        now = time.monotonic()
+        if now >= self._next_reject_log:  # a flood of junk must not flood the log too
+            log.warning("%s from peer %s (%d so far): %s", what, identity.hex(), count, reason)
+            self._next_reject_log = now + REJECT_LOG_INTERVAL_S
 
     def _reply(self, identity: bytes, message: Any) -> None:
         self._send(identity, encode(message))
@@ -251,22 +263,34 @@ class BufferService:
 
     def _on_batch_request(self, identity: bytes, request: BatchRequest) -> None:
         self._hear_version(request.policy_version)
-        try:
-            self.store.seek(request.from_offset, request.from_ahead)
-        except OffsetError as error:
-            self._reply(identity, ErrorReply(str(error)))
-            return
         parked = ParkedRequest(identity, request, time.monotonic() + request.timeout_ms / MS_PER_S)
-        if request.timeout_ms <= 0 or self._can_fill(request):
-            self._answer(parked)
+        try:
+            self._check_wait(request)
+            self.store.seek(request.from_offset, request.from_ahead)
+            if request.timeout_ms > 0 and not self._can_fill(request):
+                self.parked.check_client(request)
+                self._park(parked)
+                return
+        except (OffsetError, OverCap, OverClientCap) as error:
+            self._refuse(identity, error)
+            return
+        self._answer(parked)
+
+    def _check_wait(self, request: BatchRequest) -> None:
+        if request.timeout_ms > self.config.max_wait_s * MS_PER_S:
+            raise OverCap(f"batch request wait of {request.timeout_ms} ms exceeds buffer.max_wait_s={self.config.max_wait_s}")
+
+    def _park(self, parked: ParkedRequest) -> None:
+        """Wait for data if the total caps leave room; otherwise answer now with what there is."""
+        if self.parked.has_room(parked.request):
+            self.parked.park(parked)
         else:
-            self.parked.append(parked)
+            self.counters.unparked += 1
+            self._answer(parked)
 
     def _answer_parked(self, now: float) -> None:
-        for parked in list(self.parked):
-            if now >= parked.deadline or self._can_fill(parked.request):
-                self.parked.remove(parked)
-                self._answer(parked)
+        for parked in self.parked.pop_ready(now, self._can_fill):
+            self._answer(parked)
 
     def _can_fill(self, request: BatchRequest) -> bool:
         selection = self.store.window.plan(self._limits(request))
@@ -277,7 +301,7 @@ class BufferService:
         try:  # a parked request's position may have been committed past since it arrived
             self.store.seek(parked.request.from_offset, parked.request.from_ahead)
         except OffsetError as error:
-            self._reply(parked.identity, ErrorReply(str(error)))
+            self._refuse(parked.identity, error)
             return
         selection = self.store.take(self._limits(parked.request))
         self._count_handout(selection)
@@ -303,7 +327,7 @@ class BufferService:
         try:
             self.store.commit(commit.offset, commit.policy_version, commit.ahead)
         except OffsetError as error:
-            self._reply(identity, ErrorReply(str(error)))
+            self._refuse(identity, error)
             return
         self._reply(identity, self._position())
 
@@ -311,8 +335,12 @@ class BufferService:
     # Admission, versions, stats
 
     def _on_admission(self, identity: bytes, request: AdmissionRequest) -> None:
-        granted = self.admission.grant(request.server_id, request.wanted, request.finished, self.policy_version,
-                                       self.store.accepted, time.monotonic(), request.request_id, request.running)
+        try:
+            granted = self.admission.grant(request.server_id, request.wanted, request.finished, self.policy_version,
+                                           self.store.accepted, time.monotonic(), request.request_id, request.running)
+        except LeasesFull as error:
+            self._refuse(identity, error)
+            return
         self._reply(identity, AdmissionGrant(granted, self.policy_version))
 
     def _on_policy_version(self, identity: bytes, update: PolicyVersion) -> None:
@@ -344,6 +372,8 @@ class BufferService:
             full_rejections=counters.full_rejections, admission_running=self.admission.running,
             admission_waits=self.admission.waits, admission_wait_s=self.admission.wait_s,
             admission_released=self.admission.released, read_ahead=window.position()[1],
+            refused_requests=counters.refused_requests, refused_over_caps=counters.refused_over_caps,
+            unparked=counters.unparked, parked=len(self.parked), admission_leases=len(self.admission.leases),
         )
 
     def _on_unexpected(self, identity: bytes, message: Any) -> None:

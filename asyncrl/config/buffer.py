@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from asyncrl.config.fields import bounded, one_of
+from asyncrl.messages import MAX_AHEAD, MAX_COUNT, MAX_VERSION
 
 LOOPBACK_NAMES = ("localhost",)
 C_INT_MAX = 2**31 - 1  # mallopt takes a C int
@@ -32,14 +33,19 @@ class BufferConfig:
     segment_bytes: int = bounded(64 * 2**20, 4096)  # log segments close past this size; retention deletes whole ones
     max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
     max_disk_bytes: int = bounded(64 * 2**30, 1)  # bytes of log not yet released by commits; past it producers retry
-    max_staleness: int = bounded(1, 0)  # K: groups staler than this are never handed out (dropped, counted)
-    batch_groups: int = bounded(32, 1)  # groups the learner trains on per step (the admission formula's batch)
+    max_staleness: int = bounded(1, 0, MAX_VERSION)  # K: groups staler than this are never handed out (dropped, counted)
+    batch_groups: int = bounded(32, 1, MAX_COUNT)  # groups the learner trains on per step (the admission formula's batch)
     admission_timeout_s: float = bounded(120.0, 0.01)  # a server silent this long has its admitted groups released
     retry_after_ms: int = bounded(50, 1)  # wait a producer is told to take before resending when the buffer is full
     max_message_bytes: int = bounded(64 * 2**20, 1024)  # larger frames are rejected with an error reply
     max_receive_batch: int = bounded(256, 1)  # frames drained per loop turn; one log write and fsync cover them
     heap_keep_bytes: int = bounded(64 * 2**20, 0, C_INT_MAX)  # freed bytes malloc keeps for new frames (glibc); 0 = libc default
     stats_window_s: float = bounded(10.0, 0.1)  # window of the ingest-rate metrics
+    max_wait_s: float = bounded(600.0, 0.0)  # longest wait (s) a batch request may ask for; a longer one is refused
+    max_parked_per_client: int = bounded(4, 0)  # batch requests one consumer id may have waiting for data; more are refused
+    max_parked: int = bounded(64, 0)  # batch requests of all consumers waiting for data; past it one is answered at once
+    max_parked_ahead: int = bounded(2**18, 0, MAX_AHEAD * 2**10)  # from_ahead entries all waiting requests hold; past it one is answered at once
+    max_leases: int = bounded(1024, 1, 2**20)  # admission leases (server ids) held at once; a new server past it is refused until one expires
     curve_dir: str = ""  # CURVE keys from `asyncrl keygen`; set = encrypt and authenticate every connection
     client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
     client_resend_s: float = bounded(5.0, 0.01)  # clients: resend a request or record unanswered this long (a restarted buffer gets it)

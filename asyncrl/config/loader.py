@@ -28,7 +28,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         merged = _merge(merged, _read_yaml(Path(path)), f"config file {path}")
     for override in overrides:
         key, value = _parse_override(override)
-        merged = _merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]), f"override '{override}'")
+        merged = _merge(merged, OmegaConf.create(_nested(key, value)), f"override '{override}'")
     config = OmegaConf.to_object(merged)
     assert isinstance(config, AsyncRLConfig)
     problems = _range_problems(config, "") + config.cross_checks()
@@ -61,8 +61,11 @@ def _read_yaml(path: Path) -> Any:
     return loaded
 
 
-def _parse_override(override: str) -> tuple[str, str]:
-    """Split `key=value` with hydra's override grammar (lists, quoting); `+`/`~` forms are refused."""
+def _parse_override(override: str) -> tuple[str, Any]:
+    """Split `key=value` with hydra's override grammar (lists, quoting); `+`/`~` forms are refused.
+
+    The value is hydra's parse of it, not a second YAML parse of the raw text: YAML reads `::` as a
+    mapping and `*` as an alias, so e.g. `buffer.bind_host=::` failed here instead of in its own check."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -71,8 +74,14 @@ def _parse_override(override: str) -> tuple[str, str]:
         raise ConfigError(f"cannot parse override '{override}': expected key=value ({error})") from error
     if parsed.is_add() or parsed.is_delete() or parsed.is_force_add():
         raise ConfigError(f"override '{override}': only plain key=value is supported (no +, ++ or ~)")
-    _, _, raw_value = override.partition("=")
-    return parsed.key_or_group, raw_value
+    return parsed.key_or_group, parsed.value()
+
+
+def _nested(dotted_key: str, value: Any) -> dict[str, Any]:
+    """{'a': {'b': value}} for 'a.b'."""
+    for part in reversed(dotted_key.split(".")):
+        value = {part: value}
+    return value
 
 
 def _merge(base: Any, update: Any, origin: str) -> Any:

@@ -4,6 +4,10 @@ Sends are pipelined (up to max_in_flight unacknowledged records). A record is do
 buffer acknowledges it, which it does after appending it to its log. A record without an ack within
 ack_timeout_s, or one the buffer was too full to take, is sent again with the same record_id, which the
 buffer stores at most once. A record still unacknowledged after deadline_s raises BufferTimeout.
+
+Sends never block: ZeroMQ refuses a message it cannot queue (no connected peer, e.g. a CURVE handshake
+that failed, or a send queue full while the buffer is down), and a blocking send would then wait past
+any deadline. A refused send is tried again SEND_RETRY_S later, until the record's deadline.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import zmq
 from asyncrl.messages import Ack, ErrorReply, TrajectoryGroup, decode, encode
 from asyncrl.transport.sockets import MS_PER_S, BufferRequestError, BufferTimeout, connect_dealer
 
+SEND_RETRY_S = 0.05  # a send ZeroMQ could not queue is tried again this soon
+
 
 @dataclass
 class _InFlight:
     frame: bytes  # encoded once; resends reuse the bytes
     deadline: float  # monotonic time by which it must be acknowledged
     resend_at: float  # monotonic time of the next resend
-    attempts: int = 1
+    attempts: int = 0  # sends tried
+    refused: int = 0  # of those, sends ZeroMQ could not queue
 
 
 class TrajectoryProducer:
@@ -56,8 +63,9 @@ class TrajectoryProducer:
         while len(self.in_flight) >= self.max_in_flight:
             self.pump()
         now = time.monotonic()
-        self.in_flight[record_id] = _InFlight(frame, now + self.deadline_s, now + self.ack_timeout_s)
-        self.socket.send(frame)
+        record = _InFlight(frame, now + self.deadline_s, now + self.ack_timeout_s)
+        self.in_flight[record_id] = record
+        self._send(record, now)
 
     def flush(self) -> list[Ack]:
         """Wait until every submitted group is acknowledged; return the acks gathered since the last flush."""
@@ -94,12 +102,20 @@ class TrajectoryProducer:
         for record_id, record in self.in_flight.items():
             if now >= record.deadline:
                 raise BufferTimeout(f"record {record_id} not acknowledged by the buffer at {self.address} "
-                                    f"within {self.deadline_s:.1f}s ({record.attempts} attempts)")
+                                    f"within {self.deadline_s:.1f}s ({record.attempts} sends, {record.refused} of "
+                                    "them refused by ZeroMQ: no connected peer or a full send queue)")
             if now >= record.resend_at:
-                record.attempts += 1
-                record.resend_at = now + self.ack_timeout_s
                 self.resends += 1
-                self.socket.send(record.frame)
+                self._send(record, now)
+
+    def _send(self, record: _InFlight, now: float) -> None:
+        record.attempts += 1
+        record.resend_at = now + self.ack_timeout_s
+        try:
+            self.socket.send(record.frame, zmq.NOBLOCK)
+        except zmq.Again:
+            record.refused += 1
+            record.resend_at = now + SEND_RETRY_S
 
     def close(self) -> None:
         self.socket.close()

@@ -20,6 +20,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from asyncrl.config.buffer import is_loopback
+from asyncrl.config.loader import ConfigError
 from asyncrl.messages import DecodeError, ErrorReply, decode, encode
 
 log = logging.getLogger(__name__)
@@ -55,12 +56,23 @@ def generate_curve_keys(curve_dir: str | Path) -> Path:
     return directory
 
 
+def load_key(curve_dir: str | Path, name: str) -> tuple[bytes, bytes | None]:
+    """A certificate from the key directory; a missing or unreadable one is a ConfigError naming
+    buffer.curve_dir (the usual cause: keys not generated, or not copied to this host)."""
+    path = Path(curve_dir) / name
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"buffer.curve_dir: cannot read the CURVE key {path} ({error}); "
+                          f"run `asyncrl keygen buffer.curve_dir={curve_dir}` and copy the directory to every host") from None
+
+
 class ServerSecurity:
     """CURVE server setup plus the authenticator thread that admits only authorised client keys."""
 
     def __init__(self, context: zmq.Context, curve_dir: str) -> None:
         directory = Path(curve_dir)
-        self.public, self.secret = zmq.auth.load_certificate(directory / f"{SERVER_CERT}.key_secret")
+        self.public, self.secret = load_key(directory, f"{SERVER_CERT}.key_secret")
         self.authenticator = ThreadAuthenticator(context)
         self.authenticator.start()
         self.authenticator.configure_curve(domain="*", location=str(directory / AUTHORIZED_DIR))
@@ -90,13 +102,11 @@ def bind_router(context: zmq.Context, host: str, port: int, max_message_bytes: i
 
 def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> zmq.Socket:
     """A DEALER connected to `address`, with CURVE client keys when curve_dir is set."""
+    keys = (load_key(curve_dir, f"{CLIENT_CERT}.key_secret"), load_key(curve_dir, f"{SERVER_CERT}.key")) if curve_dir else None
     socket = context.socket(zmq.DEALER)
     socket.linger = LINGER_MS
-    if curve_dir:
-        directory = Path(curve_dir)
-        client_keys = zmq.auth.load_certificate(directory / f"{CLIENT_CERT}.key_secret")
-        socket.curve_publickey, socket.curve_secretkey = client_keys
-        socket.curve_serverkey, _ = zmq.auth.load_certificate(directory / f"{SERVER_CERT}.key")
+    if keys is not None:
+        (socket.curve_publickey, socket.curve_secretkey), (socket.curve_serverkey, _) = keys
     socket.connect(address)
     return socket
 
@@ -121,9 +131,9 @@ class RequestChannel:
         (a batch request waiting for data); BufferTimeout after wait_s + timeout_s without a reply."""
         frame = encode(message)
         deadline = time.monotonic() + wait_s + self.timeout_s
-        attempts = 0
+        attempts = refused = 0
         while True:
-            self.socket.send(frame)
+            refused += not self._send(frame)
             attempts += 1
             now = time.monotonic()
             until = min(deadline, now + wait_s + self.resend_s)
@@ -132,7 +142,8 @@ class RequestChannel:
             self._reset()
             if time.monotonic() >= deadline:
                 raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
-                                    f"within {wait_s + self.timeout_s:.1f}s ({attempts} attempts)")
+                                    f"within {wait_s + self.timeout_s:.1f}s ({attempts} attempts, {refused} of them "
+                                    "refused by ZeroMQ: no connected peer or a full send queue)")
             self.resends += 1
         reply = decode(self.socket.recv())
         if isinstance(reply, ErrorReply):
@@ -140,6 +151,16 @@ class RequestChannel:
         if not isinstance(reply, expect):
             raise DecodeError(f"expected {expect.__name__} from the buffer, got {type(reply).__name__}")
         return reply
+
+    def _send(self, frame: bytes) -> bool:
+        """Queue the frame without blocking (a blocking send waits past any deadline when ZeroMQ has no
+        peer to queue it for); False if ZeroMQ refused it. The caller then waits for a reply that cannot
+        come and resends on a fresh socket, as for a lost request."""
+        try:
+            self.socket.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def _reset(self) -> None:
         self.socket.close()

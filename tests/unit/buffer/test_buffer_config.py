@@ -24,3 +24,28 @@ def test_invalid_buffer_values_name_the_key(override, key):
 
 def test_non_loopback_bind_is_fine_with_keys():
     assert load_config(None, ["buffer.bind_host=0.0.0.0", "buffer.curve_dir=keys"]).buffer.curve_dir == "keys"
+
+
+@pytest.mark.parametrize("host", ["::", "*", "0.0.0.0"])
+def test_a_wildcard_bind_host_reaches_the_loopback_check(host):
+    """YAML read `::` as a mapping and `*` as an alias: the override failed before the check could name it."""
+    with pytest.raises(ConfigError, match=r"buffer\.bind_host: '.*' is not loopback"):
+        load_config(None, [f"buffer.bind_host={host}"])
+
+
+def test_override_values_keep_their_types():
+    config = load_config(None, ["buffer.port=5555", "buffer.fsync=none", "buffer.client_timeout_s=2.5",
+                                "buffer.address=tcp://h:1"])
+    assert (config.buffer.port, config.buffer.fsync, config.buffer.client_timeout_s) == (5555, "none", 2.5)
+    assert config.buffer.address == "tcp://h:1"
+
+
+def test_a_curve_dir_without_keys_is_a_config_error_naming_the_key(tmp_path):
+    import zmq
+
+    from asyncrl.transport.sockets import ServerSecurity, connect_dealer
+
+    with pytest.raises(ConfigError, match=r"buffer\.curve_dir.*keygen"):
+        connect_dealer(zmq.Context.instance(), "tcp://127.0.0.1:1", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"buffer\.curve_dir.*server\.key_secret"):
+        ServerSecurity(zmq.Context.instance(), str(tmp_path))

@@ -28,23 +28,6 @@ def group(record_id: str, version: int = 0, samples: int = 1):
     return synthetic_group(record_id, samples=samples, completion_tokens=TOKENS, version=version)
 
 
-@pytest.fixture
-def serve(tmp_path):
-    started = []
-
-    def start(config, directory=None):
-        service = BufferService(config, directory or tmp_path / f"buffer{len(started)}")
-        thread = threading.Thread(target=service.serve, daemon=True)
-        thread.start()
-        started.append((service, thread))
-        return service
-
-    yield start
-    for service, thread in started:
-        service.stop()
-        thread.join(timeout=5)
-
-
 def raw_reply(address: str, *frames: bytes):
     socket = connect_dealer(zmq.Context.instance(), address)
     socket.send_multipart(list(frames))
