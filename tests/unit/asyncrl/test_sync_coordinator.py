@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import torch
@@ -185,12 +187,23 @@ def test_validation_in_heartbeats_is_returned_once_per_pass():
         coord.close()
 
 
+@contextmanager
+def serving(coord: SyncCoordinator, *servers: FakeServer) -> Iterator[None]:
+    """The servers running against `coord` for the block; all stopped and the coordinator closed after."""
+    for server in servers:
+        server.start()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
 def test_a_server_that_keeps_failing_is_given_up_on_and_the_others_go_on(caplog):
     coord = coordinator(max_failures=2)
     good, broken = FakeServer("good", coord.address), FakeServer("broken", coord.address, fail_with="out of memory")
-    good.start()
-    broken.start()
-    try:
+    with serving(coord, good, broken):
         coord.wait_for_members(2, timeout_s=10)
         assert "broken" in coord.broadcast(1, weights(1.0)).failed
         assert "broken" in coord.broadcast(2, weights(2.0)).failed  # the second in a row: given up
@@ -198,45 +211,32 @@ def test_a_server_that_keeps_failing_is_given_up_on_and_the_others_go_on(caplog)
         report = coord.broadcast(3, weights(3.0))
         assert report.succeeded == ["good"] and not report.failed  # no longer invited
         assert coord.lagging_members(4) == ["good"]  # nor caught up
-    finally:
-        good.stop.set()
-        broken.stop.set()
-        coord.close()
 
 
 def test_an_error_no_retry_can_fix_ends_the_sync_at_once_when_no_server_is_left():
     coord = coordinator(max_failures=100)
     broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
-    broken.start()
-    try:
+    with serving(coord, broken):
         coord.wait_for_members(1, timeout_s=10)
         started = time.monotonic()
         with pytest.raises(WeightSyncFailed, match="Duplicate GPU"):
             coord.broadcast(1, weights(1.0))
         assert time.monotonic() - started < TIMEOUT_S  # the first round, not max_failures of them
-    finally:
-        broken.stop.set()
-        coord.close()
 
 
 def test_a_restarted_server_is_taken_again():
     coord = coordinator(max_failures=1)
     broken = FakeServer("s0", coord.address, fail_with="out of memory")
-    broken.start()
-    try:
+    restarted = FakeServer("s0", coord.address)  # same name, a new process (a new socket identity)
+    with serving(coord, broken):
         coord.wait_for_members(1, timeout_s=10)
         with pytest.raises(WeightSyncFailed):
             coord.broadcast(1, weights(1.0))
         broken.stop.set()
         broken.join()
-        restarted = FakeServer("s0", coord.address)  # same name, a new process (a new socket identity)
-        restarted.start()
-        deadline = time.monotonic() + 10
-        while coord.lagging_members(1) != ["s0"]:
-            assert time.monotonic() < deadline, "the restarted server was not taken again"
-            time.sleep(HEARTBEAT_S)
-        assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
-        restarted.stop.set()
-    finally:
-        broken.stop.set()
-        coord.close()
+        with serving(coord, restarted):
+            deadline = time.monotonic() + 10
+            while coord.lagging_members(1) != ["s0"]:
+                assert time.monotonic() < deadline, "the restarted server was not taken again"
+                time.sleep(HEARTBEAT_S)
+            assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
