@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from asyncrl.staleness import admission_capacity
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ class Admission:
         return sum(lease.running for lease in self.leases.values())
 
     def capacity(self, version: int, accepted: int) -> int:
-        return (self.max_staleness + version + 1) * self.batch_groups - (accepted + self.running)
+        return admission_capacity(version, self.max_staleness, self.batch_groups, accepted, self.running)
 
     def grant(self, server_id: str, wanted: int, finished: int, version: int, accepted: int, now: float,
               request_id: str = "", running: int = -1) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from asyncrl.staleness import staleness
+from asyncrl.staleness import staleness, trainable
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,10 @@ class PendingWindow:
         chosen: list[tuple[Entry, int]] = []  # (entry, staleness), in deadline order
         samples = tokens = nbytes = 0
         for entry in self._oldest_first():  # stale groups come before any that can be taken (untrained ones aside)
-            lag = staleness(limits.policy_version, entry.oldest_version)
-            if lag > limits.max_staleness:
+            if not trainable(limits.policy_version, entry.oldest_version, limits.max_staleness):
                 selection.dropped.append(entry)
                 continue
+            lag = staleness(limits.policy_version, entry.oldest_version)
             grown = (samples + entry.num_samples, tokens + entry.num_tokens, nbytes + entry.nbytes)
             if chosen and limits.overflows(*grown):
                 selection.full = True
@@ -111,7 +111,7 @@ class PendingWindow:
         self.consume(entry.offset for entry in selection.taken + selection.dropped)
         if selection.full:
             self._passed_over.update(offset for offset, entry in self.entries.items()
-                                     if staleness(limits.policy_version, entry.oldest_version) <= limits.max_staleness)
+                                     if trainable(limits.policy_version, entry.oldest_version, limits.max_staleness))
         return selection
 
     def consume(self, offsets: Iterable[int]) -> None:

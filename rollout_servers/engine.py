@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
+from asyncrl.staleness import trainable
 from rollout_servers import vllm_compat
 from rollout_servers.completion import Completion, TokenStream
 from rollout_servers.engine_args import engine_args, engine_process_env, sampling_params
@@ -152,7 +153,7 @@ class RolloutEngine:
         request returns a `STALE` completion without tokens. Returns the number of requests stopped."""
         stopped = 0
         for request_id, stream in self._streams.items():
-            too_old = learner_version - stream.oldest_version() > max_staleness
+            too_old = not trainable(learner_version, stream.oldest_version(), max_staleness)
             if stream.abandon_when_stale and too_old and not stream.abandoned:
                 stream.abandoned = True
                 self._requests[request_id].cancel()

@@ -22,6 +22,7 @@ from asyncrl.environments import EnvironmentRegistry
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
+from asyncrl.staleness import weights_lag
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_admission import ChatAdmission
@@ -197,7 +198,7 @@ class RolloutServer:
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
             # only for what will be started now: nothing while the weights lag by more than K.
-            lagging = learner_version - engine.current_version > self.config.buffer.max_staleness
+            lagging = weights_lag(learner_version, engine.current_version, self.config.buffer.max_staleness)
             wanted = 0 if engine.needs_catch_up or lagging else self._wanted(len(running))
             grant = await self._ask(admission, wanted, len(running))
             learner_version = grant.policy_version
