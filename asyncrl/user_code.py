@@ -45,6 +45,14 @@ def import_file(file: Path, module_prefix: str) -> ModuleType:
     return module
 
 
+def import_module(location: str) -> ModuleType:
+    """The importable module `location` ("package.module"), or UserCodeError naming it and why not."""
+    try:
+        return importlib.import_module(location)
+    except Exception as error:  # missing or broken module: report it, with its own error chained
+        raise UserCodeError(f"importing module '{location}' failed: {describe_exception(error)}") from error
+
+
 def load_object(spec: str, module_prefix: str) -> Any:
     """The object named by `spec`: "path/to/file.py:Name" (a file) or "package.module:Name" (importable)."""
     location, separator, name = spec.rpartition(SPEC_SEPARATOR)
@@ -53,10 +61,7 @@ def load_object(spec: str, module_prefix: str) -> Any:
     if location.endswith(".py"):
         module = import_file(Path(location).expanduser().resolve(), module_prefix)
     else:
-        try:
-            module = importlib.import_module(location)
-        except Exception as error:
-            raise UserCodeError(f"importing module '{location}' failed: {describe_exception(error)}") from error
+        module = import_module(location)
     if not hasattr(module, name):
         raise UserCodeError(f"'{location}' defines no '{name}'")
     return getattr(module, name)

@@ -9,18 +9,17 @@ Every failure raises `RegistryError` naming the config key, the value, and what 
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Callable, Generic, TypeVar
 
+from asyncrl.user_code import UserCodeError, import_file, import_module
+
 F = TypeVar("F", bound=Callable)
 
 REFERENCE_FORMS = "'path/to/file.py:function' or 'package.module:function'"
+USER_MODULE_PREFIX = "asyncrl_user"  # user files run as modules named asyncrl_user_<stem>_<hash of the path>
 
 
 class RegistryError(ValueError):
@@ -66,31 +65,14 @@ class Registry(Generic[F]):
         source, _, function_name = value.rpartition(":")
         if not source or not function_name:
             raise self._error(value, f"expected {REFERENCE_FORMS}")
-        module = self._load_file(value, source) if _is_file_path(source) else self._import_module(value, source)
+        try:
+            if _is_file_path(source):
+                module = import_file(Path(source).expanduser().resolve(), USER_MODULE_PREFIX)
+            else:
+                module = import_module(source)
+        except UserCodeError as error:
+            raise self._error(value, str(error)) from error
         return self._find_function(value, module, source, function_name)
-
-    def _load_file(self, value: str, source: str) -> ModuleType:
-        file = Path(source).expanduser().resolve()
-        if not file.is_file():
-            raise self._error(value, f"file '{file}' does not exist")
-        module_name = _module_name_for(file)
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        if spec is None or spec.loader is None:
-            raise self._error(value, f"'{file}' cannot be imported as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # before running it, so dataclasses in the file can find their module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as error:  # the user's file is broken: say so, keeping its own error chained
-            del sys.modules[module_name]
-            raise self._error(value, f"importing '{file}' failed: {type(error).__name__}: {error}") from error
-        return module
-
-    def _import_module(self, value: str, source: str) -> ModuleType:
-        try:
-            return importlib.import_module(source)
-        except Exception as error:  # missing or broken module: report it under the config key
-            raise self._error(value, f"cannot import module '{source}': {type(error).__name__}: {error}") from error
 
     def _find_function(self, value: str, module: ModuleType, source: str, function_name: str) -> F:
         if not hasattr(module, function_name):
@@ -116,9 +98,3 @@ def _public_functions(module: ModuleType) -> list[str]:
 
 def _is_file_path(source: str) -> bool:
     return source.endswith(".py") or "/" in source or "\\" in source
-
-
-def _module_name_for(file: Path) -> str:
-    """A module name unique per file, so two user files with the same stem do not replace each other."""
-    digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    return f"asyncrl_user_{file.stem}_{digest}"

@@ -435,7 +435,7 @@ def test_register_loss_adds_a_name_and_refuses_a_second_function_under_it():
         ("missing_file.py:loss", r"algorithm.loss: .*file '.*missing_file.py' does not exist"),
         (f"{CUSTOM_FILE}:no_such_loss", r"defines no 'no_such_loss' \(functions there: constant_advantage, sign_only"),
         (f"{CUSTOM_FILE}:NOT_A_FUNCTION", r"'NOT_A_FUNCTION' .* is a int, not a function"),
-        ("asyncrl.no_such_module:loss", r"cannot import module 'asyncrl.no_such_module': ModuleNotFoundError"),
+        ("asyncrl.no_such_module:loss", r"importing module 'asyncrl.no_such_module' failed: ModuleNotFoundError"),
         ("learner.losses:", r"expected 'path/to/file.py:function'"),
     ],
 )
