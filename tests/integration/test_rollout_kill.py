@@ -73,6 +73,18 @@ def server_processes(supervisor: psutil.Process) -> list[psutil.Process]:
     return servers
 
 
+def kill_clock() -> float:
+    """Now, on the clock of process start times. psutil derives `create_time()` from the boot time, which the
+    kernel gives in whole seconds, so it can read up to 1 s early against time.time(); a process started here
+    carries the same error, and start times compared with its start time are exact to a clock tick."""
+    marker = psutil.Popen(["sleep", "60"])
+    try:
+        return marker.create_time()
+    finally:
+        marker.kill()
+        marker.wait()
+
+
 def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, buffer_process, tiny_models):
     buffer = buffer_process("buffer.batch_groups=1000", "buffer.max_staleness=0")
     run_dir = tmp_path / "run"
@@ -95,7 +107,7 @@ def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, 
                  SERVER_START_S, f"{ACKED_BEFORE_KILL} acknowledged groups with more in flight")
         started += first.children(recursive=True)
         first.send_signal(signal.SIGKILL)
-        killed_at = time.time()
+        killed_at = kill_clock()
         first.wait(timeout=30)
         at_kill = read_state(state_path)
         lost_if_not_regenerated = in_flight(at_kill)
