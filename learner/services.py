@@ -98,6 +98,8 @@ class LearnerServices:
             return {}
         latest: dict[str, float] = {}
         deadline = time.monotonic() + settings.final_wait_s
+        log.info("waiting up to %.0fs (validation.final_wait_s) for the servers' validation of the final version %d",
+                 settings.final_wait_s, version)
         while time.monotonic() < deadline:
             self.catch_up_servers()  # a server (re)started after the last round must reach the final weights
             latest |= self.coordinator.new_validation()
