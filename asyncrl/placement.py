@@ -1,8 +1,9 @@
 """Which GPUs each role of a job on this machine uses: the learner's ranks and every rollout server
 (`rollout.engine.tensor_parallel_size` GPUs each), from `learner.gpus` / `rollout.gpus` or, where they are
-empty, split automatically among the visible GPUs. Pure functions of the config and the visible GPUs; the
-commands print the plan, refuse an impossible one before anything starts, and pin each process to its
-GPUs through CUDA_VISIBLE_DEVICES.
+empty and `asyncrl run` starts the whole job, split automatically among the visible GPUs. Pure functions of
+the config and the visible GPUs; the commands print the plan, refuse an impossible one before anything
+starts, and pin each process to its GPUs through CUDA_VISIBLE_DEVICES. `asyncrl run` hands its plan to the
+two commands it starts as explicit lists; a command started alone without lists uses the GPUs it sees.
 
 Automatic split: one visible GPU is shared by the learner and every server (colocated); with more, the
 servers take the first `num_servers` × tensor-parallel GPUs and the learner's ranks the next `learner.nproc`.
@@ -44,8 +45,9 @@ class Plan:
         return f"GPU plan: learner → {_ids(self.learner)}; {servers}{shared}"
 
 
-def plan_placement(config: AsyncRLConfig, visible: list[int]) -> Plan | None:
-    """The plan for `visible` GPUs (None on a machine without any); PlacementError for an impossible one."""
+def plan_placement(config: AsyncRLConfig, visible: list[int], automatic: bool = True) -> Plan | None:
+    """The plan for `visible` GPUs: None on a machine without any, or without lists when not `automatic`;
+    PlacementError for an impossible one."""
     learner, rollout = config.learner, config.rollout
     tp = rollout.engine.tensor_parallel_size
     if not visible:
@@ -53,9 +55,11 @@ def plan_placement(config: AsyncRLConfig, visible: list[int]) -> Plan | None:
             key = "learner.gpus" if learner.gpus else "rollout.gpus"
             raise PlacementError(f"{key}: no GPU is visible on this machine")
         return None
-    wanted_learner = _checked(learner.gpus, learner.nproc, "learner.gpus", "learner.nproc", visible)
+    if not (automatic or learner.gpus or rollout.gpus):
+        return None
+    wanted_learner = _checked(learner.gpus, learner.nproc, "learner.gpus", "learner.nproc", visible, 1, may_share=False)
     wanted_rollout = _checked(rollout.gpus, rollout.num_servers * tp, "rollout.gpus",
-                              "rollout.num_servers × rollout.engine.tensor_parallel_size", visible)
+                              "rollout.num_servers × rollout.engine.tensor_parallel_size", visible, tp, may_share=True)
     if not wanted_learner and not wanted_rollout:
         if len(visible) == 1:
             return _colocated(visible[0], learner.nproc, rollout.num_servers, tp)
@@ -99,10 +103,11 @@ def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
     return "gloo" if backend == "auto" else backend
 
 
-def place_local_job(config: AsyncRLConfig, log) -> Plan | None:
-    """The plan of a job on this machine, logged, with `rollout.weight_sync.backend` set to what it allows
-    (changes `config` in place); PlacementError before anything starts when it cannot be given."""
-    plan = plan_placement(config, visible_gpus())
+def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan | None:
+    """The plan of a job on this machine (split `automatic`ally where the lists are empty), logged, with
+    `rollout.weight_sync.backend` set to what it allows (changes `config` in place); PlacementError before
+    anything starts when it cannot be given."""
+    plan = plan_placement(config, visible_gpus(), automatic)
     if plan is not None:
         log.info("%s", plan.describe())
         unused = plan.unused(visible_gpus())
@@ -110,6 +115,12 @@ def place_local_job(config: AsyncRLConfig, log) -> Plan | None:
             log.info("GPUs %s are visible and unused (rollout.num_servers, learner.nproc)", _ids(unused))
         config.rollout.weight_sync.backend = weight_sync_backend(config, plan)
     return plan
+
+
+def as_overrides(plan: Plan) -> list[str]:
+    """The plan as the two commands' overrides: explicit lists, which they apply as given."""
+    servers = [gpu for server in plan.servers for gpu in server]
+    return [f"learner.gpus={_ids(plan.learner)}", f"rollout.gpus={_ids(servers)}"]
 
 
 def pin(gpus: tuple[int, ...] | list[int]) -> None:
@@ -125,13 +136,18 @@ def _colocated(gpu: int, nproc: int, servers: int, tp: int) -> Plan:
     return Plan(learner=(gpu,), servers=tuple((gpu,) for _ in range(servers)))
 
 
-def _checked(gpus: list[int], count: int, key: str, count_key: str, visible: list[int]) -> list[int]:
+def _checked(gpus: list[int], count: int, key: str, count_key: str, visible: list[int], group: int,
+             may_share: bool) -> list[int]:
+    """`gpus` checked against its count and the visible GPUs. It is cut into groups of `group` ids (a learner
+    rank, a tensor-parallel server); a GPU never repeats within a group, and across groups only `may_share`
+    (servers may share a GPU; NCCL refuses two learner ranks on one)."""
     if not gpus:
         return []
     if len(gpus) != count:
         raise PlacementError(f"{key}: {len(gpus)} GPUs listed, {count_key} needs {count}")
-    if len(set(gpus)) != len(gpus):
-        raise PlacementError(f"{key}: {_ids(gpus)} names a GPU twice")
+    groups = [gpus[start:start + group] for start in range(0, len(gpus), group)]
+    if any(len(set(ids)) != len(ids) for ids in groups) or (not may_share and len(set(gpus)) != len(gpus)):
+        raise PlacementError(f"{key}: {_ids(gpus)} names a GPU twice where it cannot be shared")
     missing = [gpu for gpu in gpus if gpu not in visible]
     if missing:
         raise PlacementError(f"{key}: GPU {_ids(missing)} is not visible (visible: {_ids(visible)})")

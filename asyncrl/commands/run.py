@@ -25,15 +25,16 @@ _CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "run")
     check_input_files(config)
-    from asyncrl.placement import place_local_job  # imports torch: after parsing
+    from asyncrl.placement import as_overrides, place_local_job  # imports torch: after parsing
 
-    place_local_job(config, log)  # refused here, before any role starts; each role pins its own GPUs
+    plan = place_local_job(config, log, automatic=True)  # refused here, before any role starts
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # a resumed run's old addresses must not be used
     base = [sys.executable, "-m", "asyncrl.cli"]
-    shared = (["--config", args.config] if args.config else []) + [*args.overrides, f"run.name={name}"]
+    placed = as_overrides(plan) if plan is not None else []  # each role pins itself to its GPUs of the plan
+    shared = (["--config", args.config] if args.config else []) + [*args.overrides, *placed, f"run.name={name}"]
     # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout
     # supervisor's output go to logs/.
     learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.placement import PlacementError, pin, plan_placement, weight_sync_backend
+from asyncrl.placement import PlacementError, as_overrides, pin, plan_placement, weight_sync_backend
 
 
 def config(*overrides: str):
@@ -18,6 +18,19 @@ def config(*overrides: str):
 
 def test_no_gpu_no_plan():
     assert plan_placement(config(), []) is None
+
+
+def test_a_command_started_alone_without_lists_uses_what_it_sees():
+    # e.g. `asyncrl learner` pinned by the user with CUDA_VISIBLE_DEVICES: no plan, nothing changed
+    assert plan_placement(config(), [0], automatic=False) is None
+    assert plan_placement(config("learner.gpus=[1]"), [0, 1], automatic=False).learner == (1,)
+
+
+def test_the_run_hands_its_plan_to_the_two_commands_as_lists_they_apply_as_given():
+    for visible, servers in (([0], 2), ([0, 1, 2], 2)):
+        overrides = [f"rollout.num_servers={servers}"]
+        plan = plan_placement(config(*overrides), visible)
+        assert plan_placement(config(*overrides, *as_overrides(plan)), visible, automatic=False) == plan
 
 
 def test_one_gpu_is_shared_by_the_learner_and_every_server():
@@ -52,6 +65,8 @@ def test_explicit_lists_and_the_other_role_takes_what_is_left():
     assert plan.servers == ((2, 3),) and plan.learner == (0,)
     shared = plan_placement(config("learner.gpus=[1]", "rollout.gpus=[1]"), list(range(2)))
     assert shared.colocated and shared.learner == (1,) and shared.servers == ((1,),)
+    two_on_one = plan_placement(config("rollout.gpus=[0,0]", "rollout.num_servers=2"), list(range(2)))
+    assert two_on_one.servers == ((0,), (0,)) and two_on_one.learner == (1,)  # servers may share a GPU
 
 
 @pytest.mark.parametrize(("overrides", "visible", "named"), [
@@ -60,7 +75,8 @@ def test_explicit_lists_and_the_other_role_takes_what_is_left():
     (["learner.nproc=2"], 1, "learner.nproc"),  # colocated: one learner rank only
     (["rollout.engine.tensor_parallel_size=2"], 1, "rollout.engine.tensor_parallel_size"),
     (["learner.gpus=[0,1]"], 4, "learner.gpus"),  # two GPUs for one rank
-    (["rollout.gpus=[1,1]", "rollout.num_servers=2"], 4, "rollout.gpus"),  # a GPU twice
+    (["learner.gpus=[1,1]", "learner.nproc=2"], 4, "learner.gpus"),  # two ranks on one GPU
+    (["rollout.gpus=[1,1]", "rollout.engine.tensor_parallel_size=2"], 4, "rollout.gpus"),  # twice in one server
     (["learner.gpus=[7]"], 4, "learner.gpus"),  # not visible
     (["learner.gpus=[0,1]", "learner.nproc=2", "rollout.gpus=[1]"], 4, "share"),  # partly overlapping
     (["learner.gpus=[0]"], 0, "learner.gpus"),  # no GPU at all
