@@ -13,7 +13,7 @@ AUTO = "auto"
 class LearnerConfig:
     mode: str = one_of("async", "sync")  # async: train while servers generate; sync: generate, train, sync, repeat
     nproc: int = bounded(1, 1)  # local ranks spawned by `asyncrl learner` (ignored under torchrun)
-    gpus: list[int] = field(default_factory=list)  # GPU ids of the local ranks, one each (asyncrl run / learner); empty = automatic split (docs/placement.md)
+    gpus: list[int] = field(default_factory=list)  # GPU ids of the local ranks, one each; empty = `asyncrl run` splits the visible GPUs, a lone `asyncrl learner` uses what it sees (docs/placement.md)
     device: str = one_of("auto", "cpu", "cuda")  # auto = cuda when available
     total_steps: int = bounded(100, 1)  # optimizer steps to run (policy version at the end)
     lr: float = bounded(1e-5, 0.0, 1.0)  # AdamW peak learning rate (reached at the end of the warm-up)

@@ -63,7 +63,7 @@ class ChatEndpointConfig:
 @dataclass
 class RolloutConfig:
     num_servers: int = bounded(1, 1)  # rollout server processes, one vLLM engine each
-    gpus: list[int] = field(default_factory=list)  # GPU ids of the servers, tensor_parallel_size consecutive ones each; empty = automatic split (docs/placement.md)
+    gpus: list[int] = field(default_factory=list)  # GPU ids of the servers, tensor_parallel_size consecutive ones each (servers may share one); empty = `asyncrl run` splits the visible GPUs, a lone `asyncrl rollout` uses what it sees (docs/placement.md)
     max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
