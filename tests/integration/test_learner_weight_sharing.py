@@ -104,7 +104,7 @@ def test_weights_are_shared_in_model_dtype_as_copies_with_the_tied_head_gathered
                 parameter.add_(1.0)  # training on must not reach what was sent as version 7
         for name, tensor in tensors.items():
             assert torch.equal(tensor, snapshot[name]), name
-        assert metrics["weight_sync/servers_ok"] == 1.0 and metrics["weight_sync/gather_seconds"] >= 0.0
+        assert metrics["weight_sync/servers_ok"] == 1.0 and 0.0 < metrics["weight_sync/gather_seconds"] < 60.0
 
 
 def test_ranks_that_do_not_keep_the_weights_get_none(tmp_path):

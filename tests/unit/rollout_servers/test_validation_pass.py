@@ -70,7 +70,7 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert metrics["val/arithmetic/pass@2"] == pytest.approx((0.5 + 5 / 6) / 2)
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(3 / 8)
     assert metrics["val/algebra/score/mean"] == 0.0
-    assert metrics["val/seconds"] >= 0.0
+    assert 0.0 < metrics["val/seconds"] < 60.0  # the pass was timed
     assert validator.heartbeat_fields() == {"validation": metrics, "validation_version": 10}
 
 
