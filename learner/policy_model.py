@@ -31,11 +31,8 @@ def load_reference(config: AsyncRLConfig, world: World) -> torch.nn.Module | Non
     algorithm = config.algorithm
     if not algorithm.use_reference:
         return None
-    path = algorithm.reference_path or config.model.path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[config.model.dtype], attn_implementation=attention.register())
-    model.requires_grad_(False)
     settings = replace(config.learner, activation_checkpointing="none", cpu_offload=algorithm.reference_cpu_offload)
-    return shard_policy(model, settings, world)
+    return load_policy(algorithm.reference_path or config.model.path, config.model.dtype, settings, world).requires_grad_(False)
 
 
 def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) -> torch.nn.Module:
