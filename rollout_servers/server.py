@@ -103,10 +103,10 @@ class RolloutServer:
         engine = await RolloutEngine.start(self.config.model.path, rollout, version=0)
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
                           rollout.engine.max_model_len)
-        sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
-                          rollout.weight_sync.heartbeat_s, lambda: self._counters(engine))
-        sync_task = asyncio.create_task(sync.run())
         buffer = self.config.buffer
+        sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
+                          rollout.weight_sync.heartbeat_s, lambda: self._counters(engine), curve_dir=buffer.curve_dir)
+        sync_task = asyncio.create_task(sync.run())
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
                                     timeout_s=buffer.client_timeout_s, resend_s=buffer.client_resend_s)
         producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=buffer.curve_dir, ack_timeout_s=buffer.client_resend_s,

@@ -7,10 +7,8 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-import zmq
-import zmq.asyncio
-
 from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.transport.control import connect_control
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
 from rollout_servers.engine import RolloutEngine
 
@@ -21,12 +19,11 @@ MS_PER_S = 1000
 
 class SyncClient:
     def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
-                 counters: Callable[[], dict[str, Any]]) -> None:
+                 counters: Callable[[], dict[str, Any]], curve_dir: str = "") -> None:
+        """`curve_dir`: the job's CURVE keys (buffer.curve_dir), needed when the coordinator has them."""
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
         self.counters = counters  # server counters carried by each heartbeat (SyncJoin fields)
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        self.socket = connect_control(address, curve_dir)
         self.last_pause_s = 0.0  # pause-to-resume time of the last successful update
         self.updates = 0  # successful updates
 

@@ -16,10 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import zmq
-
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
+from asyncrl.transport.control import bind_control
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError, transfer_device
@@ -61,14 +60,14 @@ class RoundReport:
 
 class SyncCoordinator:
     def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float,
-                 staging_bytes: int = 0, max_failures: int = 3) -> None:
+                 staging_bytes: int = 0, max_failures: int = 3, curve_dir: str = "") -> None:
         """`staging_bytes`: device memory for copying a round's weights to the transfer device before the
         servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent. `max_failures`: rounds
-        in a row a server may fail before it is given up on (left out of rounds until it restarts)."""
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(bind)
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        in a row a server may fail before it is given up on (left out of rounds until it restarts).
+        `curve_dir`: the job's CURVE keys (buffer.curve_dir); required when `bind` is not loopback, and then
+        only servers holding the authorised client key can join."""
+        self._router = bind_control(bind, curve_dir)
+        self.socket, self.address = self._router.socket, self._router.endpoint
         self.group_host, self.group_port, self.backend = group_host, group_port, backend
         self.timeout_s, self.liveness_s = timeout_s, liveness_s
         self.staging_bytes = staging_bytes
@@ -212,7 +211,7 @@ class SyncCoordinator:
 
     def close(self) -> None:
         self._close_group()
-        self.socket.close(0)
+        self._router.close()
 
     def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
         """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
