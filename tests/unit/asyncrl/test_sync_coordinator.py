@@ -16,7 +16,8 @@ from asyncrl.messages import decode, encode
 from asyncrl.transport import generate_curve_keys
 from asyncrl.transport.sockets import connect_dealer
 from asyncrl.weight_transfer import TransferGroup, parse_update_info
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
+from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
+                                                      SyncReady)
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.protocol import InitInfo
 
@@ -164,26 +165,28 @@ def test_no_servers_means_an_empty_round_not_a_wait():
         coord.close()
 
 
-def test_validation_in_heartbeats_is_returned_once_per_pass():
+def test_validation_in_telemetry_is_returned_once_per_pass():
     coord = coordinator()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coord.address)
 
-    def heartbeat_then_metrics(validation: dict, version: int) -> dict[str, float]:
-        sock.send(encode(SyncJoin("s0", 1, version, validation=validation, validation_version=version)))
+    learner_version = 100
+
+    def telemetry_then_metrics(validation: dict, version: int) -> dict[str, float]:
+        """The metrics of the first call that read this telemetry (its version lag tells which one was read)."""
+        sock.send(encode(ServerTelemetry("s0", version, validation=validation, validation_version=version)))
         deadline = time.monotonic() + TIMEOUT_S
-        while coord.members.get("s0") is None or coord.members["s0"].heartbeat.validation_version != version:
-            assert time.monotonic() < deadline, "heartbeat not received"
-            coord.live_members()
+        while (metrics := coord.rollout_metrics(learner_version)).get("rollout/s0/version_lag") != learner_version - version:
+            assert time.monotonic() < deadline, "telemetry not received"
             time.sleep(HEARTBEAT_S)
-        return coord.rollout_metrics()
+        return metrics
 
     try:
-        assert "val/score/mean" not in heartbeat_then_metrics({}, -1)
-        first = heartbeat_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
+        assert "val/score/mean" not in telemetry_then_metrics({}, -1)
+        first = telemetry_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
         assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
         assert "val/score/mean" not in coord.rollout_metrics()  # the same pass, heard again: not logged twice
-        second = heartbeat_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
+        second = telemetry_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
         assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
     finally:
         sock.close(0)
