@@ -117,10 +117,11 @@ COMMANDS = (
     ),
     Command(
         "keygen",
-        "write ZeroMQ CURVE keys for the buffer and its clients",
+        "write ZeroMQ CURVE keys for the buffer, the weight-sync channel and their clients",
         "Writes a server and a client CURVE certificate pair into buffer.curve_dir and authorises the "
         "client key (authorized_clients/). Copy the directory to every host; with buffer.curve_dir set, "
-        "the buffer encrypts and authenticates every connection and may bind a non-loopback host.",
+        "the buffer and the weight-sync control channel encrypt and authenticate every connection and may "
+        "bind a non-loopback host.",
         "asyncrl.commands.keygen:main",
     ),
     Command(

@@ -29,7 +29,7 @@ from asyncrl.launch_buffer import ENDPOINT_FILE
 from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
                               Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
-from asyncrl.transport.sockets import MS_PER_S, ServerSecurity, bind_router
+from asyncrl.transport.sockets import MS_PER_S, ServingRouter
 from buffer.admission import Admission, LeasesFull
 from buffer.background_sync import BackgroundSync
 from buffer.dir_lock import DirectoryLock
@@ -51,7 +51,7 @@ class OverCap(Exception):
 
 
 class BufferService:
-    def __init__(self, config: BufferConfig, directory: str | Path, context: zmq.Context | None = None) -> None:
+    def __init__(self, config: BufferConfig, directory: str | Path) -> None:
         self.config = config
         self.directory = Path(directory)
         self.store = TrajectoryStore(config, self.directory)
@@ -64,11 +64,8 @@ class BufferService:
                                                  config.max_parked_ahead))
         self.running = True
         self._next_reject_log = 0.0
-        self._owns_context = context is None
-        self.context = context or zmq.Context()
-        self.security = ServerSecurity(self.context, config.curve_dir) if config.curve_dir else None
-        self.socket, self.endpoint = bind_router(self.context, config.bind_host, config.port,
-                                                 config.max_message_bytes, self.security)
+        self.router = ServingRouter(config.bind_host, config.port, config.max_message_bytes, config.curve_dir)
+        self.socket, self.endpoint = self.router.socket, self.router.endpoint
         self.syncer = BackgroundSync() if config.fsync == "batch" else None
         self._syncing = 0  # writes (oldest unsynced first) that the running background fsync covers
         self.poller = zmq.Poller()
@@ -382,11 +379,7 @@ class BufferService:
     def close(self) -> None:
         if self.syncer is not None:
             self.syncer.close()
-        self.socket.close()
-        if self.security is not None:
-            self.security.stop()
-        if self._owns_context:
-            self.context.term()  # waits until the listener is really closed: a successor can bind its address
+        self.router.close()
         self.store.close()
 
 

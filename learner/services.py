@@ -45,7 +45,7 @@ class LearnerServices:
         address, buffer_process = connect_or_start_buffer(config, run_dir)
         sync = config.rollout.weight_sync
         coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
-                                      sync.liveness_s, sync.staging_bytes, sync.max_failures)
+                                      sync.liveness_s, sync.staging_bytes, sync.max_failures, config.buffer.curve_dir)
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, start_ahead=start_ahead,
                                   curve_dir=config.buffer.curve_dir,
                                   timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s)

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from transformers import AutoTokenizer
 
@@ -24,6 +24,7 @@ from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
 from asyncrl.staleness import weights_lag
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
+from asyncrl.weight_transfer.control_messages import ServerTelemetry
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.chat_endpoint import ChatEndpoint
@@ -34,6 +35,7 @@ from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
 from rollout_servers.sample_slots import Claim, SampleSlots
 from rollout_servers.sync_client import SyncClient, cancel
+from rollout_servers.telemetry import TelemetrySender
 from rollout_servers.validation import Validator, load_validation_prompts
 
 log = logging.getLogger(__name__)
@@ -104,10 +106,12 @@ class RolloutServer:
         engine = await RolloutEngine.start(self.config.model.path, rollout, version=0)
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
                           rollout.engine.max_model_len)
-        sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
-                          rollout.weight_sync.heartbeat_s, lambda: self._counters(engine))
-        sync_task = asyncio.create_task(sync.run())
         buffer = self.config.buffer
+        sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
+                          rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir)
+        telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._telemetry(engine),
+                                    curve_dir=buffer.curve_dir)
+        background = [asyncio.create_task(sync.run()), asyncio.create_task(telemetry.run())]
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
                                     timeout_s=buffer.client_timeout_s, resend_s=buffer.client_resend_s)
         producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=buffer.curve_dir, ack_timeout_s=buffer.client_resend_s,
@@ -126,8 +130,9 @@ class RolloutServer:
         finally:
             if chat is not None:
                 await chat.stop()
-            await cancel(sync_task)
-            for closable in (sync, admission, producer):
+            for task in background:
+                await cancel(task)
+            for closable in (sync, telemetry, admission, producer):
                 closable.close()
             engine.shutdown()
 
@@ -172,18 +177,21 @@ class RolloutServer:
             return None
         return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s, agent))
 
-    def _counters(self, engine: RolloutEngine) -> dict[str, Any]:
-        counters = {
-            "tokens_generated": engine.tokens_sampled,
-            "groups_sent": self.stats.groups_sent,
-            "groups_resampled": self.stats.groups_resampled,
-            "idle_seconds": self.stats.idle_seconds,
-            "chat_sessions": self._chat_places.open,
-            "chat_waiting": self._chat_places.waiting,
-            "chat_dropped_idle": self._chat_sessions.dropped_idle if self._chat_sessions else 0,
-            "uptime_seconds": time.perf_counter() - self._started,
-        }
-        return counters | (self.validator.heartbeat_fields() if self.validator else {})
+    def _telemetry(self, engine: RolloutEngine) -> ServerTelemetry:
+        validation = self.validator.telemetry_fields() if self.validator else {}
+        return ServerTelemetry(
+            self.server_id, engine.current_version,
+            tokens_generated=engine.tokens_sampled,
+            groups_sent=self.stats.groups_sent,
+            groups_resampled=self.stats.groups_resampled,
+            idle_seconds=self.stats.idle_seconds,
+            uptime_seconds=time.perf_counter() - self._started,
+            inflight=engine.inflight_requests,
+            chat_sessions=self._chat_places.open,
+            chat_waiting=self._chat_places.waiting,
+            chat_dropped_idle=self._chat_sessions.dropped_idle if self._chat_sessions else 0,
+            **validation,
+        )
 
     def stop(self) -> None:
         self._stop.set()

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
-
-import zmq
-import zmq.asyncio
-
 from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.transport.control import connect_control
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
 from rollout_servers.engine import RolloutEngine
 
@@ -21,12 +17,10 @@ MS_PER_S = 1000
 
 class SyncClient:
     def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
-                 counters: Callable[[], dict[str, Any]]) -> None:
+                 curve_dir: str = "") -> None:
+        """`curve_dir`: the job's CURVE keys (buffer.curve_dir), needed when the coordinator has them."""
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
-        self.counters = counters  # server counters carried by each heartbeat (SyncJoin fields)
-        self.socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(address)
+        self.socket = connect_control(address, curve_dir)
         self.last_pause_s = 0.0  # pause-to-resume time of the last successful update
         self.updates = 0  # successful updates
 
@@ -41,8 +35,7 @@ class SyncClient:
         self.socket.close(0)
 
     def _join(self) -> SyncJoin:
-        return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up,
-                        inflight=self.engine.inflight_requests, **self.counters())
+        return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up)
 
     async def _handle(self, frame: bytes) -> None:
         try:

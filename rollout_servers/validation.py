@@ -2,8 +2,8 @@
 
 Whenever the engine's weights reach a policy version that is a multiple of `validation.every`, the
 server samples `validation.n` completions of each held-out prompt on the same engine, scores them with
-the same reward scorer as training, and keeps the `val/*` metrics (`asyncrl.validation`). The heartbeat
-carries the latest result to the learner, which logs it once. A pass runs concurrently with training
+the same reward scorer as training, and keeps the `val/*` metrics (`asyncrl.validation`). The server's
+telemetry carries the latest result to the learner, which logs it once. A pass runs concurrently with training
 generation; a weight update during the pass leaves its later tokens on newer weights, so the numbers
 are for the version the pass started on or a newer one.
 """
@@ -81,7 +81,7 @@ def load_validation_prompts(config: AsyncRLConfig, tokenizer: Any) -> list[Valid
 
 
 class Validator:
-    """Runs passes when due and holds the latest result for the heartbeat (`SyncJoin` fields)."""
+    """Runs passes when due and holds the latest result for the server's telemetry (`ServerTelemetry` fields)."""
 
     def __init__(self, settings: ValidationConfig, sampling: SamplingConfig, prompts: list[ValidationPrompt],
                  tokenizer: Any, final_version: int) -> None:
@@ -111,8 +111,8 @@ class Validator:
                  len(outcomes), seconds)
         return self.metrics
 
-    def heartbeat_fields(self) -> dict[str, Any]:
-        """`SyncJoin.validation` and `SyncJoin.validation_version`."""
+    def telemetry_fields(self) -> dict[str, Any]:
+        """`ServerTelemetry.validation` and `ServerTelemetry.validation_version`."""
         return {"validation": dict(self.metrics), "validation_version": self.version}
 
     async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float,

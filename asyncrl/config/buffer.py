@@ -22,6 +22,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def split_tcp_endpoint(endpoint: str) -> tuple[str, int]:
+    """`tcp://host:port` as (host, port); port `*` or 0 means any free port (returned as 0)."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not host or not (port == "*" or port.isdigit()):
+        raise ValueError(f"'{endpoint}' must look like tcp://host:port")
+    return host, 0 if port == "*" else int(port)
+
+
 @dataclass
 class BufferConfig:
     address: str = ""  # tcp://host:port of a running buffer to use; empty = the learner starts its own

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from asyncrl.config.buffer import BufferConfig
+from asyncrl.config.buffer import BufferConfig, is_loopback, split_tcp_endpoint
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.ray_launch import RayConfig
@@ -61,7 +61,20 @@ class AsyncRLConfig:
                              "agent abandoned hold admission places until dropped, and the learner may wait for "
                              "those places that long"))
         problems += self.environment.cross_checks(self.rollout.engine.max_model_len)
+        problems += self._control_channel_problems()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
+
+    def _control_channel_problems(self) -> list[tuple[str, str]]:
+        """The buffer's CURVE rule for the weight-sync control socket, which shares the buffer's keys."""
+        key = "rollout.weight_sync.control_bind"
+        try:
+            host, _ = split_tcp_endpoint(self.rollout.weight_sync.control_bind)
+        except ValueError as error:
+            return [(key, str(error))]
+        if not is_loopback(host) and not self.buffer.curve_dir:
+            return [(key, f"'{host}' is not loopback: set buffer.curve_dir (asyncrl keygen), whose keys the "
+                          "weight-sync control channel shares with the buffer")]
+        return []
 
 
 ConfigStore.instance().store(name="asyncrl", node=AsyncRLConfig)

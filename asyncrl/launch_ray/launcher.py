@@ -275,12 +275,16 @@ def connect(config: AsyncRLConfig) -> None:
 
 
 def curve_keys(config: AsyncRLConfig, run_dir: Path) -> dict[str, bytes]:
-    """The CURVE keys every role gets: buffer.curve_dir's, or a pair generated for this run (the buffer
-    binds its node's address, reachable from other nodes). None for an external buffer without keys."""
+    """The CURVE keys every role gets: buffer.curve_dir's, or a pair generated for this run (the buffer and
+    the learner's weight-sync control socket bind their nodes' addresses, reachable from other nodes). An
+    external buffer without keys is refused: its clients could not use generated ones, and the control
+    socket must not bind a node's address without them."""
     if config.buffer.curve_dir:
         return read_keys(config.buffer.curve_dir)
     if config.buffer.address:
-        return {}
+        raise LaunchError("buffer.curve_dir: the learner's weight-sync control socket binds its node's address, "
+                          "which needs CURVE keys; with buffer.address set, run that buffer with keys from "
+                          "`asyncrl keygen` and set buffer.curve_dir to the same directory")
     from asyncrl.transport.sockets import SERVER_CERT, generate_curve_keys
 
     directory = run_dir / CURVE_SUBDIR

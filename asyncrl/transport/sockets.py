@@ -19,7 +19,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from asyncrl.config.buffer import is_loopback
+from asyncrl.config.buffer import is_loopback, split_tcp_endpoint
 from asyncrl.config.loader import ConfigError
 from asyncrl.messages import DecodeError, ErrorReply, decode, encode
 
@@ -98,6 +98,31 @@ def bind_router(context: zmq.Context, host: str, port: int, max_message_bytes: i
         security.apply(socket)
     socket.bind(f"tcp://{host}:{port or '*'}")
     return socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class ServingRouter:
+    """A ROUTER bound under the CURVE rule, on a context of its own: ZeroMQ runs one authenticator per
+    context, so each service admits exactly its key directory's clients. `close()` releases the socket, the
+    authenticator and the context; the context's term() waits until the listener is really closed, so a
+    successor can bind the same address."""
+
+    def __init__(self, host: str, port: int, max_message_bytes: int, curve_dir: str = "") -> None:
+        self.context = zmq.Context()
+        self.security = ServerSecurity(self.context, curve_dir) if curve_dir else None
+        try:
+            self.socket, self.endpoint = bind_router(self.context, host, port, max_message_bytes, self.security)
+        except Exception:
+            self._release()
+            raise
+
+    def close(self) -> None:
+        self.socket.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self.security is not None:
+            self.security.stop()
+        self.context.term()
 
 
 def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> zmq.Socket:

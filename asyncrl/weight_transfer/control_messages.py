@@ -1,4 +1,5 @@
-"""Control messages of a weight-sync round, between the learner's coordinator and the rollout servers."""
+"""Messages of the control channel between the learner's coordinator and the rollout servers: the
+weight-sync rounds, and the servers' telemetry beside them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ class SyncJoin:
     ranks: int  # group ranks the server needs (its tensor-parallel workers)
     version: int  # policy version its engine holds now
     needs_catch_up: bool = False  # its last update failed: it must not sample until the next one
+
+
+@message("server_telemetry")
+@dataclass
+class ServerTelemetry:
+    """A server's counters, every `rollout.weight_sync.heartbeat_s`, on a socket and schedule of their own:
+    they keep coming while a weight-sync round occupies the server's sync client. The learner logs them as
+    `rollout/*`; they say nothing about membership in rounds."""
+
+    server_id: str  # stable name of the rollout server
+    version: int  # policy version its engine holds now
     tokens_generated: int = 0  # completion tokens produced since the server started
     groups_sent: int = 0  # groups acknowledged by the buffer since the server started
     groups_resampled: int = 0  # groups stopped as too stale to be trained and sampled again, since the server started

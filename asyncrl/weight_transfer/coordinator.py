@@ -6,7 +6,9 @@ so a server that died since its last heartbeat costs that wait, not a rendezvous
 invites the servers that answered, (re)builds the transfer group when membership changed or the last
 round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
 or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
-round. Every wait is bounded, so the learner never hangs on a server.
+round. Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
+(`ServerTelemetry`) on the same channel, apart from the heartbeats; the latest of each server's is kept
+for `rollout_metrics`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-import zmq
-
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
+from asyncrl.transport.control import bind_control
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
+from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
+                                                      SyncReady)
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError, transfer_device
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
 from asyncrl.weight_transfer.sender import WeightSender, stage_for_transfer
@@ -45,7 +47,6 @@ class Member:
     last_seen: float  # monotonic time of its last heartbeat
     version: int  # version it holds (reported, or loaded in a successful round)
     needs_catch_up: bool = False  # its last update failed: it holds no complete weights
-    heartbeat: SyncJoin | None = None  # its latest heartbeat (server counters)
 
 
 @dataclass
@@ -61,14 +62,14 @@ class RoundReport:
 
 class SyncCoordinator:
     def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float,
-                 staging_bytes: int = 0, max_failures: int = 3) -> None:
+                 staging_bytes: int = 0, max_failures: int = 3, curve_dir: str = "") -> None:
         """`staging_bytes`: device memory for copying a round's weights to the transfer device before the
         servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent. `max_failures`: rounds
-        in a row a server may fail before it is given up on (left out of rounds until it restarts)."""
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(bind)
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        in a row a server may fail before it is given up on (left out of rounds until it restarts).
+        `curve_dir`: the job's CURVE keys (buffer.curve_dir); required when `bind` is not loopback, and then
+        only servers holding the authorised client key can join."""
+        self._router = bind_control(bind, curve_dir)
+        self.socket, self.address = self._router.socket, self._router.endpoint
         self.group_host, self.group_port, self.backend = group_host, group_port, backend
         self.timeout_s, self.liveness_s = timeout_s, liveness_s
         self.staging_bytes = staging_bytes
@@ -78,6 +79,7 @@ class SyncCoordinator:
         self._round = 0
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
         self._server_metrics = ServerMetrics()
+        self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
         self.latest_version = 0  # newest version broadcast
         self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
         self.max_failures = max_failures
@@ -119,12 +121,12 @@ class SyncCoordinator:
             raise WeightSyncFailed(f"no rollout server can load the learner's weights ({errors})")
 
     def rollout_metrics(self, learner_version: int | None = None) -> dict[str, float]:
-        """Server counters summed over live servers: `rollout/tokens_per_s` since the previous call,
+        """Server counters summed over servers whose telemetry arrived within `liveness_s`: `rollout/tokens_per_s` since the previous call,
         `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; per-server rates, in-flight
         requests and version lag behind `learner_version` (default: the newest version broadcast), see
         `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
         `new_validation`)."""
-        beats = self._live_heartbeats()
+        beats = self._live_telemetry()
         tokens = sum(b.tokens_generated for b in beats)
         now = time.monotonic()
         last_tokens, last_time = self._last_tokens
@@ -147,17 +149,20 @@ class SyncCoordinator:
         ) | self.new_validation()
 
     def new_validation(self) -> dict[str, float]:
-        """`val/*` of a validation pass that live servers' heartbeats carry and no earlier call returned
+        """`val/*` of a validation pass that live servers' telemetry carries and no earlier call returned
         (each pass once), with `val/version` the policy version it validated; {} when there is none."""
         fresh: dict[str, float] = {}
-        for beat in self._live_heartbeats():
+        for beat in self._live_telemetry():
             if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
                 self._validations_logged[beat.server_id] = beat.validation_version
                 fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
         return fresh
 
-    def _live_heartbeats(self) -> list[SyncJoin]:
-        return [self.members[name].heartbeat for name in self.live_members() if self.members[name].heartbeat]
+    def _live_telemetry(self) -> list[ServerTelemetry]:
+        """The latest telemetry of each server heard from within `liveness_s`, by server name."""
+        self._drain()
+        now = time.monotonic()
+        return [latest for _, (received, latest) in sorted(self._telemetry.items()) if now - received <= self.liveness_s]
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""
@@ -212,7 +217,7 @@ class SyncCoordinator:
 
     def close(self) -> None:
         self._close_group()
-        self.socket.close(0)
+        self._router.close()
 
     def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
         """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
@@ -259,7 +264,7 @@ class SyncCoordinator:
         self._forget_silent(report, waiting, "no reply before the deadline")
 
     def _messages_until(self, deadline: float, waiting: set[str]) -> Iterator[object]:
-        """Messages as they arrive (heartbeats are taken in on the way) while `waiting`, which the caller
+        """Messages as they arrive (heartbeats and telemetry are taken in on the way) while `waiting`, which the caller
         empties, still names a server and the deadline has not passed."""
         while waiting and time.monotonic() < deadline:
             if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
@@ -285,8 +290,10 @@ class SyncCoordinator:
             if known is not None and known.identity == identity:
                 # same process: a heartbeat queued before the last round must not undo what it loaded
                 version = max(version, known.version)
-            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up, msg)
+            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up)
             self._identities[msg.server_id] = identity
+        elif isinstance(msg, ServerTelemetry):
+            self._telemetry[msg.server_id] = (time.monotonic(), msg)
         return msg
 
     def _close_group(self) -> None:

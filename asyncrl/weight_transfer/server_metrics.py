@@ -1,11 +1,11 @@
-"""Per-server rollout metrics from the servers' heartbeat counters: rates over the interval since the
+"""Per-server rollout metrics from the servers' telemetry counters: rates over the interval since the
 previous call (measured on each server's own uptime clock) and each server's version lag."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.weight_transfer.control_messages import SyncJoin
+from asyncrl.weight_transfer.control_messages import ServerTelemetry
 
 
 @dataclass(frozen=True)
@@ -19,10 +19,10 @@ class ServerMetrics:
     def __init__(self) -> None:
         self._previous: dict[str, _Reading] = {}
 
-    def metrics(self, beats: list[SyncJoin], versions: dict[str, int], learner_version: int) -> dict[str, float]:
-        """`rollout/<server_id>/{tokens_per_s,idle_ratio,inflight,version_lag}` for each heartbeat, plus
+    def metrics(self, beats: list[ServerTelemetry], versions: dict[str, int], learner_version: int) -> dict[str, float]:
+        """`rollout/<server_id>/{tokens_per_s,idle_ratio,inflight,version_lag}` for each server's telemetry, plus
         `rollout/inflight` (sum) and `rollout/version_lag/{mean,max}` over them. `versions` holds the
-        version each server is known to hold (heartbeat or last successful round)."""
+        version each server is known to hold (heartbeat or last successful round), else its telemetry's."""
         values: dict[str, float] = {}
         lags = []
         for beat in beats:
@@ -37,7 +37,7 @@ class ServerMetrics:
                        "rollout/version_lag/mean": sum(lags) / len(lags), "rollout/version_lag/max": float(max(lags))}
         return values
 
-    def _rates(self, beat: SyncJoin) -> tuple[float, float]:
+    def _rates(self, beat: ServerTelemetry) -> tuple[float, float]:
         """Tokens/s and idle share since the previous reading of this server (since its start after a restart)."""
         now = _Reading(beat.tokens_generated, beat.idle_seconds, beat.uptime_seconds)
         before = self._previous.get(beat.server_id)

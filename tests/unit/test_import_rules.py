@@ -79,6 +79,52 @@ def test_rule_checker_sees_nested_imports(tmp_path):
     assert imports(sample) == [("zmq", True), ("learner.losses", False)]
 
 
+PRODUCT_PACKAGES = ("asyncrl", *ROLES)
+TRANSPORT = "asyncrl/transport/"  # the one home of ZeroMQ sockets: binding, connecting, the CURVE rule
+ZMQ_SOCKET_TYPES = {"ROUTER", "DEALER", "REQ", "REP", "PUB", "SUB", "XPUB", "XSUB", "PUSH", "PULL", "PAIR", "STREAM"}
+
+
+def _roots_in_zmq(node: ast.expr) -> bool:
+    """`zmq.X`, `zmq.asyncio.X`, or a bare socket type name imported from zmq."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and (node.id == "zmq" or node.id in ZMQ_SOCKET_TYPES)
+
+
+def zmq_creations(path: Path) -> list[int]:
+    """Lines that create a ZeroMQ context (`Context(...)`, `Context.instance()`) or socket
+    (`.socket(<zmq socket type>)`); the standard library's `socket.socket()` is not one."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        context = name == "Context" or (name == "instance" and isinstance(func, ast.Attribute)
+                                        and getattr(func.value, "attr", getattr(func.value, "id", "")) == "Context")
+        socket = name == "socket" and any(_roots_in_zmq(arg) for arg in node.args)
+        if context or socket:
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("package", PRODUCT_PACKAGES)
+def test_zeromq_sockets_are_created_only_in_the_transport(package):
+    for path in sources(package):
+        relative = str(path.relative_to(ROOT))
+        if relative.startswith(TRANSPORT):
+            continue
+        assert not zmq_creations(path), f"{relative}:{zmq_creations(path)} creates a ZeroMQ socket or context outside {TRANSPORT}"
+
+
+def test_socket_rule_checker_sees_every_form(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import socket, zmq, zmq.asyncio\nfrom zmq import DEALER\n"
+                      "a = zmq.Context()\nb = zmq.asyncio.Context.instance()\nc = a.socket(zmq.ROUTER)\n"
+                      "d = b.socket(DEALER)\ne = socket.socket()\n")
+    assert zmq_creations(sample) == [3, 4, 5, 6]
+
+
 def test_help_imports_nothing_heavy():
     code = (
         "import sys\nfrom asyncrl import cli\n"

@@ -95,3 +95,12 @@ def test_chat_sessions_are_dropped_before_the_learner_gives_up_waiting():
         load_config(None, ["rollout.chat.enabled=true", "rollout.chat.session_idle_s=600"])
     load_config(None, ["rollout.chat.enabled=true", "rollout.chat.session_idle_s=599"])
     load_config(None, ["rollout.chat.session_idle_s=600"])  # no endpoint, no sessions to wait for
+
+
+def test_a_non_loopback_control_bind_needs_the_jobs_curve_keys():
+    bind = "rollout.weight_sync.control_bind=tcp://0.0.0.0:0"
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.control_bind.*buffer\.curve_dir"):
+        load_config(None, [bind])
+    assert load_config(None, [bind, "buffer.curve_dir=keys"]).buffer.curve_dir == "keys"
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.control_bind.*tcp://host:port"):
+        load_config(None, ["rollout.weight_sync.control_bind=127.0.0.1:5000"])

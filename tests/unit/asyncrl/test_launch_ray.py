@@ -77,7 +77,14 @@ def test_curve_keys_are_generated_once_per_run_and_written_privately(tmp_path):
     local = Path(write_keys(keys))
     assert stat.S_IMODE((local / "server.key_secret").stat().st_mode) == 0o600
     assert (local / "client.key").read_bytes() == keys["client.key"]
-    assert curve_keys(load_config(None, ["buffer.address=tcp://10.0.0.1:5000"]), tmp_path / "other") == {}
+
+
+def test_an_external_buffer_without_keys_is_refused_naming_the_key(tmp_path):
+    from asyncrl.launch_ray.launcher import LaunchError, curve_keys
+
+    # the control socket binds the learner's node address: no keys, no launch
+    with pytest.raises(LaunchError, match=r"buffer\.curve_dir"):
+        curve_keys(load_config(None, ["buffer.address=tcp://10.0.0.1:5000"]), tmp_path)
 
 
 def test_reaper_stops_the_whole_group_once_its_owner_is_gone():

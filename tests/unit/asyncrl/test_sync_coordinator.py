@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -12,8 +13,11 @@ import torch
 import zmq
 
 from asyncrl.messages import decode, encode
+from asyncrl.transport import generate_curve_keys
+from asyncrl.transport.sockets import connect_dealer
 from asyncrl.weight_transfer import TransferGroup, parse_update_info
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
+from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
+                                                      SyncReady)
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.protocol import InitInfo
 
@@ -27,16 +31,16 @@ class FakeServer(threading.Thread):
     tensor, reports. A server with `answer=False` heartbeats and ignores everything else; one with `fail_with`
     receives and then reports that error."""
 
-    def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "") -> None:
+    def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "", curve_dir: str = "") -> None:
         super().__init__(daemon=True)
         self.name_, self.address, self.answer, self.fail_with = name, address, answer, fail_with
+        self.curve_dir = curve_dir  # CURVE client keys to connect with ("" = none)
         self.received: dict[int, dict[str, torch.Tensor]] = {}
         self.stop = threading.Event()
         self.version = 0
 
     def run(self) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.connect(self.address)
+        sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
         group = None
         while not self.stop.is_set():
             sock.send(encode(SyncJoin(self.name_, 1, self.version)))
@@ -161,26 +165,28 @@ def test_no_servers_means_an_empty_round_not_a_wait():
         coord.close()
 
 
-def test_validation_in_heartbeats_is_returned_once_per_pass():
+def test_validation_in_telemetry_is_returned_once_per_pass():
     coord = coordinator()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coord.address)
 
-    def heartbeat_then_metrics(validation: dict, version: int) -> dict[str, float]:
-        sock.send(encode(SyncJoin("s0", 1, version, validation=validation, validation_version=version)))
+    learner_version = 100
+
+    def telemetry_then_metrics(validation: dict, version: int) -> dict[str, float]:
+        """The metrics of the first call that read this telemetry (its version lag tells which one was read)."""
+        sock.send(encode(ServerTelemetry("s0", version, validation=validation, validation_version=version)))
         deadline = time.monotonic() + TIMEOUT_S
-        while coord.members.get("s0") is None or coord.members["s0"].heartbeat.validation_version != version:
-            assert time.monotonic() < deadline, "heartbeat not received"
-            coord.live_members()
+        while (metrics := coord.rollout_metrics(learner_version)).get("rollout/s0/version_lag") != learner_version - version:
+            assert time.monotonic() < deadline, "telemetry not received"
             time.sleep(HEARTBEAT_S)
-        return coord.rollout_metrics()
+        return metrics
 
     try:
-        assert "val/score/mean" not in heartbeat_then_metrics({}, -1)
-        first = heartbeat_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
+        assert "val/score/mean" not in telemetry_then_metrics({}, -1)
+        first = telemetry_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
         assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
         assert "val/score/mean" not in coord.rollout_metrics()  # the same pass, heard again: not logged twice
-        second = heartbeat_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
+        second = telemetry_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
         assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
     finally:
         sock.close(0)
@@ -240,3 +246,34 @@ def test_a_restarted_server_is_taken_again():
                 assert time.monotonic() < deadline, "the restarted server was not taken again"
                 time.sleep(HEARTBEAT_S)
             assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
+
+
+# "lo" names the loopback interface: the CURVE rule cannot tell it is loopback, so it applies in full
+# (as to a node's address under Ray), while every byte of the test stays on 127.0.0.1
+NON_LOOPBACK_LOOKING_BIND = "tcp://lo:0"
+
+
+def test_a_non_loopback_bind_without_keys_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"non-loopback.*buffer\.curve_dir"):
+        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S)
+
+
+def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sync(tmp_path):
+    keys, other_keys = generate_curve_keys(tmp_path / "keys"), generate_curve_keys(tmp_path / "other")
+    # the impostor knows the coordinator's public key; its own client key is a valid one nobody authorised
+    shutil.copy(keys / "server.key", other_keys / "server.key")
+    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S,
+                            curve_dir=str(keys))
+    member = FakeServer("member", coord.address, curve_dir=str(keys))
+    keyless = FakeServer("keyless", coord.address)
+    impostor = FakeServer("impostor", coord.address, curve_dir=str(other_keys))
+    with serving(coord, member, keyless, impostor):
+        assert coord.wait_for_members(1, timeout_s=10) == ["member"]
+        # the intruders heartbeat every HEARTBEAT_S all along: many tries, none of which may get through
+        deadline = time.monotonic() + 2 * LIVENESS_S
+        while time.monotonic() < deadline:
+            assert coord.live_members() == ["member"]
+            time.sleep(HEARTBEAT_S)
+        report = coord.broadcast(1, weights(1.0))
+        assert report.servers == 1 and report.succeeded == ["member"] and not report.failed
+        assert not keyless.received and not impostor.received

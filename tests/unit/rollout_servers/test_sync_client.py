@@ -10,8 +10,10 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.messages import decode, encode
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
+from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
+                                                      SyncReady)
 from rollout_servers.sync_client import SyncClient, cancel
+from rollout_servers.telemetry import TelemetrySender
 
 HEARTBEAT_S = 0.05
 REPLY_TIMEOUT_S = 10.0  # bound on every wait for the client's answer
@@ -38,11 +40,11 @@ class FakeEngine:
 
 
 async def next_reply(router: zmq.asyncio.Socket) -> tuple[bytes, object]:
-    """The client's next message that is not a heartbeat, with its routing id."""
+    """The client's next message that is neither a heartbeat nor telemetry, with its routing id."""
     while True:
         identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
         message = decode(frame)
-        if not isinstance(message, SyncJoin):
+        if not isinstance(message, (SyncJoin, ServerTelemetry)):
             return identity, message
 
 
@@ -56,7 +58,7 @@ async def talk_to_a_client(scenario) -> FakeEngine:
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
     engine = FakeEngine()
-    client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", engine, 1, HEARTBEAT_S, counters=dict)
+    client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", engine, 1, HEARTBEAT_S)
     task = asyncio.ensure_future(client.run())
     try:
         await scenario(router, engine)
@@ -116,3 +118,48 @@ def test_garbage_and_unexpected_messages_are_ignored():
         assert reply == SyncReady("s0", 9)  # the first answer: nothing before it was taken for a round
 
     asyncio.run(talk_to_a_client(scenario))
+
+
+def test_telemetry_keeps_flowing_while_an_update_holds_the_sync_client():
+    """While an update holds the sync client (no heartbeats), the telemetry sender beside it still reports."""
+
+    class SlowEngine(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.updating = False
+            self.release = asyncio.Event()
+
+        async def update_weights(self, update_info: dict, version: int) -> float:
+            self.updating = True
+            await self.release.wait()
+            self.updating = False
+            return await super().update_weights(update_info, version)
+
+    async def scenario() -> None:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        address, engine = router.getsockopt_string(zmq.LAST_ENDPOINT), SlowEngine()
+        client = SyncClient(address, "s0", engine, 1, HEARTBEAT_S)
+        # each reading says whether it was taken while the update ran (in `inflight`, as a marker)
+        sender = TelemetrySender(address, HEARTBEAT_S, lambda: ServerTelemetry("s0", 0, inflight=int(engine.updating)))
+        tasks = [asyncio.ensure_future(client.run()), asyncio.ensure_future(sender.run())]
+        try:
+            identity, _ = await first_heartbeat(router)
+            await router.send_multipart([identity, encode(SyncInvite(round_id=1, version=1, update_info={}))])
+            during_update = 0
+            while during_update < 3:
+                _, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
+                message = decode(frame)
+                during_update += isinstance(message, ServerTelemetry) and message.inflight == 1
+            engine.release.set()
+            _, reply = await next_reply(router)
+            assert reply == SyncDone("s0", 1, ok=True, seconds=0.25)
+        finally:
+            for task in tasks:
+                await cancel(task)
+            client.close()
+            sender.close()
+            router.close(0)
+
+    asyncio.run(scenario())

@@ -71,12 +71,12 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(3 / 8)
     assert metrics["val/algebra/score/mean"] == 0.0
     assert 0.0 < metrics["val/seconds"] < 60.0  # the pass was timed
-    assert validator.heartbeat_fields() == {"validation": metrics, "validation_version": 10}
+    assert validator.telemetry_fields() == {"validation": metrics, "validation_version": 10}
 
 
 def test_due_on_each_new_multiple_of_every_and_the_final_version():
     validator, engine = make_validator(every=10)
-    assert validator.heartbeat_fields() == {"validation": {}, "validation_version": -1}
+    assert validator.telemetry_fields() == {"validation": {}, "validation_version": -1}
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]
     asyncio.run(validator.run_pass(engine, ExactMatchScorer()))  # validates version 10
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [20, 30, FINAL_VERSION]
