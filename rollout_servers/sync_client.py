@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import connect_control
+from asyncrl.transport.sockets import MS_PER_S
 from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
 from rollout_servers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
-
-MS_PER_S = 1000
 
 
 class SyncClient:
