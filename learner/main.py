@@ -49,6 +49,8 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     services = LearnerServices.start(config, run_dir, state.buffer_offset, state.buffer_ahead) if world.is_main else None
     try:
         share = WeightSharing(config, model, world, services)
+        if services is not None:
+            services.wait_for_servers()  # the other ranks wait for rank 0 in the weight gather below
         share(state.step)
         freeze_startup_heap()  # torch, the model and the services live as long as this rank
         started = time.perf_counter()

@@ -54,6 +54,18 @@ class LearnerServices:
         metrics = MetricsLogger(run_dir, config.metrics, _flat_config(run_dir))
         return cls(config, run_dir, consumer, coordinator, metrics, buffer_process)
 
+    def wait_for_servers(self) -> None:
+        """Before the first step, wait up to rollout.connect_timeout_s for rollout.num_servers servers to join, so
+        that every server starts from the first weights rather than joining mid-run (a late one would train
+        the first steps on the others' samples alone); after the timeout, go on with those there."""
+        wanted, timeout_s = self.config.rollout.num_servers, self.config.rollout.connect_timeout_s
+        log.info("waiting up to %.0fs (rollout.connect_timeout_s) for %d rollout server(s) to join weight sync",
+                 timeout_s, wanted)
+        joined = self.coordinator.wait_for_members(wanted, timeout_s)
+        if len(joined) < wanted:
+            log.warning("%d of rollout.num_servers=%d servers joined within %.0fs; training starts with them",
+                        len(joined), wanted, timeout_s)
+
     def fetch_batch(self, version: int) -> Batch:
         """`buffer.batch_groups` whole groups fit for `version`; catches lagging servers up while waiting."""
         wanted = self.config.buffer.batch_groups
