@@ -146,13 +146,14 @@ class SyncCoordinator:
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
-        ) | self.new_validation()
+        ) | self.new_validation(beats)  # the same snapshot: a message read in between would split one record
 
-    def new_validation(self) -> dict[str, float]:
+    def new_validation(self, telemetry: list[ServerTelemetry] | None = None) -> dict[str, float]:
         """`val/*` of a validation pass that live servers' telemetry carries and no earlier call returned
-        (each pass once), with `val/version` the policy version it validated; {} when there is none."""
+        (each pass once), with `val/version` the policy version it validated; {} when there is none.
+        `telemetry`: the snapshot to read (default: the latest, read now)."""
         fresh: dict[str, float] = {}
-        for beat in self._live_telemetry():
+        for beat in self._live_telemetry() if telemetry is None else telemetry:
             if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
                 self._validations_logged[beat.server_id] = beat.validation_version
                 fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
