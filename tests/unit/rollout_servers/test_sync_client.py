@@ -49,8 +49,13 @@ async def next_reply(router: zmq.asyncio.Socket) -> tuple[bytes, object]:
 
 
 async def first_heartbeat(router: zmq.asyncio.Socket) -> tuple[bytes, SyncJoin]:
-    identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
-    return identity, decode(frame, expect=SyncJoin)
+    """The sync client's first heartbeat and its socket's identity (a telemetry sender's messages, which may
+    come first from a socket of their own, are passed over)."""
+    while True:
+        identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
+        message = decode(frame)
+        if isinstance(message, SyncJoin):
+            return identity, message
 
 
 async def talk_to_a_client(scenario) -> FakeEngine:
