@@ -107,10 +107,11 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
     """The plan of a job on this machine (split `automatic`ally where the lists are empty), logged, with
     `rollout.weight_sync.backend` set to what it allows (changes `config` in place); PlacementError before
     anything starts when it cannot be given."""
-    plan = plan_placement(config, visible_gpus(), automatic)
+    visible = visible_gpus()
+    plan = plan_placement(config, visible, automatic)
     if plan is not None:
         log.info("%s", plan.describe())
-        unused = plan.unused(visible_gpus())
+        unused = plan.unused(visible)
         if unused:
             log.info("GPUs %s are visible and unused (rollout.num_servers, learner.nproc)", _ids(unused))
         config.rollout.weight_sync.backend = weight_sync_backend(config, plan)
