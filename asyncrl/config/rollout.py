@@ -37,7 +37,7 @@ class SamplingConfig:
 
 @dataclass
 class WeightSyncConfig:
-    backend: str = one_of("auto", "gloo", "nccl")  # transfer group backend; auto = nccl with CUDA, else gloo
+    backend: str = one_of("auto", "gloo", "nccl", "ipc")  # how weights travel; auto = ipc when a server shares the learner's GPU under `asyncrl run`, else nccl with CUDA, else gloo; ipc = CUDA IPC on one GPU (docs/placement.md)
     host: str = "127.0.0.1"  # address of the learner's rendezvous store (it listens, servers connect)
     port: int = bounded(0, 0, 65535)  # TCP port of that store; 0 = a free port for each new group
     timeout_s: float = bounded(120.0, 0.1)  # deadline of the rendezvous and of every broadcast, seconds

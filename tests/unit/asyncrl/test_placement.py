@@ -2,6 +2,7 @@
 tensor-parallel 1 and 2, explicit lists, the refusals (each naming its keys), and the weight-sync backend a
 colocated plan allows."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.placement import PlacementError, as_overrides, pin, plan_placement, weight_sync_backend
+from asyncrl.placement import PlacementError, as_overrides, pin, place_local_job, plan_placement, weight_sync_backend
 
 
 def config(*overrides: str):
@@ -36,7 +37,8 @@ def test_the_run_hands_its_plan_to_the_two_commands_as_lists_they_apply_as_given
 def test_one_gpu_is_shared_by_the_learner_and_every_server():
     plan = plan_placement(config("rollout.num_servers=2"), [0])
     assert plan.learner == (0,) and plan.servers == ((0,), (0,)) and plan.colocated
-    assert weight_sync_backend(config(), plan) == "gloo"  # auto: NCCL cannot join two ranks on one GPU
+    assert weight_sync_backend(config(), plan) == "ipc"  # auto: the servers map the learner's buffer on that GPU
+    assert weight_sync_backend(config("rollout.weight_sync.backend=gloo"), plan) == "gloo"  # an explicit choice stays
 
 
 @pytest.mark.parametrize(("visible", "servers", "tp", "nproc", "expected_servers", "expected_learner"), [
@@ -51,6 +53,8 @@ def test_automatic_split(visible, servers, tp, nproc, expected_servers, expected
                                  f"learner.nproc={nproc}"), list(range(visible)))
     assert plan.servers == expected_servers and plan.learner == expected_learner and not plan.colocated
     assert weight_sync_backend(config(), plan) == "auto"  # NCCL where the roles have GPUs of their own
+    with pytest.raises(PlacementError, match="rollout.weight_sync.backend=ipc"):  # IPC needs one GPU for both
+        weight_sync_backend(config("rollout.weight_sync.backend=ipc"), plan)
 
 
 def test_the_physical_ids_of_visible_gpus_are_kept():
@@ -91,6 +95,28 @@ def test_nccl_is_refused_where_the_roles_share_a_gpu():
     plan = plan_placement(config(), [0])
     with pytest.raises(PlacementError, match="rollout.weight_sync.backend=nccl"):
         weight_sync_backend(config("rollout.weight_sync.backend=nccl"), plan)
+
+
+def test_ipc_is_refused_where_no_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [])
+    with pytest.raises(PlacementError, match="rollout.weight_sync.backend=ipc: CUDA IPC needs a GPU"):
+        place_local_job(config("rollout.weight_sync.backend=ipc"), logging.getLogger(__name__))
+
+
+def test_colocated_servers_leave_the_learner_most_of_the_gpu(monkeypatch, caplog):
+    monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [3])
+    greedy = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.85")
+    with caplog.at_level(logging.WARNING):
+        place_local_job(greedy, logging.getLogger(__name__), automatic=True)
+    assert greedy.rollout.engine.gpu_memory_utilization == 0.2  # 0.4 of the GPU for the two servers together
+    assert "rollout.engine.gpu_memory_utilization=0.85" in caplog.text
+    modest = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.15")
+    place_local_job(modest, logging.getLogger(__name__), automatic=True)
+    assert modest.rollout.engine.gpu_memory_utilization == 0.15 and modest.rollout.weight_sync.backend == "ipc"
+    apart = config("rollout.engine.gpu_memory_utilization=0.85")
+    monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [0, 1])
+    place_local_job(apart, logging.getLogger(__name__), automatic=True)
+    assert apart.rollout.engine.gpu_memory_utilization == 0.85  # a server with a GPU of its own keeps its share
 
 
 def test_pin_limits_what_children_see(monkeypatch):
