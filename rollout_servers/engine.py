@@ -202,13 +202,15 @@ class RolloutEngine:
                 self._needs_catch_up = True
                 message = f"weight update to version {version} failed; engine stays paused: {error}"
                 raise WeightSyncError(message) from error
+            received_s = time.perf_counter() - paused_at
             # The receive itself gives the last step's outputs time to be counted; wait only for the rest.
-            await asyncio.sleep(max(0.0, OUTPUT_SETTLE_S - (time.perf_counter() - paused_at)))
+            await asyncio.sleep(max(0.0, OUTPUT_SETTLE_S - received_s))
             self._mark_version_change(version)
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
             seconds = time.perf_counter() - started
-        log.info("weights updated to version %d; paused %.3fs", version, seconds)
+        log.info("weights updated to version %d; paused %.3fs (pausing %.3fs, receiving %.3fs)", version, seconds,
+                 paused_at - started, received_s)
         return seconds
 
     async def weight_checksums(self) -> list[dict[str, str]] | None:
