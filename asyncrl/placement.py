@@ -141,6 +141,14 @@ def leave_room_for_the_learner(config: AsyncRLConfig, log) -> None:
     engine.gpu_memory_utilization = lowered
 
 
+def servers_share_of_learner_gpu(config: AsyncRLConfig) -> float:
+    """The share of the learner's GPU memory that rollout servers on that GPU take (0 when the roles have GPUs of
+    their own): what a colocated learner must leave free, also before the servers have started."""
+    if not set(config.learner.gpus) & set(config.rollout.gpus):
+        return 0.0
+    return config.rollout.engine.gpu_memory_utilization * config.rollout.num_servers
+
+
 def as_overrides(plan: Plan) -> list[str]:
     """The plan as the two commands' overrides: explicit lists, which they apply as given."""
     servers = [gpu for server in plan.servers for gpu in server]

@@ -51,8 +51,10 @@ def out_of_memory_names_keys(micro_batch_tokens: int) -> Iterator[None]:
 
 
 def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, world: World, vocab: int,
-                               context: int, packed: bool) -> int:
-    """`learner.micro_batch_tokens` as a number: the configured one, or measured (auto); every rank must call."""
+                               context: int, packed: bool, servers_share: float = 0.0) -> int:
+    """`learner.micro_batch_tokens` as a number: the configured one, or measured (auto); every rank must call.
+    `servers_share`: the share of this GPU's memory that rollout servers on it take (a colocated job), left free
+    whether or not they have started yet."""
     configured = settings.micro_batch_budget()
     if configured is not None:
         return configured
@@ -62,8 +64,10 @@ def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, 
     sample = min(PROBE_SAMPLE_TOKENS, context)
     resident = torch.cuda.memory_allocated(world.device)  # weights (and anything else already held)
     peaks = [_probe_peak(model, tokens, sample, vocab, world, packed) for tokens in PROBE_TOKENS]
-    free, _ = torch.cuda.mem_get_info(world.device)
+    free, total = torch.cuda.mem_get_info(world.device)
     available = free + torch.cuda.memory_reserved(world.device) - torch.cuda.memory_allocated(world.device)
+    if servers_share:
+        available = min(available, total * (1 - servers_share) - torch.cuda.memory_allocated(world.device))
     optimizer_state = 0 if settings.cpu_offload else ADAM_STATES * _local_parameter_bytes(model)
     fit = fit_budget(PROBE_TOKENS, peaks, resident, available, optimizer_state)
     tokens = _smallest_across_ranks(fit.tokens, world)

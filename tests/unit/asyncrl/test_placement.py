@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.placement import PlacementError, as_overrides, pin, place_local_job, plan_placement, weight_sync_backend
+from asyncrl.placement import (PlacementError, as_overrides, pin, place_local_job, plan_placement,
+                               servers_share_of_learner_gpu, weight_sync_backend)
 
 
 def config(*overrides: str):
@@ -117,6 +118,14 @@ def test_colocated_servers_leave_the_learner_most_of_the_gpu(monkeypatch, caplog
     monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [0, 1])
     place_local_job(apart, logging.getLogger(__name__), automatic=True)
     assert apart.rollout.engine.gpu_memory_utilization == 0.85  # a server with a GPU of its own keeps its share
+
+
+def test_a_colocated_learner_knows_the_servers_share_of_its_gpu():
+    shared = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.2", "learner.gpus=[1]",
+                    "rollout.gpus=[1,1]")
+    assert servers_share_of_learner_gpu(shared) == pytest.approx(0.4)
+    apart = config("rollout.engine.gpu_memory_utilization=0.9", "learner.gpus=[1]", "rollout.gpus=[0]")
+    assert servers_share_of_learner_gpu(apart) == 0.0
 
 
 def test_pin_limits_what_children_see(monkeypatch):
