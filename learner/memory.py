@@ -27,6 +27,9 @@ CPU_MICRO_BATCH_TOKENS = 8192  # `auto` on CPU, where there is no device memory 
 PROBE_TOKENS = (2048, 4096)  # tokens of the two probe passes
 PROBE_SAMPLE_TOKENS = 1024  # tokens per probe sample (shorter where the model's context is shorter)
 USABLE_SHARE = 0.85  # of the device memory free for the learner: the rest absorbs allocator fragmentation
+# on a GPU shared with rollout servers: the learner also absorbs the servers going past their share (vLLM held
+# 0.6 GiB over it on an H100) and fragmentation under a mix of batch shapes (4.2 GiB seen at 30k-token passes)
+SHARED_GPU_USABLE_SHARE = 0.7
 ROUND_TO = 1024  # budgets are whole multiples of this
 MAX_AUTO_TOKENS = 65536  # beyond this a larger micro-batch buys no speed, only memory
 ADAM_STATES = 2  # AdamW keeps two moments per weight, in the weight's dtype
@@ -66,10 +69,12 @@ def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, 
     peaks = [_probe_peak(model, tokens, sample, vocab, world, packed) for tokens in PROBE_TOKENS]
     free, total = torch.cuda.mem_get_info(world.device)
     available = free + torch.cuda.memory_reserved(world.device) - torch.cuda.memory_allocated(world.device)
+    usable = USABLE_SHARE
     if servers_share:
         available = min(available, total * (1 - servers_share) - torch.cuda.memory_allocated(world.device))
+        usable = SHARED_GPU_USABLE_SHARE
     optimizer_state = 0 if settings.cpu_offload else ADAM_STATES * _local_parameter_bytes(model)
-    fit = fit_budget(PROBE_TOKENS, peaks, resident, available, optimizer_state)
+    fit = fit_budget(PROBE_TOKENS, peaks, resident, available, optimizer_state, usable)
     tokens = _smallest_across_ranks(fit.tokens, world)
     if tokens < ROUND_TO:
         raise LearnerOutOfMemory(
@@ -90,13 +95,13 @@ class BudgetFit:
 
 
 def fit_budget(probe_tokens: tuple[int, int], peaks: list[float], resident: float, available: float,
-               optimizer_state: float) -> BudgetFit:
-    """The largest token count t with fixed + per_token · t + optimizer_state ≤ USABLE_SHARE · available,
+               optimizer_state: float, usable_share: float = USABLE_SHARE) -> BudgetFit:
+    """The largest token count t with fixed + per_token · t + optimizer_state ≤ usable_share · available,
     the line through the two probes' (tokens, peak - resident) points, rounded down to ROUND_TO and capped at
     MAX_AUTO_TOKENS."""
     per_token = max((peaks[1] - peaks[0]) / (probe_tokens[1] - probe_tokens[0]), 1.0)
     fixed = max(peaks[0] - resident - per_token * probe_tokens[0], 0.0)
-    room = (available * USABLE_SHARE - optimizer_state - fixed) / per_token
+    room = (available * usable_share - optimizer_state - fixed) / per_token
     tokens = int(max(min(room, MAX_AUTO_TOKENS), 0)) // ROUND_TO * ROUND_TO
     return BudgetFit(tokens=tokens, per_token=per_token, fixed=fixed)
 

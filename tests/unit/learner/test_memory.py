@@ -9,7 +9,7 @@ import torch
 from asyncrl.config.learner import LearnerConfig
 from learner.distributed import World
 from learner.memory import (
-    CPU_MICRO_BATCH_TOKENS, MAX_AUTO_TOKENS, USABLE_SHARE, LearnerOutOfMemory, fit_budget, out_of_memory_names_keys,
+    CPU_MICRO_BATCH_TOKENS, MAX_AUTO_TOKENS, SHARED_GPU_USABLE_SHARE, USABLE_SHARE, LearnerOutOfMemory, fit_budget, out_of_memory_names_keys,
     resolve_micro_batch_tokens,
 )
 
@@ -25,6 +25,9 @@ def test_the_budget_is_the_line_through_the_two_probes():
     assert fit.fixed == pytest.approx(2 * GIB)
     expected = int((40 * GIB * USABLE_SHARE - 6 * GIB - 2 * GIB) / MIB) // 1024 * 1024
     assert fit.tokens == expected == 26624  # 26.0 GiB of room → 26,624 tokens, a multiple of 1,024
+    shared = fit_budget((2048, 4096), peaks, resident=10 * GIB, available=40 * GIB, optimizer_state=6 * GIB,
+                        usable_share=SHARED_GPU_USABLE_SHARE)
+    assert shared.tokens == int((40 * GIB * 0.7 - 8 * GIB) / MIB) // 1024 * 1024 == 20480  # a shared GPU keeps more back
 
 
 def test_the_budget_is_capped_and_never_negative():
