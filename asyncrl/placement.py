@@ -149,6 +149,26 @@ def servers_share_of_learner_gpu(config: AsyncRLConfig) -> float:
     return config.rollout.engine.gpu_memory_utilization * config.rollout.num_servers
 
 
+def check_ray_placement(config: AsyncRLConfig) -> None:
+    """`asyncrl launch`: Ray picks each actor's GPUs, by the rule a plan on one machine follows (a learner rank takes
+    one GPU, a server `tensor_parallel_size` of them, `ray.rollout.num_gpus` checks that), so GPU ids and shared
+    GPUs are refused before anything starts (PlacementError naming the key)."""
+    for key, ids in (("learner.gpus", config.learner.gpus), ("rollout.gpus", config.rollout.gpus)):
+        if ids:
+            raise PlacementError(f"{key}={_ids(ids)}: under asyncrl launch Ray picks each actor's GPUs; leave it empty "
+                                 "and set ray.learner.num_gpus / ray.rollout.num_gpus (docs/ray.md)")
+    learner_gpus = config.ray.learner.num_gpus
+    if learner_gpus not in (0, 1):
+        raise PlacementError(f"ray.learner.num_gpus={learner_gpus:g}: a learner rank takes one GPU (1) or none (0, on "
+                             "CPU); Ray does not say which actors would share a fraction of one")
+    if config.learner.device == "cuda" and not learner_gpus:
+        raise PlacementError("learner.device=cuda with ray.learner.num_gpus=0: the learner ranks' actors would see no "
+                             "GPU; set ray.learner.num_gpus=1")
+    if config.rollout.weight_sync.backend == "ipc":
+        raise PlacementError("rollout.weight_sync.backend=ipc: under asyncrl launch every actor has GPUs of its own, "
+                             "and CUDA IPC needs the servers on the learner's GPU; use nccl, gloo or auto")
+
+
 def as_overrides(plan: Plan) -> list[str]:
     """The plan as the two commands' overrides: explicit lists, which they apply as given."""
     servers = [gpu for server in plan.servers for gpu in server]

@@ -4,13 +4,14 @@ colocated plan allows."""
 
 import logging
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.placement import (PlacementError, as_overrides, pin, place_local_job, plan_placement,
+from asyncrl.placement import (PlacementError, as_overrides, check_ray_placement, pin, place_local_job, plan_placement,
                                servers_share_of_learner_gpu, weight_sync_backend)
 
 
@@ -126,6 +127,19 @@ def test_a_colocated_learner_knows_the_servers_share_of_its_gpu():
     assert servers_share_of_learner_gpu(shared) == pytest.approx(0.4)
     apart = config("rollout.engine.gpu_memory_utilization=0.9", "learner.gpus=[1]", "rollout.gpus=[0]")
     assert servers_share_of_learner_gpu(apart) == 0.0
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["learner.gpus=[0]"], "learner.gpus=[0]: under asyncrl launch Ray picks"),
+    (["rollout.gpus=[1]"], "rollout.gpus=[1]"),
+    (["ray.learner.num_gpus=0.5"], "ray.learner.num_gpus=0.5"),
+    (["learner.device=cuda"], "learner.device=cuda with ray.learner.num_gpus=0"),
+    (["rollout.weight_sync.backend=ipc"], "rollout.weight_sync.backend=ipc: under asyncrl launch"),
+])
+def test_ray_placement_follows_the_same_rule_and_refuses_the_rest(overrides, named):
+    with pytest.raises(PlacementError, match=re.escape(named)):
+        check_ray_placement(config(*overrides))
+    check_ray_placement(config("learner.device=cuda", "ray.learner.num_gpus=1", "ray.rollout.num_gpus=1"))  # accepted
 
 
 def test_pin_limits_what_children_see(monkeypatch):
