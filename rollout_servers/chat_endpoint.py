@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import time
-import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
-from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, Reply, SessionError
+from rollout_servers.chat_request import SESSION_HEADER, parse_request
+from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, SessionError
+from rollout_servers.chat_stream import ReplyFormat, ReplyShape, StreamedReply
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "X-Session-Id"
 IDLE_CHECKS_PER_LIMIT = 10  # idle sessions are looked for this many times per rollout.chat.session_idle_s (dropped ≤ 10 % late)
 GroupSink = Callable[[TrajectoryGroup], Awaitable[Ack]]  # sends a finished group to the buffer
 
@@ -75,19 +73,25 @@ class ChatEndpoint:
             await asyncio.sleep(every_s)
             self.sessions.drop_idle()
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        listener = None
         try:
-            body = await _json_body(request)
-            session_id = str(body.get("session_id") or request.headers.get(SESSION_HEADER, ""))
-            if not session_id:
-                raise SessionError(400, f"name the session: 'session_id' in the body or the {SESSION_HEADER} header")
-            if body.get("n", 1) != 1:
-                raise SessionError(400, "only n=1 is supported (one reply per session turn)")
-            sampling = self._request_sampling(body)
-            reply = await self.sessions.reply(session_id, body.get("messages") or [], sampling, body.get("seed"))
+            chat = parse_request(await _json_body(request), request.headers.get(SESSION_HEADER, ""), self._sampling, "")
+            shape = ReplyShape(chat.session_id, self._model_name, chat.logprobs, chat.include_usage,
+                               holds_back_content=False)
+            reply_format = ReplyFormat(shape, self.sessions.tokens)
+            listener = StreamedReply(request, reply_format, self.sessions.decode) if chat.stream else None
+            reply = await self.sessions.reply(chat.session_id, chat.messages, chat.sampling, chat.seed, listener)
         except SessionError as error:
-            return _error(error.status, str(error))
-        return web.json_response(self._completion_body(reply, session_id, bool(body.get("logprobs"))))
+            return _error(error.status, str(error), getattr(error, "field", None))
+        except ConnectionError:  # the client left mid-stream: the session is as before this request
+            if listener is None:
+                raise
+            log.info("chat client of session '%s' left mid-reply; the turn is not recorded", chat.session_id)
+            return listener.response
+        if listener is not None:
+            return listener.response
+        return web.json_response(reply_format.completion(reply))
 
     async def _close(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
@@ -114,40 +118,6 @@ class ChatEndpoint:
         return web.json_response({"object": "list", "data": [{"id": self._model_name, "object": "model",
                                                               "owned_by": "asyncrl"}]})
 
-    def _request_sampling(self, body: dict[str, Any]) -> SamplingConfig:
-        overrides = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                     "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens")}
-        stop = body.get("stop")
-        if stop is not None:
-            overrides["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        try:
-            return dataclasses.replace(self._sampling, n=1, **{k: v for k, v in overrides.items() if v is not None})
-        except TypeError as error:
-            raise SessionError(400, f"bad sampling field: {error}") from error
-
-    def _completion_body(self, reply: Reply, session_id: str, with_logprobs: bool) -> dict[str, Any]:
-        completion = reply.completion
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": reply.text},
-            "finish_reason": completion.finish_reason,
-        }
-        if with_logprobs:
-            tokens = self.sessions.tokens(completion.token_ids)
-            choice["logprobs"] = {"content": [{"token": token, "logprob": logprob, "bytes": None, "top_logprobs": []}
-                                              for token, logprob in zip(tokens, completion.logprobs)]}
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self._model_name,
-            "session_id": session_id,
-            "choices": [choice],
-            "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(completion.token_ids),
-                      "total_tokens": reply.prompt_tokens + len(completion.token_ids)},
-        }
-
-
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -158,6 +128,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                             status=status)
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                        "code": status}}, status=status)

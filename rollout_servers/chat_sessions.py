@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta, Message, Transcript
@@ -53,9 +53,28 @@ class ChatSession:
 
 @dataclass(frozen=True)
 class Reply:
-    text: str  # the reply decoded without special tokens (what the client sends back next time)
+    text: str  # the reply decoded without special tokens
     completion: Completion  # the engine's ids, log-probs and versions of the reply
     prompt_tokens: int  # ids the engine was given for this turn
+    content: str | None  # the message content the client is shown (the text less its tool calls)
+    tool_calls: list[Any] = field(default_factory=list)  # vLLM `ToolCall`s parsed from the text
+
+    def message(self) -> Message:
+        """The assistant message as the client is told it (and must send it back)."""
+        message: Message = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        return message
+
+
+class TurnListener(Protocol):
+    """A client reading the turn as it is sampled (a streamed reply)."""
+
+    async def progress(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """The ids and log-probs sampled so far."""
+
+    async def done(self, reply: Reply) -> None:
+        """The whole reply; the session records the turn only once this has returned."""
 
 
 class ChatSessions:
@@ -76,25 +95,39 @@ class ChatSessions:
         return len(self._sessions)
 
     async def reply(self, session_id: str, messages: Sequence[Message], sampling: SamplingConfig,
-                    seed: int | None = None) -> Reply:
-        """The policy's next turn in session `session_id`, whose full conversation so far is `messages`."""
+                    seed: int | None = None, listener: TurnListener | None = None) -> Reply:
+        """The policy's next turn in session `session_id`, whose full conversation so far is `messages`.
+
+        With a `listener` the turn is recorded only after `listener.done` returned: a client that went
+        away mid-reply (its write raised) leaves the session as it was, so the same request can be resent."""
         self.drop_idle()
         session = self._sessions.get(session_id) or await self._open(session_id, messages)
         async with session.lock:
-            context, observation, new_messages = self._extend(session, normalized(messages))
-            room = self._max_model_len - len(context)
-            if room <= 0:
-                raise SessionError(400, f"session '{session_id}' is at the context length ({self._max_model_len} tokens)")
-            turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room))
-            completion = await self._engine.generate(context, turn_sampling, seed=seed)
-            text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            try:
+                context, observation, new_messages = self._extend(session, normalized(messages))
+                room = self._max_model_len - len(context)
+                if room <= 0:
+                    raise SessionError(400, f"session '{session_id}' is at the context length "
+                                            f"({self._max_model_len} tokens)")
+                turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room))
+                completion = await self._engine.generate(context, turn_sampling, seed=seed,
+                                                         on_tokens=listener.progress if listener else None)
+                text = self.decode(completion.token_ids)
+                reply = Reply(text, completion, len(context), content=text)
+                if listener is not None:
+                    await listener.done(reply)
+            finally:
+                session.last_used = time.monotonic()
             if observation:
                 session.transcript.add_observation(observation)
             session.transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
-            session.messages += [*new_messages, {"role": "assistant", "content": text}]
+            session.messages += [*new_messages, *normalized([reply.message()])]
             session.last_model_ids, session.turns = list(completion.token_ids), session.turns + 1
-            session.last_used = time.monotonic()
-        return Reply(text, completion, len(context))
+        return reply
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of a reply as the client sees it (special tokens left out)."""
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def tokens(self, token_ids: Sequence[int]) -> list[str]:
         """The text of each id (OpenAI's logprobs name every token)."""
