@@ -22,6 +22,7 @@ from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
+from rollout_servers.chat_auth import require_key
 from rollout_servers.chat_request import SESSION_HEADER, parse_request
 from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, SessionError
 from rollout_servers.chat_stream import ReplyFormat, ReplyShape, StreamedReply
@@ -42,9 +43,10 @@ class ChatEndpoint:
         self._idle_checks: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self, settings: ChatEndpointConfig, port: int) -> int:
-        """Listen on `settings.host`:`port` (0 = a free port); returns the port."""
-        app = web.Application()
+    async def start(self, settings: ChatEndpointConfig, port: int, api_key: str | None = None) -> int:
+        """Listen on `settings.host`:`port` (0 = a free port); returns the port. With `api_key` every
+        request must carry it (`chat_auth.py`)."""
+        app = web.Application(middlewares=[require_key(api_key)] if api_key else [])
         app.add_routes([
             web.post("/v1/chat/completions", self._completions),
             web.post("/v1/sessions/{session_id}/close", self._close),
@@ -56,7 +58,8 @@ class ChatEndpoint:
         await site.start()
         self.port = self._runner.addresses[0][1]
         self._idle_checks = asyncio.create_task(self._drop_idle_sessions(settings.session_idle_s / IDLE_CHECKS_PER_LIMIT))
-        log.info("chat endpoint on http://%s:%d/v1", settings.host, self.port)
+        log.info("chat endpoint on http://%s:%d/v1 (%s)", settings.host, self.port,
+                 "API key required" if api_key else "no API key: loopback only")
         return self.port
 
     async def stop(self) -> None:

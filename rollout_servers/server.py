@@ -27,6 +27,7 @@ from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_admission import ChatAdmission
+from rollout_servers.chat_auth import load_api_key
 from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.completion import STALE, Completion
@@ -98,6 +99,7 @@ class RolloutServer:
         self._slots = SampleSlots(config.rollout.max_inflight)
         self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
         self._chat_sessions: ChatSessions | None = None  # the endpoint's sessions, when it serves
+        self._chat_key = load_api_key(config.rollout.chat) if config.rollout.chat.enabled else None  # fails fast
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
 
@@ -149,7 +151,7 @@ class RolloutServer:
             return await asyncio.to_thread(self._locked, producer.send, group)
 
         endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send)
-        port = await endpoint.start(settings, settings.port + self._index if settings.port else 0)
+        port = await endpoint.start(settings, settings.port + self._index if settings.port else 0, self._chat_key)
         if self._state_dir is not None:
             self._state_dir.mkdir(parents=True, exist_ok=True)
             address = {"url": f"http://{settings.host}:{port}/v1"}

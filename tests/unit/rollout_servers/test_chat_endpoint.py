@@ -51,11 +51,11 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(engine, **settings) -> Iterator[Served]:
+def serving(engine, api_key: str | None = None, **settings) -> Iterator[Served]:
     served = Served(engine, ChatEndpointConfig(enabled=True, **settings))
     served.thread.start()
     try:
-        served.call(served.endpoint.start(served.sessions._settings, 0))
+        served.call(served.endpoint.start(served.sessions._settings, 0, api_key))
         yield served
     finally:
         served.call(served.endpoint.stop())
@@ -63,8 +63,8 @@ def serving(engine, **settings) -> Iterator[Served]:
         served.thread.join(DEADLINE_S)
 
 
-def client(served: Served) -> openai.OpenAI:
-    return openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=DEADLINE_S)
+def client(served: Served, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url, api_key=api_key, max_retries=0, timeout=DEADLINE_S)
 
 
 def events(response: httpx.Response) -> list[str]:
@@ -199,3 +199,25 @@ def test_the_sdk_sees_refusals_as_bad_requests():
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):
             client(served).chat.completions.create(model="tiny", messages=[USER], presence_penalty=1.0,
                                                    extra_body={"session_id": "s"})
+
+
+def test_without_the_api_key_every_route_is_refused_with_401_and_nothing_is_stored():
+    with serving(ScriptedEngine([turn("ab", -0.5)]), api_key="sesame") as served:
+        sdk = client(served, api_key="guess")
+        with pytest.raises(openai.AuthenticationError, match="wrong API key"):
+            sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"})
+        with pytest.raises(openai.AuthenticationError, match="wrong API key"):
+            sdk.models.list()
+        body = {"messages": [USER], "session_id": "s"}
+        for route, headers, said in (("chat/completions", {}, "no API key"), ("sessions/s/close", {}, "no API key"),
+                                     ("chat/completions", {"Authorization": "sesame"}, "wrong API key")):  # not as a bearer token
+            response = httpx.post(f"{served.url}/{route}", json=body, headers=headers, timeout=DEADLINE_S)
+            assert response.status_code == 401, route
+            error = response.json()["error"]
+            assert error["code"] == "invalid_api_key" and said in error["message"]
+        assert len(served.sessions) == 0 and not served.engine.requests and not served.groups
+
+        sdk = client(served, api_key="sesame")
+        assert sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"}).choices
+        sdk.post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
+        assert len(served.groups) == 1
