@@ -41,16 +41,6 @@ class SessionError(ValueError):
         self.status = status
 
 
-@dataclass
-class ChatSession:
-    transcript: Transcript
-    messages: list[Message]  # the conversation as the client sees it, our replies included
-    last_model_ids: list[int] = field(default_factory=list)  # the last reply's ids (how its turn ended)
-    turns: int = 0  # model turns sampled
-    last_used: float = field(default_factory=time.monotonic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time per session
-
-
 @dataclass(frozen=True)
 class Reply:
     text: str  # the reply decoded without special tokens
@@ -77,6 +67,16 @@ class TurnListener(Protocol):
         """The whole reply; the session records the turn only once this has returned."""
 
 
+@dataclass
+class ChatSession:
+    transcript: Transcript
+    messages: list[Message]  # the conversation as the client sees it, our replies included
+    last_reply: Reply | None = None  # the last turn as the client was told it (its ids end the transcript)
+    turns: int = 0  # model turns sampled
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time per session
+
+
 class ChatSessions:
     def __init__(self, engine: TurnEngine, tokenizer: Any, max_model_len: int, settings: ChatEndpointConfig,
                  server_id: str, admission: ChatAdmission) -> None:
@@ -99,12 +99,19 @@ class ChatSessions:
         """The policy's next turn in session `session_id`, whose full conversation so far is `messages`.
 
         With a `listener` the turn is recorded only after `listener.done` returned: a client that went
-        away mid-reply (its write raised) leaves the session as it was, so the same request can be resent."""
+        away mid-reply (its write raised) leaves the session as it was. Either way the same request can be
+        resent: a request for the turn already recorded gets that reply again (a client cannot tell
+        whether the last bytes of a reply it lost reached its socket before it left)."""
         self.drop_idle()
         session = self._sessions.get(session_id) or await self._open(session_id, messages)
         async with session.lock:
             try:
-                context, observation, new_messages = self._extend(session, normalized(messages))
+                history = normalized(messages)
+                if session.last_reply is not None and history == session.messages[:-1]:
+                    if listener is not None:
+                        await listener.done(session.last_reply)
+                    return session.last_reply
+                context, observation, new_messages = self._extend(session, history)
                 room = self._max_model_len - len(context)
                 if room <= 0:
                     raise SessionError(400, f"session '{session_id}' is at the context length "
@@ -122,7 +129,7 @@ class ChatSessions:
                 session.transcript.add_observation(observation)
             session.transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
             session.messages += [*new_messages, *normalized([reply.message()])]
-            session.last_model_ids, session.turns = list(completion.token_ids), session.turns + 1
+            session.last_reply, session.turns = reply, session.turns + 1
         return reply
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -190,7 +197,7 @@ class ChatSessions:
         new_messages = messages[len(known):]
         if not new_messages:
             raise SessionError(400, "no new message since the last reply")
-        observation = self._chat.observation_ids(new_messages, session.last_model_ids)
+        observation = self._chat.observation_ids(new_messages, session.last_reply.completion.token_ids)
         return session.transcript.context() + observation, observation, new_messages
 
     def drop_idle(self) -> int:

@@ -151,3 +151,17 @@ def test_a_session_being_answered_is_not_idle():
     assert asyncio.run(drop_while_answering()) == 0 and len(sessions) == 1
     assert sessions.drop_idle() == 1 and len(sessions) == 0
     assert sessions.dropped_idle == 1
+
+
+def test_a_resent_request_gets_the_recorded_reply_again():
+    """A client that lost a reply (its connection broke) resends the request: sampling again would fork
+    the conversation from what the session recorded, so it gets the recorded turn."""
+    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5)])
+    sessions = sessions_on(engine)
+    first = asyncio.run(sessions.reply("s", [USER], SAMPLING))
+    assert asyncio.run(sessions.reply("s", [USER], SAMPLING)) is first and len(engine.requests) == 1
+    history = [USER, {"role": "assistant", "content": "ab"}, USER]
+    second = asyncio.run(sessions.reply("s", history, SAMPLING))
+    assert asyncio.run(sessions.reply("s", history, SAMPLING)) is second and len(engine.requests) == 2
+    with pytest.raises(SessionError, match="differs from what this session recorded"):  # only the last turn replays
+        asyncio.run(sessions.reply("s", [USER], SAMPLING))
