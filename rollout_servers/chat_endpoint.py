@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any, Awaitable, Callable
 
@@ -26,6 +27,7 @@ from rollout_servers.chat_auth import require_key
 from rollout_servers.chat_request import SESSION_HEADER, parse_request
 from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, SessionError
 from rollout_servers.chat_stream import ReplyFormat, ReplyShape, StreamedReply
+from rollout_servers.chat_tools import ToolCallReader
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +36,10 @@ GroupSink = Callable[[TrajectoryGroup], Awaitable[Ack]]  # sends a finished grou
 
 
 class ChatEndpoint:
-    def __init__(self, sessions: ChatSessions, sampling: SamplingConfig, model_name: str, sink: GroupSink) -> None:
+    def __init__(self, sessions: ChatSessions, sampling: SamplingConfig, model_name: str, sink: GroupSink,
+                 tool_calls: ToolCallReader | None = None) -> None:
         self.sessions = sessions
+        self._tool_calls = tool_calls  # rollout.chat.tool_parser's reader; None = requests with tools get 400
         self._sampling = sampling
         self._model_name = model_name
         self._sink = sink
@@ -79,12 +83,17 @@ class ChatEndpoint:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         listener = None
         try:
-            chat = parse_request(await _json_body(request), request.headers.get(SESSION_HEADER, ""), self._sampling, "")
+            chat = parse_request(await _json_body(request), request.headers.get(SESSION_HEADER, ""), self._sampling,
+                                 reads_tools=self._tool_calls is not None)
             shape = ReplyShape(chat.session_id, self._model_name, chat.logprobs, chat.include_usage,
-                               holds_back_content=False)
+                               holds_back_content=chat.reads_tool_calls)
             reply_format = ReplyFormat(shape, self.sessions.tokens)
             listener = StreamedReply(request, reply_format, self.sessions.decode) if chat.stream else None
-            reply = await self.sessions.reply(chat.session_id, chat.messages, chat.sampling, chat.seed, listener)
+            read_tool_calls = None
+            if chat.reads_tool_calls:
+                read_tool_calls = functools.partial(self._tool_calls.read, request=chat.parsed)
+            reply = await self.sessions.reply(chat.session_id, chat.messages, chat.sampling, chat.seed, listener,
+                                              chat.tools, read_tool_calls)
         except SessionError as error:
             return _error(error.status, str(error), getattr(error, "field", None))
         except ConnectionError:  # the client left mid-stream: the session is as before this request

@@ -19,7 +19,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.exceptions import VLLMValidationError
 
 from asyncrl.config.rollout import SamplingConfig
-from rollout_servers.chat_sessions import SessionError
+from rollout_servers.chat_sessions import FieldError
 
 SESSION_HEADER = "X-Session-Id"
 HONOURED = frozenset({
@@ -33,14 +33,6 @@ IGNORED = {  # field → why it may be sent and changes nothing
 TOOL_CHOICES = ("auto", "none")  # "required" and a named function need constrained decoding (see module doc)
 
 
-class FieldError(SessionError):
-    """HTTP 400 about one request field, named in OpenAI's error `param`."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(400, f"'{field}': {message}")
-        self.field = field
-
-
 @dataclass(frozen=True)
 class ChatRequest:
     session_id: str
@@ -51,11 +43,14 @@ class ChatRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     logprobs: bool
     tools: list[dict[str, Any]] | None  # function definitions for the chat template (None: no tools)
+    reads_tool_calls: bool  # tools given and tool_choice not "none": the reply is parsed for tool calls
+    parsed: ChatCompletionRequest  # vLLM's view of the body (what its tool parsers read)
 
 
 def parse_request(body: dict[str, Any], header_session: str, defaults: SamplingConfig,
-                  tool_parser: str) -> ChatRequest:
-    """The request in `body` (JSON object), or a `SessionError` (400) that names the field at fault."""
+                  reads_tools: bool) -> ChatRequest:
+    """The request in `body` (JSON object), or a `FieldError` (400) that names the field at fault;
+    `reads_tools`: the server has a tool-call parser (`rollout.chat.tool_parser`)."""
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as error:
@@ -69,17 +64,16 @@ def parse_request(body: dict[str, Any], header_session: str, defaults: SamplingC
         raise FieldError("session_id", f"name the session: 'session_id' in the body or the {SESSION_HEADER} header")
     if not isinstance(body.get("messages"), list) or not body["messages"]:
         raise FieldError("messages", "must be a non-empty list")
-    tools = None
-    if request.tools and request.tool_choice != "none":
-        if not tool_parser:
-            raise FieldError("tools", "this server parses no tool calls: set rollout.chat.tool_parser (e.g. hermes)")
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    reads_tool_calls = tools is not None and request.tool_choice != "none"
+    if reads_tool_calls and not reads_tools:
+        raise FieldError("tools", "this server parses no tool calls: set rollout.chat.tool_parser (e.g. hermes)")
     stream_options = request.stream_options
     return ChatRequest(
         session_id=str(session_id), messages=body["messages"], sampling=_sampling(request, defaults),
         seed=request.seed, stream=bool(request.stream),
         include_usage=bool(stream_options and stream_options.include_usage), logprobs=bool(request.logprobs),
-        tools=tools,
+        tools=tools, reads_tool_calls=reads_tool_calls, parsed=request,
     )
 
 

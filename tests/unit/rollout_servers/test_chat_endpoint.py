@@ -16,13 +16,15 @@ import openai
 import pytest
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
+from asyncrl.environments import ChatDelta
 from asyncrl.messages import Ack
 from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_sessions import ChatSessions
+from rollout_servers.chat_tools import ToolCallReader
 from tests.unit.rollout_servers.test_agent_loop import EOS, TOKENIZER, ScriptedEngine, ids, turn
 from tests.unit.rollout_servers.test_chat_sessions import USER, OpenPlaces
 
-SAMPLING = SamplingConfig(temperature=1.0, max_tokens=16, n=1)
+SAMPLING = SamplingConfig(temperature=1.0, max_tokens=128, n=1)
 DEADLINE_S = 10.0  # any wait on the endpoint's thread; nothing here takes more than milliseconds
 POLL_S = 0.005
 
@@ -32,10 +34,11 @@ class Served:
 
     def __init__(self, engine, settings: ChatEndpointConfig) -> None:
         self.engine = engine
-        self.sessions = ChatSessions(engine, TOKENIZER, 256, settings, "server-1", OpenPlaces())
+        self.sessions = ChatSessions(engine, TOKENIZER, 512, settings, "server-1", OpenPlaces())
         self.groups = []
         self.loop = asyncio.new_event_loop()
-        self.endpoint = ChatEndpoint(self.sessions, SAMPLING, "tiny", self._sink)
+        tool_calls = ToolCallReader(settings.tool_parser, TOKENIZER) if settings.tool_parser else None
+        self.endpoint = ChatEndpoint(self.sessions, SAMPLING, "tiny", self._sink, tool_calls)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
     async def _sink(self, group) -> Ack:
@@ -221,3 +224,65 @@ def test_without_the_api_key_every_route_is_refused_with_401_and_nothing_is_stor
         assert sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"}).choices
         sdk.post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
         assert len(served.groups) == 1
+
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds two integers",
+                                           "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                         "b": {"type": "integer"}}}}}]
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def test_a_tool_call_round_trip_keeps_the_sampled_ids_and_masks_the_tool_answer():
+    with serving(ScriptedEngine([turn(CALL, -0.5), turn("5", -1.0)]), tool_parser="hermes") as served:
+        sdk = client(served)
+        first = sdk.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, extra_body={"session_id": "s"})
+        choice = first.choices[0]
+        (call,) = choice.message.tool_calls
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        assert (call.function.name, json.loads(call.function.arguments), call.type) == ("add", {"a": 2, "b": 3}, "function")
+        assert call.id
+        answer = {"role": "tool", "tool_call_id": call.id, "content": "5"}
+        history = [USER, choice.message.model_dump(exclude_none=True), answer]
+        wrong = {**answer, "tool_call_id": "call-nobody-made"}
+        response = httpx.post(f"{served.url}/chat/completions", timeout=DEADLINE_S,
+                              json={"messages": [*history[:2], wrong], "tools": TOOLS, "session_id": "s"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages[2].tool_call_id"
+        response = httpx.post(f"{served.url}/chat/completions", timeout=DEADLINE_S,
+                              json={"messages": history, "tools": TOOLS[:0] or None, "session_id": "s"})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+        second = sdk.chat.completions.create(model="tiny", messages=history, tools=TOOLS, extra_body={"session_id": "s"})
+        assert (second.choices[0].message.content, second.choices[0].finish_reason) == ("5", "stop")
+        sdk.post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
+
+    (trajectory,) = served.groups[0].trajectories
+    assert trajectory.prompt_ids == ChatDelta(TOKENIZER).prompt_ids([USER], TOOLS) == served.engine.requests[0][0]
+    answer_ids = ids("\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")
+    assert trajectory.completion_ids == ids(CALL) + [EOS] + answer_ids + ids("5") + [EOS], "the ids as sampled"
+    assert trajectory.loss_mask == [1] * (len(ids(CALL)) + 1) + [0] * len(answer_ids) + [1] * 2
+
+
+def test_a_streamed_tool_call_comes_whole_in_one_delta():
+    with serving(ScriptedEngine([turn(CALL, -0.5)]), tool_parser="hermes") as served:
+        body = {"messages": [USER], "session_id": "s", "stream": True, "tools": TOOLS}
+        with httpx.stream("POST", f"{served.url}/chat/completions", json=body, timeout=DEADLINE_S) as response:
+            data = events(response)
+        chunks = [json.loads(event)["choices"][0] for event in data[:-1]]
+        assert data[-1] == "[DONE]" and len(chunks) == 3
+        assert chunks[0]["delta"] == {"role": "assistant", "content": ""}
+        (call,) = chunks[1]["delta"]["tool_calls"]
+        assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "add", "arguments": '{"a": 2, "b": 3}'})
+        assert call["id"] and chunks[1]["delta"].get("content") is None
+        assert (chunks[2]["delta"], chunks[2]["finish_reason"]) == ({}, "tool_calls")
+        recorded = served.sessions._sessions["s"].messages[-1]
+        assert recorded["tool_calls"][0]["id"] == call["id"]
+
+
+def test_tools_without_a_tool_parser_get_a_400():
+    with serving(ScriptedEngine([turn("ab", -0.5)])) as served:
+        with pytest.raises(openai.BadRequestError, match="rollout.chat.tool_parser") as error:
+            client(served).chat.completions.create(model="tiny", messages=[USER], tools=TOOLS,
+                                                   extra_body={"session_id": "s"})
+        assert error.value.param == "tools"
+        reply = client(served).chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="none",
+                                                       extra_body={"session_id": "s"})
+        assert reply.choices[0].message.content == "ab"  # "none": rendered for the model, nothing parsed

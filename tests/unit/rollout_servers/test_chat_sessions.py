@@ -11,6 +11,7 @@ from asyncrl.config.rollout import ChatEndpointConfig
 from asyncrl.environments import ChatDelta
 from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.chat_endpoint import ChatEndpoint
+from rollout_servers.chat_lost import RESTARTED, LostSessions
 from rollout_servers.chat_sessions import ChatSessions, SessionError, normalized
 from tests.unit.rollout_servers.test_agent_loop import EOS, SAMPLING, TOKENIZER, ScriptedEngine, ids, turn
 
@@ -30,9 +31,9 @@ class OpenPlaces(ChatAdmission):
 
 
 def sessions_on(engine, max_sessions: int = 4, places: ChatAdmission | None = None,
-                admission_wait_s: float = SHORT_WAIT_S) -> ChatSessions:
+                admission_wait_s: float = SHORT_WAIT_S, lost: LostSessions | None = None) -> ChatSessions:
     settings = ChatEndpointConfig(enabled=True, max_sessions=max_sessions, admission_wait_s=admission_wait_s)
-    return ChatSessions(engine, TOKENIZER, 256, settings, "server-1", places or OpenPlaces())
+    return ChatSessions(engine, TOKENIZER, 256, settings, "server-1", places or OpenPlaces(), lost)
 
 
 def test_two_requests_extend_the_ids_and_close_into_a_trajectory():
@@ -113,7 +114,7 @@ def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_droppe
 
 def test_messages_are_normalized_to_role_and_text():
     assert normalized([{"role": "assistant", "content": None, "tool_calls": []}]) == [{"role": "assistant", "content": ""}]
-    with pytest.raises(SessionError, match=r"messages\[0\] must be an object with a 'role'"):
+    with pytest.raises(SessionError, match=r"'messages\[0\]': must be an object with a 'role'"):
         normalized(["hi"])
 
 
@@ -165,3 +166,35 @@ def test_a_resent_request_gets_the_recorded_reply_again():
     assert asyncio.run(sessions.reply("s", history, SAMPLING)) is second and len(engine.requests) == 2
     with pytest.raises(SessionError, match="differs from what this session recorded"):  # only the last turn replays
         asyncio.run(sessions.reply("s", [USER], SAMPLING))
+
+
+def test_a_session_dropped_as_idle_answers_410_naming_why_and_is_counted():
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
+    asyncio.run(sessions.reply("s", [USER], SAMPLING))
+    sessions._sessions["s"].last_used -= sessions._settings.session_idle_s + 1
+    assert sessions.drop_idle() == 1
+    history = [USER, {"role": "assistant", "content": "ab"}, USER]
+    with pytest.raises(SessionError, match=r"session 's' is lost: dropped after 300s without a request "
+                                           r"\(rollout.chat.session_idle_s\)") as error:
+        asyncio.run(sessions.reply("s", history, SAMPLING))
+    assert error.value.status == 410
+    with pytest.raises(SessionError, match="is lost") as error:
+        sessions.close("s", 1.0)
+    assert error.value.status == 410 and sessions.lost.refused == 2
+
+
+def test_sessions_open_when_a_server_stops_are_lost_for_its_next_process(tmp_path):
+    state = tmp_path / "server-1.chat_sessions.json"
+    before = sessions_on(ScriptedEngine([turn("ab", -0.5)]), lost=LostSessions(state))
+    for name in ("a", "b"):
+        asyncio.run(before.reply(name, [USER], SAMPLING))
+    before.close("b", 1.0)
+    after = sessions_on(ScriptedEngine([turn("ab", -0.5)]), lost=LostSessions(state))  # the restarted server
+    with pytest.raises(SessionError, match="session 'a' is lost: the rollout server restarted") as error:
+        asyncio.run(after.reply("a", [USER, {"role": "assistant", "content": "ab"}, USER], SAMPLING))
+    assert error.value.status == 410 and after.lost.refused == 1
+    with pytest.raises(SessionError, match="no open session 'b'"):  # closed before the restart: not lost
+        after.close("b", 1.0)
+    asyncio.run(after.reply("c", [USER], SAMPLING))
+    third = LostSessions(state)  # a second restart knows the sessions open in the process before it
+    assert (third.why("c"), third.why("a")) == (RESTARTED, None)
