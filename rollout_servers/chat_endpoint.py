@@ -4,8 +4,9 @@
     POST /v1/sessions/{id}/close     {"reward": float, "group_id"?: str, "group_size"?: int, "data_source"?: str}
     GET  /v1/models                  the served model
 
-Each reply is one engine request sampled like training rollouts (config sampling; the request's
-temperature, top_p, max_tokens / max_completion_tokens, stop and seed override it). A closed session
+Each reply is one engine request sampled like training rollouts (config sampling; the fields the request
+may set are in `chat_request.py`), answered whole or streamed (`chat_stream.py`), with tool calls read by
+vLLM's parser (`chat_tools.py`); with an API key every route needs it (`chat_auth.py`). A closed session
 becomes a trajectory (`chat_sessions.py`) and its group is sent to the buffer like any other, under the
 record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once. A new session
 waits for a place within the staleness bound (`chat_admission.py`); without one in time it gets HTTP 503.
