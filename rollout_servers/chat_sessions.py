@@ -264,7 +264,8 @@ def normalized(messages: Sequence[Any]) -> list[Message]:
             raise FieldError(f"messages[{index}]", "must be an object with a 'role'")
         content = message.get("content") or ""
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            content = "".join(_text_part(part, f"messages[{index}].content[{number}]")
+                              for number, part in enumerate(content))
         if not isinstance(content, str):
             raise FieldError(f"messages[{index}].content", "must be a string or a list of text parts")
         entry: Message = {"role": message["role"], "content": content}
@@ -275,6 +276,13 @@ def normalized(messages: Sequence[Any]) -> list[Message]:
             entry["tool_call_id"] = str(message.get("tool_call_id") or "")
         result.append(entry)
     return result
+
+
+def _text_part(part: Any, where: str) -> str:
+    """A text part's text; any other part (an image, audio) is refused: the policy here reads text only."""
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        raise FieldError(where, "only text parts ({'type': 'text', 'text': ...}) are supported")
+    return part["text"]
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:

@@ -116,6 +116,10 @@ def test_messages_are_normalized_to_role_and_text():
     assert normalized([{"role": "assistant", "content": None, "tool_calls": []}]) == [{"role": "assistant", "content": ""}]
     with pytest.raises(SessionError, match=r"'messages\[0\]': must be an object with a 'role'"):
         normalized(["hi"])
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    assert normalized([{"role": "user", "content": parts[:1] * 2}]) == [{"role": "user", "content": "aa"}]
+    with pytest.raises(SessionError, match=r"'messages\[0\]\.content\[1\]': only text parts"):  # never dropped silently
+        normalized([{"role": "user", "content": parts}])
 
 
 def test_idle_sessions_are_dropped_on_a_clock_when_no_request_comes():
