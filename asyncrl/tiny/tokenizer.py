@@ -19,12 +19,13 @@ SPECIAL_TOKENS = [PAD, BOS_EOS, IM_START, IM_END]
 UNKNOWN = "?"  # characters outside the alphabet map to this token
 ALPHABET = string.printable[:95] + "\n"  # printable ASCII (space included) and newline
 
-# Tools (the chat endpoint's `tools`) go into a system message and calls are written as vLLM's `hermes` parser
-# reads them; without tools or tool calls a conversation renders as plain ChatML.
+# Tools (the chat endpoint's `tools`) go into a system message, one JSON line each (every character is a
+# token here: the model's 256 positions leave no room for instructions), and calls are written as vLLM's
+# `hermes` parser reads them; without tools or tool calls a conversation renders as plain ChatML.
 CHAT_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\nTools:\n' }}"
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
     "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}{{ '\n' }}{% endfor %}"
-    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
     "{% for call in message.get('tool_calls') or [] %}"

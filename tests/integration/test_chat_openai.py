@@ -1,13 +1,14 @@
 """An agent written with the official `openai` SDK drives a running job (`asyncrl run`, chat endpoint on,
 an API key from a file): streamed and plain replies are recorded exactly as the client saw them, a client
 that leaves mid-stream can resend and go on, refused fields get a 400 naming them, a missing or wrong key
-gets 401 and stores nothing. One job serves the module; the last test stops it and reads the buffer's log
+gets 401 and stores nothing, and the example agent (`examples/openai_agent.py`) runs end to end. One job serves the module; the last test stops it and reads the buffer's log
 (only safe to open once the buffer has stopped writing it)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ STOP_TIMEOUT_S = 120
 POLL_S = 0.2
 USER = {"role": "user", "content": "2+3="}
 NEXT = {"role": "user", "content": "4+1="}
+EXAMPLE_AGENT = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Job:
     run: subprocess.Popen
     run_dir: Path
     model_dir: Path
+    key_file: Path
     url: str
 
     def client(self, api_key: str = API_KEY) -> openai.OpenAI:
@@ -60,12 +63,13 @@ def job(tmp_path_factory, tiny_job_inputs):
     overrides = tiny_job(tiny_job_inputs, TOTAL_STEPS, "run.name=chat-sdk", "rollout.chat.enabled=true",
                          f"rollout.chat.api_key_file={key_file}", "validation.every=0", "buffer.batch_groups=2",
                          "buffer.max_staleness=1", "rollout.sampling.n=2", "rollout.max_inflight=4",
+                         "rollout.chat.tool_parser=hermes", "rollout.engine.max_model_len=256",  # room for the tools
                          f"run.root_dir={tmp / 'runs'}")
     run_dir = tmp / "runs" / "chat-sdk"
     with open(tmp / "run.log", "w") as output:  # a file, not a pipe: nobody reads the job's progress lines
         run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *overrides], stdout=output,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    job = Job(run, run_dir, tiny_job_inputs / "model", "")
+    job = Job(run, run_dir, tiny_job_inputs / "model", key_file, "")
     try:
         chat_file = run_dir / "rollout" / "server-0.chat.json"
         deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -123,6 +127,15 @@ def test_a_client_that_leaves_mid_stream_resends_and_goes_on(job):
     assert reply.choices[0].finish_reason in ("stop", "length")
     closed = client.post("/sessions/leaver/close", body={"reward": 0.0}, cast_to=object)
     assert closed["sent"] is True
+
+
+def test_the_example_agent_trains_through_the_job(job):
+    done = subprocess.run([sys.executable, str(EXAMPLE_AGENT), "--url", job.url, "--api-key-file", str(job.key_file),
+                           "--questions", "1", "--group", "2", "--max-turns", "2"],
+                          capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S * 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"group sent to the buffer as server-0-chat-q-\w+ \(offset \d+\)", done.stdout), done.stdout
+    assert "over 2 sessions" in done.stdout
 
 
 def seen_turn_streamed(client: openai.OpenAI, messages: list, session_id: str) -> tuple[str, list[tuple[str, float]]]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -27,6 +29,7 @@ from tests.unit.rollout_servers.test_chat_sessions import USER, OpenPlaces
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=128, n=1)
 DEADLINE_S = 10.0  # any wait on the endpoint's thread; nothing here takes more than milliseconds
 POLL_S = 0.005
+EXAMPLE_AGENT = Path(__file__).resolve().parents[3] / "examples" / "openai_agent.py"
 
 
 class Served:
@@ -286,3 +289,15 @@ def test_tools_without_a_tool_parser_get_a_400():
         reply = client(served).chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="none",
                                                        extra_body={"session_id": "s"})
         assert reply.choices[0].message.content == "ab"  # "none": rendered for the model, nothing parsed
+
+
+def test_the_example_agent_calls_its_tool_and_scores_its_answer():
+    spec = importlib.util.spec_from_file_location("openai_agent", EXAMPLE_AGENT)
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "37+58"}}</tool_call>'
+    with serving(ScriptedEngine([turn(call, -0.5), turn("95", -0.5)]), tool_parser="hermes") as served:
+        assert agent.episode(client(served), "37+58=", "95", "s", max_turns=3) == 1.0
+        messages = served.sessions._sessions["s"].messages
+    assert [message["role"] for message in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[2]["content"] == "95" and messages[2]["tool_call_id"] == messages[1]["tool_calls"][0]["id"]
