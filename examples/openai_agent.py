@@ -6,8 +6,12 @@ is asked `--group` times, one session each: the sessions of a question form one 
 closed with its reward (1 for the exact answer, else 0). Nothing here is asyncrl code: only the base
 URL, the API key, a `session_id` per episode and the close call are asyncrl's.
 
-    asyncrl run --config configs/quickstart.yaml run.name=demo rollout.chat.enabled=true \\
-        rollout.chat.tool_parser=hermes rollout.chat.api_key_env=AGENT_KEY rollout.engine.max_model_len=256
+    # the tools take ~150 tokens of the character-level model's context: a model with 256 positions
+    ROOM="model.path=.cache/models/agent model.tiny.max_position=256 rollout.engine.max_model_len=256"
+    asyncrl data --config configs/quickstart.yaml && asyncrl init-model --config configs/quickstart.yaml $ROOM
+    export AGENT_KEY=$(openssl rand -hex 16)
+    asyncrl run --config configs/quickstart.yaml $ROOM run.name=demo rollout.chat.enabled=true \\
+        rollout.chat.tool_parser=hermes rollout.chat.api_key_env=AGENT_KEY &
     python examples/openai_agent.py --run-dir runs/demo --api-key-env AGENT_KEY --questions 20
 """
 

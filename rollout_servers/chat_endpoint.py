@@ -97,10 +97,10 @@ class ChatEndpoint:
                                               chat.tools, read_tool_calls)
         except SessionError as error:
             return _error(error.status, str(error), getattr(error, "field", None))
-        except ConnectionError:  # the client left mid-stream: the session is as before this request
+        except ConnectionError:  # the client left mid-stream: its turn was not recorded (chat_sessions.reply)
             if listener is None:
                 raise
-            log.info("chat client of session '%s' left mid-reply; the turn is not recorded", chat.session_id)
+            log.info("chat client of session '%s' left mid-reply; nothing new is recorded", chat.session_id)
             return listener.response
         if listener is not None:
             return listener.response
