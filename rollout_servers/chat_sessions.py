@@ -121,11 +121,11 @@ class ChatSessions:
         away mid-reply (its write raised) leaves the session as it was. Either way the same request can be
         resent: a request for the turn already recorded gets that reply again (a client cannot tell
         whether the last bytes of a reply it lost reached its socket before it left)."""
+        history = normalized(messages)
         self.drop_idle()
-        session = self._sessions.get(session_id) or await self._open(session_id, messages)
+        session = self._sessions.get(session_id) or await self._open(session_id, history)
         async with session.lock:
             try:
-                history = normalized(messages)
                 if session.last_reply is not None and history == session.messages[:-1]:
                     if listener is not None:
                         await listener.done(session.last_reply)
@@ -143,6 +143,10 @@ class ChatSessions:
                 reply = Reply(text, completion, len(context), content if tool_calls else text, tool_calls)
                 if listener is not None:
                     await listener.done(reply)
+            except SessionError:
+                if not session.turns and self._sessions.get(session_id) is session:
+                    self._forget(session_id)  # a refused first request must not hold a place until dropped as idle
+                raise
             finally:
                 session.last_used = time.monotonic()
             if observation:

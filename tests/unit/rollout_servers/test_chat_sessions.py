@@ -202,3 +202,15 @@ def test_sessions_open_when_a_server_stops_are_lost_for_its_next_process(tmp_pat
     asyncio.run(after.reply("c", [USER], SAMPLING))
     third = LostSessions(state)  # a second restart knows the sessions open in the process before it
     assert (third.why("c"), third.why("a")) == (RESTARTED, None)
+
+
+def test_a_refused_first_request_holds_no_place():
+    places = OpenPlaces()
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]), places=places)
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    with pytest.raises(SessionError, match="only text parts"):
+        asyncio.run(sessions.reply("s", [image], SAMPLING))
+    long = {"role": "user", "content": "x" * 300}  # past the 256-token context
+    with pytest.raises(SessionError, match="at the context length") as error:
+        asyncio.run(sessions.reply("s", [long], SAMPLING))
+    assert error.value.status == 400 and (len(sessions), places.open) == (0, 0)
