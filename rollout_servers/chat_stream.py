@@ -9,6 +9,7 @@ with the first tokens, so every refusal before sampling is still an ordinary HTT
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 from rollout_servers.chat_sessions import Reply
+
+log = logging.getLogger(__name__)
 
 UNFINISHED_CHARACTER = "\ufffd"  # what decoding yields for the first bytes of a character split across tokens
 TOOL_CALLS = "tool_calls"  # finish reason of a reply that calls tools
@@ -97,6 +100,7 @@ class StreamedReply:
         self._decode = decode
         self._response: web.StreamResponse | None = None
         self._sent_tokens = 0  # tokens whose text (and log-probs) the client has
+        self._anchor = 0  # first token of the decoding window: one step of context before the unsent tokens
         self._sent_text = ""
 
     @property
@@ -109,37 +113,45 @@ class StreamedReply:
         await self._start()
         if self._format.shape.holds_back_content or len(token_ids) == self._sent_tokens:
             return
-        text = self._decode(token_ids)
-        # Re-decoding the whole reply keeps the streamed text equal to the final decode; a byte-level
-        # tokenizer ends a character split across tokens with U+FFFD until its last byte arrives.
-        if text.endswith(UNFINISHED_CHARACTER) or not text.startswith(self._sent_text):
+        # Decoding only a window (TGI's and vLLM's incremental detokenization) keeps a long reply linear;
+        # the context before the unsent tokens lets the tokenizer decide spaces at the join as the full
+        # decode does. A byte-level tokenizer ends a character split across tokens with U+FFFD until its
+        # last byte arrives: such text waits.
+        before = self._decode(token_ids[self._anchor:self._sent_tokens])
+        window = self._decode(token_ids[self._anchor:])
+        if window.endswith(UNFINISHED_CHARACTER) or not window.startswith(before):
             return
-        await self._send_content(text, token_ids, logprobs)
+        anchor = self._sent_tokens
+        await self._send_content(window[len(before):], token_ids, logprobs)
+        self._anchor = anchor
 
     async def done(self, reply: Reply) -> None:
         """The whole reply: the rest of its content (or its tool calls), the finish reason, usage, [DONE]."""
         await self._start()
         completion = reply.completion
-        shape = self._format.shape
         if reply.tool_calls:
             delta = DeltaMessage(content=reply.content, tool_calls=[
                 DeltaToolCall(index=index, id=call.id, type="function",
                               function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
                 for index, call in enumerate(reply.tool_calls)])
             await self._write(self._format.chunk(delta, self._format.logprobs(completion.token_ids, completion.logprobs)))
-        elif shape.holds_back_content or len(completion.token_ids) > self._sent_tokens:
-            await self._send_content(reply.text, completion.token_ids, completion.logprobs)
+        elif len(completion.token_ids) > self._sent_tokens or self._sent_text != reply.text:
+            if not reply.text.startswith(self._sent_text):  # the windows decoded otherwise than the whole reply
+                log.warning("streamed text of session '%s' differs from its reply's decode; the client must send "
+                            "the reply back as recorded: %r", self._format.shape.session_id, reply.text)
+            rest = reply.text[len(self._sent_text):] if reply.text.startswith(self._sent_text) else ""
+            await self._send_content(rest, completion.token_ids, completion.logprobs)
         await self._write(self._format.chunk(DeltaMessage(), finish=finish_reason(reply)))
-        if shape.include_usage:
+        if self._format.shape.include_usage:
             await self._write(self._format.usage_chunk(reply))
         await self._write("data: [DONE]\n\n")
         await self._response.write_eof()
 
     async def _send_content(self, text: str, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Send `text` as the content of the tokens not sent yet, with their log-probs when asked."""
         new_ids, new_logprobs = token_ids[self._sent_tokens:], logprobs[self._sent_tokens:]
-        delta = DeltaMessage(content=text[len(self._sent_text):])
-        await self._write(self._format.chunk(delta, self._format.logprobs(new_ids, new_logprobs)))
-        self._sent_tokens, self._sent_text = len(token_ids), text
+        await self._write(self._format.chunk(DeltaMessage(content=text), self._format.logprobs(new_ids, new_logprobs)))
+        self._sent_tokens, self._sent_text = len(token_ids), self._sent_text + text
 
     async def _start(self) -> None:
         if self._response is not None:
