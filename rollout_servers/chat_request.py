@@ -2,7 +2,7 @@
 
 The body is parsed by vLLM's own request type (`ChatCompletionRequest`, so types and OpenAI's own rules
 are checked as vLLM's server checks them), then every field that was sent is sorted: honoured, ignored
-(listed in `IGNORED` with the reason, and in docs/multi_turn.md) or refused with HTTP 400 naming it.
+(`IGNORED`, with the reason, and in docs/multi_turn.md) or refused with HTTP 400 naming it.
 No field is dropped silently: a refused field would change what is sampled or what the client is told
 in a way the trajectory could not record (a penalty or a grammar makes vLLM's log-probs differ from
 the distribution that sampled, `n` > 1 makes several replies to one turn).
@@ -26,10 +26,9 @@ HONOURED = frozenset({
     "messages", "session_id", "stream", "stream_options", "logprobs", "temperature", "top_p", "max_tokens",
     "max_completion_tokens", "stop", "seed", "n", "tools", "tool_choice", "parallel_tool_calls",
 })
-IGNORED = {  # field → why it may be sent and changes nothing
-    "model": "one policy is served: any name is accepted (GET /v1/models names it)",
-    "user": "an end-user tag for abuse monitoring; sessions are named by session_id",
-}
+# Sent by clients and harmless to drop: one policy is served, so any `model` name is accepted (GET /v1/models
+# names it); `user` is an end-user tag for abuse monitoring, and sessions are named by session_id.
+IGNORED = frozenset({"model", "user"})
 TOOL_CHOICES = ("auto", "none")  # "required" and a named function need constrained decoding (see module doc)
 
 
