@@ -90,6 +90,40 @@ class ReplyFormat:
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
 
+class TextSteps:
+    """The text each step of a streamed reply adds, decoding a window of its tokens (TGI's and vLLM's
+    incremental detokenization: linear in the reply's length, where decoding the whole reply at every
+    step is quadratic). The window keeps a step of context before the unsent tokens, so the tokenizer
+    decides spaces at the join as the whole decode does. A byte-level tokenizer ends a character split
+    across tokens with U+FFFD until its last byte arrives: such text waits."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+        self._decode = decode
+        self.tokens = 0  # tokens whose text has been handed out
+        self.text = ""  # the text handed out
+        self._anchor = 0  # first token of the decoding window
+
+    def step(self, token_ids: Sequence[int]) -> str | None:
+        """The text `token_ids` (the reply so far) add, or None while it must wait."""
+        before = self._decode(token_ids[self._anchor:self.tokens])
+        window = self._decode(token_ids[self._anchor:])
+        if window.endswith(UNFINISHED_CHARACTER) or not window.startswith(before):
+            return None
+        self._anchor, self.tokens = self.tokens, len(token_ids)
+        self.text += window[len(before):]
+        return window[len(before):]
+
+    def rest(self, whole: str, token_count: int) -> str:
+        """The text of the whole reply not handed out yet ("" when the windows decoded otherwise, warned)."""
+        self.tokens = token_count
+        if not whole.startswith(self.text):
+            log.warning("a streamed reply's text differs from its whole decode: the client must send the "
+                        "reply back as recorded (%r), not as streamed (%r)", whole, self.text)
+            return ""
+        rest, self.text = whole[len(self.text):], whole
+        return rest
+
+
 class StreamedReply:
     """Writes one turn to the client as it is sampled; the session records the turn only once `done`
     has written the whole reply (a client that left earlier can resend the same request)."""
@@ -97,11 +131,8 @@ class StreamedReply:
     def __init__(self, request: web.Request, reply_format: ReplyFormat, decode: Callable[[Sequence[int]], str]) -> None:
         self._request = request
         self._format = reply_format
-        self._decode = decode
+        self._text = TextSteps(decode)  # what the client has been sent of the content
         self._response: web.StreamResponse | None = None
-        self._sent_tokens = 0  # tokens whose text (and log-probs) the client has
-        self._anchor = 0  # first token of the decoding window: one step of context before the unsent tokens
-        self._sent_text = ""
 
     @property
     def response(self) -> web.StreamResponse:
@@ -111,19 +142,12 @@ class StreamedReply:
     async def progress(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
         """The tokens sampled so far: send the text they add (held back while a character is unfinished)."""
         await self._start()
-        if self._format.shape.holds_back_content or len(token_ids) == self._sent_tokens:
+        sent = self._text.tokens
+        if self._format.shape.holds_back_content or len(token_ids) == sent:
             return
-        # Decoding only a window (TGI's and vLLM's incremental detokenization) keeps a long reply linear;
-        # the context before the unsent tokens lets the tokenizer decide spaces at the join as the full
-        # decode does. A byte-level tokenizer ends a character split across tokens with U+FFFD until its
-        # last byte arrives: such text waits.
-        before = self._decode(token_ids[self._anchor:self._sent_tokens])
-        window = self._decode(token_ids[self._anchor:])
-        if window.endswith(UNFINISHED_CHARACTER) or not window.startswith(before):
-            return
-        anchor = self._sent_tokens
-        await self._send_content(window[len(before):], token_ids, logprobs)
-        self._anchor = anchor
+        text = self._text.step(token_ids)
+        if text is not None:
+            await self._send_content(text, token_ids[sent:], logprobs[sent:])
 
     async def done(self, reply: Reply) -> None:
         """The whole reply: the rest of its content (or its tool calls), the finish reason, usage, [DONE]."""
@@ -135,12 +159,10 @@ class StreamedReply:
                               function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments))
                 for index, call in enumerate(reply.tool_calls)])
             await self._write(self._format.chunk(delta, self._format.logprobs(completion.token_ids, completion.logprobs)))
-        elif len(completion.token_ids) > self._sent_tokens or self._sent_text != reply.text:
-            if not reply.text.startswith(self._sent_text):  # the windows decoded otherwise than the whole reply
-                log.warning("streamed text of session '%s' differs from its reply's decode; the client must send "
-                            "the reply back as recorded: %r", self._format.shape.session_id, reply.text)
-            rest = reply.text[len(self._sent_text):] if reply.text.startswith(self._sent_text) else ""
-            await self._send_content(rest, completion.token_ids, completion.logprobs)
+        elif len(completion.token_ids) > self._text.tokens or self._text.text != reply.text:
+            sent = self._text.tokens
+            rest = self._text.rest(reply.text, len(completion.token_ids))
+            await self._send_content(rest, completion.token_ids[sent:], completion.logprobs[sent:])
         await self._write(self._format.chunk(DeltaMessage(), finish=finish_reason(reply)))
         if self._format.shape.include_usage:
             await self._write(self._format.usage_chunk(reply))
@@ -148,10 +170,8 @@ class StreamedReply:
         await self._response.write_eof()
 
     async def _send_content(self, text: str, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Send `text` as the content of the tokens not sent yet, with their log-probs when asked."""
-        new_ids, new_logprobs = token_ids[self._sent_tokens:], logprobs[self._sent_tokens:]
-        await self._write(self._format.chunk(DeltaMessage(content=text), self._format.logprobs(new_ids, new_logprobs)))
-        self._sent_tokens, self._sent_text = len(token_ids), self._sent_text + text
+        """Send `text` as the content of `token_ids`, with their log-probs when asked."""
+        await self._write(self._format.chunk(DeltaMessage(content=text), self._format.logprobs(token_ids, logprobs)))
 
     async def _start(self) -> None:
         if self._response is not None:

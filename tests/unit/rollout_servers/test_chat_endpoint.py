@@ -22,6 +22,7 @@ from asyncrl.environments import ChatDelta
 from asyncrl.messages import Ack
 from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_sessions import ChatSessions
+from rollout_servers.chat_stream import TextSteps
 from rollout_servers.chat_tools import ToolCallReader
 from tests.unit.rollout_servers.test_agent_loop import EOS, TOKENIZER, ScriptedEngine, ids, turn
 from tests.unit.rollout_servers.test_chat_sessions import USER, OpenPlaces
@@ -301,3 +302,13 @@ def test_the_example_agent_calls_its_tool_and_scores_its_answer():
         messages = served.sessions._sessions["s"].messages
     assert [message["role"] for message in messages] == ["user", "assistant", "tool", "assistant"]
     assert messages[2]["content"] == "95" and messages[2]["tool_call_id"] == messages[1]["tool_calls"][0]["id"]
+
+
+def test_streamed_text_waits_for_a_character_split_across_tokens():
+    steps = TextSteps(lambda ids: bytes(ids).decode("utf-8", errors="replace"))  # a byte per token
+    reply = list("aé b".encode())  # "é" is two bytes: 0xC3 0xA9
+    assert [steps.step(reply[:count]) for count in range(1, len(reply) + 1)] == ["a", None, "é", " ", "b"]
+    assert (steps.text, steps.tokens, steps.rest("aé b", len(reply))) == ("aé b", len(reply), "")
+    ended = TextSteps(lambda ids: bytes(ids).decode("utf-8", errors="replace"))  # the reply ends while one waits
+    assert (ended.step(reply[:1]), ended.step(reply[:2])) == ("a", None)
+    assert ended.rest("aé b", len(reply)) == "é b"
