@@ -113,7 +113,7 @@ class ChatEndpoint:
             reward = body.get("reward")
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise SessionError(400, "'reward' must be a number")
-            record_id, group = self.sessions.close(
+            record_id, group = await self.sessions.close(
                 session_id, float(reward), str(body.get("group_id") or ""), int(body.get("group_size", 1)),
                 str(body.get("data_source") or CHAT_DATA_SOURCE))
         except (SessionError, ValueError) as error:

@@ -164,18 +164,23 @@ class ChatSessions:
         """The text of each id (OpenAI's logprobs name every token)."""
         return [self._tokenizer.decode([token_id]) for token_id in token_ids]
 
-    def close(self, session_id: str, reward: float, group_id: str = "", group_size: int = 1,
-              data_source: str = CHAT_DATA_SOURCE) -> tuple[str, TrajectoryGroup | None]:
-        """End a session with its reward: its record id, and the group to send once `group_size` are closed."""
+    async def close(self, session_id: str, reward: float, group_id: str = "", group_size: int = 1,
+                    data_source: str = CHAT_DATA_SOURCE) -> tuple[str, TrajectoryGroup | None]:
+        """End a session with its reward: its record id, and the group to send once `group_size` are closed.
+        A request still answering the session finishes first: a client may close as soon as it has read a
+        streamed reply's last chunk, before the server has recorded that turn."""
+        if group_size < 1:
+            raise SessionError(400, f"group_size must be at least 1, got {group_size}")
         session = self._sessions.get(session_id)
         if session is None:
             self._refuse_if_lost(session_id)
             raise SessionError(404, f"no open session '{session_id}'")
-        if not session.turns:
-            raise SessionError(400, f"session '{session_id}' has no model turn to train on")
-        if group_size < 1:
-            raise SessionError(400, f"group_size must be at least 1, got {group_size}")
-        self._forget(session_id)
+        async with session.lock:
+            if self._sessions.get(session_id) is not session:  # a concurrent close came first
+                raise SessionError(404, f"no open session '{session_id}'")
+            if not session.turns:
+                raise SessionError(400, f"session '{session_id}' has no model turn to train on")
+            self._forget(session_id)
         record_id = f"{self._server_id}-chat-{group_id or session_id}"
         trajectory = session.transcript.trajectory(float(reward), record_id, data_source, SESSION_CLOSED, session.turns)
         waiting = self._closed.setdefault(record_id, [])

@@ -266,7 +266,7 @@ def test_a_tool_call_round_trip_keeps_the_sampled_ids_and_masks_the_tool_answer(
 
 
 def test_a_streamed_tool_call_comes_whole_in_one_delta():
-    with serving(ScriptedEngine([turn(CALL, -0.5)]), tool_parser="hermes") as served:
+    with serving(ScriptedEngine([turn(CALL, -0.5), turn("5", -0.5)]), tool_parser="hermes") as served:
         body = {"messages": [USER], "session_id": "s", "stream": True, "tools": TOOLS}
         with httpx.stream("POST", f"{served.url}/chat/completions", json=body, timeout=DEADLINE_S) as response:
             data = events(response)
@@ -277,8 +277,11 @@ def test_a_streamed_tool_call_comes_whole_in_one_delta():
         assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "add", "arguments": '{"a": 2, "b": 3}'})
         assert call["id"] and chunks[1]["delta"].get("content") is None
         assert (chunks[2]["delta"], chunks[2]["finish_reason"]) == ({}, "tool_calls")
-        recorded = served.sessions._sessions["s"].messages[-1]
-        assert recorded["tool_calls"][0]["id"] == call["id"]
+        reply = {"role": "assistant", "content": None, "tool_calls": [{k: call[k] for k in ("id", "type", "function")}]}
+        answer = {"role": "tool", "tool_call_id": call["id"], "content": "5"}  # the streamed id is the recorded one
+        response = httpx.post(f"{served.url}/chat/completions", timeout=DEADLINE_S,
+                              json={**body, "stream": False, "messages": [USER, reply, answer]})
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "5"
 
 
 def test_tools_without_a_tool_parser_get_a_400():

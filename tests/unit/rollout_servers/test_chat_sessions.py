@@ -49,7 +49,7 @@ def test_two_requests_extend_the_ids_and_close_into_a_trajectory():
     prompt = ChatDelta(TOKENIZER).prompt_ids([USER])
     assert engine.requests[1][0] == prompt + ids("ab") + [EOS] + observation
 
-    record_id, group = sessions.close("s", 1.0)
+    record_id, group = asyncio.run(sessions.close("s", 1.0))
     (trajectory,) = group.trajectories
     assert record_id == group.record_id == trajectory.group_id == "server-1-chat-s"
     assert trajectory.completion_ids == ids("ab") + [EOS] + observation + ids("c") + [EOS]
@@ -78,11 +78,11 @@ def test_session_limit_groups_and_closing_errors():
     with pytest.raises(SessionError, match="2 sessions open") as error:
         asyncio.run(sessions.reply("c", [USER], SAMPLING))
     assert error.value.status == 429
-    assert sessions.close("a", 0.0, group_id="g", group_size=2) == ("server-1-chat-g", None)
-    record_id, group = sessions.close("b", 1.0, group_id="g", group_size=2)
+    assert asyncio.run(sessions.close("a", 0.0, group_id="g", group_size=2)) == ("server-1-chat-g", None)
+    record_id, group = asyncio.run(sessions.close("b", 1.0, group_id="g", group_size=2))
     assert [t.reward for t in group.trajectories] == [0.0, 1.0] and record_id == "server-1-chat-g"
     with pytest.raises(SessionError, match="no open session 'a'") as error:
-        sessions.close("a", 1.0)
+        asyncio.run(sessions.close("a", 1.0))
     assert error.value.status == 404
 
 
@@ -104,7 +104,7 @@ def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_droppe
 
     assert asyncio.run(open_two_then_a_third()) == ((0, 1), 503)
     assert (len(sessions), places.open, places.held, places.waiting) == (2, 2, 1, 0), "the refused one holds nothing"
-    sessions.close("a", 1.0)
+    asyncio.run(sessions.close("a", 1.0))
     assert (places.open, places.held) == (1, 1)
     sessions._sessions["b"].last_used -= sessions._settings.session_idle_s + 1
     with pytest.raises(SessionError, match="no place"):  # the idle one is dropped first: its place is given back
@@ -183,7 +183,7 @@ def test_a_session_dropped_as_idle_answers_410_naming_why_and_is_counted():
         asyncio.run(sessions.reply("s", history, SAMPLING))
     assert error.value.status == 410
     with pytest.raises(SessionError, match="is lost") as error:
-        sessions.close("s", 1.0)
+        asyncio.run(sessions.close("s", 1.0))
     assert error.value.status == 410 and sessions.lost.refused == 2
 
 
@@ -192,13 +192,13 @@ def test_sessions_open_when_a_server_stops_are_lost_for_its_next_process(tmp_pat
     before = sessions_on(ScriptedEngine([turn("ab", -0.5)]), lost=LostSessions(state))
     for name in ("a", "b"):
         asyncio.run(before.reply(name, [USER], SAMPLING))
-    before.close("b", 1.0)
+    asyncio.run(before.close("b", 1.0))
     after = sessions_on(ScriptedEngine([turn("ab", -0.5)]), lost=LostSessions(state))  # the restarted server
     with pytest.raises(SessionError, match="session 'a' is lost: the rollout server restarted") as error:
         asyncio.run(after.reply("a", [USER, {"role": "assistant", "content": "ab"}, USER], SAMPLING))
     assert error.value.status == 410 and after.lost.refused == 1
     with pytest.raises(SessionError, match="no open session 'b'"):  # closed before the restart: not lost
-        after.close("b", 1.0)
+        asyncio.run(after.close("b", 1.0))
     asyncio.run(after.reply("c", [USER], SAMPLING))
     third = LostSessions(state)  # a second restart knows the sessions open in the process before it
     assert (third.why("c"), third.why("a")) == (RESTARTED, None)
@@ -214,3 +214,34 @@ def test_a_refused_first_request_holds_no_place():
     with pytest.raises(SessionError, match="at the context length") as error:
         asyncio.run(sessions.reply("s", [long], SAMPLING))
     assert error.value.status == 400 and (len(sessions), places.open) == (0, 0)
+
+
+def test_a_close_waits_for_the_turn_being_answered():
+    """A client may close as soon as it read a streamed reply's last chunk, before the turn is recorded."""
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
+
+    class SlowToFinish:
+        def __init__(self) -> None:
+            self.finishing = asyncio.Event()
+            self.finish = asyncio.Event()
+
+        async def progress(self, token_ids, logprobs) -> None:
+            pass
+
+        async def done(self, reply) -> None:  # the last chunk is out; recording comes after this returns
+            self.finishing.set()
+            await self.finish.wait()
+
+    async def close_during_the_last_write():
+        listener = SlowToFinish()
+        answering = asyncio.create_task(sessions.reply("s", [USER], SAMPLING, listener=listener))
+        await listener.finishing.wait()
+        closing = asyncio.create_task(sessions.close("s", 1.0))
+        await asyncio.sleep(0)
+        listener.finish.set()
+        await answering
+        return await closing
+
+    record_id, group = asyncio.run(close_during_the_last_write())
+    (trajectory,) = group.trajectories
+    assert trajectory.num_turns == 1 and trajectory.completion_ids == ids("ab") + [EOS]
