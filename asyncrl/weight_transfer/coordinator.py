@@ -147,6 +147,7 @@ class SyncCoordinator:
             "rollout/chat_sessions": float(sum(b.chat_sessions for b in beats)),
             "rollout/chat_waiting": float(sum(b.chat_waiting for b in beats)),
             "rollout/chat_dropped_idle": float(sum(b.chat_dropped_idle for b in beats)),
+            "rollout/chat_lost": float(sum(b.chat_lost for b in beats)),
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
