@@ -67,13 +67,14 @@ class SyncTrainer:
         """The full weights in `model.dtype` (the engine's) on `device`: a copy the engine loads from."""
         return full_weights(self.model, DTYPES[self.config.model.dtype], device, keep=True)
 
-    def close(self) -> None:  # the world `open_world` opened
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def open_world(config: AsyncRLConfig) -> World:
     """A world of one rank on a free port (a fixed default port would collide with another job on the host), on
     the first visible GPU or the CPU (`learner.device`)."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))
     return init_world(config.learner.device)
+
+
+def close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
