@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from asyncrl.commands.common import make_run_dir
 from asyncrl.config import AsyncRLConfig
@@ -25,7 +26,7 @@ from asyncrl.sync_reference import run
 ROLE = "sync"  # the process's name in its log lines and its log file, logs/sync.log
 
 
-def main(config: AsyncRLConfig, log: logging.Logger) -> int:
+def main(config: AsyncRLConfig, log: logging.Logger) -> NoReturn:
     """Run the reference to the end, then leave at once: vLLM's engine client, finalised by the interpreter's
     teardown, raises there (its module globals are gone), and finalised earlier it can block in ZeroMQ's
     context teardown; the engine, the metrics and the process group are closed before."""
