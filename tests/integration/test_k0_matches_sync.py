@@ -34,7 +34,7 @@ COMPARED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic
 def job(tmp: Path, name: str, *mode: str) -> list[str]:
     return tiny_job(
         tmp, STEPS, f"run.name={name}", "run.seed=7", f"buffer.batch_groups={BATCH_GROUPS}",
-        f"rollout.sampling.n={SAMPLES_PER_GROUP}", "validation.every=0", "learner.lr=0.01",
+        f"rollout.sampling.n={SAMPLES_PER_GROUP}", "validation.every=0", "learner.lr=0.01", "learner.sync_every=1",
         # Room for two batches in flight: with K=1 the server samples the second batch under version 0 at once.
         f"rollout.max_inflight={2 * BATCH_GROUPS * SAMPLES_PER_GROUP}",
         # Rewards that differ inside every group: each step has a loss and an update to compare.
