@@ -1,13 +1,14 @@
 """End-to-end samples/s of asyncrl's asynchronous mode against its synchronous mode, same machine, same job.
 
-Each mode runs the product's two commands, as a user would in two terminals:
+The async mode runs the product's two commands, as a user would in two terminals:
   `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0); on a larger host
   --servers S and --learner-ranks L place S servers on GPUs 0..S-1 and L learner ranks on the next L GPUs
   (`rollout.gpus` / `learner.gpus`); with --colocated, one server and one learner rank share GPU 0
   (`learner.gpus=[0] rollout.gpus=[0]`: weights through CUDA IPC, the servers' memory share lowered to leave
   the learner room, as docs/placement.md says),
-for --steps optimizer steps; `learner.mode=sync` generates a batch, trains on it and syncs before the
-next batch (K=0), the async mode trains while the server generates (K=--max-staleness).
+for --steps optimizer steps, training while the server generates (K=--max-staleness). The sync mode is
+`asyncrl learner learner.mode=sync`, the synchronous reference (asyncrl/sync_reference.py): one process with
+its own engine generates a batch, trains one step on it and loads the new weights, then the next batch.
 Response lengths are long-tailed, in one of two ways (--lengths):
   per-prompt  each prompt carries its own cap (`extra_info.max_tokens`, see docs/configuration.md) drawn
               from a log-normal distribution, and EOS is ignored so every sample runs to its cap: a
@@ -140,7 +141,7 @@ def _length_stats(lengths: list[int]) -> dict:
 
 
 def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) -> None:
-    """Run learner and rollout once (a previous run of the same name in `root` is replaced, not resumed)."""
+    """Run the mode once (a previous run of the same name in `root` is replaced, not resumed)."""
     shutil.rmtree(root / run.name, ignore_errors=True)
     overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
@@ -148,11 +149,14 @@ def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) ->
     overrides += gpu_layout(args)
     command = [sys.executable, "-m", "asyncrl"]
     learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides])
-    rollout = subprocess.Popen([*command, "rollout", "--config", args.config, *overrides], start_new_session=True)
+    # the sync mode's learner owns its engine; the async mode's learner needs the rollout command
+    rollout = None if run.mode == "sync" else subprocess.Popen([*command, "rollout", "--config", args.config, *overrides],
+                                                              start_new_session=True)
     try:
         learner.wait(JOB_TIMEOUT_S)
     finally:
-        _stop(rollout)
+        if rollout is not None:
+            _stop(rollout)
         if learner.poll() is None:
             learner.kill()
     if learner.returncode != 0:

@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 from asyncrl.commands.common import start
-from asyncrl.sync_mode import apply_mode
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "launch")
-    config = apply_mode(config, log)
+    if config.learner.mode == "sync":
+        print("asyncrl launch: learner.mode=sync runs in one process: use `asyncrl run` or `asyncrl learner`", file=sys.stderr)
+        return 2
     from asyncrl.placement import check_ray_placement  # imports torch: after parsing
 
     check_ray_placement(config)  # a ConfigError: refused before anything starts, as `asyncrl run` refuses its plan

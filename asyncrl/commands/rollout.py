@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 
 from asyncrl.commands.common import check_input_files, start
-from asyncrl.sync_mode import apply_mode
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "rollout")
-    config = apply_mode(config, log)
+    if config.learner.mode == "sync":
+        log.error("learner.mode=sync: the learner runs its own vLLM engine; it needs no rollout servers")
+        return 2
     check_input_files(config)
     from asyncrl.placement import place_local_job  # imports torch: after parsing
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment

@@ -116,3 +116,10 @@ def test_a_non_loopback_control_bind_needs_the_jobs_curve_keys():
     assert load_config(None, [bind, "buffer.curve_dir=keys"]).buffer.curve_dir == "keys"
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.control_bind.*tcp://host:port"):
         load_config(None, ["rollout.weight_sync.control_bind=127.0.0.1:5000"])
+
+
+@pytest.mark.parametrize("override", ["learner.nproc=2", "rollout.num_servers=2"])
+def test_the_synchronous_reference_runs_one_rank_and_one_engine(override):
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*learner.mode=sync"):
+        load_config(None, ["learner.mode=sync", override])
+    load_config(None, [override])  # the async job takes any number of each
