@@ -146,7 +146,7 @@ def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) ->
     overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
-    overrides += gpu_layout(args)
+    overrides += gpu_layout(args, run.mode)
     command = [sys.executable, "-m", "asyncrl"]
     learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides])
     # the sync mode's learner owns its engine; the async mode's learner needs the rollout command
@@ -171,18 +171,20 @@ def _metrics(root: Path, run: Run) -> list[dict]:
     return [json.loads(line) for line in _metrics_file(root, run).read_text().splitlines()]
 
 
-def gpu_layout(args: argparse.Namespace) -> list[str]:
-    """The roles' GPUs as the commands' overrides (each command pins itself to its list); none without GPUs."""
+def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
+    """The roles' GPUs as the commands' overrides (each command pins itself to its list); none without GPUs. The
+    synchronous reference runs one engine and one learner rank: GPUs 0 and 1 (or GPU 0 for both, colocated)."""
     gpus = _gpu_count()
     if not gpus:
         return []
     if args.colocated:
         return ["learner.gpus=[0]", "rollout.gpus=[0]"]
-    servers, ranks = list(range(args.servers)), list(range(args.servers, args.servers + args.learner_ranks))
+    server_count, rank_count = (1, 1) if mode == "sync" else (args.servers, args.learner_ranks)
+    servers, ranks = list(range(server_count)), list(range(server_count, server_count + rank_count))
     if len(servers) + len(ranks) > gpus:
         raise SystemExit(f"--servers {args.servers} --learner-ranks {args.learner_ranks} need "
                          f"{len(servers) + len(ranks)} GPUs; {gpus} are visible")
-    return [f"rollout.num_servers={args.servers}", f"learner.nproc={args.learner_ranks}",
+    return [f"rollout.num_servers={server_count}", f"learner.nproc={rank_count}",
             f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
 
 

@@ -27,6 +27,8 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
     monkeypatch.setattr(bench_async_vs_sync, "_gpu_count", lambda: 8)
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2)) == [
         "rollout.num_servers=6", "learner.nproc=2", "rollout.gpus=[0,1,2,3,4,5]", "learner.gpus=[6,7]"]
+    assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2), "sync") == [
+        "rollout.num_servers=1", "learner.nproc=1", "rollout.gpus=[0]", "learner.gpus=[1]"]  # one engine, one rank
     assert bench_async_vs_sync.gpu_layout(layout_args(colocated=True)) == ["learner.gpus=[0]", "rollout.gpus=[0]"]
     with pytest.raises(SystemExit, match="need 9 GPUs; 8 are visible"):
         bench_async_vs_sync.gpu_layout(layout_args(servers=8))
