@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from aiohttp import web
-from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
@@ -26,9 +25,9 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
 )
-from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
 from rollout_servers.chat_sessions import Reply
+from rollout_servers.vllm_compat import DeltaFunctionCall, DeltaMessage, DeltaToolCall, UsageInfo
 
 log = logging.getLogger(__name__)
 

@@ -19,6 +19,9 @@ Differences handled here:
   is prefilled in chunks: it rewinds the request's generator, which a CPU generator cannot do. Many
   long prompts in flight (multi-turn episodes) make chunks; chunked prefill is off on CPU.
 - Keep-mode pause (`pause_generation(mode="keep")`) is required; a release without it is refused.
+- The OpenAI protocol's delta and usage types moved: `vllm.entrypoints.openai.engine.protocol` on 0.24,
+  `vllm.entrypoints.generate.base.protocol` (deltas) and `vllm.entrypoints.serve.engine.protocol` (usage)
+  on 0.32; the chat endpoint imports them from here.
 - Loading in place (no layerwise reload) is chosen with `start_weight_update(is_checkpoint_format=False)`
   on 0.24 (its worker then skips the reload); 0.32 leaves the reload to our engine's hooks.
 - 0.24's worker-side engine is built as `(config, parallel_config, model)`: it has no `device` attribute,
@@ -45,6 +48,12 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.weight_transfer.protocol import UpdateInfo
 
+try:  # 0.32
+    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+except ModuleNotFoundError:  # 0.24
+    from vllm.entrypoints.openai.engine.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, UsageInfo
+
 @dataclass
 class DenseUpdateInfo(UpdateInfo):
     """Our update info as vLLM's worker reads it: 0.24 checks `update_kind` (full tensors = "dense")."""
@@ -55,7 +64,11 @@ class DenseUpdateInfo(UpdateInfo):
 WeightLoader = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]  # vLLM's `model.load_weights`
 
 __all__ = [
+    "DeltaFunctionCall",
+    "DeltaMessage",
+    "DeltaToolCall",
     "DenseUpdateInfo",
+    "UsageInfo",
     "LegacyTrainerHooks",
     "WeightLoader",
     "WeightTransferEngine",
