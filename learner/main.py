@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from asyncrl.config import AsyncRLConfig
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.logs import setup_logging
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.stop_signal import interrupt_on_sigterm
 from asyncrl.weight_transfer.group import transfer_device
 from asyncrl.weight_transfer.protocol import resolve_backend
@@ -148,6 +149,7 @@ def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
 def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str) -> None:
     """Target of the local spawner: set the torchrun-style variables, then train. SIGTERM is taken like Ctrl-C,
     so that a stopped rank unwinds through `train`'s cleanup (torch's spawn wrapper ends it quietly)."""
+    die_with_spawning_parent()  # `asyncrl learner` killed outright takes its ranks (and their buffer) along
     interrupt_on_sigterm()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     train(config, Path(run_dir))

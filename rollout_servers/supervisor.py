@@ -25,6 +25,7 @@ from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import CANNOT_START
 from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_on_sigterm
 from asyncrl.logs import setup_logging
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import pin
 from asyncrl.restarts import QuickDeaths
 from rollout_servers.server import Endpoints, RolloutServer
@@ -124,6 +125,7 @@ def server_log(run_dir: Path | str, index: int) -> Path:
 def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, gpus: list[int] | None = None) -> None:
     """Server `index` in this process until a stop signal (exit CANNOT_START if it cannot be built); `gpus`:
     the GPUs it may see (None: as the process found them)."""
+    die_with_spawning_parent()  # a supervisor killed outright takes its servers along
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
     interrupt_on_sigterm()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

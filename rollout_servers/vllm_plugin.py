@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, TransferGroup
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 def register() -> None:
     """Entry point named in pyproject.toml; vLLM calls it in its engine and worker processes."""
+    die_with_spawning_parent()  # vLLM's engine core and workers: gone with the server that started them
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:
