@@ -74,6 +74,8 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
                          services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes, reference)
+        if services is not None:
+            services.finish(state.step)
     finally:
         if services is not None:
             services.close()
@@ -152,4 +154,8 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     die_with_spawning_parent()  # `asyncrl learner` killed outright takes its ranks (and their buffer) along
     interrupt_on_sigterm()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    train(config, Path(run_dir))
+    try:
+        train(config, Path(run_dir))
+    except Exception as error:  # its reason and traceback into the rank's log (the console gets one line)
+        log.exception("learner rank %d failed: %s: %s", rank, type(error).__name__, error)
+        raise

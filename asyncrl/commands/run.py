@@ -45,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     code = 0
     try:
         while not stop.requested and learner.poll() is None:
-            if rollout.poll() is not None:
+            if rollout.poll() not in (None, 0):  # 0: the learner told it the job is finished, and it ends itself
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
                 for line in last_errors(run_dir / "logs" / "rollout.log"):
                     log.error("  %s", line)
