@@ -17,6 +17,7 @@ from asyncrl.config import AsyncRLConfig, ConfigError, load_config
 SHARED_KEYS = ("model", "data", "rollout.sampling", "buffer.max_staleness", "validation", "learner.total_steps",
                "learner.mode", "run.seed")
 LEARNER_CONFIG = "config.yaml"  # the learner's resolved config, in the run directory
+LEARNER_ONLY = "learner."  # the prefix of settings only the learner reads (but the shared ones above)
 
 
 def adopt_learner_settings(config: AsyncRLConfig, run_dir: Path, overrides: Sequence[str],
@@ -39,9 +40,13 @@ def adopt_learner_settings(config: AsyncRLConfig, run_dir: Path, overrides: Sequ
                           "\n  a job's shared settings come from the learner: drop the override, or give it to the learner")
     if differing:
         log.info("taken from the learner's config: %s", ", ".join(f"{key}={theirs[key]!r}" for key in differing))
-    own = [override for override in overrides if not _is_shared(override.split("=", 1)[0].strip())]
-    if own:
-        log.info("rollout settings applied: %s", ", ".join(own))
+    # this command's own settings, where they differ from the learner's (the same value is no news)
+    own = [key for key in theirs if not _is_shared(key) and mine[key] != theirs[key] and _given(key, given)]
+    applied = [f"{key}={mine[key]!r}" for key in own if not key.startswith(LEARNER_ONLY)]
+    if applied:
+        log.info("rollout settings applied: %s", ", ".join(applied))
+    if ignored := [key for key in own if key.startswith(LEARNER_ONLY)]:
+        log.warning("learner settings given to `asyncrl rollout` have no effect there: %s", ", ".join(ignored))
     for key in SHARED_KEYS:
         config = _with(config, key, _get(learner, key))
     return config

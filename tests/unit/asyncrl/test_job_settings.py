@@ -19,7 +19,7 @@ def run_dir(tmp_path):
 
 
 def test_shared_settings_come_from_the_learner_and_rollout_settings_stay(run_dir, caplog):
-    overrides = ["rollout.num_servers=2", "rollout.engine.cpu_threads=1"]
+    overrides = ["rollout.num_servers=2", "rollout.engine.cpu_threads=1", "learner.lr=0.5", "run.log_level=INFO"]
     mine = load_config(None, overrides)
     with caplog.at_level(logging.INFO, logger="test"):
         adopted = adopt_learner_settings(mine, run_dir, overrides, log)
@@ -29,6 +29,8 @@ def test_shared_settings_come_from_the_learner_and_rollout_settings_stay(run_dir
     assert adopted.learner.lr == mine.learner.lr  # not a shared setting: untouched
     assert "learner.total_steps=40" in caplog.text
     assert "rollout settings applied: rollout.num_servers=2, rollout.engine.cpu_threads=1" in caplog.text
+    assert "have no effect there: learner.lr" in caplog.text
+    assert "run.log_level" not in caplog.text  # the learner's value too: no news
 
 
 def test_an_override_contradicting_the_learner_is_refused_naming_the_key(run_dir):
