@@ -46,8 +46,9 @@ class LearnerWait:
             self._silent_since = now
         if now - self._reported_at >= self.report_every_s:
             self._reported_at = now
-            log.warning("waiting for the learner: its buffer at %s has not answered for %.0fs (%s); generation "
-                        "carries on when it is back", self.addresses["buffer"], now - self._silent_since, error)
+            silent_for = f"for {now - self._silent_since:.0f}s" if now > self._silent_since else "(first time)"
+            log.warning("waiting for the learner: its buffer at %s has not answered %s: %s; generation carries on "
+                        "when it is back", self.addresses["buffer"], silent_for, error)
         found = read_endpoints(self.run_dir) if self.run_dir is not None else None
         if found is None:
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 from pathlib import Path
 
 from asyncrl.commands.common import make_run_dir, start
@@ -50,7 +51,8 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
 
     SIGTERM (what `asyncrl run` sends the learner's process group) is taken like Ctrl-C, here and in every
     rank: a rank unwinds through its `finally` (buffer stopped, metrics closed, its process group left) and
-    exits, and this process waits for that. Killed outright, a rank left the multiprocessing resource tracker
+    exits, and this process waits for that. A signal to this process alone (a process manager's) is passed on
+    to the ranks. Killed outright, a rank left the multiprocessing resource tracker
     warning about a leaked semaphore (tqdm's, from loading the model) on the console."""
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
@@ -64,7 +66,10 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
     try:
         while not context.join():
             pass
-    except KeyboardInterrupt:  # the ranks got the same signal: they are on their way out
+    except KeyboardInterrupt:
+        for process in context.processes:  # a signal to this process alone (a process manager's) reaches them too
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
         for process in context.processes:
             process.join()
         return INTERRUPTED

@@ -1,6 +1,7 @@
 """The README's two commands (`asyncrl learner`, `asyncrl rollout`, same run.name) as one job whose length and
 validation schedule are given to the learner alone; real processes, one job.
 
+- `asyncrl learner` stopped by a signal to it alone stops its ranks and its buffer.
 - A server killed outright is restarted; a SIGINT to `asyncrl rollout` alone while that restart starts its vLLM
   engine (whose engine core ignores SIGTERM until it has started) stops every process below it.
 - A second `asyncrl rollout` takes the job's settings from the learner's config; the learner asks it for the
@@ -75,12 +76,33 @@ def _gone(tree: set[int]) -> set[int]:
     return alive(tree)
 
 
-def test_two_commands_restart_stop_and_end_together(tmp_path):
-    job = tiny_job(tmp_path, TOTAL_STEPS, "run.name=two")
-    prepare(tmp_path, job)
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("two_commands")
+    prepare(tmp, tiny_job(tmp, TOTAL_STEPS))
+    return tmp
+
+
+def test_a_stop_signal_to_asyncrl_learner_alone_stops_its_ranks_and_buffer(job_dir):
+    # as a process manager stops it (not a terminal's Ctrl-C to the whole group), while it waits for servers
+    learner = _start("learner", tiny_job(job_dir, TOTAL_STEPS, "run.name=learner-alone"))
+    try:
+        endpoints = job_dir / "runs" / "learner-alone" / "endpoints.json"
+        _wait_for(endpoints.is_file, "the learner's services", learner)
+        tree = descendants(learner.pid)
+        learner.send_signal(signal.SIGINT)
+        _, stderr = learner.communicate(timeout=STOP_BOUND_S)
+        assert learner.returncode == 130, stderr[-3000:]
+        assert not _gone(tree), f"left behind: {alive(tree)}"
+    finally:
+        kill_tree(learner.pid)
+
+
+def test_two_commands_restart_stop_and_end_together(job_dir):
+    job = tiny_job(job_dir, TOTAL_STEPS, "run.name=two")
     learner_only = [f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2"]
     rollout_args = [arg for arg in job if not arg.startswith("learner.total_steps=")]
-    run_dir, started = tmp_path / "runs" / "two", []
+    run_dir, started = job_dir / "runs" / "two", []
     try:
         learner = _start("learner", [*job, *learner_only])
         started.append(learner)
