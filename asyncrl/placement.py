@@ -7,8 +7,8 @@ two commands it starts as explicit lists; a command started alone without lists 
 
 Automatic split: one visible GPU is shared by the learner and every server (colocated); with more, the
 servers take the first `num_servers` × tensor-parallel GPUs and the learner's ranks the next `learner.nproc`.
-A colocated plan cannot sync weights over NCCL (it refuses two ranks on one GPU): `weight_sync.backend: auto`
-then means gloo, and an explicit `nccl` is refused.
+A colocated plan syncs weights through CUDA IPC (`weight_sync.backend: auto` means ipc there): NCCL refuses two
+ranks on one GPU, so an explicit `nccl` is refused, as is an explicit `ipc` for a plan that puts the roles apart.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from asyncrl.config import AsyncRLConfig, ConfigError
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory the servers take together; the learner gets the rest
 
 
 class PlacementError(ConfigError):
@@ -41,7 +42,7 @@ class Plan:
 
     def describe(self) -> str:
         servers = ", ".join(f"server-{i} → {_ids(gpus)}" for i, gpus in enumerate(self.servers))
-        shared = " (colocated: weights go through gloo)" if self.colocated else ""
+        shared = " (colocated)" if self.colocated else ""
         return f"GPU plan: learner → {_ids(self.learner)}; {servers}{shared}"
 
 
@@ -93,14 +94,18 @@ def visible_gpus() -> list[int]:
 
 
 def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
-    """The weight-sync backend the plan allows: `auto` is gloo when colocated; an explicit nccl is refused there."""
+    """The weight-sync backend the plan allows: `auto` is ipc when colocated; nccl is refused there (two ranks on
+    one GPU) and ipc everywhere else (it needs the server on the learner's GPU)."""
     backend = config.rollout.weight_sync.backend
-    if plan is None or not plan.colocated:
+    if plan is None:
         return backend
-    if backend == "nccl":
+    if plan.colocated and backend == "nccl":
         raise PlacementError("rollout.weight_sync.backend=nccl: the learner and a rollout server share a GPU "
-                             f"({plan.describe()}), and NCCL cannot join two ranks on one GPU; use gloo or auto")
-    return "gloo" if backend == "auto" else backend
+                             f"({plan.describe()}), and NCCL cannot join two ranks on one GPU; use ipc, gloo or auto")
+    if not plan.colocated and backend == "ipc":
+        raise PlacementError("rollout.weight_sync.backend=ipc: CUDA IPC needs every server on the learner's GPU, and "
+                             f"the plan puts them apart ({plan.describe()}); use nccl, gloo or auto")
+    return "ipc" if plan.colocated and backend == "auto" else backend
 
 
 def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan | None:
@@ -108,6 +113,8 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
     `rollout.weight_sync.backend` set to what it allows (changes `config` in place); PlacementError before
     anything starts when it cannot be given."""
     visible = visible_gpus()
+    if not visible and config.rollout.weight_sync.backend == "ipc":
+        raise PlacementError("rollout.weight_sync.backend=ipc: CUDA IPC needs a GPU and none is visible; use gloo or auto")
     plan = plan_placement(config, visible, automatic)
     if plan is not None:
         log.info("%s", plan.describe())
@@ -115,7 +122,51 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
         if unused:
             log.info("GPUs %s are visible and unused (rollout.num_servers, learner.nproc)", _ids(unused))
         config.rollout.weight_sync.backend = weight_sync_backend(config, plan)
+        if plan.colocated:
+            leave_room_for_the_learner(config, log)
     return plan
+
+
+def leave_room_for_the_learner(config: AsyncRLConfig, log) -> None:
+    """On a shared GPU the servers together take at most COLOCATED_SERVERS_SHARE of its memory (each server's
+    `rollout.engine.gpu_memory_utilization` is lowered to fit, with a warning); the learner's
+    `micro_batch_tokens: auto` then sizes itself from what is left once the servers have started."""
+    engine, servers = config.rollout.engine, config.rollout.num_servers
+    if engine.gpu_memory_utilization * servers <= COLOCATED_SERVERS_SHARE:
+        return
+    lowered = round(COLOCATED_SERVERS_SHARE / servers, 3)
+    log.warning("rollout.engine.gpu_memory_utilization=%g × %d server(s) would leave the learner too little of the "
+                "shared GPU: using %g per server (set it to at most %g to choose)", engine.gpu_memory_utilization,
+                servers, lowered, lowered)
+    engine.gpu_memory_utilization = lowered
+
+
+def servers_share_of_learner_gpu(config: AsyncRLConfig) -> float:
+    """The share of the learner's GPU memory that rollout servers on that GPU take (0 when the roles have GPUs of
+    their own): what a colocated learner must leave free, also before the servers have started."""
+    if not set(config.learner.gpus) & set(config.rollout.gpus):
+        return 0.0
+    return config.rollout.engine.gpu_memory_utilization * config.rollout.num_servers
+
+
+def check_ray_placement(config: AsyncRLConfig) -> None:
+    """`asyncrl launch`: Ray picks each actor's GPUs, by the rule a plan on one machine follows (a learner rank takes
+    one GPU, a server `tensor_parallel_size` of them, `ray.rollout.num_gpus` checks that), so GPU ids and shared
+    GPUs are refused before anything starts (PlacementError naming the key)."""
+    for key, ids in (("learner.gpus", config.learner.gpus), ("rollout.gpus", config.rollout.gpus)):
+        if ids:
+            raise PlacementError(f"{key}={_ids(ids)}: under asyncrl launch Ray picks each actor's GPUs; leave it empty "
+                                 "and set ray.learner.num_gpus / ray.rollout.num_gpus (docs/ray.md)")
+    learner_gpus = config.ray.learner.num_gpus
+    if learner_gpus not in (0, 1):
+        raise PlacementError(f"ray.learner.num_gpus={learner_gpus:g}: a learner rank takes one GPU (1) or none (0, on "
+                             "CPU); Ray does not say which actors would share a fraction of one")
+    if config.learner.device == "cuda" and not learner_gpus:
+        raise PlacementError("learner.device=cuda with ray.learner.num_gpus=0: the learner ranks' actors would see no "
+                             "GPU; set ray.learner.num_gpus=1")
+    if config.rollout.weight_sync.backend == "ipc":
+        raise PlacementError("rollout.weight_sync.backend=ipc: under asyncrl launch every actor has GPUs of its own, "
+                             "and CUDA IPC needs the servers on the learner's GPU; use nccl, gloo or auto")
 
 
 def as_overrides(plan: Plan) -> list[str]:

@@ -16,6 +16,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
+from asyncrl.placement import servers_share_of_learner_gpu
 from asyncrl.stop_signal import interrupt_once
 from asyncrl.weight_transfer.group import transfer_device
 from asyncrl.weight_transfer.protocol import resolve_backend
@@ -88,7 +89,7 @@ def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> 
     """Micro-batch size (measured when auto), packing, and the servers' sampling temperature; every rank calls."""
     packed = config.learner.packs(world.device.type == "cuda")
     tokens = resolve_micro_batch_tokens(model, config.learner, world, model.config.vocab_size,
-                                        model.config.max_position_embeddings, packed)
+                                        model.config.max_position_embeddings, packed, servers_share_of_learner_gpu(config))
     log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
     return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout))
 

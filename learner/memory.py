@@ -27,6 +27,9 @@ CPU_MICRO_BATCH_TOKENS = 8192  # `auto` on CPU, where there is no device memory 
 PROBE_TOKENS = (2048, 4096)  # tokens of the two probe passes
 PROBE_SAMPLE_TOKENS = 1024  # tokens per probe sample (shorter where the model's context is shorter)
 USABLE_SHARE = 0.85  # of the device memory free for the learner: the rest absorbs allocator fragmentation
+# on a GPU shared with rollout servers: the learner also absorbs the servers going past their share (vLLM held
+# 0.6 GiB over it on an H100) and fragmentation under a mix of batch shapes (4.2 GiB seen at 30k-token passes)
+SHARED_GPU_USABLE_SHARE = 0.7
 ROUND_TO = 1024  # budgets are whole multiples of this
 MAX_AUTO_TOKENS = 65536  # beyond this a larger micro-batch buys no speed, only memory
 ADAM_STATES = 2  # AdamW keeps two moments per weight, in the weight's dtype
@@ -51,8 +54,10 @@ def out_of_memory_names_keys(micro_batch_tokens: int) -> Iterator[None]:
 
 
 def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, world: World, vocab: int,
-                               context: int, packed: bool) -> int:
-    """`learner.micro_batch_tokens` as a number: the configured one, or measured (auto); every rank must call."""
+                               context: int, packed: bool, servers_share: float = 0.0) -> int:
+    """`learner.micro_batch_tokens` as a number: the configured one, or measured (auto); every rank must call.
+    `servers_share`: the share of this GPU's memory that rollout servers on it take (a colocated job), left free
+    whether or not they have started yet."""
     configured = settings.micro_batch_budget()
     if configured is not None:
         return configured
@@ -61,11 +66,15 @@ def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, 
         return CPU_MICRO_BATCH_TOKENS
     sample = min(PROBE_SAMPLE_TOKENS, context)
     resident = torch.cuda.memory_allocated(world.device)  # weights (and anything else already held)
-    peaks = [_probe_peak(model, tokens, sample, vocab, world, packed) for tokens in PROBE_TOKENS]
-    free, _ = torch.cuda.mem_get_info(world.device)
+    peaks, saved = zip(*[_probe(model, tokens, sample, vocab, world, packed) for tokens in PROBE_TOKENS])
+    free, total = torch.cuda.mem_get_info(world.device)
     available = free + torch.cuda.memory_reserved(world.device) - torch.cuda.memory_allocated(world.device)
+    usable = USABLE_SHARE
+    if servers_share:
+        available = min(available, total * (1 - servers_share) - torch.cuda.memory_allocated(world.device))
+        usable = SHARED_GPU_USABLE_SHARE
     optimizer_state = 0 if settings.cpu_offload else ADAM_STATES * _local_parameter_bytes(model)
-    fit = fit_budget(PROBE_TOKENS, peaks, resident, available, optimizer_state)
+    fit = fit_budget(PROBE_TOKENS, list(peaks), resident, available, optimizer_state, usable, list(saved))
     tokens = _smallest_across_ranks(fit.tokens, world)
     if tokens < ROUND_TO:
         raise LearnerOutOfMemory(
@@ -86,31 +95,38 @@ class BudgetFit:
 
 
 def fit_budget(probe_tokens: tuple[int, int], peaks: list[float], resident: float, available: float,
-               optimizer_state: float) -> BudgetFit:
-    """The largest token count t with fixed + per_token · t + optimizer_state ≤ USABLE_SHARE · available,
-    the line through the two probes' (tokens, peak - resident) points, rounded down to ROUND_TO and capped at
-    MAX_AUTO_TOKENS."""
-    per_token = max((peaks[1] - peaks[0]) / (probe_tokens[1] - probe_tokens[0]), 1.0)
-    fixed = max(peaks[0] - resident - per_token * probe_tokens[0], 0.0)
-    room = (available * USABLE_SHARE - optimizer_state - fixed) / per_token
+               optimizer_state: float, usable_share: float = USABLE_SHARE, saved: list[float] | None = None) -> BudgetFit:
+    """The largest token count t with fixed + per_token · t + optimizer_state ≤ usable_share · available,
+    rounded down to ROUND_TO and capped at MAX_AUTO_TOKENS. per_token is the steeper of two slopes between the
+    probes: of their peaks, and of what their forward passes left `saved` for the backward (the peak of a small
+    probe may not grow with its tokens at all); fixed is what the peaks need beyond that line."""
+    slopes = [(later - first) / (probe_tokens[1] - probe_tokens[0]) for first, later in (peaks, saved or peaks)]
+    per_token = max(*slopes, 1.0)
+    fixed = max(max(peak - resident - per_token * tokens for peak, tokens in zip(peaks, probe_tokens)), 0.0)
+    room = (available * usable_share - optimizer_state - fixed) / per_token
     tokens = int(max(min(room, MAX_AUTO_TOKENS), 0)) // ROUND_TO * ROUND_TO
     return BudgetFit(tokens=tokens, per_token=per_token, fixed=fixed)
 
 
-def _probe_peak(model: torch.nn.Module, tokens: int, sample: int, vocab: int, world: World, packed: bool) -> float:
-    """Peak bytes allocated during one forward and backward of `tokens` random tokens, gradients dropped after."""
+def _probe(model: torch.nn.Module, tokens: int, sample: int, vocab: int, world: World, packed: bool) -> tuple[float, float]:
+    """One forward and backward of `tokens` random tokens, gradients dropped after: (peak bytes allocated, bytes the
+    forward left allocated for the backward). The second grows with the tokens even where the first does not: a
+    large model's peak comes at the end of the backward, when its gradients are complete and a small probe's
+    activations are gone (a 3B model peaked equally at 2,048 and 4,096 tokens)."""
     rows = max(1, tokens // sample)
     generator = torch.Generator(device="cpu").manual_seed(0)
     input_ids = torch.randint(0, vocab, (rows, sample), generator=generator).to(world.device)  # [rows, sample]
     attention_mask = torch.ones_like(input_ids)  # [rows, sample]
     torch.cuda.synchronize(world.device)
     torch.cuda.reset_peak_memory_stats(world.device)
+    before = torch.cuda.memory_allocated(world.device)
     with out_of_memory_names_keys(tokens):
         logprobs, _ = target_logprobs(model, input_ids, attention_mask, packed=packed)  # [rows, sample-1]
+        saved = torch.cuda.memory_allocated(world.device) - before
         logprobs.mean().backward()
     peak = torch.cuda.max_memory_allocated(world.device)
     model.zero_grad(set_to_none=True)
-    return float(peak)
+    return float(peak), float(saved)
 
 
 def _local_parameter_bytes(model: torch.nn.Module) -> int:

@@ -37,7 +37,7 @@ from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, EnvironmentFailure, EnvironmentRegistry, ModelTurn, Transcript
 from asyncrl.environments.guard import GuardedEnvironment
 from asyncrl.messages import Trajectory
-from rollout_servers.completion import STALE, Completion
+from rollout_servers.completion import STALE, Completion, TokensSoFar
 from rollout_servers.row_sampling import SEED_MODULUS, sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 
@@ -56,7 +56,7 @@ class TurnEngine(Protocol):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *,
                        seed: int | None = None, request_id: str | None = None,
-                       earliest_version: int | None = None) -> Completion: ...
+                       earliest_version: int | None = None, on_tokens: TokensSoFar | None = None) -> Completion: ...
 
 
 @dataclass

@@ -4,8 +4,9 @@
     POST /v1/sessions/{id}/close     {"reward": float, "group_id"?: str, "group_size"?: int, "data_source"?: str}
     GET  /v1/models                  the served model
 
-Each reply is one engine request sampled like training rollouts (config sampling; the request's
-temperature, top_p, max_tokens / max_completion_tokens, stop and seed override it). A closed session
+Each reply is one engine request sampled like training rollouts (config sampling; the fields the request
+may set are in `chat_request.py`), answered whole or streamed (`chat_stream.py`), with tool calls read by
+vLLM's parser (`chat_tools.py`); with an API key every route needs it (`chat_auth.py`). A closed session
 becomes a trajectory (`chat_sessions.py`) and its group is sent to the buffer like any other, under the
 record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once. A new session
 waits for a place within the staleness bound (`chat_admission.py`); without one in time it gets HTTP 503.
@@ -15,28 +16,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
-import time
-import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
-from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, Reply, SessionError
+from rollout_servers.chat_auth import require_key
+from rollout_servers.chat_request import SESSION_HEADER, parse_request
+from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, SessionError
+from rollout_servers.chat_stream import ReplyFormat, ReplyShape, StreamedReply
+from rollout_servers.chat_tools import ToolCallReader
 
 log = logging.getLogger(__name__)
 
-SESSION_HEADER = "X-Session-Id"
 IDLE_CHECKS_PER_LIMIT = 10  # idle sessions are looked for this many times per rollout.chat.session_idle_s (dropped ≤ 10 % late)
 GroupSink = Callable[[TrajectoryGroup], Awaitable[Ack]]  # sends a finished group to the buffer
 
 
 class ChatEndpoint:
-    def __init__(self, sessions: ChatSessions, sampling: SamplingConfig, model_name: str, sink: GroupSink) -> None:
+    def __init__(self, sessions: ChatSessions, sampling: SamplingConfig, model_name: str, sink: GroupSink,
+                 tool_calls: ToolCallReader | None = None) -> None:
         self.sessions = sessions
+        self._tool_calls = tool_calls  # rollout.chat.tool_parser's reader; None = requests with tools get 400
         self._sampling = sampling
         self._model_name = model_name
         self._sink = sink
@@ -44,9 +48,10 @@ class ChatEndpoint:
         self._idle_checks: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self, settings: ChatEndpointConfig, port: int) -> int:
-        """Listen on `settings.host`:`port` (0 = a free port); returns the port."""
-        app = web.Application()
+    async def start(self, settings: ChatEndpointConfig, port: int, api_key: str | None = None) -> int:
+        """Listen on `settings.host`:`port` (0 = a free port); returns the port. With `api_key` every
+        request must carry it (`chat_auth.py`)."""
+        app = web.Application(middlewares=[require_key(api_key)] if api_key else [])
         app.add_routes([
             web.post("/v1/chat/completions", self._completions),
             web.post("/v1/sessions/{session_id}/close", self._close),
@@ -58,7 +63,8 @@ class ChatEndpoint:
         await site.start()
         self.port = self._runner.addresses[0][1]
         self._idle_checks = asyncio.create_task(self._drop_idle_sessions(settings.session_idle_s / IDLE_CHECKS_PER_LIMIT))
-        log.info("chat endpoint on http://%s:%d/v1", settings.host, self.port)
+        log.info("chat endpoint on http://%s:%d/v1 (%s)", settings.host, self.port,
+                 "API key required" if api_key else "no API key: loopback only")
         return self.port
 
     async def stop(self) -> None:
@@ -75,19 +81,30 @@ class ChatEndpoint:
             await asyncio.sleep(every_s)
             self.sessions.drop_idle()
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        listener = None
         try:
-            body = await _json_body(request)
-            session_id = str(body.get("session_id") or request.headers.get(SESSION_HEADER, ""))
-            if not session_id:
-                raise SessionError(400, f"name the session: 'session_id' in the body or the {SESSION_HEADER} header")
-            if body.get("n", 1) != 1:
-                raise SessionError(400, "only n=1 is supported (one reply per session turn)")
-            sampling = self._request_sampling(body)
-            reply = await self.sessions.reply(session_id, body.get("messages") or [], sampling, body.get("seed"))
+            chat = parse_request(await _json_body(request), request.headers.get(SESSION_HEADER, ""), self._sampling,
+                                 reads_tools=self._tool_calls is not None)
+            shape = ReplyShape(chat.session_id, self._model_name, chat.logprobs, chat.include_usage,
+                               holds_back_content=chat.reads_tool_calls)
+            reply_format = ReplyFormat(shape, self.sessions.tokens)
+            listener = StreamedReply(request, reply_format, self.sessions.decode) if chat.stream else None
+            read_tool_calls = None
+            if chat.reads_tool_calls:
+                read_tool_calls = functools.partial(self._tool_calls.read, request=chat.parsed)
+            reply = await self.sessions.reply(chat.session_id, chat.messages, chat.sampling, chat.seed, listener,
+                                              chat.tools, read_tool_calls)
         except SessionError as error:
-            return _error(error.status, str(error))
-        return web.json_response(self._completion_body(reply, session_id, bool(body.get("logprobs"))))
+            return _error(error.status, str(error), getattr(error, "field", None))
+        except ConnectionError:  # the client left mid-stream: its turn was not recorded (chat_sessions.reply)
+            if listener is None:
+                raise
+            log.info("chat client of session '%s' left mid-reply; nothing new is recorded", chat.session_id)
+            return listener.response
+        if listener is not None:
+            return listener.response
+        return web.json_response(reply_format.completion(reply))
 
     async def _close(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
@@ -96,7 +113,7 @@ class ChatEndpoint:
             reward = body.get("reward")
             if isinstance(reward, bool) or not isinstance(reward, (int, float)):
                 raise SessionError(400, "'reward' must be a number")
-            record_id, group = self.sessions.close(
+            record_id, group = await self.sessions.close(
                 session_id, float(reward), str(body.get("group_id") or ""), int(body.get("group_size", 1)),
                 str(body.get("data_source") or CHAT_DATA_SOURCE))
         except (SessionError, ValueError) as error:
@@ -114,40 +131,6 @@ class ChatEndpoint:
         return web.json_response({"object": "list", "data": [{"id": self._model_name, "object": "model",
                                                               "owned_by": "asyncrl"}]})
 
-    def _request_sampling(self, body: dict[str, Any]) -> SamplingConfig:
-        overrides = {"temperature": body.get("temperature"), "top_p": body.get("top_p"),
-                     "max_tokens": body.get("max_completion_tokens") or body.get("max_tokens")}
-        stop = body.get("stop")
-        if stop is not None:
-            overrides["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        try:
-            return dataclasses.replace(self._sampling, n=1, **{k: v for k, v in overrides.items() if v is not None})
-        except TypeError as error:
-            raise SessionError(400, f"bad sampling field: {error}") from error
-
-    def _completion_body(self, reply: Reply, session_id: str, with_logprobs: bool) -> dict[str, Any]:
-        completion = reply.completion
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": reply.text},
-            "finish_reason": completion.finish_reason,
-        }
-        if with_logprobs:
-            tokens = self.sessions.tokens(completion.token_ids)
-            choice["logprobs"] = {"content": [{"token": token, "logprob": logprob, "bytes": None, "top_logprobs": []}
-                                              for token, logprob in zip(tokens, completion.logprobs)]}
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self._model_name,
-            "session_id": session_id,
-            "choices": [choice],
-            "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(completion.token_ids),
-                      "total_tokens": reply.prompt_tokens + len(completion.token_ids)},
-        }
-
-
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
@@ -158,6 +141,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": status}},
-                             status=status)
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                        "code": status}}, status=status)

@@ -4,11 +4,12 @@ versions of its tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable, Sequence
 
 from rollout_servers import vllm_compat
 
 STALE = "stale"  # finish reason of a request the engine gave up on: its group can no longer be trained
+TokensSoFar = Callable[[Sequence[int], Sequence[float]], Awaitable[None]]  # told the ids and log-probs sampled so far
 
 
 @dataclass

@@ -17,7 +17,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
 from asyncrl.staleness import trainable
 from rollout_servers import vllm_compat
-from rollout_servers.completion import Completion, TokenStream
+from rollout_servers.completion import Completion, TokenStream, TokensSoFar
 from rollout_servers.engine_args import engine_args, engine_process_env, sampling_params
 from rollout_servers.row_sampling import sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
@@ -109,20 +109,23 @@ class RolloutEngine:
         seed: int | None = None,
         request_id: str | None = None,
         earliest_version: int | None = None,
+        on_tokens: TokensSoFar | None = None,
     ) -> Completion:
         """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given).
 
         `earliest_version`: the oldest policy version among tokens the sample already holds (an agent's
-        earlier turns); the request is as stale as they are when `abandon_stale` judges it."""
+        earlier turns); the request is as stale as they are when `abandon_stale` judges it.
+        `on_tokens`: awaited with the ids and log-probs sampled so far as they grow (a streamed chat
+        reply); an exception it raises aborts the request and comes out of this call."""
         request_id = request_id or uuid.uuid4().hex
-        params = sampling_params(sampling or self._config.sampling, seed)
+        params = sampling_params(sampling or self._config.sampling, seed, stream=on_tokens is not None)
         stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version,
                                                          abandon_when_stale=_TRAINING_GROUP.get(),
                                                          earliest_version=earliest_version)
         prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
         # vLLM aborts a request whose output reader is cancelled: reading in a task of its own lets
         # `abandon_stale` stop this request alone.
-        reader = self._requests[request_id] = asyncio.ensure_future(self._read(stream, prompt, params))
+        reader = self._requests[request_id] = asyncio.ensure_future(self._read(stream, prompt, params, on_tokens))
         try:
             await reader
         except asyncio.CancelledError:
@@ -132,9 +135,14 @@ class RolloutEngine:
             del self._streams[request_id], self._requests[request_id]
         return stream.completion()
 
-    async def _read(self, stream: TokenStream, prompt: dict[str, Any], params: Any) -> None:
-        async for output in self._llm.generate(prompt, params, stream.request_id):
-            stream.absorb(output)
+    async def _read(self, stream: TokenStream, prompt: dict[str, Any], params: Any,
+                    on_tokens: TokensSoFar | None) -> None:
+        # closed explicitly so that a failing `on_tokens` (a chat client gone) aborts the request at once
+        async with contextlib.aclosing(self._llm.generate(prompt, params, stream.request_id)) as outputs:
+            async for output in outputs:
+                stream.absorb(output)
+                if on_tokens is not None:
+                    await on_tokens(stream.token_ids, stream.logprobs)
         self._tokens_sampled += len(stream.token_ids)
 
     @contextlib.contextmanager
@@ -202,13 +210,15 @@ class RolloutEngine:
                 self._needs_catch_up = True
                 message = f"weight update to version {version} failed; engine stays paused: {error}"
                 raise WeightSyncError(message) from error
+            received_s = time.perf_counter() - paused_at
             # The receive itself gives the last step's outputs time to be counted; wait only for the rest.
-            await asyncio.sleep(max(0.0, OUTPUT_SETTLE_S - (time.perf_counter() - paused_at)))
+            await asyncio.sleep(max(0.0, OUTPUT_SETTLE_S - received_s))
             self._mark_version_change(version)
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
             seconds = time.perf_counter() - started
-        log.info("weights updated to version %d; paused %.3fs", version, seconds)
+        log.info("weights updated to version %d; paused %.3fs (pausing %.3fs, receiving %.3fs)", version, seconds,
+                 paused_at - started, received_s)
         return seconds
 
     async def weight_checksums(self) -> list[dict[str, str]] | None:

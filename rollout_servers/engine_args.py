@@ -60,12 +60,13 @@ def engine_process_env(engine: EngineConfig) -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> SamplingParams:
+def sampling_params(sampling: SamplingConfig, seed: int | None = None, stream: bool = False) -> SamplingParams:
     """One completion per request with its sampled tokens' log-probs, returned in bulk where vLLM allows.
 
     Per-token Python work in vLLM's output path is what costs throughput with small models: the log-probs
     come as flat lists (no object per token), text is produced only when stop strings need it (the
-    server decodes the tokens itself), and the output is returned once, at the end."""
+    server decodes the tokens itself), and the output is returned once, at the end, unless `stream`
+    (a chat client reading the reply as it is sampled): then every step's output, cumulative."""
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -78,5 +79,5 @@ def sampling_params(sampling: SamplingConfig, seed: int | None = None) -> Sampli
         logprobs=SAMPLED_TOKEN_ONLY,
         flat_logprobs=True,
         detokenize=bool(sampling.stop),
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
     )

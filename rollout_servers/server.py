@@ -29,8 +29,11 @@ from asyncrl.transport import AdmissionClient, BufferTimeout, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_admission import ChatAdmission
+from rollout_servers.chat_auth import load_api_key
 from rollout_servers.chat_endpoint import ChatEndpoint
+from rollout_servers.chat_lost import LostSessions
 from rollout_servers.chat_sessions import ChatSessions
+from rollout_servers.chat_tools import ToolCallReader
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.learner_wait import LearnerWait
@@ -102,6 +105,9 @@ class RolloutServer:
         self._slots = SampleSlots(config.rollout.max_inflight)
         self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
         self._chat_sessions: ChatSessions | None = None  # the endpoint's sessions, when it serves
+        chat = config.rollout.chat  # its key and tool parser are read now: a bad one stops the server before its engine starts
+        self._chat_key = load_api_key(chat) if chat.enabled else None
+        self._chat_tools = ToolCallReader(chat.tool_parser, self.tokenizer) if chat.enabled and chat.tool_parser else None
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
         # the threads that wait on the buffer's sockets (one at a time: `_transport_lock`), apart from asyncio's own
@@ -154,15 +160,16 @@ class RolloutServer:
         settings, rollout = self.config.rollout.chat, self.config.rollout
         if not settings.enabled:
             return None
+        open_ids = self._state_dir / f"{self.server_id}.chat_sessions.json" if self._state_dir else None
         sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id,
-                                self._chat_places)
+                                self._chat_places, LostSessions(open_ids))
         self._chat_sessions = sessions
 
         async def send(group: TrajectoryGroup):
             return await asyncio.to_thread(self._locked, producer.send, group)
 
-        endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send)
-        port = await endpoint.start(settings, settings.port + self._index if settings.port else 0)
+        endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send, self._chat_tools)
+        port = await endpoint.start(settings, settings.port + self._index if settings.port else 0, self._chat_key)
         if self._state_dir is not None:
             self._state_dir.mkdir(parents=True, exist_ok=True)
             address = {"url": f"http://{settings.host}:{port}/v1"}
@@ -202,6 +209,7 @@ class RolloutServer:
             chat_sessions=self._chat_places.open,
             chat_waiting=self._chat_places.waiting,
             chat_dropped_idle=self._chat_sessions.dropped_idle if self._chat_sessions else 0,
+            chat_lost=self._chat_sessions.lost.refused if self._chat_sessions else 0,
             **validation,
         )
 

@@ -1,7 +1,8 @@
 """vLLM plugin: our weight-transfer engine, registered in every vLLM process via `vllm.general_plugins`.
 
 The worker side of `asyncrl.weight_transfer`: it joins the trainer's private gloo/NCCL group at
-`init_weight_transfer_engine`, and on `update_weights` receives each announced tensor by broadcast and
+`init_weight_transfer_engine` (or, for backend "ipc", maps the trainer's shared buffer on the same GPU),
+and on `update_weights` receives each announced tensor by broadcast (or views it in that buffer) and
 feeds it to the model's `load_weights`: inside vLLM's layerwise reload (started and finished by
 `start_weight_update` / `finish_weight_update`), or straight into the serving parameters where the
 engine chose to load in place (`vllm_compat.loads_in_place`).
@@ -16,6 +17,8 @@ import torch
 
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, TransferGroup
+from asyncrl.weight_transfer.group import IPC
+from asyncrl.weight_transfer.ipc import SharedWeightsReader
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat
 from rollout_servers.vllm_log_filters import drop_expected_warnings
@@ -41,19 +44,28 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self._group: TransferGroup | None = None
+        self._group: TransferGroup | SharedWeightsReader | None = None  # SharedWeightsReader: backend "ipc"
         self._in_place = False  # set at each join from the init request
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
-        """Join (or rejoin, after a failed round) the trainer's group; the previous group is dropped on success."""
+        """Join (or rejoin, after a failed round) the trainer's group, or map its shared buffer; the previous group
+        is dropped on success."""
         rank = init_info.rank_offset + vllm_compat.worker_index(self.parallel_config)
         # Read the device before any update: during a reload the model sits on the meta device, so a
         # rejoin after a failed round takes the previous group's.
         device = self._group.device if self._group is not None else vllm_compat.engine_device(self)
-        joined = TransferGroup.join(init_info.address(), rank, device)
-        self.shutdown()
-        self._group = joined
+        joined = self._connect(init_info, rank, device)
+        if joined is not self._group:
+            self.shutdown()
+            self._group = joined
         self._in_place = init_info.load_in_place
+
+    def _connect(self, init_info: InitInfo, rank: int, device: torch.device) -> TransferGroup | SharedWeightsReader:
+        """The trainer's group; for backend "ipc" its shared buffer (the mapping in use, if it is the same buffer)."""
+        if init_info.backend == IPC:
+            previous = self._group if isinstance(self._group, SharedWeightsReader) else None
+            return SharedWeightsReader.open(init_info.ipc, device, previous)
+        return TransferGroup.join(init_info.address(), rank, device)
 
     def start_weight_update(self) -> None:
         if not self._in_place:
@@ -99,6 +111,9 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
     def _received(self, update_info: UpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
         """Each announced tensor as (name, tensor), received when the loader asks for it."""
         assert self._group is not None
+        if isinstance(self._group, SharedWeightsReader):
+            yield from self._group.tensors(update_info.tensors())
+            return
         for meta in update_info.tensors():
             buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._group.device)
             self._group.broadcast(buffer)

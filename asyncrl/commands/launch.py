@@ -9,12 +9,16 @@ import time
 from pathlib import Path
 
 from asyncrl.commands.common import start
-from asyncrl.sync_mode import apply_mode
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "launch")
-    config = apply_mode(config, log)
+    if config.learner.mode == "sync":
+        print("asyncrl launch: learner.mode=sync runs in one process: use `asyncrl run` or `asyncrl learner`", file=sys.stderr)
+        return 2
+    from asyncrl.placement import check_ray_placement  # imports torch: after parsing
+
+    check_ray_placement(config)  # a ConfigError: refused before anything starts, as `asyncrl run` refuses its plan
     name = config.run.name or f"launch-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir).absolute() / name
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # read when Ray is imported: every role line, none folded away

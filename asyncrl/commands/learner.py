@@ -14,12 +14,14 @@ from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.net import free_port
 from asyncrl.stop_signal import interrupt_on_sigterm
-from asyncrl.sync_mode import apply_mode
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "learner")
-    config = apply_mode(config, log)
+    if config.learner.mode == "sync":  # the synchronous reference: one process, its own engine
+        from asyncrl.commands import sync_reference
+
+        return sync_reference.main(config, log)
     torchrun = "WORLD_SIZE" in os.environ  # torchrun or Ray gave this process its rank and its GPUs
     from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment

@@ -9,12 +9,13 @@ from pathlib import Path
 from asyncrl.commands.common import check_input_files, start
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.job_settings import adopt_learner_settings
-from asyncrl.sync_mode import apply_mode
 
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "rollout")
-    config = apply_mode(config, log)
+    if config.learner.mode == "sync":
+        log.error("learner.mode=sync: the learner runs its own vLLM engine; it needs no rollout servers")
+        return 2
     run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
     if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
         log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")

@@ -39,13 +39,15 @@ def main(args: argparse.Namespace) -> int:
     # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout
     # supervisor's output go to logs/.
     learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)
-    rollout = _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
-    log.info("run directory %s: learner pid %d, rollout pid %d (servers log to logs/)", run_dir, learner.pid, rollout.pid)
+    # learner.mode=sync: the learner runs the synchronous reference, which owns its engine
+    rollout = None if config.learner.mode == "sync" else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
+    log.info("run directory %s: learner pid %d, rollout pid %s (servers log to logs/)", run_dir, learner.pid,
+             rollout.pid if rollout else "none")
     stop = StopSignal()
     code = 0
     try:
         while not stop.requested and learner.poll() is None:
-            if rollout.poll() not in (None, 0):  # 0: the learner told it the job is finished, and it ends itself
+            if rollout is not None and rollout.poll() not in (None, 0):  # 0: the learner told it the job is finished
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
                 for line in last_errors(run_dir / "logs" / "rollout.log"):
                     log.error("  %s", line)
@@ -58,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
             code = learner.returncode or 0
     finally:
         for process in (rollout, learner):
-            _stop(process)
+            if process is not None:
+                _stop(process)
     print(f"RUN_DIR {run_dir}", flush=True)
     return code
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncrl.config.buffer import is_loopback
 from asyncrl.config.fields import bounded, items, one_of
 
 
@@ -37,7 +38,7 @@ class SamplingConfig:
 
 @dataclass
 class WeightSyncConfig:
-    backend: str = one_of("auto", "gloo", "nccl")  # transfer group backend; auto = nccl with CUDA, else gloo
+    backend: str = one_of("auto", "gloo", "nccl", "ipc")  # how weights travel; auto = ipc when a server shares the learner's GPU under `asyncrl run`, else nccl with CUDA, else gloo; ipc = CUDA IPC on one GPU (docs/placement.md)
     host: str = "127.0.0.1"  # address of the learner's rendezvous store (it listens, servers connect)
     port: int = bounded(0, 0, 65535)  # TCP port of that store; 0 = a free port for each new group
     timeout_s: float = bounded(120.0, 0.1)  # deadline of the rendezvous and of every broadcast, seconds
@@ -58,6 +59,20 @@ class ChatEndpointConfig:
     max_sessions: int = bounded(256, 1)  # open sessions per server at most; a new one beyond is refused (HTTP 429)
     session_idle_s: float = bounded(300.0, 1.0)  # a session with no request this long is dropped unsent and its admission place freed; below learner.batch_timeout_s
     admission_wait_s: float = bounded(300.0, 0.0)  # a new session waits this long for a place within the staleness bound, then gets HTTP 503
+    api_key_file: str = ""  # file holding the API key clients send as "Authorization: Bearer <key>" (HTTP 401 without it); a non-loopback host needs this or api_key_env
+    api_key_env: str = ""  # name of an environment variable holding that key instead (read by each server when it starts)
+    tool_parser: str = ""  # vLLM tool-call parser (its ToolParserManager name, e.g. hermes for Qwen2.5-style templates) that turns replies into tool_calls; empty = requests with tools get HTTP 400
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        """The buffer's CURVE rule, for HTTP: whoever reaches a non-loopback endpoint writes training data."""
+        problems = []
+        if self.api_key_file and self.api_key_env:
+            problems.append(("rollout.chat.api_key_env", "set api_key_file or api_key_env, not both"))
+        if self.enabled and not is_loopback(self.host) and not (self.api_key_file or self.api_key_env):
+            problems.append(("rollout.chat.host", f"'{self.host}' is not loopback: set rollout.chat.api_key_file "
+                                                  "or rollout.chat.api_key_env (clients send the key as "
+                                                  "'Authorization: Bearer <key>')"))
+        return problems
 
 
 @dataclass

@@ -60,7 +60,9 @@ class AsyncRLConfig:
                              f"must be below learner.batch_timeout_s={self.learner.batch_timeout_s:g}: sessions an "
                              "agent abandoned hold admission places until dropped, and the learner may wait for "
                              "those places that long"))
-        problems += self.environment.cross_checks(self.rollout.engine.max_model_len)
+        if self.learner.mode == "sync" and self.rollout.num_servers != 1:
+            problems.append(("rollout.num_servers", "learner.mode=sync runs one engine: must be 1"))
+        problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += self._control_channel_problems()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
 

@@ -36,20 +36,26 @@ class ChatDelta:
         end_text = tokenizer.decode([self.end_of_turn_id])
         self._closer_after_eos = self.closer[len(end_text):] if self.closer.startswith(end_text) else self.closer
 
-    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The first prompt: `messages` rendered with the generation cue, tokenized as training prompts are."""
-        return list(self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, return_dict=False))
+    def prompt_ids(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The first prompt: `messages` rendered with the generation cue (and the function `tools` the
+        template describes to the model), tokenized as training prompts are."""
+        return list(self._tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                                        return_dict=False))
 
-    def observation_ids(self, observation: Sequence[Message], model_ids: Sequence[int]) -> list[int]:
-        """Ids that follow the model turn `model_ids` to close it, add `observation` and cue the next turn."""
+    def observation_ids(self, observation: Sequence[Message], model_ids: Sequence[int],
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Ids that follow the model turn `model_ids` to close it, add `observation` and cue the next turn
+        (`tools`: those of the conversation's first prompt, for templates that render later turns with them)."""
         ended = bool(model_ids) and model_ids[-1] == self.end_of_turn_id
         closer = self._closer_after_eos if ended else self.closer
-        extended = self._render([*self._assistant, *observation], generation_cue=True)
-        if not extended.startswith(self._after_assistant):
+        before = self._render(self._assistant, generation_cue=False, tools=tools) if tools else self._after_assistant
+        extended = self._render([*self._assistant, *observation], generation_cue=True, tools=tools)
+        if not extended.startswith(before):
             raise ValueError("the chat template rewrites earlier turns when messages are added; "
                              "a token-in/token-out delta cannot be rendered for it")
-        text = closer + extended[len(self._after_assistant):]
+        text = closer + extended[len(before):]
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def _render(self, messages: list[Message], generation_cue: bool) -> str:
-        return self._tokenizer.apply_chat_template(messages, add_generation_prompt=generation_cue, tokenize=False)
+    def _render(self, messages: list[Message], generation_cue: bool, tools: list[dict[str, Any]] | None = None) -> str:
+        return self._tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_cue,
+                                                   tokenize=False)

@@ -8,13 +8,11 @@ rollout.weight_sync.control_address), which the launcher sets.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.sync_mode import apply_mode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_args(argv)
     try:
-        config = apply_mode(load_config(args.config, args.overrides), logging.getLogger(__name__))
+        config = load_config(args.config, args.overrides)
     except ConfigError as error:
         print(f"rollout-{args.index}: {error}", file=sys.stderr)
         return 2

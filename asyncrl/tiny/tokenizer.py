@@ -19,9 +19,20 @@ SPECIAL_TOKENS = [PAD, BOS_EOS, IM_START, IM_END]
 UNKNOWN = "?"  # characters outside the alphabet map to this token
 ALPHABET = string.printable[:95] + "\n"  # printable ASCII (space included) and newline
 
+# Tools (the chat endpoint's `tools`) go into a system message, one JSON line each (every character is a
+# token here: the model's 256 positions leave no room for instructions), and calls are written as vLLM's
+# `hermes` parser reads them; without tools or tool calls a conversation renders as plain ChatML.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}"
+    "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] if call['function']['arguments'] is string else call['function']['arguments'] | tojson }}"
+    "{{ '}</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -39,6 +39,7 @@ class ServerTelemetry:
     chat_sessions: int = 0  # chat sessions open on it now (each holds a place within the staleness bound)
     chat_waiting: int = 0  # chat sessions waiting now for a place within the staleness bound
     chat_dropped_idle: int = 0  # chat sessions dropped unsent as idle (rollout.chat.session_idle_s) since the server started
+    chat_lost: int = 0  # chat requests refused (HTTP 410) for sessions the server lost (idle drop, restart) since it started
     validation: dict[str, float] = field(default_factory=dict)  # val/* metrics of its latest validation pass
     validation_version: int = NOT_VALIDATED  # policy version that pass validated
 

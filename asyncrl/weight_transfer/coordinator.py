@@ -6,7 +6,9 @@ so a server that died since its last heartbeat costs that wait, not a rendezvous
 invites the servers that answered, (re)builds the transfer group when membership changed or the last
 round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
 or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
-round. Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
+round. With backend "ipc" (a server on the learner's GPU) there is no group: the round's weights are copied
+into a buffer the servers map through CUDA IPC, before they are invited (`weight_transfer.ipc`).
+Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
 (`ServerTelemetry`) on the same channel, apart from the heartbeats; the latest of each server's is kept
 for `rollout_metrics`.
 """
@@ -24,7 +26,8 @@ from asyncrl.transport.control import bind_control
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
                                                       SyncJoin, SyncPrepare, SyncReady)
-from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError, transfer_device
+from asyncrl.weight_transfer.group import IPC, GroupAddress, WeightTransferError, transfer_device
+from asyncrl.weight_transfer.ipc import OTHER_GPU, SharedWeights
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
 from asyncrl.weight_transfer.sender import WeightSender, stage_for_transfer
 from asyncrl.weight_transfer.server_metrics import ServerMetrics
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
 # errors no retry can fix: the group itself is invalid (e.g. NCCL ranks sharing one GPU)
-UNRECOVERABLE_MARKERS = ("Duplicate GPU", "invalid usage", "ncclInvalidUsage")
+UNRECOVERABLE_MARKERS = ("Duplicate GPU", "invalid usage", "ncclInvalidUsage", OTHER_GPU)
 
 
 class WeightSyncFailed(RuntimeError):
@@ -74,7 +77,8 @@ class SyncCoordinator:
         self.timeout_s, self.liveness_s = timeout_s, liveness_s
         self.staging_bytes = staging_bytes
         self.members: dict[str, Member] = {}
-        self._sender: WeightSender | None = None
+        self._sender: WeightSender | None = None  # gloo / NCCL: the trainer's end of the group
+        self._shared: SharedWeights | None = None  # IPC: the buffer the servers map
         self._group_members: tuple[bytes, ...] = ()  # socket identities of the group's servers: a restarted one is new
         self._round = 0
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
@@ -143,6 +147,7 @@ class SyncCoordinator:
             "rollout/chat_sessions": float(sum(b.chat_sessions for b in beats)),
             "rollout/chat_waiting": float(sum(b.chat_waiting for b in beats)),
             "rollout/chat_dropped_idle": float(sum(b.chat_dropped_idle for b in beats)),
+            "rollout/chat_lost": float(sum(b.chat_lost for b in beats)),
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
@@ -191,19 +196,23 @@ class SyncCoordinator:
         if not invited:
             report.seconds = time.perf_counter() - started
             return report
-        identities = tuple(self.members[name].identity for name in invited)
-        rebuild = self._sender is None or identities != self._group_members
-        address, init_infos = self._plan_group(invited) if rebuild else (None, {})
         update_info = update_info_for(named_tensors)
-        named_tensors = stage_for_transfer(named_tensors, transfer_device(self.backend), self.staging_bytes)
+        if self.backend == IPC:
+            named_tensors, report.transfer_seconds = self._write_shared(named_tensors)
+        else:
+            named_tensors = stage_for_transfer(named_tensors, transfer_device(self.backend), self.staging_bytes)
+        identities = tuple(self.members[name].identity for name in invited)
+        rebuild = identities != self._group_members
+        address, init_infos = self._plan_group(invited) if rebuild else (None, {})
         for name in invited:
             invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
             self.socket.send_multipart([self.members[name].identity, encode(invite)])
         try:
-            if address is not None:
+            if address is not None and self.backend != IPC:
                 self._sender = WeightSender.open(address)
-                self._group_members = identities
-            report.transfer_seconds = self._sender.send_weights(named_tensors)
+            self._group_members = identities
+            if self._sender is not None:
+                report.transfer_seconds = self._sender.send_weights(named_tensors)
         except WeightTransferError as error:
             log.warning("weight sync round %d (version %d) failed: %s", self._round, version, error)
             self._close_group()
@@ -234,15 +243,27 @@ class SyncCoordinator:
 
     def close(self) -> None:
         self._close_group()
+        if self._shared is not None:
+            self._shared.close()
         self._router.close()
 
     def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
         """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
         self._close_group()
         offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in invited])
-        port = self.group_port or free_port(self.group_host)
+        port = 0 if self.backend == IPC else self.group_port or free_port(self.group_host)
         address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
-        return address, {name: init_info_for(address, offsets[name]) for name in invited}
+        shared = self._shared.handle.as_dict() if self._shared is not None else None
+        return address, {name: init_info_for(address, offsets[name], shared) for name in invited}
+
+    def _write_shared(self, named_tensors: NamedTensors) -> tuple[NamedTensors, float]:
+        """IPC: the round's weights copied into the shared buffer before anyone is invited (nothing is left to
+        send afterwards); a buffer made anew means new handles, so every server is invited to map it again."""
+        if self._shared is None:
+            self._shared = SharedWeights()
+        if self._shared.reserve(named_tensors):
+            self._group_members = ()
+        return [], self._shared.write(named_tensors)
 
     def _confirm_present(self, report: RoundReport, candidates: list[str]) -> list[str]:
         """The candidates that answer this round's `SyncPrepare` within `liveness_s` (at most `timeout_s`,

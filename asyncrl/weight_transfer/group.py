@@ -28,7 +28,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 TRAINER_RANK = 0  # the sender; rollout workers take ranks 1..world_size-1
-GLOO, NCCL = "gloo", "nccl"
+GLOO, NCCL, IPC = "gloo", "nccl", "ipc"  # ipc: no group, a shared buffer on one GPU (weight_transfer.ipc)
 _STORE_PREFIX = "asyncrl/weight_transfer"  # namespaces our keys should the store ever be shared
 _HANDSHAKE_VALUE = 20261122  # broadcast once at join: proves the data path works end to end
 _POLL_S = 0.2  # how often a member re-checks, while waiting, for the trainer's port or the other members
@@ -245,5 +245,5 @@ def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dis
 
 
 def transfer_device(backend: str) -> torch.device:
-    """Where a member of a `backend` group sends and receives by default: NCCL the current CUDA device."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == NCCL else torch.device("cpu")
+    """Where a member of a `backend` transfer sends and receives by default: NCCL and IPC the current CUDA device."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend in (NCCL, IPC) else torch.device("cpu")

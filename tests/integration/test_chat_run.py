@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
-from run_helpers import RUN_TIMEOUT_S, kill_tree, prepare, tiny_job
+from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -31,10 +31,11 @@ IDLE_S = 5  # rollout.chat.session_idle_s of the abandoning agent's job
 BATCH_TIMEOUT_S = 90  # a job whose learner starved behind the abandoned sessions fails in this time, not 600 s
 
 
-def overrides(tmp: Path, *extra: str) -> list[str]:
-    return tiny_job(tmp, TOTAL_STEPS, "run.name=chat", "rollout.chat.enabled=true", "buffer.batch_groups=2",
+def overrides(inputs: Path, tmp: Path, *extra: str) -> list[str]:
+    """A job on the shared task files and model in `inputs`, its run under `tmp`."""
+    return tiny_job(inputs, TOTAL_STEPS, "run.name=chat", "rollout.chat.enabled=true", "buffer.batch_groups=2",
                     f"buffer.max_staleness={MAX_STALENESS}", f"rollout.sampling.n={SESSIONS_PER_GROUP}",
-                    "rollout.max_inflight=4", "validation.every=0", *extra)
+                    "rollout.max_inflight=4", "validation.every=0", f"run.root_dir={tmp / 'runs'}", *extra)
 
 
 def post(url: str, body: dict) -> dict:
@@ -71,10 +72,9 @@ def drive_sessions(chat_file: Path, run: subprocess.Popen, closes: list[dict]) -
         group += 1
 
 
-def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(tmp_path):
-    prepare(tmp_path, overrides(tmp_path))
+def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(tmp_path, tiny_job_inputs):
     run_dir = tmp_path / "runs" / "chat"
-    run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *overrides(tmp_path)],
+    run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *overrides(tiny_job_inputs, tmp_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     closes: list[dict] = []
     agent = threading.Thread(target=drive_sessions, args=(run_dir / "rollout" / "server-0.chat.json", run, closes))
@@ -107,9 +107,9 @@ def abandon_session(chat_file: Path, run: subprocess.Popen, name: str, answered:
         return
 
 
-def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path):
-    job = overrides(tmp_path, f"rollout.chat.session_idle_s={IDLE_S}", f"learner.batch_timeout_s={BATCH_TIMEOUT_S}")
-    prepare(tmp_path, job)
+def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path, tiny_job_inputs):
+    job = overrides(tiny_job_inputs, tmp_path, f"rollout.chat.session_idle_s={IDLE_S}",
+                    f"learner.batch_timeout_s={BATCH_TIMEOUT_S}")
     run_dir = tmp_path / "runs" / "chat"
     run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *job],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,18 +1,24 @@
-"""With max_staleness=0 and fixed seeds, the async job consumes the same samples and reaches the same
-losses as the synchronous reference (`learner.mode=sync`), step by step.
+"""The async job with max_staleness=0 reproduces the independent synchronous reference (`learner.mode=sync`,
+asyncrl/sync_reference.py: one process, its own engine, no buffer) step by step: the same samples (prompt,
+completion, behaviour log-probs, token versions, reward), the same losses and gradient norms, and every trained
+token sampled by the policy version it is trained at (staleness 0). With max_staleness=1 the same comparison
+fails. The tolerance is zero: every compared value is equal to the last bit.
 
-What makes it exact: sampling seeds follow the prompt order (rollout_servers/server.py), and the
-learner trains each batch in content order, not arrival order (learner/loop.py `canonical_order`).
-Validation is off: its requests would share the engine's batches and timing with the rollouts.
+What makes it exact: both draw server 0's prompt stream with run.seed and seed each group from its place in it
+(rollout.seeded_sampling); both give the engine the batch's requests together, with the same weights; both
+train the rows in content order (learner/loop.py `canonical_order`) with the learner's model and loss.
+Validation is off: its requests would share the engine's batches with the rollouts, a case not compared.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.messages import TrajectoryGroup, decode
 from asyncrl.metrics import read_metrics
+from asyncrl.sync_reference import trained_groups
 from buffer.log import SegmentLog
 from run_helpers import asyncrl, prepare, tiny_job
 
@@ -21,58 +27,87 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 STEPS = 3
 BATCH_GROUPS = 4
 SAMPLES_PER_GROUP = 4
-COMPARED_METRICS = ("actor/pg_loss", "actor/entropy", "critic/score/mean", "response_length/mean", "actor/grad_norm")
+LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
+COMPARED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean", "response_length/mean")
 
 
-def job(tmp, name: str, *mode: str) -> list[str]:
+def job(tmp: Path, name: str, *mode: str) -> list[str]:
     return tiny_job(
         tmp, STEPS, f"run.name={name}", "run.seed=7", f"buffer.batch_groups={BATCH_GROUPS}",
-        f"rollout.sampling.n={SAMPLES_PER_GROUP}", f"rollout.max_inflight={BATCH_GROUPS * SAMPLES_PER_GROUP}",
-        "validation.every=0", "learner.lr=0.01", *mode,
-        # A warm start that gets some answers right and, through the noisy teacher, samples some wrong:
-        # groups with mixed rewards, so losses and updates are not zero.
-        "task.operators=+", "model.warm_start.steps=150", "model.warm_start.label_noise=0.3",
+        f"rollout.sampling.n={SAMPLES_PER_GROUP}", "validation.every=0", "learner.lr=0.01", "learner.sync_every=1",
+        # Room for two batches in flight: with K=1 the server samples the second batch under version 0 at once.
+        f"rollout.max_inflight={2 * BATCH_GROUPS * SAMPLES_PER_GROUP}",
+        # Rewards that differ inside every group: each step has a loss and an update to compare.
+        f"reward.custom_fn.path={LENGTH_REWARD}", "reward.custom_fn.name=compute_score", *mode,
     )
 
 
-def consumed_samples(run_dir, record: dict) -> list[tuple]:
-    """The samples a step trained on, read back from the buffer log, in content order."""
+Sample = tuple  # (prompt ids, completion ids, behaviour log-probs, token versions, reward)
+
+
+def samples(groups: list[TrajectoryGroup]) -> list[Sample]:
+    return sorted((tuple(t.prompt_ids), tuple(t.completion_ids), tuple(t.behaviour_logprobs), tuple(t.token_versions),
+                   t.reward) for g in groups for t in g.trajectories)
+
+
+def consumed_groups(run_dir: Path, record: dict) -> list[TrajectoryGroup]:
+    """The groups an async step trained on, read back from the buffer log (its offsets span exactly them at K=0)."""
     log = SegmentLog(run_dir / "buffer", BufferConfig().segment_bytes, "none")
     try:
         first, last = int(record["batch/offset_min"]), int(record["batch/offset_max"])
-        groups = [decode(payload, expect=TrajectoryGroup) for _, payload in log.read_range(first, last + 1)]
+        return [decode(payload, expect=TrajectoryGroup) for _, payload in log.read_range(first, last + 1)]
     finally:
         log.close()
-    return sorted((tuple(t.prompt_ids), tuple(t.completion_ids), t.reward) for g in groups for t in g.trajectories)
+
+
+def differences(reference: Path, run: Path) -> list[str]:
+    """Where `run` (async) departs from `reference` (sync), step by step; empty when it reproduces it."""
+    found = []
+    expected, actual = read_metrics(reference), read_metrics(run)
+    if [r["step"] for r in actual] != [r["step"] for r in expected]:
+        return [f"steps {[r['step'] for r in actual]} instead of {[r['step'] for r in expected]}"]
+    for want, got in zip(expected, actual):
+        step = want["step"]
+        groups = consumed_groups(run, got)
+        if samples(groups) != samples(trained_groups(reference, step)):
+            found.append(f"step {step}: other samples")
+        stale = sum(v != step - 1 for g in groups for t in g.trajectories for v in t.token_versions)
+        if stale:
+            found.append(f"step {step}: {stale} trained tokens not sampled by version {step - 1} (staleness > 0)")
+        found += [f"step {step}: {key} {got[key]} instead of {want[key]}" for key in COMPARED_METRICS if got[key] != want[key]]
+    return found
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("k0")
     prepare(tmp, job(tmp, "prepare"))
-    results = {}
-    for name, mode in (("sync", ["learner.mode=sync"]), ("async_k0", ["buffer.max_staleness=0", "learner.sync_every=1"])):
+    modes = {"sync": ["learner.mode=sync"], "async_k0": ["buffer.max_staleness=0"], "async_k1": ["buffer.max_staleness=1"]}
+    for name, mode in modes.items():
         done = asyncrl("run", *job(tmp, name, *mode))
         assert done.returncode == 0, done.stderr[-3000:]
-        results[name] = tmp / "runs" / name
-    return results
+    return {name: tmp / "runs" / name for name in modes}
 
 
-def test_k0_consumes_the_same_samples_as_sync(runs):
-    sync, async_k0 = (read_metrics(runs[name]) for name in ("sync", "async_k0"))
-    assert [r["step"] for r in sync] == [r["step"] for r in async_k0] == list(range(1, STEPS + 1))
-    for sync_record, async_record in zip(sync, async_k0):
-        assert async_record["staleness/max"] == 0
-        assert async_record["batch/offset_max"] - async_record["batch/offset_min"] + 1 == BATCH_GROUPS  # none dropped
-        samples = consumed_samples(runs["sync"], sync_record)
-        assert len(samples) == BATCH_GROUPS * SAMPLES_PER_GROUP
-        assert samples == consumed_samples(runs["async_k0"], async_record), f"step {sync_record['step']}"
+def test_the_reference_trains_on_fresh_samples_with_a_loss(runs):
+    records = read_metrics(runs["sync"])
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for record in records:
+        groups = trained_groups(runs["sync"], record["step"])
+        assert len(samples(groups)) == BATCH_GROUPS * SAMPLES_PER_GROUP
+        assert {v for g in groups for t in g.trajectories for v in t.token_versions} == {record["step"] - 1}
+        assert record["staleness/max"] == 0
+        assert all(math.isfinite(record[key]) for key in COMPARED_METRICS)
+        assert record["actor/grad_norm"] > 0  # an update at every step: the comparison is not vacuous
+    assert len({r["actor/pg_loss"] for r in records}) == STEPS
 
 
-def test_k0_reaches_the_same_losses_as_sync(runs):
-    sync, async_k0 = (read_metrics(runs[name]) for name in ("sync", "async_k0"))
-    for key in COMPARED_METRICS:
-        sync_values = [r[key] for r in sync]
-        assert all(v is not None and math.isfinite(v) for v in sync_values), key
-        assert sync_values == [r[key] for r in async_k0], key
-    assert len({r["actor/pg_loss"] for r in sync}) > 1  # the steps differ: the comparison is not vacuous
+def test_k0_reproduces_the_synchronous_reference(runs):
+    assert differences(runs["sync"], runs["async_k0"]) == []
+    for record in read_metrics(runs["async_k0"]):
+        assert record["batch/offset_max"] - record["batch/offset_min"] + 1 == BATCH_GROUPS  # none dropped, none skipped
+
+
+def test_k1_does_not(runs):
+    found = differences(runs["sync"], runs["async_k1"])
+    assert any("staleness > 0" in line for line in found), found

@@ -274,6 +274,33 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
     assert logprob_gap(completion, tiny_models.update, prompt) < LOGPROB_TOLERANCE
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC: the engine on this process's GPU")
+def test_updates_through_cuda_ipc_serve_the_new_weights(rollout_engine, loop_runner, tiny_models):
+    """Backend ipc: the engine maps the trainer's buffer at the first update and reads the second one through the
+    same mapping; after each, greedy tokens and log-probs are those of the weights just written."""
+    from asyncrl.weight_transfer import init_info_for
+    from asyncrl.weight_transfer.ipc import SharedWeights
+
+    prompt = prompt_ids(tiny_models)
+    shared = SharedWeights()
+    address = GroupAddress("127.0.0.1", 0, world_size=2, backend="ipc", timeout_s=SYNC_TIMEOUT_S)
+    try:
+        for model, other in ((tiny_models.served, tiny_models.update), (tiny_models.update, tiny_models.served)):
+            named = [(name, tensor.cuda()) for name, tensor in weights_for_transfer(model)]
+            if shared.reserve(named):
+                loop_runner.run(rollout_engine.join_weight_sync(init_info_for(address, 1, shared.handle.as_dict())))
+            shared.write(named)
+            version = rollout_engine.current_version + 1
+            paused_s = loop_runner.run(rollout_engine.update_weights(update_info_for(named), version))
+            log.warning("CUDA IPC update pause→resume: %.3fs", paused_s)
+            after = loop_runner.run(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS)))
+            assert after.versions == [version] * GREEDY_TOKENS
+            assert after.token_ids == transformers_greedy(model, prompt, GREEDY_TOKENS)
+            assert logprob_gap(after, model, prompt) < LOGPROB_TOLERANCE
+            assert logprob_gap(after, other, prompt) > DIFFERENT_WEIGHTS_GAP
+    finally:
+        shared.close()
+
 
 def test_the_engine_workers_run_with_the_configured_cpu_threads(rollout_engine, loop_runner):
     def torch_threads(worker) -> int:  # defined here so that it travels by value to vLLM's worker

@@ -97,6 +97,18 @@ def test_chat_sessions_are_dropped_before_the_learner_gives_up_waiting():
     load_config(None, ["rollout.chat.session_idle_s=600"])  # no endpoint, no sessions to wait for
 
 
+def test_a_non_loopback_chat_endpoint_needs_an_api_key():
+    exposed = ["rollout.chat.enabled=true", "rollout.chat.host=0.0.0.0"]
+    with pytest.raises(ConfigError, match=r"rollout\.chat\.host: '0\.0\.0\.0' is not loopback: set "
+                                          r"rollout\.chat\.api_key_file or rollout\.chat\.api_key_env"):
+        load_config(None, exposed)
+    assert load_config(None, [*exposed, "rollout.chat.api_key_env=AGENT_KEY"]).rollout.chat.api_key_env == "AGENT_KEY"
+    load_config(None, [*exposed, "rollout.chat.api_key_file=key.txt"])
+    load_config(None, ["rollout.chat.enabled=true", "rollout.chat.host=localhost"])  # loopback needs none
+    with pytest.raises(ConfigError, match=r"rollout\.chat\.api_key_env: set api_key_file or api_key_env, not both"):
+        load_config(None, ["rollout.chat.api_key_file=k", "rollout.chat.api_key_env=K"])
+
+
 def test_a_non_loopback_control_bind_needs_the_jobs_curve_keys():
     bind = "rollout.weight_sync.control_bind=tcp://0.0.0.0:0"
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.control_bind.*buffer\.curve_dir"):
@@ -104,3 +116,10 @@ def test_a_non_loopback_control_bind_needs_the_jobs_curve_keys():
     assert load_config(None, [bind, "buffer.curve_dir=keys"]).buffer.curve_dir == "keys"
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync\.control_bind.*tcp://host:port"):
         load_config(None, ["rollout.weight_sync.control_bind=127.0.0.1:5000"])
+
+
+@pytest.mark.parametrize("override", ["learner.nproc=2", "rollout.num_servers=2"])
+def test_the_synchronous_reference_runs_one_rank_and_one_engine(override):
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*learner.mode=sync"):
+        load_config(None, ["learner.mode=sync", override])
+    load_config(None, [override])  # the async job takes any number of each

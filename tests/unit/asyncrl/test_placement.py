@@ -2,14 +2,17 @@
 tensor-parallel 1 and 2, explicit lists, the refusals (each naming its keys), and the weight-sync backend a
 colocated plan allows."""
 
+import logging
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.placement import PlacementError, as_overrides, pin, plan_placement, weight_sync_backend
+from asyncrl.placement import (PlacementError, as_overrides, check_ray_placement, pin, place_local_job, plan_placement,
+                               servers_share_of_learner_gpu, weight_sync_backend)
 
 
 def config(*overrides: str):
@@ -36,7 +39,8 @@ def test_the_run_hands_its_plan_to_the_two_commands_as_lists_they_apply_as_given
 def test_one_gpu_is_shared_by_the_learner_and_every_server():
     plan = plan_placement(config("rollout.num_servers=2"), [0])
     assert plan.learner == (0,) and plan.servers == ((0,), (0,)) and plan.colocated
-    assert weight_sync_backend(config(), plan) == "gloo"  # auto: NCCL cannot join two ranks on one GPU
+    assert weight_sync_backend(config(), plan) == "ipc"  # auto: the servers map the learner's buffer on that GPU
+    assert weight_sync_backend(config("rollout.weight_sync.backend=gloo"), plan) == "gloo"  # an explicit choice stays
 
 
 @pytest.mark.parametrize(("visible", "servers", "tp", "nproc", "expected_servers", "expected_learner"), [
@@ -51,6 +55,8 @@ def test_automatic_split(visible, servers, tp, nproc, expected_servers, expected
                                  f"learner.nproc={nproc}"), list(range(visible)))
     assert plan.servers == expected_servers and plan.learner == expected_learner and not plan.colocated
     assert weight_sync_backend(config(), plan) == "auto"  # NCCL where the roles have GPUs of their own
+    with pytest.raises(PlacementError, match="rollout.weight_sync.backend=ipc"):  # IPC needs one GPU for both
+        weight_sync_backend(config("rollout.weight_sync.backend=ipc"), plan)
 
 
 def test_the_physical_ids_of_visible_gpus_are_kept():
@@ -91,6 +97,49 @@ def test_nccl_is_refused_where_the_roles_share_a_gpu():
     plan = plan_placement(config(), [0])
     with pytest.raises(PlacementError, match="rollout.weight_sync.backend=nccl"):
         weight_sync_backend(config("rollout.weight_sync.backend=nccl"), plan)
+
+
+def test_ipc_is_refused_where_no_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [])
+    with pytest.raises(PlacementError, match="rollout.weight_sync.backend=ipc: CUDA IPC needs a GPU"):
+        place_local_job(config("rollout.weight_sync.backend=ipc"), logging.getLogger(__name__))
+
+
+def test_colocated_servers_leave_the_learner_most_of_the_gpu(monkeypatch, caplog):
+    monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [3])
+    greedy = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.85")
+    with caplog.at_level(logging.WARNING):
+        place_local_job(greedy, logging.getLogger(__name__), automatic=True)
+    assert greedy.rollout.engine.gpu_memory_utilization == 0.2  # 0.4 of the GPU for the two servers together
+    assert "rollout.engine.gpu_memory_utilization=0.85" in caplog.text
+    modest = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.15")
+    place_local_job(modest, logging.getLogger(__name__), automatic=True)
+    assert modest.rollout.engine.gpu_memory_utilization == 0.15 and modest.rollout.weight_sync.backend == "ipc"
+    apart = config("rollout.engine.gpu_memory_utilization=0.85")
+    monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [0, 1])
+    place_local_job(apart, logging.getLogger(__name__), automatic=True)
+    assert apart.rollout.engine.gpu_memory_utilization == 0.85  # a server with a GPU of its own keeps its share
+
+
+def test_a_colocated_learner_knows_the_servers_share_of_its_gpu():
+    shared = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.2", "learner.gpus=[1]",
+                    "rollout.gpus=[1,1]")
+    assert servers_share_of_learner_gpu(shared) == pytest.approx(0.4)
+    apart = config("rollout.engine.gpu_memory_utilization=0.9", "learner.gpus=[1]", "rollout.gpus=[0]")
+    assert servers_share_of_learner_gpu(apart) == 0.0
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    (["learner.gpus=[0]"], "learner.gpus=[0]: under asyncrl launch Ray picks"),
+    (["rollout.gpus=[1]"], "rollout.gpus=[1]"),
+    (["ray.learner.num_gpus=0.5"], "ray.learner.num_gpus=0.5"),
+    (["learner.device=cuda"], "learner.device=cuda with ray.learner.num_gpus=0"),
+    (["rollout.weight_sync.backend=ipc"], "rollout.weight_sync.backend=ipc: under asyncrl launch"),
+])
+def test_ray_placement_follows_the_same_rule_and_refuses_the_rest(overrides, named):
+    with pytest.raises(PlacementError, match=re.escape(named)):
+        check_ray_placement(config(*overrides))
+    check_ray_placement(config("learner.device=cuda", "ray.learner.num_gpus=1", "ray.rollout.num_gpus=1"))  # accepted
 
 
 def test_pin_limits_what_children_see(monkeypatch):

@@ -55,7 +55,7 @@ def test_coordinator_reports_telemetry_counters_per_server():
     sock.connect(coordinator.address)
     try:
         telemetry = beat("server-7", 2, tokens=50, idle_s=0.0, uptime_s=5.0, inflight=3)
-        telemetry.chat_sessions, telemetry.chat_waiting, telemetry.chat_dropped_idle = 4, 2, 3
+        telemetry.chat_sessions, telemetry.chat_waiting, telemetry.chat_dropped_idle, telemetry.chat_lost = 4, 2, 3, 5
         sock.send(encode(telemetry))  # no heartbeat: telemetry is logged whatever weight sync is doing
         deadline = time.monotonic() + 10.0
         while "rollout/server-7/inflight" not in (values := coordinator.rollout_metrics(learner_version=5)):
@@ -63,8 +63,8 @@ def test_coordinator_reports_telemetry_counters_per_server():
             time.sleep(0.01)
         assert values["rollout/server-7/version_lag"] == 3.0 and values["rollout/server-7/inflight"] == 3.0
         assert values["rollout/server-7/tokens_per_s"] == pytest.approx(10.0)
-        assert (values["rollout/chat_sessions"], values["rollout/chat_waiting"], values["rollout/chat_dropped_idle"]) == (
-            4.0, 2.0, 3.0)
+        assert (values["rollout/chat_sessions"], values["rollout/chat_waiting"], values["rollout/chat_dropped_idle"],
+                values["rollout/chat_lost"]) == (4.0, 2.0, 3.0, 5.0)
     finally:
         sock.close(0)
         coordinator.close()

@@ -19,6 +19,7 @@ from asyncrl.weight_transfer import TransferGroup, parse_update_info
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
                                                       SyncJoin, SyncPrepare, SyncReady)
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
+from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.protocol import InitInfo
 
 TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
@@ -39,6 +40,7 @@ class FakeServer(threading.Thread):
         self.stop = threading.Event()
         self.version = 0
         self.finished_at: int | None = None  # the final version of a JobFinished it answered
+        self.joins = 0  # init requests received (a group joined, or a shared buffer mapped)
 
     def run(self) -> None:
         sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
@@ -61,12 +63,10 @@ class FakeServer(threading.Thread):
             try:
                 if invite.init_info:
                     info = InitInfo(**invite.init_info)
-                    group = TransferGroup.join(info.address(), info.rank_offset)
-                tensors = {}
-                for meta in parse_update_info(invite.update_info):
-                    buffer = torch.empty(meta.shape, dtype=meta.dtype)
-                    group.broadcast(buffer)
-                    tensors[meta.name] = buffer
+                    self.joins += 1
+                    group = (SharedWeightsReader(CpuSharedWeights.buffers[info.ipc["handle"]]) if info.backend == "ipc"
+                             else TransferGroup.join(info.address(), info.rank_offset))
+                tensors = received(group, parse_update_info(invite.update_info))
                 if self.fail_with:  # a server that takes part in the transfer but fails to load, every time
                     raise RuntimeError(self.fail_with)
             except Exception as error:  # as a real server does: report, stay, catch up next round
@@ -77,8 +77,47 @@ class FakeServer(threading.Thread):
         sock.close(0)
 
 
-def coordinator(staging_bytes: int = 0, max_failures: int = 3) -> SyncCoordinator:
-    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", TIMEOUT_S, liveness_s=LIVENESS_S,
+def received(group, metas) -> dict[str, torch.Tensor]:
+    """Every announced tensor: broadcast over a gloo group, or copied out of a shared buffer (IPC)."""
+    if isinstance(group, SharedWeightsReader):
+        return {name: view.clone() for name, view in group.tensors(metas)}
+    tensors = {}
+    for meta in metas:
+        tensors[meta.name] = torch.empty(meta.shape, dtype=meta.dtype)
+        group.broadcast(tensors[meta.name])
+    return tensors
+
+
+class CpuSharedWeights:
+    """Stands in for the CUDA IPC buffer in these CPU tests: the same layout, shared by reference; the "handle"
+    names the buffer in `buffers`."""
+
+    buffers: dict[str, torch.Tensor] = {}
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.handle: IpcHandle | None = None
+
+    def reserve(self, named_tensors) -> bool:
+        _, size = byte_layout([t.numel() * t.element_size() for _, t in named_tensors])
+        if self.buffer is not None and self.buffer.numel() >= size:
+            return False
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        key = f"buffer-{len(self.buffers)}"
+        self.buffers[key] = self.buffer
+        self.handle = IpcHandle("cpu", key, size, 0, "", 0, "", False)
+        return True
+
+    def write(self, named_tensors) -> float:
+        pack_into(self.buffer, named_tensors)
+        return 0.0
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+def coordinator(staging_bytes: int = 0, max_failures: int = 3, backend: str = "gloo") -> SyncCoordinator:
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, backend, TIMEOUT_S, liveness_s=LIVENESS_S,
                            staging_bytes=staging_bytes, max_failures=max_failures)
 
 
@@ -152,6 +191,30 @@ def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
     finally:
         leaving.stop.set()
         silent.stop.set()
+def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once(monkeypatch):
+    """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
+    were written before the invitation), and maps it again when the weights outgrow it."""
+    monkeypatch.setattr("asyncrl.weight_transfer.coordinator.SharedWeights", CpuSharedWeights)
+    coord = coordinator(backend="ipc")
+    servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
+    for server in servers:
+        server.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        for version, scale in ((1, 1.0), (2, -3.0)):
+            report = coord.broadcast(version, weights(scale))
+            assert sorted(report.succeeded) == ["s0", "s1"] and not report.failed
+            for server in servers:
+                assert all(torch.equal(server.received[version][name], tensor) for name, tensor in weights(scale))
+        assert [server.joins for server in servers] == [1, 1]
+        larger = weights(5.0) + [("extra.weight", torch.ones(1000))]
+        report = coord.broadcast(3, larger)
+        assert sorted(report.succeeded) == ["s0", "s1"]
+        assert [server.joins for server in servers] == [2, 2]
+        assert torch.equal(servers[0].received[3]["extra.weight"], torch.ones(1000))
+    finally:
+        for server in servers:
+            server.stop.set()
         coord.close()
 
 

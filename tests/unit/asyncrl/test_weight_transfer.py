@@ -1,4 +1,5 @@
-"""The torch-only weight-transfer group: broadcast round trip, deadlines, the update-info protocol, tied heads."""
+"""The torch-only weight-transfer group: broadcast round trip, deadlines, the update-info protocol, tied heads, and
+the layout of the shared buffer of same-GPU (CUDA IPC) transfers."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from asyncrl.weight_transfer import (
     update_info_for,
     weights_for_transfer,
 )
+from asyncrl.weight_transfer.ipc import ALIGN_BYTES, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.sender import stage_for_transfer
 
 DEADLINE_S = 2.0  # rendezvous deadline of the failure tests
@@ -131,3 +133,30 @@ def test_staging_without_the_memory_for_it_sends_everything_unstaged(monkeypatch
 
     assert all(a is b for (_, a), (_, b) in zip(staged, named)), "the original tensors, copied as they are sent"
     assert "rollout.weight_sync.staging_bytes" in caplog.text
+
+
+def test_the_ipc_layout_aligns_every_tensor_and_overlaps_none():
+    sizes = [6, 256, 1, 0, 700]
+    offsets, total = byte_layout(sizes)
+    assert offsets == [0, 256, 512, 768, 768] and total == 768 + 700
+    assert all(offset % ALIGN_BYTES == 0 for offset in offsets)
+
+
+def test_a_packed_buffer_reads_back_as_the_announced_tensors():
+    """What the learner packs (any dtype, a transposed view among them) the server reads as views of the same
+    values, by the update's names, dtypes and shapes alone."""
+    named = [("a", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)), ("b", torch.arange(12.0).reshape(3, 4).t()),
+             ("c", torch.tensor([7], dtype=torch.int64))]
+    metas = parse_update_info(update_info_for(named))
+    buffer = torch.zeros(byte_layout([t.numel() * t.element_size() for _, t in named])[1], dtype=torch.uint8)
+    pack_into(buffer, named)
+    views = dict(SharedWeightsReader(buffer).tensors(metas))
+    assert list(views) == ["a", "b", "c"]
+    assert all(torch.equal(views[name], tensor) and views[name].dtype == tensor.dtype for name, tensor in named)
+
+
+def test_an_update_larger_than_the_shared_buffer_is_refused():
+    named = [("a", torch.ones(100))]
+    reader = SharedWeightsReader(torch.zeros(100, dtype=torch.uint8))
+    with pytest.raises(WeightTransferError, match="needs 400 bytes and the shared buffer holds 100"):
+        list(reader.tensors(parse_update_info(update_info_for(named))))

@@ -44,7 +44,7 @@ class ScriptedEngine:
     earliest_versions: list[int | None] = field(default_factory=list)  # what each request said of earlier turns
 
     async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None,
-                       earliest_version=None) -> Completion:
+                       earliest_version=None, on_tokens=None) -> Completion:
         number = len(self.requests)
         self.requests.append((list(prompt_ids), sampling.max_tokens, seed))
         self.earliest_versions.append(earliest_version)
@@ -55,6 +55,9 @@ class ScriptedEngine:
         token_ids, logprobs = self.turns[number % len(self.turns)]
         token_ids, logprobs = token_ids[: sampling.max_tokens], logprobs[: sampling.max_tokens]
         finish = "stop" if token_ids[-1:] == [EOS] else "length"
+        if on_tokens is not None:  # a streamed request: one output per sampled token, as vLLM's cumulative kind
+            for count in range(1, len(token_ids) + 1):
+                await on_tokens(token_ids[:count], logprobs[:count])
         versions = [self.current_version] * len(token_ids)
         self.current_version = self.updates.get(number, self.current_version)
         return Completion(f"r{number}", list(prompt_ids), token_ids, logprobs, versions, finish)

@@ -11,6 +11,7 @@ from asyncrl.config.rollout import ChatEndpointConfig
 from asyncrl.environments import ChatDelta
 from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.chat_endpoint import ChatEndpoint
+from rollout_servers.chat_lost import RESTARTED, LostSessions
 from rollout_servers.chat_sessions import ChatSessions, SessionError, normalized
 from tests.unit.rollout_servers.test_agent_loop import EOS, SAMPLING, TOKENIZER, ScriptedEngine, ids, turn
 
@@ -30,9 +31,9 @@ class OpenPlaces(ChatAdmission):
 
 
 def sessions_on(engine, max_sessions: int = 4, places: ChatAdmission | None = None,
-                admission_wait_s: float = SHORT_WAIT_S) -> ChatSessions:
+                admission_wait_s: float = SHORT_WAIT_S, lost: LostSessions | None = None) -> ChatSessions:
     settings = ChatEndpointConfig(enabled=True, max_sessions=max_sessions, admission_wait_s=admission_wait_s)
-    return ChatSessions(engine, TOKENIZER, 256, settings, "server-1", places or OpenPlaces())
+    return ChatSessions(engine, TOKENIZER, 256, settings, "server-1", places or OpenPlaces(), lost)
 
 
 def test_two_requests_extend_the_ids_and_close_into_a_trajectory():
@@ -48,7 +49,7 @@ def test_two_requests_extend_the_ids_and_close_into_a_trajectory():
     prompt = ChatDelta(TOKENIZER).prompt_ids([USER])
     assert engine.requests[1][0] == prompt + ids("ab") + [EOS] + observation
 
-    record_id, group = sessions.close("s", 1.0)
+    record_id, group = asyncio.run(sessions.close("s", 1.0))
     (trajectory,) = group.trajectories
     assert record_id == group.record_id == trajectory.group_id == "server-1-chat-s"
     assert trajectory.completion_ids == ids("ab") + [EOS] + observation + ids("c") + [EOS]
@@ -77,11 +78,11 @@ def test_session_limit_groups_and_closing_errors():
     with pytest.raises(SessionError, match="2 sessions open") as error:
         asyncio.run(sessions.reply("c", [USER], SAMPLING))
     assert error.value.status == 429
-    assert sessions.close("a", 0.0, group_id="g", group_size=2) == ("server-1-chat-g", None)
-    record_id, group = sessions.close("b", 1.0, group_id="g", group_size=2)
+    assert asyncio.run(sessions.close("a", 0.0, group_id="g", group_size=2)) == ("server-1-chat-g", None)
+    record_id, group = asyncio.run(sessions.close("b", 1.0, group_id="g", group_size=2))
     assert [t.reward for t in group.trajectories] == [0.0, 1.0] and record_id == "server-1-chat-g"
     with pytest.raises(SessionError, match="no open session 'a'") as error:
-        sessions.close("a", 1.0)
+        asyncio.run(sessions.close("a", 1.0))
     assert error.value.status == 404
 
 
@@ -103,7 +104,7 @@ def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_droppe
 
     assert asyncio.run(open_two_then_a_third()) == ((0, 1), 503)
     assert (len(sessions), places.open, places.held, places.waiting) == (2, 2, 1, 0), "the refused one holds nothing"
-    sessions.close("a", 1.0)
+    asyncio.run(sessions.close("a", 1.0))
     assert (places.open, places.held) == (1, 1)
     sessions._sessions["b"].last_used -= sessions._settings.session_idle_s + 1
     with pytest.raises(SessionError, match="no place"):  # the idle one is dropped first: its place is given back
@@ -113,8 +114,12 @@ def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_droppe
 
 def test_messages_are_normalized_to_role_and_text():
     assert normalized([{"role": "assistant", "content": None, "tool_calls": []}]) == [{"role": "assistant", "content": ""}]
-    with pytest.raises(SessionError, match=r"messages\[0\] must be an object with a 'role'"):
+    with pytest.raises(SessionError, match=r"'messages\[0\]': must be an object with a 'role'"):
         normalized(["hi"])
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    assert normalized([{"role": "user", "content": parts[:1] * 2}]) == [{"role": "user", "content": "aa"}]
+    with pytest.raises(SessionError, match=r"'messages\[0\]\.content\[1\]': only text parts"):  # never dropped silently
+        normalized([{"role": "user", "content": parts}])
 
 
 def test_idle_sessions_are_dropped_on_a_clock_when_no_request_comes():
@@ -151,3 +156,92 @@ def test_a_session_being_answered_is_not_idle():
     assert asyncio.run(drop_while_answering()) == 0 and len(sessions) == 1
     assert sessions.drop_idle() == 1 and len(sessions) == 0
     assert sessions.dropped_idle == 1
+
+
+def test_a_resent_request_gets_the_recorded_reply_again():
+    """A client that lost a reply (its connection broke) resends the request: sampling again would fork
+    the conversation from what the session recorded, so it gets the recorded turn."""
+    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5)])
+    sessions = sessions_on(engine)
+    first = asyncio.run(sessions.reply("s", [USER], SAMPLING))
+    assert asyncio.run(sessions.reply("s", [USER], SAMPLING)) is first and len(engine.requests) == 1
+    history = [USER, {"role": "assistant", "content": "ab"}, USER]
+    second = asyncio.run(sessions.reply("s", history, SAMPLING))
+    assert asyncio.run(sessions.reply("s", history, SAMPLING)) is second and len(engine.requests) == 2
+    with pytest.raises(SessionError, match="differs from what this session recorded"):  # only the last turn replays
+        asyncio.run(sessions.reply("s", [USER], SAMPLING))
+
+
+def test_a_session_dropped_as_idle_answers_410_naming_why_and_is_counted():
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
+    asyncio.run(sessions.reply("s", [USER], SAMPLING))
+    sessions._sessions["s"].last_used -= sessions._settings.session_idle_s + 1
+    assert sessions.drop_idle() == 1
+    history = [USER, {"role": "assistant", "content": "ab"}, USER]
+    with pytest.raises(SessionError, match=r"session 's' is lost: dropped after 300s without a request "
+                                           r"\(rollout.chat.session_idle_s\)") as error:
+        asyncio.run(sessions.reply("s", history, SAMPLING))
+    assert error.value.status == 410
+    with pytest.raises(SessionError, match="is lost") as error:
+        asyncio.run(sessions.close("s", 1.0))
+    assert error.value.status == 410 and sessions.lost.refused == 2
+
+
+def test_sessions_open_when_a_server_stops_are_lost_for_its_next_process(tmp_path):
+    state = tmp_path / "server-1.chat_sessions.json"
+    before = sessions_on(ScriptedEngine([turn("ab", -0.5)]), lost=LostSessions(state))
+    for name in ("a", "b"):
+        asyncio.run(before.reply(name, [USER], SAMPLING))
+    asyncio.run(before.close("b", 1.0))
+    after = sessions_on(ScriptedEngine([turn("ab", -0.5)]), lost=LostSessions(state))  # the restarted server
+    with pytest.raises(SessionError, match="session 'a' is lost: the rollout server restarted") as error:
+        asyncio.run(after.reply("a", [USER, {"role": "assistant", "content": "ab"}, USER], SAMPLING))
+    assert error.value.status == 410 and after.lost.refused == 1
+    with pytest.raises(SessionError, match="no open session 'b'"):  # closed before the restart: not lost
+        asyncio.run(after.close("b", 1.0))
+    asyncio.run(after.reply("c", [USER], SAMPLING))
+    third = LostSessions(state)  # a second restart knows the sessions open in the process before it
+    assert (third.why("c"), third.why("a")) == (RESTARTED, None)
+
+
+def test_a_refused_first_request_holds_no_place():
+    places = OpenPlaces()
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]), places=places)
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    with pytest.raises(SessionError, match="only text parts"):
+        asyncio.run(sessions.reply("s", [image], SAMPLING))
+    long = {"role": "user", "content": "x" * 300}  # past the 256-token context
+    with pytest.raises(SessionError, match="at the context length") as error:
+        asyncio.run(sessions.reply("s", [long], SAMPLING))
+    assert error.value.status == 400 and (len(sessions), places.open) == (0, 0)
+
+
+def test_a_close_waits_for_the_turn_being_answered():
+    """A client may close as soon as it read a streamed reply's last chunk, before the turn is recorded."""
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
+
+    class SlowToFinish:
+        def __init__(self) -> None:
+            self.finishing = asyncio.Event()
+            self.finish = asyncio.Event()
+
+        async def progress(self, token_ids, logprobs) -> None:
+            pass
+
+        async def done(self, reply) -> None:  # the last chunk is out; recording comes after this returns
+            self.finishing.set()
+            await self.finish.wait()
+
+    async def close_during_the_last_write():
+        listener = SlowToFinish()
+        answering = asyncio.create_task(sessions.reply("s", [USER], SAMPLING, listener=listener))
+        await listener.finishing.wait()
+        closing = asyncio.create_task(sessions.close("s", 1.0))
+        await asyncio.sleep(0)
+        listener.finish.set()
+        await answering
+        return await closing
+
+    record_id, group = asyncio.run(close_during_the_last_write())
+    (trajectory,) = group.trajectories
+    assert trajectory.num_turns == 1 and trajectory.completion_ids == ids("ab") + [EOS]

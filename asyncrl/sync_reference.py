@@ -1,0 +1,129 @@
+"""`learner.mode=sync`: synchronous RL, written out plainly. One process owns a vLLM engine and the policy:
+
+    for each step:
+        generate a batch with the current weights, score it    (Sampler.sample)
+        train one optimizer step on it                         (Trainer.train)
+        load the new weights into the engine                   (Sampler.load_weights)
+
+It shares the model, the engine and the loss with the async job, and nothing else: no buffer, no admission,
+no weight-sync coordinator, no staleness bound. It is the reference the async job with
+`buffer.max_staleness=0` must reproduce step by step (tests/integration/test_k0_matches_sync.py) and the
+baseline of scripts/bench_async_vs_sync.py. Each step's metrics go to `metrics.jsonl` under the names the
+async learner uses; the groups each step trained on go to `trained/step_N.msgpack` (`trained_groups` reads them).
+
+The two halves live in their roles (rollout_servers/sync_sampler.py, learner/sync_trainer.py); the
+`asyncrl learner` command builds them and hands them in."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.messages import TrajectoryGroup, decode, encode
+from asyncrl.metrics import MetricsLogger
+from asyncrl.staleness import staleness
+
+log = logging.getLogger(__name__)
+
+TRAINED_DIR = "trained"  # under the run directory: step_N.msgpack, the groups step N trained on
+_FRAME_LENGTH_BYTES = 8  # each group's message is preceded by its length (little-endian)
+
+
+class Sampler(Protocol):
+    weights_device: Any  # the torch.device `load_weights` sends from
+
+    def sample(self) -> list[TrajectoryGroup]: ...
+
+    def load_weights(self, version: int, weights: Sequence[tuple[str, Any]]) -> float: ...
+
+
+class StepResult(Protocol):
+    metrics: dict[str, float]  # actor/* of the step
+    finite: bool  # False: the loss was not finite and the update was skipped
+
+
+class Trainer(Protocol):
+    def train(self, groups: list[TrajectoryGroup], version: int) -> StepResult: ...
+
+    def weights(self, device: Any) -> Sequence[tuple[str, Any]]: ...
+
+
+class TooManyBadSteps(RuntimeError):
+    """learner.max_bad_steps batches in a row gave a non-finite loss."""
+
+
+def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger) -> int:
+    """Train to `learner.total_steps`; returns the final policy version."""
+    version, bad_steps = 0, 0
+    started = time.perf_counter()
+    while version < config.learner.total_steps:
+        step_started = time.perf_counter()
+        groups = sampler.sample()
+        generated = time.perf_counter()
+        outcome = trainer.train(groups, version)
+        trained = time.perf_counter()
+        if not outcome.finite:  # the step was skipped: the engine keeps its weights, the next batch comes
+            bad_steps += 1
+            log.warning("non-finite loss at step %d: update skipped (%d in a row)", version + 1, bad_steps)
+            if bad_steps >= config.learner.max_bad_steps:
+                raise TooManyBadSteps(f"{bad_steps} non-finite steps in a row (learner.max_bad_steps)")
+            continue
+        bad_steps, version = 0, version + 1
+        paused_s = sampler.load_weights(version, trainer.weights(sampler.weights_device))
+        synced = time.perf_counter()
+        write_trained(run_dir, version, groups)
+        record = outcome.metrics | batch_metrics(groups, version - 1) | {
+            "timing_s/wait_batch": generated - step_started,  # what the policy waits for: the whole generation
+            "timing_s/train": trained - generated,
+            "weight_sync/seconds": synced - trained,
+            "weight_sync/server_pause_seconds": paused_s,
+            "timing_s/step": time.perf_counter() - step_started,
+            "timing_s/elapsed": time.perf_counter() - started,
+        }
+        record["rollout/tokens_per_s"] = record["batch/tokens"] / record["timing_s/wait_batch"]
+        record["learner/tokens_per_s"] = record["batch/tokens"] / record["timing_s/train"]
+        metrics.log(version, record)
+        log.info("step %d/%d reward %.3f pg_loss %.3f step_s %.3f", version, config.learner.total_steps,
+                 record["critic/score/mean"], record["actor/pg_loss"], record["timing_s/step"])
+    return version
+
+
+def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
+    """Reward, lengths and staleness of the batch trained at policy `version` (staleness is 0 by construction
+    here, and measured all the same: it is what the async job is compared on)."""
+    samples = [t for group in groups for t in group.trajectories]
+    tokens = sum(sum(t.loss_mask) for t in samples)
+    ages = [staleness(version, group.oldest_version()) for group in groups if group.oldest_version() >= 0]
+    return {
+        "critic/score/mean": sum(t.reward for t in samples) / len(samples),
+        "response_length/mean": tokens / len(samples),
+        "batch/samples": float(len(samples)),
+        "batch/tokens": float(tokens),
+        "reward/failures": float(sum(1 for t in samples if t.reward_error)),
+        "staleness/mean": sum(ages) / len(ages) if ages else 0.0,
+        "staleness/max": float(max(ages, default=0)),
+    }
+
+
+def write_trained(run_dir: Path, step: int, groups: list[TrajectoryGroup]) -> None:
+    """Keep the groups `step` trained on, in the wire format (packed per-token arrays: cheap for long batches)."""
+    path = run_dir / TRAINED_DIR / f"step_{step}.msgpack"
+    path.parent.mkdir(exist_ok=True)
+    with path.open("wb") as out:
+        for group in groups:
+            frame = encode(group)
+            out.write(len(frame).to_bytes(_FRAME_LENGTH_BYTES, "little") + frame)
+
+
+def trained_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:
+    """The groups `step` of the reference run in `run_dir` trained on, in the order it sampled them."""
+    data, groups, at = (run_dir / TRAINED_DIR / f"step_{step}.msgpack").read_bytes(), [], 0
+    while at < len(data):
+        length = int.from_bytes(data[at:at + _FRAME_LENGTH_BYTES], "little")
+        at += _FRAME_LENGTH_BYTES
+        groups.append(decode(data[at:at + length], expect=TrajectoryGroup))
+        at += length
+    return groups

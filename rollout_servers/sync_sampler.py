@@ -1,0 +1,164 @@
+"""The generation half of the synchronous reference (`learner.mode=sync`, `asyncrl.sync_reference`): one vLLM
+engine in this process samples a batch of prompt groups with the weights it holds, the groups are scored,
+and each new policy is loaded through the engine's weight-update path.
+
+The prompts and sampling seeds are those of rollout server 0 of an async job with the same `run.seed`:
+prompt `k` of the mixture seeded with `run.seed`, its group seeded `group_seed(run.seed, k, n)`. So the
+async job with one server and `buffer.max_staleness=0` can be compared with this, sample for sample."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+from typing import Iterator, Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.data import PromptMixture, PromptRow, encode_prompt
+from asyncrl.environments import EnvironmentRegistry
+from asyncrl.messages import Trajectory, TrajectoryGroup
+from asyncrl.net import LOOPBACK, free_port
+from asyncrl.placement import VISIBLE_DEVICES
+from asyncrl.rewards import RewardRequest, RewardScorer
+from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for, update_info_for
+from asyncrl.weight_transfer.group import transfer_device
+from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.completion import Completion
+from rollout_servers.engine import RolloutEngine
+from rollout_servers.row_sampling import group_seed, sampling_for_row
+
+log = logging.getLogger(__name__)
+
+GROUP_ID_PREFIX = "sync-prompt-"  # group ids: the prefix and the prompt's number in the stream
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    row: PromptRow
+    ids: list[int]  # the row's chat as token ids
+    number: int  # place in the prompt stream: the group's seed and id
+
+
+class SyncSampler:
+    def __init__(self, config: AsyncRLConfig, loop: asyncio.AbstractEventLoop, engine: RolloutEngine,
+                 sender: WeightSender, scorer: RewardScorer) -> None:
+        self.config = config
+        self._loop = loop  # every engine call runs on it: vLLM's AsyncLLM stays bound to the loop that first used it
+        self._engine = engine
+        self._sender = sender  # this process's end of the engine's weight-transfer group
+        self._scorer = scorer
+        self._tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self._agent = AgentLoop(engine, self._tokenizer, EnvironmentRegistry.from_config(config.environment.by_source),
+                                config.environment, config.rollout.engine.max_model_len)
+        self._mixture = PromptMixture(config.data.train_files, config.data.weights, seed=config.run.seed,
+                                      shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows)
+        self._drawn = 0  # prompts taken from the stream so far
+
+    @classmethod
+    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: str) -> SyncSampler:
+        """Start the engine on `model.path` (policy version 0), on `gpus` (physical ids; None: those this process
+        sees), and join it to a weight-transfer group of its own over `backend` (gloo, or NCCL when the engine
+        has GPUs of its own: NCCL cannot join two ranks on one GPU)."""
+        loop = asyncio.new_event_loop()
+        with _visible_to_children(gpus):
+            engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0))
+        sender = loop.run_until_complete(_join_transfer_group(engine, config, backend))
+        return cls(config, loop, engine, sender, RewardScorer(config.reward))
+
+    @property
+    def weights_device(self) -> torch.device:
+        """Where `load_weights` takes the weights from without a copy: this process's GPU for NCCL, else the CPU."""
+        return transfer_device(self._sender.address.backend)
+
+    def sample(self) -> list[TrajectoryGroup]:
+        """The next `buffer.batch_groups` prompts, each sampled `rollout.sampling.n` times and scored."""
+        prompts = [self._next_prompt() for _ in range(self.config.buffer.batch_groups)]
+
+        async def batch() -> list[TrajectoryGroup]:
+            return list(await asyncio.gather(*(self._group(prompt) for prompt in prompts)))
+
+        return self._loop.run_until_complete(batch())
+
+    def load_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> float:
+        """Load `weights` into the engine as policy `version`; returns the seconds the engine was paused."""
+        async def transfer() -> float:
+            _, paused_s = await asyncio.gather(asyncio.to_thread(self._sender.send_weights, weights),
+                                               self._engine.update_weights(update_info_for(weights), version))
+            return paused_s
+
+        return self._loop.run_until_complete(transfer())
+
+    def close(self) -> None:
+        self._scorer.close()
+        self._sender.close()
+        self._engine.shutdown()
+
+    def _next_prompt(self) -> Prompt:
+        """The stream's next prompt that fits `data.max_prompt_length` (a longer one is skipped, as a server does)."""
+        number = self._drawn
+        self._drawn += 1
+        while True:
+            row = next(self._mixture)
+            ids = encode_prompt(self._tokenizer, row)
+            if len(ids) <= self.config.data.max_prompt_length:
+                return Prompt(row, ids, number)
+            log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
+                        row.row_index, len(ids))
+
+    async def _group(self, prompt: Prompt) -> TrajectoryGroup:
+        """The prompt's `n` samples with their rewards (a multi-turn source plays its episodes instead)."""
+        rollout, row = self.config.rollout, prompt.row
+        sampling = sampling_for_row(row, rollout.sampling)
+        seed = group_seed(self.config.run.seed, prompt.number, sampling.n, rollout.seeded_sampling)
+        group_id = f"{GROUP_ID_PREFIX}{prompt.number}"
+        if self._agent.handles(row.data_source):
+            trajectories = await self._agent.run_group(row, sampling, seed, group_id)
+        else:
+            completions = await self._engine.generate_group(prompt.ids, sampling, seed=seed)
+            trajectories = await self._scored(completions, row, group_id)
+        return TrajectoryGroup(record_id=group_id, group_id=group_id, server_id="sync", trajectories=trajectories)
+
+    async def _scored(self, completions: list[Completion], row: PromptRow, group_id: str) -> list[Trajectory]:
+        texts = [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        requests = [RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts]
+        results = await self._scorer.score_async(requests)
+        return [
+            Trajectory(prompt_ids=c.prompt_ids, completion_ids=c.token_ids, behaviour_logprobs=c.logprobs,
+                       token_versions=c.versions, loss_mask=[1] * len(c.token_ids), reward=r.score, group_id=group_id,
+                       data_source=row.data_source, finish_reason=c.finish_reason, reward_info=r.info,
+                       reward_error=r.error)
+            for c, r in zip(completions, results)
+        ]
+
+
+async def _join_transfer_group(engine: RolloutEngine, config: AsyncRLConfig, backend: str) -> WeightSender:
+    """A loopback group between this process (rank 0) and the engine's workers: the weights travel as they do to
+    a rollout server, through vLLM's weight-transfer API, without a coordinator."""
+    workers = config.rollout.engine.tensor_parallel_size
+    address = GroupAddress(LOOPBACK, free_port(), 1 + workers, backend, config.rollout.weight_sync.timeout_s)
+    sender, _ = await asyncio.gather(asyncio.to_thread(WeightSender.open, address),
+                                     engine.join_weight_sync(init_info_for(address, rank_offset=1)))
+    return sender
+
+
+@contextlib.contextmanager
+def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
+    """Processes started inside (vLLM's engine core and workers) see only `gpus`; this one keeps its own view
+    (its CUDA context, opened before, is not affected)."""
+    if gpus is None:
+        yield
+        return
+    previous = os.environ.get(VISIBLE_DEVICES)
+    os.environ[VISIBLE_DEVICES] = ",".join(str(gpu) for gpu in gpus)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[VISIBLE_DEVICES]
+        else:
+            os.environ[VISIBLE_DEVICES] = previous

@@ -1,0 +1,128 @@
+"""End-to-end throughput as GPUs are added: the GPU preset's job, async and sync, at several GPU layouts.
+
+Each layout is `scripts/bench_async_vs_sync.py` with --servers S --learner-ranks L (S rollout servers on GPUs
+0..S-1, L FSDP learner ranks on the next L GPUs; `colocated` = one GPU shared by both roles, weights through
+CUDA IPC), run in its own directory under --out-dir, with the same job, lengths, steps and K. The sync
+column is the synchronous reference (`learner.mode=sync`: one engine and one learner rank, on GPUs 0 and 1
+whatever the layout), so async / sync says what the layout's GPUs buy over the reference. The first
+layout listed is the baseline of the scaling column (2 GPUs: one server, one learner rank, by default).
+A host's per-command time limit rarely holds every run: --modes and --layouts pick what runs now, runs already
+in --out-dir are read back, and --modes '' only reports. Table: per layout, async and sync samples/s, async /
+sync, async samples/s against the first layout's, the staleness trained, the learner's share of time waiting
+for a batch, and the servers' median pause per weight sync.
+Last line: RESULT {json} with `gpus` (per layout), `scaling_vs_2gpu` (async samples/s / the first layout's)
+and `async_vs_sync` (per layout), once a layout's runs are all there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT_PREFIX = "RESULT "
+
+
+@dataclass(frozen=True)
+class Layout:
+    servers: int  # rollout servers, one GPU each
+    learner_ranks: int  # learner ranks, one GPU each
+    colocated: bool = False  # one GPU for one server and one learner rank
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """'S:L' (S servers, L learner ranks) or 'colocated'."""
+        if text == "colocated":
+            return cls(1, 1, colocated=True)
+        try:
+            servers, ranks = (int(part) for part in text.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a layout is SERVERS:LEARNER_RANKS (e.g. 3:1) or 'colocated', got '{text}'")
+        if servers < 1 or ranks < 1:
+            raise argparse.ArgumentTypeError(f"layout '{text}': at least one server and one learner rank")
+        return cls(servers, ranks)
+
+    @property
+    def gpus(self) -> int:
+        return 1 if self.colocated else self.servers + self.learner_ranks
+
+    @property
+    def name(self) -> str:
+        return "colocated" if self.colocated else f"{self.servers}s{self.learner_ranks}l"
+
+    def arguments(self) -> list[str]:
+        return ["--colocated"] if self.colocated else ["--servers", str(self.servers), "--learner-ranks", str(self.learner_ranks)]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default="1:1,3:1",
+                        help="comma-separated SERVERS:LEARNER_RANKS or 'colocated'; the first is the scaling baseline")
+    parser.add_argument("--run-layouts", default="",
+                        help="the layouts to run now (default: all of --layouts); the others are only read back")
+    parser.add_argument("--modes", default="sync,async", help="modes to run now ('' = none, only report)")
+    parser.add_argument("--out-dir", default="/tmp/asyncrl-scaling", help="one directory per layout under it")
+    parser.add_argument("--config", default="configs/gpu_qwen05b.yaml", help="asyncrl config of the job")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the rate")
+    parser.add_argument("--max-staleness", type=int, default=2, help="K of the async runs")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
+    return parser.parse_args()
+
+
+def bench(layout: Layout, args: argparse.Namespace, modes: str) -> dict | None:
+    """Run (or only read back, with modes '') one layout; its RESULT, or None while a mode is missing."""
+    command = [sys.executable, str(ROOT / "scripts" / "bench_async_vs_sync.py"), "--config", args.config,
+               "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+               "--max-staleness", str(args.max_staleness), "--modes", modes,
+               "--out-dir", str(Path(args.out_dir) / layout.name), *layout.arguments(), *args.overrides]
+    print(f"=== {layout.name} ({layout.gpus} GPU{'s' if layout.gpus > 1 else ''}): modes '{modes}'", flush=True)
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    print(done.stdout, end="", flush=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{layout.name}: bench_async_vs_sync.py exited with {done.returncode}")
+    results = [line[len(RESULT_PREFIX):] for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(results[-1]) if results else None
+
+
+def print_table(results: dict[Layout, dict], baseline: dict | None) -> None:
+    print(f"{'layout':10} {'GPUs':>4} {'async/s':>8} {'sync/s':>8} {'async/sync':>10} {'vs first':>8} "
+          f"{'staleness':>9} {'learner waits':>13} {'sync pause ms':>13}")
+    for layout, r in results.items():
+        scaling = f"{r['async_samples_per_s'] / baseline['async_samples_per_s']:7.2f}x" if baseline else f"{'-':>8}"
+        wait = r["sweep"][0]["learner_wait_share"]
+        print(f"{layout.name:10} {layout.gpus:4d} {r['async_samples_per_s']:8.2f} {r['sync_samples_per_s']:8.2f} "
+              f"{r['async_vs_sync_speedup']:9.2f}x {scaling} {r['staleness_mean']:9.2f} {wait:12.0%} "
+              f"{r['server_pause_ms']:13.1f}")
+
+
+def main() -> None:
+    args = parse_args()
+    layouts = [Layout.parse(text) for text in args.layouts.split(",") if text]
+    now = {Layout.parse(text) for text in args.run_layouts.split(",") if text} or set(layouts)
+    results = {}
+    for layout in layouts:
+        result = bench(layout, args, args.modes if layout in now else "")
+        if result is not None:
+            results[layout] = result
+    baseline = results.get(layouts[0])
+    print_table(results, baseline)
+    if baseline is None:
+        print(f"the first layout ({layouts[0].name}) has not run both modes yet: no scaling column")
+        return
+    print(RESULT_PREFIX + json.dumps({
+        "gpus": {layout.name: layout.gpus for layout in results},
+        "scaling_vs_2gpu": {layout.name: round(r["async_samples_per_s"] / baseline["async_samples_per_s"], 3)
+                            for layout, r in results.items()},
+        "async_vs_sync": {layout.name: r["async_vs_sync_speedup"] for layout, r in results.items()},
+        "async_samples_per_s": {layout.name: r["async_samples_per_s"] for layout, r in results.items()},
+        "baseline": layouts[0].name, "steps": args.steps, "max_staleness": args.max_staleness,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

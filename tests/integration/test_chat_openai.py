@@ -1,0 +1,184 @@
+"""An agent written with the official `openai` SDK drives a running job (`asyncrl run`, chat endpoint on,
+an API key from a file): streamed and plain replies are recorded exactly as the client saw them, a client
+that leaves mid-stream can resend and go on, refused fields get a 400 naming them, a missing or wrong key
+gets 401 and stores nothing, and the example agent (`examples/openai_agent.py`) runs end to end. One job serves the module; the last test stops it and reads the buffer's log
+(only safe to open once the buffer has stopped writing it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy
+import openai
+import pytest
+
+from asyncrl.config.buffer import BufferConfig
+from asyncrl.messages import TrajectoryGroup, decode
+from buffer.log import SegmentLog
+from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+API_KEY = "agent-key-0123"
+TOTAL_STEPS = 100_000  # never reached: the module stops the job
+REQUEST_TIMEOUT_S = 120  # one reply on the loaded 2-core box
+STOP_TIMEOUT_S = 120
+POLL_S = 0.2
+USER = {"role": "user", "content": "2+3="}
+NEXT = {"role": "user", "content": "4+1="}
+EXAMPLE_AGENT = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
+
+
+@dataclass
+class Job:
+    run: subprocess.Popen
+    run_dir: Path
+    model_dir: Path
+    key_file: Path
+    url: str
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """Kill the job: what it acknowledged is in the buffer's log already, and a graceful stop (tested in
+        test_run_signals.py) would only cost time here."""
+        kill_tree(self.run.pid)
+        self.run.wait(STOP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, tiny_job_inputs):
+    tmp = tmp_path_factory.mktemp("chat_openai")
+    key_file = tmp / "chat.key"
+    key_file.write_text(API_KEY + "\n")
+    overrides = tiny_job(tiny_job_inputs, TOTAL_STEPS, "run.name=chat-sdk", "rollout.chat.enabled=true",
+                         f"rollout.chat.api_key_file={key_file}", "validation.every=0", "buffer.batch_groups=2",
+                         "buffer.max_staleness=1", "rollout.sampling.n=2", "rollout.max_inflight=4",
+                         "rollout.chat.tool_parser=hermes", "rollout.engine.max_model_len=256",  # room for the tools
+                         f"run.root_dir={tmp / 'runs'}")
+    run_dir = tmp / "runs" / "chat-sdk"
+    with open(tmp / "run.log", "w") as output:  # a file, not a pipe: nobody reads the job's progress lines
+        run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *overrides], stdout=output,
+                               stderr=subprocess.STDOUT)
+    job = Job(run, run_dir, tiny_job_inputs / "model", key_file, "")
+    try:
+        chat_file = run_dir / "rollout" / "server-0.chat.json"
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not chat_file.exists():
+            assert run.poll() is None and time.monotonic() < deadline, (tmp / "run.log").read_text()[-3000:]
+            time.sleep(POLL_S)
+        job.url = json.loads(chat_file.read_text())["url"]
+        yield job
+    finally:
+        job.stop()
+
+
+def session(session_id: str) -> dict:
+    return {"extra_body": {"session_id": session_id}}
+
+
+def test_no_key_or_a_wrong_key_gets_401_and_stores_nothing(job):
+    with pytest.raises(openai.AuthenticationError, match="wrong API key"):
+        job.client("not-the-key").chat.completions.create(model="m", messages=[USER], **session("intruder"))
+    response = httpx.post(f"{job.url}/chat/completions", json={"messages": [USER], "session_id": "intruder"},
+                          timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 401 and "no API key" in response.json()["error"]["message"]
+    response = httpx.post(f"{job.url}/sessions/intruder/close", json={"reward": 1.0}, timeout=REQUEST_TIMEOUT_S)
+    assert response.status_code == 401
+    with pytest.raises(openai.NotFoundError, match="no open session 'intruder'"):  # never opened
+        job.client().post("/sessions/intruder/close", body={"reward": 1.0}, cast_to=object)
+    assert [model.id for model in job.client().models.list()] == [str(job.model_dir)]
+
+
+@pytest.mark.parametrize("field, value", [("frequency_penalty", 0.5), ("n", 2), ("response_format", {"type": "json_object"})])
+def test_a_refused_field_gets_a_400_that_names_it(job, field, value):
+    with pytest.raises(openai.BadRequestError) as error:
+        job.client().chat.completions.create(model="m", messages=[USER], **{field: value}, **session("refused"))
+    assert error.value.param == field and f"'{field}'" in error.value.message
+
+
+def test_a_client_that_leaves_mid_stream_resends_and_goes_on(job):
+    body = {"messages": [USER], "session_id": "leaver", "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{job.url}/chat/completions", json=body, headers=headers,
+                      timeout=REQUEST_TIMEOUT_S) as response:
+        for line in response.iter_lines():  # the role chunk, then leave
+            if line.startswith("data: "):
+                assert json.loads(line[len("data: "):])["choices"][0]["delta"]["role"] == "assistant"
+                break
+    client = job.client()
+    chunks = list(client.chat.completions.create(model="m", messages=[USER], stream=True, **session("leaver")))
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    reply = client.chat.completions.create(model="m", messages=[USER, {"role": "assistant", "content": text}, NEXT],
+                                           **session("leaver"))
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    closed = client.post("/sessions/leaver/close", body={"reward": 0.0}, cast_to=object)
+    assert closed["sent"] is True
+
+
+def test_the_example_agent_trains_through_the_job(job):
+    done = subprocess.run([sys.executable, str(EXAMPLE_AGENT), "--url", job.url, "--api-key-file", str(job.key_file),
+                           "--questions", "1", "--group", "2", "--max-turns", "2"],
+                          capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S * 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"group sent to the buffer as server-0-chat-q-\w+ \(offset \d+\)", done.stdout), done.stdout
+    assert "over 2 sessions" in done.stdout
+
+
+def seen_turn_streamed(client: openai.OpenAI, messages: list, session_id: str) -> tuple[str, list[tuple[str, float]]]:
+    chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True, logprobs=True,
+                                                 stream_options={"include_usage": True}, **session(session_id)))
+    assert chunks[0].choices[0].delta.role == "assistant" and not chunks[-1].choices
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    seen = [(entry.token, entry.logprob) for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+            for entry in chunk.choices[0].logprobs.content]
+    assert chunks[-1].usage.completion_tokens == len(seen)
+    return text, seen
+
+
+def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> tuple[str, list[tuple[str, float]]]:
+    reply = client.chat.completions.create(model="m", messages=messages, logprobs=True, **session(session_id))
+    seen = [(entry.token, entry.logprob) for entry in reply.choices[0].logprobs.content]
+    assert reply.usage.completion_tokens == len(seen)
+    return reply.choices[0].message.content, seen
+
+
+def test_streamed_and_plain_replies_are_recorded_as_the_client_saw_them(job):
+    """Runs last: it stops the job to read the buffer's log (the service owns it while it runs)."""
+    client = job.client()
+    seen_by = {}
+    for session_id, turn in (("plain", seen_turn_plain), ("streamed", seen_turn_streamed)):
+        text, seen = turn(client, [USER], session_id)
+        more_text, more = turn(client, [USER, {"role": "assistant", "content": text}, NEXT], session_id)
+        seen_by[session_id] = seen + more
+    client.post("/sessions/plain/close", body={"reward": 0.5, "group_id": "pair", "group_size": 2}, cast_to=object)
+    closed = client.post("/sessions/streamed/close", body={"reward": 0.5, "group_id": "pair", "group_size": 2},
+                         cast_to=object)
+    assert closed["sent"] is True and closed["record_id"] == "server-0-chat-pair"
+    job.stop()
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
+    log = SegmentLog(job.run_dir / "buffer", BufferConfig().segment_bytes, "none")
+    try:
+        group = decode(log.read(closed["offset"]), expect=TrajectoryGroup)
+    finally:
+        log.close()
+    assert group.record_id == "server-0-chat-pair"
+    for trajectory, session_id in zip(group.trajectories, ("plain", "streamed")):
+        recorded = [(tokenizer.decode([token]), logprob)
+                    for token, logprob, mask in zip(trajectory.completion_ids, trajectory.behaviour_logprobs,
+                                                    trajectory.loss_mask) if mask]
+        seen = [(token, float(numpy.float32(logprob))) for token, logprob in seen_by[session_id]]  # the log keeps float32
+        assert recorded == seen, session_id
+        assert trajectory.num_turns == 2

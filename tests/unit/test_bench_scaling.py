@@ -1,0 +1,36 @@
+"""The scaling benchmark's GPU layouts: parsing, and the placement overrides each layout gives the two commands."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from scripts import bench_async_vs_sync
+from scripts.bench_scaling import Layout
+
+
+def test_layouts_parse_to_servers_and_learner_ranks():
+    assert Layout.parse("3:1") == Layout(3, 1) and Layout.parse("3:1").gpus == 4 and Layout.parse("3:1").name == "3s1l"
+    colocated = Layout.parse("colocated")
+    assert colocated.colocated and colocated.gpus == 1 and colocated.arguments() == ["--colocated"]
+    for bad in ("3", "a:b", "0:1", "2:0"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            Layout.parse(bad)
+
+
+def layout_args(**given) -> argparse.Namespace:
+    return argparse.Namespace(**({"colocated": False, "servers": 1, "learner_ranks": 1} | given))
+
+
+def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
+    monkeypatch.setattr(bench_async_vs_sync, "_gpu_count", lambda: 8)
+    assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2)) == [
+        "rollout.num_servers=6", "learner.nproc=2", "rollout.gpus=[0,1,2,3,4,5]", "learner.gpus=[6,7]"]
+    assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2), "sync") == [
+        "rollout.num_servers=1", "learner.nproc=1", "rollout.gpus=[0]", "learner.gpus=[1]"]  # one engine, one rank
+    assert bench_async_vs_sync.gpu_layout(layout_args(colocated=True)) == ["learner.gpus=[0]", "rollout.gpus=[0]"]
+    with pytest.raises(SystemExit, match="need 9 GPUs; 8 are visible"):
+        bench_async_vs_sync.gpu_layout(layout_args(servers=8))
+    monkeypatch.setattr(bench_async_vs_sync, "_gpu_count", lambda: 0)
+    assert bench_async_vs_sync.gpu_layout(layout_args(servers=3)) == []  # CPU: the commands place nothing
