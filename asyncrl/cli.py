@@ -191,6 +191,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from asyncrl.parent_death import die_with_launcher
+
+    die_with_launcher()  # started by `asyncrl run` or a learner: this command must not outlive it
     args = parse(argv)
     args.overrides += [f"{name[5:]}={value}" for name, value in vars(args).items() if name.startswith("flag:") and value is not None]
     module_name, function_name = args.target.split(":")

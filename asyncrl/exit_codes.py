@@ -6,3 +6,7 @@ CANNOT_START = 3
 
 # The role stopped on SIGINT/SIGTERM before its work was done (128 + SIGINT, as shells report Ctrl-C).
 INTERRUPTED = 130
+
+# A rollout server's learner came back on other addresses: its supervisor restarts it on them at once, and does
+# not count it as a death.
+LEARNER_MOVED = 4

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from asyncrl.config import AsyncRLConfig, save_config
+from asyncrl.parent_death import launched_environment
 
 BUFFER_SUBDIR = "buffer"  # the buffer's directory inside a run directory when buffer.dir is empty
 BUFFER_LOG = "buffer.log"  # the child's output, in the run directory
@@ -54,11 +55,12 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
     command = [sys.executable, "-m", "asyncrl.cli", "buffer", f"buffer.dir={directory}", *overrides]
     if config_path is not None:
         command[4:4] = ["--config", str(config_path)]
+    environment = launched_environment()  # the buffer dies with the process that started it
     if log_path is None:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment)
     else:
         with open(log_path, "ab") as output:  # the child keeps its own handle
-            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=environment)
     deadline = time.monotonic() + timeout_s
     while not endpoint.exists():
         if process.poll() is not None:

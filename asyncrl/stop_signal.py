@@ -22,6 +22,17 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
+def interrupt_once() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt once: the first stop starts the teardown, and any later one is
+    ignored (`ignore_stop_signals`), so that it cannot break the teardown halfway."""
+    def interrupt(signum: int, frame: object) -> None:
+        ignore_stop_signals()
+        raise KeyboardInterrupt
+
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, interrupt)
+
+
 def ignore_stop_signals() -> None:
     """From now on SIGTERM and SIGINT do nothing: call once a process has begun to stop. A role's process often
     gets the same stop twice (from `asyncrl run` to the whole process group, then from its own supervisor), and a

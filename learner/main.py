@@ -15,8 +15,9 @@ from transformers import AutoTokenizer
 from asyncrl.config import AsyncRLConfig
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.logs import setup_logging
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import servers_share_of_learner_gpu
-from asyncrl.stop_signal import interrupt_on_sigterm
+from asyncrl.stop_signal import interrupt_once
 from asyncrl.weight_transfer.group import transfer_device
 from asyncrl.weight_transfer.protocol import resolve_backend
 from learner.distributed import World, init_world
@@ -74,6 +75,8 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
                          services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes, reference)
+        if services is not None:
+            services.finish(state.step)
     finally:
         if services is not None:
             services.close()
@@ -147,8 +150,13 @@ def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
 
 
 def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str) -> None:
-    """Target of the local spawner: set the torchrun-style variables, then train. SIGTERM is taken like Ctrl-C,
-    so that a stopped rank unwinds through `train`'s cleanup (torch's spawn wrapper ends it quietly)."""
-    interrupt_on_sigterm()
+    """Target of the local spawner: set the torchrun-style variables, then train. SIGTERM is taken like Ctrl-C
+    (once), so that a stopped rank unwinds through `train`'s cleanup (torch's spawn wrapper ends it quietly)."""
+    die_with_spawning_parent()  # `asyncrl learner` killed outright takes its ranks (and their buffer) along
+    interrupt_once()  # the group's signal and the one `asyncrl learner` forwards: the second must not cut the cleanup
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    train(config, Path(run_dir))
+    try:
+        train(config, Path(run_dir))
+    except Exception as error:  # its reason and traceback into the rank's log (the console gets one line)
+        log.exception("learner rank %d failed: %s: %s", rank, type(error).__name__, error)
+        raise

@@ -3,7 +3,6 @@ the metrics sink, and the endpoints file through which rollout servers find them
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -12,12 +11,13 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.endpoints import ENDPOINTS_FILE
-from asyncrl.launch_buffer import BufferProcess, connect_or_start_buffer
+from asyncrl.endpoints import FINISHED_KEY, write_endpoints
+from asyncrl.launch_buffer import BUFFER_LOG, BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
+from asyncrl.weight_transfer.control_messages import ValidateVersion
 from asyncrl.weight_transfer.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.protocol import resolve_backend
 
@@ -49,7 +49,7 @@ class LearnerServices:
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, start_ahead=start_ahead,
                                   curve_dir=config.buffer.curve_dir,
                                   timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s)
-        (run_dir / ENDPOINTS_FILE).write_text(json.dumps({"buffer": address, "sync": coordinator.address}))
+        write_endpoints(run_dir, {"buffer": address, "sync": coordinator.address})
         log.info("buffer at %s, weight sync at %s", address, coordinator.address)
         metrics = MetricsLogger(run_dir, config.metrics, _flat_config(run_dir))
         return cls(config, run_dir, consumer, coordinator, metrics, buffer_process)
@@ -74,6 +74,7 @@ class LearnerServices:
         while len(groups) < wanted:
             if time.monotonic() > deadline:
                 raise BatchTimeout(f"only {len(groups)} of {wanted} groups arrived in {self.config.learner.batch_timeout_s}s")
+            self._check_buffer_alive()
             self.catch_up_servers()
             samples = (wanted - len(groups)) * self.config.rollout.sampling.n
             part = self.consumer.next_batch(version, max_samples=samples, wait_s=self.config.rollout.weight_sync.heartbeat_s)
@@ -83,6 +84,12 @@ class LearnerServices:
         # the consumer's position moved with every part: it is where the whole batch leaves the learner
         return Batch(groups=groups, offsets=offsets, next_offset=self.consumer.position, dropped_stale=dropped,
                      next_ahead=self.consumer.ahead)
+
+    def _check_buffer_alive(self) -> None:
+        """Raise, naming the buffer's log, when the buffer this learner started has exited (instead of the
+        timeouts of requests nobody answers)."""
+        if self.buffer_process is not None and (code := self.buffer_process.process.poll()) is not None:
+            raise RuntimeError(f"the buffer exited with code {code}: see {self.run_dir / BUFFER_LOG}")
 
     def sync_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> RoundReport:
         self.latest_weights, self.latest_version = weights, version
@@ -114,12 +121,23 @@ class LearnerServices:
                  settings.final_wait_s, version)
         while time.monotonic() < deadline:
             self.catch_up_servers()  # a server (re)started after the last round must reach the final weights
+            self.coordinator.tell_servers(ValidateVersion(version))  # again each time: a server may join late
             latest |= self.coordinator.new_validation()
             if latest.get(VERSION_KEY, NOT_VALIDATED) >= version:
                 return latest
             time.sleep(self.config.rollout.weight_sync.heartbeat_s)
         log.warning("no validation of the final version %d within validation.final_wait_s=%.0fs", version, settings.final_wait_s)
         return latest
+
+    def finish(self, version: int) -> None:
+        """The job ended at `version`: tell the servers (they stop, and `asyncrl rollout` exits), waiting up to
+        rollout.weight_sync.liveness_s for each to answer, and leave the end in the endpoints file for a server
+        or an `asyncrl rollout` that starts later."""
+        log.info("job finished at step %d: telling the rollout servers to stop", version)
+        silent = self.coordinator.finish_job(version, self.config.rollout.weight_sync.liveness_s)
+        if silent:
+            log.warning("%s did not answer the end of the job within rollout.weight_sync.liveness_s", silent)
+        write_endpoints(self.run_dir, {FINISHED_KEY: version})
 
     def close(self) -> None:
         self.metrics.close()

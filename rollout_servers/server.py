@@ -4,6 +4,7 @@ group scored off the engine's loop and sent to the buffer (acknowledged), weight
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -23,7 +24,8 @@ from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
 from asyncrl.staleness import weights_lag
-from asyncrl.transport import AdmissionClient, TrajectoryProducer
+from asyncrl.stop_signal import ignore_stop_signals
+from asyncrl.transport import AdmissionClient, BufferTimeout, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_admission import ChatAdmission
@@ -34,6 +36,7 @@ from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.chat_tools import ToolCallReader
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.learner_wait import LearnerWait
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
 from rollout_servers.sample_slots import Claim, SampleSlots
@@ -51,6 +54,7 @@ VALIDATING_SERVER = 0  # index of the one server that runs validation passes
 class Endpoints:
     buffer: str  # tcp:// address of the trajectory buffer
     sync: str  # tcp:// address of the learner's weight-sync coordinator
+    learner_dir: Path | None = None  # the run directory whose endpoints file named them (None: fixed by the config)
 
 
 @dataclass
@@ -106,6 +110,12 @@ class RolloutServer:
         self._chat_tools = ToolCallReader(chat.tool_parser, self.tokenizer) if chat.enabled and chat.tool_parser else None
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
+        # the threads that wait on the buffer's sockets (one at a time: `_transport_lock`), apart from asyncio's own
+        self._buffer_threads = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="buffer-io")
+        self._learner_wait = LearnerWait(endpoints.buffer, endpoints.sync, endpoints.learner_dir)
+        self.finished_version: int | None = None  # the learner's final version, once it said the job is finished
+        self._buffer_calls: set[concurrent.futures.Future] = set()  # requests to the buffer not known to be done
+        self._buffer_quiet = asyncio.Event()  # set once stopped with no request to the buffer left running
 
     async def serve(self) -> None:
         rollout = self.config.rollout
@@ -114,7 +124,9 @@ class RolloutServer:
                           rollout.engine.max_model_len)
         buffer = self.config.buffer
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
-                          rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir)
+                          rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir,
+                          on_validate=self.validator.request if self.validator else lambda version: None,
+                          on_finished=self.leave)
         telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._telemetry(engine),
                                     curve_dir=buffer.curve_dir)
         background = [asyncio.create_task(sync.run()), asyncio.create_task(telemetry.run())]
@@ -140,6 +152,7 @@ class RolloutServer:
                 await cancel(task)
             for closable in (sync, telemetry, admission, producer):
                 closable.close()
+            self._buffer_threads.shutdown(wait=False, cancel_futures=True)
             engine.shutdown()
 
     async def _start_chat(self, engine: RolloutEngine, producer: TrajectoryProducer) -> ChatEndpoint | None:
@@ -175,8 +188,7 @@ class RolloutServer:
             return None
         prompts = load_validation_prompts(self.config, self.tokenizer)
         log.info("validating every %d versions on %d held-out prompts", self.config.validation.every, len(prompts))
-        return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer,
-                         final_version=self.config.learner.total_steps)
+        return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer)
 
     def _start_validation(self, engine: RolloutEngine, scorer: RewardScorer, agent: AgentLoop) -> asyncio.Task | None:
         """The background task that validates due versions (server 0 with validation on), or None."""
@@ -204,12 +216,39 @@ class RolloutServer:
     def stop(self) -> None:
         self._stop.set()
 
+    def finish(self, version: int) -> None:
+        """The learner ended the job at `version`: stop generating."""
+        log.info("the learner finished the job at step %d: %s stops", version, self.server_id)
+        ignore_stop_signals()  # its supervisor stops the other servers now: this one's teardown runs to its end
+        self.finished_version = version
+        self.stop()
+
+    async def leave(self, version: int) -> None:
+        """`finish`, and return once nothing is being sent to the buffer any more (the learner closes it when
+        every server has left)."""
+        self.finish(version)
+        await self._buffer_quiet.wait()
+
     async def _generate_forever(self, engine: RolloutEngine, agent: AgentLoop, admission: AdmissionClient,
                                 producer: TrajectoryProducer, scorer: RewardScorer) -> None:
-        rollout = self.config.rollout
         # Prompts the previous process of this server was granted and left unacknowledged come first;
         # the buffer still counts them as running for this server, so they need no new grant.
         running = {self._start_group(engine, agent, producer, scorer) for _ in range(self.prompts.owed)}
+        try:
+            await self._generate_until_stopped(engine, agent, admission, producer, scorer, running)
+        finally:  # stopped: what is still sampled is regenerated by this server's next process, if any
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            # a cancelled task's request may still run in its thread (a group being acknowledged): let it end
+            running_calls = [call for call in self._buffer_calls if not call.done()]
+            await asyncio.to_thread(concurrent.futures.wait, running_calls, self.config.buffer.client_timeout_s)
+            self._buffer_quiet.set()
+
+    async def _generate_until_stopped(self, engine: RolloutEngine, agent: AgentLoop, admission: AdmissionClient,
+                                      producer: TrajectoryProducer, scorer: RewardScorer, running: set[asyncio.Task]) -> None:
+        """Start groups as admission allows, keeping `running` (updated in place) the set of those not done."""
+        rollout = self.config.rollout
         learner_version = (await self._ask(admission, 0, len(running))).policy_version
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
@@ -223,9 +262,10 @@ class RolloutServer:
                 running.add(self._start_group(engine, agent, producer, scorer))
             idle_from = time.perf_counter() if not running else None
             if running:
-                done, running = await asyncio.wait(running, timeout=rollout.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(running, timeout=rollout.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                running -= done
                 for task in done:
-                    task.result()  # a failure here is a bug: surface it (the supervisor restarts the server)
+                    task.result()  # a bug, or the learner back elsewhere: it ends the server (the supervisor restarts it)
             else:
                 await asyncio.sleep(rollout.poll_s)
             if idle_from is not None:
@@ -249,7 +289,24 @@ class RolloutServer:
         `wanted` more."""
         finished, self._finished_since_grant = self._finished_since_grant, 0
         running += self._chat_places.held
-        return await asyncio.to_thread(self._locked, admission.request, max(wanted, 0), finished, running)
+        return await self._to_buffer(admission.request, max(wanted, 0), finished, running)
+
+    async def _to_buffer(self, request, *args):
+        """`request(*args)` on the buffer's sockets, in a thread. While the buffer does not answer (its learner is
+        gone), the same request is made again and the server waits for the learner (`LearnerWait`)."""
+        while True:
+            call = self._buffer_threads.submit(self._locked, request, *args)
+            self._buffer_calls.add(call)
+            try:
+                answer = await asyncio.wrap_future(call)
+            except BufferTimeout as error:
+                self._learner_wait.silent(error)
+                continue
+            finally:
+                if call.done():  # else its thread still runs it, cancelled or not: the stop waits for it
+                    self._buffer_calls.discard(call)
+            self._learner_wait.answered()
+            return answer
 
     def _start_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
                      scorer: RewardScorer) -> asyncio.Task:
@@ -271,7 +328,7 @@ class RolloutServer:
             slots.release()
         group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
                                 trajectories=trajectories)
-        ack = await asyncio.to_thread(self._locked, producer.send, group)
+        ack = await self._to_buffer(producer.send, group)
         self.prompts.acknowledge(number)
         self.stats.groups_duplicate += ack.duplicate
         self._finished_since_grant += 1

@@ -10,28 +10,31 @@ record id, so every prompt reaches the buffer exactly once (see `rollout_servers
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import os
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Sequence
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.endpoints import ENDPOINTS_FILE
-from asyncrl.exit_codes import CANNOT_START
-from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_on_sigterm
+from asyncrl.endpoints import ENDPOINTS_FILE, FINISHED_KEY, read_endpoints
+from asyncrl.exit_codes import CANNOT_START, LEARNER_MOVED
+from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_once
 from asyncrl.logs import setup_logging
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import pin
 from asyncrl.restarts import QuickDeaths
+from rollout_servers.learner_wait import LearnerFinished, LearnerMoved
 from rollout_servers.server import Endpoints, RolloutServer
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signal
+NOT_FINISHED = -1  # the job-end value while the learner has not announced its final step
 STATE_DIR = "rollout"  # under the run dir: each server's prompt-stream position (`PromptStream`)
 
 
@@ -58,47 +61,58 @@ class ServerSlot:
 
 
 def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> Endpoints:
-    """Explicit addresses from config, else the learner's endpoints file in the run dir (waited for)."""
+    """Explicit addresses from config, else the learner's endpoints file in the run dir (waited for);
+    LearnerFinished when the file says that the job is over."""
     if config.buffer.address and config.rollout.weight_sync.control_address:
         return Endpoints(config.buffer.address, config.rollout.weight_sync.control_address)
-    path = run_dir / ENDPOINTS_FILE
     deadline = time.monotonic() + timeout_s
-    while not path.is_file():
+    while (found := read_endpoints(run_dir)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"no learner endpoints at {path} after {timeout_s:.0f}s: start `asyncrl learner` with the same "
-                "run.name, or set buffer.address and rollout.weight_sync.control_address"
+                f"no learner endpoints at {run_dir / ENDPOINTS_FILE} after {timeout_s:.0f}s: start `asyncrl learner` "
+                "with the same run.name, or set buffer.address and rollout.weight_sync.control_address"
             )
         time.sleep(_POLL_S)
-    found = json.loads(path.read_text())
-    return Endpoints(config.buffer.address or found["buffer"], config.rollout.weight_sync.control_address or found["sync"])
+    if FINISHED_KEY in found:
+        raise LearnerFinished(found[FINISHED_KEY])
+    return Endpoints(config.buffer.address or found["buffer"], config.rollout.weight_sync.control_address or found["sync"],
+                     run_dir)
 
 
 def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path,
-              server_gpus: Sequence[Sequence[int]] | None = None) -> None:
-    """Run `rollout.num_servers` servers until SIGINT/SIGTERM; restart the ones that die (`SupervisorGaveUp`
-    when one cannot start or keeps dying). Endpoints are looked up at every (re)start, so servers follow a
-    learner that restarted on new addresses. `server_gpus[i]`: the GPUs server i may see (None: all)."""
+              server_gpus: Sequence[Sequence[int]] | None = None) -> int | None:
+    """Run `rollout.num_servers` servers until SIGINT/SIGTERM (None) or the end of the learner's job (its final
+    step); restart the ones that die (`SupervisorGaveUp` when one cannot start or keeps dying). Endpoints are
+    looked up at every (re)start, so servers follow a learner that restarted on new addresses.
+    `server_gpus[i]`: the GPUs server i may see (None: all)."""
     context = multiprocessing.get_context("spawn")
     stop = StopSignal()
+    job_end = context.Value("q", NOT_FINISHED)  # a server writes the final step the learner announced
     slots = [ServerSlot(QuickDeaths.of(config.rollout, config.rollout.max_restarts)) for _ in range(config.rollout.num_servers)]
     try:
-        while not stop.requested:
+        while not stop.requested and job_end.value == NOT_FINISHED:
             for index, slot in enumerate(slots):
                 if slot.process is not None and slot.process.is_alive():
                     continue
+                if job_end.value != NOT_FINISHED:  # it exited because the job is over
+                    break
+                if slot.process is not None and slot.process.exitcode == LEARNER_MOVED:
+                    slot.process = None  # not a death: it starts again at once, on the learner's new addresses
                 if slot.process is not None:
                     schedule_restart(slot, index, run_dir, time.monotonic())
                 if time.monotonic() >= slot.next_start:
                     endpoints = find_endpoints(config, endpoints_dir, config.rollout.connect_timeout_s)
                     gpus = list(server_gpus[index]) if server_gpus is not None else None
-                    slot.process = context.Process(target=serve_one, args=(config, index, endpoints, str(run_dir), gpus),
-                                                   daemon=False)
+                    slot.process = context.Process(target=serve_one, args=(config, index, endpoints, str(run_dir), gpus,
+                                                                           job_end), daemon=False)
                     slot.process.start()
                     slot.started_at = time.monotonic()
             time.sleep(_POLL_S)
+    except LearnerFinished as finished:  # found in the endpoints file while a server was to (re)start
+        return finished.version
     finally:
         _stop_all([slot.process for slot in slots if slot.process is not None], config.rollout.stop_timeout_s)
+    return None if job_end.value == NOT_FINISHED else job_end.value
 
 
 def schedule_restart(slot: ServerSlot, index: int, run_dir: Path, now: float) -> None:
@@ -121,11 +135,15 @@ def server_log(run_dir: Path | str, index: int) -> Path:
     return Path(run_dir) / "logs" / f"rollout{index}.log"
 
 
-def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, gpus: list[int] | None = None) -> None:
-    """Server `index` in this process until a stop signal (exit CANNOT_START if it cannot be built); `gpus`:
-    the GPUs it may see (None: as the process found them)."""
+def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, gpus: list[int] | None = None,
+              job_end: Synchronized | None = None) -> None:
+    """Server `index` in this process until a stop signal or the end of the job, whose final step goes to
+    `job_end`. Exits CANNOT_START if it cannot be built, LEARNER_MOVED when the learner came back on other
+    addresses, 1 (the error and its traceback in the server's log) on any other failure. `gpus`: the GPUs it may
+    see (None: as the process found them)."""
+    die_with_spawning_parent()  # a supervisor killed outright takes its servers along
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
-    interrupt_on_sigterm()
+    interrupt_once()  # a second stop (the run's, then the supervisor's) must not break the server's teardown
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if gpus is not None:
         pin(gpus)  # before vLLM first touches CUDA
@@ -138,8 +156,18 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
         asyncio.run(server.serve())
     except KeyboardInterrupt:
         log.info("server-%d stopped", index)
+    except LearnerFinished as finished:  # while it waited for the learner
+        server.finish(finished.version)
+    except LearnerMoved as moved:
+        log.info("server-%d restarts: %s", index, moved)
+        sys.exit(LEARNER_MOVED)
+    except Exception as error:
+        log.exception("server-%d failed: %s: %s", index, type(error).__name__, error)
+        sys.exit(1)
     finally:
-        ignore_stop_signals()  # the supervisor's SIGTERM follows the run's: the exit path must run to its end
+        ignore_stop_signals()  # whatever ended it, its exit path (multiprocessing's, vLLM's atexit) runs to its end
+    if server.finished_version is not None and job_end is not None:
+        job_end.value = server.finished_version
 
 
 def _stop_all(processes: list[multiprocessing.Process], timeout_s: float) -> None:

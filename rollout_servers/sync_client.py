@@ -1,32 +1,49 @@
 """The server's side of weight-sync rounds: heartbeats to the learner's coordinator, and each invite
-turned into a (re)join of the transfer group plus an in-flight update of the engine."""
+turned into a (re)join of the transfer group plus an in-flight update of the engine. The learner's other
+requests come on the same socket: validate a version (its final one), and the end of the job."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import connect_control
 from asyncrl.transport.sockets import MS_PER_S
-from asyncrl.weight_transfer.control_messages import SyncDone, SyncInvite, SyncJoin, SyncPrepare, SyncReady
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, SyncDone, SyncInvite, SyncJoin,
+                                                      SyncPrepare, SyncReady, ValidateVersion)
 from rollout_servers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
 
+def _ignore(version: int) -> None:
+    pass
+
+
+async def _leave_at_once(version: int) -> None:
+    pass
+
+
 class SyncClient:
     def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
-                 curve_dir: str = "") -> None:
-        """`curve_dir`: the job's CURVE keys (buffer.curve_dir), needed when the coordinator has them."""
+                 curve_dir: str = "", on_validate: Callable[[int], None] = _ignore,
+                 on_finished: Callable[[int], Awaitable[None]] = _leave_at_once) -> None:
+        """`curve_dir`: the job's CURVE keys (buffer.curve_dir), needed when the coordinator has them.
+        `on_validate(version)`: the learner asks for a validation of `version`; `await on_finished(version)`: the
+        job ended at `version`, and once it returns the client tells the learner that the server leaves (the
+        learner then closes the buffer), and stops."""
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
         self.socket = connect_control(address, curve_dir)
+        self.on_validate, self.on_finished = on_validate, on_finished
         self.last_pause_s = 0.0  # pause-to-resume time of the last successful update
         self.updates = 0  # successful updates
+        self.finished = False  # the learner ended the job: no more heartbeats
 
     async def run(self) -> None:
-        """Heartbeat and serve invites until cancelled."""
-        while True:
+        """Heartbeat and serve the learner's requests until cancelled or the job is finished."""
+        while not self.finished:
             await self.socket.send(encode(self._join()))
             if await self.socket.poll(int(self.heartbeat_s * MS_PER_S)):
                 await self._handle(await self.socket.recv())
@@ -47,6 +64,12 @@ class SyncClient:
             await self.socket.send(encode(SyncReady(self.server_id, message.round_id)))
         elif isinstance(message, SyncInvite):
             await self._update(message)
+        elif isinstance(message, ValidateVersion):
+            self.on_validate(message.version)
+        elif isinstance(message, JobFinished):
+            await self.on_finished(message.version)
+            await self.socket.send(encode(ServerLeaving(self.server_id)))
+            self.finished = True
         else:
             log.warning("ignoring a %s message on the weight-sync socket", type(message).__name__)
 

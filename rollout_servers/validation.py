@@ -84,20 +84,24 @@ class Validator:
     """Runs passes when due and holds the latest result for the server's telemetry (`ServerTelemetry` fields)."""
 
     def __init__(self, settings: ValidationConfig, sampling: SamplingConfig, prompts: list[ValidationPrompt],
-                 tokenizer: Any, final_version: int) -> None:
+                 tokenizer: Any) -> None:
         self.settings = settings
-        self.final_version = final_version  # the learner's last version is validated whatever `every` is
+        self.requested: set[int] = set()  # versions the learner asked for (its final one), whatever `every` is
         self.sampling = dataclasses.replace(sampling, n=settings.n, temperature=settings.temperature)
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.metrics: dict[str, float] = {}  # val/* of the latest pass
         self.version = NOT_VALIDATED  # policy version the latest pass started on
 
+    def request(self, version: int) -> None:
+        """Validate `version` once the engine holds it, multiple of `every` or not (the learner's final version)."""
+        self.requested.add(version)
+
     def is_due(self, version: int) -> bool:
-        """A multiple of `every`, or the final version, not validated yet (validation off when `every` is 0)."""
+        """A multiple of `every`, or a requested version, not validated yet (validation off when `every` is 0)."""
         if not self.settings.every or not self.prompts or version <= self.version:
             return False
-        return version % self.settings.every == 0 or version == self.final_version
+        return version % self.settings.every == 0 or version in self.requested
 
     async def run_pass(self, engine: GroupEngine, scorer: Scorer, episodes: Episodes | None = None) -> dict[str, float]:
         """Sample, score and summarise every validation prompt on the engine's current weights."""

@@ -15,17 +15,21 @@ from typing import Any, Iterator
 
 import torch
 
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, TransferGroup
 from asyncrl.weight_transfer.group import IPC
 from asyncrl.weight_transfer.ipc import SharedWeightsReader
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat
+from rollout_servers.vllm_log_filters import drop_expected_warnings
 
 log = logging.getLogger(__name__)
 
 
 def register() -> None:
     """Entry point named in pyproject.toml; vLLM calls it in its engine and worker processes."""
+    die_with_spawning_parent()  # vLLM's engine core and workers: gone with the server that started them
+    drop_expected_warnings()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:

@@ -15,5 +15,9 @@ def main(args: argparse.Namespace) -> int:
     from buffer.service import run_buffer
 
     log.info("starting the buffer in %s", directory)
-    run_buffer(config.buffer, directory)
+    try:
+        run_buffer(config.buffer, directory)
+    except Exception as error:  # the reason and its traceback into the buffer's output, its log
+        log.exception("buffer failed: %s: %s", type(error).__name__, error)
+        return 1
     return 0

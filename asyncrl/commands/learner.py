@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
+from pathlib import Path
 
 from asyncrl.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
@@ -37,21 +40,24 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if plan is not None:
         pin(plan.learner)  # the ranks (spawned below) see their GPUs as 0..nproc-1
-    if not spawn_ranks(config, str(run_dir)):
+    code = spawn_ranks(config, str(run_dir), log)
+    if code == INTERRUPTED:
         log.warning("stopped by a signal: the ranks closed their services and exited")
-        return INTERRUPTED
     print(f"RUN_DIR {run_dir}", flush=True)
-    return 0
+    return code
 
 
-def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> bool:
-    """Run learner.nproc local ranks to the end; False when a stop signal ended them first.
+def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int:
+    """Run learner.nproc local ranks to the end; the exit code: 0, INTERRUPTED when a stop signal ended them
+    first, 1 when one failed (one line here; its error and traceback are in its log).
 
     SIGTERM (what `asyncrl run` sends the learner's process group) is taken like Ctrl-C, here and in every
     rank: a rank unwinds through its `finally` (buffer stopped, metrics closed, its process group left) and
-    exits, and this process waits for that. Killed outright, a rank left the multiprocessing resource tracker
+    exits, and this process waits for that. A signal to this process alone (a process manager's) is passed on
+    to the ranks. Killed outright, a rank left the multiprocessing resource tracker
     warning about a leaked semaphore (tqdm's, from loading the model) on the console."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     from learner.main import spawned_rank
 
@@ -62,9 +68,16 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str) -> bool:
     try:
         while not context.join():
             pass
-    except KeyboardInterrupt:  # the ranks got the same signal: they are on their way out
+    except KeyboardInterrupt:
+        for process in context.processes:  # a signal to this process alone (a process manager's) reaches them too
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
         for process in context.processes:
             process.join()
-        return False
-    return True
+        return INTERRUPTED
+    except ProcessException as error:  # torch ends the other ranks
+        rank_log = Path(run_dir) / "logs" / f"learner{error.error_index}.log"
+        log.error("learner rank %d failed (%s): see %s", error.error_index, str(error).strip().splitlines()[0], rank_log)
+        return 1
+    return 0
 

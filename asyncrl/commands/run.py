@@ -14,6 +14,7 @@ from pathlib import Path
 from asyncrl.commands.common import check_input_files, start
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.parent_death import launched_environment
 from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
@@ -46,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     code = 0
     try:
         while not stop.requested and learner.poll() is None:
-            if rollout is not None and rollout.poll() is not None:
+            if rollout is not None and rollout.poll() not in (None, 0):  # 0: the learner told it the job is finished
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
                 for line in last_errors(run_dir / "logs" / "rollout.log"):
                     log.error("  %s", line)
@@ -86,8 +87,9 @@ def last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:
 def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False) -> subprocess.Popen:
     output = open(log_path, "ab")
     stderr = None if stderr_to_console else subprocess.STDOUT
-    # A session of its own: stopping it reaches every process below (vLLM engine cores, learner ranks).
-    return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=os.environ.copy())
+    # A session of its own: stopping it reaches every process below (vLLM engine cores, learner ranks). The
+    # child dies with this process, should it be killed outright (`asyncrl.parent_death`).
+    return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=launched_environment())
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.rewards.builtin import compute_score
 from asyncrl.rewards.custom import RewardFunction, load_reward_function
 from asyncrl.rewards.results import RewardRequest, RewardResult, describe_exception, result_from_return
@@ -52,6 +53,7 @@ def score_request(function: RewardFunction, request: RewardRequest) -> RewardRes
 
 def worker_main(conn: Connection, path: str, name: str) -> None:
     """Entry point of a spawned worker process."""
+    die_with_spawning_parent()  # a server killed outright takes its workers along, even mid-call
     # Ctrl-C, and `asyncrl run` stopping a role, signal the whole process group; the pool alone decides when
     # its workers stop (a worker killed first was counted as a death and replaced while the server shut down)
     ignore_stop_signals()

@@ -45,7 +45,9 @@ class TrajectoryProducer:
         self.resends = 0  # records sent again (no ack in time, or buffer full)
 
     def send(self, group: TrajectoryGroup) -> Ack:
-        """Send one group and wait for its acknowledgement."""
+        """Send one group and wait for its acknowledgement. A group whose last send raised BufferTimeout is
+        sent again under a fresh deadline (the same record id: the buffer keeps it once)."""
+        self.in_flight.pop(group.record_id, None)
         self.submit(group)
         while group.record_id in self.in_flight:
             self.pump()

@@ -79,3 +79,29 @@ class SyncDone:
     ok: bool  # the weights were received and loaded
     seconds: float = 0.0  # its pause-to-resume time
     error: str = ""  # why it failed, when it did
+
+
+@message("validate_version")
+@dataclass
+class ValidateVersion:
+    """The learner asks for a validation pass of `version` once a server holds it (its final version, which
+    need not be a multiple of validation.every); sent again until the pass is reported, so a server that
+    (re)joins late hears it too."""
+
+    version: int  # policy version to validate
+
+
+@message("job_finished")
+@dataclass
+class JobFinished:
+    """The learner trained its last step: servers stop, and `asyncrl rollout` exits naming `version`."""
+
+    version: int  # the final policy version (learner.total_steps)
+
+
+@message("server_leaving")
+@dataclass
+class ServerLeaving:
+    """A server's answer to `JobFinished`: it stops for good, and the coordinator forgets it at once."""
+
+    server_id: str  # the server that stops

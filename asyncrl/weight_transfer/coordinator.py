@@ -24,8 +24,8 @@ from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
 from asyncrl.transport.control import bind_control
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
-from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
-                                                      SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
+                                                      SyncJoin, SyncPrepare, SyncReady)
 from asyncrl.weight_transfer.group import IPC, GroupAddress, WeightTransferError, transfer_device
 from asyncrl.weight_transfer.ipc import OTHER_GPU, SharedWeights
 from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
@@ -79,7 +79,7 @@ class SyncCoordinator:
         self.members: dict[str, Member] = {}
         self._sender: WeightSender | None = None  # gloo / NCCL: the trainer's end of the group
         self._shared: SharedWeights | None = None  # IPC: the buffer the servers map
-        self._group_members: tuple[str, ...] = ()
+        self._group_members: tuple[bytes, ...] = ()  # socket identities of the group's servers: a restarted one is new
         self._round = 0
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
         self._server_metrics = ServerMetrics()
@@ -201,7 +201,8 @@ class SyncCoordinator:
             named_tensors, report.transfer_seconds = self._write_shared(named_tensors)
         else:
             named_tensors = stage_for_transfer(named_tensors, transfer_device(self.backend), self.staging_bytes)
-        rebuild = tuple(invited) != self._group_members
+        identities = tuple(self.members[name].identity for name in invited)
+        rebuild = identities != self._group_members
         address, init_infos = self._plan_group(invited) if rebuild else (None, {})
         for name in invited:
             invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
@@ -209,7 +210,7 @@ class SyncCoordinator:
         try:
             if address is not None and self.backend != IPC:
                 self._sender = WeightSender.open(address)
-            self._group_members = tuple(invited)
+            self._group_members = identities
             if self._sender is not None:
                 report.transfer_seconds = self._sender.send_weights(named_tensors)
         except WeightTransferError as error:
@@ -224,6 +225,21 @@ class SyncCoordinator:
             self._close_group()  # a member may be stuck mid-broadcast: never reuse this group
         report.seconds = time.perf_counter() - started
         return report
+
+    def tell_servers(self, notice: object) -> list[str]:
+        """Send `notice` (a control message) to every live server; the servers it went to."""
+        live = self.live_members()
+        for name in live:
+            self.socket.send_multipart([self.members[name].identity, encode(notice)])
+        return live
+
+    def finish_job(self, version: int, timeout_s: float) -> list[str]:
+        """Tell every live server that the job ended at `version`, again each `liveness_s`, until each has
+        answered that it leaves or `timeout_s` passed; the servers that did not answer."""
+        deadline = time.monotonic() + timeout_s
+        while (live := self.tell_servers(JobFinished(version))) and time.monotonic() < deadline:
+            self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * 1000))
+        return live
 
     def close(self) -> None:
         self._close_group()
@@ -316,6 +332,8 @@ class SyncCoordinator:
             self._identities[msg.server_id] = identity
         elif isinstance(msg, ServerTelemetry):
             self._telemetry[msg.server_id] = (time.monotonic(), msg)
+        elif isinstance(msg, ServerLeaving) and self.members.pop(msg.server_id, None) is not None:
+            log.info("rollout server %s left: the job is finished", msg.server_id)
         return msg
 
     def _close_group(self) -> None:

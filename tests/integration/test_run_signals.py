@@ -1,8 +1,10 @@
 """`asyncrl run` stops cleanly on Ctrl-C (SIGINT to its process group, as a terminal sends it) and on
-SIGTERM: every process it started is gone afterwards and the last line is the run directory.
+SIGTERM (to it alone, as a process manager sends it): every process it started is gone afterwards and the last
+line is the run directory. Killed outright (`kill -9`), it leaves no process behind either: each one it started
+dies with its parent (`asyncrl.parent_death`).
 
-SIGINT arrives mid-training (learner, buffer, rollout supervisor, server, vLLM engine core all up);
-SIGTERM arrives while the rollout server is still starting its engine, the other moment users stop.
+SIGINT and `kill -9` arrive mid-training (learner, buffer, rollout supervisor, server, vLLM engine core, reward
+workers all up); SIGTERM arrives while the rollout server is still starting its engine, the other moment users stop.
 """
 
 import os
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import psutil
 
 from run_helpers import alive, descendants, kill_tree, prepare, tiny_job
 
@@ -38,17 +42,35 @@ def _wait_for(condition, run: subprocess.Popen, what: str) -> None:
         time.sleep(POLL_S)
 
 
-def _stop_and_check(run: subprocess.Popen, signum: int, run_dir: Path) -> None:
+def _stop_and_check(run: subprocess.Popen, signum: int, run_dir: Path, whole_group: bool) -> None:
     tree = descendants(run.pid)
     assert len(tree) >= 3, tree  # learner, rollout supervisor, and what they started
-    os.killpg(run.pid, signum)
+    if whole_group:
+        os.killpg(run.pid, signum)
+    else:
+        run.send_signal(signum)
     stdout, _ = run.communicate(timeout=STOP_BOUND_S)
     assert run.returncode == 130, run.returncode
     assert stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"
+    _check_gone(tree)
+
+
+def _check_gone(tree: set[int]) -> None:
     deadline = time.monotonic() + STOP_BOUND_S
     while alive(tree) and time.monotonic() < deadline:
         time.sleep(POLL_S)
-    assert not alive(tree), f"left behind: {alive(tree)}"
+    assert not alive(tree), f"left behind: {_described(alive(tree))}"
+
+
+def _described(pids: set[int]) -> list[str]:
+    """Each pid with its command line, for a failure's message."""
+    found = []
+    for pid in sorted(pids):
+        try:
+            found.append(f"{pid} {' '.join(psutil.Process(pid).cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +86,7 @@ def test_ctrl_c_mid_training_stops_every_process(job_dir):
     try:
         metrics = run_dir / "metrics.jsonl"
         _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step")
-        _stop_and_check(run, signal.SIGINT, run_dir)
+        _stop_and_check(run, signal.SIGINT, run_dir, whole_group=True)
     finally:
         kill_tree(run.pid)
 
@@ -74,9 +96,32 @@ def test_sigterm_during_engine_start_stops_every_process(job_dir):
     run = _start_run(job_dir, "sigterm")
     try:
         _wait_for(lambda: (run_dir / "logs" / "rollout0.log").is_file(), run, "rollout server start")
-        _stop_and_check(run, signal.SIGTERM, run_dir)
+        _stop_and_check(run, signal.SIGTERM, run_dir, whole_group=False)
     finally:
         kill_tree(run.pid)
+
+
+def test_kill_9_mid_training_leaves_no_process_behind(job_dir):
+    run_dir = job_dir / "runs" / "sigkill"
+    run = _start_run(job_dir, "sigkill")
+    tree: set[int] = set()
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step")
+        tree = descendants(run.pid)
+        names = _described(tree)
+        # the ends of the chains: the learner's buffer; the server's engine core; spawned processes: the learner
+        # rank, the server and its reward worker(s)
+        assert any("asyncrl.cli buffer" in name for name in names), names
+        assert any("VLLM::EngineCore" in name for name in names), names
+        assert sum("multiprocessing.spawn" in name for name in names) >= 3, names
+        run.kill()  # nothing of asyncrl's runs now to stop the children: the kernel does, one generation at a time
+        run.wait()
+        _check_gone(tree)
+    finally:
+        kill_tree(run.pid)
+        for pid in alive(tree):  # orphans of a failed check, adopted by init: not below the run any more
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(job_dir):

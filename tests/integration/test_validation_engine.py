@@ -35,7 +35,7 @@ def test_greedy_pass_scores_the_engine_answer_right_and_a_wrong_truth_wrong(roll
     rows[0] = question("1+2=", engine_answer)  # the greedy answer is "right" by construction
     settings = ValidationConfig(every=1, n=SAMPLES, k=K, temperature=0.0)
     prompts = [ValidationPrompt(r, ids) for r, ids in zip(rows, prompt_ids)]
-    validator = Validator(settings, greedy, prompts, tokenizer, final_version=rollout_engine.current_version)
+    validator = Validator(settings, greedy, prompts, tokenizer)
     with RewardScorer(RewardConfig(num_workers=1)) as scorer:
         metrics = loop_runner.run(asyncio.wait_for(validator.run_pass(rollout_engine, scorer), PASS_TIMEOUT_S))
     assert metrics["val/score/mean"] == 0.5  # 2 of 4 samples right

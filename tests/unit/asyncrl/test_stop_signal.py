@@ -1,5 +1,6 @@
 """interrupt_on_sigterm turns a stop into a KeyboardInterrupt; ignore_stop_signals lets a process that has begun to
-stop finish its teardown through a second stop signal."""
+stop finish its teardown through a second stop signal; interrupt_once does both, the teardown protected from the
+moment of the first stop."""
 
 import subprocess
 import sys
@@ -41,3 +42,27 @@ def test_a_second_stop_signal_does_not_break_the_teardown():
 def test_without_it_the_second_stop_interrupts_the_teardown():  # the probe shows the hazard it guards
     done = run_stopped_twice("default")
     assert "teardown finished" not in done.stdout and "KeyboardInterrupt" in done.stderr
+
+
+# A rollout server's case: the teardown runs inside the interrupted call (asyncio.run cancelling its tasks), before
+# any `finally` of the caller could switch the signals off.
+TEARDOWN_INSIDE = """
+import os, signal, time
+from asyncrl.stop_signal import interrupt_once
+interrupt_once()
+try:
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the first stop
+        time.sleep(10)
+    finally:
+        os.kill(os.getpid(), signal.SIGINT)  # the second, while the teardown runs
+        time.sleep(0.2)
+        print("teardown finished", flush=True)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+def test_interrupt_once_protects_a_teardown_from_the_first_stop_on():
+    done = subprocess.run([sys.executable, "-c", TEARDOWN_INSIDE], capture_output=True, text=True, timeout=20)
+    assert done.stdout.split("\n")[:2] == ["teardown finished", "stopped"], done.stderr

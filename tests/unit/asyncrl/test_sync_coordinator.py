@@ -16,8 +16,8 @@ from asyncrl.messages import decode, encode
 from asyncrl.transport import generate_curve_keys
 from asyncrl.transport.sockets import connect_dealer
 from asyncrl.weight_transfer import TransferGroup, parse_update_info
-from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
-                                                      SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
+                                                      SyncJoin, SyncPrepare, SyncReady)
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.protocol import InitInfo
@@ -39,6 +39,7 @@ class FakeServer(threading.Thread):
         self.received: dict[int, dict[str, torch.Tensor]] = {}
         self.stop = threading.Event()
         self.version = 0
+        self.finished_at: int | None = None  # the final version of a JobFinished it answered
         self.joins = 0  # init requests received (a group joined, or a shared buffer mapped)
 
     def run(self) -> None:
@@ -54,6 +55,10 @@ class FakeServer(threading.Thread):
             if isinstance(message, SyncPrepare):
                 sock.send(encode(SyncReady(self.name_, message.round_id)))
                 continue
+            if isinstance(message, JobFinished):
+                sock.send(encode(ServerLeaving(self.name_)))
+                self.finished_at = message.version
+                break
             invite = message
             try:
                 if invite.init_info:
@@ -148,6 +153,44 @@ def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(stagi
         coord.close()
 
 
+def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
+    coord = coordinator()
+    first = FakeServer("s0", coord.address)
+    first.start()
+    try:
+        coord.wait_for_members(1, timeout_s=10)
+        assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
+        first.stop.set()
+        first.join()
+        restarted = FakeServer("s0", coord.address)  # a new process: a new socket, not in the old group
+        restarted.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while coord.members["s0"].identity == coord._group_members[0] and time.monotonic() < deadline:
+            coord.live_members()  # takes its heartbeats in
+        report = coord.broadcast(2, weights(2.0))
+        assert report.succeeded == ["s0"] and not report.failed, report
+        assert torch.equal(restarted.received[2]["a.weight"], torch.full((3, 2), 2.0))
+    finally:
+        first.stop.set()
+        restarted.stop.set()
+        coord.close()
+
+
+def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
+    coord = coordinator()
+    leaving, silent = FakeServer("leaving", coord.address), FakeServer("silent", coord.address, answer=False)
+    leaving.start()
+    silent.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        started = time.monotonic()
+        assert coord.finish_job(7, timeout_s=2 * LIVENESS_S) == ["silent"]  # it keeps heartbeating, never answers
+        assert time.monotonic() - started < TIMEOUT_S
+        leaving.join(TIMEOUT_S)
+        assert leaving.finished_at == 7 and "leaving" not in coord.members
+    finally:
+        leaving.stop.set()
+        silent.stop.set()
 def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once(monkeypatch):
     """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
     were written before the invitation), and maps it again when the weights outgrow it."""

@@ -10,8 +10,8 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.messages import decode, encode
-from asyncrl.weight_transfer.control_messages import (ServerTelemetry, SyncDone, SyncInvite, SyncJoin, SyncPrepare,
-                                                      SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
+                                                      SyncJoin, SyncPrepare, SyncReady, ValidateVersion)
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.telemetry import TelemetrySender
 
@@ -168,3 +168,33 @@ def test_telemetry_keeps_flowing_while_an_update_holds_the_sync_client():
             router.close(0)
 
     asyncio.run(scenario())
+
+
+def test_the_learner_asks_for_a_validation_and_ends_the_job():
+    async def scenario() -> tuple[list[int], list[int], object, bool]:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        validations, finished = [], []
+
+        async def leave(version: int) -> None:
+            finished.append(version)
+
+        client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", FakeEngine(), 1, HEARTBEAT_S,
+                            on_validate=validations.append, on_finished=leave)
+        task = asyncio.ensure_future(client.run())
+        try:
+            identity, _ = await first_heartbeat(router)
+            await router.send_multipart([identity, encode(ValidateVersion(12))])
+            await router.send_multipart([identity, encode(JobFinished(12))])
+            _, answer = await next_reply(router)
+            await asyncio.wait_for(task, REPLY_TIMEOUT_S)  # no more heartbeats: the client is done
+            return validations, finished, answer, task.done()
+        finally:
+            await cancel(task)
+            client.close()
+            router.close(0)
+
+    validations, finished, answer, done = asyncio.run(scenario())
+    assert validations == [12] and finished == [12] and done
+    assert answer == ServerLeaving("s0")

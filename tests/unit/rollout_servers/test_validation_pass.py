@@ -57,7 +57,7 @@ def make_validator(every: int = 10) -> tuple[Validator, FakeEngine]:
     engine = FakeEngine({(1,): ("3", 1), (2,): ("7", 2), (3,): ("x=1", 0)})
     settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5)
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=8)
-    return Validator(settings, sampling, prompts, CharTokenizer(), final_version=FINAL_VERSION), engine
+    return Validator(settings, sampling, prompts, CharTokenizer()), engine
 
 
 def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
@@ -74,9 +74,11 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert validator.telemetry_fields() == {"validation": metrics, "validation_version": 10}
 
 
-def test_due_on_each_new_multiple_of_every_and_the_final_version():
+def test_due_on_each_new_multiple_of_every_and_the_version_the_learner_asks_for():
     validator, engine = make_validator(every=10)
     assert validator.telemetry_fields() == {"validation": {}, "validation_version": -1}
+    assert not validator.is_due(FINAL_VERSION)
+    validator.request(FINAL_VERSION)  # the learner's final version
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]
     asyncio.run(validator.run_pass(engine, ExactMatchScorer()))  # validates version 10
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [20, 30, FINAL_VERSION]
@@ -134,7 +136,7 @@ def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rew
     prompts = [prompt([1], "3"), prompt([9], "7", source="game")]
     engine = FakeEngine({(1,): ("3", 2)})
     settings = ValidationConfig(every=10, n=N, k=K, temperature=0.5)
-    validator = Validator(settings, SamplingConfig(n=8), prompts, CharTokenizer(), final_version=FINAL_VERSION)
+    validator = Validator(settings, SamplingConfig(n=8), prompts, CharTokenizer())
     episodes = FakeEpisodes([1.0, 0.5, 0.0, 1.0])
     metrics = asyncio.run(validator.run_pass(engine, ExactMatchScorer(), episodes))
     assert episodes.calls == [("7", N, None, "validation")]

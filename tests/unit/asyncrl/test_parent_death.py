@@ -1,0 +1,84 @@
+"""A process started by a role dies when the role is killed outright: through `multiprocessing` (servers, ranks,
+reward workers, vLLM's engine core) and as an `asyncrl` command a launcher starts (learner, rollout, buffer)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+DEATH_BOUND_S = 20  # the kernel signals at once; slack for a loaded box
+POLL_S = 0.05
+
+# The middle process: starts a grandchild that asks to die with it, prints the grandchild's pid, then waits to be
+# killed. argv[1] says how the grandchild is started.
+MIDDLE = """
+import multiprocessing, subprocess, sys, time
+from asyncrl.parent_death import die_with_spawning_parent, launched_environment
+
+def grandchild():
+    die_with_spawning_parent()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    if sys.argv[1] == "spawn":
+        child = multiprocessing.get_context("spawn").Process(target=grandchild)
+        child.start()
+        pid = child.pid
+    else:
+        code = "from asyncrl.parent_death import die_with_launcher; import time; die_with_launcher(); time.sleep(600)"
+        pid = subprocess.Popen([sys.executable, "-c", code], env=launched_environment()).pid
+    print(pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def wait_gone(pid: int) -> bool:
+    deadline = time.monotonic() + DEATH_BOUND_S
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+@pytest.mark.parametrize("started_by", ["spawn", "command"])
+def test_a_child_dies_when_its_parent_is_killed_outright(tmp_path, started_by):
+    script = tmp_path / "middle.py"
+    script.write_text(MIDDLE)
+    middle = subprocess.Popen([sys.executable, str(script), started_by], stdout=subprocess.PIPE, text=True,
+                              env=os.environ.copy())
+    grandchild = int(middle.stdout.readline())
+    try:
+        middle.kill()  # before or after the grandchild made its request: it dies either way
+        middle.wait()
+        assert wait_gone(grandchild), f"grandchild {grandchild} outlived its parent"
+    finally:
+        for pid in (grandchild, middle.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_child_whose_parent_died_before_it_asked_dies_at_once():
+    code = "import os; from asyncrl.parent_death import die_with_parent; die_with_parent(os.getppid() + 1); print('alive')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == -signal.SIGKILL
+    assert "alive" not in done.stdout
+
+
+def test_the_launchers_pid_is_not_passed_on_to_the_commands_own_children():
+    from asyncrl.parent_death import PARENT_PID_ENV, launched_environment
+
+    code = f"import os; from asyncrl.parent_death import die_with_launcher; die_with_launcher(); print('{PARENT_PID_ENV}' in os.environ)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=launched_environment())
+    assert done.stdout.strip() == "False", done.stderr
