@@ -186,7 +186,7 @@ class Launch:
         """Notice a dead role, schedule its restart with exponential back-off, restart it when due."""
         if handle.restart_at is None:
             outcome = self.outcome(handle)
-            if outcome is None:
+            if outcome is None or outcome.code == 0:  # running, or done: a server leaves once the learner ends the job
                 return
             if outcome.code == CANNOT_START:
                 raise LaunchError(f"{handle.name} cannot start from this config (not restarted): see "
