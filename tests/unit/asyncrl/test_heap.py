@@ -39,7 +39,8 @@ def test_objects_alive_at_startup_leave_the_collectors_passes(thawed):
 
     frozen = freeze_startup_heap()
 
-    assert frozen == gc.get_freeze_count() >= len(survivors)
+    # frozen objects freed since (by a thread an earlier test left running) leave the count; none can join it
+    assert frozen >= gc.get_freeze_count() >= len(survivors)
     assert {id(item) for item in survivors}.isdisjoint(id(obj) for obj in gc.get_objects())
 
 

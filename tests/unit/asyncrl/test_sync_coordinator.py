@@ -191,6 +191,9 @@ def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
     finally:
         leaving.stop.set()
         silent.stop.set()
+        coord.close()
+
+
 def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once(monkeypatch):
     """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
     were written before the invitation), and maps it again when the weights outgrow it."""
