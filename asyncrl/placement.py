@@ -130,7 +130,7 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
 def leave_room_for_the_learner(config: AsyncRLConfig, log) -> None:
     """On a shared GPU the servers together take at most COLOCATED_SERVERS_SHARE of its memory (each server's
     `rollout.engine.gpu_memory_utilization` is lowered to fit, with a warning); the learner's
-    `micro_batch_tokens: auto` then sizes itself from what is left once the servers have started."""
+    `micro_batch_tokens: auto` leaves that share free, started or not (`servers_share_of_learner_gpu`)."""
     engine, servers = config.rollout.engine, config.rollout.num_servers
     if engine.gpu_memory_utilization * servers <= COLOCATED_SERVERS_SHARE:
         return
