@@ -24,10 +24,6 @@ from rollout_servers.sample_slots import SampleDone, reporting_done
 
 log = logging.getLogger(__name__)
 
-# After a keep-mode pause, outputs of the last step may still be on their way through vLLM's output
-# handler (vLLM itself sleeps 20 ms for this). Waiting a little longer lets the output processor count
-# them before the update's boundaries are read, on releases without exact version spans.
-OUTPUT_SETTLE_S = 0.05
 # Set while the current task samples a training group (`RolloutEngine.training_group`): its requests may be
 # abandoned once the group can no longer be trained. A context variable reaches the requests an agent loop
 # makes several calls down without a flag on every signature, and never the chat or validation requests.
@@ -211,8 +207,6 @@ class RolloutEngine:
                 message = f"weight update to version {version} failed; engine stays paused: {error}"
                 raise WeightSyncError(message) from error
             received_s = time.perf_counter() - paused_at
-            # The receive itself gives the last step's outputs time to be counted; wait only for the rest.
-            await asyncio.sleep(max(0.0, OUTPUT_SETTLE_S - received_s))
             self._mark_version_change(version)
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()

@@ -33,6 +33,7 @@ Differences handled here:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NoReturn
@@ -53,6 +54,12 @@ try:  # 0.32
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
 except ModuleNotFoundError:  # 0.24
     from vllm.entrypoints.openai.engine.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, UsageInfo
+
+# Draining vLLM's output queue after a pause: at most this many yields while outputs are queued (each lets the
+# handler take one), then this many more for the handler to finish the last one's chunks (a paused core sends
+# nothing new, so a handler that stopped cannot hold the pause longer than the first bound).
+DRAIN_MAX_YIELDS = 10_000
+DRAIN_TAIL_YIELDS = 16
 
 @dataclass
 class DenseUpdateInfo(UpdateInfo):
@@ -169,10 +176,30 @@ def update_request(update_info: dict[str, Any]) -> WeightTransferUpdateRequest:
 
 
 async def pause_keeping_requests(engine: AsyncLLM) -> None:
-    """Freeze scheduling; in-flight requests stay in the engine with their KV cache."""
+    """Freeze scheduling; in-flight requests stay in the engine with their KV cache. Returns once every output
+    the engine core sent before it paused has been counted by the output processor, so `tokens_sampled` read
+    now gives each request's tokens under the old weights.
+
+    vLLM's `pause_generation` ends with a fixed 20 ms sleep for the same purpose; asking the engine core
+    directly and waiting for the outputs themselves is exact and usually takes well under a millisecond: a
+    keep-mode pause is acknowledged only once the core is idle, after its last outputs, on the same ordered
+    socket, so they are already in the client's queue when the acknowledgement arrives."""
     if "mode" not in inspect.signature(engine.pause_generation).parameters:
         raise RuntimeError("this vLLM has no keep-mode pause_generation; in-flight weight updates need it")
-    await engine.pause_generation(mode="keep", clear_cache=False)
+    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+    await _outputs_counted(engine.engine_core.outputs_queue)
+
+
+async def _outputs_counted(outputs_queue: asyncio.Queue) -> None:
+    """Yield to vLLM's output handler until it has taken every queued output and finished processing the last
+    one (it yields once between chunks of `VLLM_V1_OUTPUT_PROC_CHUNK_SIZE` requests, and may send an abort for
+    requests that hit a stop string); bounded, since a paused core sends nothing new."""
+    for _ in range(DRAIN_MAX_YIELDS):
+        if outputs_queue.empty():
+            break
+        await asyncio.sleep(0)
+    for _ in range(DRAIN_TAIL_YIELDS):
+        await asyncio.sleep(0)
 
 
 async def finish_update(engine: AsyncLLM, version: int) -> None:

@@ -1,6 +1,7 @@
 """Building a Completion from vLLM's final output: bulk log-probs, exact version spans, else the update
 boundaries the engine recorded while paused."""
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -86,3 +87,51 @@ def test_an_abandoned_request_gives_a_stale_completion_without_tokens():
     stream.abandoned = True
     completion = stream.completion()
     assert (completion.finish_reason, completion.token_ids, completion.logprobs) == (STALE, [], [])
+
+
+class _QueuedOutputsCore:
+    """vLLM's engine client as a keep-mode pause leaves it: the core's last outputs arrive on the ordered socket
+    before the pause's acknowledgement, so they sit in `outputs_queue` when `pause_scheduler_async` returns."""
+
+    def __init__(self, batches: list[int]) -> None:
+        self.outputs_queue: asyncio.Queue[int] = asyncio.Queue()
+        self.batches = batches
+        self.pause_modes: list[str] = []
+
+    async def pause_scheduler_async(self, mode: str, clear_cache: bool) -> None:
+        self.pause_modes.append(mode)
+        for outputs in self.batches:
+            self.outputs_queue.put_nowait(outputs)
+
+
+class _PausableEngine:
+    def __init__(self, core: _QueuedOutputsCore) -> None:
+        self.engine_core = core
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        raise AssertionError("the pause asks the engine core itself (vLLM's own pause sleeps a fixed 20 ms)")
+
+
+async def _count_like_vllm(core: _QueuedOutputsCore, counted: list[int], chunk: int) -> None:
+    """vLLM's output handler: takes one queued output at a time and yields between chunks of requests."""
+    while True:
+        outputs = await core.outputs_queue.get()
+        for start in range(0, outputs, chunk):
+            counted.append(min(chunk, outputs - start))
+            if start + chunk < outputs:
+                await asyncio.sleep(0)
+
+
+def test_a_keep_mode_pause_returns_once_every_output_sent_before_it_is_counted() -> None:
+    async def pause_and_read() -> tuple[int, list[str]]:
+        core = _QueuedOutputsCore(batches=[300, 5, 129])  # requests per step output: several chunks of 128
+        counted: list[int] = []
+        handler = asyncio.create_task(_count_like_vllm(core, counted, chunk=128))
+        await vllm_compat.pause_keeping_requests(_PausableEngine(core))
+        seen = sum(counted)
+        handler.cancel()
+        return seen, core.pause_modes
+
+    seen, modes = asyncio.run(pause_and_read())
+    assert seen == 300 + 5 + 129
+    assert modes == ["keep"]
