@@ -97,7 +97,10 @@ def parse_args() -> argparse.Namespace:
                         help="long-tailed lengths per prompt (log-normal caps) or per sample (geometric, stop ids)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now ('' = none, only report)")
     parser.add_argument("--colocated", action="store_true", help="learner and server share GPU 0 (a one-GPU job)")
-    parser.add_argument("--servers", type=int, default=1, help="rollout servers, one GPU each (GPUs 0..S-1)")
+    parser.add_argument("--servers", type=int, default=1,
+                        help="rollout servers, --tensor-parallel GPUs each (GPUs 0..S·TP-1)")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="GPUs per rollout server (sets rollout.engine.tensor_parallel_size)")
     parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks, one GPU each (after the servers')")
     parser.add_argument("--out-dir", default="",
                         help="where every mode's run directory goes; runs already there are read back "
@@ -180,11 +183,13 @@ def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
     if args.colocated:
         return ["learner.gpus=[0]", "rollout.gpus=[0]"]
     server_count, rank_count = (1, 1) if mode == "sync" else (args.servers, args.learner_ranks)
-    servers, ranks = list(range(server_count)), list(range(server_count, server_count + rank_count))
+    server_gpus = server_count * args.tensor_parallel
+    servers, ranks = list(range(server_gpus)), list(range(server_gpus, server_gpus + rank_count))
     if len(servers) + len(ranks) > gpus:
-        raise SystemExit(f"--servers {args.servers} --learner-ranks {args.learner_ranks} need "
-                         f"{len(servers) + len(ranks)} GPUs; {gpus} are visible")
+        raise SystemExit(f"--servers {args.servers} --tensor-parallel {args.tensor_parallel} --learner-ranks "
+                         f"{args.learner_ranks} need {len(servers) + len(ranks)} GPUs; {gpus} are visible")
     return [f"rollout.num_servers={server_count}", f"learner.nproc={rank_count}",
+            f"rollout.engine.tensor_parallel_size={args.tensor_parallel}",
             f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
 
 

@@ -1,23 +1,27 @@
-"""Weight-sync wall time (pause → receive → resume) of a rollout engine, next to the transfer floor.
+"""Weight-sync wall time (pause → receive → resume) of rollout engines, next to the transfer floor.
 
 Two measurements in one run, on the same model's tensors:
-  floor        two plain processes (trainer on the learner's device, receiver on the server's) in an
+  floor        plain processes (trainer on the learner's GPU, one receiver per server GPU) in an
                `asyncrl.weight_transfer` group: every tensor broadcast one by one, as a sync sends them,
                and all bytes as one flat buffer (the collective's own floor)
-  engine       a `RolloutEngine` (vLLM AsyncLLM) serving the model, streaming --inflight requests, and a
+  engine       `RolloutEngine`s (vLLM AsyncLLM), one process each, streaming --inflight requests, and a
                trainer process: each round the trainer stages the weights on its device as the learner's
-               coordinator does (`rollout.weight_sync.staging_bytes`), then the engine pauses in keep mode,
+               coordinator does (`rollout.weight_sync.staging_bytes`), then every engine pauses in keep mode,
                receives every tensor through the vLLM plugin, and resumes; the pause-to-resume time is what
-               generation loses per sync. The trainer holds the weights on its GPU, as the learner does when
-               they fit in rollout.weight_sync.staging_bytes (--trainer-weights cpu: in CPU memory, as the
-               learner holds weights too large for it)
-On GPU: the engine uses cuda:0 and the trainer cuda:1 (NCCL); on CPU both are gloo processes.
---colocated: trainer and engine share cuda:0, as a one-GPU job does. There is no NCCL floor then; the engine is
-synced first through gloo (the baseline: weights through CPU memory), then through CUDA IPC (the trainer copies
-each round into its shared buffer before inviting the engine, which loads from its mapping of that buffer).
-Rounds are timed after one untimed warm-up round. Last line: RESULT {json} with weight_sync_ms (median
-pause-to-resume), nccl_floor_ms (median per-tensor floor), flat_floor_ms, and the bytes sent; colocated,
-colocated_weight_sync_ms, gloo_weight_sync_ms and ipc_vs_gloo instead of the floors.
+               generation loses per sync, and the round (invite to the last engine's resume) is what the
+               learner waits. The trainer holds the weights on its GPU, as the learner does when they fit in
+               rollout.weight_sync.staging_bytes (--trainer-weights cpu: in CPU memory, as the learner holds
+               weights too large for it)
+--servers 1,2,4: broadcast to that many engines at once, each size in its own group (the floor too), on one
+set of engines started once. On GPU, server i takes `rollout.engine.tensor_parallel_size` GPUs from GPU
+i·tp on and the trainer the GPU after the last server's (NCCL); on CPU every process is a gloo process.
+--colocated: trainer and one engine share cuda:0, as a one-GPU job does. There is no NCCL floor then; the
+engine is synced first through gloo (the baseline: weights through CPU memory), then through CUDA IPC (the
+trainer copies each round into its shared buffer before inviting the engine, which loads from its mapping).
+Rounds are timed after one untimed warm-up round per size. Last line: RESULT {json} with weight_sync_ms
+(median pause-to-resume of the first size), nccl_floor_ms (median per-tensor floor), flat_floor_ms, the bytes
+sent and, per size, broadcast_ms_by_servers (median round), pause_ms_by_servers and floor_ms_by_servers;
+colocated, colocated_weight_sync_ms, gloo_weight_sync_ms and ipc_vs_gloo instead of the floors.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -42,7 +47,7 @@ from asyncrl.weight_transfer.sender import stage_for_transfer
 
 SPAWN = multiprocessing.get_context("spawn")  # CUDA and vLLM both need fresh processes
 HOST = "127.0.0.1"
-TRAINER_RANK, RECEIVER_RANK = 0, 1
+TRAINER_RANK = 0
 WAIT_S = 600  # longest wait for a child's answer: no phase may hang the benchmark
 MS = 1000
 
@@ -51,12 +56,18 @@ MS = 1000
 class Placement:
     backend: str  # what is measured: "nccl", "gloo" or "ipc"
     trainer: torch.device  # the learner's device
-    receiver: torch.device  # the rollout server's device (the engine's, on GPU: cuda:0)
-    baseline: str = ""  # a backend measured first on the same engine, for comparison ("" = none)
+    server_gpus: list[list[int]]  # per server, the GPUs its engine uses ([] on CPU)
+    baseline: str = ""  # a backend measured first on the same engines, for comparison ("" = none)
 
     @property
     def backends(self) -> list[str]:
         return [self.baseline, self.backend] if self.baseline else [self.backend]
+
+    def receivers(self, servers: int) -> list[torch.device]:
+        """The devices of the first `servers` servers' workers, in group-rank order (the floor's receivers)."""
+        if not self.server_gpus[0]:
+            return [torch.device("cpu")] * servers
+        return [torch.device("cuda", gpu) for gpus in self.server_gpus[:servers] for gpu in gpus]
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,7 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="Hugging Face model directory served and sent")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the sent tensors")
     parser.add_argument("--rounds", type=int, default=5, help="timed sync rounds per measurement")
-    parser.add_argument("--inflight", type=int, default=32, help="requests streaming while the engine syncs")
+    parser.add_argument("--inflight", type=int, default=32, help="requests streaming on each engine while it syncs")
+    parser.add_argument("--servers", type=_sizes, default=[1],
+                        help="comma-separated numbers of servers receiving each broadcast, e.g. 1,2,4")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="deadline of each rendezvous and round")
     parser.add_argument("--trainer-weights", choices=("device", "cpu"), default="device",
                         help="where the trainer holds the weights between rounds: device (its GPU), as the learner does "
@@ -73,15 +86,35 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--colocated", action="store_true",
                         help="trainer and engine share GPU 0: measure CUDA IPC against gloo on the same engine")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.engine.dtype=bfloat16")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.colocated and args.servers != [1]:
+        parser.error("--colocated measures one engine: leave --servers at 1")
+    return args
 
 
-def placement(colocated: bool) -> Placement:
-    if colocated:
-        return Placement(IPC, torch.device("cuda", 0), torch.device("cuda", 0), baseline=GLOO)
-    if torch.cuda.device_count() >= 2:
-        return Placement("nccl", torch.device("cuda", 1), torch.device("cuda", 0))
-    return Placement(GLOO, torch.device("cpu"), torch.device("cpu"))
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--servers takes comma-separated counts, e.g. 1,2,4; got '{text}'")
+    if sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"--servers: every count is at least 1; got '{text}'")
+    return sizes
+
+
+def placement(args: argparse.Namespace, tensor_parallel: int) -> Placement:
+    servers = max(args.servers)
+    if args.colocated:
+        return Placement(IPC, torch.device("cuda", 0), [[0]], baseline=GLOO)
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return Placement(GLOO, torch.device("cpu"), [[] for _ in range(servers)])
+    needed = servers * tensor_parallel + 1
+    if gpus < needed:
+        raise SystemExit(f"{servers} servers of tensor_parallel_size {tensor_parallel} and a trainer need {needed} GPUs; "
+                         f"{gpus} are visible")
+    server_gpus = [list(range(i * tensor_parallel, (i + 1) * tensor_parallel)) for i in range(servers)]
+    return Placement("nccl", torch.device("cuda", servers * tensor_parallel), server_gpus)
 
 
 def load_tensors(model_dir: str, dtype: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -91,11 +124,11 @@ def load_tensors(model_dir: str, dtype: str, device: torch.device) -> list[tuple
     return weights_for_transfer(model)
 
 
-def group_address(where: Placement, timeout_s: float) -> GroupAddress:
-    return GroupAddress(HOST, free_port(), world_size=2, backend=where.backend, timeout_s=timeout_s)
+def group_address(backend: str, world_size: int, timeout_s: float) -> GroupAddress:
+    return GroupAddress(HOST, 0 if backend == IPC else free_port(), world_size=world_size, backend=backend, timeout_s=timeout_s)
 
 
-# floor phase: two plain processes -----------------------------------------------------------------------
+# floor phase: plain processes -------------------------------------------------------------------------------
 
 def floor_member(rank: int, address: GroupAddress, device: torch.device, model_dir: str, dtype: str, rounds: int, results) -> None:
     prepare_nccl_environment(address.host)
@@ -120,11 +153,13 @@ def _timed_round(group: TransferGroup, tensors: list[torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
-def measure_floor(args: argparse.Namespace, where: Placement) -> dict:
+def measure_floor(args: argparse.Namespace, where: Placement, servers: int) -> dict:
+    """The trainer broadcasting to one plain receiver per GPU of the first `servers` servers."""
     results = SPAWN.Queue()
-    address = group_address(where, args.timeout_s)
+    devices = [where.trainer] + where.receivers(servers)
+    address = group_address(where.backend, len(devices), args.timeout_s)
     members = [SPAWN.Process(target=floor_member, args=(rank, address, device, args.model, args.dtype, args.rounds, results))
-               for rank, device in ((TRAINER_RANK, where.trainer), (RECEIVER_RANK, where.receiver))]
+               for rank, device in enumerate(devices)]
     for process in members:
         process.start()
     floor = results.get(timeout=WAIT_S)
@@ -133,38 +168,16 @@ def measure_floor(args: argparse.Namespace, where: Placement) -> dict:
     return floor
 
 
-# engine phase: a RolloutEngine and a trainer process ------------------------------------------------------
+# engine phase: one process per RolloutEngine, and a trainer process ------------------------------------------
 
-def trainer(address: GroupAddress, device: torch.device, held_on: torch.device, staging_bytes: int, model_dir: str,
-            dtype: str, commands, results) -> None:
-    """Each round: stage (as the learner's coordinator does before inviting servers), say so, send. With IPC the
-    stage is the copy into the shared buffer and nothing is sent after it (its time is reported as the send)."""
-    prepare_nccl_environment(address.host)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    named = load_tensors(model_dir, dtype, held_on)
-    results.put(update_info_for(named))
-    if address.backend == IPC:
-        shared = SharedWeights()
-        shared.reserve(named)
-        results.put(shared.handle.as_dict())
-        while commands.get() is not None:
-            written_s = shared.write(named)
-            results.put("staged")
-            results.put(written_s)
-        shared.close()
-        return
-    sender = WeightSender.open(address, device)
-    while commands.get() is not None:
-        staged = stage_for_transfer(named, device, staging_bytes)
-        results.put("staged")
-        results.put(sender.send_weights(staged))
-        del staged
-    sender.close()
+def engine_server(gpus: list[int], args: argparse.Namespace, commands, results) -> None:
+    """One rollout engine, streaming --inflight requests; joins groups and takes updates as it is told."""
+    if gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # before CUDA starts in this process
+    asyncio.run(_serve_engine(args, commands, results))
 
 
-async def measure_engines(args: argparse.Namespace, where: Placement) -> dict[str, dict]:
-    """One engine, streaming --inflight requests, synced by each backend in turn (the baseline's first)."""
+async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
     from asyncrl.config.rollout import SamplingConfig
     from rollout_servers.engine import RolloutEngine
 
@@ -172,71 +185,176 @@ async def measure_engines(args: argparse.Namespace, where: Placement) -> dict[st
     engine = await RolloutEngine.start(args.model, config.rollout)
     streaming = SamplingConfig(temperature=1.0, max_tokens=config.rollout.engine.max_model_len // 2, ignore_eos=True, n=1)
     background = [asyncio.create_task(engine.generate([1, 2, 3, 4], streaming)) for _ in range(args.inflight)]
-    measured = {}
-    for backend in where.backends:
-        measured[backend] = await measure_engine(args, where, backend, engine, config.rollout.weight_sync.staging_bytes)
+    results.put("ready")
+    while (command := await asyncio.to_thread(commands.get, True, WAIT_S)) is not None:
+        match command:
+            case ("join", init_info):
+                await engine.join_weight_sync(init_info)
+                results.put("joined")
+            case ("update", update_info, version):
+                results.put(await engine.update_weights(update_info, version))
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
     engine.shutdown()
+
+
+def trainer(device: torch.device, held_on: torch.device, staging_bytes: int, model_dir: str, dtype: str,
+            commands, results) -> None:
+    """Opens the groups it is given; each round stages the weights (as the learner's coordinator does before
+    inviting servers), says so, and sends them. With IPC the stage is the copy into the shared buffer and nothing
+    is sent after it (its time is reported as the send)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    named = load_tensors(model_dir, dtype, held_on)
+    results.put(update_info_for(named))
+    sender, shared = None, None
+    while (command := commands.get(timeout=WAIT_S)) is not None:
+        match command:
+            case ("open", address):
+                prepare_nccl_environment(address.host)
+                if address.backend == IPC:
+                    shared = SharedWeights()
+                    shared.reserve(named)
+                    results.put(shared.handle.as_dict())
+                else:
+                    results.put(None)
+                    sender = WeightSender.open(address, device)
+            case "round" if shared is not None:
+                written_s = shared.write(named)
+                results.put("staged")
+                results.put(written_s)
+            case "round":
+                staged = stage_for_transfer(named, device, staging_bytes)
+                results.put("staged")
+                results.put(sender.send_weights(staged))
+                del staged
+            case "close":
+                for closing in (sender, shared):
+                    if closing is not None:
+                        closing.close()
+                sender, shared = None, None
+                results.put("closed")
+
+
+@dataclass
+class Engines:
+    """The engine processes and their queues."""
+    processes: list
+    commands: list
+    results: list
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, where: Placement) -> Engines:
+        commands = [SPAWN.Queue() for _ in where.server_gpus]
+        results = [SPAWN.Queue() for _ in where.server_gpus]
+        processes = [SPAWN.Process(target=engine_server, args=(gpus, args, command, result))
+                     for gpus, command, result in zip(where.server_gpus, commands, results)]
+        for process in processes:
+            process.start()
+        for result in results:
+            if (ready := result.get(timeout=WAIT_S)) != "ready":
+                raise RuntimeError(f"an engine did not start: {ready}")
+        return cls(processes, commands, results)
+
+    def tell(self, commands: list) -> list:
+        """One command each to the first len(commands) engines, at once; their answers."""
+        for queue, command in zip(self.commands, commands):
+            queue.put(command)
+        return [result.get(timeout=WAIT_S) for result in self.results[:len(commands)]]
+
+    def stop(self) -> None:
+        for queue in self.commands:
+            queue.put(None)
+        for process in self.processes:
+            process.join(WAIT_S)
+
+
+def measure_engines(args: argparse.Namespace, where: Placement, tensor_parallel: int, staging_bytes: int) -> dict:
+    """Per (backend, servers): pause-to-resume, round and trainer-send seconds of --rounds timed rounds."""
+    engines = Engines.start(args, where)
+    commands, results = SPAWN.Queue(), SPAWN.Queue()
+    held_on = where.trainer if args.trainer_weights == "device" else torch.device("cpu")
+    sender = SPAWN.Process(target=trainer, args=(where.trainer, held_on, staging_bytes, args.model, args.dtype, commands, results))
+    sender.start()
+    update_info = results.get(timeout=WAIT_S)
+    measured, version = {}, 0
+    for backend in where.backends:
+        for servers in args.servers:
+            address = group_address(backend, 1 + servers * tensor_parallel, args.timeout_s)
+            commands.put(("open", address))
+            handle = results.get(timeout=WAIT_S)
+            engines.tell([("join", init_info_for(address, 1 + i * tensor_parallel, handle)) for i in range(servers)])
+            timed = []
+            for _ in range(args.rounds + 1):
+                version += 1
+                timed.append(timed_round(engines, servers, update_info, version, commands, results))
+            timed = timed[1:]  # the first round of a group is a warm-up
+            measured[(backend, servers)] = {key: [round_[key] for round_ in timed] for key in timed[0]}
+            commands.put("close")
+            results.get(timeout=WAIT_S)
+    commands.put(None)
+    sender.join(WAIT_S)
+    engines.stop()
     return measured
 
 
-async def measure_engine(args: argparse.Namespace, where: Placement, backend: str, engine, staging_bytes: int) -> dict:
-    commands, results = SPAWN.Queue(), SPAWN.Queue()
-    address = GroupAddress(HOST, free_port(), world_size=2, backend=backend, timeout_s=args.timeout_s)
-    held_on = where.trainer if args.trainer_weights == "device" else torch.device("cpu")
-    sender = SPAWN.Process(target=trainer, args=(address, where.trainer, held_on, staging_bytes, args.model, args.dtype,
-                                                 commands, results))
-    sender.start()
-    update_info = await asyncio.to_thread(results.get, True, WAIT_S)
-    handle = await asyncio.to_thread(results.get, True, WAIT_S) if backend == IPC else None
-    await engine.join_weight_sync(init_info_for(address, RECEIVER_RANK, handle))
-    pauses, sends = [], []
-    for version in range(engine.current_version + 1, engine.current_version + args.rounds + 2):
-        commands.put(version)
-        await asyncio.to_thread(results.get, True, WAIT_S)  # staged: the servers are invited only now
-        pauses.append(await engine.update_weights(update_info, version))
-        sends.append(await asyncio.to_thread(results.get, True, WAIT_S))
-    commands.put(None)
-    sender.join(WAIT_S)
-    return {"pause_s": pauses[1:], "send_s": sends[1:], "staging_bytes": staging_bytes}
+def timed_round(engines: Engines, servers: int, update_info: dict, version: int, commands, results) -> dict[str, float]:
+    """One sync as the learner runs it: stage, invite every server, wait for the last one's resume."""
+    commands.put("round")
+    results.get(timeout=WAIT_S)  # staged: the servers are invited only now
+    invited = time.perf_counter()
+    pauses = engines.tell([("update", update_info, version)] * servers)
+    round_s = time.perf_counter() - invited
+    return {"pause_s": max(pauses), "round_s": round_s, "send_s": results.get(timeout=WAIT_S)}
 
 
-def print_table(floor: dict | None, engines: dict[str, dict]) -> None:
+def print_table(floors: dict[int, dict], engines: dict) -> None:
     rows = []
-    if floor is not None:
-        rows += [("flat buffer broadcast (floor)", floor["flat_s"]), ("per-tensor broadcast (floor)", floor["per_tensor_s"])]
-    for backend, engine in engines.items():
-        send = "trainer copy into the shared buffer" if backend == IPC else "trainer send, engine receiving"
-        rows += [(f"{backend}: {send}", engine["send_s"]), (f"{backend}: engine pause -> resume", engine["pause_s"])]
-    print(f"{'measurement':44} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for servers, floor in floors.items():
+        rows += [(f"{servers} server(s): flat buffer broadcast (floor)", floor["flat_s"]),
+                 (f"{servers} server(s): per-tensor broadcast (floor)", floor["per_tensor_s"])]
+    for (backend, servers), measured in engines.items():
+        send = "trainer copy into the shared buffer" if backend == IPC else "trainer send"
+        rows += [(f"{servers} server(s), {backend}: {send}", measured["send_s"]),
+                 (f"{servers} server(s), {backend}: longest pause -> resume", measured["pause_s"]),
+                 (f"{servers} server(s), {backend}: round (invite -> last resume)", measured["round_s"])]
+    print(f"{'measurement':60} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
     for name, seconds in rows:
-        print(f"{name:44} {statistics.median(seconds) * MS:10.1f} {min(seconds) * MS:8.1f} {max(seconds) * MS:8.1f}")
+        print(f"{name:60} {statistics.median(seconds) * MS:10.1f} {min(seconds) * MS:8.1f} {max(seconds) * MS:8.1f}")
+
+
+def median_ms(seconds: list[float]) -> float:
+    return round(statistics.median(seconds) * MS, 2)
 
 
 def main() -> None:
     args = parse_args()
-    where = placement(args.colocated)
+    config = load_config(args.config, args.overrides)
+    tensor_parallel = config.rollout.engine.tensor_parallel_size
+    where = placement(args, tensor_parallel)
     prepare_nccl_environment(HOST)
-    floor = None if args.colocated else measure_floor(args, where)
-    engines = asyncio.run(measure_engines(args, where))
-    print_table(floor, engines)
-    measured = engines[where.backend]
-    sync_ms = statistics.median(measured["pause_s"]) * MS
+    floors = {} if args.colocated else {servers: measure_floor(args, where, servers) for servers in args.servers}
+    engines = measure_engines(args, where, tensor_parallel, config.rollout.weight_sync.staging_bytes)
+    print_table(floors, engines)
+    first = args.servers[0]
+    measured = engines[(where.backend, first)]
+    sync_ms = median_ms(measured["pause_s"])
     result = {
-        "backend": where.backend, "weight_sync_ms": round(sync_ms, 2),
-        "trainer_send_ms": round(statistics.median(measured["send_s"]) * MS, 2),
-        "trainer_weights": args.trainer_weights, "staging_bytes": measured["staging_bytes"],
+        "backend": where.backend, "tensor_parallel_size": tensor_parallel, "weight_sync_ms": sync_ms,
+        "trainer_send_ms": median_ms(measured["send_s"]), "trainer_weights": args.trainer_weights,
+        "staging_bytes": config.rollout.weight_sync.staging_bytes,
+        "broadcast_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["round_s"]) for n in args.servers},
+        "pause_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["pause_s"]) for n in args.servers},
     }
-    if floor is not None:
-        floor_ms = statistics.median(floor["per_tensor_s"]) * MS
-        result |= {"bytes": floor["bytes"], "tensors": floor["tensors"], "nccl_floor_ms": round(floor_ms, 2),
-                   "flat_floor_ms": round(statistics.median(floor["flat_s"]) * MS, 2),
-                   "sync_vs_floor": round(sync_ms / floor_ms, 2)}
+    if floors:
+        floor_ms = median_ms(floors[first]["per_tensor_s"])
+        result |= {"bytes": floors[first]["bytes"], "tensors": floors[first]["tensors"], "nccl_floor_ms": floor_ms,
+                   "flat_floor_ms": median_ms(floors[first]["flat_s"]), "sync_vs_floor": round(sync_ms / floor_ms, 2),
+                   "floor_ms_by_servers": {n: median_ms(floor["per_tensor_s"]) for n, floor in floors.items()}}
     if args.colocated:
-        baseline_ms = statistics.median(engines[GLOO]["pause_s"]) * MS
-        result |= {"colocated_weight_sync_ms": round(sync_ms, 2), "gloo_weight_sync_ms": round(baseline_ms, 2),
+        baseline_ms = median_ms(engines[(GLOO, first)]["pause_s"])
+        result |= {"colocated_weight_sync_ms": sync_ms, "gloo_weight_sync_ms": baseline_ms,
                    "ipc_vs_gloo": round(baseline_ms / sync_ms, 2)}
     print("RESULT " + json.dumps(result), flush=True)
 

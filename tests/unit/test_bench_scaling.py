@@ -20,15 +20,20 @@ def test_layouts_parse_to_servers_and_learner_ranks():
 
 
 def layout_args(**given) -> argparse.Namespace:
-    return argparse.Namespace(**({"colocated": False, "servers": 1, "learner_ranks": 1} | given))
+    return argparse.Namespace(**({"colocated": False, "servers": 1, "learner_ranks": 1, "tensor_parallel": 1} | given))
 
 
 def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
     monkeypatch.setattr(bench_async_vs_sync, "_gpu_count", lambda: 8)
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2)) == [
-        "rollout.num_servers=6", "learner.nproc=2", "rollout.gpus=[0,1,2,3,4,5]", "learner.gpus=[6,7]"]
+        "rollout.num_servers=6", "learner.nproc=2", "rollout.engine.tensor_parallel_size=1",
+        "rollout.gpus=[0,1,2,3,4,5]", "learner.gpus=[6,7]"]
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2), "sync") == [
-        "rollout.num_servers=1", "learner.nproc=1", "rollout.gpus=[0]", "learner.gpus=[1]"]  # one engine, one rank
+        "rollout.num_servers=1", "learner.nproc=1", "rollout.engine.tensor_parallel_size=1",
+        "rollout.gpus=[0]", "learner.gpus=[1]"]  # one engine, one rank
+    assert bench_async_vs_sync.gpu_layout(layout_args(servers=2, learner_ranks=2, tensor_parallel=2)) == [
+        "rollout.num_servers=2", "learner.nproc=2", "rollout.engine.tensor_parallel_size=2",
+        "rollout.gpus=[0,1,2,3]", "learner.gpus=[4,5]"]  # each server takes two GPUs
     assert bench_async_vs_sync.gpu_layout(layout_args(colocated=True)) == ["learner.gpus=[0]", "rollout.gpus=[0]"]
     with pytest.raises(SystemExit, match="need 9 GPUs; 8 are visible"):
         bench_async_vs_sync.gpu_layout(layout_args(servers=8))
