@@ -24,7 +24,7 @@ from learner.distributed import World, init_world
 from learner.logprobs import sampling_temperature
 from learner.loop import LoopState, resume_state, run_loop
 from learner.memory import resolve_micro_batch_tokens
-from learner.policy_model import DTYPES, full_weights, full_weights_bytes, load_policy, load_reference
+from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, load_policy, load_reference
 from learner.services import LearnerServices
 from learner.train_step import Passes
 
@@ -118,13 +118,15 @@ class WeightSharing:
         sends_from_gpu = world.device.type == "cuda" and transfer_device(resolve_backend(sync.backend)).type == "cuda"
         fits = full_weights_bytes(model, self.dtype) <= sync.staging_bytes
         self.device = world.device if sends_from_gpu and fits else torch.device("cpu")
+        gathers_off_gpu = world.device.type == "cuda" and self.device.type == "cpu"
+        self.pinned = PinnedWeights() if gathers_off_gpu and services is not None else None
 
     def __call__(self, version: int) -> dict[str, float]:
         """Share the weights as `version`; rank 0 returns the round's metrics, the other ranks {}."""
         if self.services is not None:
             self.services.release_weights()  # the previous round's copy goes before the next is gathered
         started = time.perf_counter()
-        weights = full_weights(self.model, self.dtype, self.device, keep=self.services is not None)
+        weights = full_weights(self.model, self.dtype, self.device, keep=self.services is not None, pinned=self.pinned)
         gathered_s = time.perf_counter() - started
         if self.services is None:
             return {}

@@ -60,21 +60,59 @@ def full_weights_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return sum(tensor.numel() for tensor in unique.values()) * dtype.itemsize
 
 
-def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool) -> list[tuple[str, torch.Tensor]]:
+def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool,
+                 pinned: PinnedWeights | None = None) -> list[tuple[str, torch.Tensor]]:
     """Unsharded weights in `dtype` on `device`, in state-dict order; a tied weight is gathered once and
     listed under each of its names. Gathering is a collective: every rank calls this, and ranks with `keep`
     False take part and get an empty list. Each weight is cast as soon as it is gathered, so a learner that
     keeps float32 weights never holds a whole float32 copy. The result is a copy: training on does not
-    change it (a late server caught up with it gets the version it was sent as)."""
+    change it (a late server caught up with it gets the version it was sent as). With `pinned` (weights of a
+    GPU learner gathered into CPU memory) the copies are its reused page-locked tensors, valid until the next
+    call with it."""
     weights: list[tuple[str, torch.Tensor]] = []
     gathered: dict[int, torch.Tensor | None] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in gathered:
             full = materialised(tensor.detach())  # a shard's all-gather: every rank takes part
-            gathered[id(tensor)] = full.to(device=device, dtype=dtype, copy=True) if keep else None  # copy: never the live weight
+            gathered[id(tensor)] = _kept_copy(name, full, dtype, device, pinned) if keep else None
         if keep:
             weights.append((name, gathered[id(tensor)]))
+    if keep and pinned is not None:
+        pinned.wait()
     return weights
+
+
+def _kept_copy(name: str, full: torch.Tensor, dtype: torch.dtype, device: torch.device,
+               pinned: PinnedWeights | None) -> torch.Tensor:
+    if pinned is not None and full.is_cuda and device.type == "cpu":
+        return pinned.copy(name, full.to(dtype))  # cast where the weight is, then one copy over the bus
+    return full.to(device=device, dtype=dtype, copy=True)  # copy: never the live weight
+
+
+class PinnedWeights:
+    """Page-locked CPU tensors that receive the gathered weights round after round. A copy from the GPU into
+    pinned memory runs at the bus's speed without blocking the host, and reusing the tensors spares mapping
+    and faulting in a fresh model-sized allocation each round (a 7B-shaped model gathered into new pageable
+    memory took 19.7 s per round on an H200 host, see docs/benchmarks.md)."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._copied_on: set[torch.cuda.Stream] = set()
+
+    def copy(self, name: str, source: torch.Tensor) -> torch.Tensor:
+        """`source` (on a GPU) copied into `name`'s pinned tensor, asynchronously: `wait` before reading it."""
+        target = self._tensors.get(name)
+        if target is None or target.shape != source.shape or target.dtype != source.dtype:
+            target = self._tensors[name] = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        target.copy_(source, non_blocking=True)
+        self._copied_on.add(torch.cuda.current_stream(source.device))
+        return target
+
+    def wait(self) -> None:
+        """Until every copy made since the last wait has landed."""
+        for stream in self._copied_on:
+            stream.synchronize()
+        self._copied_on.clear()
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

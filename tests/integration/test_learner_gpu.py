@@ -16,7 +16,7 @@ from learner.activation_checkpointing import MODES, apply_activation_checkpointi
 from learner.batching import collate
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
-from learner.policy_model import full_weights, shard_policy
+from learner.policy_model import PinnedWeights, full_weights, shard_policy
 from learner.train_step import Passes, train_step
 from learner_helpers import random_groups, single_rank_world
 
@@ -131,3 +131,24 @@ def test_a_resumed_gpu_rank_draws_the_same_cuda_random_numbers(tmp_path):
         torch.rand(100, device="cuda")
         load_checkpoint(path, model, optimizer, world)
         assert torch.equal(torch.rand(5, device="cuda"), expected)
+
+
+def test_weights_gathered_into_pinned_memory_equal_a_plain_copy_and_reuse_it_each_round():
+    """A GPU learner whose weights go to CPU memory for a sync: the pinned copies hold exactly the cast weights,
+    and a second round refills the same page-locked tensors with the changed values."""
+    with single_rank_world("cuda") as world:
+        model = shard_policy(tiny_qwen2().to(torch.float32), LearnerConfig(), world)
+        pinned = PinnedWeights()
+        cpu = torch.device("cpu")
+        first = full_weights(model, torch.bfloat16, cpu, keep=True, pinned=pinned)
+        plain = dict(full_weights(model, torch.bfloat16, cpu, keep=True))
+        assert all(tensor.is_pinned() and tensor.dtype == torch.bfloat16 for _, tensor in first)
+        assert all(torch.equal(tensor, plain[name]) for name, tensor in first)
+        addresses = [tensor.data_ptr() for _, tensor in first]
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+        second = full_weights(model, torch.bfloat16, cpu, keep=True, pinned=pinned)
+        after = dict(full_weights(model, torch.bfloat16, cpu, keep=True))
+        assert [tensor.data_ptr() for _, tensor in second] == addresses
+        assert all(torch.equal(tensor, after[name]) and not torch.equal(tensor, plain[name]) for name, tensor in second)
