@@ -60,8 +60,10 @@ class TokenStream:
         return version if self.earliest_version is None else min(version, self.earliest_version)
 
     def version_changed(self, sampled: int, version: int) -> None:
-        """An update to `version` landed after `sampled` tokens of this request (the engine was paused)."""
-        self.boundaries.append((sampled, version))
+        """An update to `version` landed after `sampled` tokens of this request (the engine was paused). A
+        request whose final output already arrived sampled every token with the old weights."""
+        if not self.finish_reason:
+            self.boundaries.append((sampled, version))
 
     def absorb(self, output: Any) -> None:
         """Take the request's final output (a single completion: n = 1 per request)."""

@@ -70,6 +70,15 @@ def test_an_update_before_the_first_token_labels_every_token_new():
     assert stream.completion().versions == [3, 3]
 
 
+def test_an_update_after_the_final_output_arrived_labels_every_token_old():
+    """vLLM has handed the request its final output (so its output processor no longer counts it) but the reader
+    has not returned yet when the engine pauses: every token was sampled before the update."""
+    stream = TokenStream("r", [1], start_version=2)
+    stream.absorb(output([5, 6, 7], flat([5, 6, 7], [-1.0] * 3), "stop"))
+    stream.version_changed(0, 3)
+    assert stream.completion().versions == [2, 2, 2]
+
+
 def test_the_oldest_version_is_that_of_the_first_token_sampled():
     stream = TokenStream("r", [1], start_version=2)
     assert stream.oldest_version() == 2
