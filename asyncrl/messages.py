@@ -301,6 +301,8 @@ class BufferStats:
     unparked: int = 0  # batch requests answered at once instead of waiting: the total parking caps were full
     parked: int = 0  # batch requests waiting for data now
     admission_leases: int = 0  # servers holding an admission lease now
+    consumers: int = 0  # consumers (client ids) holding a read position of their own now
+    position_rereads: int = 0  # pending records read back from the log because a consumer moved its position
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for wandb/metrics.jsonl."""

@@ -63,11 +63,11 @@ class ParkedRequests:
     def soonest_deadline(self) -> float | None:
         return min((parked.deadline for parked in self.requests), default=None)
 
-    def pop_ready(self, now: float, can_fill: Callable[[BatchRequest], bool]) -> Iterator[ParkedRequest]:
+    def pop_ready(self, now: float, can_fill: Callable[[ParkedRequest], bool]) -> Iterator[ParkedRequest]:
         """Remove and yield, in arrival order, the requests whose wait is over or that can be filled now.
         Lazily: the caller answers each before the next is judged (an answer takes groups away)."""
         for parked in list(self.requests):
-            if now >= parked.deadline or can_fill(parked.request):
+            if now >= parked.deadline or can_fill(parked):
                 self._unpark(parked)
                 yield parked
 

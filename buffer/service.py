@@ -263,8 +263,9 @@ class BufferService:
         parked = ParkedRequest(identity, request, time.monotonic() + request.timeout_ms / MS_PER_S)
         try:
             self._check_wait(request)
+            self.store.use(identity)
             self.store.seek(request.from_offset, request.from_ahead)
-            if request.timeout_ms > 0 and not self._can_fill(request):
+            if request.timeout_ms > 0 and not self._can_fill(parked):
                 self.parked.check_client(request)
                 self._park(parked)
                 return
@@ -289,12 +290,15 @@ class BufferService:
         for parked in self.parked.pop_ready(now, self._can_fill):
             self._answer(parked)
 
-    def _can_fill(self, request: BatchRequest) -> bool:
+    def _can_fill(self, parked: ParkedRequest) -> bool:
+        request = parked.request
+        self.store.use(parked.identity)
         selection = self.store.window.plan(self._limits(request))
         unlimited = request.max_samples <= 0 and request.max_tokens <= 0
         return selection.full or (unlimited and bool(selection.taken))
 
     def _answer(self, parked: ParkedRequest) -> None:
+        self.store.use(parked.identity)
         try:  # a parked request's position may have been committed past since it arrived
             self.store.seek(parked.request.from_offset, parked.request.from_ahead)
         except OffsetError as error:
@@ -321,6 +325,7 @@ class BufferService:
 
     def _on_commit(self, identity: bytes, commit: Commit) -> None:
         self._hear_version(commit.policy_version)
+        self.store.use(identity)
         try:
             self.store.commit(commit.offset, commit.policy_version, commit.ahead)
         except OffsetError as error:
@@ -348,7 +353,7 @@ class BufferService:
         self.policy_version = max(self.policy_version, version)
 
     def _position(self) -> BufferPosition:
-        return BufferPosition(self.store.window.read_offset, self.store.committed.offset, self.store.end_offset,
+        return BufferPosition(self.store.consumers.learner.read_offset, self.store.committed.offset, self.store.end_offset,
                               self.policy_version)
 
     def _on_stats(self, identity: bytes, _: StatsRequest) -> None:
@@ -356,7 +361,7 @@ class BufferService:
 
     def stats(self) -> BufferStats:
         groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
-        counters, window = self.counters, self.store.window
+        counters, window = self.counters, self.store.consumers.learner
         return BufferStats(
             size=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
             read_offset=window.read_offset, committed_offset=self.store.committed.offset,
@@ -371,6 +376,7 @@ class BufferService:
             admission_released=self.admission.released, read_ahead=window.position()[1],
             refused_requests=counters.refused_requests, refused_over_caps=counters.refused_over_caps,
             unparked=counters.unparked, parked=len(self.parked), admission_leases=len(self.admission.leases),
+            consumers=len(self.store.consumers), position_rereads=self.store.position_rereads,
         )
 
     def _on_unexpected(self, identity: bytes, message: Any) -> None:

@@ -17,6 +17,7 @@ from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, record_id_of, summarize_group
 from asyncrl.messages import DecodeError
 from buffer.commits import CommitPoint, load_commit, save_commit
+from buffer.consumers import ConsumerWindows
 from buffer.log import LogCorruption, Payload, SegmentLog
 from buffer.window import BatchLimits, Entry, PendingWindow, Selection
 
@@ -68,11 +69,21 @@ class TrajectoryStore:
         self._drops_since_commit: set[int] = set(self.committed.dropped_ahead)
         self.unsynced: deque[Unsynced] = deque()  # written, waiting for their fsync, oldest first
         self._unsynced_ids: dict[str, int] = {}
-        self.window = PendingWindow(self.committed.offset, self.committed.ahead)
+        self.consumers = ConsumerWindows(PendingWindow(self.committed.offset, self.committed.ahead), config.max_consumers)
+        self.position_rereads = 0  # pending windows read back from the log for a consumer that moved its position
         self._rebuild_from_log()
 
     # ------------------------------------------------------------------------------------------
     # Positions
+
+    @property
+    def window(self) -> PendingWindow:
+        """The read position of the consumer served now (`use`)."""
+        return self.consumers.current
+
+    def use(self, consumer: bytes) -> None:
+        """Serve `consumer` (a client identity) from now on: its own read position."""
+        self.consumers.select(consumer)
 
     @property
     def end_offset(self) -> int:
@@ -109,7 +120,7 @@ class TrajectoryStore:
         frames: list[Payload] = []
         entries: list[Entry] = []
         staged_bytes = 0
-        memory_used = self.window.bytes + sum(unsynced.nbytes for unsynced in self.unsynced)
+        memory_used = self.consumers.learner.bytes + sum(unsynced.nbytes for unsynced in self.unsynced)
         disk_used = self.log.disk_bytes
         for summary, frame in records:
             known = self._offset_of(summary.record_id, staged)
@@ -140,7 +151,8 @@ class TrajectoryStore:
                 del self._unsynced_ids[record_id]
                 self._remember(record_id, offset)
             for entry in unsynced.entries:
-                self.window.append(entry)
+                for window in self.consumers:
+                    window.append(entry)
         return published
 
     def discard_unsynced(self) -> list[Unsynced]:
@@ -185,7 +197,8 @@ class TrajectoryStore:
         window = PendingWindow(offset, ahead)
         for entry in self._entries_from_log(offset, self.end_offset):
             window.append(entry)
-        self.window = window
+        self.consumers.replace_current(window)
+        self.position_rereads += 1
 
     def frames(self, entries: list[Entry]) -> list[bytes]:
         """The records' bytes, read back from the log (checksums checked)."""
@@ -203,6 +216,9 @@ class TrajectoryStore:
             raise OffsetError(f"commit of offset {offset} is before the committed offset {self.committed.offset}")
         self._check_position(offset, ahead, subject="commit of offset")
         self.window.consume_through(offset, ahead)  # handed out before a buffer restart
+        for window in self.consumers:  # the log before the commit goes: no other consumer can read it either
+            window.consume_through(offset, ())
+        self.consumers.current_commits()
         released_drops = {o for o in self._drops_since_commit if o < offset}
         self._drops_since_commit -= released_drops
         dropped_ahead = sorted(self._drops_since_commit.intersection(ahead))

@@ -70,6 +70,15 @@ class PendingWindow:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def copy(self) -> PendingWindow:
+        """An independent window at the same position over the same records (the entries are immutable)."""
+        twin = PendingWindow(self.read_offset, self.ahead)
+        twin.end_offset, twin.bytes = self.end_offset, self.bytes
+        twin.entries = dict(self.entries)
+        twin._by_version = {version: dict(bucket) for version, bucket in self._by_version.items()}
+        twin._passed_over = set(self._passed_over)
+        return twin
+
     def append(self, entry: Entry) -> None:
         """The next record of the log (skipped if the position already counts it as consumed)."""
         if entry.offset != self.end_offset:

@@ -54,6 +54,7 @@ class BufferConfig:
     max_parked_per_client: int = bounded(4, 0)  # batch requests one consumer id may have waiting for data; more are refused
     max_parked: int = bounded(64, 0)  # batch requests of all consumers waiting for data; past it one is answered at once
     max_parked_ahead: int = bounded(2**18, 0, MAX_AHEAD * 2**10)  # from_ahead entries all waiting requests hold; past it one is answered at once
+    max_consumers: int = bounded(8, 2, 2**10)  # consumers (client ids) with a read position of their own; past it the least recent is forgotten
     max_leases: int = bounded(1024, 1, 2**20)  # admission leases (server ids) held at once; a new server past it is refused until one expires
     curve_dir: str = ""  # CURVE keys from `asyncrl keygen`; set = encrypt and authenticate every connection
     client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
