@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
-from run_helpers import RUN_TIMEOUT_S, asyncrl, prepare, tiny_job
+from run_helpers import RUN_TIMEOUT_S, asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -32,9 +32,8 @@ def overrides(tmp: Path, total_steps: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def finished_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
-    prepare(tmp, overrides(tmp, 4))
+def finished_runs(tiny_job_inputs):
+    tmp = tiny_job_inputs  # the shared task files and model; this module's runs are named e2e
     first = asyncrl("run", *overrides(tmp, 4))
     run_dir = tmp / "runs" / "e2e"
     first_records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []

@@ -20,7 +20,7 @@ from asyncrl.messages import TrajectoryGroup, decode
 from asyncrl.metrics import read_metrics
 from asyncrl.sync_reference import trained_groups
 from buffer.log import SegmentLog
-from run_helpers import asyncrl, prepare, tiny_job
+from run_helpers import asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -79,10 +79,9 @@ def differences(reference: Path, run: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("k0")
-    prepare(tmp, job(tmp, "prepare"))
-    modes = {"sync": ["learner.mode=sync"], "async_k0": ["buffer.max_staleness=0"], "async_k1": ["buffer.max_staleness=1"]}
+def runs(tiny_job_inputs) -> dict[str, Path]:
+    tmp = tiny_job_inputs  # the shared task files and model
+    modes = {"k0-sync": ["learner.mode=sync"], "k0-async": ["buffer.max_staleness=0"], "k1-async": ["buffer.max_staleness=1"]}
     for name, mode in modes.items():
         done = asyncrl("run", *job(tmp, name, *mode))
         assert done.returncode == 0, done.stderr[-3000:]
@@ -90,10 +89,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def test_the_reference_trains_on_fresh_samples_with_a_loss(runs):
-    records = read_metrics(runs["sync"])
+    records = read_metrics(runs["k0-sync"])
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
-        groups = trained_groups(runs["sync"], record["step"])
+        groups = trained_groups(runs["k0-sync"], record["step"])
         assert len(samples(groups)) == BATCH_GROUPS * SAMPLES_PER_GROUP
         assert {v for g in groups for t in g.trajectories for v in t.token_versions} == {record["step"] - 1}
         assert record["staleness/max"] == 0
@@ -103,11 +102,11 @@ def test_the_reference_trains_on_fresh_samples_with_a_loss(runs):
 
 
 def test_k0_reproduces_the_synchronous_reference(runs):
-    assert differences(runs["sync"], runs["async_k0"]) == []
-    for record in read_metrics(runs["async_k0"]):
+    assert differences(runs["k0-sync"], runs["k0-async"]) == []
+    for record in read_metrics(runs["k0-async"]):
         assert record["batch/offset_max"] - record["batch/offset_min"] + 1 == BATCH_GROUPS  # none dropped, none skipped
 
 
 def test_k1_does_not(runs):
-    found = differences(runs["sync"], runs["async_k1"])
+    found = differences(runs["k0-sync"], runs["k1-async"])
     assert any("staleness > 0" in line for line in found), found

@@ -18,7 +18,7 @@ import pytest
 
 import psutil
 
-from run_helpers import alive, descendants, kill_tree, prepare, tiny_job
+from run_helpers import alive, descendants, kill_tree, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -74,10 +74,8 @@ def _described(pids: set[int]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def job_dir(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("signals")
-    prepare(tmp, tiny_job(tmp, 50))
-    return tmp
+def job_dir(tiny_job_inputs) -> Path:
+    return tiny_job_inputs  # the shared task files and model; this module's run names are its own
 
 
 def test_ctrl_c_mid_training_stops_every_process(job_dir):

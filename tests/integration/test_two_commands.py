@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from run_helpers import alive, descendants, kill_tree, prepare, tiny_job
+from run_helpers import alive, descendants, kill_tree, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -77,10 +77,8 @@ def _gone(tree: set[int]) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def job_dir(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("two_commands")
-    prepare(tmp, tiny_job(tmp, TOTAL_STEPS))
-    return tmp
+def job_dir(tiny_job_inputs) -> Path:
+    return tiny_job_inputs  # the shared task files and model; this module's run names are its own
 
 
 def test_a_stop_signal_to_asyncrl_learner_alone_stops_its_ranks_and_buffer(job_dir):
