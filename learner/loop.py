@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
+from asyncrl.task_metrics import ScoredSample, task_reward_metrics
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
@@ -33,6 +34,7 @@ class LoopState:
     buffer_offset: int = -1  # buffer log position after the last trained batch (-1 = the buffer's commit)
     buffer_ahead: list[int] = field(default_factory=list)  # records at or past buffer_offset trained (or dropped) too
     bad_steps: int = 0  # consecutive skipped steps
+    task_weights: dict[str, Any] = field(default_factory=dict)  # rank 0's task-weight scheduler state ({} when off)
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -46,7 +48,8 @@ def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, o
     if path is None:
         return LoopState()
     meta = load_checkpoint(path, model, optimizer, world)
-    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []))
+    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []),
+                     task_weights=meta.get("task_weights", {}))
 
 
 def run_loop(
@@ -95,7 +98,7 @@ def run_loop(
         if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
             save_checkpoint(
                 run_dir / CHECKPOINTS_DIR, state.step, model, optimizer,
-                {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead},
+                {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead, "task_weights": state.task_weights},
                 world, settings.keep_checkpoints,
             )
             after_checkpoint(state.step, state.buffer_offset, state.buffer_ahead)
@@ -134,4 +137,4 @@ def _batch_metrics(batch: Batch) -> dict[str, Any]:
         "multi_turn/num_turns/mean": sum(t.num_turns for t in samples) / len(samples),
         "batch/offset_min": float(min(batch.offsets)),
         "batch/offset_max": float(max(batch.offsets)),
-    }
+    } | task_reward_metrics((ScoredSample(t.data_source, t.reward, t.reward_info) for t in samples), "critic")

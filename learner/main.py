@@ -26,6 +26,7 @@ from learner.loop import LoopState, resume_state, run_loop
 from learner.memory import resolve_micro_batch_tokens
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, load_policy, load_reference
 from learner.services import LearnerServices
+from learner.task_weights import TaskWeightsPublisher
 from learner.train_step import Passes
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,15 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
     services = LearnerServices.start(config, run_dir, state.buffer_offset, state.buffer_ahead) if world.is_main else None
     try:
+        tasks = None  # rank 0's dynamic task weights, named from the training files before the servers are waited for
+        if services is not None and config.data.task_weights.enabled:
+            tasks = TaskWeightsPublisher.start(config, state.task_weights, services.coordinator)
         share = WeightSharing(config, model, world, services)
         if services is not None:
             services.wait_for_servers()  # the other ranks wait for rank 0 in the weight gather below
         share(state.step)
+        if tasks is not None:
+            tasks.publish(state.step)
         freeze_startup_heap()  # torch, the model and the services live as long as this rank
         started = time.perf_counter()
 
@@ -65,6 +71,9 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 if version == config.learner.total_steps:
                     metrics |= services.final_validation(version)
                 metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics(version)
+                if tasks is not None:  # after validation and rollout metrics: it may watch any of them
+                    metrics |= tasks.after_step(version, metrics)
+                    state.task_weights = tasks.state_dict()  # the loop's state: its next checkpoint holds them
                 metrics["timing_s/elapsed"] = time.perf_counter() - started
                 services.metrics.log(version, metrics)
                 log.info(_progress_line(version, config.learner.total_steps, metrics))
