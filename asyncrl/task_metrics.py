@@ -27,6 +27,14 @@ def task_reward_metrics(samples: Iterable[ScoredSample], prefix: str) -> dict[st
     return {metric_name(prefix, task, entry): sum(found) / len(found) for (task, entry), found in sorted(values.items())}
 
 
+def task_sample_counts(data_sources: Iterable[str]) -> dict[str, float]:
+    """`batch/<task>/samples`: how many of a batch's samples each task holds (what the mixture drew)."""
+    counts: dict[str, int] = defaultdict(int)
+    for data_source in data_sources:
+        counts[data_source] += 1
+    return {f"batch/{task}/samples": float(count) for task, count in sorted(counts.items())}
+
+
 def metric_name(prefix: str, task: str, entry: str = SCORE_ENTRY) -> str:
     """The name `task_reward_metrics` gives the mean of `entry` for `task`."""
     return f"{prefix}/{task}/{entry}/mean"

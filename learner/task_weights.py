@@ -42,5 +42,11 @@ class TaskWeightsPublisher:
         self.publish(version)
         return logged
 
+    def restore(self, saved: Mapping[str, Any], version: int) -> None:
+        """Back to the weights of a checkpoint (a rollback), told to the servers at once as of `version`."""
+        if saved:
+            self.scheduler.load_state_dict(saved)
+        self.publish(version)
+
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

@@ -12,7 +12,7 @@ from asyncrl.config.sections import CustomRewardConfig, RewardConfig, RewardTerm
 from asyncrl.rewards import RewardFunctionError, RewardRequest, RewardScorer, UnknownDataSourceError, check_reward_setup
 from asyncrl.rewards.results import result_from_return
 from asyncrl.rewards.terms import RewardSpec, load_reward
-from asyncrl.task_metrics import ScoredSample, task_reward_metrics
+from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
 from asyncrl.validation import PromptOutcome, validation_metrics
 
 TERMS_FILE = Path(__file__).resolve().parents[2] / "fixtures" / "reward_terms.py"
@@ -100,6 +100,7 @@ def test_task_means_of_the_score_and_of_each_entry_where_present():
     assert task_reward_metrics(samples, "critic") == {
         "critic/a/score/mean": 0.5, "critic/a/acc/mean": 0.5, "critic/a/length/mean": 4.0, "critic/b/score/mean": 0.5,
     }
+    assert task_sample_counts(["a", "b", "a"]) == {"batch/a/samples": 2.0, "batch/b/samples": 1.0}
 
 
 def test_validation_logs_the_reward_entries_per_task():
