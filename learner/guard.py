@@ -1,16 +1,17 @@
 """The safety guard: watches named metrics against their recent best and, when one collapses, rolls the
 learner back to a checkpoint taken before it, then goes on.
 
-A rollback restores what a resume restores from that checkpoint (weights, optimizer, RNG, task weights),
-optionally scales the learning rate down, and moves the policy version on past the staleness bound
-(`buffer.max_staleness` + 1 versions), so that every sample drawn by the collapsed policies is too stale to
-be trained. The buffer position is not moved back: the samples trained since the checkpoint are discarded
-(they came from the policy that collapsed), never trained again, and counted in `guard/discarded_samples`;
-the ones still in the buffer are dropped as stale when read (`buffer/dropped_stale`). Publishing the new
-version first pauses admission: the servers' weights now lag too far to start samples, and their in-flight
-requests are stopped, until the restored weights reach them. The checkpoints newer than the one restored
-(the rolled-back branch) are deleted, and the restored state is saved at once as a checkpoint of the new
-version. After `guard.max_rollbacks` rollbacks the next collapse stops the run with its reason.
+A rollback after step T restores what a resume restores from that checkpoint (weights, optimizer, RNG, task
+weights) and optionally scales the learning rate down. The buffer position is not moved back: the samples
+trained since the checkpoint are discarded (they came from the policy that collapsed), never trained again.
+So are the ones the collapsed policy was already admitted to sample: the learner consumes and discards the
+next `buffer.max_staleness` + 1 batches at version T, as many as admission lets the servers hold in the
+buffer and in flight, while admission stays paused (the version does not move while they are drained). The
+restored weights then go to the servers as version T + K + 1: every version still counts the batches
+consumed (which admission's bound relies on), and any sample of the collapsed policy left is too stale to be
+trained. Both kinds count in `guard/discarded_samples`. The checkpoints newer than the one restored (the
+rolled-back branch) are deleted, and the restored state is saved at once as a checkpoint of the new version.
+After `guard.max_rollbacks` rollbacks the next collapse stops the run with its reason.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.staleness import trainable
 from learner.checkpoint import checkpoint_at_or_before, load_checkpoint, remove_checkpoints_after
+from asyncrl.messages import Batch
 from learner.distributed import World, broadcast_bytes
 
 if TYPE_CHECKING:
@@ -101,7 +103,7 @@ class CollapseDetector:
 
 @dataclass
 class RollbackHooks:
-    pause: Callable[[int], None]  # rank 0: publish the new version before the weights are restored
+    fetch_batch: Callable[[int], Batch] | None  # rank 0: the next batch for a version (None on the other ranks)
     resume: Callable[["LoopState"], None]  # every rank: share the restored weights (and task weights) as the new version
 
 
@@ -116,6 +118,7 @@ class SafetyGuard:
         self.detector = CollapseDetector(settings, reach, saved.get("history"))
         self.rollbacks: int = saved.get("rollbacks", 0)
         self.discarded_samples: int = saved.get("discarded_samples", 0)
+        self.drained_groups: int = saved.get("drained_groups", 0)  # groups consumed by drains (stale drops included)
         # (step, samples trained) since the oldest checkpoint a rollback may reach back to
         self.trained: list[tuple[int, int]] = [(int(step), int(n)) for step, n in saved.get("trained", [])]
         self.pending: Collapse | None = None
@@ -126,7 +129,7 @@ class SafetyGuard:
         self.trained.append((step, int(metrics.get(SAMPLES_KEY, 0))))
         collapse = self.detector.observe(step, metrics)
         logged = {"guard/rollbacks": float(self.rollbacks), "guard/discarded_samples": float(self.discarded_samples),
-                  "guard/collapse": 0.0}
+                  "guard/drained_groups": float(self.drained_groups), "guard/collapse": 0.0}
         if collapse is None:
             return logged
         target = checkpoint_at_or_before(self.checkpoints, step - self.settings.rollback_steps)
@@ -153,32 +156,46 @@ class SafetyGuard:
             raise GuardStopped(f"{collapse.describe()}; no checkpoint {self.settings.rollback_steps} or more steps before "
                                "it (guard.rollback_steps) to roll back to: stopping the run")
         version = first_untrainable_version(collapse.step, self.max_staleness)
-        hooks.pause(version)
+        drained = self._drain(collapse.step, version - collapse.step, state, hooks.fetch_batch)
         meta = load_checkpoint(Path(collapse.checkpoint), model, optimizer, world)
         if world.is_main:  # the newer ones hold the branch rolled back: never resumed from, nor rolled back to
             remove_checkpoints_after(self.checkpoints, meta["step"])
-        discarded = sum(samples for step, samples in self.trained if meta["step"] < step <= collapse.step)
+        trained = sum(samples for step, samples in self.trained if meta["step"] < step <= collapse.step)
         self.rollbacks += 1
-        self.discarded_samples += discarded
+        self.discarded_samples += trained + drained
         self.detector.forget_after(meta["step"])
         self.trained = [(step, samples) for step, samples in self.trained if step <= meta["step"]]
         # in place: rank 0's step callback keeps the task weights in this same state object
         state.step, state.bad_steps, state.task_weights = version, 0, meta.get("task_weights", {})
         state.lr_scale *= self.settings.lr_scale
-        log.error("GUARD: rolled back to %s (step %d) as version %d: %d samples trained since are discarded, "
-                  "learning rate × %g; rollback %d of at most %d", collapse.checkpoint, meta["step"], version, discarded,
-                  state.lr_scale, self.rollbacks, self.settings.max_rollbacks)
+        log.error("GUARD: rolled back to %s (step %d) as version %d: discarded the %d samples trained since and the %d "
+                  "sampled for later steps; learning rate × %g; rollback %d of at most %d", collapse.checkpoint,
+                  meta["step"], version, trained, drained, state.lr_scale, self.rollbacks, self.settings.max_rollbacks)
         hooks.resume(state)
+
+    def _drain(self, version: int, batches: int, state: LoopState, fetch_batch: Callable[[int], Batch] | None) -> int:
+        """Rank 0: consume and discard `batches` batches at `version` (what the collapsed policy was admitted to
+        sample), moving the loop's buffer position past them; returns their samples."""
+        if fetch_batch is None:
+            return 0
+        samples = 0
+        for _ in range(batches):
+            batch = fetch_batch(version)
+            samples += sum(len(group.trajectories) for group in batch.groups)
+            self.drained_groups += len(batch.groups) + batch.dropped_stale
+            state.buffer_offset, state.buffer_ahead = batch.next_offset, batch.next_ahead
+        return samples
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps, so that a resumed run counts its rollbacks and compares with the same bests."""
-        return {"rollbacks": self.rollbacks, "discarded_samples": self.discarded_samples,
+        return {"rollbacks": self.rollbacks, "discarded_samples": self.discarded_samples, "drained_groups": self.drained_groups,
                 "history": {name: [list(entry) for entry in values] for name, values in self.detector.history.items()},
                 "trained": [list(entry) for entry in self.trained]}
 
 
 def first_untrainable_version(step: int, max_staleness: int) -> int:
-    """The first version after `step` at which no sample drawn by a policy of version `step` or older can be trained."""
+    """The first version after `step` at which no sample drawn by a policy of version `step` or older can be trained:
+    the version of the restored weights (the batches up to it are drained)."""
     version = step + 1
     while trainable(version, step, max_staleness):
         version += 1

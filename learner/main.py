@@ -87,18 +87,17 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
             if services is not None:
                 services.consumer.commit(version, buffer_offset, buffer_ahead)
 
-        def pause(version: int) -> None:
-            if services is not None:  # the servers' weights lag too far now: they start nothing until the restored ones come
-                services.consumer.publish_version(version)
-
         def resume(restored: LoopState) -> None:
+            """After a rollback: the restored weights and task weights to the servers as the new version."""
+            share(restored.step)
+            if services is not None:
+                services.consumer.publish_version(restored.step)
             if tasks is not None:
                 tasks.restore(restored.task_weights, restored.step)
-            share(restored.step)
 
         state = run_loop(config, run_dir, world, model, optimizer, state,
                          services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes, reference,
-                         guard, RollbackHooks(pause, resume))
+                         guard, RollbackHooks(services.fetch_batch if services else None, resume))
         if services is not None:
             services.finish(state.step)
     finally:

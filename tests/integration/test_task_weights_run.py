@@ -107,12 +107,17 @@ def test_the_guard_rolls_back_each_collapse_and_the_run_recovers(finished_run):
         # the version moves past the staleness bound (K + 1), then trains on: no sample of the collapsed policy is trained
         assert after["step"] == collapse["step"] + MAX_STALENESS + 2
         assert after["guard/rollbacks"] == collapse["guard/rollbacks"] + 1
-        # the samples trained since the checkpoint are discarded, counted in guard/discarded_samples
+        # discarded, counted in guard/discarded_samples: the samples trained since the checkpoint, and the K + 1
+        # batches the collapsed policy had been admitted to sample (drained, never trained)
         rolled_back = [r for r in records if collapse["guard/rollback_to"] < r["step"] <= collapse["step"]]
-        assert after["guard/discarded_samples"] == collapse["guard/discarded_samples"] + sum(r["batch/samples"] for r in rolled_back)
+        drained = (MAX_STALENESS + 1) * GROUPS * SAMPLES_PER_GROUP
+        assert after["guard/discarded_samples"] == collapse["guard/discarded_samples"] + sum(
+            r["batch/samples"] for r in rolled_back) + drained
         assert after["actor/lr"] == pytest.approx(LR * LR_SCALE ** after["guard/rollbacks"])
     recovered = records[steps.index(found[-1]["step"]) + 1:]
     assert len(recovered) >= 3 and all(r["critic/rising/score/mean"] >= 1.0 for r in recovered)
+    # the version counts the batches consumed, so admission's bound holds after the rollback: nothing goes stale
+    assert all(r["buffer/dropped_stale_in_batch"] == 0 for r in recovered)
     assert steps[-1] == STEPS
     assert "GUARD ALERT: critic/rising/score/mean" in (run_dir / "logs" / "learner0.log").read_text()
 
@@ -124,8 +129,8 @@ def test_no_sample_is_trained_twice_and_the_checkpoint_holds_weights_and_guard(f
     assert saved == pytest.approx({"solved": records[-1]["tasks/solved/weight"], "rising": records[-1]["tasks/rising/weight"]})
     rollbacks = len(collapses(records))
     assert meta["guard"]["rollbacks"] == rollbacks and meta["lr_scale"] == pytest.approx(LR_SCALE ** rollbacks)
-    # the buffer position never moved back: every record consumed (trained, discarded by a rollback, or dropped as
+    # the buffer position never moved back: every record consumed (trained, drained by a rollback, or dropped as
     # stale) was handed out once
     consumed = meta["buffer_offset"] + len(meta["buffer_ahead"])
-    handed_out = sum(r["batch/samples"] / SAMPLES_PER_GROUP + r["buffer/dropped_stale_in_batch"] for r in records)
-    assert consumed == handed_out
+    trained = sum(r["batch/samples"] / SAMPLES_PER_GROUP + r["buffer/dropped_stale_in_batch"] for r in records)
+    assert consumed == trained + records[-1]["guard/drained_groups"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.config.loader import ConfigError
+from asyncrl.messages import Batch
 from learner.distributed import World
 from learner.guard import CollapseDetector, GuardStopped, RollbackHooks, SafetyGuard, first_untrainable_version
 from learner.loop import LoopState
@@ -68,8 +70,8 @@ def test_a_collapse_names_the_newest_checkpoint_far_enough_back_in_the_logged_me
     for step, score in [(7, 1.0), (8, 1.0)]:
         assert guard.observe(step, {SCORE: score, "batch/samples": 16.0})["guard/collapse"] == 0.0
     logged = guard.observe(10, {SCORE: 0.5, "batch/samples": 16.0})
-    assert logged == {"guard/rollbacks": 0.0, "guard/discarded_samples": 0.0, "guard/collapse": 1.0, "guard/drop": 0.5,
-                      "guard/rollback_to": 6.0}  # step_8 is only 2 steps back: rollback_steps is 3
+    assert logged == {"guard/rollbacks": 0.0, "guard/discarded_samples": 0.0, "guard/drained_groups": 0.0,
+                      "guard/collapse": 1.0, "guard/drop": 0.5, "guard/rollback_to": 6.0}  # step_8 is only 2 steps back: rollback_steps is 3
     collapse = guard.agreed_collapse(ALONE)
     assert collapse.checkpoint == str(tmp_path / "step_00000006") and guard.agreed_collapse(ALONE) is None
 
@@ -80,7 +82,7 @@ def test_training_goes_on_past_the_staleness_bound():
 
 
 def test_no_rollback_left_or_no_checkpoint_stops_the_run_with_the_reason(tmp_path):
-    hooks = RollbackHooks(pause=lambda version: pytest.fail("nothing may be paused"), resume=lambda state: None)
+    hooks = RollbackHooks(fetch_batch=lambda version: pytest.fail("nothing may be drained"), resume=lambda state: None)
     spent = guard_with_checkpoints(tmp_path, [4], saved={"rollbacks": 1})
     spent.observe(8, {SCORE: 1.0})
     spent.observe(9, {SCORE: 0.1})
@@ -145,15 +147,24 @@ def test_a_rollback_restores_the_checkpoint_drops_the_newer_ones_and_goes_on_pas
             save_checkpoint(root, step, model, optimizer, {"task_weights": {"step": step}}, alone_in_a_group, keep=4)
             saved_weights[step] = model.weight.detach().clone()
     calls = []
-    hooks = RollbackHooks(pause=lambda version: calls.append(("pause", version)),
-                          resume=lambda state: calls.append(("resume", state.step, model.weight.sum().item())))
-    state = LoopState(step=9, buffer_offset=120, lr_scale=0.5)
+
+    def fetch_batch(version: int) -> Batch:
+        calls.append(("fetch", version))
+        offset = 100 + 10 * len(calls)  # two groups of 3 samples and one group dropped as stale per batch
+        return Batch(groups=[SimpleNamespace(trajectories=[0, 1, 2])] * 2, offsets=[offset, offset + 1],
+                     next_offset=offset + 3, dropped_stale=1, next_ahead=[offset + 5])
+
+    hooks = RollbackHooks(fetch_batch, resume=lambda state: calls.append(("resume", state.step, model.weight.sum().item())))
+    state = LoopState(step=9, buffer_offset=100, lr_scale=0.5)
     guard.roll_back(guard.agreed_collapse(alone_in_a_group), state, model, optimizer, alone_in_a_group, hooks)
-    # step 9 collapsed; 3 steps back is step 6; with K = 2 no version-9 sample is trainable from version 12 on
+    # step 9 collapsed; 3 steps back is step 6; with K = 2 the batches of versions 10 and 11 were admitted already:
+    # they are drained at version 9, and the restored weights go out as version 12
     assert torch.equal(model.weight, saved_weights[6])
-    assert calls == [("pause", 12), ("resume", 12, 12.0)]  # paused before the load, resumed with the step-6 weights
-    assert (state.step, state.buffer_offset, state.lr_scale, state.task_weights) == (12, 120, 0.25, {"step": 6})
+    assert calls == [("fetch", 9), ("fetch", 9), ("fetch", 9), ("resume", 12, 12.0)]
+    assert (state.step, state.buffer_offset, state.buffer_ahead) == (12, 133, [135])  # past the drained batches
+    assert (state.lr_scale, state.task_weights) == (0.25, {"step": 6})
     assert sorted(path.name for path in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
-    assert guard.discarded_samples == 70 + 80 + 90 and guard.rollbacks == 1  # the samples of steps 7, 8 and 9
+    # the samples trained at steps 7, 8 and 9, and the 3 drained batches' 6 samples each
+    assert (guard.discarded_samples, guard.drained_groups, guard.rollbacks) == (70 + 80 + 90 + 18, 9, 1)
     # the values of the rolled-back steps are forgotten: the window compares with what was measured up to step 6
     assert guard.state_dict()["history"][SCORE] == [[step, 1.0] for step in range(1, 7)]
