@@ -27,7 +27,8 @@ LR_SCALE = 0.5
 CHECKPOINT_EVERY = 2
 ROLLBACK_STEPS = 2
 MAX_ROLLBACKS = 3
-LATE_FROM = 8  # records from here on were drawn at the saturated task's share of 0.125 or less (cuts at about 3, 5, 7)
+LATE_FROM = 8  # records from here on were drawn at a share of 0.125 or less (cuts at about 3, 5, 7), 0.25 for a few steps
+# after a rollback to an early checkpoint
 
 
 def task_file(path: Path, data_source: str, count: int) -> str:
