@@ -82,7 +82,7 @@ def test_the_server_draws_with_the_learners_weights(finished_run):
     late = [r for r in records if r["step"] >= LATE_FROM]
     solved_samples = sum(r.get("batch/solved/samples", 0.0) for r in late)
     total = sum(r["batch/samples"] for r in late)
-    # drawn at a share of 0.125 or less (0.5 with the configured weights): ≥ 80 groups, P(share ≥ 0.3) < 1e-4
+    # drawn at a share of 0.125 or less, 0.25 at times (0.5 with the configured weights): ≥ 80 groups, far below 0.3
     assert solved_samples / total < 0.3, (solved_samples, total)
 
 
