@@ -28,7 +28,7 @@ import torch
 
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.staleness import trainable
-from learner.checkpoint import checkpoint_at_or_before, load_checkpoint, remove_checkpoints_after
+from learner.checkpoint import META_FILE, checkpoint_at_or_before, load_checkpoint, remove_checkpoints_after
 from asyncrl.messages import Batch
 from learner.distributed import World, broadcast_bytes
 
@@ -133,9 +133,11 @@ class SafetyGuard:
         if collapse is None:
             return logged
         target = checkpoint_at_or_before(self.checkpoints, step - self.settings.rollback_steps)
-        target_step = int(json.loads((target / "meta.json").read_text())["step"]) if target is not None else -1
+        target_step = int(json.loads((target / META_FILE).read_text())["step"]) if target is not None else -1
         self.pending = dataclasses.replace(collapse, checkpoint=str(target or ""), checkpoint_step=target_step)
-        log.error("GUARD ALERT: %s; rolling back to checkpoint step %d", collapse.describe(), target_step)
+        can_roll_back = target is not None and self.rollbacks < self.settings.max_rollbacks
+        log.error("GUARD ALERT: %s; %s", collapse.describe(),
+                  f"rolling back to checkpoint step {target_step}" if can_roll_back else "stopping the run")
         return logged | {"guard/collapse": 1.0, "guard/drop": collapse.drop, "guard/rollback_to": float(target_step)}
 
     def agreed_collapse(self, world: World) -> Collapse | None:
