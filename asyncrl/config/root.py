@@ -64,12 +64,10 @@ class AsyncRLConfig:
                              "those places that long"))
         if self.learner.mode == "sync" and self.rollout.num_servers != 1:
             problems.append(("rollout.num_servers", "learner.mode=sync runs one engine: must be 1"))
-        if self.learner.mode == "sync" and self.data.task_weights.enabled:
-            problems.append(("data.task_weights.enabled", "the synchronous reference (learner.mode=sync) keeps fixed weights"))
-        problems += self.data.task_weights.cross_checks(len(self.data.train_files))
-        problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints,
-                                            self.learner.mode == "sync")
-        problems += chat.cross_checks() + self.reward.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
+        sync_mode = self.learner.mode == "sync"
+        problems += self.data.task_weights.cross_checks(len(self.data.train_files), sync_mode) + self.reward.cross_checks()
+        problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
+        problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += self._control_channel_problems()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
 

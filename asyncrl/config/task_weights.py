@@ -18,7 +18,7 @@ class TaskWeightsConfig:
     factor: float = bounded(0.5, 0.0, 1.0)  # a stalled task's share is multiplied by this (then patience starts again)
     min_weight: float = bounded(0.05, 0.0, 1.0)  # floor of every task's share of the mixture (shares sum to 1)
 
-    def cross_checks(self, tasks: int) -> list[tuple[str, str]]:
+    def cross_checks(self, tasks: int, sync_mode: bool) -> list[tuple[str, str]]:
         if not self.enabled:
             return []
         problems = []
@@ -28,4 +28,6 @@ class TaskWeightsConfig:
             problems.append(("data.task_weights.min_weight", f"{tasks} tasks cannot each keep {self.min_weight:g} of a total of 1"))
         if tasks < 2:
             problems.append(("data.task_weights.enabled", "needs at least two data.train_files to move weight between"))
+        if sync_mode:
+            problems.append(("data.task_weights.enabled", "the synchronous reference (learner.mode=sync) keeps fixed weights"))
         return problems
