@@ -65,7 +65,7 @@ class AsyncRLConfig:
         if self.learner.mode == "sync" and self.rollout.num_servers != 1:
             problems.append(("rollout.num_servers", "learner.mode=sync runs one engine: must be 1"))
         sync_mode = self.learner.mode == "sync"
-        problems += self.data.task_weights.cross_checks(len(self.data.train_files), sync_mode) + self.reward.cross_checks()
+        problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, sync_mode) + self.reward.cross_checks()
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += self._control_channel_problems()

@@ -18,10 +18,15 @@ class TaskWeightsConfig:
     factor: float = bounded(0.5, 0.0, 1.0)  # a stalled task's share is multiplied by this (then patience starts again)
     min_weight: float = bounded(0.05, 0.0, 1.0)  # floor of every task's share of the mixture (shares sum to 1)
 
-    def cross_checks(self, tasks: int, sync_mode: bool) -> list[tuple[str, str]]:
+    def cross_checks(self, tasks: int, weights: list[float], sync_mode: bool) -> list[tuple[str, str]]:
+        """`tasks`: the training files; `weights`: data.weights (empty = uniform)."""
         if not self.enabled:
             return []
         problems = []
+        shares = [weight / sum(weights) for weight in weights] if weights and sum(weights) > 0 else [1 / max(tasks, 1)]
+        if min(shares) < self.min_weight:
+            problems.append(("data.task_weights.min_weight", f"data.weights start a task at a share of {min(shares):.3g}, "
+                                                             f"below the floor {self.min_weight:g}"))
         if TASK_PLACEHOLDER not in self.metric:
             problems.append(("data.task_weights.metric", f"must contain {TASK_PLACEHOLDER}, the task's name"))
         if self.min_weight * tasks > 1.0:
