@@ -1,16 +1,17 @@
-"""Dynamic task weights against fixed weights: the held-out reward of a slow task beside one that saturates.
+"""Dynamic task weights against fixed weights: the held-out reward of a slowly improving task beside one
+that saturates at once.
 
-Two tasks on the tiny model, warm-started on addition of 1- to 3-digit numbers: `add1` (one-digit operands)
-saturates within a few steps, `add3` (three-digit operands) improves slowly. Each cell is one full `asyncrl
-run` from the same model and data, `run.seed=<seed>`, --steps learner steps, equal starting weights, with
-`data.task_weights.enabled` false (the baseline, fixed weights) or true (dynamic, the settings below);
-validation of version 0 and the final version on each task's held-out file.
-  add3 final    `val/add3/score/mean` of the final version (mean reward on add3's held-out prompts)
-  add1 final    the same for add1
-  add3 share    the share of add3 samples in the batches of the last quarter of the steps
-The dynamic rows are also reported as the difference to fixed weights of the same seed. A cell finished by
-an earlier run of this script with the same --steps and --out-dir is reused. Run with scripts/cpu_env.sh
-sourced on CPU. Last line: RESULT {json} with the per-seed cells and the means.
+Two tasks on the tiny model, warm-started briefly on addition of 1- to 3-digit numbers: `digits` asks
+two-digit additions and rewards any answer made of digits (a format reward the model meets from the first
+step: it saturates), `add1` asks one-digit additions scored by exact match (it improves slowly). Each cell is
+one full `asyncrl run` from the same model and data, `run.seed=<seed>`, --steps learner steps, equal starting
+weights, with `data.task_weights.enabled` false (the baseline, fixed weights) or true (dynamic, the settings
+below); validation of version 0 and the final version on each task's held-out file.
+  add1 start/final  `val/add1/score/mean` of version 0 / the final version (held-out exact-match reward)
+  vs fixed          the final add1 reward minus that of fixed weights with the same seed
+  add1 share        add1's share of the samples trained in the last quarter of the steps
+A cell finished by an earlier run of this script with the same --steps and --out-dir is reused. Run with
+scripts/cpu_env.sh sourced on CPU. Last line: RESULT {json} with the per-seed cells and the means.
 """
 
 from __future__ import annotations
@@ -33,15 +34,17 @@ from asyncrl.tasks import arithmetic
 
 RUN_TIMEOUT_S = 1800  # one cell, engine start included
 CELL_FILE = "bench_cell.json"
-TASKS = {"add1": 1, "add3": 3}  # data source → digits per operand
-SLOW_TASK = "add3"
+TASKS = {"digits": 2, "add1": 1}  # data source → digits per operand
+SATURATING_TASK, SLOW_TASK = "digits", "add1"
 NUM_VAL, NUM_TRAIN = 32, 4000  # held-out and training prompts per task (one-digit addition has 100 questions)
 DYNAMIC = ["data.task_weights.enabled=true", "data.task_weights.patience=5", "data.task_weights.min_delta=0.02",
            "data.task_weights.factor=0.5", "data.task_weights.min_weight=0.1"]
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """The cells' reward (reward.custom_fn points here): exact match, as the built-in arithmetic scorer."""
+    """The cells' reward (reward.custom_fn points here): a digits-only answer for `digits`, exact match otherwise."""
+    if data_source == SATURATING_TASK:
+        return float(solution_str.strip().isdigit())
     return arithmetic.score(solution_str, ground_truth)
 
 
@@ -50,10 +53,10 @@ class Cell:
     mode: str  # "fixed" or "dynamic"
     seed: int
     steps: int
-    slow_final: float | None  # val/add3/score/mean of the final version
-    fast_final: float | None  # val/add1/score/mean of the final version
-    slow_start: float | None  # val/add3/score/mean of version 0
-    slow_share_late: float | None  # add3's share of the samples trained in the last quarter of the steps
+    slow_final: float | None  # val/add1/score/mean of the final version
+    fast_final: float | None  # val/digits/score/mean of the final version
+    slow_start: float | None  # val/add1/score/mean of version 0
+    slow_share_late: float | None  # add1's share of the samples trained in the last quarter of the steps
     wall_s: float
     returncode: int
 
@@ -125,7 +128,7 @@ def run_cell(args: argparse.Namespace, common: list[str], mode: str, seed: int) 
     done = asyncrl("run", "--config", "configs/quickstart.yaml", *overrides)
     wall = time.perf_counter() - started
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    cell = Cell(mode, seed, args.steps, _val(records, SLOW_TASK, args.steps), _val(records, "add1", args.steps),
+    cell = Cell(mode, seed, args.steps, _val(records, SLOW_TASK, args.steps), _val(records, SATURATING_TASK, args.steps),
                 _val(records, SLOW_TASK, 0), _late_share(records, args.steps), round(wall, 1), done.returncode)
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(asdict(cell)))
@@ -156,7 +159,7 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def summarise(cells: list[Cell]) -> dict:
-    """Means per mode, and the dynamic cells' add3 gain over fixed weights of the same seed."""
+    """Means per mode, and the dynamic cells' gain on the slow task over fixed weights of the same seed."""
     fixed = {c.seed: c.slow_final for c in cells if c.mode == "fixed"}
     gains = [c.slow_final - fixed[c.seed] for c in cells
              if c.mode == "dynamic" and c.slow_final is not None and fixed.get(c.seed) is not None]
@@ -169,7 +172,7 @@ def summarise(cells: list[Cell]) -> dict:
 
 
 def print_table(cells: list[Cell]) -> None:
-    print(f"| mode | seed | {SLOW_TASK} start | {SLOW_TASK} final | vs fixed | add1 final | {SLOW_TASK} share (last quarter) | wall s |")
+    print(f"| mode | seed | {SLOW_TASK} start | {SLOW_TASK} final | vs fixed | {SATURATING_TASK} final | {SLOW_TASK} share (last quarter) | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     fixed = {c.seed: c.slow_final for c in cells if c.mode == "fixed"}
     for c in sorted(cells, key=lambda c: (c.seed, c.mode != "fixed")):
