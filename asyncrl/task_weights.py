@@ -3,10 +3,11 @@ tasks still improving, and the rollout servers draw prompts with the weights it 
 
 A task is one training file, named by its rows' data_source. Each step the scheduler reads the task's
 metric (`data.task_weights.metric`); a value above the task's best by more than `min_delta` is a new best.
-A task with no new best for `patience` steps is stalled: when some task is stalled and another improving
-(a best within `patience`), each stalled task's share is multiplied by `factor`, never below `min_weight`,
-and what it gave up goes to the improving tasks in proportion to their shares; the stalled task's patience
-then starts again. A task not yet measured is neither. Shares always sum to 1.
+A task with no new best for `patience` steps is stalled; one with a new best within the last `patience` steps
+is improving; one not measured yet is neither. When some task is stalled and another improving, each stalled
+task's share is multiplied by `factor`, never below `min_weight`, and what it gave up goes to the improving
+tasks in proportion to their shares. A task just cut is not cut again for `patience` steps (nor counts as
+improving: only a new best does that). Shares always sum to 1.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from asyncrl.config.task_weights import TASK_PLACEHOLDER, TaskWeightsConfig
 from asyncrl.data.rows import PromptRow
 
 WEIGHT_METRIC = "tasks/{task}/weight"  # a task's share of the prompts drawn, logged every step
-PLATEAU_METRIC = "tasks/{task}/steps_since_best"  # steps since the task's metric last improved (or its share was cut)
+PLATEAU_METRIC = "tasks/{task}/steps_since_best"  # steps since the task's metric last improved
 
 
 class TaskNameError(ValueError):
@@ -44,7 +45,8 @@ class _Task:
     name: str
     share: float  # of the prompts drawn; shares sum to 1
     best: float | None = None  # best value of its metric so far (None: not measured yet)
-    since: int = 0  # step of its last new best, or of its last cut
+    best_step: int = 0  # step of its last new best
+    cut_step: int | None = None  # step of its last cut (None: never cut)
 
 
 class TaskWeightScheduler:
@@ -61,27 +63,29 @@ class TaskWeightScheduler:
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
         """Take step `step`'s metrics, move weight if a task stalled; returns the weights' metrics."""
+        patience = self.settings.patience
         for task in self.tasks:
             value = metrics.get(self.settings.metric.replace(TASK_PLACEHOLDER, task.name))
             if value is not None and (task.best is None or value > task.best + self.settings.min_delta):
-                task.best, task.since = value, step
+                task.best, task.best_step = value, step
         measured = [task for task in self.tasks if task.best is not None]
-        stalled = [task for task in measured if step - task.since >= self.settings.patience]
-        improving = [task for task in measured if task not in stalled]
+        improving = [task for task in measured if step - task.best_step < patience]
+        stalled = [task for task in measured if task not in improving
+                   and (task.cut_step is None or step - task.cut_step >= patience)]
         if stalled and improving:
             self._move(stalled, improving, step)
         return self.metrics(step)
 
     def metrics(self, step: int) -> dict[str, float]:
         return {name.replace(TASK_PLACEHOLDER, task.name): value for task in self.tasks for name, value in
-                ((WEIGHT_METRIC, task.share), (PLATEAU_METRIC, float(step - task.since)))}
+                ((WEIGHT_METRIC, task.share), (PLATEAU_METRIC, float(step - task.best_step)))}
 
     def _move(self, stalled: list[_Task], improving: list[_Task], step: int) -> None:
         freed = 0.0
         for task in stalled:
             cut = max(self.settings.min_weight, task.share * self.settings.factor)
             freed += max(task.share - cut, 0.0)
-            task.share, task.since = min(task.share, cut), step
+            task.share, task.cut_step = min(task.share, cut), step
         receiving = sum(task.share for task in improving)
         for task in improving:  # in proportion to their shares; equally when they all have none
             task.share += freed * (task.share / receiving if receiving else 1 / len(improving))

@@ -15,7 +15,7 @@ class TaskWeightsConfig:
     metric: str = "critic/{task}/score/mean"  # metric watched per task; {task} = the task's data_source (e.g. val/{task}/score/mean)
     patience: int = bounded(20, 1)  # learner steps without a new best (by more than min_delta) before a task counts as stalled
     min_delta: float = bounded(0.01, 0.0)  # gain over the task's best value that counts as improving, in the metric's units
-    factor: float = bounded(0.5, 0.0, 1.0)  # a stalled task's share is multiplied by this (then patience starts again)
+    factor: float = bounded(0.5, 0.0, 1.0)  # a stalled task's share is multiplied by this, at most once every `patience` steps
     min_weight: float = bounded(0.05, 0.0, 1.0)  # floor of every task's share of the mixture (shares sum to 1)
 
     def cross_checks(self, tasks: int, weights: list[float], sync_mode: bool) -> list[tuple[str, str]]:

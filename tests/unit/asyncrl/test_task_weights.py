@@ -38,7 +38,7 @@ def test_a_saturated_task_gives_its_share_to_the_improving_one_down_to_the_floor
     weights = run(scheduler, {step: (1.0, 0.1 * step) for step in range(1, 10)})
     assert weights[1] == weights[2] == [0.5, 0.5]
     assert weights[3] == [0.25, 0.75]  # a: no new best for 2 steps → 0.5 × 0.5; b gets the 0.25
-    assert weights[4] == [0.25, 0.75]  # a's patience started again at its cut
+    assert weights[4] == [0.25, 0.75]  # a was cut at step 3: not again before step 5
     assert weights[5] == [0.125, 0.875]
     assert weights[7] == [0.1, 0.9]  # 0.0625 would be under the floor
     assert weights[9] == [0.1, 0.9]
@@ -126,3 +126,14 @@ def test_the_mixture_draws_with_new_weights_and_keeps_them_in_its_state(tmp_path
 def test_bad_settings_are_refused_naming_the_key(overrides, problem):
     with pytest.raises(ConfigError, match=problem):
         load_config(None, ["data.task_weights.enabled=true", "data.train_files=[a.jsonl,b.jsonl]", *overrides])
+
+
+def test_a_task_just_cut_does_not_take_share_back_without_a_new_best():
+    # a saturates at once; b improves until step 4, then stalls too: a is cut at steps 3 and 5 (b's last best is
+    # within patience), b is stalled from step 6 on, and a, in cool-down or stalled, is never "improving": nothing
+    # flows back to it
+    scheduler = TaskWeightScheduler(["a", "b"], [], SETTINGS)
+    weights = run(scheduler, {step: (1.0, min(step, 4) * 0.1) for step in range(1, 12)})
+    assert weights[3] == weights[4] == [0.25, 0.75]
+    assert all(weights[step] == [0.125, 0.875] for step in range(5, 12))
+    assert scheduler.metrics(11)["tasks/b/steps_since_best"] == 7.0
