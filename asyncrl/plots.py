@@ -1,4 +1,5 @@
-"""PNG plots of a run's metrics.jsonl: reward, staleness, importance weights, throughput, weight-sync time.
+"""PNG plots of a run's metrics.jsonl: reward, staleness, importance weights, throughput, weight-sync time, and
+per-task rewards and sampling weights.
 
 Each figure is a list of panels, each panel a list of metric series against the learner step. A series
 the run did not log is skipped and named in the report, so a partial run (or one without validation)
@@ -58,6 +59,11 @@ FIGURES = (
         Panel("mean reward", (Series("critic/score/mean", "train (batch)"),
                               Series("val/score/mean", "validation", x_key="val/version"))),
         Panel("pass@k (validation)", patterns=(SeriesPattern(r"^val/pass@\d+$", x_key="val/version"),)),
+    )),
+    FigureSpec("tasks.png", "Tasks: reward and sampling weight per data source", (
+        Panel("mean reward (train batch)", patterns=(SeriesPattern(r"^critic/[^/]+/score/mean$"),)),
+        Panel("mean reward (validation)", patterns=(SeriesPattern(r"^val/[^/]+/score/mean$", x_key="val/version"),)),
+        Panel("sampling weight", patterns=(SeriesPattern(r"^tasks/[^/]+/weight$"),)),
     )),
     FigureSpec("staleness.png", "Staleness of trained samples (learner version − oldest token version)", (
         Panel("versions", (Series("staleness/mean", "mean"), Series("staleness/max", "max"))),

@@ -1,4 +1,5 @@
-"""Validation metrics from scored samples: mean reward and unbiased pass@k, overall and per data source.
+"""Validation metrics from scored samples: mean reward and unbiased pass@k, overall and per data source, and
+per data source the mean of each numeric entry the reward function returned beside the score.
 
 pass@k is the chance that at least one of k samples drawn without replacement from a prompt's n samples
 is correct, estimated without bias from the c correct ones (Chen et al., 2021, "Evaluating Large
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from asyncrl.task_metrics import ScoredSample, task_reward_metrics
 
 PREFIX = "val"  # every validation metric is named val/...
 VERSION_KEY = "val/version"  # policy version a pass validated (logged with its metrics)
@@ -26,6 +29,7 @@ class PromptOutcome:
 
     data_source: str  # dataset of the prompt (per-source metrics)
     scores: list[float]  # reward of each of its n samples
+    infos: list[Mapping[str, float]] = field(default_factory=list)  # each sample's other reward entries (empty: none)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -38,15 +42,20 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 def validation_metrics(outcomes: Sequence[PromptOutcome], k: int) -> dict[str, float]:
-    """`val/score/mean`, `val/pass@k` and `val/prompts` over all prompts, and the same under
-    `val/<data_source>/` for each data source."""
+    """`val/score/mean`, `val/pass@k` and `val/prompts` over all prompts, the same under `val/<data_source>/`
+    for each data source, and `val/<data_source>/<entry>/mean` for each entry of the samples' reward info."""
     by_source: dict[str, list[PromptOutcome]] = defaultdict(list)
     for outcome in outcomes:
         by_source[outcome.data_source].append(outcome)
     metrics = _summary(outcomes, k, PREFIX)
     for source, group in sorted(by_source.items()):
         metrics |= _summary(group, k, f"{PREFIX}/{source}")
-    return metrics
+    return metrics | task_reward_metrics(_scored_samples(outcomes), PREFIX)
+
+
+def _scored_samples(outcomes: Sequence[PromptOutcome]) -> list[ScoredSample]:
+    return [ScoredSample(o.data_source, score, o.infos[index] if o.infos else {})
+            for o in outcomes for index, score in enumerate(o.scores)]
 
 
 def _summary(outcomes: Sequence[PromptOutcome], k: int, prefix: str) -> dict[str, float]:

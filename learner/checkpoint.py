@@ -57,8 +57,24 @@ def save_checkpoint(
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The newest complete checkpoint under `root`, if any."""
-    complete = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and not p.name.endswith(_PARTIAL) and (p / META_FILE).is_file()]
-    return max(complete, key=lambda p: p.name, default=None)
+    return max(_complete(root), key=lambda p: p.name, default=None)
+
+
+def checkpoint_at_or_before(root: Path, step: int) -> Path | None:
+    """The newest complete checkpoint under `root` of step `step` or earlier, if any."""
+    return max((p for p in _complete(root) if int(p.name[len(_PREFIX):]) <= step), key=lambda p: p.name, default=None)
+
+
+def remove_checkpoints_after(root: Path, step: int) -> list[Path]:
+    """Delete the complete checkpoints under `root` newer than `step` (a rolled-back branch); returns them."""
+    newer = [p for p in _complete(root) if int(p.name[len(_PREFIX):]) > step]
+    for path in newer:
+        shutil.rmtree(path)
+    return newer
+
+
+def _complete(root: Path) -> list[Path]:
+    return [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and not p.name.endswith(_PARTIAL) and (p / META_FILE).is_file()]
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> dict[str, Any]:

@@ -13,9 +13,11 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
+from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
+from learner.guard import RollbackHooks, SafetyGuard
 from learner.lr_schedule import learning_rate, set_learning_rate
 from learner.staleness import staleness_metrics
 from learner.train_step import Passes, train_step
@@ -33,6 +35,9 @@ class LoopState:
     buffer_offset: int = -1  # buffer log position after the last trained batch (-1 = the buffer's commit)
     buffer_ahead: list[int] = field(default_factory=list)  # records at or past buffer_offset trained (or dropped) too
     bad_steps: int = 0  # consecutive skipped steps
+    task_weights: dict[str, Any] = field(default_factory=dict)  # rank 0's task-weight scheduler state ({} when off)
+    lr_scale: float = 1.0  # factor on the scheduled learning rate (guard.lr_scale at each rollback)
+    guard: dict[str, Any] = field(default_factory=dict)  # the safety guard's state in the checkpoint resumed from
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -46,7 +51,8 @@ def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, o
     if path is None:
         return LoopState()
     meta = load_checkpoint(path, model, optimizer, world)
-    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []))
+    return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []),
+                     task_weights=meta.get("task_weights", {}), lr_scale=meta.get("lr_scale", 1.0), guard=meta.get("guard", {}))
 
 
 def run_loop(
@@ -62,17 +68,20 @@ def run_loop(
     pad_id: int,
     passes: Passes,
     reference: torch.nn.Module | None = None,
+    guard: SafetyGuard | None = None,
+    rollback_hooks: RollbackHooks | None = None,
 ) -> LoopState:
     """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
     `after_step(version, metrics)` syncs weights, publishes the version and logs;
     `after_checkpoint(version, buffer_offset, buffer_ahead)` commits the position once the checkpoint holds it;
-    `passes` says how each batch goes through the model; `reference` is the frozen model of algorithm.use_reference."""
+    `passes` says how each batch goes through the model; `reference` is the frozen model of algorithm.use_reference;
+    `guard` rolls back after a collapse its rank 0 saw in `after_step` (`rollback_hooks` pause and resume the servers)."""
     settings = config.learner
     while state.step < settings.total_steps:
         started = time.perf_counter()
         batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
         waited = time.perf_counter() - started
-        rate = learning_rate(state.step, settings)
+        rate = learning_rate(state.step, settings) * state.lr_scale
         set_learning_rate(optimizer, rate)
         outcome = train_step(
             model, optimizer, collate(canonical_order(batch.groups), pad_id), config.algorithm, passes, settings.grad_clip, world,
@@ -92,14 +101,22 @@ def run_loop(
         metrics |= {"timing_s/wait_batch": waited, "timing_s/train": trained, "timing_s/step": time.perf_counter() - started,
                     "learner/tokens_per_s": _trained_tokens(batch) / trained}
         after_step(state.step, metrics)
+        if guard is not None and (collapse := guard.agreed_collapse(world)) is not None:
+            assert rollback_hooks is not None
+            guard.roll_back(collapse, state, model, optimizer, world, rollback_hooks)
+            _checkpoint(run_dir, state, model, optimizer, world, settings.keep_checkpoints, guard, after_checkpoint)  # a crash now resumes here
+            continue
         if state.step % settings.checkpoint_every == 0 or state.step == settings.total_steps:
-            save_checkpoint(
-                run_dir / CHECKPOINTS_DIR, state.step, model, optimizer,
-                {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead},
-                world, settings.keep_checkpoints,
-            )
-            after_checkpoint(state.step, state.buffer_offset, state.buffer_ahead)
+            _checkpoint(run_dir, state, model, optimizer, world, settings.keep_checkpoints, guard, after_checkpoint)
     return state
+
+
+def _checkpoint(run_dir: Path, state: LoopState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                keep: int, guard: SafetyGuard | None, after_checkpoint: Callable[[int, int, list[int]], None]) -> None:
+    meta = {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead, "task_weights": state.task_weights,
+            "lr_scale": state.lr_scale, "guard": guard.state_dict() if guard is not None else {}}
+    save_checkpoint(run_dir / CHECKPOINTS_DIR, state.step, model, optimizer, meta, world, keep)
+    after_checkpoint(state.step, state.buffer_offset, state.buffer_ahead)
 
 
 def canonical_order(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
@@ -134,4 +151,5 @@ def _batch_metrics(batch: Batch) -> dict[str, Any]:
         "multi_turn/num_turns/mean": sum(t.num_turns for t in samples) / len(samples),
         "batch/offset_min": float(min(batch.offsets)),
         "batch/offset_max": float(max(batch.offsets)),
-    }
+    } | task_reward_metrics((ScoredSample(t.data_source, t.reward, t.reward_info) for t in samples), "critic") | \
+        task_sample_counts(t.data_source for t in samples)

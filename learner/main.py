@@ -20,12 +20,15 @@ from asyncrl.placement import servers_share_of_learner_gpu
 from asyncrl.stop_signal import interrupt_once
 from asyncrl.weight_transfer.group import transfer_device
 from asyncrl.weight_transfer.protocol import resolve_backend
+from learner.checkpoint import CHECKPOINTS_DIR
 from learner.distributed import World, init_world
+from learner.guard import RollbackHooks, SafetyGuard
 from learner.logprobs import sampling_temperature
 from learner.loop import LoopState, resume_state, run_loop
 from learner.memory import resolve_micro_batch_tokens
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, load_policy, load_reference
 from learner.services import LearnerServices
+from learner.task_weights import TaskWeightsPublisher
 from learner.train_step import Passes
 
 log = logging.getLogger(__name__)
@@ -50,10 +53,16 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
     pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
     services = LearnerServices.start(config, run_dir, state.buffer_offset, state.buffer_ahead) if world.is_main else None
     try:
+        tasks = None  # rank 0's dynamic task weights, named from the training files before the servers are waited for
+        if services is not None and config.data.task_weights.enabled:
+            tasks = TaskWeightsPublisher.start(config, state.task_weights, services.coordinator)
+        guard = safety_guard(config, run_dir, state.guard)
         share = WeightSharing(config, model, world, services)
         if services is not None:
             services.wait_for_servers()  # the other ranks wait for rank 0 in the weight gather below
         share(state.step)
+        if tasks is not None:
+            tasks.publish(state.step)
         freeze_startup_heap()  # torch, the model and the services live as long as this rank
         started = time.perf_counter()
 
@@ -65,6 +74,11 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                 if version == config.learner.total_steps:
                     metrics |= services.final_validation(version)
                 metrics |= services.consumer.stats().metrics() | services.coordinator.rollout_metrics(version)
+                if tasks is not None:  # after validation and rollout metrics: it may watch any of them
+                    metrics |= tasks.after_step(version, metrics)
+                    state.task_weights = tasks.state_dict()  # the loop's state: its next checkpoint holds them
+                if guard is not None:  # last: it may watch any metric, task weights included
+                    metrics |= guard.observe(version, metrics)
                 metrics["timing_s/elapsed"] = time.perf_counter() - started
                 services.metrics.log(version, metrics)
                 log.info(_progress_line(version, config.learner.total_steps, metrics))
@@ -73,8 +87,17 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
             if services is not None:
                 services.consumer.commit(version, buffer_offset, buffer_ahead)
 
+        def resume(restored: LoopState) -> None:
+            """After a rollback: the restored weights and task weights to the servers as the new version."""
+            share(restored.step)
+            if services is not None:
+                services.consumer.publish_version(restored.step)
+            if tasks is not None:
+                tasks.restore(restored.task_weights, restored.step)
+
         state = run_loop(config, run_dir, world, model, optimizer, state,
-                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes, reference)
+                         services.fetch_batch if services else None, after_step, after_checkpoint, pad_id, passes, reference,
+                         guard, RollbackHooks(services.fetch_batch if services else None, resume))
         if services is not None:
             services.finish(state.step)
     finally:
@@ -83,6 +106,14 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
         if dist.is_initialized():
             dist.destroy_process_group()
     return state
+
+
+def safety_guard(config: AsyncRLConfig, run_dir: Path, saved: dict) -> SafetyGuard | None:
+    """The guard of `guard.enabled`, continuing from its state in the checkpoint resumed from (`saved`)."""
+    if not config.guard.enabled:
+        return None
+    reach = config.learner.checkpoint_every * config.learner.keep_checkpoints
+    return SafetyGuard(config.guard, config.buffer.max_staleness, run_dir / CHECKPOINTS_DIR, reach, saved)
 
 
 def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> Passes:

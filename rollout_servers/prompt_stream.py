@@ -56,6 +56,12 @@ class PromptStream:
         self._save()
         return number, value
 
+    def set_weights(self, weights: list[float]) -> None:
+        """Draw the next prompts with these file weights (the learner's task weights); saved with the position."""
+        if weights != self._mixture.weights:
+            self._mixture.set_weights(weights)
+            self._save()
+
     def acknowledge(self, number: int) -> None:
         """The buffer stored prompt `number`'s group."""
         del self._pending[number]

@@ -12,13 +12,17 @@ from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import connect_control
 from asyncrl.transport.sockets import MS_PER_S
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, SyncDone, SyncInvite, SyncJoin,
-                                                      SyncPrepare, SyncReady, ValidateVersion)
+                                                      SyncPrepare, SyncReady, TaskWeights, ValidateVersion)
 from rollout_servers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
 
 
 def _ignore(version: int) -> None:
+    pass
+
+
+def _keep_weights(weights: list[float]) -> None:
     pass
 
 
@@ -29,14 +33,15 @@ async def _leave_at_once(version: int) -> None:
 class SyncClient:
     def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
                  curve_dir: str = "", on_validate: Callable[[int], None] = _ignore,
-                 on_finished: Callable[[int], Awaitable[None]] = _leave_at_once) -> None:
+                 on_finished: Callable[[int], Awaitable[None]] = _leave_at_once,
+                 on_task_weights: Callable[[list[float]], None] = _keep_weights) -> None:
         """`curve_dir`: the job's CURVE keys (buffer.curve_dir), needed when the coordinator has them.
         `on_validate(version)`: the learner asks for a validation of `version`; `await on_finished(version)`: the
         job ended at `version`, and once it returns the client tells the learner that the server leaves (the
-        learner then closes the buffer), and stops."""
+        learner then closes the buffer), and stops. `on_task_weights(weights)`: draw prompts with these weights."""
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
         self.socket = connect_control(address, curve_dir)
-        self.on_validate, self.on_finished = on_validate, on_finished
+        self.on_validate, self.on_finished, self.on_task_weights = on_validate, on_finished, on_task_weights
         self.last_pause_s = 0.0  # pause-to-resume time of the last successful update
         self.updates = 0  # successful updates
         self.finished = False  # the learner ended the job: no more heartbeats
@@ -66,12 +71,20 @@ class SyncClient:
             await self._update(message)
         elif isinstance(message, ValidateVersion):
             self.on_validate(message.version)
+        elif isinstance(message, TaskWeights):
+            self._take_task_weights(message)
         elif isinstance(message, JobFinished):
             await self.on_finished(message.version)
             await self.socket.send(encode(ServerLeaving(self.server_id)))
             self.finished = True
         else:
             log.warning("ignoring a %s message on the weight-sync socket", type(message).__name__)
+
+    def _take_task_weights(self, message: TaskWeights) -> None:
+        try:
+            self.on_task_weights(message.weights)
+        except ValueError as error:  # the learner's files differ from this server's: keep drawing as before
+            log.error("ignoring the learner's task weights of version %d: %s", message.version, error)
 
     async def _update(self, invite: SyncInvite) -> None:
         done = SyncDone(self.server_id, invite.round_id, ok=False)

@@ -137,8 +137,8 @@ class Validator:
         row = prompt.row
         if episodes is not None and episodes.handles(row.data_source):
             trajectories = await episodes.run_group(row, self.sampling, None, VALIDATION_GROUP_ID)
-            return PromptOutcome(row.data_source, [trajectory.reward for trajectory in trajectories])
+            return PromptOutcome(row.data_source, [t.reward for t in trajectories], [t.reward_info for t in trajectories])
         completions = await engine.generate_group(prompt.prompt_ids, self.sampling)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, t, row.ground_truth, row.extra_info) for t in texts])
-        return PromptOutcome(row.data_source, [result.score for result in results])
+        return PromptOutcome(row.data_source, [result.score for result in results], [result.info for result in results])

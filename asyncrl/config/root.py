@@ -9,6 +9,7 @@ from hydra.core.config_store import ConfigStore
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.buffer import BufferConfig, is_loopback, split_tcp_endpoint
 from asyncrl.config.environment import EnvironmentConfig
+from asyncrl.config.guard import GuardConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.ray_launch import RayConfig
 from asyncrl.config.rollout import RolloutConfig
@@ -31,6 +32,7 @@ class AsyncRLConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)  # periodic held-out evaluation (val/* metrics)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)  # multi-turn episodes: environments by data source, limits
     ray: RayConfig = field(default_factory=RayConfig)  # `asyncrl launch`: placement of the roles on a Ray cluster
+    guard: GuardConfig = field(default_factory=GuardConfig)  # rollback of the learner when a watched metric collapses
 
     def cross_checks(self) -> list[tuple[str, str]]:
         """Constraints spanning several fields, as (key, problem) pairs."""
@@ -62,6 +64,9 @@ class AsyncRLConfig:
                              "those places that long"))
         if self.learner.mode == "sync" and self.rollout.num_servers != 1:
             problems.append(("rollout.num_servers", "learner.mode=sync runs one engine: must be 1"))
+        sync_mode = self.learner.mode == "sync"
+        problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, sync_mode) + self.reward.cross_checks()
+        problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += self._control_channel_problems()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)

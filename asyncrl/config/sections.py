@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncrl.config.fields import bounded, items, one_of
+from asyncrl.config.task_weights import TaskWeightsConfig
 
 
 @dataclass
@@ -81,6 +82,7 @@ class TaskConfig:
 class DataConfig:
     train_files: list[str] = items(".cache/data/arithmetic/train.parquet")  # training files (parquet or jsonl)
     weights: list[float] = items()  # sampling weight per training file; empty = uniform
+    task_weights: TaskWeightsConfig = field(default_factory=TaskWeightsConfig)  # weights that move from stalled tasks to improving ones
     val_files: list[str] = items(".cache/data/arithmetic/val.parquet")  # held-out files for validation
     max_prompt_length: int = bounded(128, 1)  # prompts longer than this (tokens) are skipped with a warning
     shuffle: bool = True  # draw rows in a seeded random order per epoch
@@ -94,10 +96,34 @@ class CustomRewardConfig:
 
 
 @dataclass
+class RewardTermConfig:
+    data_source: str = ""  # the task whose reward this term is part of
+    name: str = ""  # the term's entry in reward_info, logged as critic/<data_source>/<name>/mean and val/...
+    path: str = ""  # Python file of the term's scorer (verl signature); empty = the task's own reward (custom_fn or built-in)
+    function: str = "compute_score"  # function name in `path`
+    weight: float = 1.0  # factor of the term in the task's reward, which is the sum of weight × term (negative: a penalty)
+
+
+@dataclass
 class RewardConfig:
     custom_fn: CustomRewardConfig = field(default_factory=CustomRewardConfig)  # user reward function
+    terms: list[RewardTermConfig] = field(default_factory=list)  # tasks whose reward combines several scorers; others keep custom_fn / built-in
     timeout_s: float = bounded(10.0, 0.01)  # per-sample scoring deadline; past it the sample gets a failure
     num_workers: int = bounded(2, 1)  # scoring worker processes (signals in math-verify rule out threads)
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        """Each term names its task and a name of its own within the task (not `score`, the reward's own entry)."""
+        problems, seen = [], set()
+        for index, term in enumerate(self.terms):
+            key = f"reward.terms[{index}]"
+            if not term.data_source:
+                problems.append((f"{key}.data_source", "must name the task (a data_source) the term belongs to"))
+            if not term.name or term.name == "score":
+                problems.append((f"{key}.name", "must be a non-empty name other than 'score'"))
+            elif (term.data_source, term.name) in seen:
+                problems.append((f"{key}.name", f"'{term.name}' is used twice for data_source '{term.data_source}'"))
+            seen.add((term.data_source, term.name))
+        return problems
 
 
 @dataclass

@@ -25,43 +25,45 @@ class RewardFunctionError(ValueError):
     """The custom reward function cannot be used. The message names the file and the function."""
 
 
-def load_reward_function(path: str | Path, name: str) -> RewardFunction:
-    """The function `name` defined in the Python file at `path`, checked against verl's signature."""
+def load_reward_function(path: str | Path, name: str, path_key: str = "reward.custom_fn.path",
+                         name_key: str = "reward.custom_fn.name") -> RewardFunction:
+    """The function `name` defined in the Python file at `path`, checked against verl's signature; errors
+    name the config keys that set the file (`path_key`) and the function (`name_key`)."""
     file = Path(path).expanduser().resolve()
-    module = _import_file(file)
-    function = _find_function(module, file, name)
-    _check_signature(function, file, name)
+    module = _import_file(file, path_key)
+    function = _find_function(module, file, name, name_key)
+    _check_signature(function, file, name, name_key)
     return function
 
 
-def _import_file(file: Path) -> ModuleType:
+def _import_file(file: Path, key: str) -> ModuleType:
     try:
         return import_file(file, "asyncrl_reward")
     except UserCodeError as error:
         message = str(error).replace("file '", "reward function file '", 1)
-        raise RewardFunctionError(f"reward.custom_fn.path: {message}") from error
+        raise RewardFunctionError(f"{key}: {message}") from error
 
 
-def _find_function(module: ModuleType, file: Path, name: str) -> RewardFunction:
+def _find_function(module: ModuleType, file: Path, name: str, key: str) -> RewardFunction:
     if not hasattr(module, name):
         defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
         raise RewardFunctionError(
-            f"reward.custom_fn.name: '{file}' defines no '{name}' (functions there: {', '.join(defined) or 'none'})"
+            f"{key}: '{file}' defines no '{name}' (functions there: {', '.join(defined) or 'none'})"
         )
     function = getattr(module, name)
     if not callable(function):
         raise RewardFunctionError(
-            f"reward.custom_fn.name: '{name}' in '{file}' is a {type(function).__name__}, not a function"
+            f"{key}: '{name}' in '{file}' is a {type(function).__name__}, not a function"
         )
     if inspect.iscoroutinefunction(function):
         raise RewardFunctionError(
-            f"reward.custom_fn.name: '{name}' in '{file}' is async; reward functions run in worker processes "
+            f"{key}: '{name}' in '{file}' is async; reward functions run in worker processes "
             "and must be plain functions"
         )
     return function
 
 
-def _check_signature(function: RewardFunction, file: Path, name: str) -> None:
+def _check_signature(function: RewardFunction, file: Path, name: str, key: str) -> None:
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # builtins without introspectable signatures: trust the call
@@ -70,6 +72,6 @@ def _check_signature(function: RewardFunction, file: Path, name: str) -> None:
         signature.bind(**{argument: None for argument in VERL_ARGUMENTS})
     except TypeError as error:
         raise RewardFunctionError(
-            f"reward.custom_fn.name: '{name}' in '{file}' has signature {signature}; expected {name}{VERL_SIGNATURE} "
+            f"{key}: '{name}' in '{file}' has signature {signature}; expected {name}{VERL_SIGNATURE} "
             f"({error})"
         ) from error

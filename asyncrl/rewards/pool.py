@@ -25,6 +25,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from asyncrl.rewards.results import RewardRequest, RewardResult, describe_exception
+from asyncrl.rewards.terms import RewardSpec
 from asyncrl.rewards.worker import STOP, WorkerReady, WorkerStartFailed, worker_main
 
 logger = logging.getLogger(__name__)
@@ -48,11 +49,11 @@ class _Task:
 class _Worker:
     """The pool's handle on one scoring process and the call it is running."""
 
-    def __init__(self, context: SpawnContext, name: str, function_path: str, function_name: str) -> None:
+    def __init__(self, context: SpawnContext, name: str, spec: RewardSpec) -> None:
         self.name = name
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(
-            target=worker_main, args=(child_conn, function_path, function_name), name=name, daemon=True
+            target=worker_main, args=(child_conn, spec), name=name, daemon=True
         )
         self.process.start()
         child_conn.close()  # only the worker holds its end now, so the worker's death reads as EOF here
@@ -99,15 +100,15 @@ class _Worker:
 
 
 class ScoringPool:
-    """`num_workers` scoring processes running a verl reward function, each call bounded by `timeout_s`.
+    """`num_workers` scoring processes running the reward `spec` describes, each call bounded by `timeout_s`.
 
     `submit` never blocks on scoring and its future always completes: with the function's result, or
     with a failure (exception, timeout, dead worker, pool closed).
     """
 
-    def __init__(self, function_path: str, function_name: str, num_workers: int, timeout_s: float) -> None:
+    def __init__(self, spec: RewardSpec, num_workers: int, timeout_s: float) -> None:
         self._context = multiprocessing.get_context("spawn")
-        self._function = (function_path, function_name)
+        self._spec = spec
         self._timeout_s = timeout_s
         self._names = (f"asyncrl-reward-{index}" for index in itertools.count())
         self._pending: deque[_Task] = deque()
@@ -158,7 +159,7 @@ class ScoringPool:
     # Starting workers
 
     def _spawn(self) -> _Worker:
-        return _Worker(self._context, next(self._names), *self._function)
+        return _Worker(self._context, next(self._names), self._spec)
 
     def _start_workers(self, num_workers: int) -> None:
         """Spawn the workers and block until each has loaded the reward function; raise with its error."""

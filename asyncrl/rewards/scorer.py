@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Future
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from asyncrl.rewards.builtin import check_data_sources
-from asyncrl.rewards.custom import load_reward_function
 from asyncrl.rewards.pool import ScoringPool
 from asyncrl.rewards.results import RewardRequest, RewardResult
+from asyncrl.rewards.terms import RewardSpec, load_reward
 
 if TYPE_CHECKING:
     from asyncrl.config.sections import RewardConfig
 
 
 class RewardScorer:
-    """Scores completions with the configured reward: `reward.custom_fn` if set, else built-ins by data_source.
+    """Scores completions with the configured reward: `reward.custom_fn` if set, else built-ins by data_source;
+    tasks with `reward.terms` get the weighted sum of their terms.
 
-    Starting it loads the custom function here first, so that a missing file, function or wrong signature
+    Starting it loads the custom function (and the terms' functions) here first, so that a missing file, function or wrong signature
     fails at startup with a `RewardFunctionError`, then starts `reward.num_workers` processes (a few seconds).
     A sample whose scorer raises or runs past `reward.timeout_s` gets a failed `RewardResult` (score 0.0,
     error set); scoring never raises for one bad sample. Use as a context manager, or call `close()`.
@@ -28,7 +28,7 @@ class RewardScorer:
 
     def __init__(self, config: RewardConfig) -> None:
         check_reward_setup(config, data_sources=())  # a custom function that does not load fails here, not in a worker
-        self._pool = ScoringPool(_function_path(config), config.custom_fn.name, config.num_workers, config.timeout_s)
+        self._pool = ScoringPool(RewardSpec.from_config(config), config.num_workers, config.timeout_s)
 
     def submit(self, request: RewardRequest) -> Future[RewardResult]:
         """Queue one request without waiting; the future always completes, with a result or a failure."""
@@ -58,18 +58,10 @@ class RewardScorer:
 
 
 def check_reward_setup(config: RewardConfig, data_sources: Iterable[str]) -> None:
-    """What scoring `data_sources` would fail on, checked without starting workers: a custom function that
-    does not load (`RewardFunctionError`), or, with the built-ins, a data source none of them handles
-    (`UnknownDataSourceError`)."""
-    function_path = _function_path(config)
-    if function_path:
-        load_reward_function(function_path, config.custom_fn.name)
-    else:
-        check_data_sources(data_sources)
-
-
-def _function_path(config: RewardConfig) -> str:
-    """The custom reward file as an absolute path ("" for the built-ins): workers resolve it themselves,
-    and an absolute one does not depend on where they start."""
-    custom = config.custom_fn
-    return str(Path(custom.path).expanduser().resolve()) if custom.path else ""
+    """What scoring `data_sources` would fail on, checked without starting workers: a custom function or a
+    term's function that does not load (`RewardFunctionError`), or, with the built-ins, a data source that
+    none of them handles and no term covers (`UnknownDataSourceError`)."""
+    spec = RewardSpec.from_config(config)
+    load_reward(spec)
+    if not spec.path:
+        check_data_sources(spec.sources_scored_by_default(data_sources))

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from asyncrl.parent_death import die_with_spawning_parent
-from asyncrl.rewards.builtin import compute_score
-from asyncrl.rewards.custom import RewardFunction, load_reward_function
+from asyncrl.rewards.custom import RewardFunction
 from asyncrl.rewards.results import RewardRequest, RewardResult, describe_exception, result_from_return
+from asyncrl.rewards.terms import RewardSpec, load_reward
 from asyncrl.stop_signal import ignore_stop_signals
 
 STOP = None  # sent by the pool to end an idle worker
@@ -31,11 +31,6 @@ class WorkerStartFailed:
     error: str
 
 
-def resolve_reward_function(path: str, name: str) -> RewardFunction:
-    """The custom function at `path`/`name`, or the built-in scorers when no path is configured."""
-    return load_reward_function(path, name) if path else compute_score
-
-
 def score_request(function: RewardFunction, request: RewardRequest) -> RewardResult:
     """Call a verl reward function on one request; an exception becomes a recorded failure."""
     try:
@@ -51,14 +46,14 @@ def score_request(function: RewardFunction, request: RewardRequest) -> RewardRes
         return RewardResult.failure(describe_exception(error))
 
 
-def worker_main(conn: Connection, path: str, name: str) -> None:
+def worker_main(conn: Connection, spec: RewardSpec) -> None:
     """Entry point of a spawned worker process."""
     die_with_spawning_parent()  # a server killed outright takes its workers along, even mid-call
     # Ctrl-C, and `asyncrl run` stopping a role, signal the whole process group; the pool alone decides when
     # its workers stop (a worker killed first was counted as a death and replaced while the server shut down)
     ignore_stop_signals()
     try:
-        function = resolve_reward_function(path, name)
+        function = load_reward(spec)
     except Exception as error:
         conn.send(WorkerStartFailed(describe_exception(error)))
         return

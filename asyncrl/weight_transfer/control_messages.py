@@ -91,6 +91,16 @@ class ValidateVersion:
     version: int  # policy version to validate
 
 
+@message("task_weights")
+@dataclass
+class TaskWeights:
+    """The learner's sampling weights of the training files (data.task_weights), sent every step while they
+    move: a server draws its next prompts with them, a server that (re)joins gets them within a step."""
+
+    version: int  # the policy version at which the learner set them
+    weights: list[float]  # one share per data.train_files entry, in that order; they sum to 1
+
+
 @message("job_finished")
 @dataclass
 class JobFinished:

@@ -23,6 +23,8 @@ def full_record(step: int) -> dict[str, float]:
         "rollout_corr/mismatch_kl": 1e-3 * step,
         "rollout/tokens_per_s": 900.0 + step, "learner/tokens_per_s": 1500.0, "buffer/ingest_groups_per_s": 12.0,
         "weight_sync/seconds": 0.2, "weight_sync/transfer_seconds": 0.05, "weight_sync/server_pause_seconds": 0.1,
+        "critic/a/score/mean": 0.9, "critic/b/score/mean": 0.01 * step,
+        "tasks/a/weight": max(0.1, 0.5 - 0.02 * step), "tasks/b/weight": min(0.9, 0.5 + 0.02 * step),
     }
 
 
@@ -36,7 +38,8 @@ def write_run(run_dir, records: dict[int, dict[str, float]]) -> None:
 def test_every_figure_is_a_readable_png(tmp_path):
     records = {step: full_record(step) for step in range(1, STEPS + 1)}
     for step in range(VAL_EVERY, STEPS + 1, VAL_EVERY):  # validation arrives a step after its version
-        records[step] |= {"val/score/mean": 0.4, "val/pass@4": 0.7, "val/version": float(step - 1)}
+        records[step] |= {"val/score/mean": 0.4, "val/pass@4": 0.7, "val/version": float(step - 1),
+                          "val/a/score/mean": 0.9, "val/b/score/mean": 0.2}
     write_run(tmp_path, records)
     report = plot_run(tmp_path)
     assert report.missing == []

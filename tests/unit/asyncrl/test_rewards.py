@@ -315,13 +315,14 @@ def test_a_function_that_cannot_load_in_the_worker_fails_startup(tmp_path, monke
     reward_file = tmp_path / "flaky_reward.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
     import asyncrl.rewards.scorer as scorer_module
+    from asyncrl.rewards.terms import load_reward
 
-    def load_then_break(path, name):
-        function = load_reward_function(path, name)
+    def load_then_break(spec):
+        function = load_reward(spec)
         reward_file.write_text("raise RuntimeError('gone')\n")
         return function
 
-    monkeypatch.setattr(scorer_module, "load_reward_function", load_then_break)
+    monkeypatch.setattr(scorer_module, "load_reward", load_then_break)
     with pytest.raises(WorkerStartError, match="could not load the reward function.*RuntimeError: gone"):
         RewardScorer(custom_config("compute_score", path=reward_file))
 

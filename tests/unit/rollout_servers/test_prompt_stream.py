@@ -68,3 +68,16 @@ def test_a_second_restart_before_any_acknowledgement_owes_the_same(data_file, tm
 
 def test_without_a_state_file_nothing_is_owed(data_file):
     assert PromptStream(mixture(data_file)).owed == 0
+
+
+def test_changed_weights_are_kept_across_a_restart(tmp_path):
+    files = []
+    for name in ("a", "b"):
+        rows = [{"prompt": [{"role": "user", "content": f"{name}{i}"}], "data_source": name,
+                 "reward_model": {"ground_truth": name, "style": "rule"}} for i in range(ROWS)]
+        files.append(str(write_rows(rows, tmp_path / f"{name}.jsonl")))
+    state = tmp_path / "s0.prompts.json"
+    stream = PromptStream(PromptMixture(files, [0.5, 0.5], seed=SEED), state)
+    stream.set_weights([0.0, 1.0])  # the learner's weights: only b from now on
+    restarted = PromptStream(PromptMixture(files, [0.5, 0.5], seed=SEED), state)
+    assert [answer for _, answer in take(restarted, 20)] == ["b"] * 20

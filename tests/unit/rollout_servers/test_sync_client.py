@@ -11,7 +11,8 @@ import zmq.asyncio
 
 from asyncrl.messages import decode, encode
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
-                                                      SyncJoin, SyncPrepare, SyncReady, ValidateVersion)
+                                                      SyncJoin, SyncPrepare, SyncReady, TaskWeights,
+                                                      ValidateVersion)
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.telemetry import TelemetrySender
 
@@ -198,3 +199,34 @@ def test_the_learner_asks_for_a_validation_and_ends_the_job():
     validations, finished, answer, done = asyncio.run(scenario())
     assert validations == [12] and finished == [12] and done
     assert answer == ServerLeaving("s0")
+
+
+def test_the_learners_task_weights_reach_the_server_and_bad_ones_are_ignored():
+    async def scenario() -> list[list[float]]:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        taken: list[list[float]] = []
+
+        def take(weights: list[float]) -> None:
+            if len(weights) != 2:
+                raise ValueError("need 2 weights")
+            taken.append(weights)
+
+        client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", FakeEngine(), 1, HEARTBEAT_S,
+                            on_task_weights=take)
+        task = asyncio.ensure_future(client.run())
+        try:
+            identity, _ = await first_heartbeat(router)
+            for weights in ([0.25, 0.75], [1.0], [0.1, 0.9]):
+                await router.send_multipart([identity, encode(TaskWeights(4, weights))])
+            await router.send_multipart([identity, encode(SyncPrepare(round_id=1))])  # answered after the three
+            await next_reply(router)
+            assert not task.done()
+            return taken
+        finally:
+            await cancel(task)
+            client.close()
+            router.close(0)
+
+    assert asyncio.run(scenario()) == [[0.25, 0.75], [0.1, 0.9]]

@@ -129,7 +129,7 @@ class FakeEpisodes:
 
     async def run_group(self, row, sampling, seed, group_id):
         self.calls.append((row.ground_truth, sampling.n, seed, group_id))
-        return [SimpleNamespace(reward=reward) for reward in self.rewards]
+        return [SimpleNamespace(reward=reward, reward_info={"solved": float(reward == 1.0)}) for reward in self.rewards]
 
 
 def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rewards():
@@ -144,3 +144,4 @@ def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rew
     assert metrics["val/game/score/mean"] == pytest.approx(2.5 / 4)
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(2 / 4)
     assert metrics["val/game/pass@2"] == pytest.approx(1 - 1 / 6)  # 2 of 4 reach a reward of 1
+    assert metrics["val/game/solved/mean"] == pytest.approx(2 / 4)  # the environments' reward info, per task
