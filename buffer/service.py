@@ -338,7 +338,7 @@ class BufferService:
 
     def _on_admission(self, identity: bytes, request: AdmissionRequest) -> None:
         try:
-            granted = self.admission.grant(request.server_id, request.wanted, request.finished, self.policy_version,
+            granted = self.admission.grant(request.server_id, request.wanted, request.finished, self._sampling_version(),
                                            self.store.accepted, time.monotonic(), request.request_id, request.running)
         except LeasesFull as error:
             self._refuse(identity, error)
@@ -348,6 +348,12 @@ class BufferService:
     def _on_policy_version(self, identity: bytes, update: PolicyVersion) -> None:
         self._hear_version(update.version)
         self._reply(identity, self._position())
+
+    def _sampling_version(self) -> int:
+        """The version that samples started now are stamped with, which admission plans from: the learner's, or
+        under buffer.study_lag_versions the lagged weights' (so the lag counts against K and, with K equal to
+        the lag, exactly one batch starts per version)."""
+        return self.policy_version - self.config.study_lag_versions
 
     def _hear_version(self, version: int) -> None:
         self.policy_version = max(self.policy_version, version)

@@ -7,9 +7,10 @@ from asyncrl.staleness import staleness
 
 
 def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
-    """Mean and max over the batch's groups; groups with no trained token (oldest version -1) are left out."""
+    """Mean, min and max over the batch's groups; groups with no trained token (oldest version -1) are left out."""
     oldest = [group.oldest_version() for group in batch.groups]
     values = [staleness(version, group_oldest) for group_oldest in oldest if group_oldest >= 0]
     if not values:
         return {}
-    return {"staleness/mean": sum(values) / len(values), "staleness/max": float(max(values))}
+    return {"staleness/mean": sum(values) / len(values), "staleness/min": float(min(values)),
+            "staleness/max": float(max(values))}

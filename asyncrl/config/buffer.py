@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from asyncrl.config.fields import bounded, one_of
 from asyncrl.messages import MAX_AHEAD, MAX_COUNT, MAX_VERSION
+from asyncrl.staleness import trainable
 
 LOOPBACK_NAMES = ("localhost",)
 C_INT_MAX = 2**31 - 1  # mallopt takes a C int
@@ -43,6 +44,7 @@ class BufferConfig:
     max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
     max_disk_bytes: int = bounded(64 * 2**30, 1)  # bytes of log not yet released by commits; past it producers retry
     max_staleness: int = bounded(1, 0, MAX_VERSION)  # K: groups staler than this are never handed out (dropped, counted)
+    study_lag_versions: int = bounded(0, 0, MAX_VERSION)  # study setting L: the servers get the learner's weights of L versions ago and admission counts the lag against K, so samples are trained L to K versions stale (K = L: exactly L, one batch per version; docs/tuning.md); 0 = off
     batch_groups: int = bounded(32, 1, MAX_COUNT)  # groups the learner trains on per step (the admission formula's batch)
     admission_timeout_s: float = bounded(120.0, 0.01)  # a server silent this long has its admitted groups released
     retry_after_ms: int = bounded(50, 1)  # wait a producer is told to take before resending when the buffer is full
@@ -64,6 +66,10 @@ class BufferConfig:
         problems = []
         if not is_loopback(self.bind_host) and not self.curve_dir:
             problems.append(("buffer.bind_host", f"'{self.bind_host}' is not loopback: set buffer.curve_dir (keygen)"))
+        if not trainable(self.study_lag_versions, 0, self.max_staleness):  # a sample exactly as stale as the lag
+            problems.append(("buffer.study_lag_versions",
+                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness}: every sample "
+                             "would be dropped as stale (set max_staleness to the lag to train samples exactly that stale)"))
         if self.address and not self.address.startswith("tcp://"):
             problems.append(("buffer.address", f"'{self.address}' must look like tcp://host:port"))
         return problems

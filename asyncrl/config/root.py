@@ -67,9 +67,22 @@ class AsyncRLConfig:
         sync_mode = self.learner.mode == "sync"
         problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, sync_mode) + self.reward.cross_checks()
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
+        problems += self._study_lag_problems()
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += self._control_channel_problems()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
+
+    def _study_lag_problems(self) -> list[tuple[str, str]]:
+        """buffer.study_lag_versions holds the lag exact only where the async learner broadcasts every step."""
+        if not self.buffer.study_lag_versions:
+            return []
+        key = "buffer.study_lag_versions"
+        if self.learner.mode == "sync":
+            return [(key, "learner.mode=sync samples with the newest weights by construction: it has no lag to set")]
+        if self.learner.sync_every != 1:
+            return [(key, f"needs learner.sync_every=1 (is {self.learner.sync_every}): between broadcasts the servers' "
+                          "weights would fall further behind than the lag")]
+        return []
 
     def _control_channel_problems(self) -> list[tuple[str, str]]:
         """The buffer's CURVE rule for the weight-sync control socket, which shares the buffer's keys."""

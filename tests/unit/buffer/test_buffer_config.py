@@ -49,3 +49,21 @@ def test_a_curve_dir_without_keys_is_a_config_error_naming_the_key(tmp_path):
         connect_dealer(zmq.Context.instance(), "tcp://127.0.0.1:1", str(tmp_path))
     with pytest.raises(ConfigError, match=r"buffer\.curve_dir.*server\.key_secret"):
         ServerSecurity(zmq.Context.instance(), str(tmp_path))
+
+
+def test_a_study_lag_within_k_loads():
+    config = load_config(None, ["buffer.max_staleness=4", "buffer.study_lag_versions=4"])
+    assert (config.buffer.max_staleness, config.buffer.study_lag_versions) == (4, 4)
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["buffer.max_staleness=2", "buffer.study_lag_versions=3"],
+     r"buffer\.study_lag_versions: 3 exceeds buffer\.max_staleness=2: every sample would be dropped"),
+    (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.sync_every=2"],
+     r"buffer\.study_lag_versions: needs learner\.sync_every=1 \(is 2\)"),
+    (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.mode=sync"],
+     r"buffer\.study_lag_versions: learner\.mode=sync samples with the newest weights"),
+])
+def test_a_study_lag_that_cannot_hold_is_refused_naming_the_key(overrides, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config(None, overrides)

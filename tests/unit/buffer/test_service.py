@@ -180,6 +180,19 @@ def test_admission_over_the_wire(serve, small_config):
     assert consumer.stats().admission_waits == 2  # the first two requests got less than wanted
 
 
+def test_a_study_lag_equal_to_k_admits_one_batch_per_version(serve, small_config):
+    """buffer.study_lag_versions = K: the servers sample with weights K versions back, so admission plans from that
+    version: (K + (version − K) + 1) · batch − (accepted + running) opens one batch per learner version."""
+    service = serve(dataclasses.replace(small_config, max_staleness=3, study_lag_versions=3, batch_groups=4))
+    admission = AdmissionClient(service.endpoint, "server-0")
+    assert admission.request(wanted=10).granted == 4  # (3 + (0 − 3) + 1) * 4 − 0
+    assert admission.request(wanted=10).granted == 0
+    consumer = BufferConsumer(service.endpoint, "learner")
+    consumer.publish_version(1)
+    grant = admission.request(wanted=10, finished=4)  # (3 + (1 − 3) + 1) * 4 − (0 + 0): the 4 were never sent
+    assert (grant.granted, grant.policy_version) == (8, 1)  # the grant carries the learner's own version
+
+
 def test_admission_takes_the_servers_running_count_over_the_wire(serve, small_config):
     service = serve(dataclasses.replace(small_config, max_staleness=1, batch_groups=4))
     admission = AdmissionClient(service.endpoint, "server-0")
