@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
-from run_helpers import asyncrl, prepare, tiny_job
+from run_helpers import asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -16,19 +16,18 @@ LAG = 3
 STEPS = 7
 
 
-def overrides(tmp: Path) -> list[str]:
+def overrides(inputs: Path, tmp: Path) -> list[str]:
     return tiny_job(
-        tmp, STEPS, "run.name=lag", f"buffer.max_staleness={LAG}", f"buffer.study_lag_versions={LAG}",
-        "buffer.batch_groups=2", "rollout.sampling.n=4", "rollout.max_inflight=8", "learner.checkpoint_every=100",
+        inputs, STEPS, f"run.root_dir={tmp / 'runs'}", "run.name=lag", f"buffer.max_staleness={LAG}",
+        f"buffer.study_lag_versions={LAG}", "buffer.batch_groups=2", "rollout.sampling.n=4", "rollout.max_inflight=8", "learner.checkpoint_every=100",
         f"validation.every={STEPS}", "validation.n=2", "validation.k=2", "validation.max_prompts=4",
     )
 
 
 @pytest.fixture(scope="module")
-def lagged_run(tmp_path_factory):
+def lagged_run(tmp_path_factory, tiny_job_inputs):
     tmp = tmp_path_factory.mktemp("lag")
-    prepare(tmp, overrides(tmp))
-    done = asyncrl("run", *overrides(tmp))
+    done = asyncrl("run", *overrides(tiny_job_inputs, tmp))
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(tmp / "runs" / "lag")
 
