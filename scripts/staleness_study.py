@@ -73,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds")
     parser.add_argument("--steps", type=int, default=60, help="learner steps per cell")
     parser.add_argument("--jobs", type=int, default=1, help="cells run at once")
+    parser.add_argument("--report-only", action="store_true",
+                        help="report the cells finished earlier and run none (the others are named and left out)")
     parser.add_argument("--out-dir", default="runs/staleness_study")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value) for every cell")
     return parser.parse_args()
@@ -91,15 +93,21 @@ def prepare(args: argparse.Namespace) -> None:
             sys.exit(f"asyncrl {command} failed:\n{done.stderr[-3000:]}")
 
 
+def finished_cell(args: argparse.Namespace, name: str) -> Cell | None:
+    """The saved result of cell `name` when an earlier study with the same --steps and overrides finished it."""
+    saved = Path(args.out_dir) / name / CELL_FILE
+    if not saved.is_file():
+        return None
+    cell = Cell(**json.loads(saved.read_text()))
+    return cell if cell.returncode == 0 and cell.steps == args.steps and cell.overrides == args.overrides else None
+
+
 def run_cell(args: argparse.Namespace, k: int, loss: str, seed: int) -> Cell:
-    """One cell's run, or its saved result when an earlier study with the same --steps and overrides finished it."""
+    """One cell's run, or its saved result (`finished_cell`)."""
     name = f"k{k}-{loss}-seed{seed}"
     run_dir = Path(args.out_dir) / name
-    saved = run_dir / CELL_FILE
-    if saved.is_file():
-        cell = Cell(**json.loads(saved.read_text()))
-        if cell.returncode == 0 and cell.steps == args.steps and cell.overrides == args.overrides:
-            return cell
+    if (cell := finished_cell(args, name)) is not None:
+        return cell
     overrides = [
         *args.overrides, f"run.root_dir={args.out_dir}", f"run.name={name}", "learner.resume=never",
         f"buffer.max_staleness={k}", f"buffer.study_lag_versions={k}", f"algorithm.loss={loss}", f"run.seed={seed}",
@@ -122,7 +130,7 @@ def run_cell(args: argparse.Namespace, k: int, loss: str, seed: int) -> Cell:
         _samples_per_s(records), round(wall, 1), done.returncode,
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(asdict(cell)))
+    (run_dir / CELL_FILE).write_text(json.dumps(asdict(cell)))
     return cell
 
 
@@ -221,13 +229,19 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     losses = args.losses.split(",")
     seeds = [int(s) for s in args.seeds.split(",")]
-    prepare(args)
     order = [(k, loss, seed) for seed in seeds for loss in losses for k in ks]  # a cut-short study has whole seeds
-    cells = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for cell in pool.map(lambda key: run_cell(args, *key), order):
-            print(json.dumps(asdict(cell)), flush=True)
-            cells.append(cell)
+    if args.report_only:
+        cells = [cell for k, loss, seed in order if (cell := finished_cell(args, f"k{k}-{loss}-seed{seed}")) is not None]
+        missing = [f"k{k}-{loss}-seed{seed}" for k, loss, seed in order
+                   if not any((c.k, c.loss, c.seed) == (k, loss, seed) for c in cells)]
+        print(f"reporting {len(cells)} finished cells; not run: {', '.join(missing) or 'none'}", flush=True)
+    else:
+        prepare(args)
+        cells = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for cell in pool.map(lambda key: run_cell(args, *key), order):
+                print(json.dumps(asdict(cell)), flush=True)
+                cells.append(cell)
     rows = summarise(cells)
     print_table(rows)
     plot_path = Path(args.out_dir) / "staleness_study.png"
