@@ -120,18 +120,27 @@ def run_cell(args: argparse.Namespace, k: int, loss: str, seed: int) -> Cell:
     if done.returncode != 0:
         print(f"cell {name} failed ({done.returncode}):\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
-    steps = [r for r in records if r.get("staleness/mean") is not None]
-    lagged = [r for r in steps if r["step"] - 1 >= k]  # trained at version >= K: the full lag
-    cell = Cell(
-        k, loss, seed, args.steps, list(args.overrides), _val_at(records, 0), _val_at(records, args.steps),
-        _mean(r.get("rollout_corr/mismatch_kl") for r in lagged), _mean(r.get("rollout_corr/is_clip_frac") for r in lagged),
-        _mean(r.get("rollout_corr/is_weight_mean") for r in lagged), _mean(r["staleness/mean"] for r in steps),
-        min((r["staleness/min"] for r in lagged), default=None), max((r["staleness/max"] for r in lagged), default=None),
-        _samples_per_s(records), round(wall, 1), done.returncode,
-    )
+    cell = Cell(k, loss, seed, args.steps, list(args.overrides), **measure(records, k, args.steps), wall_s=round(wall, 1),
+                returncode=done.returncode)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CELL_FILE).write_text(json.dumps(asdict(cell)))
     return cell
+
+
+def measure(records: list[dict], k: int, steps: int) -> dict[str, float | None]:
+    """A cell's measured fields from its run's metrics records (see the module's docstring)."""
+    trained = [r for r in records if r.get("staleness/mean") is not None]
+    lagged = [r for r in trained if r["step"] - 1 >= k]  # step s trains at version s − 1: at full lag from version K
+    return {
+        "val_start": _val_at(records, 0), "val_final": _val_at(records, steps),
+        "mismatch_kl": _mean(r.get("rollout_corr/mismatch_kl") for r in lagged),
+        "is_clip_frac": _mean(r.get("rollout_corr/is_clip_frac") for r in lagged),
+        "is_weight_mean": _mean(r.get("rollout_corr/is_weight_mean") for r in lagged),
+        "staleness_mean": _mean(r["staleness/mean"] for r in trained),
+        "staleness_min": min((r["staleness/min"] for r in lagged), default=None),
+        "staleness_max": max((r["staleness/max"] for r in lagged), default=None),
+        "samples_per_s": _samples_per_s(records),
+    }
 
 
 def _val_at(records: list[dict], version: int) -> float | None:
