@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncrl.config.fields import bounded, one_of
 from asyncrl.messages import MAX_AHEAD, MAX_COUNT, MAX_VERSION
 from asyncrl.staleness import trainable
+
+AUTO = "auto"  # buffer.max_staleness chosen during the run by the pacing controller
 
 LOOPBACK_NAMES = ("localhost",)
 C_INT_MAX = 2**31 - 1  # mallopt takes a C int
@@ -33,6 +35,21 @@ def split_tcp_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 @dataclass
+class PacingConfig:
+    """`buffer.max_staleness: auto`: the learner chooses K between `k_min` and `k_max` from what it measures
+    (`asyncrl/pacing.py`, `docs/tuning.md`)."""
+
+    k_min: int = bounded(1, 0, MAX_VERSION)  # smallest K the controller chooses, and where a new run starts
+    k_max: int = bounded(8, 0, MAX_VERSION)  # largest K it ever chooses
+    window: int = bounded(5, 1)  # learner steps each decision reads; after a change K holds this long (the signals then describe the new K)
+    raise_wait_share: float = bounded(0.1, 0.0, 1.0)  # raise K while the learner waited for batches more than this share of its step time
+    max_mismatch_kl: float = bounded(0.02, 0.0)  # drift bound: lower K when the window's mean rollout_corr/mismatch_kl is above it
+    max_is_clip_frac: float = bounded(0.05, 0.0, 1.0)  # drift bound: lower K when the window's mean rollout_corr/is_clip_frac is above it
+    raise_headroom: float = bounded(0.5, 0.0, 1.0)  # raise only while both drift signals are under this share of their bounds (room for one more version)
+    max_dropped_share: float = bounded(0.25, 0.0, 1.0)  # lower K when more of the window's groups than this share were dropped stale while the learner was not waiting
+
+
+@dataclass
 class BufferConfig:
     address: str = ""  # tcp://host:port of a running buffer to use; empty = the learner starts its own
     bind_host: str = "127.0.0.1"  # interface the service binds; anything but loopback requires curve_dir
@@ -43,7 +60,8 @@ class BufferConfig:
     segment_bytes: int = bounded(64 * 2**20, 4096)  # log segments close past this size; retention deletes whole ones
     max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
     max_disk_bytes: int = bounded(64 * 2**30, 1)  # bytes of log not yet released by commits; past it producers retry
-    max_staleness: int = bounded(1, 0, MAX_VERSION)  # K: groups staler than this are never handed out (dropped, counted)
+    max_staleness: str = "1"  # K: groups staler than this are never handed out (dropped, counted); auto = chosen during the run within `pacing`
+    pacing: PacingConfig = field(default_factory=PacingConfig)  # bounds and signals of max_staleness=auto
     study_lag_versions: int = bounded(0, 0, MAX_VERSION)  # study setting L: the servers get the learner's weights of L versions ago and admission counts the lag against K, so samples are trained L to K versions stale (K = L: exactly L, one batch per version; docs/tuning.md); 0 = off
     batch_groups: int = bounded(32, 1, MAX_COUNT)  # groups the learner trains on per step (the admission formula's batch)
     admission_timeout_s: float = bounded(120.0, 0.01)  # a server silent this long has its admitted groups released
@@ -62,14 +80,30 @@ class BufferConfig:
     client_timeout_s: float = bounded(30.0, 0.01)  # clients: deadline for a reply (ack, batch, grant)
     client_resend_s: float = bounded(5.0, 0.01)  # clients: resend a request or record unanswered this long (a restarted buffer gets it)
 
+    @property
+    def paced(self) -> bool:
+        """K is chosen during the run (max_staleness=auto)."""
+        return self.max_staleness == AUTO
+
+    def starting_staleness(self) -> int:
+        """K at the start of a run: the fixed value, or the pacing controller's lower bound."""
+        return self.pacing.k_min if self.paced else int(self.max_staleness)
+
     def cross_checks(self) -> list[tuple[str, str]]:
         problems = []
+        value = self.max_staleness
+        if value != AUTO and not (value.isdigit() and int(value) <= MAX_VERSION):
+            problems.append(("buffer.max_staleness", f"'{value}' is neither 'auto' nor a whole number of versions in [0, {MAX_VERSION}]"))
+        if self.pacing.k_min > self.pacing.k_max:
+            problems.append(("buffer.pacing.k_min", f"{self.pacing.k_min} exceeds buffer.pacing.k_max={self.pacing.k_max}"))
         if not is_loopback(self.bind_host) and not self.curve_dir:
             problems.append(("buffer.bind_host", f"'{self.bind_host}' is not loopback: set buffer.curve_dir (keygen)"))
-        if not trainable(self.study_lag_versions, 0, self.max_staleness):  # a sample exactly as stale as the lag
+        smallest_k = self.pacing.k_min if self.paced else int(value) if value.isdigit() else None  # auto never goes below k_min
+        if smallest_k is not None and not trainable(self.study_lag_versions, 0, smallest_k):  # a sample as stale as the lag
             problems.append(("buffer.study_lag_versions",
-                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness}: every sample "
-                             "would be dropped as stale (set max_staleness to the lag to train samples exactly that stale)"))
+                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness} (with auto: "
+                             "buffer.pacing.k_min): every sample would be dropped as stale (set max_staleness to the lag "
+                             "to train samples exactly that stale)"))
         if self.address and not self.address.startswith("tcp://"):
             problems.append(("buffer.address", f"'{self.address}' must look like tcp://host:port"))
         return problems

@@ -7,12 +7,22 @@ from asyncrl.config import ConfigError, load_config
 
 def test_buffer_section_loads_with_overrides():
     config = load_config(None, ["buffer.fsync=always", "buffer.max_staleness=0", "buffer.port=5555"])
-    assert (config.buffer.fsync, config.buffer.max_staleness, config.buffer.port) == ("always", 0, 5555)
+    assert (config.buffer.fsync, config.buffer.starting_staleness(), config.buffer.port) == ("always", 0, 5555)
+    assert not config.buffer.paced
+
+
+def test_auto_staleness_starts_at_the_pacing_lower_bound():
+    config = load_config(None, ["buffer.max_staleness=auto", "buffer.pacing.k_min=2", "buffer.pacing.k_max=6"])
+    assert config.buffer.paced and config.buffer.starting_staleness() == 2
 
 
 @pytest.mark.parametrize("override, key", [
     ("buffer.fsync=sometimes", "buffer.fsync"),
     ("buffer.max_staleness=-1", "buffer.max_staleness"),
+    ("buffer.max_staleness=sometimes", "buffer.max_staleness"),
+    ("buffer.max_staleness=2.5", "buffer.max_staleness"),
+    ("buffer.pacing.k_min=9", "buffer.pacing.k_min"),  # above the default k_max of 8
+    ("buffer.pacing.window=0", "buffer.pacing.window"),
     ("buffer.bind_host=0.0.0.0", "buffer.bind_host"),
     ("buffer.address=localhost:5555", "buffer.address"),
     ("buffer.no_such_key=1", "buffer.no_such_key"),
