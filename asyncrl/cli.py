@@ -151,6 +151,20 @@ COMMANDS = (
         arguments=(Argument("run_dir", "RUN_DIR", "run directory (holds metrics.jsonl)"),),
         takes_config=False,
     ),
+    Command(
+        "tune",
+        "read a finished run's metrics: generation-, learner- or sync-bound, and what K, servers, micro-batch to try",
+        "Reads RUN_DIR/metrics.jsonl and RUN_DIR/config.yaml and prints, over the steps after the first tenth "
+        "(warm-up), the share of the learner's time per step spent waiting for batches, in weight sync and "
+        "training. Its first line is the verdict: generation-bound (the learner waited more than 10% of the "
+        "time), sync-bound (weight sync took more than 25% and more than the waiting) or learner-bound, with the "
+        "staleness trained, the bound K and the drift (rollout_corr/mismatch_kl, is_clip_frac). Then one line "
+        "each for buffer.max_staleness (or learner.sync_every when sync-bound), rollout.num_servers and "
+        "learner.micro_batch_tokens, with the numbers behind the advice. See docs/tuning.md.",
+        "asyncrl.commands.tune:main",
+        arguments=(Argument("run_dir", "RUN_DIR", "run directory of a finished (or running) job: metrics.jsonl and config.yaml"),),
+        takes_config=False,
+    ),
 )
 
 
@@ -160,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training for LLMs: vLLM rollout servers generate without "
         "pause into a ZeroMQ trajectory buffer; an FSDP2 learner trains with importance-corrected PPO "
         "and broadcasts weights back every N steps.",
-        epilog="Every command but plot takes --config FILE plus key=value overrides; see docs/configuration.md.",
+        epilog="Every command but plot and tune takes --config FILE plus key=value overrides; see docs/configuration.md.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:

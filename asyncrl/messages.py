@@ -32,6 +32,7 @@ MAX_WAIT_MS = 24 * 3600 * 1000  # the longest wait a batch request may ask for (
 MAX_AHEAD = 2**16  # consumed offsets past a position; a real learner's are a few batches' worth
 MAX_ID_CHARS = 256  # consumer, server and request ids
 MAX_PATH_CHARS = 4096  # paths and addresses
+BUFFERS_OWN_STALENESS = -1  # a batch request that names no K: the buffer keeps the one it applies
 
 Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
 Offset = Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFSET)]
@@ -208,6 +209,7 @@ class AdmissionRequest:
 class AdmissionGrant:
     granted: int  # prompt groups the server may start now
     policy_version: int  # learner version the grant was computed for
+    max_staleness: int  # K the grant was computed with (the learner's, which may change during a run)
 
 
 @message("batch_request")
@@ -220,6 +222,7 @@ class BatchRequest:
     timeout_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_WAIT_MS)] = 0  # wait this long for enough data (0 = answer at once)
     from_offset: Annotated[int, msgspec.Meta(ge=-1, le=MAX_OFFSET)] = -1  # consumer's position; -1 = the buffer's read cursor
     from_ahead: Ahead = field(default_factory=list)  # records at or past from_offset it has consumed too (last next_ahead)
+    max_staleness: Annotated[int, msgspec.Meta(ge=BUFFERS_OWN_STALENESS, le=MAX_VERSION)] = BUFFERS_OWN_STALENESS  # the learner's K from now on (admission and selection follow it)
 
     def validate(self) -> None:
         if self.from_offset < 0 and self.from_ahead:
@@ -303,6 +306,7 @@ class BufferStats:
     admission_leases: int = 0  # servers holding an admission lease now
     consumers: int = 0  # consumers (client ids) holding a read position of their own now
     position_rereads: int = 0  # pending records read back from the log because a consumer moved its position
+    max_staleness: int = 0  # K the buffer applies now (the learner's latest)
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for wandb/metrics.jsonl."""

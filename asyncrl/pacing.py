@@ -119,7 +119,7 @@ class Pacer:
 
     def __init__(self, settings: PacingConfig, k: int, samples_per_group: int) -> None:
         self.settings = settings
-        self.k = min(max(k, settings.k_min), settings.k_max)  # a resumed K inside bounds that may have changed
+        self.k = settings.clamp(k)  # a resumed K inside bounds that may have changed since
         self.samples_per_group = samples_per_group
         self.recent: list[StepSignals] = []
 

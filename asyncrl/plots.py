@@ -66,7 +66,8 @@ FIGURES = (
         Panel("sampling weight", patterns=(SeriesPattern(r"^tasks/[^/]+/weight$"),)),
     )),
     FigureSpec("staleness.png", "Staleness of trained samples (learner version − oldest token version)", (
-        Panel("versions", (Series("staleness/mean", "mean"), Series("staleness/max", "max"))),
+        Panel("versions", (Series("staleness/mean", "mean"), Series("staleness/max", "max"),
+                           Series("staleness/max_staleness", "bound K (buffer.max_staleness)"))),
     )),
     FigureSpec("importance_weights.png", "Off-policy correction", (
         Panel("mean IS weight", (Series("rollout_corr/is_weight_mean", "is_weight_mean"),)),

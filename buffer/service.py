@@ -26,8 +26,8 @@ from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import GroupSummary, summarize_group
 from asyncrl.heap import freeze_startup_heap, keep_freed_memory
 from asyncrl.launch_buffer import ENDPOINT_FILE
-from asyncrl.messages import (Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition, BufferStats,
-                              Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
+from asyncrl.messages import (BUFFERS_OWN_STALENESS, Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition,
+                              BufferStats, Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
 from asyncrl.transport.sockets import MS_PER_S, ServingRouter
 from buffer.admission import Admission, LeasesFull
@@ -55,7 +55,7 @@ class BufferService:
         self.config = config
         self.directory = Path(directory)
         self.store = TrajectoryStore(config, self.directory)
-        self.admission = Admission(config.max_staleness, config.batch_groups, config.admission_timeout_s,
+        self.admission = Admission(config.starting_staleness(), config.batch_groups, config.admission_timeout_s,
                                    config.max_leases)
         self.counters = Counters()
         self.rate = IngestRate(config.stats_window_s)
@@ -260,6 +260,7 @@ class BufferService:
 
     def _on_batch_request(self, identity: bytes, request: BatchRequest) -> None:
         self._hear_version(request.policy_version)
+        self._hear_bound(request.max_staleness)
         parked = ParkedRequest(identity, request, time.monotonic() + request.timeout_ms / MS_PER_S)
         try:
             self._check_wait(request)
@@ -312,7 +313,7 @@ class BufferService:
                                                  next_offset, len(selection.dropped), next_ahead))
 
     def _limits(self, request: BatchRequest) -> BatchLimits:
-        return BatchLimits(request.policy_version, self.config.max_staleness, request.max_samples, request.max_tokens,
+        return BatchLimits(request.policy_version, self.admission.max_staleness, request.max_samples, request.max_tokens,
                            max_bytes=self.config.max_message_bytes - BATCH_ENVELOPE_BYTES)
 
     def _count_handout(self, selection: Selection) -> None:
@@ -321,7 +322,7 @@ class BufferService:
         self.counters.dropped_passed_over += selection.dropped_passed_over
         self.counters.staleness.update(selection.staleness)
         if selection.dropped:
-            log.info("dropped %d group(s) as staler than %d", len(selection.dropped), self.config.max_staleness)
+            log.info("dropped %d group(s) as staler than %d", len(selection.dropped), self.admission.max_staleness)
 
     def _on_commit(self, identity: bytes, commit: Commit) -> None:
         self._hear_version(commit.policy_version)
@@ -343,7 +344,7 @@ class BufferService:
         except LeasesFull as error:
             self._refuse(identity, error)
             return
-        self._reply(identity, AdmissionGrant(granted, self.policy_version))
+        self._reply(identity, AdmissionGrant(granted, self.policy_version, self.admission.max_staleness))
 
     def _on_policy_version(self, identity: bytes, update: PolicyVersion) -> None:
         self._hear_version(update.version)
@@ -357,6 +358,12 @@ class BufferService:
 
     def _hear_version(self, version: int) -> None:
         self.policy_version = max(self.policy_version, version)
+
+    def _hear_bound(self, max_staleness: int) -> None:
+        """The learner's K (-1: it sent none): admission, selection and the servers' grants follow it."""
+        if max_staleness not in (BUFFERS_OWN_STALENESS, self.admission.max_staleness):
+            log.info("max_staleness %d -> %d (the learner's)", self.admission.max_staleness, max_staleness)
+            self.admission.max_staleness = max_staleness
 
     def _position(self) -> BufferPosition:
         return BufferPosition(self.store.consumers.learner.read_offset, self.store.committed.offset, self.store.end_offset,
@@ -383,6 +390,7 @@ class BufferService:
             refused_requests=counters.refused_requests, refused_over_caps=counters.refused_over_caps,
             unparked=counters.unparked, parked=len(self.parked), admission_leases=len(self.admission.leases),
             consumers=len(self.store.consumers), position_rereads=self.store.position_rereads,
+            max_staleness=self.admission.max_staleness,
         )
 
     def _on_unexpected(self, identity: bytes, message: Any) -> None:

@@ -5,8 +5,8 @@ A rollback after step T restores what a resume restores from that checkpoint (we
 weights) and optionally scales the learning rate down. The buffer position is not moved back: the samples
 trained since the checkpoint are discarded (they came from the policy that collapsed), never trained again.
 So are the ones the collapsed policy was already admitted to sample: the learner consumes and discards the
-next `buffer.max_staleness` + 1 batches at version T, as many as admission lets the servers hold in the
-buffer and in flight, while admission stays paused (the version does not move while they are drained). The
+next K + 1 batches at version T (K = `buffer.max_staleness`, or with auto the K of step T's batch), as many as
+admission lets the servers hold in the buffer and in flight, while admission stays paused (the version does not move while they are drained). The
 restored weights then go to the servers as version T + K + 1: every version still counts the batches
 consumed (which admission's bound relies on), and any sample of the collapsed policy left is too stale to be
 trained. Both kinds count in `guard/discarded_samples`. The checkpoints newer than the one restored (the
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SAMPLES_KEY = "batch/samples"
+BOUND_KEY = "staleness/max_staleness"  # K of the step's batch: what admission let the collapsed policy sample under
 
 
 class GuardStopped(RuntimeError):
@@ -53,6 +54,7 @@ class Collapse:
     drop: float  # relative worsening against the best (inf for a value that is not finite)
     checkpoint: str = ""  # the checkpoint to roll back to ("" when none is old enough)
     checkpoint_step: int = -1  # its step
+    max_staleness: int = 0  # K the step's batch was taken under (rank 0's: with buffer.max_staleness=auto it changes)
 
     def describe(self) -> str:
         return (f"{self.metric} = {self.value:.4g} at step {self.step}, {self.drop:.0%} worse than its recent best "
@@ -103,7 +105,7 @@ class CollapseDetector:
 
 @dataclass
 class RollbackHooks:
-    fetch_batch: Callable[[int], Batch] | None  # rank 0: the next batch for a version (None on the other ranks)
+    fetch_batch: Callable[[int, int], Batch] | None  # rank 0: the next batch for a version under a K (None on the other ranks)
     resume: Callable[["LoopState"], None]  # every rank: share the restored weights (and task weights) as the new version
 
 
@@ -134,7 +136,8 @@ class SafetyGuard:
             return logged
         target = checkpoint_at_or_before(self.checkpoints, step - self.settings.rollback_steps)
         target_step = int(json.loads((target / META_FILE).read_text())["step"]) if target is not None else -1
-        self.pending = dataclasses.replace(collapse, checkpoint=str(target or ""), checkpoint_step=target_step)
+        self.pending = dataclasses.replace(collapse, checkpoint=str(target or ""), checkpoint_step=target_step,
+                                           max_staleness=int(metrics.get(BOUND_KEY, self.max_staleness)))
         can_roll_back = target is not None and self.rollbacks < self.settings.max_rollbacks
         log.error("GUARD ALERT: %s; %s", collapse.describe(),
                   f"rolling back to checkpoint step {target_step}" if can_roll_back else "stopping the run")
@@ -157,8 +160,8 @@ class SafetyGuard:
         if not collapse.checkpoint:
             raise GuardStopped(f"{collapse.describe()}; no checkpoint {self.settings.rollback_steps} or more steps before "
                                "it (guard.rollback_steps) to roll back to: stopping the run")
-        version = first_untrainable_version(collapse.step, self.max_staleness)
-        drained = self._drain(collapse.step, version - collapse.step, state, hooks.fetch_batch)
+        version = first_untrainable_version(collapse.step, collapse.max_staleness)
+        drained = self._drain(collapse.step, version - collapse.step, collapse.max_staleness, state, hooks.fetch_batch)
         meta = load_checkpoint(Path(collapse.checkpoint), model, optimizer, world)
         if world.is_main:  # the newer ones hold the branch rolled back: never resumed from, nor rolled back to
             remove_checkpoints_after(self.checkpoints, meta["step"])
@@ -175,14 +178,15 @@ class SafetyGuard:
                   meta["step"], version, trained, drained, state.lr_scale, self.rollbacks, self.settings.max_rollbacks)
         hooks.resume(state)
 
-    def _drain(self, version: int, batches: int, state: LoopState, fetch_batch: Callable[[int], Batch] | None) -> int:
+    def _drain(self, version: int, batches: int, max_staleness: int, state: LoopState,
+               fetch_batch: Callable[[int, int], Batch] | None) -> int:
         """Rank 0: consume and discard `batches` batches at `version` (what the collapsed policy was admitted to
         sample), moving the loop's buffer position past them; returns their samples."""
         if fetch_batch is None:
             return 0
         samples = 0
         for _ in range(batches):
-            batch = fetch_batch(version)
+            batch = fetch_batch(version, max_staleness)
             samples += sum(len(group.trajectories) for group in batch.groups)
             self.drained_groups += len(batch.groups) + batch.dropped_stale
             state.buffer_offset, state.buffer_ahead = batch.next_offset, batch.next_ahead

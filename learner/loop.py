@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
+from asyncrl.pacing import Pacer
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -38,21 +39,24 @@ class LoopState:
     task_weights: dict[str, Any] = field(default_factory=dict)  # rank 0's task-weight scheduler state ({} when off)
     lr_scale: float = 1.0  # factor on the scheduled learning rate (guard.lr_scale at each rollback)
     guard: dict[str, Any] = field(default_factory=dict)  # the safety guard's state in the checkpoint resumed from
+    max_staleness: int = 0  # K rank 0 takes the next batch under (changes during the run with buffer.max_staleness=auto)
     timings: dict[str, float] = field(default_factory=dict)
 
 
 def resume_state(config: AsyncRLConfig, run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  world: World) -> LoopState:
     """Where training continues: a checkpoint named by learner.resume, the latest one (auto), or scratch."""
-    choice = config.learner.resume
+    choice, starting_k = config.learner.resume, config.buffer.starting_staleness()
     if choice == "never":
-        return LoopState()
+        return LoopState(max_staleness=starting_k)
     path = latest_checkpoint(run_dir / CHECKPOINTS_DIR) if choice == "auto" else Path(choice)
     if path is None:
-        return LoopState()
+        return LoopState(max_staleness=starting_k)
     meta = load_checkpoint(path, model, optimizer, world)
+    paced_k = meta.get("max_staleness", starting_k) if config.buffer.paced else starting_k  # a fixed K is the config's
     return LoopState(step=meta["step"], buffer_offset=meta["buffer_offset"], buffer_ahead=meta.get("buffer_ahead", []),
-                     task_weights=meta.get("task_weights", {}), lr_scale=meta.get("lr_scale", 1.0), guard=meta.get("guard", {}))
+                     task_weights=meta.get("task_weights", {}), lr_scale=meta.get("lr_scale", 1.0), guard=meta.get("guard", {}),
+                     max_staleness=paced_k)
 
 
 def run_loop(
@@ -62,7 +66,7 @@ def run_loop(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     state: LoopState,
-    fetch_batch: Callable[[int], Batch] | None,
+    fetch_batch: Callable[[int, int], Batch] | None,
     after_step: Callable[[int, dict[str, float]], None],
     after_checkpoint: Callable[[int, int, list[int]], None],
     pad_id: int,
@@ -71,15 +75,19 @@ def run_loop(
     guard: SafetyGuard | None = None,
     rollback_hooks: RollbackHooks | None = None,
 ) -> LoopState:
-    """Train until learner.total_steps. `fetch_batch(version)` (rank 0 only) returns the next batch;
+    """Train until learner.total_steps. `fetch_batch(version, max_staleness)` (rank 0 only) returns the next batch;
     `after_step(version, metrics)` syncs weights, publishes the version and logs;
     `after_checkpoint(version, buffer_offset, buffer_ahead)` commits the position once the checkpoint holds it;
     `passes` says how each batch goes through the model; `reference` is the frozen model of algorithm.use_reference;
     `guard` rolls back after a collapse its rank 0 saw in `after_step` (`rollback_hooks` pause and resume the servers)."""
     settings = config.learner
+    paced = config.buffer.paced and world.is_main  # rank 0 takes the batches: its K is the one that counts
+    pacer = Pacer(config.buffer.pacing, state.max_staleness, config.rollout.sampling.n) if paced else None
+    if pacer is not None:
+        state.max_staleness = pacer.k
     while state.step < settings.total_steps:
         started = time.perf_counter()
-        batch = _shared_batch(fetch_batch(state.step) if world.is_main else None, world)
+        batch = _shared_batch(fetch_batch(state.step, state.max_staleness) if world.is_main else None, world)
         waited = time.perf_counter() - started
         rate = learning_rate(state.step, settings) * state.lr_scale
         set_learning_rate(optimizer, rate)
@@ -99,7 +107,9 @@ def run_loop(
         state.buffer_offset, state.buffer_ahead = batch.next_offset, batch.next_ahead
         metrics = outcome.metrics | staleness_metrics(batch, state.step - 1) | _batch_metrics(batch) | {"actor/lr": rate}
         metrics |= {"timing_s/wait_batch": waited, "timing_s/train": trained, "timing_s/step": time.perf_counter() - started,
-                    "learner/tokens_per_s": _trained_tokens(batch) / trained}
+                    "learner/tokens_per_s": _trained_tokens(batch) / trained, "staleness/max_staleness": state.max_staleness}
+        if pacer is not None:
+            state.max_staleness = pacer.observe(state.step, metrics).k
         after_step(state.step, metrics)
         if guard is not None and (collapse := guard.agreed_collapse(world)) is not None:
             assert rollback_hooks is not None
@@ -114,7 +124,8 @@ def run_loop(
 def _checkpoint(run_dir: Path, state: LoopState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World,
                 keep: int, guard: SafetyGuard | None, after_checkpoint: Callable[[int, int, list[int]], None]) -> None:
     meta = {"buffer_offset": state.buffer_offset, "buffer_ahead": state.buffer_ahead, "task_weights": state.task_weights,
-            "lr_scale": state.lr_scale, "guard": guard.state_dict() if guard is not None else {}}
+            "lr_scale": state.lr_scale, "guard": guard.state_dict() if guard is not None else {},
+            "max_staleness": state.max_staleness}
     save_checkpoint(run_dir / CHECKPOINTS_DIR, state.step, model, optimizer, meta, world, keep)
     after_checkpoint(state.step, state.buffer_offset, state.buffer_ahead)
 

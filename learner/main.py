@@ -114,7 +114,7 @@ def safety_guard(config: AsyncRLConfig, run_dir: Path, saved: dict) -> SafetyGua
     if not config.guard.enabled:
         return None
     reach = config.learner.checkpoint_every * config.learner.keep_checkpoints
-    return SafetyGuard(config.guard, config.buffer.max_staleness, run_dir / CHECKPOINTS_DIR, reach, saved)
+    return SafetyGuard(config.guard, config.buffer.starting_staleness(), run_dir / CHECKPOINTS_DIR, reach, saved)
 
 
 def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> Passes:

@@ -66,8 +66,9 @@ class LearnerServices:
             log.warning("%d of rollout.num_servers=%d servers joined within %.0fs; training starts with them",
                         len(joined), wanted, timeout_s)
 
-    def fetch_batch(self, version: int) -> Batch:
-        """`buffer.batch_groups` whole groups fit for `version`; catches lagging servers up while waiting."""
+    def fetch_batch(self, version: int, max_staleness: int) -> Batch:
+        """`buffer.batch_groups` whole groups fit for `version` under the bound `max_staleness`, which the buffer
+        applies from now on; catches lagging servers up while waiting."""
         wanted = self.config.buffer.batch_groups
         groups, offsets, dropped = [], [], 0
         deadline = time.monotonic() + self.config.learner.batch_timeout_s
@@ -77,7 +78,8 @@ class LearnerServices:
             self._check_buffer_alive()
             self.catch_up_servers()
             samples = (wanted - len(groups)) * self.config.rollout.sampling.n
-            part = self.consumer.next_batch(version, max_samples=samples, wait_s=self.config.rollout.weight_sync.heartbeat_s)
+            part = self.consumer.next_batch(version, max_samples=samples, wait_s=self.config.rollout.weight_sync.heartbeat_s,
+                                            max_staleness=max_staleness)
             groups += part.groups
             offsets += part.offsets
             dropped += part.dropped_stale

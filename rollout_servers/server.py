@@ -249,15 +249,15 @@ class RolloutServer:
                                       producer: TrajectoryProducer, scorer: RewardScorer, running: set[asyncio.Task]) -> None:
         """Start groups as admission allows, keeping `running` (updated in place) the set of those not done."""
         rollout = self.config.rollout
-        learner_version = (await self._ask(admission, 0, len(running))).policy_version
+        grant = await self._ask(admission, 0, len(running))
         while not self._stop.is_set():
             # Every granted group counts against the staleness bound until reported finished, so ask
-            # only for what will be started now: nothing while the weights lag by more than K.
-            lagging = weights_lag(learner_version, engine.current_version, self.config.buffer.max_staleness)
+            # only for what will be started now: nothing while the weights lag by more than K. K is the
+            # one the buffer's last grant named: the learner may change it during the run.
+            lagging = weights_lag(grant.policy_version, engine.current_version, grant.max_staleness)
             wanted = 0 if engine.needs_catch_up or lagging else self._wanted(len(running))
             grant = await self._ask(admission, wanted, len(running))
-            learner_version = grant.policy_version
-            self._abandon_stale(engine, learner_version)
+            self._abandon_stale(engine, grant.policy_version, grant.max_staleness)
             for _ in range(self._chat_places.take_grants(grant.granted)):  # waiting chat sessions come first
                 running.add(self._start_group(engine, agent, producer, scorer))
             idle_from = time.perf_counter() if not running else None
@@ -271,10 +271,10 @@ class RolloutServer:
             if idle_from is not None:
                 self.stats.idle_seconds += time.perf_counter() - idle_from
 
-    def _abandon_stale(self, engine: RolloutEngine, learner_version: int) -> None:
+    def _abandon_stale(self, engine: RolloutEngine, learner_version: int, max_staleness: int) -> None:
         """Stop sampling groups the buffer would drop as staler than K (they are sampled again): a long
         response that started many versions ago would otherwise hold engine capacity only to be dropped."""
-        stopped = engine.abandon_stale(learner_version, self.config.buffer.max_staleness)
+        stopped = engine.abandon_stale(learner_version, max_staleness)
         if stopped:
             log.info("stopped %d request(s) too stale for learner version %d", stopped, learner_version)
 

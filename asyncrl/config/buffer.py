@@ -39,14 +39,19 @@ class PacingConfig:
     """`buffer.max_staleness: auto`: the learner chooses K between `k_min` and `k_max` from what it measures
     (`asyncrl/pacing.py`, `docs/tuning.md`)."""
 
-    k_min: int = bounded(1, 0, MAX_VERSION)  # smallest K the controller chooses, and where a new run starts
+    k_min: int = bounded(1, 0, MAX_VERSION)  # smallest K the controller chooses
     k_max: int = bounded(8, 0, MAX_VERSION)  # largest K it ever chooses
+    k_start: int = bounded(1, 0, MAX_VERSION)  # K of a new run's first steps (taken into [k_min, k_max]); a resumed run keeps its checkpoint's K
     window: int = bounded(5, 1)  # learner steps each decision reads; after a change K holds this long (the signals then describe the new K)
     raise_wait_share: float = bounded(0.1, 0.0, 1.0)  # raise K while the learner waited for batches more than this share of its step time
     max_mismatch_kl: float = bounded(0.02, 0.0)  # drift bound: lower K when the window's mean rollout_corr/mismatch_kl is above it
     max_is_clip_frac: float = bounded(0.05, 0.0, 1.0)  # drift bound: lower K when the window's mean rollout_corr/is_clip_frac is above it
     raise_headroom: float = bounded(0.5, 0.0, 1.0)  # raise only while both drift signals are under this share of their bounds (room for one more version)
     max_dropped_share: float = bounded(0.25, 0.0, 1.0)  # lower K when more of the window's groups than this share were dropped stale while the learner was not waiting
+
+    def clamp(self, k: int) -> int:
+        """`k` taken into [k_min, k_max]."""
+        return min(max(k, self.k_min), self.k_max)
 
 
 @dataclass
@@ -86,8 +91,8 @@ class BufferConfig:
         return self.max_staleness == AUTO
 
     def starting_staleness(self) -> int:
-        """K at the start of a run: the fixed value, or the pacing controller's lower bound."""
-        return self.pacing.k_min if self.paced else int(self.max_staleness)
+        """K at the start of a run: the fixed value, or the pacing controller's start inside its bounds."""
+        return self.pacing.clamp(self.pacing.k_start) if self.paced else int(self.max_staleness)
 
     def cross_checks(self) -> list[tuple[str, str]]:
         problems = []

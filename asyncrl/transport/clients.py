@@ -8,8 +8,8 @@ from typing import Sequence
 
 import zmq
 
-from asyncrl.messages import (AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition, BufferStats,
-                              Commit, PolicyVersion, StatsRequest)
+from asyncrl.messages import (BUFFERS_OWN_STALENESS, AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition,
+                              BufferStats, Commit, PolicyVersion, StatsRequest)
 from asyncrl.transport.sockets import MS_PER_S, RequestChannel
 
 
@@ -56,8 +56,9 @@ class BufferConsumer:
         self.channel = RequestChannel(address, curve_dir, timeout_s, context, resend_s)
 
     def next_batch(self, policy_version: int, max_samples: int = 0, max_tokens: int = 0,
-                   wait_s: float = 0.0) -> Batch:
-        """Whole groups for `policy_version`, none staler than the buffer's max_staleness.
+                   wait_s: float = 0.0, max_staleness: int = BUFFERS_OWN_STALENESS) -> Batch:
+        """Whole groups for `policy_version`, none staler than `max_staleness` (K), which the buffer applies
+        from now on (to admission too); by default the buffer's own K.
 
         Waits up to wait_s for the limit to be reached, then returns what there is (maybe nothing).
         After a BufferTimeout, calling again is safe: the request carries the position."""
@@ -65,7 +66,8 @@ class BufferConsumer:
             stats = self.stats()
             self.position, self.ahead = stats.read_offset, stats.read_ahead
         request = BatchRequest(self.consumer_id, policy_version, max_samples, max_tokens,
-                               timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position, from_ahead=self.ahead)
+                               timeout_ms=int(wait_s * MS_PER_S), from_offset=self.position, from_ahead=self.ahead,
+                               max_staleness=max_staleness)
         batch = self.channel.request(request, Batch, wait_s=wait_s)
         self.position, self.ahead = batch.next_offset, batch.next_ahead
         return batch

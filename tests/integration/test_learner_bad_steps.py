@@ -37,7 +37,7 @@ class ScriptedBuffer:
         self.versions: list[int] = []
         self.weights_seen: list[dict[str, torch.Tensor]] = []
 
-    def __call__(self, version: int) -> Batch:
+    def __call__(self, version: int, max_staleness: int) -> Batch:
         self.versions.append(version)
         self.weights_seen.append({k: v.clone() for k, v in gathered_weights(self.model).items()})
         return self.batches[len(self.versions) - 1]

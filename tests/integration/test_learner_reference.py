@@ -29,7 +29,7 @@ def test_kl_to_the_reference_starts_at_zero_and_grows_while_the_rate_warms_up(tm
         model = load_policy(str(model_dir), "float32", config.learner, world)
         reference = load_reference(config, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        run_loop(config, tmp_path / "run", world, model, optimizer, LoopState(), lambda version: next(batches),
+        run_loop(config, tmp_path / "run", world, model, optimizer, LoopState(), lambda version, max_staleness: next(batches),
                  lambda version, metrics: logged.__setitem__(version, dict(metrics)), lambda v, o, a: None,
                  pad_id=0, passes=Passes(4096), reference=reference)
     kl = [logged[version]["actor/kl_loss"] for version in range(1, STEPS + 1)]

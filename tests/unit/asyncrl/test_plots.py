@@ -18,7 +18,7 @@ VAL_EVERY = 10
 def full_record(step: int) -> dict[str, float]:
     return {
         "critic/score/mean": 0.3 + 0.02 * step,
-        "staleness/mean": 0.5 + 0.5 * math.sin(step), "staleness/max": 2.0,
+        "staleness/mean": 0.5 + 0.5 * math.sin(step), "staleness/max": 2.0, "staleness/max_staleness": 1.0 + step // 10,
         "rollout_corr/is_weight_mean": 0.98, "rollout_corr/is_clip_frac": 0.01 * (step % 3),
         "rollout_corr/mismatch_kl": 1e-3 * step,
         "rollout/tokens_per_s": 900.0 + step, "learner/tokens_per_s": 1500.0, "buffer/ingest_groups_per_s": 12.0,

@@ -77,13 +77,13 @@ def test_a_resent_admission_request_keeps_its_id_and_the_next_gets_a_new_one(rou
     _, lost = receive(socket)
     identity, resent = receive(socket)
     assert isinstance(lost, AdmissionRequest) and lost == resent and lost.request_id
-    socket.send_multipart([identity, encode(AdmissionGrant(4, 0))])
+    socket.send_multipart([identity, encode(AdmissionGrant(4, 0, 1))])
     thread.join(timeout=RECEIVE_MS / 1000)
     assert result["value"].granted == 4
 
     thread, result = in_thread(lambda: client.request(wanted=2))
     identity, following = receive(socket)
-    socket.send_multipart([identity, encode(AdmissionGrant(2, 0))])
+    socket.send_multipart([identity, encode(AdmissionGrant(2, 0, 1))])
     thread.join(timeout=RECEIVE_MS / 1000)
     assert following.request_id != lost.request_id
     assert AdmissionClient(endpoint, "server-0")._prefix != client._prefix  # a restarted server's ids are new

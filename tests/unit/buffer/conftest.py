@@ -12,7 +12,7 @@ SMALL_SEGMENT_BYTES = 4096  # a few small groups per segment, so tests cross seg
 
 @pytest.fixture
 def small_config() -> BufferConfig:
-    return BufferConfig(segment_bytes=SMALL_SEGMENT_BYTES, max_staleness=1, batch_groups=4)
+    return BufferConfig(segment_bytes=SMALL_SEGMENT_BYTES, max_staleness="1", batch_groups=4)
 
 
 @pytest.fixture

@@ -11,9 +11,11 @@ def test_buffer_section_loads_with_overrides():
     assert not config.buffer.paced
 
 
-def test_auto_staleness_starts_at_the_pacing_lower_bound():
-    config = load_config(None, ["buffer.max_staleness=auto", "buffer.pacing.k_min=2", "buffer.pacing.k_max=6"])
-    assert config.buffer.paced and config.buffer.starting_staleness() == 2
+@pytest.mark.parametrize("start, expected", [(1, 2), (4, 4), (9, 6)])
+def test_auto_staleness_starts_at_k_start_inside_the_bounds(start, expected):
+    config = load_config(None, ["buffer.max_staleness=auto", "buffer.pacing.k_min=2", "buffer.pacing.k_max=6",
+                                f"buffer.pacing.k_start={start}"])
+    assert config.buffer.paced and config.buffer.starting_staleness() == expected
 
 
 @pytest.mark.parametrize("override, key", [

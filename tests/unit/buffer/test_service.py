@@ -58,7 +58,7 @@ def test_ingest_ack_batch_commit_and_stats(serve, small_config):
 
 
 def test_stale_groups_are_dropped_and_counted(serve, small_config):
-    service = serve(dataclasses.replace(small_config, max_staleness=1))
+    service = serve(dataclasses.replace(small_config, max_staleness="1"))
     producer = TrajectoryProducer(service.endpoint)
     for i, version in enumerate([0, 2, 1, 3, 0, 3]):
         producer.submit(group(f"g{i}", version=version))
@@ -73,7 +73,7 @@ def test_stale_groups_are_dropped_and_counted(serve, small_config):
 
 def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_without_duplicates(serve, small_config,
                                                                                                    tmp_path):
-    config = dataclasses.replace(small_config, max_staleness=1)
+    config = dataclasses.replace(small_config, max_staleness="1")
     service = serve(config, tmp_path / "log")
     producer = TrajectoryProducer(service.endpoint)
     for i, version in enumerate([1, 1, 0, 1]):  # g2 holds the oldest tokens (a long response) and came late
@@ -96,7 +96,7 @@ def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_wi
 
 
 def test_stale_drops_say_whether_a_full_batch_had_left_the_group_behind(serve, small_config):
-    service = serve(dataclasses.replace(small_config, max_staleness=1))
+    service = serve(dataclasses.replace(small_config, max_staleness="1"))
     producer = TrajectoryProducer(service.endpoint)
     for record_id in ("a", "b"):
         producer.send(group(record_id, version=0))
@@ -169,7 +169,7 @@ def test_a_full_buffer_slows_producers_without_losing_records(serve, small_confi
 
 
 def test_admission_over_the_wire(serve, small_config):
-    service = serve(dataclasses.replace(small_config, max_staleness=1, batch_groups=4))
+    service = serve(dataclasses.replace(small_config, max_staleness="1", batch_groups=4))
     admission = AdmissionClient(service.endpoint, "server-0")
     assert admission.request(wanted=10).granted == 8  # (1 + 0 + 1) * 4
     assert admission.request(wanted=1).granted == 0
@@ -183,7 +183,7 @@ def test_admission_over_the_wire(serve, small_config):
 def test_a_study_lag_equal_to_k_admits_one_batch_per_version(serve, small_config):
     """buffer.study_lag_versions = K: the servers sample with weights K versions back, so admission plans from that
     version: (K + (version − K) + 1) · batch − (accepted + running) opens one batch per learner version."""
-    service = serve(dataclasses.replace(small_config, max_staleness=3, study_lag_versions=3, batch_groups=4))
+    service = serve(dataclasses.replace(small_config, max_staleness="3", study_lag_versions=3, batch_groups=4))
     admission = AdmissionClient(service.endpoint, "server-0")
     assert admission.request(wanted=10).granted == 4  # (3 + (0 − 3) + 1) * 4 − 0
     assert admission.request(wanted=10).granted == 0
@@ -193,8 +193,30 @@ def test_a_study_lag_equal_to_k_admits_one_batch_per_version(serve, small_config
     assert (grant.granted, grant.policy_version) == (8, 1)  # the grant carries the learner's own version
 
 
+def test_the_learners_k_moves_admission_selection_and_the_grants(serve, small_config):
+    service = serve(dataclasses.replace(small_config, max_staleness="1", batch_groups=4))
+    admission = AdmissionClient(service.endpoint, "server-0")
+    first = admission.request(wanted=20)
+    assert (first.granted, first.max_staleness) == (8, 1)  # (1 + 0 + 1) * 4
+    producer = TrajectoryProducer(service.endpoint)
+    for i, version in enumerate([0, 1, 2]):
+        producer.submit(group(f"g{i}", version=version))
+    producer.flush()
+    consumer = BufferConsumer(service.endpoint, "learner")
+    # at version 3 with K = 1 only g2 is fresh enough; the learner's K = 3 keeps all three
+    batch = consumer.next_batch(policy_version=3, max_staleness=3)
+    assert [g.record_id for g in batch.groups] == ["g0", "g1", "g2"] and batch.dropped_stale == 0
+    grant = admission.request(wanted=20, finished=3)  # (3 + 3 + 1) * 4 - (3 accepted + 5 running)
+    assert (grant.granted, grant.max_staleness) == (20, 3)
+    consumer.next_batch(policy_version=3, max_staleness=0)  # K lowered to 0: nothing more may start
+    assert admission.request(wanted=5).granted == 0 and admission.request(wanted=5).max_staleness == 0
+    assert consumer.stats().max_staleness == 0
+    consumer.next_batch(policy_version=3)  # a request naming no K leaves the buffer's as it is
+    assert consumer.stats().metrics()["buffer/max_staleness"] == 0.0
+
+
 def test_admission_takes_the_servers_running_count_over_the_wire(serve, small_config):
-    service = serve(dataclasses.replace(small_config, max_staleness=1, batch_groups=4))
+    service = serve(dataclasses.replace(small_config, max_staleness="1", batch_groups=4))
     admission = AdmissionClient(service.endpoint, "server-0")
     # as after a buffer restart: the buffer has no count of its own, the server says 5 are still running
     assert admission.request(wanted=10, finished=1, running=5).granted == 3  # (1 + 0 + 1) * 4 - (0 + 5)

@@ -82,7 +82,7 @@ def test_training_goes_on_past_the_staleness_bound():
 
 
 def test_no_rollback_left_or_no_checkpoint_stops_the_run_with_the_reason(tmp_path):
-    hooks = RollbackHooks(fetch_batch=lambda version: pytest.fail("nothing may be drained"), resume=lambda state: None)
+    hooks = RollbackHooks(fetch_batch=lambda version, max_staleness: pytest.fail("nothing may be drained"), resume=lambda state: None)
     spent = guard_with_checkpoints(tmp_path, [4], saved={"rollbacks": 1})
     spent.observe(8, {SCORE: 1.0})
     spent.observe(9, {SCORE: 0.1})

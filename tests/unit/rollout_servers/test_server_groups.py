@@ -188,7 +188,7 @@ class BufferAdmission:
 
     def request(self, wanted: int, finished: int = 0, running: int = -1) -> AdmissionGrant:
         granted = self.admission.grant("server-0", wanted, finished, 0, self.accepted, time.monotonic(), running=running)
-        return AdmissionGrant(granted, policy_version=0)
+        return AdmissionGrant(granted, policy_version=0, max_staleness=0)
 
 
 def test_open_chat_sessions_count_against_the_staleness_bound(server):

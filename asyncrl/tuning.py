@@ -1,0 +1,146 @@
+"""`asyncrl tune`: read a finished run's metrics and say which side held it back and what to try next.
+
+The reading follows docs/tuning.md. Over the run's steps after the warm-up (the first tenth, at least one
+step: engine warm-up and compilation), it compares three shares of the learner's wall time per step:
+waiting for batches (generation-bound), weight-sync rounds (sync-bound) and training (learner-bound), and
+derives K, the number of rollout servers and the micro-batch to try, each with the numbers behind it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+WAIT_BOUND = 0.10  # the learner waiting more than this share of its time: generation-bound
+SYNC_BOUND = 0.25  # weight sync taking more than this share (and more than the waiting): sync-bound
+SYNC_TARGET = 0.10  # share of the time weight sync should take after the advice
+WARMUP_SHARE = 0.10  # leading share of the steps left out (engine warm-up, compilation)
+DRIFT_KEYS = ("rollout_corr/mismatch_kl", "rollout_corr/is_clip_frac")
+
+
+class NotEnoughSteps(ValueError):
+    """The run logged too few learner steps to read."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What the run was configured with (from its config.yaml)."""
+
+    max_staleness: str  # buffer.max_staleness: a number or auto
+    num_servers: int  # rollout.num_servers
+    micro_batch_tokens: str  # learner.micro_batch_tokens: a number or auto
+    sync_every: int  # learner.sync_every
+
+
+@dataclass(frozen=True)
+class RunReading:
+    """Means over the read steps."""
+
+    steps: int  # steps read (after the warm-up)
+    step_s: float  # wall seconds per step: training, waiting and weight sync
+    wait_share: float  # timing_s/wait_batch / step_s
+    sync_share: float  # weight_sync/seconds / step_s
+    k_mean: float  # staleness/max_staleness (the bound in effect)
+    k_last: int  # the bound at the last step
+    staleness_mean: float  # staleness/mean
+    mismatch_kl: float  # rollout_corr/mismatch_kl
+    is_clip_frac: float  # rollout_corr/is_clip_frac
+    rollout_idle: float  # rollout/idle_ratio at the last step that logged it (a whole-run figure)
+    completion_tokens: float  # completion tokens trained per step: response_length/mean x batch/samples
+
+    @property
+    def verdict(self) -> str:
+        if self.sync_share > SYNC_BOUND and self.sync_share >= self.wait_share:
+            return "sync-bound"
+        return "generation-bound" if self.wait_share > WAIT_BOUND else "learner-bound"
+
+
+def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
+    """The reading of a run's metrics records (one per learner step)."""
+    steps = [record for record in records if record.get("timing_s/step") is not None]
+    if len(steps) < 2:
+        raise NotEnoughSteps(f"the run logged {len(steps)} learner step(s); `asyncrl tune` needs at least 2")
+    read = steps[max(1, int(len(steps) * WARMUP_SHARE)):]
+    sync_s = sum(record.get("weight_sync/seconds") or 0.0 for record in read) / len(read)  # rounds every sync_every steps
+    step_s = _mean(read, "timing_s/step") + sync_s  # a step's round comes after its timing_s/step
+    idle = [record["rollout/idle_ratio"] for record in steps if record.get("rollout/idle_ratio") is not None]
+    return RunReading(
+        steps=len(read), step_s=step_s, wait_share=_mean(read, "timing_s/wait_batch") / step_s,
+        sync_share=sync_s / step_s, k_mean=_mean(read, "staleness/max_staleness"),
+        k_last=int(read[-1].get("staleness/max_staleness") or 0), staleness_mean=_mean(read, "staleness/mean"),
+        mismatch_kl=_mean(read, DRIFT_KEYS[0]), is_clip_frac=_mean(read, DRIFT_KEYS[1]),
+        rollout_idle=idle[-1] if idle else 0.0,
+        completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
+    )
+
+
+def advise(reading: RunReading, settings: RunSettings) -> list[str]:
+    """The verdict with its numbers, then one piece of advice each for K, servers and micro-batch."""
+    return [_verdict_line(reading), _k_advice(reading, settings), _servers_advice(reading, settings),
+            _micro_batch_advice(reading, settings)]
+
+
+def _verdict_line(r: RunReading) -> str:
+    return (f"{r.verdict} over {r.steps} steps of {r.step_s:.3f} s: the learner waited for batches "
+            f"{r.wait_share:.0%} of the time, weight sync took {r.sync_share:.0%}, training the rest "
+            f"({1 - r.wait_share - r.sync_share:.0%}); rollout servers idle {r.rollout_idle:.0%}; staleness "
+            f"trained {r.staleness_mean:.2f} under K {r.k_mean:.2f} (last {r.k_last}); mismatch_kl "
+            f"{r.mismatch_kl:.4f}, is_clip_frac {r.is_clip_frac:.3f}")
+
+
+def _k_advice(r: RunReading, s: RunSettings) -> str:
+    paced = s.max_staleness == "auto"
+    if r.verdict == "sync-bound":
+        every = math.ceil(s.sync_every * r.sync_share / SYNC_TARGET)
+        return (f"sync: learner.sync_every={every} (weight sync {r.sync_share:.0%} of each step at sync_every="
+                f"{s.sync_every}; {SYNC_TARGET:.0%} at {every}) with K ≥ {every}: samples get up to {every - 1} "
+                "versions staler")
+    if r.verdict == "generation-bound":
+        if paced:
+            return (f"K: the controller held K at {r.k_last} at the end while the learner still waited {r.wait_share:.0%}: "
+                    f"if the drift (mismatch_kl {r.mismatch_kl:.4f}) is acceptable, raise buffer.pacing.k_max or "
+                    "its drift bounds; otherwise add generation (servers, below)")
+        return (f"K: buffer.max_staleness={int(s.max_staleness) + 1} or auto (the learner waited {r.wait_share:.0%} "
+                f"of the time at K={s.max_staleness}: generation may run one version further ahead)")
+    if paced:
+        return (f"K: the controller settled at K={r.k_last} (mean {r.k_mean:.2f}) with the learner waiting "
+                f"{r.wait_share:.0%}: buffer.max_staleness={r.k_last} gives the same pace as a fixed bound")
+    fixed = int(s.max_staleness)
+    if fixed <= 1:
+        return f"K: keep buffer.max_staleness={fixed} (the learner waited only {r.wait_share:.0%}: the smallest useful K)"
+    return (f"K: buffer.max_staleness={fixed - 1} or auto (the learner waited only {r.wait_share:.0%} at K={fixed}, "
+            f"trained samples {r.staleness_mean:.2f} versions old: a smaller K trains fresher samples at the same speed)")
+
+
+def _servers_advice(r: RunReading, s: RunSettings) -> str:
+    if r.verdict == "generation-bound":
+        wanted = math.ceil(s.num_servers / (1 - r.wait_share))
+        return (f"servers: rollout.num_servers={wanted} (generation delivered a batch every {r.step_s:.3f} s, "
+                f"training took {r.step_s * (1 - r.wait_share):.3f} s of it: {1 / (1 - r.wait_share):.2f}x the "
+                f"generation rate keeps the learner busy), or a larger rollout.max_inflight while the KV cache has room")
+    needed = max(1, math.ceil(s.num_servers * (1 - r.rollout_idle)))
+    if needed < s.num_servers:
+        return (f"servers: {needed} of the {s.num_servers} would do (they were idle {r.rollout_idle:.0%} of their "
+                f"uptime): give the rest to the learner (learner.nproc) if they are GPUs")
+    return f"servers: keep rollout.num_servers={s.num_servers} (idle {r.rollout_idle:.0%} of their uptime)"
+
+
+def _micro_batch_advice(r: RunReading, s: RunSettings) -> str:
+    if r.verdict != "learner-bound":
+        return f"micro-batch: keep learner.micro_batch_tokens={s.micro_batch_tokens} (the learner is not what limits the run)"
+    if s.micro_batch_tokens == "auto":
+        return ("micro-batch: already auto (the largest that fits): speed the learner with learner.compile=true, "
+                "packing (learner.packing=always) or more ranks (learner.nproc)")
+    tokens = int(s.micro_batch_tokens)
+    if tokens >= r.completion_tokens:
+        return (f"micro-batch: {tokens} tokens already hold a whole step's {r.completion_tokens:.0f} completion tokens: "
+                "speed the learner with learner.compile=true or more ranks (learner.nproc)")
+    return (f"micro-batch: learner.micro_batch_tokens=auto or {2 * tokens} (a step trains {r.completion_tokens:.0f} "
+            f"completion tokens in about {math.ceil(r.completion_tokens / tokens)} micro-batches of {tokens}: fewer, "
+            "larger ones use the device better while memory allows)")
+
+
+def _mean(records: Sequence[Mapping[str, Any]], key: str) -> float:
+    values = [record[key] for record in records if record.get(key) is not None]
+    return sum(values) / len(values) if values else 0.0
