@@ -27,7 +27,7 @@ class NotEnoughSteps(ValueError):
 class RunSettings:
     """What the run was configured with (from its config.yaml)."""
 
-    max_staleness: str  # buffer.max_staleness: a number or auto
+    k: str  # buffer.max_staleness: a number or auto
     num_servers: int  # rollout.num_servers
     micro_batch_tokens: str  # learner.micro_batch_tokens: a number or auto
     sync_every: int  # learner.sync_every
@@ -90,7 +90,7 @@ def _verdict_line(r: RunReading) -> str:
 
 
 def _k_advice(r: RunReading, s: RunSettings) -> str:
-    paced = s.max_staleness == "auto"
+    paced = s.k == "auto"
     if r.verdict == "sync-bound":
         every = math.ceil(s.sync_every * r.sync_share / SYNC_TARGET)
         return (f"sync: learner.sync_every={every} (weight sync {r.sync_share:.0%} of each step at sync_every="
@@ -101,12 +101,12 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
             return (f"K: the controller held K at {r.k_last} at the end while the learner still waited {r.wait_share:.0%}: "
                     f"if the drift (mismatch_kl {r.mismatch_kl:.4f}) is acceptable, raise buffer.pacing.k_max or "
                     "its drift bounds; otherwise add generation (servers, below)")
-        return (f"K: buffer.max_staleness={int(s.max_staleness) + 1} or auto (the learner waited {r.wait_share:.0%} "
-                f"of the time at K={s.max_staleness}: generation may run one version further ahead)")
+        return (f"K: buffer.max_staleness={int(s.k) + 1} or auto (the learner waited {r.wait_share:.0%} "
+                f"of the time at K={s.k}: generation may run one version further ahead)")
     if paced:
         return (f"K: the controller settled at K={r.k_last} (mean {r.k_mean:.2f}) with the learner waiting "
                 f"{r.wait_share:.0%}: buffer.max_staleness={r.k_last} gives the same pace as a fixed bound")
-    fixed = int(s.max_staleness)
+    fixed = int(s.k)
     if fixed <= 1:
         return f"K: keep buffer.max_staleness={fixed} (the learner waited only {r.wait_share:.0%}: the smallest useful K)"
     return (f"K: buffer.max_staleness={fixed - 1} or auto (the learner waited only {r.wait_share:.0%} at K={fixed}, "

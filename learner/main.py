@@ -186,7 +186,7 @@ class WeightSharing:
 
 def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
     fields = [("reward", "critic/score/mean", ".3f"), ("val", "val/score/mean", ".3f"),
-              ("staleness", "staleness/mean", ".3f"), ("pg_loss", "actor/pg_loss", ".3f"),
+              ("staleness", "staleness/mean", ".3f"), ("K", "staleness/max_staleness", "d"), ("pg_loss", "actor/pg_loss", ".3f"),
               ("gen_tok/s", "rollout/tokens_per_s", ".0f"), ("train_tok/s", "learner/tokens_per_s", ".0f"),
               ("sync_s", "weight_sync/seconds", ".3f"), ("wait_s", "timing_s/wait_batch", ".3f"),
               ("step_s", "timing_s/step", ".3f")]
