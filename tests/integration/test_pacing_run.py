@@ -1,0 +1,80 @@
+"""`buffer.max_staleness=auto` in a real job (`asyncrl run`: buffer, learner, one vLLM server on the CPU).
+
+One short run is set up to exercise both directions of the controller: at K = 0 the learner must wait for
+every batch (the server holds one group at a time, and on-policy it can only start the next batch's groups
+after the weights reach it), so K rises; at K >= 1 a high learning rate with a reward that differs inside
+every group moves the policy a lot per version, so the stale samples' drift (rollout_corr/mismatch_kl)
+exceeds its bound and K falls again. The test replays the real controller on the signals the run logged and
+checks that the run took exactly those decisions, that the buffer and the samples followed the changing K,
+and that the checkpoint holds the last one.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.metrics import read_metrics
+from asyncrl.pacing import Pacer
+from run_helpers import asyncrl, tiny_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+STEPS = 12
+K_MIN, K_MAX = 0, 2
+SAMPLES_PER_GROUP = 4
+LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
+
+
+@pytest.fixture(scope="module")
+def paced_run(tmp_path_factory, tiny_job_inputs):
+    tmp = tmp_path_factory.mktemp("paced")
+    overrides = tiny_job(
+        tiny_job_inputs, STEPS, f"run.root_dir={tmp / 'runs'}", "run.name=paced", "validation.every=0",
+        "buffer.max_staleness=auto", f"buffer.pacing.k_min={K_MIN}", f"buffer.pacing.k_max={K_MAX}",
+        f"buffer.pacing.k_start={K_MIN}", "buffer.pacing.window=2", "buffer.batch_groups=4",
+        f"rollout.sampling.n={SAMPLES_PER_GROUP}", f"rollout.max_inflight={SAMPLES_PER_GROUP}",  # one group at a time
+        "learner.lr=0.05", f"learner.checkpoint_every={STEPS}",
+        f"reward.custom_fn.path={LENGTH_REWARD}", "reward.custom_fn.name=compute_score",
+    )
+    done = asyncrl("run", *overrides)
+    run_dir = tmp / "runs" / "paced"
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir, read_metrics(run_dir)
+
+
+def bounds(records) -> list[int]:
+    return [record["staleness/max_staleness"] for record in records]
+
+
+def test_k_rises_while_the_learner_waits_and_falls_when_drift_grows_within_its_bounds(paced_run):
+    run_dir, records = paced_run
+    ks = bounds(records)
+    assert [record["step"] for record in records] == list(range(1, STEPS + 1))
+    assert ks[0] == K_MIN and all(K_MIN <= k <= K_MAX for k in ks)
+    changes = [(before, after) for before, after in zip(ks, ks[1:]) if after != before]
+    assert all(abs(after - before) == 1 for before, after in changes)
+    assert any(after > before for before, after in changes) and any(after < before for before, after in changes)
+    log = (run_dir / "logs" / "learner0.log").read_text()
+    reasons = [line.split(": ", 2)[2] for line in log.splitlines() if "pacing: max_staleness" in line]
+    assert len(reasons) == len(changes)
+    assert any(reason.startswith("the learner waits for batches") for reason in reasons)
+    assert any(reason.startswith("drift above its bound") for reason in reasons)
+
+
+def test_the_run_took_the_controllers_decisions_on_its_logged_signals(paced_run):
+    run_dir, records = paced_run
+    settings = load_config(run_dir / "config.yaml").buffer.pacing
+    pacer = Pacer(settings, K_MIN, SAMPLES_PER_GROUP)
+    replayed = [pacer.k] + [pacer.observe(record["step"], record).k for record in records]
+    assert bounds(records) == replayed[:-1]
+    meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
+    assert meta["max_staleness"] == replayed[-1]  # a resumed run continues with the K decided last
+
+
+def test_the_buffer_and_the_trained_samples_follow_the_changing_k(paced_run):
+    _, records = paced_run
+    for record in records:
+        assert record["buffer/max_staleness"] == record["staleness/max_staleness"]  # named in the step's batch request
+        assert record.get("staleness/max", 0) <= record["staleness/max_staleness"]
