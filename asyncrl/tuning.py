@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from asyncrl.config import AsyncRLConfig
+
 WAIT_BOUND = 0.10  # the learner waiting more than this share of its time: generation-bound
 SYNC_BOUND = 0.25  # weight sync taking more than this share (and more than the waiting): sync-bound
 SYNC_TARGET = 0.10  # share of the time weight sync should take after the advice
@@ -28,9 +30,16 @@ class RunSettings:
     """What the run was configured with (from its config.yaml)."""
 
     k: str  # buffer.max_staleness: a number or auto
+    k_max: int  # buffer.pacing.k_max (auto's ceiling)
+    max_mismatch_kl: float  # buffer.pacing.max_mismatch_kl (auto's drift bound)
     num_servers: int  # rollout.num_servers
     micro_batch_tokens: str  # learner.micro_batch_tokens: a number or auto
     sync_every: int  # learner.sync_every
+
+    @classmethod
+    def of(cls, config: AsyncRLConfig) -> RunSettings:
+        return cls(config.buffer.max_staleness, config.buffer.pacing.k_max, config.buffer.pacing.max_mismatch_kl,
+                   config.rollout.num_servers, config.learner.micro_batch_tokens, config.learner.sync_every)
 
 
 @dataclass(frozen=True)
@@ -41,8 +50,8 @@ class RunReading:
     step_s: float  # wall seconds per step: training, waiting and weight sync
     wait_share: float  # timing_s/wait_batch / step_s
     sync_share: float  # weight_sync/seconds / step_s
-    k_mean: float  # staleness/max_staleness (the bound in effect)
-    k_last: int  # the bound at the last step
+    k_mean: float | None  # staleness/max_staleness (the bound in effect); None: the run did not log it
+    k_last: int | None  # the bound at the last step
     staleness_mean: float  # staleness/mean
     mismatch_kl: float  # rollout_corr/mismatch_kl
     is_clip_frac: float  # rollout_corr/is_clip_frac
@@ -65,10 +74,11 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
     sync_s = sum(record.get("weight_sync/seconds") or 0.0 for record in read) / len(read)  # rounds every sync_every steps
     step_s = _mean(read, "timing_s/step") + sync_s  # a step's round comes after its timing_s/step
     idle = [record["rollout/idle_ratio"] for record in steps if record.get("rollout/idle_ratio") is not None]
+    ks = [record["staleness/max_staleness"] for record in read if record.get("staleness/max_staleness") is not None]
     return RunReading(
         steps=len(read), step_s=step_s, wait_share=_mean(read, "timing_s/wait_batch") / step_s,
-        sync_share=sync_s / step_s, k_mean=_mean(read, "staleness/max_staleness"),
-        k_last=int(read[-1].get("staleness/max_staleness") or 0), staleness_mean=_mean(read, "staleness/mean"),
+        sync_share=sync_s / step_s, k_mean=sum(ks) / len(ks) if ks else None, k_last=int(ks[-1]) if ks else None,
+        staleness_mean=_mean(read, "staleness/mean"),
         mismatch_kl=_mean(read, DRIFT_KEYS[0]), is_clip_frac=_mean(read, DRIFT_KEYS[1]),
         rollout_idle=idle[-1] if idle else 0.0,
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
@@ -77,16 +87,17 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
 
 def advise(reading: RunReading, settings: RunSettings) -> list[str]:
     """The verdict with its numbers, then one piece of advice each for K, servers and micro-batch."""
-    return [_verdict_line(reading), _k_advice(reading, settings), _servers_advice(reading, settings),
+    return [_verdict_line(reading, settings), _k_advice(reading, settings), _servers_advice(reading, settings),
             _micro_batch_advice(reading, settings)]
 
 
-def _verdict_line(r: RunReading) -> str:
+def _verdict_line(r: RunReading, s: RunSettings) -> str:
+    bound = f"K {r.k_mean:.2f} (last {r.k_last})" if r.k_mean is not None else f"K {s.k}"
     return (f"{r.verdict} over {r.steps} steps of {r.step_s:.3f} s: the learner waited for batches "
             f"{r.wait_share:.0%} of the time, weight sync took {r.sync_share:.0%}, training the rest "
             f"({1 - r.wait_share - r.sync_share:.0%}); rollout servers idle {r.rollout_idle:.0%}; staleness "
-            f"trained {r.staleness_mean:.2f} under K {r.k_mean:.2f} (last {r.k_last}); mismatch_kl "
-            f"{r.mismatch_kl:.4f}, is_clip_frac {r.is_clip_frac:.3f}")
+            f"trained {r.staleness_mean:.2f} under {bound}; mismatch_kl {r.mismatch_kl:.4f}, is_clip_frac "
+            f"{r.is_clip_frac:.3f}")
 
 
 def _k_advice(r: RunReading, s: RunSettings) -> str:
@@ -97,10 +108,14 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
                 f"{s.sync_every}; {SYNC_TARGET:.0%} at {every}) with K ≥ {every}: samples get up to {every - 1} "
                 "versions staler")
     if r.verdict == "generation-bound":
+        if paced and r.k_last is not None and r.k_last >= s.k_max:
+            return (f"K: the controller reached buffer.pacing.k_max={s.k_max} while the learner still waited "
+                    f"{r.wait_share:.0%}: raise k_max if the drift allows (mismatch_kl {r.mismatch_kl:.4f}, bound "
+                    f"{s.max_mismatch_kl:g}), or add generation (servers, below)")
         if paced:
-            return (f"K: the controller held K at {r.k_last} at the end while the learner still waited {r.wait_share:.0%}: "
-                    f"if the drift (mismatch_kl {r.mismatch_kl:.4f}) is acceptable, raise buffer.pacing.k_max or "
-                    "its drift bounds; otherwise add generation (servers, below)")
+            return (f"K: the drift held the controller at K={r.k_last} (mismatch_kl {r.mismatch_kl:.4f}, bound "
+                    f"{s.max_mismatch_kl:g}) while the learner still waited {r.wait_share:.0%}: add generation "
+                    "(servers, below) rather than staleness")
         return (f"K: buffer.max_staleness={int(s.k) + 1} or auto (the learner waited {r.wait_share:.0%} "
                 f"of the time at K={s.k}: generation may run one version further ahead)")
     if paced:

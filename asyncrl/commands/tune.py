@@ -24,9 +24,6 @@ def main(args: argparse.Namespace) -> int:
     except (NoMetricsError, NotEnoughSteps) as error:
         print(f"asyncrl tune: {error}", file=sys.stderr)
         return 1
-    config = load_config(config_file)
-    settings = RunSettings(config.buffer.max_staleness, config.rollout.num_servers, config.learner.micro_batch_tokens,
-                           config.learner.sync_every)
-    for line in advise(reading, settings):
+    for line in advise(reading, RunSettings.of(load_config(config_file))):
         print(line)
     return 0

@@ -69,6 +69,24 @@ def test_a_paced_run_reports_where_the_controller_settled(tmp_path, capsys):
     assert k.startswith("K: the controller settled at K=3 (mean 3.00)")
 
 
+@pytest.mark.parametrize("last_k, expected", [
+    (8.0, "K: the controller reached buffer.pacing.k_max=8 while the learner still waited 30%"),
+    (3.0, "K: the drift held the controller at K=3 (mismatch_kl 0.0300, bound 0.02)"),
+])
+def test_a_paced_generation_bound_run_says_what_stopped_k(tmp_path, capsys, last_k, expected):
+    write_run(tmp_path, ["buffer.max_staleness=auto"],
+              steady(0.3, 0.7, **{"staleness/max_staleness": last_k, "rollout_corr/mismatch_kl": 0.03}))
+    _, k, _, _ = tune(tmp_path, capsys)
+    assert k.startswith(expected)
+
+
+def test_a_run_from_before_k_was_logged_names_the_configured_k(tmp_path, capsys):
+    step = steady(0.0, 1.0)
+    del step["staleness/max_staleness"]
+    write_run(tmp_path, ["buffer.max_staleness=2"], step)
+    assert "staleness trained 1.50 under K 2;" in tune(tmp_path, capsys)[0]
+
+
 def test_a_run_without_metrics_or_steps_fails_clearly(tmp_path, capsys):
     assert main(["tune", str(tmp_path)]) == 1
     assert "no config.yaml" in capsys.readouterr().err
