@@ -148,8 +148,8 @@ def test_a_rollback_restores_the_checkpoint_drops_the_newer_ones_and_goes_on_pas
             saved_weights[step] = model.weight.detach().clone()
     calls = []
 
-    def fetch_batch(version: int) -> Batch:
-        calls.append(("fetch", version))
+    def fetch_batch(version: int, max_staleness: int) -> Batch:
+        calls.append(("fetch", version, max_staleness))
         offset = 100 + 10 * len(calls)  # two groups of 3 samples and one group dropped as stale per batch
         return Batch(groups=[SimpleNamespace(trajectories=[0, 1, 2])] * 2, offsets=[offset, offset + 1],
                      next_offset=offset + 3, dropped_stale=1, next_ahead=[offset + 5])
@@ -160,7 +160,7 @@ def test_a_rollback_restores_the_checkpoint_drops_the_newer_ones_and_goes_on_pas
     # step 9 collapsed; 3 steps back is step 6; with K = 2 the batches of versions 10 and 11 were admitted already:
     # they are drained at version 9, and the restored weights go out as version 12
     assert torch.equal(model.weight, saved_weights[6])
-    assert calls == [("fetch", 9), ("fetch", 9), ("fetch", 9), ("resume", 12, 12.0)]
+    assert calls == [("fetch", 9, 2), ("fetch", 9, 2), ("fetch", 9, 2), ("resume", 12, 12.0)]  # under the step's K
     assert (state.step, state.buffer_offset, state.buffer_ahead) == (12, 133, [135])  # past the drained batches
     assert (state.lr_scale, state.task_weights) == (0.25, {"step": 6})
     assert sorted(path.name for path in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
