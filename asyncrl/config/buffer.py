@@ -106,9 +106,9 @@ class BufferConfig:
         smallest_k = self.pacing.k_min if self.paced else int(value) if value.isdigit() else None  # auto never goes below k_min
         if smallest_k is not None and not trainable(self.study_lag_versions, 0, smallest_k):  # a sample as stale as the lag
             problems.append(("buffer.study_lag_versions",
-                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness} (with auto: "
-                             "buffer.pacing.k_min): every sample would be dropped as stale (set max_staleness to the lag "
-                             "to train samples exactly that stale)"))
+                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness}: every sample "
+                             "would be dropped as stale (set max_staleness to the lag to train samples exactly that stale; "
+                             "with auto, K can go down to buffer.pacing.k_min)"))
         if self.address and not self.address.startswith("tcp://"):
             problems.append(("buffer.address", f"'{self.address}' must look like tcp://host:port"))
         return problems

@@ -65,7 +65,7 @@ def test_a_curve_dir_without_keys_is_a_config_error_naming_the_key(tmp_path):
 
 def test_a_study_lag_within_k_loads():
     config = load_config(None, ["buffer.max_staleness=4", "buffer.study_lag_versions=4"])
-    assert (config.buffer.max_staleness, config.buffer.study_lag_versions) == (4, 4)
+    assert (config.buffer.starting_staleness(), config.buffer.study_lag_versions) == (4, 4)
 
 
 @pytest.mark.parametrize("overrides, problem", [
