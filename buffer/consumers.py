@@ -44,6 +44,11 @@ class ConsumerWindows:
         committed last, or before any commit the consumer served last."""
         return self._windows[self._committer if self._committer is not None else self._current]
 
+    def peek(self, consumer: bytes) -> PendingWindow:
+        """`consumer`'s window, or the learner's for a consumer not kept, to plan on: nothing is copied, moved
+        or forgotten (the loop plans for every waiting request each turn, more of them than `limit` may keep)."""
+        return self._windows.get(consumer, self.learner)
+
     def select(self, consumer: bytes) -> None:
         """Serve `consumer` now: its window, or a copy of the learner's for a consumer not seen yet."""
         if consumer not in self._windows:

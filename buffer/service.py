@@ -293,8 +293,7 @@ class BufferService:
 
     def _can_fill(self, parked: ParkedRequest) -> bool:
         request = parked.request
-        self.store.use(parked.identity)
-        selection = self.store.window.plan(self._limits(request))
+        selection = self.store.consumers.peek(parked.identity).plan(self._limits(request))
         unlimited = request.max_samples <= 0 and request.max_tokens <= 0
         return selection.full or (unlimited and bool(selection.taken))
 

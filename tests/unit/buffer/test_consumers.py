@@ -39,3 +39,13 @@ def test_past_the_limit_the_least_recent_consumer_is_forgotten_never_the_committ
     kept = {id(window) for window in consumers}
     consumers.select(FIRST)  # forgotten long ago: starts again from a copy of the learner's window
     assert id(consumers.current) not in kept and consumers.current.position() == consumers.learner.position()
+
+
+def test_peeking_at_a_consumer_not_kept_copies_and_forgets_nothing():
+    consumers = ConsumerWindows(window_of(3), limit=2)
+    consumers.select(b"learner")
+    consumers.current_commits()
+    consumers.select(b"a")
+    assert consumers.peek(b"never-seen") is consumers.learner
+    assert consumers.peek(b"a") is consumers.current
+    assert len(consumers) == 2
