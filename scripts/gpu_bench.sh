@@ -12,7 +12,8 @@
 #              engines at once (one GPU each, the trainer on the next), beside the NCCL floor to as many GPUs
 #   big        the Qwen2.5-7B-shaped model: built here (random weights), then its weight sync into one engine of
 #              tensor_parallel_size 2 (GPUs 0-1, trainer on GPU 2), then the e2e job async on 4 GPUs (one TP-2
-#              server, two FSDP learner ranks; BIG_STEPS steps, default 8), kept in /tmp/asyncrl-big
+#              server, two FSDP learner ranks; BIG_STEPS steps, default 8), kept in /tmp/asyncrl-big;
+#              BIG_SYNC=0 runs the e2e job alone
 #   colocated  one GPU for both roles: the CUDA IPC tests, then bench_weight_sync.py --colocated (IPC against
 #              gloo on one engine); the one-GPU job itself is `E2E_ARGS=--colocated gpu_bench.sh e2e`
 #   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
@@ -95,8 +96,10 @@ BIG_MODEL=(model.path=.cache/models/qwen7b_shape model.tiny.hidden_size=3584 mod
 stage_big() {
     local status=0
     "$PYTHON" -m asyncrl init-model --config "$CONFIG" "${BIG_MODEL[@]}" || return 1
-    "$PYTHON" scripts/bench_weight_sync.py --config "$CONFIG" --model .cache/models/qwen7b_shape --rounds 5 \
-        --trainer-weights cpu "${BIG_MODEL[@]}" rollout.engine.tensor_parallel_size=2 rollout.engine.gpu_memory_utilization=0.8 || status=1
+    if [ "${BIG_SYNC:-1}" = 1 ]; then  # BIG_SYNC=0 skips the weight-sync benchmark (the e2e job alone)
+        "$PYTHON" scripts/bench_weight_sync.py --config "$CONFIG" --model .cache/models/qwen7b_shape --rounds 5 \
+            --trainer-weights cpu "${BIG_MODEL[@]}" rollout.engine.tensor_parallel_size=2 rollout.engine.gpu_memory_utilization=0.8 || status=1
+    fi
     "$PYTHON" scripts/bench_async_vs_sync.py --config "$CONFIG" --out-dir /tmp/asyncrl-big --modes async \
         --servers 1 --tensor-parallel 2 --learner-ranks 2 --steps "${BIG_STEPS:-8}" "${BIG_MODEL[@]}" \
         learner.activation_checkpointing=full metrics.wandb_mode=disabled ${BIG_ARGS:-} || status=1
