@@ -1,5 +1,5 @@
 """Shared fixtures of the integration tests: buffer processes; for the vLLM tests two tiny tied models,
-one event loop and ONE engine per session.
+one event loop and ONE engine per session; the real jobs that whole modules read, run side by side.
 
 An engine takes ~45 s to start and ~30 s to warm up on 2 CPU cores, so every test shares it; the tests
 in `test_rollout_engine.py` run in file order and the weight version they expect follows that order.
@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import socket
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Iterator, TypeVar
@@ -36,6 +37,10 @@ for _key, _value in {
 SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
 ENGINE_CPU_THREADS = 1  # OpenMP threads of the shared engine's processes (rollout.engine.cpu_threads)
+# Real jobs run at once by `real_jobs`: a job keeps about one core busy (its roles start one after another,
+# then the learner and the engine take turns), so three at a time fill two cores and finish in about half
+# the time one after another would take.
+JOBS_AT_ONCE = 3
 
 _T = TypeVar("_T")
 _KEPT_ALIVE: list[Any] = []  # objects that must never be garbage-collected (see rollout_engine)
@@ -151,3 +156,20 @@ def tiny_job_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     inputs = tmp_path_factory.mktemp("tiny_job_inputs")
     prepare(inputs, tiny_job(inputs, 1))
     return inputs
+
+
+RealJob = Callable[[Path, Path], Any]  # (the shared tiny job inputs, a directory of its own) -> what its tests read
+
+
+@pytest.fixture(scope="session")
+def real_jobs(request: pytest.FixtureRequest, tiny_job_inputs: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[RealJob, Future]:
+    """Every real job that a collected module declares in its `REAL_JOBS` list, run side by side
+    (`JOBS_AT_ONCE`) the first time a module asks, and all finished before its tests go on: no other test
+    runs beside them. A module's fixture takes `real_jobs[its_job].result()`, which raises that job's own
+    failure only."""
+    declared: list[RealJob] = []
+    for module in dict.fromkeys(getattr(item, "module", None) for item in request.session.items):
+        declared += [job for job in getattr(module, "REAL_JOBS", ()) if job not in declared]
+    with ThreadPoolExecutor(JOBS_AT_ONCE) as pool:  # subprocess waits release the GIL
+        return {job: pool.submit(job, tiny_job_inputs, tmp_path_factory.mktemp(job.__name__)) for job in declared}

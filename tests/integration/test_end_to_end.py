@@ -31,14 +31,21 @@ def overrides(tmp: Path, total_steps: int) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def finished_runs(tiny_job_inputs):
-    tmp = tiny_job_inputs  # the shared task files and model; this module's runs are named e2e
-    first = asyncrl("run", *overrides(tmp, 4))
-    run_dir = tmp / "runs" / "e2e"
+def resumed_job(inputs: Path, _: Path):
+    """A run of 4 steps on the shared task files and model, then the same run resumed to step 6."""
+    first = asyncrl("run", *overrides(inputs, 4))
+    run_dir = inputs / "runs" / "e2e"
     first_records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    second = asyncrl("run", *overrides(tmp, 6))  # resume=auto: continue to step 6
+    second = asyncrl("run", *overrides(inputs, 6))  # resume=auto: continue to step 6
     return first, second, first_records, run_dir
+
+
+REAL_JOBS = [resumed_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def finished_runs(real_jobs):
+    return real_jobs[resumed_job].result()
 
 
 def test_run_completes_and_prints_run_dir(finished_runs):

@@ -78,14 +78,25 @@ def differences(reference: Path, run: Path) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_job_inputs) -> dict[str, Path]:
-    tmp = tiny_job_inputs  # the shared task files and model
-    modes = {"k0-sync": ["learner.mode=sync"], "k0-async": ["buffer.max_staleness=0"], "k1-async": ["buffer.max_staleness=1"]}
-    for name, mode in modes.items():
-        done = asyncrl("run", *job(tmp, name, *mode))
+def real_job(name: str, *mode: str):
+    """The run `name` on the shared task files and model, as a job for `real_jobs`; returns its run directory."""
+    def run(inputs: Path, _: Path) -> Path:
+        done = asyncrl("run", *job(inputs, name, *mode))
         assert done.returncode == 0, done.stderr[-3000:]
-    return {name: tmp / "runs" / name for name in modes}
+        return inputs / "runs" / name
+
+    run.__name__ = name.replace("-", "_")
+    return run
+
+
+RUNS = {"k0-sync": real_job("k0-sync", "learner.mode=sync"), "k0-async": real_job("k0-async", "buffer.max_staleness=0"),
+        "k1-async": real_job("k1-async", "buffer.max_staleness=1")}
+REAL_JOBS = list(RUNS.values())  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def runs(real_jobs) -> dict[str, Path]:
+    return {name: real_jobs[run].result() for name, run in RUNS.items()}
 
 
 def test_the_reference_trains_on_fresh_samples_with_a_loss(runs):

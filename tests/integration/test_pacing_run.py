@@ -29,11 +29,9 @@ LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
 CHANGE_LINE = re.compile(r"pacing: max_staleness (\d+) -> (\d+) after step (\d+): (.*)")
 
 
-@pytest.fixture(scope="module")
-def paced_run(tmp_path_factory, tiny_job_inputs):
-    tmp = tmp_path_factory.mktemp("paced")
+def paced_job(inputs: Path, tmp: Path) -> tuple[Path, list[dict]]:
     overrides = tiny_job(
-        tiny_job_inputs, STEPS, f"run.root_dir={tmp / 'runs'}", "run.name=paced", "validation.every=0",
+        inputs, STEPS, f"run.root_dir={tmp / 'runs'}", "run.name=paced", "validation.every=0",
         "buffer.max_staleness=auto", f"buffer.pacing.k_min={K_MIN}", f"buffer.pacing.k_max={K_MAX}",
         f"buffer.pacing.k_start={K_MIN}", "buffer.pacing.window=2", "buffer.batch_groups=4",
         f"rollout.sampling.n={SAMPLES_PER_GROUP}", f"rollout.max_inflight={SAMPLES_PER_GROUP}",  # one group at a time
@@ -44,6 +42,14 @@ def paced_run(tmp_path_factory, tiny_job_inputs):
     run_dir = tmp / "runs" / "paced"
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, read_metrics(run_dir)
+
+
+REAL_JOBS = [paced_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def paced_run(real_jobs):
+    return real_jobs[paced_job].result()
 
 
 def bounds(records) -> list[int]:

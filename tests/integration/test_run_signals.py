@@ -122,34 +122,49 @@ def test_kill_9_mid_training_leaves_no_process_behind(job_dir):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(job_dir):
+def malformed_data_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """A run whose data file has a row without a prompt; returns the finished run, the file and the run dir."""
+    malformed = tmp / "malformed.jsonl"
+    malformed.write_text('{"question": "2+2"}\n')
+    command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(
+        inputs, 50, f"run.root_dir={tmp / 'runs'}", "run.name=cannot-start", f"data.train_files=[{malformed}]")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    return run, malformed, tmp / "runs" / "cannot-start"
+
+
+def engine_refused_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """A run whose engine refuses its settings at every start (one restart allowed); returns it and its run dir."""
+    command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(
+        inputs, 50, f"run.root_dir={tmp / 'runs'}", "run.name=keeps-dying", "rollout.engine.max_model_len=100000",
+        "rollout.max_restarts=1", "rollout.restart_backoff_s=0.1")]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    return run, tmp / "runs" / "keeps-dying"
+
+
+REAL_JOBS = [malformed_data_job, engine_refused_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(real_jobs):
     # A wrong input (here a data file whose row has no prompt) fails the same way every time: the server is
     # not restarted with back-off while the learner waits, the run ends and the console says why.
-    malformed = job_dir / "malformed.jsonl"
-    malformed.write_text('{"question": "2+2"}\n')
-    command = [sys.executable, "-m", "asyncrl.cli", "run",
-               *tiny_job(job_dir, 50, "run.name=cannot-start", f"data.train_files=[{malformed}]")]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    run, malformed, run_dir = real_jobs[malformed_data_job].result()
     assert run.returncode == 1, run.stderr[-3000:]
     assert "DataError: malformed rows" in run.stderr and f"{malformed}, row 0:" in run.stderr  # the row, on the console
     assert "stopped by a signal: the ranks closed their services" in run.stderr  # the learner unwound in order
     assert "leaked" not in run.stderr
     assert "cannot start from this config (not restarted)" in run.stderr
-    supervisor_log = (job_dir / "runs" / "cannot-start" / "logs" / "rollout.log").read_text()
+    supervisor_log = (run_dir / "logs" / "rollout.log").read_text()
     assert "restart" not in supervisor_log.replace("not restarted", "")
-    assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {job_dir / 'runs' / 'cannot-start'}"
+    assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"
 
 
-def test_a_server_that_keeps_dying_at_start_ends_the_run_after_its_restarts(job_dir):
+def test_a_server_that_keeps_dying_at_start_ends_the_run_after_its_restarts(real_jobs):
     # Built fine, but its engine refuses the settings each time it starts (a context longer than the model's
     # positions; on a GPU, e.g. no memory for the KV cache): restarted rollout.max_restarts times, then given up.
-    command = [sys.executable, "-m", "asyncrl.cli", "run",
-               *tiny_job(job_dir, 50, "run.name=keeps-dying", "rollout.engine.max_model_len=100000",
-                         "rollout.max_restarts=1", "rollout.restart_backoff_s=0.1")]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    run, run_dir = real_jobs[engine_refused_job].result()
     assert run.returncode == 1, run.stderr[-3000:]
     assert "server-0 keeps dying: death 2 in a row within rollout.healthy_after_s=300s" in run.stderr
     assert "rollout.max_restarts=1" in run.stderr
-    supervisor_log = (job_dir / "runs" / "keeps-dying" / "logs" / "rollout.log").read_text()
+    supervisor_log = (run_dir / "logs" / "rollout.log").read_text()
     assert supervisor_log.count("restart in 0.1s (death 1 in a row") == 1
-    assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {job_dir / 'runs' / 'keeps-dying'}"
+    assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"

@@ -24,12 +24,18 @@ def overrides(inputs: Path, tmp: Path) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def lagged_run(tmp_path_factory, tiny_job_inputs):
-    tmp = tmp_path_factory.mktemp("lag")
-    done = asyncrl("run", *overrides(tiny_job_inputs, tmp))
+def lagged_job(inputs: Path, tmp: Path) -> list[dict]:
+    done = asyncrl("run", *overrides(inputs, tmp))
     assert done.returncode == 0, done.stderr[-3000:]
     return read_metrics(tmp / "runs" / "lag")
+
+
+REAL_JOBS = [lagged_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def lagged_run(real_jobs):
+    return real_jobs[lagged_job].result()
 
 
 def test_every_trained_sample_is_exactly_the_lag_old_after_the_warm_up(lagged_run):

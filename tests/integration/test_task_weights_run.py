@@ -37,9 +37,8 @@ def task_file(path: Path, data_source: str, count: int) -> str:
     return str(write_rows(rows, path))
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("task_weights")
+def task_mix_job(_: Path, tmp: Path) -> tuple[list[dict], Path]:
+    """Its own task files and model (not the shared tiny job's)."""
     solved, rising = task_file(tmp / "solved.jsonl", "solved", 100), task_file(tmp / "rising.jsonl", "rising", 100)
     overrides = tiny_job(
         tmp, STEPS, "run.name=tasks", "model.warm_start.steps=0", "model.warm_start.eval_samples=1", f"learner.lr={LR}",
@@ -58,6 +57,14 @@ def finished_run(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp / "runs" / "tasks"
     return read_metrics(run_dir), run_dir
+
+
+REAL_JOBS = [task_mix_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def finished_run(real_jobs):
+    return real_jobs[task_mix_job].result()
 
 
 def collapses(records):
