@@ -17,12 +17,15 @@ _T = TypeVar("_T")
 
 
 def wait_until(condition: Callable[[], _T], timeout_s: float, what: str, *, poll_s: float = POLL_S,
-               give_up: Callable[[], str | None] = lambda: None) -> _T:
-    """The first truthy value of `condition()`; AssertionError naming `what` after `timeout_s`, or with the
-    reason `give_up()` returns (checked before each poll) once it returns one."""
+               give_up: Callable[[], str | None] = lambda: None, context: Callable[[], str] = lambda: "") -> _T:
+    """The first truthy value of `condition()`. AssertionError naming `what` after `timeout_s`, or with the
+    reason `give_up()` returns (checked before each poll) once it returns one; `context()` (e.g. the tail of
+    a log) ends either message."""
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
-        _check(deadline, timeout_s, what, give_up)
+        reason = give_up()
+        assert reason is None, f"gave up waiting for {what}: {reason}\n{context()}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s\n{context()}"
         time.sleep(poll_s)
     return value
 
@@ -32,22 +35,24 @@ async def wait_until_async(condition: Callable[[], _T], timeout_s: float, what: 
     """`wait_until` inside an event loop: the loop runs its other tasks between two checks."""
     deadline = time.monotonic() + timeout_s
     while not (value := condition()):
-        _check(deadline, timeout_s, what, lambda: None)
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
         await asyncio.sleep(poll_s)
     return value
 
 
-def exited(process: subprocess.Popen, output: Callable[[], str] = lambda: "") -> Callable[[], str | None]:
-    """A `give_up` for waits on something `process` should do: the wait ends once it has exited, with its
-    exit status and the tail of `output()` (e.g. its log file)."""
+def holds_within(condition: Callable[[], object], timeout_s: float, poll_s: float = POLL_S) -> bool:
+    """Whether `condition()` holds within `timeout_s`, for a wait whose end is no failure (e.g. a grace
+    period before SIGKILL): True as soon as it does."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def exited(process: subprocess.Popen) -> Callable[[], str | None]:
+    """A `give_up` for waits on something `process` should do: the wait ends once it has exited."""
     def reason() -> str | None:
-        if process.poll() is None:
-            return None
-        return f"process {process.pid} exited with {process.returncode}\n{output()[-3000:]}"
+        return None if process.poll() is None else f"process {process.pid} exited with {process.returncode}"
     return reason
-
-
-def _check(deadline: float, timeout_s: float, what: str, give_up: Callable[[], str | None]) -> None:
-    reason = give_up()
-    assert reason is None, f"gave up waiting for {what}: {reason}"
-    assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
