@@ -16,8 +16,8 @@ from asyncrl.messages import decode, encode
 from asyncrl.transport import generate_curve_keys
 from asyncrl.transport.sockets import connect_dealer
 from asyncrl.weight_transfer import TransferGroup, parse_update_info
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
-                                                      SyncJoin, SyncPrepare, SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncJoin,
+                                                      SyncPrepare, SyncReady)
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.protocol import InitInfo
