@@ -223,7 +223,8 @@ def test_without_the_api_key_every_route_is_refused_with_401_and_nothing_is_stor
         assert len(served.sessions) == 0 and not served.engine.requests and not served.groups
 
         sdk = client(served, api_key="sesame")
-        assert sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"}).choices
+        reply = sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"})
+        assert reply.choices[0].message.content == "ab"
         sdk.post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
         assert len(served.groups) == 1
 
