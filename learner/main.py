@@ -82,7 +82,7 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
                     metrics |= guard.observe(version, metrics)
                 metrics["timing_s/elapsed"] = time.perf_counter() - started
                 services.metrics.log(version, metrics)
-                log.info(_progress_line(version, config.learner.total_steps, metrics))
+                log.info(progress_line(version, config.learner.total_steps, metrics))
 
         def after_checkpoint(version: int, buffer_offset: int, buffer_ahead: list[int]) -> None:
             if services is not None:
@@ -184,7 +184,8 @@ class WeightSharing:
         }
 
 
-def _progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
+def progress_line(version: int, total: int, metrics: dict[str, float]) -> str:
+    """The learner's log line for step `version` of `total`: the headline metrics the step logged."""
     fields = [("reward", "critic/score/mean", ".3f"), ("val", "val/score/mean", ".3f"),
               ("staleness", "staleness/mean", ".3f"), ("K", "staleness/max_staleness", "d"), ("pg_loss", "actor/pg_loss", ".3f"),
               ("gen_tok/s", "rollout/tokens_per_s", ".0f"), ("train_tok/s", "learner/tokens_per_s", ".0f"),

@@ -76,7 +76,7 @@ def planned_runs(ks: list[int]) -> list[Run]:
     return [Run("sync", ks[0]), *(Run("async", k) for k in ks)]
 
 
-def _k_list(text: str) -> list[int]:
+def k_list(text: str) -> list[int]:
     ks = [int(k) for k in text.split(",")]
     if not ks or min(ks) < 0 or len(set(ks)) != len(ks):
         raise argparse.ArgumentTypeError(f"'{text}' is not a list of distinct staleness bounds >= 0")
@@ -88,7 +88,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", default="configs/gpu_qwen05b.yaml", help="asyncrl config of the job")
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per mode")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the rate")
-    parser.add_argument("--max-staleness", type=_k_list, default=[2],
+    parser.add_argument("--max-staleness", type=k_list, default=[2],
                         help="K of the async run; a comma-separated list runs one async run per K")
     parser.add_argument("--median-tokens", type=int, default=192, help="median response length")
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of response lengths (tail weight)")
@@ -177,7 +177,7 @@ def _metrics(root: Path, run: Run) -> list[dict]:
 def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
     """The roles' GPUs as the commands' overrides (each command pins itself to its list); none without GPUs. The
     synchronous reference runs one engine and one learner rank: GPUs 0 and 1 (or GPU 0 for both, colocated)."""
-    gpus = _gpu_count()
+    gpus = gpu_count()
     if not gpus:
         return []
     if args.colocated:
@@ -193,7 +193,7 @@ def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
             f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()

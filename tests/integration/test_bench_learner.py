@@ -32,7 +32,7 @@ def test_bench_reports_both_variants_and_no_mfu_on_cpu():
     assert result["learner_tok_s"] == pytest.approx(result["tokens_per_step"] / result["step_s"], rel=1e-2)  # both rounded
     assert result["variants"]["padded"]["speedup"] == 1.0  # the baseline
     assert result["learner_tok_s"] > 0 and result["mfu"] is None and result["peak_memory_gib"] is None
-    assert result["tflop_per_step"] >= 0 and result["params"] > 0
+    assert result["params"] > 0  # the FLOP count itself is checked by hand in tests/unit/test_bench_learner_flops.py
 
 
 def test_long_tailed_lengths_leave_padding_out_of_the_token_count_and_a_reference_model_runs():

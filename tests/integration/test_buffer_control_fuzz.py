@@ -51,7 +51,7 @@ def fuzz(address: str, stop: threading.Event, sent: list[int]) -> None:
         sent[0] += 1
         while dealer.poll(0):
             dealer.recv()
-        time.sleep(0.001)
+        time.sleep(0.001)  # the behaviour under test: a steady stream of hostile messages, not a flood
     dealer.close()
 
 
@@ -62,7 +62,7 @@ def watch_stats(address: str, stop: threading.Event, answered: list[float]) -> N
         start = time.perf_counter()
         consumer.stats()
         answered.append(time.perf_counter() - start)
-        time.sleep(STATS_EVERY_S)
+        time.sleep(STATS_EVERY_S)  # the behaviour under test: a stats request every STATS_EVERY_S all along
     consumer.close()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -15,6 +14,7 @@ from asyncrl.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
 
 from buffer_helpers import drain, free_port
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +26,6 @@ LATE_EVERY = 5  # in that test every fifth group holds older tokens: the buffer 
 
 def group(record_id: str, version: int = 0):
     return synthetic_group(record_id, completion_tokens=TOKENS, version=version)
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up waiting for {what}")
-        time.sleep(0.01)
 
 
 def test_kill_9_mid_stream_keeps_every_acknowledged_record_exactly_once(buffer_process):
@@ -50,7 +42,7 @@ def test_kill_9_mid_stream_keeps_every_acknowledged_record_exactly_once(buffer_p
 
     thread = threading.Thread(target=produce)
     thread.start()
-    wait_until(lambda: len(producer.acks) >= total // 4, "a quarter of the records to be acknowledged")
+    wait_until(lambda: len(producer.acks) >= total // 4, WAIT_S, "a quarter of the records acknowledged")
     first.kill()
     acknowledged_before_crash = {ack.record_id for ack in list(producer.acks)}
     second = buffer_process(*overrides)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import socket
 import threading
-import time
 from urllib.parse import urlparse
 
 import pytest
@@ -83,7 +82,6 @@ def test_good_data_arrives_complete_under_fuzzing(buffer_process):
         thread.start()
     for thread in producers:
         thread.join(timeout=120)
-    time.sleep(0.2)
     stop.set()
     fuzzer.join(timeout=30)
     assert not any(thread.is_alive() for thread in producers + [fuzzer])

@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from asyncrl.config.buffer import BufferConfig
 from asyncrl.messages import TrajectoryGroup, decode
 from buffer.log import SegmentLog
 from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
+from waiting import exited, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -71,10 +71,8 @@ def job(tmp_path_factory, tiny_job_inputs):
     job = Job(run, run_dir, tiny_job_inputs / "model", key_file, "")
     try:
         chat_file = run_dir / "rollout" / "server-0.chat.json"
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not chat_file.exists():
-            assert run.poll() is None and time.monotonic() < deadline, (tmp / "run.log").read_text()[-3000:]
-            time.sleep(POLL_S)
+        wait_until(chat_file.exists, RUN_TIMEOUT_S, "the chat endpoint's address file", poll_s=POLL_S,
+                   give_up=exited(run), context=lambda: (tmp / "run.log").read_text()[-3000:])
         job.url = json.loads(chat_file.read_text())["url"]
         yield job
     finally:

@@ -25,6 +25,7 @@ from learner.loop import resume_state
 from learner.policy_model import load_policy
 from learner.train_step import Passes, train_step
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
+from waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,7 @@ LEARNING_RATE = 0.01
 MICRO_BATCH_TOKENS = 4096
 GRAD_CLIP = 1.0
 STARTUP_DEADLINE_S = 300  # spawn, imports, two train steps and a checkpoint on a busy shared 2-core box
+POLL_S = 0.2  # between two looks for the trainer's marker file
 HANG_S = 600  # the patched save blocks this long at most; the test kills it long before
 
 
@@ -54,7 +56,7 @@ def train(model, optimizer, world, step: int) -> None:
 def save_then_hang(state_dict, checkpoint_id: str, real_save, marker: Path) -> None:
     real_save(state_dict, checkpoint_id=checkpoint_id)
     marker.write_text(checkpoint_id)
-    time.sleep(HANG_S)
+    time.sleep(HANG_S)  # the behaviour under test: a save that is killed before it completes
 
 
 def trainer(model_dir: str, run_dir: str, expected_file: str, marker: str) -> None:
@@ -81,11 +83,8 @@ def kill_during_second_save(model_dir: Path, run_dir: Path, expected_file: Path)
         target=trainer, args=(str(model_dir), str(run_dir), str(expected_file), str(marker)))
     process.start()
     try:
-        deadline = time.monotonic() + STARTUP_DEADLINE_S
-        while not marker.exists():
-            assert process.is_alive(), f"trainer exited early with code {process.exitcode}"
-            assert time.monotonic() < deadline, "trainer never reached its second save"
-            time.sleep(0.2)
+        wait_until(marker.exists, STARTUP_DEADLINE_S, "the trainer's second save", poll_s=POLL_S,
+                   give_up=lambda: None if process.is_alive() else f"trainer exited with code {process.exitcode}")
         os.kill(process.pid, signal.SIGKILL)
         process.join(timeout=STARTUP_DEADLINE_S)
         assert process.exitcode == -signal.SIGKILL

@@ -14,7 +14,7 @@ from learner.guard import GuardStopped, RollbackHooks, SafetyGuard
 from learner.loop import LoopState, run_loop
 from learner.policy_model import load_policy
 from learner.train_step import Passes
-from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
+from learner_helpers import random_groups, save_tiny_model, single_rank_world
 from test_learner_bad_steps import ScriptedBuffer, batch_of
 
 pytestmark = pytest.mark.slow

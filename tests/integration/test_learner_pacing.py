@@ -7,7 +7,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
-from learner.loop import LoopState, resume_state, run_loop
+from learner.loop import resume_state, run_loop
 from learner.policy_model import load_policy
 from learner.train_step import Passes
 from learner_helpers import random_groups, save_tiny_model, single_rank_world

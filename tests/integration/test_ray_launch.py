@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,8 +24,10 @@ import pytest
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.group_summary import record_id_of
+from asyncrl.launch_ray.reaper import group_alive
 from buffer.log import SegmentLog
 from buffer_helpers import free_port
+from waiting import exited, holds_within, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra")]
@@ -48,6 +49,7 @@ KILL_BUFFER_AFTER_STEP = 5
 KEPT_CHECKPOINTS = ["step_00000008", "step_00000010"]  # learner.keep_checkpoints=2
 CLIENT_TIMEOUT_S = 300  # the learner and the server wait this long for the restarted buffer (a loaded box is slow)
 STOP_GRACE_S = 10  # ray.stop_timeout_s: SIGTERM to SIGKILL of a role's processes
+NODE_STOP_GRACE_S = 3  # SIGTERM to SIGKILL of a Ray node's processes when the test's cluster stops
 BUFFER_EXIT_TIMEOUT_S = 3 * STOP_GRACE_S  # the reaper stops a killed actor's role within its grace period
 POLL_S = 0.1  # the kill must land before the buffer's backlog carries the run further
 SERVING = re.compile(r"buffer serving at (?P<address>tcp://\S+)")
@@ -74,12 +76,14 @@ def ray_start(*args: str, env: dict[str, str]) -> tuple[int, str]:
 
 
 def stop_group(group: int) -> None:
+    """SIGTERM, then SIGKILL to what is left of the group after NODE_STOP_GRACE_S."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(group, sig)
         except ProcessLookupError:
             return
-        time.sleep(3)
+        if holds_within(lambda: not group_alive(group), NODE_STOP_GRACE_S, POLL_S):
+            return
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +127,8 @@ def overrides(tmp: Path, model_dir: Path) -> list[str]:
 
 
 def wait_for(condition: Callable[[], bool], what: str, process: subprocess.Popen, output: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert process.poll() is None, f"launch exited with {process.returncode}:\n{output.read_text()[-5000:]}"
-        assert time.monotonic() < deadline, f"no {what} after {timeout_s}s:\n{output.read_text()[-5000:]}"
-        time.sleep(POLL_S)
+    wait_until(condition, timeout_s, what, poll_s=POLL_S, give_up=exited(process),
+               context=lambda: output.read_text()[-5000:])
 
 
 def steps_logged(run_dir: Path) -> int:
@@ -160,15 +161,6 @@ def operator(ray_cluster) -> Iterator[Any]:
     ray.shutdown()
 
 
-def group_alive(group: int) -> bool:
-    """True while any process of the group runs (each role process leads a group of its own)."""
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def line_index(lines: list[str], pattern: str) -> int:
     """Index of the first line matching `pattern`."""
     return next(i for i, line in enumerate(lines) if re.search(pattern, line))
@@ -183,10 +175,8 @@ def kill_buffer(operator: Any, text: str) -> None:
     os.killpg(started["learner-0"], signal.SIGSTOP)
     try:
         operator.kill(operator.get_actor(f"{RUN_NAME}/buffer"))
-        deadline = time.monotonic() + BUFFER_EXIT_TIMEOUT_S
-        while group_alive(started["buffer"]):
-            assert time.monotonic() < deadline, "the killed buffer actor's process lives on"
-            time.sleep(POLL_S)
+        wait_until(lambda: not group_alive(started["buffer"]), BUFFER_EXIT_TIMEOUT_S,
+                   "end of the killed buffer actor's process", poll_s=POLL_S)
     finally:
         os.killpg(started["learner-0"], signal.SIGCONT)
 
@@ -254,10 +244,8 @@ def test_launch_survives_a_killed_rollout_server_then_a_killed_buffer(ray_cluste
         assert re.search(rf"\({role} pid=\d+.*\).*{re.escape(tag)}", text), f"no {tag} line from {role}"
     # nothing of any role lives on: the killed roles' processes and, after the run, every other role's
     groups = [int(m["pid"]) for m in STARTED.finditer(text)]
-    deadline = time.monotonic() + 2 * STOP_GRACE_S
-    while any(map(group_alive, groups)) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert not [group for group in groups if group_alive(group)]
+    wait_until(lambda: not any(map(group_alive, groups)), 2 * STOP_GRACE_S, "end of every role's processes",
+               context=lambda: f"alive: {[group for group in groups if group_alive(group)]}")
 
 
 def test_launch_fails_clearly_when_the_learner_dies(ray_cluster, tmp_path):

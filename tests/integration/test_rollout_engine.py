@@ -20,6 +20,7 @@ from asyncrl.config.rollout import SamplingConfig
 from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
 from rollout_servers.completion import STALE
 from tests.integration.conftest import ENGINE_CPU_THREADS, SYNC_TIMEOUT_S, free_port, join_fresh_group
+from waiting import wait_until_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 log = logging.getLogger(__name__)
@@ -132,9 +133,8 @@ def test_a_training_request_too_stale_to_train_is_stopped_and_the_engine_serves_
     async def stop_mid_request():
         with rollout_engine.training_group():
             request = asyncio.ensure_future(rollout_engine.generate(prompt, long))
-        deadline = time.monotonic() + SYNC_TIMEOUT_S
-        while not any(rollout_engine.inflight_tokens().values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # until sampling has started
+        await wait_until_async(lambda: any(rollout_engine.inflight_tokens().values()), SYNC_TIMEOUT_S,
+                               "the request's first sampled token")
         stopped = rollout_engine.abandon_stale(rollout_engine.current_version + 2, max_staleness=1)
         return stopped, await asyncio.wait_for(request, SYNC_TIMEOUT_S)
 
@@ -167,8 +167,8 @@ def spanning_request(rollout_engine, weight_sender, loop_runner, prompt, new_wei
     """A long greedy request with an update to `new_weights` as `version` landing after TOKENS_BEFORE_UPDATE."""
     async def update_mid_request():
         request = asyncio.create_task(rollout_engine.generate(prompt, greedy(SPANNING_TOKENS), request_id="spanning"))
-        while rollout_engine.inflight_tokens().get("spanning", 0) < TOKENS_BEFORE_UPDATE:
-            await asyncio.sleep(0.001)
+        await wait_until_async(lambda: rollout_engine.inflight_tokens().get("spanning", 0) >= TOKENS_BEFORE_UPDATE,
+                               SYNC_TIMEOUT_S, f"{TOKENS_BEFORE_UPDATE} tokens of the spanning request", poll_s=0.001)
         await update_to(rollout_engine, weight_sender, new_weights, version=version)
         return await request
 
@@ -254,7 +254,7 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
 
     async def request_while_paused_then_catch_up():
         request = asyncio.create_task(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS), request_id="waiting"))
-        await asyncio.sleep(PAUSED_CHECK_S)
+        await asyncio.sleep(PAUSED_CHECK_S)  # the behaviour under test: nothing is sampled meanwhile
         sampled_while_paused = rollout_engine.inflight_tokens().get("waiting", 0)
         sender = await fresh_group()
         await update_to(rollout_engine, sender, tiny_models.update, new_version)

@@ -12,7 +12,6 @@ import json
 import multiprocessing
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from asyncrl.transport import BufferConsumer
 from buffer_helpers import drain, free_port
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.supervisor import STATE_DIR, supervise
+from waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -50,14 +50,6 @@ def read_state(path: Path) -> dict | None:
 def in_flight(state: dict) -> set[int]:
     """Prompts drawn and not acknowledged according to a server's prompt-stream state."""
     return set(range(state["watermark"], state["drawn"])) - set(state["acknowledged"])
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(POLL_S)
-    return value
 
 
 def server_processes(supervisor: psutil.Process) -> list[psutil.Process]:
@@ -101,10 +93,10 @@ def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, 
     supervisor = psutil.Process(supervisor_process.pid)
     started = []  # every process of ours below the supervisor, for the clean-up
     try:
-        (first,) = wait_for(lambda: server_processes(supervisor), SERVER_START_S, "the first server")
+        (first,) = wait_until(lambda: server_processes(supervisor), SERVER_START_S, "the first server", poll_s=POLL_S)
         started += [first, *first.children(recursive=True)]
-        wait_for(lambda: (s := read_state(state_path)) and s["watermark"] >= ACKED_BEFORE_KILL and in_flight(s),
-                 SERVER_START_S, f"{ACKED_BEFORE_KILL} acknowledged groups with more in flight")
+        wait_until(lambda: (s := read_state(state_path)) and s["watermark"] >= ACKED_BEFORE_KILL and in_flight(s),
+                   SERVER_START_S, f"{ACKED_BEFORE_KILL} acknowledged groups with more in flight", poll_s=POLL_S)
         started += first.children(recursive=True)
         first.send_signal(signal.SIGKILL)
         killed_at = kill_clock()
@@ -112,12 +104,12 @@ def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, 
         at_kill = read_state(state_path)
         lost_if_not_regenerated = in_flight(at_kill)
 
-        (second,) = wait_for(lambda: [p for p in server_processes(supervisor) if p.pid != first.pid],
-                             SERVER_START_S, "the restarted server")
+        (second,) = wait_until(lambda: [p for p in server_processes(supervisor) if p.pid != first.pid],
+                               SERVER_START_S, "the restarted server", poll_s=POLL_S)
         started += [second]
         restart_delay = second.create_time() - killed_at
-        wait_for(lambda: read_state(state_path)["watermark"] > at_kill["drawn"], SERVER_START_S,
-                 "the restarted server to get past every prompt drawn before the kill")
+        wait_until(lambda: read_state(state_path)["watermark"] > at_kill["drawn"], SERVER_START_S,
+                   "the restarted server past every prompt drawn before the kill", poll_s=POLL_S)
         started += second.children(recursive=True)
     finally:
         os.kill(supervisor_process.pid, signal.SIGTERM)

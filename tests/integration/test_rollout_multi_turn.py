@@ -23,6 +23,7 @@ from asyncrl.environments import ChatDelta, EnvironmentRegistry
 from asyncrl.weight_transfer import update_info_for, weights_for_transfer
 from rollout_servers.agent_loop import AgentLoop
 from tests.integration.conftest import join_fresh_group
+from waiting import wait_until_async
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -32,6 +33,7 @@ TURN_TOKENS = 6  # tokens per model turn (EOS ignored: fixed lengths)
 MAX_MODEL_LEN = 256  # the shared engine's context
 LOGPROB_TOLERANCE = 1e-4  # float32 on both sides, as in test_rollout_engine.py
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=TURN_TOKENS, ignore_eos=True, n=1)
+PLACE_WAIT_S = 30.0  # for the chat session to ask for a place: an event-loop turn, with slack for a loaded box
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +177,7 @@ def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, serv
     version = rollout_engine.current_version
 
     async def grant_one_group() -> None:  # the server loop's part, with room for one group in the bound
-        while not places.wanted():
-            await asyncio.sleep(0.01)
+        await wait_until_async(places.wanted, PLACE_WAIT_S, "the session asking for a place")
         places.take_grants(1)
 
     async def agent() -> tuple[list[dict], dict]:

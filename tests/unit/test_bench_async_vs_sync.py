@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from scripts.bench_async_vs_sync import Run, _k_list, geometric_lengths, planned_runs, stop_token_ids, summarise
+from scripts.bench_async_vs_sync import Run, k_list, geometric_lengths, planned_runs, stop_token_ids, summarise
 
 
 def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_length():
@@ -31,13 +31,13 @@ def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_lengt
 
 
 def test_a_staleness_sweep_runs_sync_once_then_async_once_per_k_each_in_its_own_directory():
-    runs = planned_runs(_k_list("1,2,8"))
+    runs = planned_runs(k_list("1,2,8"))
     assert [(run.mode, run.k) for run in runs] == [("sync", 1), ("async", 1), ("async", 2), ("async", 8)]
     assert [run.name for run in runs] == ["bench-sync", "bench-async-k1", "bench-async-k2", "bench-async-k8"]
     assert Run("async", 4).label == "async K=4"
     for bad in ("2,2", "-1", "a"):
         with pytest.raises((argparse.ArgumentTypeError, ValueError)):
-            _k_list(bad)
+            k_list(bad)
 
 
 def test_per_sample_lengths_stop_on_a_share_of_the_vocabulary_that_gives_the_median():

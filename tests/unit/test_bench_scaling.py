@@ -24,7 +24,7 @@ def layout_args(**given) -> argparse.Namespace:
 
 
 def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
-    monkeypatch.setattr(bench_async_vs_sync, "_gpu_count", lambda: 8)
+    monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 8)
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2)) == [
         "rollout.num_servers=6", "learner.nproc=2", "rollout.engine.tensor_parallel_size=1",
         "rollout.gpus=[0,1,2,3,4,5]", "learner.gpus=[6,7]"]
@@ -37,5 +37,5 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
     assert bench_async_vs_sync.gpu_layout(layout_args(colocated=True)) == ["learner.gpus=[0]", "rollout.gpus=[0]"]
     with pytest.raises(SystemExit, match="need 9 GPUs; 8 are visible"):
         bench_async_vs_sync.gpu_layout(layout_args(servers=8))
-    monkeypatch.setattr(bench_async_vs_sync, "_gpu_count", lambda: 0)
+    monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 0)
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=3)) == []  # CPU: the commands place nothing

@@ -17,8 +17,9 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.ray_launch import RayRoleConfig
 from asyncrl.exit_codes import CANNOT_START
 from asyncrl.launch_ray.launcher import Launch, LaunchError, Outcome, RoleHandle
-from asyncrl.launch_ray.reaper import group_alive, process_alive
+from asyncrl.launch_ray.reaper import POLL_S as REAPER_POLL_S, group_alive, process_alive
 from asyncrl.launch_ray.roles import RunArgs, buffer_role, learner_role, rollout_role
+from waiting import wait_until
 
 RUN_DIR = Path("/shared/runs/demo")
 REAP_DEADLINE_S = 10.0
@@ -93,15 +94,14 @@ def test_reaper_stops_the_whole_group_once_its_owner_is_gone():
     role = subprocess.Popen(["bash", "-c", "sleep 60 & sleep 60"], start_new_session=True)
     subprocess.run([sys.executable, "-m", "asyncrl.launch_ray.reaper", str(owner.pid), str(role.pid), "2"], check=True)
     try:
-        time.sleep(1)
-        assert group_alive(role.pid)  # the owner lives: the reaper leaves the role alone
+        time.sleep(2 * REAPER_POLL_S)  # the behaviour under test: two of the reaper's checks leave the role alone
+        assert group_alive(role.pid)
         owner.kill()
         owner.wait()
-        deadline = time.monotonic() + REAP_DEADLINE_S
-        while group_alive(role.pid) and time.monotonic() < deadline:
-            role.poll()  # reap our own child so that only real survivors keep the group alive
-            time.sleep(0.1)
-        assert not group_alive(role.pid) and role.returncode == -signal.SIGTERM
+        # role.poll() reaps our own child, so that only real survivors keep the group alive
+        wait_until(lambda: role.poll() is not None and not group_alive(role.pid), REAP_DEADLINE_S,
+                   "the role's group stopped by the reaper", poll_s=0.1)
+        assert role.returncode == -signal.SIGTERM
         assert not process_alive(owner.pid)
     finally:
         owner.kill()
@@ -139,8 +139,10 @@ def test_a_server_that_cannot_start_from_its_config_ends_the_launch_instead_of_r
 
 def test_a_server_that_crashed_is_restarted_with_back_off():
     launch, handle = EndedRoles(1), server_handle()
+    before = time.monotonic()
     launch.keep_alive(handle)
-    assert launch.discarded == 1 and handle.restart_at is not None
+    after, first_delay_s = time.monotonic(), launch.config.rollout.restart_backoff_s  # the first death in a row
+    assert launch.discarded == 1 and before + first_delay_s <= handle.restart_at <= after + first_delay_s
 
 
 def die_after(launch: EndedRoles, handle: RoleHandle, ran_s: float) -> None:

@@ -5,10 +5,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
+
+from waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +24,7 @@ from asyncrl.parent_death import die_with_spawning_parent, launched_environment
 
 def grandchild():
     die_with_spawning_parent()
-    time.sleep(600)
+    time.sleep(600)  # lives until its parent's death ends it
 
 if __name__ == "__main__":
     if sys.argv[1] == "spawn":
@@ -34,20 +35,15 @@ if __name__ == "__main__":
         code = "from asyncrl.parent_death import die_with_launcher; import time; die_with_launcher(); time.sleep(600)"
         pid = subprocess.Popen([sys.executable, "-c", code], env=launched_environment()).pid
     print(pid, flush=True)
-    time.sleep(600)
+    time.sleep(600)  # lives until the test kills it
 """
 
 
-def wait_gone(pid: int) -> bool:
-    deadline = time.monotonic() + DEATH_BOUND_S
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(POLL_S)
-    return False
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.mark.parametrize("started_by", ["spawn", "command"])
@@ -60,7 +56,8 @@ def test_a_child_dies_when_its_parent_is_killed_outright(tmp_path, started_by):
     try:
         middle.kill()  # before or after the grandchild made its request: it dies either way
         middle.wait()
-        assert wait_gone(grandchild), f"grandchild {grandchild} outlived its parent"
+        wait_until(lambda: gone(grandchild), DEATH_BOUND_S, f"grandchild {grandchild} to die with its parent",
+                   poll_s=POLL_S)
     finally:
         for pid in (grandchild, middle.pid):
             try:

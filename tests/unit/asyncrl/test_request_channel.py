@@ -86,4 +86,10 @@ def test_a_resent_admission_request_keeps_its_id_and_the_next_gets_a_new_one(rou
     socket.send_multipart([identity, encode(AdmissionGrant(2, 0, 1))])
     thread.join(timeout=RECEIVE_MS / 1000)
     assert following.request_id != lost.request_id
-    assert AdmissionClient(endpoint, "server-0")._prefix != client._prefix  # a restarted server's ids are new
+
+    restarted = AdmissionClient(endpoint, "server-0", timeout_s=TIMEOUT_S, resend_s=RESEND_S)  # a new process
+    thread, result = in_thread(lambda: restarted.request(wanted=4, finished=1))
+    identity, first_again = receive(socket)  # its first request, as `lost` was the first of its predecessor
+    socket.send_multipart([identity, encode(AdmissionGrant(4, 0, 1))])
+    thread.join(timeout=RECEIVE_MS / 1000)
+    assert result["value"].granted == 4 and first_again.request_id not in (lost.request_id, following.request_id)

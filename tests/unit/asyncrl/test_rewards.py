@@ -285,7 +285,7 @@ def test_score_async_leaves_the_event_loop_free(misbehaving_scorer):
             nonlocal ticks
             while True:
                 ticks += 1
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the behaviour under test: a tick every 10 ms while the loop is free
 
         ticker = asyncio.create_task(tick())
         results = await misbehaving_scorer.score_async([request("slow"), request("42")])
@@ -332,7 +332,7 @@ def test_when_no_worker_can_be_replaced_requests_fail_instead_of_waiting(tmp_pat
     reward_file.write_text(
         "import time\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-        "    time.sleep(60)\n"
+        "    time.sleep(60)\n"  # a call that hangs past the pool's timeout
     )
     config = RewardConfig(custom_fn=CustomRewardConfig(path=str(reward_file)), timeout_s=TIMEOUT_S, num_workers=1)
     with RewardScorer(config) as scorer:

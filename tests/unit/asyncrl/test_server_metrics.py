@@ -4,6 +4,7 @@ import pytest
 
 from asyncrl.weight_transfer.control_messages import ServerTelemetry
 from asyncrl.weight_transfer.server_metrics import ServerMetrics
+from waiting import wait_until
 
 
 def beat(server: str, version: int, tokens: int, idle_s: float, uptime_s: float, inflight: int = 0) -> ServerTelemetry:
@@ -43,8 +44,6 @@ def test_no_servers_no_aggregates():
 
 
 def test_coordinator_reports_telemetry_counters_per_server():
-    import time
-
     import zmq
 
     from asyncrl.messages import encode
@@ -57,10 +56,12 @@ def test_coordinator_reports_telemetry_counters_per_server():
         telemetry = beat("server-7", 2, tokens=50, idle_s=0.0, uptime_s=5.0, inflight=3)
         telemetry.chat_sessions, telemetry.chat_waiting, telemetry.chat_dropped_idle, telemetry.chat_lost = 4, 2, 3, 5
         sock.send(encode(telemetry))  # no heartbeat: telemetry is logged whatever weight sync is doing
-        deadline = time.monotonic() + 10.0
-        while "rollout/server-7/inflight" not in (values := coordinator.rollout_metrics(learner_version=5)):
-            assert time.monotonic() < deadline, "telemetry not received"
-            time.sleep(0.01)
+
+        def heard() -> dict[str, float] | None:
+            metrics = coordinator.rollout_metrics(learner_version=5)
+            return metrics if "rollout/server-7/inflight" in metrics else None
+
+        values = wait_until(heard, 10.0, "the server's telemetry")
         assert values["rollout/server-7/version_lag"] == 3.0 and values["rollout/server-7/inflight"] == 3.0
         assert values["rollout/server-7/tokens_per_s"] == pytest.approx(10.0)
         assert (values["rollout/chat_sessions"], values["rollout/chat_waiting"], values["rollout/chat_dropped_idle"],

@@ -15,12 +15,12 @@ from asyncrl.stop_signal import ignore_stop_signals, interrupt_on_sigterm
 interrupt_on_sigterm()  # as a rollout server does
 def teardown():
     os.kill(os.getpid(), signal.SIGTERM)  # the second stop, while the exit path runs
-    time.sleep(0.2)
+    time.sleep(0.2)  # a teardown that takes a while: the second stop lands inside it
     print("teardown finished", flush=True)
 atexit.register(teardown)
 try:
     os.kill(os.getpid(), signal.SIGTERM)  # the first stop
-    time.sleep(10)
+    time.sleep(10)  # ended by that stop's KeyboardInterrupt
 except KeyboardInterrupt:
     print("stopping", flush=True)
 finally:
@@ -53,10 +53,10 @@ interrupt_once()
 try:
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # the first stop
-        time.sleep(10)
+        time.sleep(10)  # ended by that stop's KeyboardInterrupt
     finally:
         os.kill(os.getpid(), signal.SIGINT)  # the second, while the teardown runs
-        time.sleep(0.2)
+        time.sleep(0.2)  # a teardown that takes a while: the second stop lands inside it
         print("teardown finished", flush=True)
 except KeyboardInterrupt:
     print("stopped", flush=True)

@@ -16,11 +16,12 @@ from asyncrl.messages import decode, encode
 from asyncrl.transport import generate_curve_keys
 from asyncrl.transport.sockets import connect_dealer
 from asyncrl.weight_transfer import TransferGroup, parse_update_info
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
-                                                      SyncJoin, SyncPrepare, SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncJoin,
+                                                      SyncPrepare, SyncReady)
 from asyncrl.weight_transfer.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.protocol import InitInfo
+from waiting import wait_until
 
 TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
 LIVENESS_S = 1.0
@@ -160,13 +161,17 @@ def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
     try:
         coord.wait_for_members(1, timeout_s=10)
         assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
+        first_identity = coord.members["s0"].identity
         first.stop.set()
         first.join()
         restarted = FakeServer("s0", coord.address)  # a new process: a new socket, not in the old group
         restarted.start()
-        deadline = time.monotonic() + TIMEOUT_S
-        while coord.members["s0"].identity == coord._group_members[0] and time.monotonic() < deadline:
+
+        def restart_heard() -> bool:
             coord.live_members()  # takes its heartbeats in
+            return coord.members["s0"].identity != first_identity
+
+        wait_until(restart_heard, TIMEOUT_S, "a heartbeat of the restarted server")
         report = coord.broadcast(2, weights(2.0))
         assert report.succeeded == ["s0"] and not report.failed, report
         assert torch.equal(restarted.received[2]["a.weight"], torch.full((3, 2), 2.0))
@@ -238,11 +243,10 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
         assert torch.equal(good.received[1]["a.weight"], torch.full((3, 2), 1.0))
         silent.stop.set()
         silent.join()
-        # liveness counts from when a heartbeat is read: let the stopped server's last heartbeats arrive
-        # and read them now, or one still queued would look fresh when the next round reads it
-        time.sleep(LIVENESS_S / 2)
-        coord.live_members()
-        time.sleep(LIVENESS_S + 0.5)  # past liveness_s: the silent server is no longer a member
+        # liveness counts from when a heartbeat is read: reading them all along, the stopped server drops out
+        # liveness_s after its last one arrived (none still queued could look fresh to the next round)
+        wait_until(lambda: coord.live_members() == ["good"], LIVENESS_S + TIMEOUT_S, "the silent server dropped",
+                   poll_s=HEARTBEAT_S)
         report = coord.broadcast(2, weights(2.0))
         assert report.succeeded == ["good"] and not report.failed
         assert torch.equal(good.received[2]["a.weight"], torch.full((3, 2), 2.0))
@@ -287,11 +291,12 @@ def test_validation_in_telemetry_is_returned_once_per_pass():
     def telemetry_then_metrics(validation: dict, version: int) -> dict[str, float]:
         """The metrics of the first call that read this telemetry (its version lag tells which one was read)."""
         sock.send(encode(ServerTelemetry("s0", version, validation=validation, validation_version=version)))
-        deadline = time.monotonic() + TIMEOUT_S
-        while (metrics := coord.rollout_metrics(learner_version)).get("rollout/s0/version_lag") != learner_version - version:
-            assert time.monotonic() < deadline, "telemetry not received"
-            time.sleep(HEARTBEAT_S)
-        return metrics
+
+        def read() -> dict[str, float] | None:
+            metrics = coord.rollout_metrics(learner_version)
+            return metrics if metrics.get("rollout/s0/version_lag") == learner_version - version else None
+
+        return wait_until(read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
 
     try:
         assert "val/score/mean" not in telemetry_then_metrics({}, -1)
@@ -353,10 +358,8 @@ def test_a_restarted_server_is_taken_again():
         broken.stop.set()
         broken.join()
         with serving(coord, restarted):
-            deadline = time.monotonic() + 10
-            while coord.lagging_members(1) != ["s0"]:
-                assert time.monotonic() < deadline, "the restarted server was not taken again"
-                time.sleep(HEARTBEAT_S)
+            wait_until(lambda: coord.lagging_members(1) == ["s0"], TIMEOUT_S, "the restarted server taken again",
+                       poll_s=HEARTBEAT_S)
             assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
 
 
@@ -385,7 +388,7 @@ def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sy
         deadline = time.monotonic() + 2 * LIVENESS_S
         while time.monotonic() < deadline:
             assert coord.live_members() == ["member"]
-            time.sleep(HEARTBEAT_S)
+            time.sleep(HEARTBEAT_S)  # the behaviour under test: no intruder gets in over 2 * liveness_s
         report = coord.broadcast(1, weights(1.0))
         assert report.servers == 1 and report.succeeded == ["member"] and not report.failed
         assert not keyless.received and not impostor.received

@@ -5,14 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from buffer.dir_lock import LOCK_FILE, DirectoryLock, DirectoryLocked
+from waiting import wait_until
 
 HOLD = "import sys, time; from pathlib import Path; from buffer.dir_lock import DirectoryLock; " \
-       "DirectoryLock(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(600)"
+       "DirectoryLock(Path(sys.argv[1]), 0); print('held', flush=True); time.sleep(600)"  # holds it until killed
 WAIT_S = 60.0  # generous: the waiting side returns as soon as the holder lets go
+WAITING = "waiting for it to exit"  # what a holder that has to wait logs, once
 
 
 def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path):
@@ -23,21 +26,19 @@ def test_a_second_holder_is_refused_with_the_first_ones_pid(tmp_path):
     assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
 
 
-def test_a_waiting_holder_gets_the_lock_when_the_first_releases_it(tmp_path, monkeypatch):
+def test_a_waiting_holder_gets_the_lock_when_the_first_releases_it(tmp_path, caplog):
     first = DirectoryLock(tmp_path, 0)
-    refused = []
-    try_lock = DirectoryLock._try_lock
 
-    def release_after_a_refusal(lock: DirectoryLock) -> bool:
-        taken = try_lock(lock)
-        if not taken:
-            refused.append(lock)
-            first.release()  # the predecessor exits while its successor waits
-        return taken
+    def exit_once_the_successor_waits() -> None:  # the predecessor exits while its successor waits
+        wait_until(lambda: WAITING in caplog.text, WAIT_S, "the second holder waiting")
+        first.release()
 
-    monkeypatch.setattr(DirectoryLock, "_try_lock", release_after_a_refusal)
+    predecessor = threading.Thread(target=exit_once_the_successor_waits)
+    predecessor.start()
     DirectoryLock(tmp_path, WAIT_S).release()
-    assert len(refused) == 1
+    predecessor.join()
+    assert caplog.text.count(WAITING) == 1
+    assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} ")
 
 
 def test_a_killed_holder_frees_the_directory(tmp_path):

@@ -32,7 +32,8 @@ def test_k_zero_hands_out_only_current_version():
 
 def test_untrained_groups_have_no_staleness():
     assert staleness(10, -1) == 0
-    assert window_of([-1]).take(BatchLimits(10, 0)).taken
+    selection = window_of([-1]).take(BatchLimits(10, 0))  # at K = 0, ten versions on
+    assert [e.offset for e in selection.taken] == [0] and not selection.dropped
 
 
 def test_batch_stops_at_the_sample_limit_with_whole_groups():

@@ -49,7 +49,7 @@ class ScriptedEngine:
         self.requests.append((list(prompt_ids), sampling.max_tokens, seed))
         self.earliest_versions.append(earliest_version)
         if number == self.hang_on:
-            await asyncio.sleep(HANG_S)
+            await asyncio.sleep(HANG_S)  # the behaviour under test: a request that never finishes
         if number == self.stale_on:
             return Completion(f"r{number}", list(prompt_ids), [], [], [], STALE)
         token_ids, logprobs = self.turns[number % len(self.turns)]

@@ -16,7 +16,7 @@ LONG_WAIT_S = 5.0
 async def settle() -> None:
     """Let every task waiting for a place run up to its wait."""
     for _ in range(3):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # loop turns, no time: each waiting task runs up to its wait
 
 
 def test_sessions_count_as_groups_of_n_and_take_only_the_grants_they_need():

@@ -9,7 +9,6 @@ import contextlib
 import importlib.util
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -21,15 +20,15 @@ from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta
 from asyncrl.messages import Ack
 from rollout_servers.chat_endpoint import ChatEndpoint
-from rollout_servers.chat_sessions import ChatSessions
+from rollout_servers.chat_sessions import ChatSessions, SessionError
 from rollout_servers.chat_stream import TextSteps
 from rollout_servers.chat_tools import ToolCallReader
 from tests.unit.rollout_servers.test_agent_loop import EOS, TOKENIZER, ScriptedEngine, ids, turn
 from tests.unit.rollout_servers.test_chat_sessions import USER, OpenPlaces
+from waiting import wait_until, wait_until_async
 
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=128, n=1)
 DEADLINE_S = 10.0  # any wait on the endpoint's thread; nothing here takes more than milliseconds
-POLL_S = 0.005
 EXAMPLE_AGENT = Path(__file__).resolve().parents[3] / "examples" / "openai_agent.py"
 
 
@@ -38,6 +37,7 @@ class Served:
 
     def __init__(self, engine, settings: ChatEndpointConfig) -> None:
         self.engine = engine
+        self.settings = settings
         self.sessions = ChatSessions(engine, TOKENIZER, 512, settings, "server-1", OpenPlaces())
         self.groups = []
         self.loop = asyncio.new_event_loop()
@@ -62,7 +62,7 @@ def serving(engine, api_key: str | None = None, **settings) -> Iterator[Served]:
     served = Served(engine, ChatEndpointConfig(enabled=True, **settings))
     served.thread.start()
     try:
-        served.call(served.endpoint.start(served.sessions._settings, 0, api_key))
+        served.call(served.endpoint.start(served.settings, 0, api_key))
         yield served
     finally:
         served.call(served.endpoint.stop())
@@ -138,9 +138,7 @@ class WaitingEngine(ScriptedEngine):
     async def generate(self, prompt_ids, sampling=None, *, on_tokens=None, **kwargs):
         async def slow(token_ids, logprobs):
             if len(token_ids) == 2:
-                deadline = time.monotonic() + DEADLINE_S
-                while not self.proceed() and time.monotonic() < deadline:
-                    await asyncio.sleep(POLL_S)
+                await wait_until_async(self.proceed, DEADLINE_S, "leave to sample on")
             await on_tokens(token_ids, logprobs)
 
         try:
@@ -167,15 +165,15 @@ def test_a_client_leaving_mid_stream_leaves_the_session_as_before_and_usable():
                 if len(seen) == 2:
                     break
         assert seen == [{"role": "assistant", "content": ""}, {"content": "a"}]
-        deadline = time.monotonic() + DEADLINE_S
-        while served.engine.aborted == 0 and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        assert served.engine.aborted == 1, "the turn's request was stopped when the client left"
-        session = served.sessions._sessions["t"]
-        assert (session.turns, session.messages) == (0, []), "nothing recorded for the lost reply"
+        wait_until(lambda: served.engine.aborted, DEADLINE_S, "the turn's request stopped when the client left")
+        assert served.engine.aborted == 1
+        with pytest.raises(SessionError, match="no model turn"):  # nothing recorded for the lost reply
+            served.call(served.sessions.close("t", 1.0))
         reply = client(served).chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "t"})
         assert reply.choices[0].message.content == "abcd"
-        assert served.sessions._sessions["t"].turns == 1
+        _, group = served.call(served.sessions.close("t", 1.0))
+    (trajectory,) = group.trajectories
+    assert trajectory.num_turns == 1 and trajectory.completion_ids == ids("abcd") + [EOS]
 
 
 @pytest.mark.parametrize("extra, field", [
@@ -225,7 +223,8 @@ def test_without_the_api_key_every_route_is_refused_with_401_and_nothing_is_stor
         assert len(served.sessions) == 0 and not served.engine.requests and not served.groups
 
         sdk = client(served, api_key="sesame")
-        assert sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"}).choices
+        reply = sdk.chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"})
+        assert reply.choices[0].message.content == "ab"
         sdk.post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
         assert len(served.groups) == 1
 
@@ -300,10 +299,20 @@ def test_the_example_agent_calls_its_tool_and_scores_its_answer():
     agent = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(agent)
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "37+58"}}</tool_call>'
+    sent = []  # the body of each request the agent makes
+
+    def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
     with serving(ScriptedEngine([turn(call, -0.5), turn("95", -0.5)]), tool_parser="hermes") as served:
-        assert agent.episode(client(served), "37+58=", "95", "s", max_turns=3) == 1.0
-        messages = served.sessions._sessions["s"].messages
-    assert [message["role"] for message in messages] == ["user", "assistant", "tool", "assistant"]
+        recording = openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0, timeout=DEADLINE_S,
+                                  http_client=httpx.Client(event_hooks={"request": [record]}))
+        assert agent.episode(recording, "37+58=", "95", "s", max_turns=3) == 1.0
+        _, group = served.call(served.sessions.close("s", 1.0))
+    assert group.trajectories[0].num_turns == 2  # both replies recorded
+    assert len(sent) == 2  # the tool call, then the answer
+    messages = sent[-1]["messages"]  # the whole conversation, as the session must have recorded it to accept it
+    assert [message["role"] for message in messages] == ["user", "assistant", "tool"]
     assert messages[2]["content"] == "95" and messages[2]["tool_call_id"] == messages[1]["tool_calls"][0]["id"]
 
 

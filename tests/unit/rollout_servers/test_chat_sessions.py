@@ -4,6 +4,7 @@ groups of closed sessions, and places within the staleness bound."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -14,10 +15,12 @@ from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_lost import RESTARTED, LostSessions
 from rollout_servers.chat_sessions import ChatSessions, SessionError, normalized
 from tests.unit.rollout_servers.test_agent_loop import EOS, SAMPLING, TOKENIZER, ScriptedEngine, ids, turn
+from waiting import wait_until_async
 
 USER = {"role": "user", "content": "hi"}
 SHORT_WAIT_S = 0.05
 IDLE_S = 0.2  # session_idle_s of the idle tests: checked every 20 ms
+WAIT_S = 5.0  # for what takes a few event-loop turns, with slack for a loaded box
 
 
 class OpenPlaces(ChatAdmission):
@@ -31,8 +34,10 @@ class OpenPlaces(ChatAdmission):
 
 
 def sessions_on(engine, max_sessions: int = 4, places: ChatAdmission | None = None,
-                admission_wait_s: float = SHORT_WAIT_S, lost: LostSessions | None = None) -> ChatSessions:
-    settings = ChatEndpointConfig(enabled=True, max_sessions=max_sessions, admission_wait_s=admission_wait_s)
+                admission_wait_s: float = SHORT_WAIT_S, lost: LostSessions | None = None,
+                settings: ChatEndpointConfig | None = None) -> ChatSessions:
+    """Sessions on `engine`; a test that changes a setting as it goes passes its own `settings`."""
+    settings = settings or ChatEndpointConfig(enabled=True, max_sessions=max_sessions, admission_wait_s=admission_wait_s)
     return ChatSessions(engine, TOKENIZER, 256, settings, "server-1", places or OpenPlaces(), lost)
 
 
@@ -88,16 +93,17 @@ def test_session_limit_groups_and_closing_errors():
 
 def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_dropped():
     places = ChatAdmission(sessions_per_group=2)
-    sessions = sessions_on(ScriptedEngine([turn("x", -1.0)]), places=places, admission_wait_s=5.0)
+    settings = ChatEndpointConfig(enabled=True, admission_wait_s=WAIT_S)
+    sessions = sessions_on(ScriptedEngine([turn("x", -1.0)]), places=places, settings=settings)
 
     async def open_two_then_a_third():
         first = asyncio.create_task(sessions.reply("a", [USER], SAMPLING))
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: places.waiting, WAIT_S, "the first session waiting for a place")
         waited = (len(sessions), places.wanted())  # no place yet: the server asks admission for one group
         places.take_grants(1)
         await first
         await sessions.reply("b", [USER], SAMPLING)  # the group's second place needs no new grant
-        sessions._settings.admission_wait_s = SHORT_WAIT_S
+        settings.admission_wait_s = SHORT_WAIT_S
         with pytest.raises(SessionError, match="no place for a new session") as error:
             await sessions.reply("c", [USER], SAMPLING)
         return waited, error.value.status
@@ -106,7 +112,7 @@ def test_a_new_session_waits_for_a_place_and_gives_it_back_when_closed_or_droppe
     assert (len(sessions), places.open, places.held, places.waiting) == (2, 2, 1, 0), "the refused one holds nothing"
     asyncio.run(sessions.close("a", 1.0))
     assert (places.open, places.held) == (1, 1)
-    sessions._sessions["b"].last_used -= sessions._settings.session_idle_s + 1
+    settings.session_idle_s = 0.0  # from now on a session without a request in flight is idle
     with pytest.raises(SessionError, match="no place"):  # the idle one is dropped first: its place is given back
         asyncio.run(sessions.reply("c", [USER], SAMPLING))
     assert (len(sessions), places.open, places.held) == (0, 0, 0)
@@ -125,33 +131,54 @@ def test_messages_are_normalized_to_role_and_text():
 def test_idle_sessions_are_dropped_on_a_clock_when_no_request_comes():
     """An agent that crashed sends nothing more: its sessions must still give their places back."""
     places = OpenPlaces()
-    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5), turn("c", -0.5)]), places=places)
-    sessions._settings.session_idle_s = IDLE_S
+    settings = ChatEndpointConfig(enabled=True, session_idle_s=IDLE_S)
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5), turn("c", -0.5)]), places=places, settings=settings)
 
-    async def open_two_then_go_quiet() -> list[int]:
+    async def open_two_then_go_quiet() -> tuple[int, float]:
         endpoint = ChatEndpoint(sessions, SAMPLING, "tiny", sink=None)
-        await endpoint.start(sessions._settings, 0)
+        await endpoint.start(settings, 0)
         try:
             await sessions.reply("a", [USER], SAMPLING)
+            last_request = time.monotonic()  # before the last request ends: b cannot be idle sooner than IDLE_S after
             await sessions.reply("b", [USER], SAMPLING)
-            counts = [len(sessions)]
-            await asyncio.sleep(IDLE_S * 3)
-            return counts + [len(sessions)]
+            opened = len(sessions)
+            await wait_until_async(lambda: len(sessions) == 0, IDLE_S * 3, "the idle sessions dropped")
+            return opened, time.monotonic() - last_request
         finally:
             await endpoint.stop()
 
-    assert asyncio.run(open_two_then_go_quiet()) == [2, 0]
+    opened, dropped_after_s = asyncio.run(open_two_then_go_quiet())
+    assert opened == 2 and dropped_after_s >= IDLE_S  # not before they were idle for session_idle_s
     assert places.open == 0
 
 
+class HeldAtTheEnd:
+    """A turn listener that holds the turn after its last chunk (before it is recorded) until `finish` is set."""
+
+    def __init__(self) -> None:
+        self.finishing = asyncio.Event()
+        self.finish = asyncio.Event()
+
+    async def progress(self, token_ids, logprobs) -> None:
+        pass
+
+    async def done(self, reply) -> None:  # the last chunk is out; recording comes after this returns
+        self.finishing.set()
+        await self.finish.wait()
+
+
 def test_a_session_being_answered_is_not_idle():
-    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
-    asyncio.run(sessions.reply("a", [USER], SAMPLING))
-    sessions._sessions["a"].last_used -= sessions._settings.session_idle_s + 1
+    settings = ChatEndpointConfig(enabled=True, session_idle_s=0.0)  # idle as soon as no request is in flight
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]), settings=settings)
 
     async def drop_while_answering() -> int:
-        async with sessions._sessions["a"].lock:
-            return sessions.drop_idle()
+        listener = HeldAtTheEnd()
+        answering = asyncio.create_task(sessions.reply("a", [USER], SAMPLING, listener=listener))
+        await listener.finishing.wait()
+        dropped = sessions.drop_idle()
+        listener.finish.set()
+        await answering
+        return dropped
 
     assert asyncio.run(drop_while_answering()) == 0 and len(sessions) == 1
     assert sessions.drop_idle() == 1 and len(sessions) == 0
@@ -173,12 +200,13 @@ def test_a_resent_request_gets_the_recorded_reply_again():
 
 
 def test_a_session_dropped_as_idle_answers_410_naming_why_and_is_counted():
-    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
+    settings = ChatEndpointConfig(enabled=True)
+    sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]), settings=settings)
     asyncio.run(sessions.reply("s", [USER], SAMPLING))
-    sessions._sessions["s"].last_used -= sessions._settings.session_idle_s + 1
+    settings.session_idle_s = 0.0  # idle as soon as no request is in flight
     assert sessions.drop_idle() == 1
     history = [USER, {"role": "assistant", "content": "ab"}, USER]
-    with pytest.raises(SessionError, match=r"session 's' is lost: dropped after 300s without a request "
+    with pytest.raises(SessionError, match=r"session 's' is lost: dropped after 0s without a request "
                                            r"\(rollout.chat.session_idle_s\)") as error:
         asyncio.run(sessions.reply("s", history, SAMPLING))
     assert error.value.status == 410
@@ -220,24 +248,12 @@ def test_a_close_waits_for_the_turn_being_answered():
     """A client may close as soon as it read a streamed reply's last chunk, before the turn is recorded."""
     sessions = sessions_on(ScriptedEngine([turn("ab", -0.5)]))
 
-    class SlowToFinish:
-        def __init__(self) -> None:
-            self.finishing = asyncio.Event()
-            self.finish = asyncio.Event()
-
-        async def progress(self, token_ids, logprobs) -> None:
-            pass
-
-        async def done(self, reply) -> None:  # the last chunk is out; recording comes after this returns
-            self.finishing.set()
-            await self.finish.wait()
-
     async def close_during_the_last_write():
-        listener = SlowToFinish()
+        listener = HeldAtTheEnd()
         answering = asyncio.create_task(sessions.reply("s", [USER], SAMPLING, listener=listener))
         await listener.finishing.wait()
         closing = asyncio.create_task(sessions.close("s", 1.0))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop turn, no time: the close runs up to the session's lock
         listener.finish.set()
         await answering
         return await closing

@@ -12,6 +12,9 @@ from asyncrl.config.rollout import EngineConfig, RolloutConfig
 from rollout_servers.completion import STALE
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.engine_args import engine_process_env
+from waiting import wait_until_async
+
+WAIT_S = 5.0  # for a request to reach the stand-in vLLM: one event-loop turn, with slack for a loaded box
 
 
 class RecordingLLM:
@@ -37,8 +40,8 @@ def test_prefix_cache_salt_follows_the_policy_version() -> None:
         await engine.generate([1, 2, 3])
 
     asyncio.run(sample_twice())
-    engine._version = 4  # what a completed update leaves behind
-    asyncio.run(engine.generate([1, 2, 3]))
+    updated = RolloutEngine(llm, RolloutConfig(), version=4)  # the same vLLM once it holds version 4's weights
+    asyncio.run(updated.generate([1, 2, 3]))
 
     salts = [prompt["cache_salt"] for prompt in llm.prompts]
     assert salts[0] == salts[1], "requests under one version share prompt blocks"
@@ -84,7 +87,7 @@ def test_only_training_requests_past_the_bound_are_abandoned() -> None:
         with engine.training_group():
             training = asyncio.ensure_future(engine.generate([1], request_id="training"))
         chat = asyncio.ensure_future(engine.generate([2], request_id="chat"))  # e.g. a chat session's turn
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(llm.prompts) == 2, WAIT_S, "both requests in vLLM")
         assert engine.abandon_stale(learner_version=5, max_staleness=2) == 0  # staleness 2: still trainable
         assert engine.abandon_stale(learner_version=9, max_staleness=2) == 1
         completion = await asyncio.wait_for(training, timeout=5)
@@ -99,12 +102,13 @@ def test_only_training_requests_past_the_bound_are_abandoned() -> None:
 
 
 def test_a_turn_is_as_stale_as_the_earlier_turns_of_its_episode() -> None:
-    engine = RolloutEngine(HangingLLM(), RolloutConfig(), version=9)
+    llm = HangingLLM()
+    engine = RolloutEngine(llm, RolloutConfig(), version=9)
 
     async def scenario() -> None:
         with engine.training_group():
             turn = asyncio.ensure_future(engine.generate([1], earliest_version=6))  # sampled now, under 9
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: llm.prompts, WAIT_S, "the turn's request in vLLM")
         assert engine.abandon_stale(learner_version=9, max_staleness=2) == 1  # 9 - 6 > 2
         assert (await asyncio.wait_for(turn, timeout=5)).finish_reason == STALE
 

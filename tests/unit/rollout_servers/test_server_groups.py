@@ -23,10 +23,12 @@ from buffer.admission import Admission
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.server import Endpoints, RolloutServer
+from waiting import wait_until_async
 
 N = 2  # samples per group
 STOPPED_ATTEMPTS = 1  # attempts the fake engine stops as too stale before it lets one finish
 REWARD = 0.75
+WAIT_S = 5.0  # for what takes a few event-loop turns, with slack for a loaded box
 
 
 @dataclass
@@ -149,6 +151,7 @@ class StaggeredEngine:
     """Finishes a group's first sample at once and the others only when `release` is set."""
 
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: int = 0  # samples done so far
 
     @contextlib.contextmanager
     def training_group(self):
@@ -159,6 +162,7 @@ class StaggeredEngine:
             if index:
                 await self.release.wait()
             on_sample_done()
+            self.finished += 1
             return Completion(f"r{index}", list(prompt_ids), [7], [-0.5], [0], "stop")
 
         return list(await asyncio.gather(*(sample(i) for i in range(N))))
@@ -169,7 +173,7 @@ def test_a_finished_sample_frees_its_slot_while_its_group_still_generates(server
 
     async def sample_one_group() -> list[int]:
         group = asyncio.create_task(server._one_group(engine, SingleTurn(), producer, FixedScorer(), server._slots.claim(N)))
-        await asyncio.sleep(0.01)  # the first sample finishes, the others still generate
+        await wait_until_async(lambda: engine.finished, WAIT_S, "the group's first sample")  # the others still generate
         held_meanwhile = server._slots.in_use
         engine.release.set()
         await group
@@ -204,7 +208,7 @@ def test_open_chat_sessions_count_against_the_staleness_bound(server):
             rounds.append((places.take_grants(grant.granted), places.held))
 
         sessions = [asyncio.create_task(places.enter(5.0)) for _ in range(N + 1)]
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: places.waiting == N + 1, WAIT_S, "every session waiting for a place")
         await ask()  # 3 waiting sessions are 2 groups of N: the whole bound, and before any prompt group
         await asyncio.gather(*sessions)
         await ask()  # the sessions still hold it

@@ -12,6 +12,7 @@ from asyncrl.data import PromptRow, write_rows
 from asyncrl.rewards import RewardResult
 from asyncrl.tasks import arithmetic
 from rollout_servers.validation import ValidationPrompt, Validator, load_validation_prompts
+from waiting import wait_until_async
 
 N, K = 4, 2
 FINAL_VERSION = 33  # the learner's last version: validated although no multiple of `every`
@@ -90,9 +91,8 @@ def test_background_task_validates_due_versions_and_survives_a_failing_pass():
     async def scenario(scorer) -> Validator:
         validator, engine = make_validator(every=5)
         task = asyncio.create_task(validator.run_when_due(engine, scorer, POLL_S))
-        deadline = asyncio.get_running_loop().time() + WAIT_S
-        while validator.version != engine.current_version and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(POLL_S)
+        await wait_until_async(lambda: validator.version == engine.current_version, WAIT_S,
+                               "the pass over the engine's version", poll_s=POLL_S)
         assert not task.done()  # still watching after the pass, failed or not
         task.cancel()
         return validator

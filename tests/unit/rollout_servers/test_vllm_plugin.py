@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.weight_transfer import update_info_for
-from asyncrl.weight_transfer.protocol import UpdateInfo
+from asyncrl.weight_transfer import TransferGroup, update_info_for
+from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat
 from rollout_servers.vllm_plugin import AsyncRLWeightTransferEngine
 
@@ -34,8 +34,13 @@ class ScriptedGroup:
 
 
 def plugin_with(group: ScriptedGroup, in_place: bool = False, model: object = None) -> AsyncRLWeightTransferEngine:
-    plugin = object.__new__(AsyncRLWeightTransferEngine)  # vLLM's constructor needs a running worker
-    plugin._group, plugin._in_place, plugin.model = group, in_place, model
+    """The plugin of worker 0 of a one-worker engine, joined to `group` as vLLM's init request would join it."""
+    one_worker = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+                                 model_config=None)
+    plugin = AsyncRLWeightTransferEngine(None, one_worker, group.device, model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TransferGroup, "join", lambda address, rank, device: group)
+        plugin.init_transfer_engine(InitInfo("127.0.0.1", 1, 2, "gloo", 1.0, rank_offset=1, load_in_place=in_place))
     return plugin
 
 
