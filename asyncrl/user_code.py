@@ -53,15 +53,25 @@ def import_module(location: str) -> ModuleType:
         raise UserCodeError(f"importing module '{location}' failed: {describe_exception(error)}") from error
 
 
-def load_object(spec: str, module_prefix: str) -> Any:
-    """The object named by `spec`: "path/to/file.py:Name" (a file) or "package.module:Name" (importable)."""
+def split_spec(spec: str) -> tuple[str, str]:
+    """("path/to/file.py" or "package.module", "Name") of a spec; UserCodeError when it has no such form."""
     location, separator, name = spec.rpartition(SPEC_SEPARATOR)
     if not separator or not location or not name:
         raise UserCodeError(f"'{spec}' is not of the form path/to/file.py:Name or package.module:Name")
-    if location.endswith(".py"):
-        module = import_file(Path(location).expanduser().resolve(), module_prefix)
-    else:
-        module = import_module(location)
+    return location, name
+
+
+def import_location(location: str, module_prefix: str) -> ModuleType:
+    """A spec's module: a file when `location` looks like a path (".py" or a separator), else an importable module."""
+    if location.endswith(".py") or "/" in location or "\\" in location:
+        return import_file(Path(location).expanduser().resolve(), module_prefix)
+    return import_module(location)
+
+
+def load_object(spec: str, module_prefix: str) -> Any:
+    """The object named by `spec`: "path/to/file.py:Name" (a file) or "package.module:Name" (importable)."""
+    location, name = split_spec(spec)
+    module = import_location(location, module_prefix)
     if not hasattr(module, name):
         raise UserCodeError(f"'{location}' defines no '{name}'")
     return getattr(module, name)

@@ -29,7 +29,8 @@ from asyncrl.launch_buffer import ENDPOINT_FILE
 from asyncrl.messages import (BUFFERS_OWN_STALENESS, Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition,
                               BufferStats, Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)
-from asyncrl.transport.sockets import MS_PER_S, ServingRouter
+from asyncrl.transport.sockets import ServingRouter
+from asyncrl.units import MS_PER_S
 from buffer.admission import Admission, LeasesFull
 from buffer.background_sync import BackgroundSync
 from buffer.dir_lock import DirectoryLock

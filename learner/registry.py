@@ -10,11 +10,10 @@ Every failure raises `RegistryError` naming the config key, the value, and what 
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from types import ModuleType
 from typing import Callable, Generic, TypeVar
 
-from asyncrl.user_code import UserCodeError, import_file, import_module
+from asyncrl.user_code import UserCodeError, import_location, split_spec
 
 F = TypeVar("F", bound=Callable)
 
@@ -62,14 +61,12 @@ class Registry(Generic[F]):
         return self._resolved_references[value]
 
     def _resolve_reference(self, value: str) -> F:
-        source, _, function_name = value.rpartition(":")
-        if not source or not function_name:
-            raise self._error(value, f"expected {REFERENCE_FORMS}")
         try:
-            if _is_file_path(source):
-                module = import_file(Path(source).expanduser().resolve(), USER_MODULE_PREFIX)
-            else:
-                module = import_module(source)
+            source, function_name = split_spec(value)
+        except UserCodeError:
+            raise self._error(value, f"expected {REFERENCE_FORMS}") from None
+        try:
+            module = import_location(source, USER_MODULE_PREFIX)
         except UserCodeError as error:
             raise self._error(value, str(error)) from error
         return self._find_function(value, module, source, function_name)
@@ -94,7 +91,3 @@ def _public_functions(module: ModuleType) -> list[str]:
         for name, attribute in vars(module).items()
         if inspect.isfunction(attribute) and attribute.__module__ == module.__name__ and not name.startswith("_")
     )
-
-
-def _is_file_path(source: str) -> bool:
-    return source.endswith(".py") or "/" in source or "\\" in source

@@ -10,7 +10,7 @@ from typing import Awaitable, Callable
 
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import connect_control
-from asyncrl.transport.sockets import MS_PER_S
+from asyncrl.units import MS_PER_S
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, SyncDone, SyncInvite, SyncJoin,
                                                       SyncPrepare, SyncReady, TaskWeights, ValidateVersion)
 from rollout_servers.engine import RolloutEngine

@@ -38,7 +38,7 @@ from asyncrl.launch_buffer import BufferProcess, start_buffer
 from asyncrl.messages import encode
 from asyncrl.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
-from asyncrl.transport.sockets import MS_PER_S
+from asyncrl.units import MS_PER_S
 
 COMPLETION_TOKENS = 1024
 RECORD_ID_WIDTH = 16

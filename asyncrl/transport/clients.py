@@ -10,7 +10,8 @@ import zmq
 
 from asyncrl.messages import (BUFFERS_OWN_STALENESS, AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition,
                               BufferStats, Commit, PolicyVersion, StatsRequest)
-from asyncrl.transport.sockets import MS_PER_S, RequestChannel
+from asyncrl.transport.sockets import RequestChannel
+from asyncrl.units import MS_PER_S
 
 
 class AdmissionClient:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import zmq
 
 from asyncrl.messages import Ack, ErrorReply, TrajectoryGroup, decode, encode
-from asyncrl.transport.sockets import MS_PER_S, BufferRequestError, BufferTimeout, connect_dealer
+from asyncrl.transport.sockets import BufferRequestError, BufferTimeout, connect_dealer
+from asyncrl.units import MS_PER_S
 
 SEND_RETRY_S = 0.05  # a send ZeroMQ could not queue is tried again this soon
 

@@ -22,6 +22,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from asyncrl.config.buffer import is_loopback, split_tcp_endpoint
 from asyncrl.config.loader import ConfigError
 from asyncrl.messages import DecodeError, ErrorReply, decode, encode
+from asyncrl.units import MS_PER_S
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,6 @@ SERVER_CERT = "server"
 CLIENT_CERT = "client"
 AUTHORIZED_DIR = "authorized_clients"
 OVERSIZE_DISCONNECT_FACTOR = 4  # frames this many times over the limit are cut off by ZeroMQ itself (memory guard)
-MS_PER_S = 1000  # ZeroMQ takes timeouts in milliseconds
 LINGER_MS = 0  # closing a socket drops unsent messages: every send is acknowledged or retried anyway
 
 _T = TypeVar("_T")

@@ -23,6 +23,7 @@ from typing import Iterator
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
 from asyncrl.transport.control import bind_control
+from asyncrl.units import MS_PER_S
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
                                                       SyncJoin, SyncPrepare, SyncReady)
@@ -174,7 +175,7 @@ class SyncCoordinator:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""
         deadline = time.monotonic() + timeout_s
         while len(self.live_members()) < count and time.monotonic() < deadline:
-            self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * 1000))
+            self._poll_until(deadline)
         return self.live_members()
 
     def broadcast(self, version: int, named_tensors: NamedTensors) -> RoundReport:
@@ -238,8 +239,12 @@ class SyncCoordinator:
         answered that it leaves or `timeout_s` passed; the servers that did not answer."""
         deadline = time.monotonic() + timeout_s
         while (live := self.tell_servers(JobFinished(version))) and time.monotonic() < deadline:
-            self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * 1000))
+            self._poll_until(deadline)
         return live
+
+    def _poll_until(self, deadline: float) -> None:
+        """Wait for a message, at most until `deadline` and at most one `liveness_s` (a heartbeat's period)."""
+        self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * MS_PER_S))
 
     def close(self) -> None:
         self._close_group()
@@ -305,7 +310,7 @@ class SyncCoordinator:
         """Messages as they arrive (heartbeats and telemetry are taken in on the way) while `waiting`, which the caller
         empties, still names a server and the deadline has not passed."""
         while waiting and time.monotonic() < deadline:
-            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * 1000)):
+            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * MS_PER_S)):
                 return
             yield self._receive_one()
 

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import pytest
 import psutil
 
 from run_helpers import alive, descendants, kill_tree, tiny_job
+from waiting import exited, holds_within, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -35,11 +35,7 @@ def _start_run(tmp: Path, name: str) -> subprocess.Popen:
 
 
 def _wait_for(condition, run: subprocess.Popen, what: str) -> None:
-    deadline = time.monotonic() + WAIT_BOUND_S
-    while not condition():
-        assert run.poll() is None, f"run exited early with {run.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {WAIT_BOUND_S} s"
-        time.sleep(POLL_S)
+    wait_until(condition, WAIT_BOUND_S, what, poll_s=POLL_S, give_up=exited(run))
 
 
 def _stop_and_check(run: subprocess.Popen, signum: int, run_dir: Path, whole_group: bool) -> None:
@@ -56,10 +52,7 @@ def _stop_and_check(run: subprocess.Popen, signum: int, run_dir: Path, whole_gro
 
 
 def _check_gone(tree: set[int]) -> None:
-    deadline = time.monotonic() + STOP_BOUND_S
-    while alive(tree) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    assert not alive(tree), f"left behind: {_described(alive(tree))}"
+    assert holds_within(lambda: not alive(tree), STOP_BOUND_S, POLL_S), f"left behind: {_described(alive(tree))}"
 
 
 def _described(pids: set[int]) -> list[str]:

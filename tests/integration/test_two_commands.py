@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from run_helpers import alive, descendants, kill_tree, tiny_job
+from waiting import holds_within, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -40,13 +41,10 @@ def _start(command: str, args: list[str]) -> subprocess.Popen:
 
 
 def _wait_for(condition, what: str, *watched: subprocess.Popen):
-    deadline = time.monotonic() + WAIT_BOUND_S
-    while not (value := condition()):
-        for process in watched:
-            assert process.poll() is None, f"{process.args[3]} exited with {process.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"no {what} within {WAIT_BOUND_S} s"
-        time.sleep(POLL_S)
-    return value
+    def exited_one() -> str | None:
+        return next((f"{p.args[3]} exited with {p.returncode}" for p in watched if p.poll() is not None), None)
+
+    return wait_until(condition, WAIT_BOUND_S, what, poll_s=POLL_S, give_up=exited_one)
 
 
 def _servers(supervisor: subprocess.Popen) -> list[psutil.Process]:
@@ -70,9 +68,8 @@ def _engine_core_below(pid: int) -> bool:
 
 
 def _gone(tree: set[int]) -> set[int]:
-    deadline = time.monotonic() + STOP_BOUND_S
-    while alive(tree) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+    """What of `tree` is still alive once it has had STOP_BOUND_S to go."""
+    holds_within(lambda: not alive(tree), STOP_BOUND_S, POLL_S)
     return alive(tree)
 
 
