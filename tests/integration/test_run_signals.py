@@ -28,14 +28,21 @@ POLL_S = 0.5
 
 
 def _start_run(tmp: Path, name: str) -> subprocess.Popen:
-    # Its own session, like a shell's foreground job: killpg reaches exactly what a terminal would.
+    # Its own session, like a shell's foreground job: killpg reaches exactly what a terminal would. The console
+    # goes to a file beside the run, where a failed wait reads why the run ended.
     command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(tmp, 50, f"run.name={name}")]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True, env=os.environ.copy())
+    with _console(tmp, name).open("w") as console:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=console, text=True, start_new_session=True,
+                                env=os.environ.copy())
 
 
-def _wait_for(condition, run: subprocess.Popen, what: str) -> None:
-    wait_until(condition, WAIT_BOUND_S, what, poll_s=POLL_S, give_up=exited(run))
+def _console(tmp: Path, name: str) -> Path:
+    return tmp / f"{name}.console"
+
+
+def _wait_for(condition, run: subprocess.Popen, what: str, console: Path) -> None:
+    wait_until(condition, WAIT_BOUND_S, what, poll_s=POLL_S, give_up=exited(run),
+               context=lambda: console.read_text()[-3000:])
 
 
 def _stop_and_check(run: subprocess.Popen, signum: int, run_dir: Path, whole_group: bool) -> None:
@@ -76,7 +83,8 @@ def test_ctrl_c_mid_training_stops_every_process(job_dir):
     run = _start_run(job_dir, "sigint")
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step")
+        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step",
+                  _console(job_dir, "sigint"))
         _stop_and_check(run, signal.SIGINT, run_dir, whole_group=True)
     finally:
         kill_tree(run.pid)
@@ -86,7 +94,8 @@ def test_sigterm_during_engine_start_stops_every_process(job_dir):
     run_dir = job_dir / "runs" / "sigterm"
     run = _start_run(job_dir, "sigterm")
     try:
-        _wait_for(lambda: (run_dir / "logs" / "rollout0.log").is_file(), run, "rollout server start")
+        _wait_for(lambda: (run_dir / "logs" / "rollout0.log").is_file(), run, "rollout server start",
+                  _console(job_dir, "sigterm"))
         _stop_and_check(run, signal.SIGTERM, run_dir, whole_group=False)
     finally:
         kill_tree(run.pid)
@@ -98,7 +107,8 @@ def test_kill_9_mid_training_leaves_no_process_behind(job_dir):
     tree: set[int] = set()
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step")
+        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step",
+                  _console(job_dir, "sigkill"))
         tree = descendants(run.pid)
         names = _described(tree)
         # the ends of the chains: the learner's buffer; the server's engine core; spawned processes: the learner
