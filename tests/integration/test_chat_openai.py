@@ -22,7 +22,7 @@ import pytest
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.environments import ChatDelta
-from asyncrl.environments.calculator import CALCULATOR_TOOL, evaluate
+from asyncrl.environments.calculator import evaluate
 from asyncrl.messages import TrajectoryGroup, decode
 from buffer.log import SegmentLog
 from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
@@ -154,6 +154,12 @@ def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> t
     return reply.choices[0].message.content, seen
 
 
+# The calculator with `strict` arguments: vLLM's grammar then follows the schema, so a model never taught to call
+# it (this job's) still closes its call within a few tokens; the tool's JSON also fits the prompt of this job.
+CALCULATOR = {"type": "function", "function": {"name": "calc", "strict": True, "parameters": {
+    "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}}}
+
+
 @dataclass
 class ToolRoundTrip:
     offset: int  # where the buffer stored the session's group
@@ -166,10 +172,10 @@ def tool_round_trip(job) -> ToolRoundTrip:
     """One session, while the job serves: the model calls the calculator (forced by naming the function: the
     tiny model of this job was never taught to call it), the agent answers with a `tool` message, the model
     answers, and the session is closed as a group of one."""
-    client, tools = job.client(), [CALCULATOR_TOOL]
+    client, tools = job.client(), [CALCULATOR]
     forced = {"type": "function", "function": {"name": "calc"}}
     first = client.chat.completions.create(model="m", messages=[USER], tools=tools, tool_choice=forced, logprobs=True,
-                                           max_tokens=96, **session("tools"))
+                                           max_tokens=64, **session("tools"))
     choice = first.choices[0]
     (call,) = choice.message.tool_calls
     assert (choice.finish_reason, call.function.name) == ("tool_calls", "calc")
@@ -239,7 +245,7 @@ def test_a_tool_call_round_trip_is_one_trajectory_with_the_tool_masked(job, tool
     assert (group.record_id, trajectory.num_turns, trajectory.finish_reason) == ("server-0-chat-tools", 2,
                                                                                 "session_closed")
     chat = ChatDelta(tokenizer)
-    assert trajectory.prompt_ids == chat.prompt_ids([USER], [CALCULATOR_TOOL])  # the tool listed by the template
+    assert trajectory.prompt_ids == chat.prompt_ids([USER], [CALCULATOR])  # the tool listed by the template
     # the trained ids are the exact ids sampled, as the client saw them, with their log-probs
     assert model_tokens(trajectory, tokenizer) == as_logged(tool_round_trip.seen)
     # the behaviour log-probs are those of the distribution that drew the tokens, after the grammar's mask:
@@ -250,7 +256,7 @@ def test_a_tool_call_round_trip_is_one_trajectory_with_the_tool_masked(job, tool
     first_turn = mask.index(0)
     tool_ids = ids[first_turn: first_turn + mask[first_turn:].index(1)]
     tool_message = {"role": "tool", "tool_call_id": "any", "content": tool_round_trip.tool_reply}
-    assert tool_ids == chat.observation_ids([tool_message], ids[:first_turn], [CALCULATOR_TOOL])
+    assert tool_ids == chat.observation_ids([tool_message], ids[:first_turn], [CALCULATOR])
     assert f"<|im_start|>tool\n{tool_round_trip.tool_reply}<|im_end|>" in tokenizer.decode(tool_ids)
     assert mask == [1] * first_turn + [0] * len(tool_ids) + [1] * (len(ids) - first_turn - len(tool_ids))
     assert tokenizer.decode(ids[:first_turn]).startswith('<tool_call>{"name": "calc", "arguments": ')
