@@ -158,8 +158,9 @@ def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> t
 # it (this job's) still closes its call within a few tokens; the tool's JSON also fits the prompt of this job.
 CALL_TRIES = 8  # forced calls cut short by CALL_MAX_TOKENS (about 1 in 4 here) are retried in a new session
 CALL_MAX_TOKENS = 64  # the prompt with the tool is 160 tokens: a call, the tool's message and an answer fit 256
-CALCULATOR = {"type": "function", "function": {"name": "calc", "strict": True, "parameters": {
-    "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}}}
+# Its keys in the order of vLLM's request model, which the server's prompt renders.
+CALCULATOR = {"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}, "strict": True}}
 
 
 @dataclass
