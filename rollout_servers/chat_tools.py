@@ -7,7 +7,8 @@ messages after it are rendered: what is trained is always the exact ids sampled.
 
 `tool_choice: "required"`, a named function and `parallel_tool_calls: false` are served as vLLM's own server
 serves them (`vllm_compat.tool_call_constraint`): a structured-outputs grammar on the reply forces the call
-(in the parser's own format on vLLM 0.32; as JSON on 0.24, read as its server reads it) and allows at
+(in the parser's own format where it has a structural tag, as hermes does; else as JSON, read as vLLM's
+server reads it) and allows at
 most one with `parallel_tool_calls: false`. The constrained tokens are the tokens sampled, and their
 behaviour log-probs are vLLM's after the grammar's mask, those of the distribution that drew them.
 """
@@ -54,7 +55,7 @@ class ToolCallReader:
     def read(self, token_ids: Sequence[int], request: ChatCompletionRequest,
              json_reply: bool = False) -> tuple[str | None, list[Any]]:
         """The reply's content and its vLLM `ToolCall`s ([] when it calls no tool); `json_reply`: the reply was
-        constrained to JSON (a forced call on vLLM 0.24), read as vLLM's server reads it."""
+        constrained to JSON (a forced call with a parser that has no structural tag), read as vLLM's server reads it."""
         ids = list(token_ids)
         if ids and ids[-1] == self._tokenizer.eos_token_id:
             ids = ids[:-1]  # vLLM's own text never holds the token that ended the turn

@@ -24,12 +24,11 @@ Differences handled here:
   on 0.32; the chat endpoint imports them from here.
 - The tool-call types (`FunctionDefinition`, which a forced call's JSON is read into, `FunctionCall`,
   `ToolCall`) moved with the delta types.
-- Forcing a tool call (`tool_choice: required`, a named function, `parallel_tool_calls: false`): 0.32's
-  server composes the tool parser into a `vllm.parser` parser whose `adjust_request` sets a structural tag
-  that writes the call in the parser's own format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-  for hermes), limited to one call when parallel calls are off; 0.24 has no `vllm.parser`, and the tool
-  parser's `adjust_request` constrains the reply to JSON instead (a list of {"name", "parameters"}, or the
-  named function's arguments), which its server reads as JSON. `tool_call_constraint` returns the grammar.
+- Forcing a tool call (`tool_choice: required`, a named function, `parallel_tool_calls: false`) is the same
+  on both: the server composes the tool parser into a `vllm.parser` parser whose `adjust_request` sets a
+  structural tag in the parser's own format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` for
+  hermes) when the parser has one, else the tool parser constrains the reply to JSON (a list of
+  {"name", "parameters"}, or the named function's arguments). `tool_call_constraint` returns the grammar.
 - Loading in place (no layerwise reload) is chosen with `start_weight_update(is_checkpoint_format=False)`
   on 0.24 (its worker then skips the reload); 0.32 leaves the reload to our engine's hooks.
 - 0.24's worker-side engine is built as `(config, parallel_config, model)`: it has no `device` attribute,
@@ -53,8 +52,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
+from vllm.parser.parser_manager import ParserManager
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.tool_parsers import ToolParserManager
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.weight_transfer.protocol import UpdateInfo
@@ -79,11 +78,6 @@ except ModuleNotFoundError:  # 0.24
         ToolCall,
         UsageInfo,
     )
-
-try:  # 0.32
-    from vllm.parser.parser_manager import ParserManager
-except ModuleNotFoundError:  # 0.24
-    ParserManager = None
 
 # Draining vLLM's output queue after a pause: at most this many yields while outputs are queued (each lets the
 # handler take one), then this many more for the handler to finish the last one's chunks (a paused core sends
@@ -291,9 +285,6 @@ async def weight_checksums(engine: AsyncLLM) -> list[dict[str, str]] | None:
 def tool_call_constraint(tool_parser: str, tokenizer: Any, request: Any) -> StructuredOutputsParams | None:
     """The structured-outputs grammar vLLM's own server puts on a chat request's reply for its `tool_choice`
     and `parallel_tool_calls` with tool parser `tool_parser` (None: the reply is not constrained).
-    `json` set: the reply is JSON (0.24's form); `structural_tag` set: the parser's own format (0.32)."""
-    if ParserManager is not None:
-        parser = ParserManager.get_parser(tool_parser_name=tool_parser, enable_auto_tools=True)(tokenizer, request.tools)
-    else:
-        parser = ToolParserManager.get_tool_parser(tool_parser)(tokenizer, request.tools)
+    `structural_tag` set: the parser's own format; `json` set: the reply is JSON (a parser without a tag)."""
+    parser = ParserManager.get_parser(tool_parser_name=tool_parser, enable_auto_tools=True)(tokenizer, request.tools)
     return parser.adjust_request(request.model_copy()).structured_outputs
