@@ -34,9 +34,10 @@ from typing import Any, Protocol
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
-from asyncrl.environments import ChatDelta, EnvironmentFailure, EnvironmentRegistry, ModelTurn, Transcript
+from asyncrl.environments import ENV_ERROR, ChatDelta, EnvironmentFailure, EnvironmentRegistry, ModelTurn, Transcript
 from asyncrl.environments.guard import GuardedEnvironment
 from asyncrl.messages import Trajectory
+from rollout_servers.chat_tools import ToolCallReader
 from rollout_servers.completion import STALE, Completion, TokensSoFar
 from rollout_servers.row_sampling import SEED_MODULUS, sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
@@ -56,7 +57,8 @@ class TurnEngine(Protocol):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *,
                        seed: int | None = None, request_id: str | None = None,
-                       earliest_version: int | None = None, on_tokens: TokensSoFar | None = None) -> Completion: ...
+                       earliest_version: int | None = None, on_tokens: TokensSoFar | None = None,
+                       structured_outputs: Any = None) -> Completion: ...
 
 
 @dataclass
@@ -86,6 +88,9 @@ class AgentLoop:
         self._limits = limits
         self._max_tokens = limits.total_token_limit(max_model_len)
         self._chat = ChatDelta(tokenizer)
+        # read now: a parser vLLM does not know stops the server at start, naming the key
+        self._tool_calls = (ToolCallReader(limits.tool_parser, tokenizer, "environment.tool_parser")
+                            if limits.tool_parser else None)
 
     def handles(self, data_source: str) -> bool:
         return self._registry.handles(data_source)
@@ -106,8 +111,9 @@ class AgentLoop:
         try:
             environment = self._registry.create(row.data_source)
             messages = await environment.reset(row, self._call_timeout(deadline))
-            episode.transcript.prompt_ids = self._chat.prompt_ids(messages)
-            episode.finish_reason = await self._play(environment, episode, sampling, seed, deadline)
+            tools = self._tools_of(environment)
+            episode.transcript.prompt_ids = self._chat.prompt_ids(messages, tools)
+            episode.finish_reason = await self._play(environment, episode, sampling, seed, deadline, tools)
         except EnvironmentFailure as failure:
             self._fail(episode, row, failure)
         if environment is not None:
@@ -117,8 +123,15 @@ class AgentLoop:
                 self._fail(episode, row, failure)
         return episode
 
+    def _tools_of(self, environment: GuardedEnvironment) -> list[dict[str, Any]] | None:
+        tools = environment.tools()
+        if tools and self._tool_calls is None:
+            raise EnvironmentFailure(ENV_ERROR, f"environment '{environment.name}' has tools but no parser reads "
+                                                "the model's calls: set environment.tool_parser (e.g. hermes)")
+        return tools
+
     async def _play(self, environment: GuardedEnvironment, episode: Episode, sampling: SamplingConfig,
-                    seed: int | None, deadline: float) -> str:
+                    seed: int | None, deadline: float, tools: list[dict[str, Any]] | None) -> str:
         """Alternate model turns and environment steps until a limit or the environment ends it."""
         transcript = episode.transcript
         for turn in range(self._limits.max_turns):
@@ -135,13 +148,14 @@ class AgentLoop:
             if completion.finish_reason == ABORT:
                 return ABORT
             text = self._tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            model_turn = ModelTurn(text, list(completion.token_ids), completion.finish_reason, turn)
+            calls = self._tool_calls.read_turn(completion.token_ids, tools) if tools else []
+            model_turn = ModelTurn(text, list(completion.token_ids), completion.finish_reason, turn, calls)
             result = await environment.step(model_turn, self._call_timeout(deadline))
             episode.reward += result.reward
             episode.info = dict(result.info)
             if result.done:
                 return ENV_DONE
-            observation = self._chat.observation_ids(result.observation, completion.token_ids)
+            observation = self._chat.observation_ids(result.observation, completion.token_ids, tools)
             if transcript.total_tokens() + len(observation) >= self._max_tokens:
                 return MAX_TOKENS  # no room left for a model turn after it: the observation would teach nothing
             transcript.add_observation(observation)

@@ -26,9 +26,9 @@ from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
 from rollout_servers.chat_auth import require_key
 from rollout_servers.chat_request import SESSION_HEADER, parse_request
-from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, SessionError
+from rollout_servers.chat_sessions import CHAT_DATA_SOURCE, ChatSessions, FieldError, SessionError
 from rollout_servers.chat_stream import ReplyFormat, ReplyShape, StreamedReply
-from rollout_servers.chat_tools import ToolCallReader
+from rollout_servers.chat_tools import ToolCallReader, forces_a_call
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,13 @@ class ChatEndpoint:
                                holds_back_content=chat.reads_tool_calls)
             reply_format = ReplyFormat(shape, self.sessions.tokens)
             listener = StreamedReply(request, reply_format, self.sessions.decode) if chat.stream else None
-            read_tool_calls = None
+            read_tool_calls, constraint = None, None
             if chat.reads_tool_calls:
-                read_tool_calls = functools.partial(self._tool_calls.read, request=chat.parsed)
+                constraint = self._forced_call(chat.parsed)
+                read_tool_calls = functools.partial(self._tool_calls.read, request=chat.parsed,
+                                                    json_reply=constraint is not None and constraint.json is not None)
             reply = await self.sessions.reply(chat.session_id, chat.messages, chat.sampling, chat.seed, listener,
-                                              chat.tools, read_tool_calls)
+                                              chat.tools, read_tool_calls, constraint)
         except SessionError as error:
             return _error(error.status, str(error), getattr(error, "field", None))
         except ConnectionError:  # the client left mid-stream: its turn was not recorded (chat_sessions.reply)
@@ -105,6 +107,15 @@ class ChatEndpoint:
         if listener is not None:
             return listener.response
         return web.json_response(reply_format.completion(reply))
+
+    def _forced_call(self, parsed: Any) -> Any:
+        """The grammar that forces the call `tool_choice` asks for ("required" or a named function) or allows one
+        call at most (`parallel_tool_calls: false`); None when the reply is free."""
+        constraint = self._tool_calls.constraint(parsed)
+        if constraint is None and forces_a_call(parsed):
+            raise FieldError("tool_choice", "the configured parser (rollout.chat.tool_parser) cannot force a call; "
+                                            "use 'auto'")
+        return constraint
 
     async def _close(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]

@@ -29,7 +29,6 @@ HONOURED = frozenset({
 # Sent by clients and harmless to drop: one policy is served, so any `model` name is accepted (GET /v1/models
 # names it); `user` is an end-user tag for abuse monitoring, and sessions are named by session_id.
 IGNORED = frozenset({"model", "user"})
-TOOL_CHOICES = ("auto", "none")  # "required" and a named function need constrained decoding (see module doc)
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,8 @@ class ChatRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     logprobs: bool
     tools: list[dict[str, Any]] | None  # function definitions for the chat template (None: no tools)
-    reads_tool_calls: bool  # tools given and tool_choice not "none": the reply is parsed for tool calls
+    reads_tool_calls: bool  # tools given and tool_choice not "none": the reply is parsed for tool calls (forced
+    # by a structured-outputs constraint for "required" or a named function, `ToolCallReader.constraint`)
     parsed: ChatCompletionRequest  # vLLM's view of the body (what its tool parsers read)
 
 
@@ -87,11 +87,6 @@ def _refuse_unsupported(request: ChatCompletionRequest) -> None:
             raise FieldError(name, "is not supported by this endpoint (the trajectory could not record its effect)")
     if (request.n or 1) != 1:
         raise FieldError("n", "only n=1 is supported (one reply per session turn)")
-    if request.tool_choice is not None and request.tool_choice not in TOOL_CHOICES:
-        raise FieldError("tool_choice", f"only {' or '.join(TOOL_CHOICES)}: forcing a call needs constrained "
-                                        "decoding, whose tokens the policy's log-probs would not describe")
-    if request.parallel_tool_calls is False:
-        raise FieldError("parallel_tool_calls", "false is not supported: a reply may hold several calls")
     if request.stream_options and request.stream_options.continuous_usage_stats:
         raise FieldError("stream_options.continuous_usage_stats", "is not supported; include_usage is")
 

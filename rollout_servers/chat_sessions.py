@@ -110,12 +110,14 @@ class ChatSessions:
 
     async def reply(self, session_id: str, messages: Sequence[Message], sampling: SamplingConfig,
                     seed: int | None = None, listener: TurnListener | None = None,
-                    tools: list[dict[str, Any]] | None = None, read_tool_calls: ReadToolCalls | None = None) -> Reply:
+                    tools: list[dict[str, Any]] | None = None, read_tool_calls: ReadToolCalls | None = None,
+                    constraint: Any = None) -> Reply:
         """The policy's next turn in session `session_id`, whose full conversation so far is `messages`.
 
         `tools`: the function definitions the chat template shows the model (part of the session's first
         prompt, so every request of a session must send the same); `read_tool_calls` parses the reply's
-        ids into the content and tool calls the client is shown (the ids stay as sampled).
+        ids into the content and tool calls the client is shown (the ids stay as sampled); `constraint`: vLLM's
+        structured-outputs grammar the reply must follow (a forced tool call), passed to the engine.
 
         With a `listener` the turn is recorded only after `listener.done` returned: a client that went
         away mid-reply (its write raised) leaves the session as it was. Either way the same request can be
@@ -137,7 +139,8 @@ class ChatSessions:
                                             f"({self._max_model_len} tokens)")
                 turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room))
                 completion = await self._engine.generate(context, turn_sampling, seed=seed,
-                                                         on_tokens=listener.progress if listener else None)
+                                                         on_tokens=listener.progress if listener else None,
+                                                         structured_outputs=constraint)
                 text = self.decode(completion.token_ids)
                 content, tool_calls = read_tool_calls(completion.token_ids) if read_tool_calls else (None, [])
                 reply = Reply(text, completion, len(context), content if tool_calls else text, tool_calls)

@@ -12,6 +12,7 @@ import time
 import uuid
 from typing import Any, Iterator
 
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
@@ -106,15 +107,19 @@ class RolloutEngine:
         request_id: str | None = None,
         earliest_version: int | None = None,
         on_tokens: TokensSoFar | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> Completion:
         """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given).
 
         `earliest_version`: the oldest policy version among tokens the sample already holds (an agent's
         earlier turns); the request is as stale as they are when `abandon_stale` judges it.
         `on_tokens`: awaited with the ids and log-probs sampled so far as they grow (a streamed chat
-        reply); an exception it raises aborts the request and comes out of this call."""
+        reply); an exception it raises aborts the request and comes out of this call.
+        `structured_outputs`: a grammar the completion must follow (a chat request's forced tool call); the
+        log-probs are then vLLM's after the grammar's mask, those of the distribution that sampled."""
         request_id = request_id or uuid.uuid4().hex
-        params = sampling_params(sampling or self._config.sampling, seed, stream=on_tokens is not None)
+        params = sampling_params(sampling or self._config.sampling, seed, stream=on_tokens is not None,
+                                 structured_outputs=structured_outputs)
         stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version,
                                                          abandon_when_stale=_TRAINING_GROUP.get(),
                                                          earliest_version=earliest_version)

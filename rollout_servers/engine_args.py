@@ -7,7 +7,7 @@ import os
 from typing import Iterator
 
 from vllm import SamplingParams
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from asyncrl.config.rollout import EngineConfig, SamplingConfig
@@ -60,13 +60,15 @@ def engine_process_env(engine: EngineConfig) -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = previous
 
 
-def sampling_params(sampling: SamplingConfig, seed: int | None = None, stream: bool = False) -> SamplingParams:
+def sampling_params(sampling: SamplingConfig, seed: int | None = None, stream: bool = False,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """One completion per request with its sampled tokens' log-probs, returned in bulk where vLLM allows.
 
     Per-token Python work in vLLM's output path is what costs throughput with small models: the log-probs
     come as flat lists (no object per token), text is produced only when stop strings need it (the
     server decodes the tokens itself), and the output is returned once, at the end, unless `stream`
-    (a chat client reading the reply as it is sampled): then every step's output, cumulative."""
+    (a chat client reading the reply as it is sampled): then every step's output, cumulative.
+    `structured_outputs`: a grammar the tokens must follow (a chat request's forced tool call)."""
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -80,4 +82,5 @@ def sampling_params(sampling: SamplingConfig, seed: int | None = None, stream: b
         flat_logprobs=True,
         detokenize=bool(sampling.stop),
         output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs,
     )

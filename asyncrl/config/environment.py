@@ -23,6 +23,7 @@ class EnvironmentConfig:
     max_total_tokens: int = bounded(0, 0)  # prompt + all turns' tokens per episode, at most; 0 = rollout.engine.max_model_len
     episode_timeout_s: float = bounded(120.0, 0.001)  # wall-clock budget of one episode (finish reason "time_budget" beyond)
     call_timeout_s: float = bounded(10.0, 0.001)  # deadline of each reset/step/close call (finish reason "env_timeout" beyond)
+    tool_parser: str = ""  # vLLM tool-call parser (ToolParserManager name, e.g. hermes) that reads the model turns of environments with tools() into ModelTurn.tool_calls; empty = such episodes end with env_error
 
     def cross_checks(self, max_model_len: int) -> list[tuple[str, str]]:
         """Constraints with other sections, as (key, problem) pairs."""

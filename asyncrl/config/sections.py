@@ -52,7 +52,8 @@ class ModelConfig:
 
 @dataclass
 class CalculatorTaskConfig:
-    tool_use_rate: float = bounded(0.5, 0.0, 1.0)  # warm-start teacher: share of episodes that call <calc>; the rest answer unaided (mostly wrong)
+    tool_use_rate: float = bounded(0.5, 0.0, 1.0)  # warm-start teacher: share of episodes that call the calculator; the rest answer unaided (mostly wrong)
+    tool_format: str = one_of("calc", "hermes")  # calc: the model writes <calc>EXPR</calc>; hermes: a function tool "calc" listed by the chat template, called as <tool_call>{...}</tool_call> (needs environment.tool_parser=hermes)
 
 
 @dataclass

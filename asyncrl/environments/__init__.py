@@ -1,7 +1,7 @@
 """Multi-turn environments: the protocol, the built-ins, the registry by data source, deadline guards and
 the token-in/token-out transcript of an episode. See docs/multi_turn.md."""
 
-from asyncrl.environments.base import Environment, Message, ModelTurn, StepResult
+from asyncrl.environments.base import Environment, Message, ModelTurn, StepResult, Tool
 from asyncrl.environments.chat_delta import ChatDelta
 from asyncrl.environments.guard import ENV_ERROR, ENV_TIMEOUT, EnvironmentFailure, GuardedEnvironment
 from asyncrl.environments.registry import BUILTIN_ENVIRONMENTS, EnvironmentConfigError, EnvironmentRegistry
@@ -21,5 +21,6 @@ __all__ = [
     "ModelTurn",
     "OBSERVATION_LOGPROB",
     "StepResult",
+    "Tool",
     "Transcript",
 ]

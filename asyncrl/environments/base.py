@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncrl.data import PromptRow
 
-Message = dict[str, str]  # {"role": "user" | "tool" | "system" | "assistant", "content": "..."}
+Message = dict[str, str]  # {"role": "user" | "tool" | "system" | "assistant", "content": "..."} (a tool message may add "tool_call_id")
+Tool = dict[str, Any]  # an OpenAI function tool: {"type": "function", "function": {"name", "description"?, "parameters"?}}
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class ModelTurn:
     token_ids: list[int]  # the sampled token ids, end-of-turn token included when the model emitted it
     finish_reason: str  # vLLM's: "stop" (end of turn or stop string), "length" (turn token cap)
     turn: int  # 0-based number of this model turn in the episode
+    # The turn's function calls as vLLM's tool parser (environment.tool_parser) read them, in OpenAI's form
+    # {"id", "type": "function", "function": {"name", "arguments" (JSON text)}}; empty without `tools()`
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +54,11 @@ class Environment(ABC):
     @abstractmethod
     async def step(self, turn: ModelTurn) -> StepResult:
         """React to the model's turn: observation messages, reward, done."""
+
+    def tools(self) -> list[Tool] | None:
+        """The function tools the chat template lists in the first prompt (called after `reset`); the model's
+        calls of them come parsed in `ModelTurn.tool_calls`. None: no tools (the default)."""
+        return None
 
     async def close(self) -> None:
         """Release what the episode held (called once after the last step, also after a failure)."""

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any, Awaitable, TypeVar
 
 from asyncrl.data.rows import ROLES
-from asyncrl.environments.base import Environment, Message, ModelTurn, StepResult
+from asyncrl.environments.base import Environment, Message, ModelTurn, StepResult, Tool
 from asyncrl.user_code import describe_exception
 
 _T = TypeVar("_T")
@@ -45,6 +45,18 @@ class GuardedEnvironment:
         messages = await within(self.environment.reset(sample), timeout_s, f"environment '{self.name}' reset")
         return self._checked_messages(messages, "reset")
 
+    def tools(self) -> list[Tool] | None:
+        """The environment's function tools, checked to be None or a list of OpenAI function tools."""
+        try:
+            tools = self.environment.tools() if hasattr(self.environment, "tools") else None
+        except Exception as error:  # user code
+            raise EnvironmentFailure(ENV_ERROR, f"environment '{self.name}' tools() raised "
+                                                f"{describe_exception(error)}") from error
+        if tools is not None and not (isinstance(tools, list) and all(_is_function_tool(tool) for tool in tools)):
+            raise EnvironmentFailure(ENV_ERROR, f"environment '{self.name}' tools() returned {tools!r:.80}, expected "
+                                                "None or a list of {'type': 'function', 'function': {'name': ...}}")
+        return tools
+
     async def step(self, turn: ModelTurn, timeout_s: float) -> StepResult:
         result = await within(self.environment.step(turn), timeout_s, f"environment '{self.name}' step {turn.turn}")
         if not isinstance(result, StepResult):
@@ -72,3 +84,8 @@ def _message_problem(messages: Any) -> str:
         if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
             return f"message {index} {message!r:.80}, expected {{'role': one of {list(ROLES)}, 'content': str}}"
     return ""
+
+
+def _is_function_tool(tool: Any) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    return tool.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str)

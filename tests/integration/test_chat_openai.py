@@ -1,7 +1,9 @@
 """An agent written with the official `openai` SDK drives a running job (`asyncrl run`, chat endpoint on,
-an API key from a file): streamed and plain replies are recorded exactly as the client saw them, a client
-that leaves mid-stream can resend and go on, refused fields get a 400 naming them, a missing or wrong key
-gets 401 and stores nothing, and the example agent (`examples/openai_agent.py`) runs end to end. One job serves the module; the last test stops it and reads the buffer's log
+an API key from a file): streamed and plain replies are recorded exactly as the client saw them, a tool
+call round trip (a call forced by `tool_choice` through vLLM's structured outputs, the `tool` reply, the
+final answer) is one trajectory with the tool's tokens masked, a client that leaves mid-stream can resend
+and go on, refused fields get a 400 naming them, a missing or wrong key gets 401 and stores nothing, and
+the example agent (`examples/openai_agent.py`) runs end to end. One job serves the module; the last test stops it and reads the buffer's log
 (only safe to open once the buffer has stopped writing it)."""
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import openai
 import pytest
 
 from asyncrl.config.buffer import BufferConfig
+from asyncrl.environments import ChatDelta
+from asyncrl.environments.calculator import evaluate
 from asyncrl.messages import TrajectoryGroup, decode
 from buffer.log import SegmentLog
 from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
@@ -150,8 +154,75 @@ def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> t
     return reply.choices[0].message.content, seen
 
 
-def test_streamed_and_plain_replies_are_recorded_as_the_client_saw_them(job):
-    """Runs last: it stops the job to read the buffer's log (the service owns it while it runs)."""
+# The calculator with `strict` arguments: vLLM's grammar then follows the schema, so a model never taught to call
+# it (this job's) still closes its call within a few tokens; the tool's JSON also fits the prompt of this job.
+CALL_TRIES = 8  # forced calls cut short by CALL_MAX_TOKENS (about 1 in 4 here) are retried in a new session
+CALL_MAX_TOKENS = 64  # the prompt with the tool is 160 tokens: a call, the tool's message and an answer fit 256
+# Its keys in the order of vLLM's request model, which the server's prompt renders.
+CALCULATOR = {"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}, "strict": True}}
+
+
+@dataclass
+class ToolRoundTrip:
+    offset: int  # where the buffer stored the session's group
+    seen: list[tuple[str, float]]  # the model's tokens and log-probs as the client saw them, both turns
+    tool_reply: str  # what the tool answered
+    record_id: str  # the session's record id
+
+
+@pytest.fixture(scope="module")
+def tool_round_trip(job) -> ToolRoundTrip:
+    """One session, while the job serves: the model calls the calculator (forced by naming the function: the
+    tiny model of this job was never taught to call it), the agent answers with a `tool` message, the model
+    answers, and the session is closed as a group of one."""
+    client, tools = job.client(), [CALCULATOR]
+    forced = {"type": "function", "function": {"name": "calc"}}
+    for attempt in range(CALL_TRIES):
+        session_id = f"tools-{attempt}"
+        first = client.chat.completions.create(model="m", messages=[USER], tools=tools, tool_choice=forced,
+                                               logprobs=True, max_tokens=CALL_MAX_TOKENS, seed=attempt,
+                                               **session(session_id))
+        choice = first.choices[0]
+        if choice.message.tool_calls:
+            break
+        # the grammar lets JSON whitespace run on; only a reply cut by its token cap may lack the forced call
+        assert choice.finish_reason == "length", choice
+        client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
+    else:
+        pytest.fail(f"no forced call completed within {CALL_MAX_TOKENS} tokens in {CALL_TRIES} tries")
+    (call,) = choice.message.tool_calls
+    assert (choice.finish_reason, call.function.name) == ("tool_calls", "calc")
+    arguments = json.loads(call.function.arguments)  # the grammar makes it JSON, whatever the model chose
+    expression = arguments.get("expr") if isinstance(arguments, dict) else None
+    tool_reply = evaluate(expression) if isinstance(expression, str) else "error"
+    history = [USER, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": tool_reply}]
+    final = client.chat.completions.create(model="m", messages=history, tools=tools, tool_choice="none", logprobs=True,
+                                           **session(session_id))
+    closed = client.post(f"/sessions/{session_id}/close", body={"reward": 1.0}, cast_to=object)
+    assert closed["sent"] is True
+    seen = [(entry.token, entry.logprob) for reply in (first, final) for entry in reply.choices[0].logprobs.content]
+    return ToolRoundTrip(closed["offset"], seen, tool_reply, closed["record_id"])
+
+
+def read_group(job: Job, offset: int) -> TrajectoryGroup:
+    """The group the buffer stored at `offset`; only once the job is stopped (the service owns its log)."""
+    log = SegmentLog(job.run_dir / "buffer", BufferConfig().segment_bytes, "none")
+    try:
+        return decode(log.read(offset), expect=TrajectoryGroup)
+    finally:
+        log.close()
+
+
+def model_tokens(trajectory, tokenizer) -> list[tuple[str, float]]:
+    return [(tokenizer.decode([token]), logprob) for token, logprob, mask in
+            zip(trajectory.completion_ids, trajectory.behaviour_logprobs, trajectory.loss_mask) if mask]
+
+
+def test_streamed_and_plain_replies_are_recorded_as_the_client_saw_them(job, tool_round_trip):
+    """Runs last of those that use the job (the tool round trip included): it stops the job to read the buffer's
+    log (the service owns it while it runs)."""
     client = job.client()
     seen_by = {}
     for session_id, turn in (("plain", seen_turn_plain), ("streamed", seen_turn_streamed)):
@@ -167,16 +238,39 @@ def test_streamed_and_plain_replies_are_recorded_as_the_client_saw_them(job):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
-    log = SegmentLog(job.run_dir / "buffer", BufferConfig().segment_bytes, "none")
-    try:
-        group = decode(log.read(closed["offset"]), expect=TrajectoryGroup)
-    finally:
-        log.close()
+    group = read_group(job, closed["offset"])
     assert group.record_id == "server-0-chat-pair"
     for trajectory, session_id in zip(group.trajectories, ("plain", "streamed")):
-        recorded = [(tokenizer.decode([token]), logprob)
-                    for token, logprob, mask in zip(trajectory.completion_ids, trajectory.behaviour_logprobs,
-                                                    trajectory.loss_mask) if mask]
-        seen = [(token, float(numpy.float32(logprob))) for token, logprob in seen_by[session_id]]  # the log keeps float32
-        assert recorded == seen, session_id
+        assert model_tokens(trajectory, tokenizer) == as_logged(seen_by[session_id]), session_id
         assert trajectory.num_turns == 2
+
+
+def as_logged(seen: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    return [(token, float(numpy.float32(logprob))) for token, logprob in seen]  # the log keeps float32
+
+
+def test_a_tool_call_round_trip_is_one_trajectory_with_the_tool_masked(job, tool_round_trip):
+    """After the job stopped (the test above): the stored session, token by token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
+    group = read_group(job, tool_round_trip.offset)
+    (trajectory,) = group.trajectories
+    assert (group.record_id, trajectory.num_turns, trajectory.finish_reason) == (tool_round_trip.record_id, 2,
+                                                                                "session_closed")
+    chat = ChatDelta(tokenizer)
+    assert trajectory.prompt_ids == chat.prompt_ids([USER], [CALCULATOR])  # the tool listed by the template
+    # the trained ids are the exact ids sampled, as the client saw them, with their log-probs
+    assert model_tokens(trajectory, tokenizer) == as_logged(tool_round_trip.seen)
+    # the behaviour log-probs are those of the distribution that drew the tokens, after the grammar's mask:
+    # "<tool_call>" is the only way a forced call can start, so each of its 11 characters had probability 1
+    assert [logprob for _, logprob in tool_round_trip.seen[:11]] == [0.0] * 11
+    # between the two model turns: the tool's message, rendered by the template, mask 0 (never trained)
+    ids, mask = trajectory.completion_ids, trajectory.loss_mask
+    first_turn = mask.index(0)
+    tool_ids = ids[first_turn: first_turn + mask[first_turn:].index(1)]
+    tool_message = {"role": "tool", "tool_call_id": "any", "content": tool_round_trip.tool_reply}
+    assert tool_ids == chat.observation_ids([tool_message], ids[:first_turn], [CALCULATOR])
+    assert f"<|im_start|>tool\n{tool_round_trip.tool_reply}<|im_end|>" in tokenizer.decode(tool_ids)
+    assert mask == [1] * first_turn + [0] * len(tool_ids) + [1] * (len(ids) - first_turn - len(tool_ids))
+    assert tokenizer.decode(ids[:first_turn]).startswith('<tool_call>{"name": "calc", "arguments": ')

@@ -21,7 +21,7 @@ from asyncrl.environments import (
     StepResult,
     Transcript,
 )
-from asyncrl.environments.calculator import CalculatorEnvironment, evaluate
+from asyncrl.environments.calculator import CALCULATOR_TOOL, CalculatorEnvironment, evaluate
 from asyncrl.environments.guard import GuardedEnvironment
 from asyncrl.environments.guess_number import GuessNumberEnvironment
 from asyncrl.tiny.tokenizer import build_char_tokenizer
@@ -56,6 +56,34 @@ def test_calculator_episode_tool_call_then_scored_answer():
     answered = asyncio.run(environment.step(turn(" 84 ", 1)))
     assert answered == StepResult([], 1.0, True, {"tool_calls": 1.0})
     assert asyncio.run(environment.step(turn("85", 2))).reward == 0.0
+
+
+def function_turn(*calls: tuple[str, str, str], text: str = "") -> ModelTurn:
+    return ModelTurn(text, [], "stop", 0, [{"id": call_id, "type": "function",
+                                            "function": {"name": name, "arguments": arguments}}
+                                           for call_id, name, arguments in calls])
+
+
+def test_calculator_with_function_tools_answers_each_call_by_id():
+    environment = CalculatorEnvironment()
+    asyncio.run(environment.reset(row("calculator", "84", tool_format="hermes")))
+    assert environment.tools() == [CALCULATOR_TOOL]
+    called = asyncio.run(environment.step(function_turn(("a", "calc", '{"expr": "12*7"}'), ("b", "calc", '{"expr": "1+"}'),
+                                                        ("c", "sqrt", '{"x": 4}'), ("d", "calc", "{nope"))))
+    assert called.observation == [{"role": "tool", "tool_call_id": "a", "content": "84"},
+                                  {"role": "tool", "tool_call_id": "b", "content": "error"},
+                                  {"role": "tool", "tool_call_id": "c", "content": "error: no function 'sqrt'"},
+                                  {"role": "tool", "tool_call_id": "d", "content": "error"}]
+    assert (called.done, called.info) == (False, {"tool_calls": 4.0})
+    # a tag is plain text in this format: without a parsed call the turn is the answer
+    assert asyncio.run(environment.step(function_turn(text="<calc>12*7</calc>"))).done
+    asyncio.run(environment.reset(row("calculator", "84")))
+    assert environment.tools() is None  # the tag format lists no tools
+
+
+def test_calculator_refuses_an_unknown_tool_format():
+    with pytest.raises(ValueError, match=r"extra_info.tool_format is 'xml', expected 'calc' or 'hermes'"):
+        asyncio.run(CalculatorEnvironment().reset(row("calculator", "84", tool_format="xml")))
 
 
 def test_guess_number_feedback_and_reward_falls_with_guesses():

@@ -9,7 +9,8 @@ from asyncrl.config.sections import GuessNumberTaskConfig, TaskConfig, WarmStart
 from asyncrl.data import PromptRow, load_prompt_file
 from asyncrl.environments import ModelTurn
 from asyncrl.environments.guess_number import GuessNumberEnvironment
-from asyncrl.tasks import guess_number
+from asyncrl.environments.calculator import CALCULATOR_TOOL, CalculatorEnvironment
+from asyncrl.tasks import calculator, guess_number
 from asyncrl.tasks.splits import split_task
 from asyncrl.tiny import warm_start as warm_start_module
 from asyncrl.tiny.model import build_tiny_model
@@ -91,3 +92,24 @@ def test_guess_number_teacher_bisects_and_hears_what_the_environment_says():
     asyncio.run(environment.reset(row))
     heard = [asyncio.run(environment.step(ModelTurn(text, [], "stop", i))).observation for i, text in enumerate(guesses)]
     assert heard == [observation for _, observation in dialogue.turns]
+
+
+def test_function_calling_teacher_writes_the_call_the_template_renders_and_the_environment_answers(tmp_path):
+    task = TaskConfig(name="calculator", out_dir=str(tmp_path), num_train=5, num_val=3, min_digits=2, max_digits=2,
+                      operators="*")
+    task.calculator.tool_format, task.calculator.tool_use_rate = "hermes", 1.0
+    assert {row.extra_info["tool_format"] for row in load_prompt_file(write_task_files(task, seed=0)["val"])} == {"hermes"}
+    dialogue = calculator.teacher_dialogue(random.Random(2), task, 0.0, frozenset())
+    (call, observation), (answer, _) = dialogue.turns
+    question = dialogue.messages[0]["content"]
+    assert dialogue.tools == [CALCULATOR_TOOL]
+    assert call == '<tool_call>{"name": "calc", "arguments": {"expr": "%s"}}</tool_call>' % question.rstrip("=")
+    # the teacher's text is what the template renders for an assistant message holding that call (the parsed view)
+    message = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+        "name": "calc", "arguments": '{"expr": "%s"}' % question.rstrip("=")}}]}
+    rendered = build_char_tokenizer().apply_chat_template([message], tokenize=False)
+    assert rendered == f"<|im_start|>assistant\n{call}<|im_end|>\n"
+    environment = CalculatorEnvironment()
+    asyncio.run(environment.reset(PromptRow(dialogue.messages, "calculator", answer, extra_info={"tool_format": "hermes"})))
+    heard = asyncio.run(environment.step(ModelTurn(call, [], "stop", 0, message["tool_calls"]))).observation
+    assert heard == observation == [{"role": "tool", "tool_call_id": "call_0", "content": answer}]

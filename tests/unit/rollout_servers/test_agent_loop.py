@@ -13,6 +13,7 @@ from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, EnvironmentRegistry
+from asyncrl.environments.calculator import CALCULATOR_TOOL
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.agent_loop import TURN_SEED_STRIDE, AgentLoop
 from rollout_servers.completion import STALE, Completion
@@ -42,10 +43,12 @@ class ScriptedEngine:
     stale_on: int = -1  # request number the engine abandons as too stale
     requests: list[tuple[list[int], int, int | None]] = field(default_factory=list)  # (prompt, max_tokens, seed)
     earliest_versions: list[int | None] = field(default_factory=list)  # what each request said of earlier turns
+    constraints: list = field(default_factory=list)  # each request's structured-outputs grammar (None: free)
 
     async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None,
-                       earliest_version=None, on_tokens=None) -> Completion:
+                       earliest_version=None, on_tokens=None, structured_outputs=None) -> Completion:
         number = len(self.requests)
+        self.constraints.append(structured_outputs)
         self.requests.append((list(prompt_ids), sampling.max_tokens, seed))
         self.earliest_versions.append(earliest_version)
         if number == self.hang_on:
@@ -190,3 +193,43 @@ def test_each_turn_tells_the_engine_how_old_the_episode_already_is():
     asyncio.run(loop_for(engine, max_turns=3).run(countdown_row(turns=5), SamplingConfig(max_tokens=8)))
     # turn 1 is sampled under version 3, turn 2 under 4: the episode stays as old as its first turn
     assert engine.earliest_versions == [None, 3, 3]
+
+
+CALCULATOR_ROW = PromptRow([{"role": "user", "content": "63*43="}], "calculator", "2709",
+                           extra_info={"tool_format": "hermes"}, row_index=2)
+CALL_SAMPLING = SamplingConfig(temperature=1.0, max_tokens=80, n=1)  # room for the call's 71 tokens
+
+
+def calculator_loop(engine, tool_parser: str = "hermes") -> AgentLoop:
+    registry = EnvironmentRegistry.from_config({"calculator": "calculator"})
+    return AgentLoop(engine, TOKENIZER, registry, EnvironmentConfig(tool_parser=tool_parser), MAX_MODEL_LEN)
+
+
+def test_a_function_call_is_parsed_by_vllms_parser_answered_by_id_and_rendered_with_the_tools():
+    call = turn('<tool_call>{"name": "calc", "arguments": {"expr": "63*43"}}</tool_call>', -0.25)
+    answer = turn("2709", -0.5)
+    engine = ScriptedEngine([call, answer])
+    episode = asyncio.run(calculator_loop(engine).run(CALCULATOR_ROW, CALL_SAMPLING, seed=1))
+
+    assert (episode.reward, episode.finish_reason, episode.num_turns, episode.info) == (1.0, "env_done", 2,
+                                                                                         {"tool_calls": 1.0})
+    # the whole episode is the template's render of the conversation with the tools listed: no drift at the joins
+    conversation = [*CALCULATOR_ROW.messages,
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "x", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "63*43"}'}}]},
+                    {"role": "tool", "tool_call_id": "x", "content": "2709"},
+                    {"role": "assistant", "content": "2709"}]
+    rendered = TOKENIZER.apply_chat_template(conversation, tools=[CALCULATOR_TOOL], tokenize=False)
+    t = episode.transcript
+    assert TOKENIZER.decode(t.context()) + "\n" == rendered
+    tool_reply = ids("\n<|im_start|>tool\n2709<|im_end|>\n<|im_start|>assistant\n")
+    assert t.completion_ids == call[0] + tool_reply + answer[0]
+    assert t.loss_mask == [1] * len(call[0]) + [0] * len(tool_reply) + [1] * len(answer[0])
+    assert engine.requests[1][0] == t.prompt_ids + call[0] + tool_reply  # the next turn sees the tool's answer
+
+
+def test_an_environment_with_tools_but_no_parser_ends_untrained_naming_the_key():
+    engine = ScriptedEngine([turn("2709", -0.5)])
+    episode = asyncio.run(calculator_loop(engine, tool_parser="").run(CALCULATOR_ROW, CALL_SAMPLING, seed=1))
+    assert (episode.finish_reason, episode.reward, engine.requests) == ("env_error", 0.0, [])
+    assert "set environment.tool_parser" in episode.error and set(episode.transcript.loss_mask) <= {0}

@@ -182,7 +182,8 @@ def test_a_client_leaving_mid_stream_leaves_the_session_as_before_and_usable():
     ({"n": 2}, "n"),
     ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}},  # names no tool that was sent
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ({"temperature": "hot"}, "temperature"),
     ({"reward_hint": 1}, "reward_hint"),
@@ -281,6 +282,57 @@ def test_a_streamed_tool_call_comes_whole_in_one_delta():
         response = httpx.post(f"{served.url}/chat/completions", timeout=DEADLINE_S,
                               json={**body, "stream": False, "messages": [USER, reply, answer]})
         assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "5"
+
+
+TWO_TOOLS = [*TOOLS, {"type": "function", "function": {"name": "mul", "parameters": {"type": "object"}}}]
+
+
+def forced_turn(served: Served, session: str = "s", **fields) -> openai.types.chat.ChatCompletion:
+    return client(served).chat.completions.create(model="tiny", messages=[USER], tools=TWO_TOOLS,
+                                                  extra_body={"session_id": session}, **fields)
+
+
+def grammar(constraint) -> dict:
+    """vLLM's structural tag: which calls the reply may hold (vLLM 0.32 writes them in the parser's format)."""
+    form = json.loads(constraint.structural_tag)["format"]
+    return {"kind": form["type"], "names": [tag["begin"] for tag in form["tags"] if "\n" not in tag["begin"]],
+            "at_least_one": form["at_least_one"], "stop_after_first": form["stop_after_first"]}
+
+
+def begin(name: str) -> str:
+    return '<tool_call>{"name": "%s", "arguments": ' % name
+
+
+def test_required_and_a_named_function_force_a_call_in_the_parsers_format_as_vllms_server_does():
+    with serving(ScriptedEngine([turn(CALL, -0.5)]), tool_parser="hermes") as served:
+        required = forced_turn(served, tool_choice="required").choices[0]
+        named = forced_turn(served, tool_choice={"type": "function", "function": {"name": "add"}},
+                            session="t").choices[0]
+        for choice in (required, named):
+            (call,) = choice.message.tool_calls
+            assert (choice.finish_reason, choice.message.content, call.function.name) == ("tool_calls", None, "add")
+        assert [grammar(c) for c in served.engine.constraints] == [
+            {"kind": "tags_with_separator", "names": [begin("add"), begin("mul")], "at_least_one": True,
+             "stop_after_first": False},
+            {"kind": "tags_with_separator", "names": [begin("add")], "at_least_one": True, "stop_after_first": True}]
+        client(served).post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
+    (trajectory,) = served.groups[0].trajectories
+    assert trajectory.completion_ids == ids(CALL) + [EOS]  # the constrained ids as sampled, trained as they are
+
+
+TWO_CALLS = '<tool_call>{"name": "mul", "arguments": {}}</tool_call>\n<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+
+
+def test_parallel_calls_false_allows_one_call_and_keeps_the_sampled_ids_whole():
+    with serving(ScriptedEngine([turn(TWO_CALLS, -0.5)]), tool_parser="hermes") as served:
+        first = forced_turn(served, parallel_tool_calls=False).choices[0]
+        assert [c.function.name for c in first.message.tool_calls] == ["mul"]  # as vLLM's server shows it, had the grammar let two through
+        assert grammar(served.engine.constraints[0]) == {"kind": "triggered_tags", "names": [begin("add"), begin("mul")],
+                                                         "at_least_one": False, "stop_after_first": True}
+        forced_turn(served, session="free")
+        assert served.engine.constraints[1] is None  # auto with parallel calls: the reply is free
+        client(served).post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
+    assert served.groups[0].trajectories[0].completion_ids == ids(TWO_CALLS) + [EOS]
 
 
 def test_tools_without_a_tool_parser_get_a_400():

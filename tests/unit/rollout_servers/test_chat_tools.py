@@ -24,3 +24,17 @@ def test_an_unknown_parser_is_refused_naming_the_config_key():
     with pytest.raises(ToolParserError, match=r"rollout\.chat\.tool_parser: 'hermez' is not one of vLLM's tool "
                                               r"parsers \(.*hermes.*\)"):
         ToolCallReader("hermez", TOKENIZER)
+
+
+def test_a_reply_constrained_to_json_is_read_as_vllms_server_reads_it():
+    reader = ToolCallReader("hermes", TOKENIZER)
+    required = ChatCompletionRequest.model_validate({**REQUEST.model_dump(include={"messages", "tools"}),
+                                                     "tool_choice": "required"})
+    _, calls = reader.read(ids('[{"name": "add", "parameters": {"a": 2}}, {"name": "add", "parameters": {}}]') + [EOS],
+                           required, json_reply=True)
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("add", '{"a": 2}'), ("add", "{}")]
+    assert reader.read(ids('[{"name": "add", "param') + [EOS], required, json_reply=True) == (None, [])  # cut short
+    named = ChatCompletionRequest.model_validate({**REQUEST.model_dump(include={"messages", "tools"}),
+                                                  "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    _, (call,) = reader.read(ids('{"a": 2}') + [EOS], named, json_reply=True)
+    assert (call.function.name, call.function.arguments) == ("add", '{"a": 2}')
