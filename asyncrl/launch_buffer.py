@@ -72,16 +72,18 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
     return BufferProcess(process, endpoint.read_text(), directory)
 
 
-def connect_or_start_buffer(config: AsyncRLConfig, run_dir: str | Path,
-                            timeout_s: float = 30.0) -> tuple[str, BufferProcess | None]:
+def connect_or_start_buffer(config: AsyncRLConfig, run_dir: str | Path, timeout_s: float = 30.0,
+                            port: int = 0) -> tuple[str, BufferProcess | None]:
     """The buffer address to use: buffer.address if set, else that of a buffer started for this run.
 
     The started buffer runs with this run's resolved config (saved in run_dir) on buffer.dir, or on
-    <run_dir>/buffer; the caller stops it (BufferProcess.stop) when the run ends."""
+    <run_dir>/buffer, on `port` when buffer.port is 0 (the port chosen by `port_to_bind`); the caller stops
+    it (BufferProcess.stop) when the run ends."""
     if config.buffer.address:
         return config.buffer.address, None
     run_dir = Path(run_dir)
     config_path = save_config(config, run_dir)
     directory = Path(config.buffer.dir) if config.buffer.dir else run_dir / BUFFER_SUBDIR
-    process = start_buffer(directory, config_path, timeout_s=timeout_s, log_path=run_dir / BUFFER_LOG)
+    overrides = [f"buffer.port={port}"] if port and not config.buffer.port else []
+    process = start_buffer(directory, config_path, overrides, timeout_s=timeout_s, log_path=run_dir / BUFFER_LOG)
     return process.address, process

@@ -12,3 +12,15 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a listener could bind `port` on `host` now. With SO_REUSEADDR, as ZeroMQ binds: the port of a
+    killed listener whose connections linger in TIME_WAIT counts as free."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.endpoints import FINISHED_KEY, write_endpoints
+from asyncrl.config.buffer import split_tcp_endpoint
+from asyncrl.endpoints import FINISHED_KEY, port_to_bind, remember_ports, remembered_ports, write_endpoints
 from asyncrl.launch_buffer import BUFFER_LOG, BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
@@ -42,13 +43,15 @@ class LearnerServices:
 
     @classmethod
     def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int, start_ahead: list[int]) -> "LearnerServices":
-        address, buffer_process = connect_or_start_buffer(config, run_dir)
-        sync = config.rollout.weight_sync
-        coordinator = SyncCoordinator(sync.control_bind, sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
-                                      sync.liveness_s, sync.staging_bytes, sync.max_failures, config.buffer.curve_dir)
+        before = remembered_ports(run_dir)  # a restart binds the ports of the run's first start: servers stay
+        buffer_port = port_to_bind("buffer", config.buffer.bind_host, config.buffer.port, before.get("buffer"))
+        address, buffer_process = connect_or_start_buffer(config, run_dir, port=buffer_port)
+        coordinator = _start_coordinator(config, before.get("sync"))
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, start_ahead=start_ahead,
                                   curve_dir=config.buffer.curve_dir,
                                   timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s)
+        started = {"buffer": address} if buffer_process is not None else {}  # a given buffer (buffer.address) is not ours
+        remember_ports(run_dir, {"sync": coordinator.address} | started)
         write_endpoints(run_dir, {"buffer": address, "sync": coordinator.address})
         log.info("buffer at %s, weight sync at %s", address, coordinator.address)
         metrics = MetricsLogger(run_dir, config.metrics, _flat_config(run_dir))
@@ -147,6 +150,15 @@ class LearnerServices:
         self.coordinator.close()
         if self.buffer_process is not None:
             self.buffer_process.stop()
+
+
+def _start_coordinator(config: AsyncRLConfig, remembered_port: int | None) -> SyncCoordinator:
+    """The weight-sync coordinator on rollout.weight_sync.control_bind, whose port 0 means the run's port."""
+    sync = config.rollout.weight_sync
+    host, port = split_tcp_endpoint(sync.control_bind)
+    port = port_to_bind("weight-sync coordinator", host, port, remembered_port)
+    return SyncCoordinator(f"tcp://{host}:{port}", sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
+                           sync.liveness_s, sync.staging_bytes, sync.max_failures, config.buffer.curve_dir)
 
 
 def _flat_config(run_dir: Path) -> dict:

@@ -10,7 +10,9 @@ buffer or a learner rank. After --minutes both commands are stopped with SIGINT,
   duplicated             records the buffer's log holds twice, plus records trained twice by the final model: the
                          groups and drops of the steps that survived the learner's restarts against the count its
                          committed position says were consumed (negative counts would be records skipped)
-  orphans                processes of this soak still alive after both commands stopped (each was SIGKILLed)
+  orphans                processes of this soak still alive after both commands stopped (each was SIGKILLed): any
+                         process once seen below a command (vLLM's processes overwrite their environment with their
+                         title), or one with this soak's marker in its environment or its run dir in its command line
   rss_growth_mb_per_h    per role, the largest slope of resident memory over one process's life (lives of at
                          least --min-life-s)
   val_gain               held-out `val/score/mean`, last pass minus first
@@ -44,7 +46,8 @@ DEFAULT_CONFIG = "configs/quickstart.yaml"
 ROLES = ("server", "supervisor", "buffer", "learner_rank")
 POLL_S = 1.0  # how often the manager looks at its commands and samples memory
 STOP_TIMEOUT_S = 120.0  # a command stopped with SIGINT is killed after this
-ORPHAN_GRACE_S = 10.0  # the kernel kills the children of a killed process at once; slack for a loaded box
+ORPHAN_GRACE_S = 30.0  # how long processes may take to go after both commands stopped (a dying process's children
+# get their parent-death signal at once, but a loaded box takes seconds to tear a vLLM engine down)
 BYTES_PER_MB = 2**20
 S_PER_H = 3600.0
 
@@ -114,16 +117,45 @@ def _slope(points: list[tuple[float, int]]) -> float:
     return sum((t - mean_t) * (v - mean_v) for t, v in points) / spread if spread else 0.0
 
 
-def _children(process: subprocess.Popen | None, marker: str) -> list[psutil.Process]:
-    """The live descendants of `process` whose command line contains `marker`."""
+@dataclass
+class SeenProcesses:
+    """Every process seen below the two commands, by (pid, start time): a pid reused later is another process."""
+
+    seen: dict[tuple[int, float], str] = field(default_factory=dict)  # (pid, create_time) -> command line
+
+    def add_below(self, commands: list[subprocess.Popen | None]) -> None:
+        for command in commands:
+            for process in _descendants(command):
+                try:
+                    self.seen.setdefault((process.pid, process.create_time()), " ".join(process.cmdline()))
+                except psutil.NoSuchProcess:
+                    pass
+
+    def alive(self) -> list[psutil.Process]:
+        found = []
+        for pid, started in self.seen:
+            try:
+                process = psutil.Process(pid)
+                if process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+
+def _descendants(process: subprocess.Popen | None) -> list[psutil.Process]:
     if process is None or process.poll() is not None:
         return []
     try:
-        below = psutil.Process(process.pid).children(recursive=True)
+        return psutil.Process(process.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def _children(process: subprocess.Popen | None, marker: str) -> list[psutil.Process]:
+    """The live descendants of `process` whose command line contains `marker`."""
     found = []
-    for child in below:
+    for child in _descendants(process):
         try:
             if marker in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child)
@@ -177,18 +209,40 @@ def kill_one(roles: dict[str, list[psutil.Process]], rng: random.Random) -> str 
     return role
 
 
-def soak_processes(run_dir: Path) -> list[psutil.Process]:
-    """Every live process of this soak: an asyncrl command of its run, or below one (vLLM, reward workers)."""
-    found = []
+def soak_processes(run_dir: Path, seen: SeenProcesses) -> list[psutil.Process]:
+    """Every live process of this soak: one seen below a command, or one marked as the soak's (an asyncrl command
+    of its run, or a process below one started between two looks)."""
+    found = {process.pid: process for process in seen.alive()}
     for process in psutil.process_iter(["cmdline", "environ"]):
         try:
             text = " ".join(process.info["cmdline"] or [])
             if str(run_dir) in text or process.info["environ"] and process.info["environ"].get("ASYNCRL_SOAK") == str(run_dir):
                 if process.status() != psutil.STATUS_ZOMBIE and process.pid != os.getpid():
-                    found.append(process)
+                    found.setdefault(process.pid, process)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
+    return list(found.values())
+
+
+def left_behind(run_dir: Path, seen: SeenProcesses) -> list[psutil.Process]:
+    """The soak's processes still alive ORPHAN_GRACE_S after both commands stopped."""
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while (found := soak_processes(run_dir, seen)) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
     return found
+
+
+def describe_orphan(orphan: psutil.Process) -> None:
+    """One line on a process left behind: pid, parent, start, command line, and the pipes it holds open (a
+    multiprocessing resource tracker lives until every holder of its pipe's other end is gone)."""
+    try:
+        started = time.strftime("%H:%M:%S", time.localtime(orphan.create_time()))
+        targets = [os.readlink(fd) for fd in Path(f"/proc/{orphan.pid}/fd").iterdir()]
+        pipes = sorted({target for target in targets if target.startswith("pipe:")})
+        print(f"orphan: pid {orphan.pid} (parent {orphan.ppid()}, started {started}, pipes {' '.join(pipes)}) "
+              f"{' '.join(orphan.cmdline())[:120]}", flush=True)
+    except (psutil.NoSuchProcess, OSError):
+        pass
 
 
 def buffer_check(run_dir: Path, segment_bytes: int) -> tuple[int, int]:
@@ -247,7 +301,7 @@ def main() -> int:
     os.environ["ASYNCRL_SOAK"] = str(run_dir)  # inherited by every process of the soak: how orphans are found
     learner = Command("learner", job, run_dir / "soak_learner.out")
     rollout = Command("rollout", job, run_dir / "soak_rollout.out")
-    rng, memory, kills = random.Random(args.seed), MemoryTrace(), Counter()
+    rng, memory, kills, seen = random.Random(args.seed), MemoryTrace(), Counter(), SeenProcesses()
     deadline = time.monotonic() + args.minutes * 60
     next_kill = time.monotonic() + rng.uniform(*args.kill_every)
     try:
@@ -256,6 +310,7 @@ def main() -> int:
             rollout.ensure_running()
             roles = roles_now(learner, rollout)
             memory.sample(roles)
+            seen.add_below([learner.process, rollout.process])
             if time.monotonic() >= next_kill and (role := kill_one(roles, rng)) is not None:
                 kills[role] += 1
                 next_kill = time.monotonic() + rng.uniform(*args.kill_every)
@@ -263,12 +318,9 @@ def main() -> int:
     finally:
         rollout.stop()
         learner.stop()
-    time.sleep(ORPHAN_GRACE_S)
-    orphans = soak_processes(run_dir)
+    orphans = left_behind(run_dir, seen)
     for orphan in orphans:
-        started = time.strftime("%H:%M:%S", time.localtime(orphan.create_time()))
-        print(f"orphan: pid {orphan.pid} (parent {orphan.ppid()}, started {started}) {' '.join(orphan.cmdline())[:120]}",
-              flush=True)
+        describe_orphan(orphan)
         orphan.kill()
     lost, logged_twice = buffer_check(run_dir, config.buffer.segment_bytes)
     result = {

@@ -58,7 +58,7 @@ class PacingConfig:
 class BufferConfig:
     address: str = ""  # tcp://host:port of a running buffer to use; empty = the learner starts its own
     bind_host: str = "127.0.0.1"  # interface the service binds; anything but loopback requires curve_dir
-    port: int = bounded(0, 0, 65535)  # TCP port of the service; 0 = a free port, written to <dir>/endpoint
+    port: int = bounded(0, 0, 65535)  # TCP port of the service; 0 = a free port, written to <dir>/endpoint (a learner's buffer: chosen at the run's first start, kept in <run>/ports.json, bound again at its restarts)
     dir: str = ""  # log segments, committed offset and endpoint file; empty = <run dir>/buffer
     lock_timeout_s: float = bounded(30.0, 0.0)  # a buffer whose dir another buffer process holds waits this long, then fails
     fsync: str = one_of("batch", "always", "none")  # before acks: fsync per received batch, per record, or never

@@ -42,7 +42,7 @@ class WeightSyncConfig:
     host: str = "127.0.0.1"  # address of the learner's rendezvous store (it listens, servers connect)
     port: int = bounded(0, 0, 65535)  # TCP port of that store; 0 = a free port for each new group
     timeout_s: float = bounded(120.0, 0.1)  # deadline of the rendezvous and of every broadcast, seconds
-    control_bind: str = "tcp://127.0.0.1:0"  # where the learner's coordinator listens for servers (port 0 = free)
+    control_bind: str = "tcp://127.0.0.1:0"  # where the learner's coordinator listens for servers (port 0 = free at the run's first start, kept in <run>/ports.json, bound again at its restarts)
     control_address: str = ""  # servers: the coordinator's address; empty = read <run dir>/endpoints.json
     heartbeat_s: float = bounded(1.0, 0.01)  # servers announce themselves (and their counters) this often
     liveness_s: float = bounded(10.0, 0.1)  # a server silent this long is left out of weight-sync rounds; a round waits this long (at most timeout_s) for servers to confirm they are there
