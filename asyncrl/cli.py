@@ -9,6 +9,10 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from asyncrl.parent_death import die_with_spawner_from_the_start
+
+die_with_spawner_from_the_start()  # a process spawned below an asyncrl command imports this module first of all
+
 CONFIG_HELP = "YAML config file (hydra structured config); unset keys keep their defaults"
 OVERRIDES_HELP = "config overrides as key=value, e.g. run.seed=1 data.train_files=[a.parquet,b.jsonl]"
 

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+SPAWNED_FLAG = "--multiprocessing-fork"  # the last word of the command line of every process multiprocessing spawns
 PARENT_PID_ENV = "ASYNCRL_DIE_WITH_PARENT"  # set by a launcher for the `asyncrl` command it starts: the launcher's pid
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -41,6 +42,21 @@ def die_with_spawning_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:
         die_with_parent(parent.pid)
+
+
+def die_with_spawner_from_the_start() -> None:
+    """In a process that multiprocessing spawned below an asyncrl command: die with the process that spawned it,
+    from before it unpickles and runs its target. Such a process imports the command's main module, `asyncrl.cli`,
+    before anything else, and that module calls this.
+
+    Why so early: vLLM's engine core loads our plugin (`die_with_spawning_parent`) only after its handshake with
+    the server that started it; a server stopped or killed before then left its engine core waiting for that
+    handshake forever (ignoring SIGTERM), and with it the supervisor's multiprocessing resource tracker, which
+    lives until the last process holding its pipe has gone. The parent is the process's parent now: if it died in
+    the instant before this call, the later `die_with_spawning_parent` of the target (server, rank, reward worker,
+    plugin) still notices."""
+    if SPAWNED_FLAG in sys.orig_argv:
+        die_with_parent(os.getppid())
 
 
 def launched_environment() -> dict[str, str]:

@@ -3,7 +3,7 @@
 `asyncrl learner` and `asyncrl rollout` run as a process manager runs them: each is started again when it exits
 (the learner resuming from its newest checkpoint, `learner.resume=auto`). Every --kill-every seconds (a random
 interval between the two bounds) one role is killed with SIGKILL: a rollout server, the rollout supervisor, the
-buffer or a learner rank. After --minutes both commands are stopped with SIGINT, and the soak reports:
+buffer or a learner rank. After --minutes both commands are stopped with SIGTERM, and the soak reports:
 
   kills                  kills per role
   lost                   prompts a server had acknowledged (its prompt-stream state) that the buffer's log lacks
@@ -45,7 +45,7 @@ from buffer.log import SegmentLog
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 ROLES = ("server", "supervisor", "buffer", "learner_rank")
 POLL_S = 1.0  # how often the manager looks at its commands and samples memory
-STOP_TIMEOUT_S = 120.0  # a command stopped with SIGINT is killed after this
+STOP_TIMEOUT_S = 120.0  # a command stopped (SIGTERM) is killed after this
 ORPHAN_GRACE_S = 30.0  # how long processes may take to go after both commands stopped (a dying process's children
 # get their parent-death signal at once, but a loaded box takes seconds to tear a vLLM engine down)
 BYTES_PER_MB = 2**20
@@ -73,9 +73,11 @@ class Command:
         self.starts += 1
 
     def stop(self) -> None:
+        """SIGTERM, as a process manager stops a service (a SIGINT would find it ignored when the soak itself was
+        started in the background from a script: such a shell starts its background jobs ignoring SIGINT)."""
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.send_signal(signal.SIGINT)
+        self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:

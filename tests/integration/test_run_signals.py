@@ -112,10 +112,13 @@ def test_kill_9_mid_training_leaves_no_process_behind(job_dir):
         tree = descendants(run.pid)
         names = _described(tree)
         # the ends of the chains: the learner's buffer; the server's engine core; spawned processes: the learner
-        # rank, the server and its reward worker(s)
+        # rank, the server and its reward worker(s); the resource trackers of `asyncrl learner` and of the rollout
+        # supervisor (multiprocessing's, without a parent-death signal: each ends when the last process holding
+        # its pipe, the spawned ones below its starter, has gone)
         assert any("asyncrl.cli buffer" in name for name in names), names
         assert any("VLLM::EngineCore" in name for name in names), names
         assert sum("multiprocessing.spawn" in name for name in names) >= 3, names
+        assert sum("multiprocessing.resource_tracker" in name for name in names) >= 2, names
         run.kill()  # nothing of asyncrl's runs now to stop the children: the kernel does, one generation at a time
         run.wait()
         _check_gone(tree)

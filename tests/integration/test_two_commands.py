@@ -4,9 +4,12 @@ validation schedule are given to the learner alone; real processes, one job.
 - `asyncrl learner` stopped by a signal to it alone stops its ranks and its buffer.
 - A server killed outright is restarted; a SIGINT to `asyncrl rollout` alone while that restart starts its vLLM
   engine (whose engine core ignores SIGTERM until it has started) stops every process below it.
-- A second `asyncrl rollout` takes the job's settings from the learner's config; the learner asks it for the
-  validation of its final version (no multiple of validation.every) and, once done, ends it: it exits 0 within
-  30 s of the learner, naming the final step, and leaves no process behind.
+- A second `asyncrl rollout` takes the job's settings from the learner's config. `asyncrl learner` killed outright
+  mid-training and started again (as a process manager would, `learner.resume=auto`) comes back on the same
+  addresses: the servers keep their engines (same processes) and training goes on from the checkpoint.
+- The learner asks the servers for the validation of its final version (no multiple of validation.every) and,
+  once done, ends `asyncrl rollout`: it exits 0 within 30 s of the learner, naming the final step, and leaves no
+  process behind.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from waiting import holds_within, wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 TOTAL_STEPS = 12  # given to the learner only
+CHECKPOINT_EVERY = 4  # the restarted learner resumes from the checkpoint of step 4 or 8
+KILL_AFTER_STEP = 5  # the learner is killed once it logged this step (a checkpoint behind it)
 VALIDATE_EVERY = 5  # given to the learner only: the final version, 12, is no multiple of it
 WAIT_BOUND_S = 600  # engine starts and training on a loaded 2-core box
 END_BOUND_S = 30  # `asyncrl rollout` ends this soon after the learner
@@ -78,6 +83,36 @@ def job_dir(tiny_job_inputs) -> Path:
     return tiny_job_inputs  # the shared task files and model; this module's run names are its own
 
 
+def _kill_and_restart_learner(learner: subprocess.Popen, args: list[str], run_dir: Path,
+                              rollout: subprocess.Popen) -> subprocess.Popen:
+    """`kill -9` of `asyncrl learner` mid-training, then the same command again, resuming; returns the new one
+    once it has logged a step of its own, having checked that the servers kept their processes (and engines)."""
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: _steps(metrics) and _steps(metrics)[-1] >= KILL_AFTER_STEP, f"step {KILL_AFTER_STEP}", learner,
+              rollout)
+    servers = {server.pid for server in _servers(rollout)}
+    addresses = json.loads((run_dir / "endpoints.json").read_text())
+    tree = descendants(learner.pid)
+    learner.kill()
+    learner.communicate()
+    assert not _gone(tree), f"left behind by the killed learner: {alive(tree)}"
+    logged = len(_steps(metrics))
+    restarted = _start("learner", [*args, "learner.resume=auto"])
+    _wait_for(lambda: len(_steps(metrics)) > logged, "a step of the restarted learner", restarted, rollout)
+    assert json.loads((run_dir / "endpoints.json").read_text()) == addresses
+    assert {server.pid for server in _servers(rollout)} == servers  # no server restarted its engine
+    resumed_at = _steps(metrics)[logged] - 1  # the first step after the checkpoint it resumed from
+    assert resumed_at % CHECKPOINT_EVERY == 0 and 0 < resumed_at <= KILL_AFTER_STEP + CHECKPOINT_EVERY, _steps(metrics)
+    return restarted
+
+
+def _steps(metrics: Path) -> list[int]:
+    """The step of each whole record of the run's metrics file, in order ([] before the first)."""
+    if not metrics.is_file():
+        return []
+    return [json.loads(line)["step"] for line in metrics.read_text().split("\n")[:-1]]  # the last: "" or being written
+
+
 def test_a_stop_signal_to_asyncrl_learner_alone_stops_its_ranks_and_buffer(job_dir):
     # as a process manager stops it (not a terminal's Ctrl-C to the whole group), while it waits for servers
     learner = _start("learner", tiny_job(job_dir, TOTAL_STEPS, "run.name=learner-alone"))
@@ -94,7 +129,7 @@ def test_a_stop_signal_to_asyncrl_learner_alone_stops_its_ranks_and_buffer(job_d
 
 
 def test_two_commands_restart_stop_and_end_together(job_dir):
-    job = tiny_job(job_dir, TOTAL_STEPS, "run.name=two")
+    job = tiny_job(job_dir, TOTAL_STEPS, "run.name=two", f"learner.checkpoint_every={CHECKPOINT_EVERY}")
     learner_only = [f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2"]
     rollout_args = [arg for arg in job if not arg.startswith("learner.total_steps=")]
     run_dir, started = job_dir / "runs" / "two", []
@@ -117,6 +152,8 @@ def test_two_commands_restart_stop_and_end_together(job_dir):
 
         rollout = _start("rollout", rollout_args)  # the learner waits for servers before its first step
         started.append(rollout)
+        learner = _kill_and_restart_learner(learner, [*job, *learner_only], run_dir, rollout)
+        started.append(learner)
         _, learner_err = learner.communicate(timeout=WAIT_BOUND_S)
         assert learner.returncode == 0, learner_err[-3000:]
         learner_done = time.monotonic()
