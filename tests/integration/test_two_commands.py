@@ -2,7 +2,8 @@
 validation schedule are given to the learner alone; real processes, one job.
 
 - `asyncrl learner` stopped by a signal to it alone stops its ranks and its buffer.
-- A server killed outright is restarted; a SIGINT to `asyncrl rollout` alone while that restart starts its vLLM
+- A server killed outright while its vLLM engine core starts takes the engine core along (held still before our
+  vLLM plugin loads in it), and is restarted; a SIGINT to `asyncrl rollout` alone while that restart starts its vLLM
   engine (whose engine core ignores SIGTERM until it has started) stops every process below it.
 - A second `asyncrl rollout` takes the job's settings from the learner's config. `asyncrl learner` killed outright
   mid-training and started again (as a process manager would, `learner.resume=auto`) comes back on the same
@@ -68,8 +69,8 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
-def _engine_core_below(pid: int) -> bool:
-    return any("VLLM::EngineCore" in " ".join(_cmdline(psutil.Process(child))) for child in alive(descendants(pid)))
+def _engine_cores_below(pid: int) -> list[int]:
+    return [child for child in alive(descendants(pid)) if "VLLM::EngineCore" in " ".join(_cmdline(psutil.Process(child)))]
 
 
 def _gone(tree: set[int]) -> set[int]:
@@ -140,10 +141,14 @@ def test_two_commands_restart_stop_and_end_together(job_dir):
         started.append(rollout)
         metrics = run_dir / "metrics.jsonl"
         first = _wait_for(lambda: _servers(rollout), "rollout server", learner, rollout)[0]
-        _wait_for(lambda: _engine_core_below(first.pid), "the first server's engine core", learner, rollout)
+        engine = _wait_for(lambda: _engine_cores_below(first.pid), "the first server's engine core", learner, rollout)[0]
+        # held before its handshake with the server, which comes before vLLM loads our plugin in it: only the
+        # parent-death signal it asked for at its very start can end it now
+        os.kill(engine, signal.SIGSTOP)
         first.kill()  # a crash, while its engine starts: the supervisor restarts it after its back-off
+        assert not _gone({engine}), "the killed server's engine core outlived it"
         restarted = _wait_for(lambda: [s for s in _servers(rollout) if s.pid != first.pid], "restarted server", rollout)
-        _wait_for(lambda: _engine_core_below(restarted[0].pid), "the restarted server's engine core", rollout)
+        _wait_for(lambda: _engine_cores_below(restarted[0].pid), "the restarted server's engine core", rollout)
         tree = descendants(rollout.pid)
         rollout.send_signal(signal.SIGINT)  # to it alone, as a process manager would
         _, stderr = rollout.communicate(timeout=STOP_BOUND_S)

@@ -1,5 +1,6 @@
 """A process started by a role dies when the role is killed outright: through `multiprocessing` (servers, ranks,
-reward workers, vLLM's engine core) and as an `asyncrl` command a launcher starts (learner, rollout, buffer)."""
+reward workers, vLLM's engine core; below an asyncrl command from its very start) and as an `asyncrl` command a
+launcher starts (learner, rollout, buffer)."""
 
 import os
 import signal
@@ -38,6 +39,24 @@ if __name__ == "__main__":
     time.sleep(600)  # lives until the test kills it
 """
 
+# The middle process of an asyncrl command: its main module imports asyncrl.cli, as `asyncrl` and `python -m
+# asyncrl.cli` do. Its grandchild's target never asks to die with its parent (vLLM's engine core before its
+# handshake with the server does not get to); it says that it runs, then waits.
+MIDDLE_OF_A_COMMAND = """
+import multiprocessing, time
+import asyncrl.cli
+
+def waits_without_asking():
+    print("running", flush=True)
+    time.sleep(600)  # lives until its parent's death ends it
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=waits_without_asking)
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(600)  # lives until the test kills it
+"""
+
 
 def gone(pid: int) -> bool:
     try:
@@ -55,6 +74,25 @@ def test_a_child_dies_when_its_parent_is_killed_outright(tmp_path, started_by):
     grandchild = int(middle.stdout.readline())
     try:
         middle.kill()  # before or after the grandchild made its request: it dies either way
+        middle.wait()
+        wait_until(lambda: gone(grandchild), DEATH_BOUND_S, f"grandchild {grandchild} to die with its parent",
+                   poll_s=POLL_S)
+    finally:
+        for pid in (grandchild, middle.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_process_spawned_below_an_asyncrl_command_dies_with_its_parent_before_its_target_asks(tmp_path):
+    script = tmp_path / "middle.py"
+    script.write_text(MIDDLE_OF_A_COMMAND)
+    middle = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    grandchild = int(middle.stdout.readline())
+    try:
+        assert middle.stdout.readline().strip() == "running"  # its target runs: the main module's import is behind it
+        middle.kill()
         middle.wait()
         wait_until(lambda: gone(grandchild), DEATH_BOUND_S, f"grandchild {grandchild} to die with its parent",
                    poll_s=POLL_S)
