@@ -65,11 +65,12 @@ def port_to_bind(service: str, host: str, configured: int, remembered: int | Non
         return configured
     deadline = time.monotonic() + wait_s
     while not port_is_free(host, remembered):
-        if time.monotonic() >= deadline:
-            log.warning("the %s's port of this run, %d, is still taken after %.0fs: binding a free one (the rollout "
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            log.warning("the %s's port of this run, %d, is still taken after %.1fs: binding a free one (the rollout "
                         "servers restart on the new addresses)", service, remembered, wait_s)
             return 0
         log.info("the %s's port of this run, %d, is taken (a predecessor still exiting?): trying again in %.1fs",
-                 service, remembered, PORT_POLL_S)
-        time.sleep(PORT_POLL_S)
+                 service, remembered, min(PORT_POLL_S, left_s))
+        time.sleep(min(PORT_POLL_S, left_s))
     return remembered

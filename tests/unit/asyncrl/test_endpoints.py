@@ -37,7 +37,7 @@ def test_a_port_taken_by_another_process_gives_way_to_a_free_one(caplog):
         with caplog.at_level(logging.INFO, logger="asyncrl.endpoints"):
             assert port_to_bind("weight-sync coordinator", LOOPBACK, 0, taken, wait_s=0.5) == 0
     assert f"the weight-sync coordinator's port of this run, {taken}, is taken" in caplog.text  # each try
-    assert f"{taken}, is still taken after 0s: binding a free one" in caplog.text  # the last word
+    assert f"{taken}, is still taken after 0.5s: binding a free one" in caplog.text  # the last word
 
 
 def test_a_port_held_by_a_predecessor_still_exiting_is_waited_for():
