@@ -123,13 +123,13 @@ def _slope(points: list[tuple[float, int]]) -> float:
 class SeenProcesses:
     """Every process seen below the two commands, by (pid, start time): a pid reused later is another process."""
 
-    seen: dict[tuple[int, float], str] = field(default_factory=dict)  # (pid, create_time) -> command line
+    seen: set[tuple[int, float]] = field(default_factory=set)  # (pid, create_time)
 
     def add_below(self, commands: list[subprocess.Popen | None]) -> None:
         for command in commands:
             for process in _descendants(command):
                 try:
-                    self.seen.setdefault((process.pid, process.create_time()), " ".join(process.cmdline()))
+                    self.seen.add((process.pid, process.create_time()))
                 except psutil.NoSuchProcess:
                     pass
 

@@ -1,14 +1,17 @@
 """The chaos soak's accounting: acknowledged prompts missing from the buffer's log, records logged or trained
-twice, and memory growth per role."""
+twice, memory growth per role, and the processes left behind."""
 
 import json
+import subprocess
 
+import psutil
 import pytest
 
 from asyncrl.messages import encode
 from asyncrl.synthetic import synthetic_group
 from buffer.log import SegmentLog
-from scripts.soak import MemoryTrace, buffer_check, trained_twice
+from scripts.soak import MemoryTrace, SeenProcesses, buffer_check, trained_twice
+from waiting import wait_until
 
 SEGMENT_BYTES = 1 << 20
 
@@ -53,3 +56,22 @@ def test_memory_growth_is_the_steepest_slope_of_a_long_enough_life():
     assert trace.growth_mb_per_h(min_life_s=60) == {"server": pytest.approx(20.0)}
     trace.samples[("learner_rank", 4)] = [(0.0, 10 * mb), (60.0, 500 * mb), (3660.0, 501 * mb)]  # loads, then flat
     assert trace.growth_mb_per_h(min_life_s=60, warmup_s=60)["learner_rank"] == pytest.approx(1.0)
+
+
+def test_a_process_once_seen_below_a_command_is_found_after_its_parent_died():
+    # a shell whose child outlives it, as a vLLM engine core without a parent-death signal did (its environment,
+    # overwritten by its title, no longer carries the soak's marker)
+    command = subprocess.Popen(["bash", "-c", "sleep 600 & echo started; wait"], stdout=subprocess.PIPE, text=True)
+    seen = SeenProcesses()
+    try:
+        assert command.stdout.readline().strip() == "started"
+        seen.add_below([command])
+        (child,) = psutil.Process(command.pid).children()
+        command.kill()
+        command.wait()
+        assert [process.pid for process in seen.alive()] == [child.pid]
+        child.kill()
+        wait_until(lambda: not seen.alive(), 10, "the orphan's end")
+    finally:
+        for process in seen.alive():
+            process.kill()
