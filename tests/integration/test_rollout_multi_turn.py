@@ -67,10 +67,8 @@ class RecordingEngine:
     def current_version(self) -> int:
         return self.engine.current_version
 
-    async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None, earliest_version=None,
-                       on_tokens=None):
-        completion = await self.engine.generate(prompt_ids, sampling, seed=seed, request_id=request_id,
-                                                earliest_version=earliest_version, on_tokens=on_tokens)
+    async def generate(self, prompt_ids, sampling=None, **options):  # seed, request id, grammar, ...: passed on
+        completion = await self.engine.generate(prompt_ids, sampling, **options)
         self.calls.append((list(prompt_ids), completion))
         if self.after_first_turn is not None:
             hook, self.after_first_turn = self.after_first_turn, None
