@@ -72,17 +72,7 @@ def test_a_child_dies_when_its_parent_is_killed_outright(tmp_path, started_by):
     middle = subprocess.Popen([sys.executable, str(script), started_by], stdout=subprocess.PIPE, text=True,
                               env=os.environ.copy())
     grandchild = int(middle.stdout.readline())
-    try:
-        middle.kill()  # before or after the grandchild made its request: it dies either way
-        middle.wait()
-        wait_until(lambda: gone(grandchild), DEATH_BOUND_S, f"grandchild {grandchild} to die with its parent",
-                   poll_s=POLL_S)
-    finally:
-        for pid in (grandchild, middle.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_and_expect_the_grandchild_to_follow(middle, grandchild)  # before or after it asked: it dies either way
 
 
 def test_a_process_spawned_below_an_asyncrl_command_dies_with_its_parent_before_its_target_asks(tmp_path):
@@ -90,8 +80,14 @@ def test_a_process_spawned_below_an_asyncrl_command_dies_with_its_parent_before_
     script.write_text(MIDDLE_OF_A_COMMAND)
     middle = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     grandchild = int(middle.stdout.readline())
+    started = middle.stdout.readline().strip()  # its target runs: the main module's import is behind it
+    kill_and_expect_the_grandchild_to_follow(middle, grandchild)
+    assert started == "running"
+
+
+def kill_and_expect_the_grandchild_to_follow(middle: subprocess.Popen, grandchild: int) -> None:
+    """Kill `middle` outright; its child `grandchild` must die with it (both are killed if a check fails)."""
     try:
-        assert middle.stdout.readline().strip() == "running"  # its target runs: the main module's import is behind it
         middle.kill()
         middle.wait()
         wait_until(lambda: gone(grandchild), DEATH_BOUND_S, f"grandchild {grandchild} to die with its parent",
