@@ -50,6 +50,7 @@ def parse_request(body: dict[str, Any], header_session: str, defaults: SamplingC
                   reads_tools: bool) -> ChatRequest:
     """The request in `body` (JSON object), or a `FieldError` (400) that names the field at fault;
     `reads_tools`: the server has a tool-call parser (`rollout.chat.tool_parser`)."""
+    _refuse_a_named_tool_not_sent(body)
     try:
         request = ChatCompletionRequest.model_validate(body)
     except ValidationError as error:
@@ -74,6 +75,19 @@ def parse_request(body: dict[str, Any], header_session: str, defaults: SamplingC
         include_usage=bool(stream_options and stream_options.include_usage), logprobs=bool(request.logprobs),
         tools=tools, reads_tool_calls=reads_tool_calls, parsed=request,
     )
+
+
+def _refuse_a_named_tool_not_sent(body: dict[str, Any]) -> None:
+    """Checked before vLLM's own validation, whose error names no field on vLLM 0.24 (a model-wide check there)."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or not isinstance(choice.get("function"), dict):
+        return  # a string choice, or a malformed one that vLLM's validation names
+    name = choice["function"].get("name")
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []
+    sent = {tool["function"].get("name") for tool in tools
+            if isinstance(tool, dict) and isinstance(tool.get("function"), dict)}
+    if name not in sent:
+        raise FieldError("tool_choice", f"names the function '{name}', which is not among the request's tools")
 
 
 def _refuse_unsupported(request: ChatCompletionRequest) -> None:

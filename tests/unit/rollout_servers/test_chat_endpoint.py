@@ -15,6 +15,7 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
+import vllm
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta
@@ -320,6 +321,8 @@ def test_required_and_a_named_function_force_a_call_in_the_parsers_format_as_vll
     assert trajectory.completion_ids == ids(CALL) + [EOS]  # the constrained ids as sampled, trained as they are
 
 
+# vLLM 0.32's parser limits a reply to one call when parallel calls are off; 0.24's (the GPU image) does not
+VLLM_LIMITS_PARALLEL_CALLS = not vllm.__version__.startswith("0.24.")
 TWO_CALLS = '<tool_call>{"name": "mul", "arguments": {}}</tool_call>\n<tool_call>{"name": "add", "arguments": {}}</tool_call>'
 
 
@@ -327,8 +330,11 @@ def test_parallel_calls_false_allows_one_call_and_keeps_the_sampled_ids_whole():
     with serving(ScriptedEngine([turn(TWO_CALLS, -0.5)]), tool_parser="hermes") as served:
         first = forced_turn(served, parallel_tool_calls=False).choices[0]
         assert [c.function.name for c in first.message.tool_calls] == ["mul"]  # as vLLM's server shows it, had the grammar let two through
-        assert grammar(served.engine.constraints[0]) == {"kind": "triggered_tags", "names": [begin("add"), begin("mul")],
-                                                         "at_least_one": False, "stop_after_first": True}
+        if VLLM_LIMITS_PARALLEL_CALLS:
+            assert grammar(served.engine.constraints[0]) == {"kind": "triggered_tags", "names": [begin("add"), begin("mul")],
+                                                             "at_least_one": False, "stop_after_first": True}
+        else:  # vLLM 0.24's parser puts no grammar on auto with parallel calls off: the client sees the first call
+            assert served.engine.constraints[0] is None
         forced_turn(served, session="free")
         assert served.engine.constraints[1] is None  # auto with parallel calls: the reply is free
         client(served).post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
