@@ -4,8 +4,9 @@ The body is parsed by vLLM's own request type (`ChatCompletionRequest`, so types
 are checked as vLLM's server checks them), then every field that was sent is sorted: honoured, ignored
 (`IGNORED`, with the reason, and in docs/multi_turn.md) or refused with HTTP 400 naming it.
 No field is dropped silently: a refused field would change what is sampled or what the client is told
-in a way the trajectory could not record (a penalty or a grammar makes vLLM's log-probs differ from
-the distribution that sampled, `n` > 1 makes several replies to one turn).
+in a way the trajectory could not record (a penalty makes vLLM's log-probs differ from the distribution
+that sampled, `n` > 1 makes several replies to one turn). A tool-call grammar is no such field: vLLM
+takes its log-probs after the grammar's mask (`chat_tools.py`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ messages after it are rendered: what is trained is always the exact ids sampled.
 `tool_choice: "required"`, a named function and `parallel_tool_calls: false` are served as vLLM's own server
 serves them (`vllm_compat.tool_call_constraint`): a structured-outputs grammar on the reply forces the call
 (in the parser's own format where it has a structural tag, as hermes does; else as JSON, read as vLLM's
-server reads it) and allows at
-most one with `parallel_tool_calls: false`. The constrained tokens are the tokens sampled, and their
+server reads it) and allows at most one with `parallel_tool_calls: false`. The constrained tokens are the tokens sampled, and their
 behaviour log-probs are vLLM's after the grammar's mask, those of the distribution that drew them.
 """
 
