@@ -71,6 +71,12 @@ class RolloutEngine:
         return cls(llm, config, version)
 
     @property
+    def llm(self) -> AsyncLLM:
+        """vLLM's engine behind this one, for what vLLM offers beyond generation (e.g. `collective_rpc` on its
+        workers); generating or updating weights through it bypasses the token versions kept here."""
+        return self._llm
+
+    @property
     def current_version(self) -> int:
         """Policy version of the weights tokens are sampled with now."""
         return self._version

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import json
 import logging
@@ -13,20 +12,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.data import PromptMixture, PromptRow, encode_prompt
+from asyncrl.data import PromptMixture
 from asyncrl.environments import EnvironmentRegistry
 from asyncrl.heap import freeze_startup_heap
-from asyncrl.messages import Trajectory, TrajectoryGroup
-from asyncrl.rewards import RewardRequest, RewardScorer, check_reward_setup
+from asyncrl.messages import TrajectoryGroup
+from asyncrl.rewards import RewardScorer, check_reward_setup
 from asyncrl.staleness import weights_lag
 from asyncrl.stop_signal import ignore_stop_signals
 from asyncrl.transport import AdmissionClient, BufferTimeout, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry
+from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.chat_auth import load_api_key
@@ -34,11 +33,10 @@ from rollout_servers.chat_endpoint import ChatEndpoint
 from rollout_servers.chat_lost import LostSessions
 from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.chat_tools import ToolCallReader
-from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.group_sampler import GroupSampler, ServerStats
 from rollout_servers.learner_wait import LearnerWait
 from rollout_servers.prompt_stream import PromptStream
-from rollout_servers.row_sampling import group_seed, sampling_for_row
 from rollout_servers.sample_slots import Claim, SampleSlots
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.telemetry import TelemetrySender
@@ -55,26 +53,6 @@ class Endpoints:
     buffer: str  # tcp:// address of the trajectory buffer
     sync: str  # tcp:// address of the learner's weight-sync coordinator
     learner_dir: Path | None = None  # the run directory whose endpoints file named them (None: fixed by the config)
-
-
-@dataclass
-class ServerStats:
-    groups_sent: int = 0
-    prompts_skipped: int = 0
-    groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
-    groups_resampled: int = 0  # groups stopped mid-generation as too stale to be trained, then sampled again
-    idle_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class GroupJob:
-    """One prompt's group while it is sampled."""
-
-    row: PromptRow
-    prompt_ids: list[int]
-    number: int  # place in the server's prompt stream: seeds, acknowledgement
-    group_id: str  # the same for a regeneration, so the buffer keeps one
-    slots: Claim  # a slot of the server's capacity per sample not yet finished
 
 
 class RolloutServer:
@@ -101,9 +79,10 @@ class RolloutServer:
         self.validator = self._validator(server_index)
         self._check_rewards(mixture)
         self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
-        self._finished_since_grant = 0
-        self._slots = SampleSlots(config.rollout.max_inflight)
+        self.groups = GroupSampler(config, self.server_id, self._seed_base, self.prompts, self.tokenizer, self.stats)
         self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
+        self._slots = SampleSlots(config.rollout.max_inflight)
+        self._asks = AdmissionAsks(self._slots, self._chat_places, config.rollout.sampling.n)
         self._chat_sessions: ChatSessions | None = None  # the endpoint's sessions, when it serves
         chat = config.rollout.chat  # its key and tool parser are read now: a bad one stops the server before its engine starts
         self._chat_key = load_api_key(chat) if chat.enabled else None
@@ -255,7 +234,7 @@ class RolloutServer:
             # only for what will be started now: nothing while the weights lag by more than K. K is the
             # one the buffer's last grant named: the learner may change it during the run.
             lagging = weights_lag(grant.policy_version, engine.current_version, grant.max_staleness)
-            wanted = 0 if engine.needs_catch_up or lagging else self._wanted(len(running))
+            wanted = 0 if engine.needs_catch_up or lagging else self._asks.wanted(len(running))
             grant = await self._ask(admission, wanted, len(running))
             self._abandon_stale(engine, grant.policy_version, grant.max_staleness)
             for _ in range(self._chat_places.take_grants(grant.granted)):  # waiting chat sessions come first
@@ -278,18 +257,10 @@ class RolloutServer:
         if stopped:
             log.info("stopped %d request(s) too stale for learner version %d", stopped, learner_version)
 
-    def _wanted(self, running: int) -> int:
-        """Groups to ask admission for: the prompt groups that fit the free sample slots, and places for
-        the chat sessions waiting to open."""
-        return self._slots.free_groups(self.config.rollout.sampling.n, running) + self._chat_places.wanted()
-
     async def _ask(self, admission: AdmissionClient, wanted: int, running: int):
-        """Report the groups finished since the last request and the `running` ones (tasks not done: every
-        done task has counted itself finished; the grants open chat sessions hold are added), and ask for
-        `wanted` more."""
-        finished, self._finished_since_grant = self._finished_since_grant, 0
-        running += self._chat_places.held
-        return await self._to_buffer(admission.request, max(wanted, 0), finished, running)
+        """Ask admission for `wanted` more groups while `running` ones are not done (every done task has
+        counted itself finished)."""
+        return await self._to_buffer(admission.request, *self._asks.ask(wanted, running))
 
     async def _to_buffer(self, request, *args):
         """`request(*args)` on the buffer's sockets, in a thread. While the buffer does not answer (its learner is
@@ -316,74 +287,13 @@ class RolloutServer:
 
     async def _one_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
                          scorer: RewardScorer, slots: Claim) -> None:
-        try:
-            number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
-            job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots)
-            trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=True)
-            if trajectories is None:  # stopped as too stale to be trained: once more, under newer weights, to the end
-                self.stats.groups_resampled += 1
-                slots.renew()
-                trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=False)
-        finally:
-            slots.release()
-        group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
-                                trajectories=trajectories)
-        ack = await self._to_buffer(producer.send, group)
-        self.prompts.acknowledge(number)
-        self.stats.groups_duplicate += ack.duplicate
-        self._finished_since_grant += 1
-        self.stats.groups_sent += 1
+        async def send(group: TrajectoryGroup):
+            return await self._to_buffer(producer.send, group)
 
-    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, job: GroupJob,
-                            stoppable: bool) -> list[Trajectory] | None:
-        """The prompt's scored trajectories, or None when the engine stopped the group as too stale (only
-        if `stoppable`). The group keeps its place in admission either way: it is the same group."""
-        row, seed, done = job.row, self._group_seed(job.number), job.slots.sample_done
-        sampling = sampling_for_row(row, self.config.rollout.sampling)
-        with engine.training_group() if stoppable else contextlib.nullcontext():
-            if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
-                trajectories = await agent.run_group(row, sampling, seed, job.group_id, on_sample_done=done)
-                return None if any(t.finish_reason == STALE for t in trajectories) else trajectories
-            completions = await engine.generate_group(job.prompt_ids, sampling, seed=seed, on_sample_done=done)
-        if any(c.finish_reason == STALE for c in completions):
-            return None
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
-        return [_trajectory(c, r.score, r.info, r.error, job.group_id, row.data_source) for c, r in zip(completions, results)]
-
-    def _group_seed(self, number: int) -> int | None:
-        rollout = self.config.rollout
-        return group_seed(self._seed_base, number, rollout.sampling.n, rollout.seeded_sampling)
-
-    def _fitting_prompt(self, rows: Iterator[PromptRow]) -> tuple[PromptRow, list[int]]:
-        """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""
-        while True:
-            row = next(rows)
-            prompt_ids = encode_prompt(self.tokenizer, row)
-            if len(prompt_ids) <= self.config.data.max_prompt_length:
-                return row, prompt_ids
-            self.stats.prompts_skipped += 1
-            log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
-                        row.row_index, len(prompt_ids))
+        await self.groups.sample(engine, agent, scorer, slots, send)
+        self._asks.group_finished()
 
     def _locked(self, function, *args):
         with self._transport_lock:
             return function(*args)
 
-
-def _trajectory(completion: Completion, score: float, info: dict[str, float], error: str, group_id: str,
-                data_source: str) -> Trajectory:
-    n = len(completion.token_ids)
-    return Trajectory(
-        prompt_ids=completion.prompt_ids,
-        completion_ids=completion.token_ids,
-        behaviour_logprobs=completion.logprobs,
-        token_versions=completion.versions,
-        loss_mask=[1] * n,
-        reward=score,
-        group_id=group_id,
-        data_source=data_source,
-        finish_reason=completion.finish_reason,
-        reward_info=info,
-        reward_error=error,
-    )

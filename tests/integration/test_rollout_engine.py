@@ -308,5 +308,5 @@ def test_the_engine_workers_run_with_the_configured_cpu_threads(rollout_engine, 
 
         return torch.get_num_threads()
 
-    threads = loop_runner.run(rollout_engine._llm.collective_rpc(torch_threads))
+    threads = loop_runner.run(rollout_engine.llm.collective_rpc(torch_threads))
     assert threads and set(threads) == {ENGINE_CPU_THREADS}

@@ -1,7 +1,8 @@
-"""How a rollout server turns one prompt into one acknowledged group (`RolloutServer._one_group`), with the
+"""How a rollout server turns one prompt into one acknowledged group (`GroupSampler.sample`), with the
 engine, scorer and buffer producer stood in: a group the engine stopped as too stale is sampled once more,
 to the end, and sent once under the prompt's record id; each sample frees its slot of the server's
-capacity as it finishes, not when its whole group does."""
+capacity as it finishes, not when its whole group does; open chat sessions count against admission
+(`AdmissionAsks`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from asyncrl.rewards import RewardFunctionError, RewardResult
 from asyncrl.rewards.builtin import UnknownDataSourceError
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from buffer.admission import Admission
+from rollout_servers.admission_asks import AdmissionAsks
+from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.server import Endpoints, RolloutServer
@@ -29,6 +32,7 @@ N = 2  # samples per group
 STOPPED_ATTEMPTS = 1  # attempts the fake engine stops as too stale before it lets one finish
 REWARD = 0.75
 WAIT_S = 5.0  # for what takes a few event-loop turns, with slack for a loaded box
+CAPACITY = 8  # samples a server generates at once (rollout.max_inflight)
 
 
 @dataclass
@@ -94,7 +98,7 @@ class FixedScorer:
 class RecordingProducer:
     sent: list[TrajectoryGroup] = field(default_factory=list)
 
-    def send(self, group: TrajectoryGroup) -> Ack:
+    async def send(self, group: TrajectoryGroup) -> Ack:
         self.sent.append(group)
         return Ack(group.record_id, offset=len(self.sent) - 1)
 
@@ -127,10 +131,11 @@ def test_a_server_with_data_no_scorer_handles_or_a_missing_reward_function_fails
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 @pytest.mark.parametrize("stop_first", [0, STOPPED_ATTEMPTS])
 def test_a_group_stopped_as_too_stale_is_sampled_once_more_and_sent_once(server, stop_first, multi_turn):
-    engine, producer = StoppingEngine(stop_first, server._slots), RecordingProducer()
+    slots = SampleSlots(CAPACITY)
+    engine, producer = StoppingEngine(stop_first, slots), RecordingProducer()
     agent = StoppingAgent(engine) if multi_turn else SingleTurn()
 
-    asyncio.run(server._one_group(engine, agent, producer, FixedScorer(), server._slots.claim(N)))
+    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send))
 
     (group,) = producer.sent
     assert group.record_id == group.group_id == "server-0-prompt-0"
@@ -142,7 +147,7 @@ def test_a_group_stopped_as_too_stale_is_sampled_once_more_and_sent_once(server,
     assert len(set(engine.seeds)) == 1, "the same prompt, sampled again with its own seeds"
     assert (server.stats.groups_resampled, server.stats.groups_sent) == (stop_first, 1)
     assert engine.slots_held == [N] * (1 + stop_first), "a resampled group holds a slot per sample again"
-    assert server._slots.in_use == 0
+    assert slots.in_use == 0
     assert server.prompts.owed == 0, "the prompt is acknowledged: a restart does not regenerate it"
 
 
@@ -169,15 +174,15 @@ class StaggeredEngine:
 
 
 def test_a_finished_sample_frees_its_slot_while_its_group_still_generates(server):
-    engine, producer = StaggeredEngine(), RecordingProducer()
+    slots, engine, producer = SampleSlots(CAPACITY), StaggeredEngine(), RecordingProducer()
 
     async def sample_one_group() -> list[int]:
-        group = asyncio.create_task(server._one_group(engine, SingleTurn(), producer, FixedScorer(), server._slots.claim(N)))
+        group = asyncio.create_task(server.groups.sample(engine, SingleTurn(), FixedScorer(), slots.claim(N), producer.send))
         await wait_until_async(lambda: engine.finished, WAIT_S, "the group's first sample")  # the others still generate
-        held_meanwhile = server._slots.in_use
+        held_meanwhile = slots.in_use
         engine.release.set()
         await group
-        return [held_meanwhile, server._slots.in_use]
+        return [held_meanwhile, slots.in_use]
 
     assert asyncio.run(sample_one_group()) == [N - 1, 0]
     assert len(producer.sent) == 1
@@ -195,16 +200,17 @@ class BufferAdmission:
         return AdmissionGrant(granted, policy_version=0, max_staleness=0)
 
 
-def test_open_chat_sessions_count_against_the_staleness_bound(server):
+def test_open_chat_sessions_count_against_the_staleness_bound():
     batch_groups = 2
     buffer = BufferAdmission(Admission(max_staleness=0, batch_groups=batch_groups, timeout_s=60))
-    places = server._chat_places
+    places = ChatAdmission(N)
+    asks = AdmissionAsks(SampleSlots(CAPACITY), places, N)
 
     async def scenario() -> list[tuple[int, int]]:
         rounds = []  # (prompt groups the server may start, grants held for chat) after each request
 
         async def ask() -> None:
-            grant = await server._ask(buffer, server._wanted(0), 0)
+            grant = buffer.request(*asks.ask(asks.wanted(0), 0))
             rounds.append((places.take_grants(grant.granted), places.held))
 
         sessions = [asyncio.create_task(places.enter(5.0)) for _ in range(N + 1)]
@@ -218,3 +224,17 @@ def test_open_chat_sessions_count_against_the_staleness_bound(server):
         return rounds
 
     assert asyncio.run(scenario()) == [(0, batch_groups), (0, batch_groups), (batch_groups, 0)]
+
+
+def test_an_ask_reports_the_groups_finished_since_the_last_one_and_the_chat_grants_as_running():
+    places = ChatAdmission(N)
+    places.held = 1  # one grant held for open chat sessions
+    asks = AdmissionAsks(SampleSlots(CAPACITY), places, N)
+    asks.group_finished()
+    asks.group_finished()
+
+    assert asks.ask(3, 2) == (3, 2, 3)
+    assert asks.ask(-1, 0) == (0, 0, 1), "finished counted once; a negative want asks for nothing"
+    asks.slots.claim(N)  # one running group
+    assert asks.wanted(1) == CAPACITY // N - 1
+    assert AdmissionAsks(SampleSlots(1), ChatAdmission(N), N).wanted(0) == 1, "a group larger than the capacity still runs alone"

@@ -1,0 +1,126 @@
+"""One prompt's group, from the server's prompt stream to the buffer: take the next prompt that fits,
+sample its group (single-turn through the engine and the scorer, multi-turn through the agent loop),
+sample it once more to the end when the engine stopped it as too stale, send it and acknowledge it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterator
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.data import PromptRow, encode_prompt
+from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
+from asyncrl.rewards import RewardRequest, RewardScorer
+from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.completion import STALE, Completion
+from rollout_servers.engine import RolloutEngine
+from rollout_servers.prompt_stream import PromptStream
+from rollout_servers.row_sampling import group_seed, sampling_for_row
+from rollout_servers.sample_slots import Claim
+
+log = logging.getLogger(__name__)
+
+SendGroup = Callable[[TrajectoryGroup], Awaitable[Ack]]  # to the buffer, acknowledged
+
+
+@dataclass
+class ServerStats:
+    groups_sent: int = 0
+    prompts_skipped: int = 0
+    groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
+    groups_resampled: int = 0  # groups stopped mid-generation as too stale to be trained, then sampled again
+    idle_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class GroupJob:
+    """One prompt's group while it is sampled."""
+
+    row: PromptRow
+    prompt_ids: list[int]
+    number: int  # place in the server's prompt stream: seeds, acknowledgement
+    group_id: str  # the same for a regeneration, so the buffer keeps one
+    slots: Claim  # a slot of the server's capacity per sample not yet finished
+
+
+class GroupSampler:
+    def __init__(self, config: AsyncRLConfig, server_id: str, seed_base: int, prompts: PromptStream, tokenizer,
+                 stats: ServerStats) -> None:
+        self.config = config
+        self.server_id = server_id
+        self.seed_base = seed_base  # the server's own seed stream (run.seed and its index)
+        self.prompts = prompts
+        self.tokenizer = tokenizer
+        self.stats = stats  # counted in place: the server reports them
+
+    async def sample(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, slots: Claim,
+                     send: SendGroup) -> None:
+        """Sample the next prompt's group, send it and acknowledge the prompt; `slots` is released on the way."""
+        try:
+            number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
+            job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots)
+            trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=True)
+            if trajectories is None:  # stopped as too stale to be trained: once more, under newer weights, to the end
+                self.stats.groups_resampled += 1
+                slots.renew()
+                trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=False)
+        finally:
+            slots.release()
+        group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
+                                trajectories=trajectories)
+        ack = await send(group)
+        self.prompts.acknowledge(number)
+        self.stats.groups_duplicate += ack.duplicate
+        self.stats.groups_sent += 1
+
+    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, job: GroupJob,
+                            stoppable: bool) -> list[Trajectory] | None:
+        """The prompt's scored trajectories, or None when the engine stopped the group as too stale (only
+        if `stoppable`). The group keeps its place in admission either way: it is the same group."""
+        row, seed, done = job.row, self._group_seed(job.number), job.slots.sample_done
+        sampling = sampling_for_row(row, self.config.rollout.sampling)
+        with engine.training_group() if stoppable else contextlib.nullcontext():
+            if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
+                trajectories = await agent.run_group(row, sampling, seed, job.group_id, on_sample_done=done)
+                return None if any(t.finish_reason == STALE for t in trajectories) else trajectories
+            completions = await engine.generate_group(job.prompt_ids, sampling, seed=seed, on_sample_done=done)
+        if any(c.finish_reason == STALE for c in completions):
+            return None
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
+        return [_trajectory(c, r.score, r.info, r.error, job.group_id, row.data_source) for c, r in zip(completions, results)]
+
+    def _group_seed(self, number: int) -> int | None:
+        rollout = self.config.rollout
+        return group_seed(self.seed_base, number, rollout.sampling.n, rollout.seeded_sampling)
+
+    def _fitting_prompt(self, rows: Iterator[PromptRow]) -> tuple[PromptRow, list[int]]:
+        """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""
+        while True:
+            row = next(rows)
+            prompt_ids = encode_prompt(self.tokenizer, row)
+            if len(prompt_ids) <= self.config.data.max_prompt_length:
+                return row, prompt_ids
+            self.stats.prompts_skipped += 1
+            log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
+                        row.row_index, len(prompt_ids))
+
+
+def _trajectory(completion: Completion, score: float, info: dict[str, float], error: str, group_id: str,
+                data_source: str) -> Trajectory:
+    n = len(completion.token_ids)
+    return Trajectory(
+        prompt_ids=completion.prompt_ids,
+        completion_ids=completion.token_ids,
+        behaviour_logprobs=completion.logprobs,
+        token_versions=completion.versions,
+        loss_mask=[1] * n,
+        reward=score,
+        group_id=group_id,
+        data_source=data_source,
+        finish_reason=completion.finish_reason,
+        reward_info=info,
+        reward_error=error,
+    )
