@@ -29,6 +29,9 @@ Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_
 staleness the async run trained with and its servers' median pause per weight sync (server_pause_ms),
 for the first K listed, and `sweep` with every K's figures (once sync and the async runs have run);
 --colocated adds colocated_async_vs_sync and colocated_weight_sync_ms (the same figures, named as such).
+With --ray-address the async mode is `asyncrl launch` on that Ray cluster instead of the two commands: the same
+servers and learner ranks, one GPU per rank and --tensor-parallel per server, but Ray picks the GPUs
+(`ray.learner.num_gpus`, `ray.rollout.num_gpus`); the sync mode is the same reference as without it.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="GPUs per rollout server (sets rollout.engine.tensor_parallel_size)")
     parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks, one GPU each (after the servers')")
+    parser.add_argument("--ray-address", default="",
+                        help="run the async mode with `asyncrl launch` on this Ray cluster (e.g. auto), not the two commands")
     parser.add_argument("--out-dir", default="",
                         help="where every mode's run directory goes; runs already there are read back "
                              "(default: a new temporary one)")
@@ -149,12 +154,16 @@ def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) ->
     overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
-    overrides += gpu_layout(args, run.mode)
     command = [sys.executable, "-m", "asyncrl"]
-    learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides])
+    on_ray = bool(args.ray_address) and run.mode == "async"
+    if on_ray:  # one command places every role on the cluster
+        learner = subprocess.Popen([*command, "launch", "--config", args.config, "--ray-address", args.ray_address,
+                                    *overrides, *ray_layout(args)])
+    else:
+        learner = subprocess.Popen([*command, "learner", "--config", args.config, *overrides, *gpu_layout(args, run.mode)])
     # the sync mode's learner owns its engine; the async mode's learner needs the rollout command
-    rollout = None if run.mode == "sync" else subprocess.Popen([*command, "rollout", "--config", args.config, *overrides],
-                                                              start_new_session=True)
+    rollout = None if run.mode == "sync" or on_ray else subprocess.Popen(
+        [*command, "rollout", "--config", args.config, *overrides, *gpu_layout(args, run.mode)], start_new_session=True)
     try:
         learner.wait(JOB_TIMEOUT_S)
     finally:
@@ -163,7 +172,7 @@ def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) ->
         if learner.poll() is None:
             learner.kill()
     if learner.returncode != 0:
-        raise SystemExit(f"{run.label}: the learner exited with {learner.returncode}")
+        raise SystemExit(f"{run.label}: {'asyncrl launch' if on_ray else 'the learner'} exited with {learner.returncode}")
 
 
 def _metrics_file(root: Path, run: Run) -> Path:
@@ -191,6 +200,14 @@ def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
     return [f"rollout.num_servers={server_count}", f"learner.nproc={rank_count}",
             f"rollout.engine.tensor_parallel_size={args.tensor_parallel}",
             f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
+
+
+def ray_layout(args: argparse.Namespace) -> list[str]:
+    """The async layout under `asyncrl launch`: as many servers and ranks as `gpu_layout`, GPUs picked by Ray."""
+    gpus_per_role = 1 if gpu_count() else 0
+    return [f"rollout.num_servers={args.servers}", f"learner.nproc={args.learner_ranks}",
+            f"rollout.engine.tensor_parallel_size={args.tensor_parallel}",
+            f"ray.learner.num_gpus={gpus_per_role}", f"ray.rollout.num_gpus={gpus_per_role * args.tensor_parallel}"]
 
 
 def gpu_count() -> int:

@@ -10,8 +10,11 @@ A host's per-command time limit rarely holds every run: --modes and --layouts pi
 in --out-dir are read back, and --modes '' only reports. Table: per layout, async and sync samples/s, async /
 sync, async samples/s against the first layout's, the staleness trained, the learner's share of time waiting
 for a batch, and the servers' median pause per weight sync.
-Last line: RESULT {json} with `gpus` (per layout), `scaling_vs_2gpu` (async samples/s / the first layout's)
-and `async_vs_sync` (per layout), once a layout's runs are all there.
+A layout ending in `@ray` (e.g. 3:1@ray) runs its async mode with `asyncrl launch` on the Ray cluster of
+--ray-address (bench_async_vs_sync.py --ray-address): the same servers and ranks, GPUs picked by Ray.
+Last line: RESULT {json} with `gpus` (per layout), `scaling_vs_2gpu` (async samples/s / the first layout's),
+`async_vs_sync` (per layout) and `ray_vs_plain` (a Ray layout's async samples/s / the same layout's without
+Ray, where both ran), once a layout's runs are all there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "RESULT "
+RAY_SUFFIX = "@ray"
 
 
 @dataclass(frozen=True)
@@ -32,19 +36,22 @@ class Layout:
     servers: int  # rollout servers, one GPU each
     learner_ranks: int  # learner ranks, one GPU each
     colocated: bool = False  # one GPU for one server and one learner rank
+    ray: bool = False  # the async mode runs under `asyncrl launch` on a Ray cluster
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """'S:L' (S servers, L learner ranks) or 'colocated'."""
-        if text == "colocated":
+        """'S:L' (S servers, L learner ranks) or 'colocated'; 'S:L@ray' for the same under Ray."""
+        shape, ray = (text[:-len(RAY_SUFFIX)], True) if text.endswith(RAY_SUFFIX) else (text, False)
+        if shape == "colocated" and not ray:
             return cls(1, 1, colocated=True)
         try:
-            servers, ranks = (int(part) for part in text.split(":"))
+            servers, ranks = (int(part) for part in shape.split(":"))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"a layout is SERVERS:LEARNER_RANKS (e.g. 3:1) or 'colocated', got '{text}'")
+            raise argparse.ArgumentTypeError(f"a layout is SERVERS:LEARNER_RANKS (e.g. 3:1), SERVERS:LEARNER_RANKS@ray "
+                                             f"or 'colocated', got '{text}'")
         if servers < 1 or ranks < 1:
             raise argparse.ArgumentTypeError(f"layout '{text}': at least one server and one learner rank")
-        return cls(servers, ranks)
+        return cls(servers, ranks, ray=ray)
 
     @property
     def gpus(self) -> int:
@@ -52,16 +59,25 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return "colocated" if self.colocated else f"{self.servers}s{self.learner_ranks}l"
+        return "colocated" if self.colocated else f"{self.servers}s{self.learner_ranks}l" + ("-ray" if self.ray else "")
 
-    def arguments(self) -> list[str]:
-        return ["--colocated"] if self.colocated else ["--servers", str(self.servers), "--learner-ranks", str(self.learner_ranks)]
+    @property
+    def without_ray(self) -> Layout:
+        return Layout(self.servers, self.learner_ranks, self.colocated)
+
+    def arguments(self, ray_address: str) -> list[str]:
+        if self.colocated:
+            return ["--colocated"]
+        return ["--servers", str(self.servers), "--learner-ranks", str(self.learner_ranks),
+                *(["--ray-address", ray_address] if self.ray else [])]
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="1:1,3:1",
-                        help="comma-separated SERVERS:LEARNER_RANKS or 'colocated'; the first is the scaling baseline")
+                        help="comma-separated SERVERS:LEARNER_RANKS, SERVERS:LEARNER_RANKS@ray or 'colocated'; the first "
+                             "is the scaling baseline")
+    parser.add_argument("--ray-address", default="auto", help="the Ray cluster of the @ray layouts")
     parser.add_argument("--run-layouts", default="",
                         help="the layouts to run now (default: all of --layouts); the others are only read back")
     parser.add_argument("--modes", default="sync,async", help="modes to run now ('' = none, only report)")
@@ -79,7 +95,7 @@ def bench(layout: Layout, args: argparse.Namespace, modes: str) -> dict | None:
     command = [sys.executable, str(ROOT / "scripts" / "bench_async_vs_sync.py"), "--config", args.config,
                "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
                "--max-staleness", str(args.max_staleness), "--modes", modes,
-               "--out-dir", str(Path(args.out_dir) / layout.name), *layout.arguments(), *args.overrides]
+               "--out-dir", str(Path(args.out_dir) / layout.name), *layout.arguments(args.ray_address), *args.overrides]
     print(f"=== {layout.name} ({layout.gpus} GPU{'s' if layout.gpus > 1 else ''}): modes '{modes}'", flush=True)
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
     print(done.stdout, end="", flush=True)
@@ -120,6 +136,8 @@ def main() -> None:
                             for layout, r in results.items()},
         "async_vs_sync": {layout.name: r["async_vs_sync_speedup"] for layout, r in results.items()},
         "async_samples_per_s": {layout.name: r["async_samples_per_s"] for layout, r in results.items()},
+        "ray_vs_plain": {layout.name: round(r["async_samples_per_s"] / results[layout.without_ray]["async_samples_per_s"], 3)
+                         for layout, r in results.items() if layout.ray and layout.without_ray in results},
         "baseline": layouts[0].name, "steps": args.steps, "max_staleness": args.max_staleness,
     }), flush=True)
 

@@ -27,6 +27,10 @@
 #              runs nothing and reports the runs already in /tmp/asyncrl-e2e
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
 #              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
+#   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
+#              `PACK=ray scripts/gpu_pack.sh`): bench_scaling.py runs RAY_LAYOUTS (default 3:1@ray) beside the
+#              plain layouts of RAY_BASELINES (default 1:1,3:1, read back from the scaling stage's runs), so
+#              ray_vs_plain compares the two launchers on the same GPUs; the head is stopped at the end
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
@@ -138,6 +142,17 @@ stage_e2e() {
 stage_scaling() {
     "$PYTHON" scripts/bench_scaling.py --config "$CONFIG" --out-dir /tmp/asyncrl-scaling ${SCALING_ARGS:-} \
         metrics.wandb_mode=disabled
+}
+
+stage_ray() {
+    local status=0
+    "$PYTHON" -m ray.scripts.scripts start --head --num-gpus "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" \
+        --include-dashboard=false --disable-usage-stats || return 1
+    "$PYTHON" scripts/bench_scaling.py --config "$CONFIG" --out-dir /tmp/asyncrl-scaling --ray-address auto \
+        --layouts "${RAY_BASELINES:-1:1,3:1},${RAY_LAYOUTS:-3:1@ray}" --run-layouts "${RAY_LAYOUTS:-3:1@ray}" \
+        metrics.wandb_mode=disabled || status=1
+    "$PYTHON" -m ray.scripts.scripts stop --force >/dev/null 2>&1
+    return $status
 }
 
 stages=("$@")

@@ -12,10 +12,14 @@
 # On the host, after copying every piece into /tmp/chunks/:
 #   cat /tmp/chunks/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp/site")'
 #   export PYTHONPATH=/tmp/site
+#
+# PACK=ray packs Ray instead, for `asyncrl launch` on the host (docs/ray.md): ray and the wheels it needs beyond
+# such an image, without its Java jars and its training, tuning, serving, data and RL libraries (the launcher
+# uses only Ray Core), into .device/ray-pieceNN; unpack it into the same /tmp/site.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PIECE_MIB="${PIECE_MIB:-40}"
-WORK="${WORK:-/tmp/asyncrl-gpu-pack}"
+WORK="${WORK:-/tmp/asyncrl-gpu-pack-${PACK:-vllm}}"
 cd "$ROOT"
 mkdir -p .git/info
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
@@ -33,8 +37,15 @@ WHEELS=(vllm==0.24.0 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typi
     outlines_core==0.2.14 apache-tvm-ffi==0.1.15.post2 uvicorn watchfiles prometheus-fastapi-instrumentator
     model-hosting-container-standards flashinfer-python==0.6.12
     hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 math-verify==0.9.0 latex2sympy2_extended==1.11.0)
+if [ "${PACK:-vllm}" = ray ]; then
+    WHEELS=(ray==2.60.0 msgpack protobuf click pyyaml requests filelock packaging jsonschema)
+    DROP=(ray/jars ray/rllib ray/llm ray/data ray/serve ray/tune ray/train)
+    PIECES=ray-piece
+else
+    PIECES=piece
+fi
 # Unused on a Hopper GPU serving a dense model (see the header).
-DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/third_party/fmha_sm100
+[ "${PACK:-vllm}" = ray ] || DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/third_party/fmha_sm100
     'vllm/third_party/deep_gemm/_C.cpython-31[013-9]-*' vllm/third_party/deep_gemm/include)
 
 mkdir -p "$WORK/wheels"
@@ -47,11 +58,11 @@ for wheel in "$WORK"/wheels/*.whl; do unzip -q -o "$wheel" -d "$WORK/site"; done
 for path in "${DROP[@]}"; do rm -rf "$WORK"/site/$path; done
 touch "$WORK/site/.asyncrl-gpu-pack"
 
-rm -rf .device/piece* "$WORK/parts" && mkdir -p "$WORK/parts"
+rm -rf .device/"$PIECES"* "$WORK/parts" && mkdir -p "$WORK/parts"
 tar -C "$WORK/site" -cf - . | xz -6 -T0 | split -b "${PIECE_MIB}M" -d -a 2 - "$WORK/parts/part."
 for part in "$WORK"/parts/part.*; do
     number=${part##*.}
-    mkdir -p ".device/piece$number"
-    mv "$part" ".device/piece$number/part.$number"
+    mkdir -p ".device/$PIECES$number"
+    mv "$part" ".device/$PIECES$number/part.$number"
 done
-echo "pieces: $(ls -d .device/piece* | wc -l) ($(du -sh .device | cut -f1)) from $(du -sh "$WORK/site" | cut -f1) unpacked"
+echo "pieces: $(ls -d .device/"$PIECES"* | wc -l) ($(du -shc .device/"$PIECES"* | tail -1 | cut -f1)) from $(du -sh "$WORK/site" | cut -f1) unpacked"

@@ -1,8 +1,11 @@
 """Combine the RESULT lines of scripts/gpu_bench.sh's stage logs into one table and one RESULT line.
 
-Usage: python scripts/gpu_summary.py OUT_DIR. Stages that did not run (or failed) show as missing.
+Usage: python scripts/gpu_summary.py OUT_DIR. Stages that did not run (or failed) show as missing; a stage
+that printed several RESULT lines (the 7B stage: its weight sync, then its job) gives the figures of all of them.
 Last line: RESULT {json} with rollout_vs_vllm_ratio, weight_sync_ms, nccl_floor_ms,
-async_vs_sync_speedup and mfu (null where the stage is missing), plus the raw figures behind them.
+async_vs_sync_speedup and mfu, the scale-out figures gpus, scaling_vs_2gpu, async_vs_sync (per layout),
+ray_vs_plain, weight_sync_7b_ms and broadcast_ms_by_servers (null where the stage is missing), plus the raw
+figures behind them.
 """
 
 from __future__ import annotations
@@ -22,18 +25,30 @@ FIGURES = [
     ("e2e", "staleness_mean", "staleness_mean", ""),
     ("learner", "learner_tok_s", "learner_tok_s", ""),
     ("learner", "mfu", "mfu", ""),
+    ("scaling", "gpus", "gpus", ""),
+    ("scaling", "scaling_vs_2gpu", "scaling_vs_2gpu", "8 GPUs >= 3.5"),
+    ("scaling", "async_vs_sync", "async_vs_sync", ">= 2"),
+    ("ray", "ray_vs_plain", "ray_vs_plain", "~ 1"),
+    ("big", "weight_sync_ms", "weight_sync_7b_ms", "< 1000"),
+    ("broadcast", "broadcast_ms_by_servers", "broadcast_ms_by_servers", ""),
 ]
 
 
 def stage_result(out: Path, stage: str) -> dict:
+    """Every RESULT line of the stage's log merged, a later line's key over an earlier one's."""
     log = out / f"{stage}.log"
     if not log.is_file():
         return {}
     lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else {}
+    merged = {}
+    for line in lines:
+        merged |= json.loads(line[len("RESULT "):])
+    return merged
 
 
-def _number(value: float) -> str:
+def _shown(value) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{key}:{_shown(entry)}" for key, entry in value.items())
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
@@ -41,12 +56,12 @@ def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "gpu_out")
     results = {stage: stage_result(out, stage) for stage in {stage for stage, *_ in FIGURES}}
     combined = {}
-    print(f"{'figure':24} {'value':>12} {'target':>8}")
+    print(f"{'figure':24} {'value':>12} {'target':>14}")
     for stage, key, name, target in FIGURES:
         value = results[stage].get(key)
         combined[name] = value
-        shown = "missing" if value is None else _number(value)
-        print(f"{name:24} {shown:>12} {target:>8}")
+        shown = "missing" if value is None else _shown(value)
+        print(f"{name:24} {shown:>12} {target:>14}")
     print("RESULT " + json.dumps(combined), flush=True)
 
 

@@ -1,9 +1,13 @@
 """NCCL settings every weight-transfer peer needs before its process creates its first communicator.
 
-NCCL reads these once per process, so the learner and rollout commands apply them at start, before the
-learner's own NCCL world or vLLM's engine exists. Values the user exported are left alone.
-- `NCCL_CUMEM_ENABLE=0`: vLLM sets this in its own processes; a trainer that used cuMem buffers while
-  the vLLM workers did not was seen to hang the weight-transfer rendezvous (see docs/weight_sync.md).
+NCCL reads these once per process, so the learner and rollout commands (and, under `asyncrl launch`, each
+rollout server's process) apply them at start, before the learner's own NCCL world or vLLM's engine exists.
+Values the user exported are left alone.
+- `NCCL_CUMEM_ENABLE=0` on both sides: the two must agree. Older vLLM releases set it in their own processes,
+  and a trainer that used cuMem buffers while the vLLM workers did not was seen to hang the weight-transfer
+  rendezvous (see docs/weight_sync.md); vLLM 0.24 no longer sets it, and a server process that left it unset
+  under Ray (NCCL's default, cuMem on) failed every broadcast from a learner that had it off with
+  "Cuda failure 'invalid argument'" (4 x H200, 2026-11-26).
 - `NCCL_SOCKET_IFNAME=lo` when the group meets on a loopback address: otherwise NCCL's bootstrap may
   advertise another interface (a VM's external address) that the peers on this host cannot reach.
 """

@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from asyncrl.metrics import read_metrics
 from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
+from waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -25,7 +25,6 @@ SESSIONS_PER_GROUP = 2
 TOTAL_STEPS = 6
 CHAT_REWARD = 10.0  # far above the arithmetic task's rewards (0..1): a batch holding a chat group shows it
 REQUEST_TIMEOUT_S = 120
-POLL_S = 0.2
 ABANDONED_SESSIONS = 8  # groups of 2: the whole in-flight budget of K = 1 and 2-group batches, twice over
 IDLE_S = 5  # rollout.chat.session_idle_s of the abandoning agent's job
 BATCH_TIMEOUT_S = 90  # a job whose learner starved behind the abandoned sessions fails in this time, not 600 s
@@ -46,11 +45,8 @@ def post(url: str, body: dict) -> dict:
 
 def chat_url(chat_file: Path, run: subprocess.Popen) -> str | None:
     """The endpoint's address once the server has written it; None if the run ended first."""
-    while not chat_file.exists():
-        if run.poll() is not None:
-            return None
-        time.sleep(POLL_S)
-    return json.loads(chat_file.read_text())["url"]
+    wait_until(lambda: chat_file.exists() or run.poll() is not None, RUN_TIMEOUT_S, "the chat endpoint's address")
+    return json.loads(chat_file.read_text())["url"] if chat_file.exists() else None
 
 
 def drive_sessions(chat_file: Path, run: subprocess.Popen, closes: list[dict]) -> None:

@@ -1,4 +1,5 @@
-"""The scaling benchmark's GPU layouts: parsing, and the placement overrides each layout gives the two commands."""
+"""The scaling benchmark's GPU layouts: parsing, and the placement overrides each layout gives the two commands
+(or `asyncrl launch`, for a layout under Ray)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 
 import pytest
 
+from asyncrl.config import load_config
+from asyncrl.placement import check_ray_placement
 from scripts import bench_async_vs_sync
 from scripts.bench_scaling import Layout
 
@@ -13,10 +16,22 @@ from scripts.bench_scaling import Layout
 def test_layouts_parse_to_servers_and_learner_ranks():
     assert Layout.parse("3:1") == Layout(3, 1) and Layout.parse("3:1").gpus == 4 and Layout.parse("3:1").name == "3s1l"
     colocated = Layout.parse("colocated")
-    assert colocated.colocated and colocated.gpus == 1 and colocated.arguments() == ["--colocated"]
-    for bad in ("3", "a:b", "0:1", "2:0"):
+    assert colocated.colocated and colocated.gpus == 1 and colocated.arguments("auto") == ["--colocated"]
+    assert Layout.parse("3:1").arguments("auto") == ["--servers", "3", "--learner-ranks", "1"]
+    on_ray = Layout.parse("3:1@ray")
+    assert (on_ray.ray, on_ray.gpus, on_ray.name, on_ray.without_ray) == (True, 4, "3s1l-ray", Layout(3, 1))
+    assert on_ray.arguments("10.0.0.1:6379") == ["--servers", "3", "--learner-ranks", "1", "--ray-address", "10.0.0.1:6379"]
+    for bad in ("3", "a:b", "0:1", "2:0", "colocated@ray", "3:1@slurm"):
         with pytest.raises(argparse.ArgumentTypeError, match=bad):
             Layout.parse(bad)
+
+
+def test_a_ray_layout_asks_ray_for_as_many_roles_and_gpus_and_passes_the_launch_placement_check(monkeypatch):
+    monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 4)
+    overrides = bench_async_vs_sync.ray_layout(layout_args(servers=1, learner_ranks=2, tensor_parallel=2))
+    assert overrides == ["rollout.num_servers=1", "learner.nproc=2", "rollout.engine.tensor_parallel_size=2",
+                         "ray.learner.num_gpus=1", "ray.rollout.num_gpus=2"]
+    check_ray_placement(load_config("configs/gpu_qwen05b.yaml", overrides))  # no GPU lists, whole GPUs: accepted
 
 
 def layout_args(**given) -> argparse.Namespace:

@@ -38,3 +38,15 @@ def test_values_the_user_exported_win(monkeypatch):
 
 def test_unresolvable_host_is_not_treated_as_loopback():
     assert "NCCL_SOCKET_IFNAME" not in prepare_nccl_environment("no-such-host.invalid")
+
+
+def test_a_ray_rollout_server_sets_them_before_its_engine_starts(monkeypatch):
+    """Under `asyncrl launch` no rollout command runs: the server's own entry point must set them, or its vLLM
+    workers (cuMem on) and the learner (cuMem off) disagree and every broadcast fails."""
+    from asyncrl.launch_ray import serve_rollout
+    from rollout_servers import supervisor
+
+    seen = {}
+    monkeypatch.setattr(supervisor, "serve_one", lambda *args: seen.update(os.environ))
+    assert serve_rollout.main(["--index", "0", "rollout.weight_sync.host=10.1.2.3"]) == 0
+    assert seen["NCCL_CUMEM_ENABLE"] == "0" and "NCCL_SOCKET_IFNAME" not in seen
