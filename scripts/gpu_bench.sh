@@ -30,7 +30,8 @@
 #   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
 #              `PACK=ray scripts/gpu_pack.sh`): bench_scaling.py runs RAY_LAYOUTS (default 3:1@ray) beside the
 #              plain layouts of RAY_BASELINES (default 1:1,3:1, read back from the scaling stage's runs), so
-#              ray_vs_plain compares the two launchers on the same GPUs; the head is stopped at the end
+#              ray_vs_plain compares the two launchers on the same GPUs (RAY_MODES=async runs the Ray layout's
+#              async mode alone); the head is stopped at the end
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
@@ -149,7 +150,7 @@ stage_ray() {
     "$PYTHON" -m ray.scripts.scripts start --head --num-gpus "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" \
         --include-dashboard=false --disable-usage-stats || return 1
     "$PYTHON" scripts/bench_scaling.py --config "$CONFIG" --out-dir /tmp/asyncrl-scaling --ray-address auto \
-        --layouts "${RAY_BASELINES:-1:1,3:1},${RAY_LAYOUTS:-3:1@ray}" --run-layouts "${RAY_LAYOUTS:-3:1@ray}" \
+        --layouts "${RAY_BASELINES:-1:1,3:1},${RAY_LAYOUTS:-3:1@ray}" --run-layouts "${RAY_LAYOUTS:-3:1@ray}" --modes "${RAY_MODES-sync,async}" \
         metrics.wandb_mode=disabled || status=1
     "$PYTHON" -m ray.scripts.scripts stop --force >/dev/null 2>&1
     return $status
