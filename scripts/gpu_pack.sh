@@ -42,11 +42,11 @@ if [ "${PACK:-vllm}" = ray ]; then
     DROP=(ray/jars ray/rllib ray/llm ray/data ray/serve ray/tune ray/train)
     PIECES=ray-piece
 else
+    # Unused on a Hopper GPU serving a dense model (see the header).
+    DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/third_party/fmha_sm100
+        'vllm/third_party/deep_gemm/_C.cpython-31[013-9]-*' vllm/third_party/deep_gemm/include)
     PIECES=piece
 fi
-# Unused on a Hopper GPU serving a dense model (see the header).
-[ "${PACK:-vllm}" = ray ] || DROP=(vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/third_party/fmha_sm100
-    'vllm/third_party/deep_gemm/_C.cpython-31[013-9]-*' vllm/third_party/deep_gemm/include)
 
 mkdir -p "$WORK/wheels"
 for wheel in "${WHEELS[@]}"; do
