@@ -1,15 +1,16 @@
 """Dynamic task weights against fixed weights: the held-out reward of a slowly improving task beside one
 that saturates at once.
 
-Two tasks on the tiny model, warm-started briefly on addition of 1- to 3-digit numbers: `digits` asks
-two-digit additions and rewards any answer made of digits (a format reward the model meets from the first
-step: it saturates), `add1` asks one-digit additions scored by exact match (it improves slowly). Each cell is
+Two tasks on the tiny model, warm-started as the quickstart's is (two-digit additions from a sloppy teacher,
+--warm-start-steps): `digits` asks two-digit additions and rewards any answer made of digits (a format reward
+the model meets from the first step: it saturates), `add2` asks other two-digit additions scored by exact
+match (the quickstart's task, which RL improves over tens of steps). Each cell is
 one full `asyncrl run` from the same model and data, `run.seed=<seed>`, --steps learner steps, equal starting
 weights, with `data.task_weights.enabled` false (the baseline, fixed weights) or true (dynamic, the settings
 below); validation of version 0 and the final version on each task's held-out file.
-  add1 start/final  `val/add1/score/mean` of version 0 / the final version (held-out exact-match reward)
-  vs fixed          the final add1 reward minus that of fixed weights with the same seed
-  add1 share        add1's share of the samples trained in the last quarter of the steps
+  add2 start/final  `val/add2/score/mean` of version 0 / the final version (held-out exact-match reward)
+  vs fixed          the final add2 reward minus that of fixed weights with the same seed
+  add2 share        add2's share of the samples trained in the last quarter of the steps
 A cell finished by an earlier run of this script with the same --steps and --out-dir is reused. Run with
 scripts/cpu_env.sh sourced on CPU. Last line: RESULT {json} with the per-seed cells and the means.
 """
@@ -34,9 +35,9 @@ from asyncrl.tasks import arithmetic
 
 RUN_TIMEOUT_S = 1800  # one cell, engine start included
 CELL_FILE = "bench_cell.json"
-TASKS = {"digits": 2, "add1": 1}  # data source → digits per operand
-SATURATING_TASK, SLOW_TASK = "digits", "add1"
-NUM_VAL, NUM_TRAIN = 32, 4000  # held-out and training prompts per task (one-digit addition has 100 questions)
+TASKS = {"digits": 2, "add2": 2}  # data source → digits per operand (each task draws its own questions)
+SATURATING_TASK, SLOW_TASK = "digits", "add2"
+NUM_VAL, NUM_TRAIN = 64, 4000  # held-out and training prompts per task
 DYNAMIC = ["data.task_weights.enabled=true", "data.task_weights.patience=5", "data.task_weights.min_delta=0.02",
            "data.task_weights.factor=0.5", "data.task_weights.min_weight=0.1"]
 
@@ -53,10 +54,10 @@ class Cell:
     mode: str  # "fixed" or "dynamic"
     seed: int
     steps: int
-    slow_final: float | None  # val/add1/score/mean of the final version
+    slow_final: float | None  # val/add2/score/mean of the final version
     fast_final: float | None  # val/digits/score/mean of the final version
-    slow_start: float | None  # val/add1/score/mean of version 0
-    slow_share_late: float | None  # add1's share of the samples trained in the last quarter of the steps
+    slow_start: float | None  # val/add2/score/mean of version 0
+    slow_share_late: float | None  # add2's share of the samples trained in the last quarter of the steps
     wall_s: float
     returncode: int
 
@@ -65,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds")
     parser.add_argument("--steps", type=int, default=60, help="learner steps per cell")
-    parser.add_argument("--warm-start-steps", type=int, default=400, help="supervised steps of the shared model")
+    parser.add_argument("--warm-start-steps", type=int, default=800, help="supervised steps of the shared model")
     parser.add_argument("--out-dir", default="runs/bench_task_weights")
     parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value) for every cell")
     return parser.parse_args()
@@ -82,7 +83,7 @@ def write_task_files(out: Path) -> dict[str, tuple[str, str]]:
     for task, digits in TASKS.items():
         train, val = out / f"{task}_train.jsonl", out / f"{task}_val.jsonl"
         if not (train.is_file() and val.is_file()):
-            rng = random.Random(digits)
+            rng = random.Random(task)
             held_out = dict(arithmetic.make_problem(rng, digits, digits, "+") for _ in range(NUM_VAL * 4))
             held_out = dict(list(held_out.items())[:NUM_VAL])
             problems = []
@@ -104,7 +105,7 @@ def _rows(task: str, problems: list[tuple[str, str]], split: str) -> list[dict]:
 def common_overrides(args: argparse.Namespace, files: dict[str, tuple[str, str]]) -> list[str]:
     out = Path(args.out_dir).resolve()
     return [
-        f"model.path={out / 'model'}", "task.min_digits=1", "task.max_digits=3", "task.operators=+",
+        f"model.path={out / 'model'}", "task.min_digits=2", "task.max_digits=2", "task.operators=+",
         f"model.warm_start.steps={args.warm_start_steps}", "model.warm_start.label_noise=0.3",
         f"data.train_files=[{','.join(train for train, _ in files.values())}]",
         f"data.val_files=[{','.join(val for _, val in files.values())}]",
