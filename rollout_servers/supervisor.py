@@ -28,6 +28,7 @@ from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import pin
 from asyncrl.restarts import QuickDeaths
+from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 from rollout_servers.learner_wait import LearnerFinished, LearnerMoved
 from rollout_servers.server import Endpoints, RolloutServer
 
@@ -147,6 +148,7 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if gpus is not None:
         pin(gpus)  # before vLLM first touches CUDA
+    prepare_nccl_environment(config.rollout.weight_sync.host)  # before vLLM's workers start: they inherit it
     try:
         server = RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR)
     except Exception as error:

@@ -21,7 +21,6 @@ def main(args: argparse.Namespace) -> int:
         log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
         return 2
     from asyncrl.placement import place_local_job  # imports torch: after parsing
-    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
     from rollout_servers.learner_wait import LearnerFinished
     from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
 
@@ -31,7 +30,6 @@ def main(args: argparse.Namespace) -> int:
             config = adopt_learner_settings(config, run_dir, args.overrides, log)
         check_input_files(config)
         plan = place_local_job(config, log)
-        prepare_nccl_environment(config.rollout.weight_sync.host)
         log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
                  endpoints.sync)
         final_step = supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."),

@@ -26,11 +26,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"rollout-{args.index}: {error}", file=sys.stderr)
         return 2
-    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
     from rollout_servers.server import Endpoints
     from rollout_servers.supervisor import serve_one
 
-    prepare_nccl_environment(config.rollout.weight_sync.host)  # as `asyncrl rollout` does: vLLM's workers inherit it
     endpoints = Endpoints(config.buffer.address, config.rollout.weight_sync.control_address)
     serve_one(config, args.index, endpoints, str(Path(config.run.root_dir) / config.run.name))
     return 0

@@ -1,7 +1,8 @@
 """NCCL settings every weight-transfer peer needs before its process creates its first communicator.
 
-NCCL reads these once per process, so the learner and rollout commands (and, under `asyncrl launch`, each
-rollout server's process) apply them at start, before the learner's own NCCL world or vLLM's engine exists.
+NCCL reads these once per process, so the learner command and each rollout server's process (`serve_one`, under
+`asyncrl rollout` and `asyncrl launch` alike) apply them at start, before the learner's own NCCL world or vLLM's
+engine exists.
 Values the user exported are left alone.
 - `NCCL_CUMEM_ENABLE=0` on both sides: the two must agree. Older vLLM releases set it in their own processes,
   and a trainer that used cuMem buffers while the vLLM workers did not was seen to hang the weight-transfer

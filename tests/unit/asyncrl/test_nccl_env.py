@@ -1,12 +1,17 @@
 """NCCL settings for the weight-transfer peers: set before any communicator, never over the user's own."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from asyncrl.exit_codes import CANNOT_START
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
 NCCL_VARIABLES = ("NCCL_CUMEM_ENABLE", "NCCL_SOCKET_IFNAME")
+SUBPROCESS_TIMEOUT_S = 120  # a Python that imports vLLM, on a loaded box
 
 
 @pytest.fixture(autouse=True)
@@ -40,13 +45,30 @@ def test_unresolvable_host_is_not_treated_as_loopback():
     assert "NCCL_SOCKET_IFNAME" not in prepare_nccl_environment("no-such-host.invalid")
 
 
-def test_a_ray_rollout_server_sets_them_before_its_engine_starts(monkeypatch):
-    """Under `asyncrl launch` no rollout command runs: the server's own entry point must set them, or its vLLM
-    workers (cuMem on) and the learner (cuMem off) disagree and every broadcast fails."""
-    from asyncrl.launch_ray import serve_rollout
-    from rollout_servers import supervisor
 
-    seen = {}
-    monkeypatch.setattr(supervisor, "serve_one", lambda *args: seen.update(os.environ))
-    assert serve_rollout.main(["--index", "0", "rollout.weight_sync.host=10.1.2.3"]) == 0
-    assert seen["NCCL_CUMEM_ENABLE"] == "0" and "NCCL_SOCKET_IFNAME" not in seen
+SERVE_ONE_UNTIL_BUILT = """
+import json, os, sys
+from asyncrl.config import load_config
+from rollout_servers import supervisor
+from rollout_servers.server import Endpoints
+
+class ReportsItsEnvironment:  # stands in for the server, built where vLLM's engine would start next
+    def __init__(self, *args):
+        print(json.dumps({name: os.environ.get(name) for name in sys.argv[2:]}), flush=True)
+        raise RuntimeError("built: stop here")
+
+supervisor.RolloutServer = ReportsItsEnvironment
+config = load_config(None, ["rollout.weight_sync.host=10.1.2.3"])
+supervisor.serve_one(config, 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
+"""
+
+
+def test_every_rollout_server_process_sets_them_before_its_engine_starts(tmp_path):
+    """Each server process sets them itself (`serve_one`, under `asyncrl rollout` and `asyncrl launch` alike): under
+    Ray no rollout command runs, and vLLM 0.24 no longer sets NCCL_CUMEM_ENABLE, so a server left at NCCL's default
+    (cuMem on) failed every broadcast from a learner with it off."""
+    environment = {name: value for name, value in os.environ.items() if name not in NCCL_VARIABLES}
+    done = subprocess.run([sys.executable, "-c", SERVE_ONE_UNTIL_BUILT, str(tmp_path), *NCCL_VARIABLES], env=environment,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == CANNOT_START, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_SOCKET_IFNAME": None}
