@@ -16,10 +16,13 @@ class StopSignal:
         self.requested = True
 
 
-def interrupt_on_sigterm() -> None:
-    """SIGTERM raises KeyboardInterrupt from now on, as Ctrl-C does: a role stopped by its launcher unwinds
-    through its `finally` blocks instead of dying where it stands."""
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+def interrupt_on_stop_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt from now on: a role stopped by its launcher unwinds through its
+    `finally` blocks instead of dying where it stands. SIGINT is set too, not left to Python: a process started as a
+    background job of a script inherits SIGINT ignored, Python then keeps it ignored, and a `kill -INT` (or the
+    script's Ctrl-C) would leave the job running."""
+    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop_signal, signal.default_int_handler)
 
 
 def interrupt_once() -> None:

@@ -13,7 +13,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.net import free_port
-from asyncrl.stop_signal import interrupt_on_sigterm
+from asyncrl.stop_signal import interrupt_on_stop_signals
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,7 +61,7 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
 
     from learner.main import spawned_rank
 
-    interrupt_on_sigterm()
+    interrupt_on_stop_signals()
     size = config.learner.nproc
     context = mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size,
                                  start_method="spawn", join=False)

@@ -20,7 +20,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.logs import setup_logging
 from asyncrl.metrics import METRICS_FILE, MetricsLogger
-from asyncrl.stop_signal import interrupt_on_sigterm
+from asyncrl.stop_signal import interrupt_on_stop_signals
 from asyncrl.sync_reference import run
 
 ROLE = "sync"  # the process's name in its log lines and its log file, logs/sync.log
@@ -56,7 +56,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
         return 2
     run_dir = make_run_dir(config, "run")
     setup_logging(ROLE, config.run.log_level, run_dir / "logs" / f"{ROLE}.log")
-    interrupt_on_sigterm()
+    interrupt_on_stop_signals()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as a rollout server: the engine shares the cores
     from learner.sync_trainer import SyncTrainer, close_world, open_world  # imports the roles: after parsing
     from rollout_servers.sync_sampler import SyncSampler

@@ -1,7 +1,9 @@
-"""interrupt_on_sigterm turns a stop into a KeyboardInterrupt; ignore_stop_signals lets a process that has begun to
+"""interrupt_on_stop_signals turns a stop into a KeyboardInterrupt, also a SIGINT the process inherited ignored (a
+script's background job); ignore_stop_signals lets a process that has begun to
 stop finish its teardown through a second stop signal; interrupt_once does both, the teardown protected from the
 moment of the first stop."""
 
+import signal
 import subprocess
 import sys
 
@@ -11,8 +13,8 @@ pytestmark = pytest.mark.timeout(30)
 
 STOPPING_TWICE = """
 import atexit, os, signal, sys, time
-from asyncrl.stop_signal import ignore_stop_signals, interrupt_on_sigterm
-interrupt_on_sigterm()  # as a rollout server does
+from asyncrl.stop_signal import ignore_stop_signals, interrupt_on_stop_signals
+interrupt_on_stop_signals()  # as a rollout server does
 def teardown():
     os.kill(os.getpid(), signal.SIGTERM)  # the second stop, while the exit path runs
     time.sleep(0.2)  # a teardown that takes a while: the second stop lands inside it
@@ -66,3 +68,29 @@ except KeyboardInterrupt:
 def test_interrupt_once_protects_a_teardown_from_the_first_stop_on():
     done = subprocess.run([sys.executable, "-c", TEARDOWN_INSIDE], capture_output=True, text=True, timeout=20)
     assert done.stdout.split("\n")[:2] == ["teardown finished", "stopped"], done.stderr
+
+
+# `asyncrl learner` started with `&` from a script: the shell starts it with SIGINT ignored, and Python keeps that.
+SIGINT_INHERITED_IGNORED = """
+import os, signal, sys, time
+from asyncrl.stop_signal import interrupt_on_stop_signals
+assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "started with SIGINT ignored"
+if sys.argv[1] == "interrupt":
+    interrupt_on_stop_signals()
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(3)
+    print("slept through it", flush=True)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+"""
+
+
+def run_with_sigint_ignored(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SIGINT_INHERITED_IGNORED, mode], capture_output=True, text=True,
+                          timeout=20, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+
+
+def test_a_sigint_inherited_ignored_stops_the_process_once_it_asks_for_stop_signals():
+    assert run_with_sigint_ignored("interrupt").stdout == "stopped\n"
+    assert run_with_sigint_ignored("inherited").stdout == "slept through it\n"  # the hazard it guards
