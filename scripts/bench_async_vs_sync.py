@@ -27,7 +27,8 @@ runs can be made in separate calls (each under a host's per-command time limit) 
 --modes '' runs nothing and reports what --out-dir holds.
 Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup, the
 staleness the async run trained with and its servers' median pause per weight sync (server_pause_ms),
-for the first K listed, and `sweep` with every K's figures (once sync and the async runs have run);
+for the first K listed, and `sweep` with every K's figures (once the async runs have run; the figures
+against sync are null until the sync run is there too);
 --colocated adds colocated_async_vs_sync and colocated_weight_sync_ms (the same figures, named as such).
 With --ray-address the async mode is `asyncrl launch` on that Ray cluster instead of the two commands: the same
 servers and learner ranks, one GPU per rank and --tensor-parallel per server, but Ray picks the GPUs
@@ -273,11 +274,16 @@ def print_table(results: dict[Run, dict], baseline: dict | None) -> None:
     print("dropped = groups dropped as stale / groups that reached the learner's reads, over the timed steps")
 
 
-def sweep_entry(run: Run, result: dict, sync: dict) -> dict:
+def against(value: float, reference: float | None) -> float | None:
+    """value / reference to 3 decimals, or None while the reference run is missing."""
+    return round(value / reference, 3) if reference else None
+
+
+def sweep_entry(run: Run, result: dict, sync: dict | None) -> dict:
     return {
         "k": run.k, "samples_per_s": round(result["samples_per_s"], 2), "tokens_per_s": round(result["tokens_per_s"], 1),
-        "speedup": round(result["samples_per_s"] / sync["samples_per_s"], 3),
-        "token_speedup": round(result["tokens_per_s"] / sync["tokens_per_s"], 3),
+        "speedup": against(result["samples_per_s"], sync and sync["samples_per_s"]),
+        "token_speedup": against(result["tokens_per_s"], sync and sync["tokens_per_s"]),
         "staleness_mean": round(result["staleness_mean"], 3), "staleness_max": result["staleness_max"],
         "response_length_mean": round(result["response_length_mean"], 1),
         "groups_dropped_stale": result["groups_dropped_stale"], "groups_handed_out": result["groups_handed_out"],
@@ -313,18 +319,20 @@ def main() -> None:
     print_table(results, sync)
     if len(results) != len(runs):
         print(f"make the remaining runs (--modes) with --out-dir {root} to compare them")
-        return
+    if any(run not in results for run in runs[1:]):
+        return  # the RESULT needs every async run; the sync run only for the ratios
     sweep = [sweep_entry(run, results[run], sync) for run in runs[1:]]
     first = sweep[0]  # the headline figures: the first K listed
-    print(f"async K={first['k']} / sync: {first['speedup']:.2f}x in samples/s, "
-          f"{first['token_speedup']:.2f}x in trained response tokens/s")
+    if sync:
+        print(f"async K={first['k']} / sync: {first['speedup']:.2f}x in samples/s, "
+              f"{first['token_speedup']:.2f}x in trained response tokens/s")
     result = {
         "async_samples_per_s": first["samples_per_s"],
-        "sync_samples_per_s": round(sync["samples_per_s"], 2),
+        "sync_samples_per_s": sync and round(sync["samples_per_s"], 2),
         "async_vs_sync_speedup": first["speedup"],
         "async_vs_sync_token_speedup": first["token_speedup"],
         "async_response_length_mean": first["response_length_mean"],
-        "sync_response_length_mean": round(sync["response_length_mean"], 1),
+        "sync_response_length_mean": sync and round(sync["response_length_mean"], 1),
         "staleness_mean": first["staleness_mean"],
         "staleness_max": first["staleness_max"],
         "lengths": args.lengths, "response_lengths": lengths, "steps": args.steps, "warmup_steps": args.warmup_steps,

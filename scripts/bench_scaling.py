@@ -13,8 +13,8 @@ for a batch, and the servers' median pause per weight sync.
 A layout ending in `@ray` (e.g. 3:1@ray) runs its async mode with `asyncrl launch` on the Ray cluster of
 --ray-address (bench_async_vs_sync.py --ray-address): the same servers and ranks, GPUs picked by Ray.
 Last line: RESULT {json} with `gpus` (per layout), `scaling_vs_2gpu` (async samples/s / the first layout's),
-`async_vs_sync` (per layout) and `ray_vs_plain` (a Ray layout's async samples/s / the same layout's without
-Ray, where both ran), once a layout's runs are all there.
+`async_vs_sync` (per layout, null where the sync run is missing) and `ray_vs_plain` (a Ray layout's async
+samples/s / the same layout's without Ray, where both ran), once the first layout's async run is there.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def bench(layout: Layout, args: argparse.Namespace, modes: str) -> dict | None:
-    """Run (or only read back, with modes '') one layout; its RESULT, or None while a mode is missing."""
+    """Run (or only read back, with modes '') one layout; its RESULT, or None while its async run is missing."""
     command = [sys.executable, str(ROOT / "scripts" / "bench_async_vs_sync.py"), "--config", args.config,
                "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
                "--max-staleness", str(args.max_staleness), "--modes", modes,
@@ -111,9 +111,10 @@ def print_table(results: dict[Layout, dict], baseline: dict | None) -> None:
     for layout, r in results.items():
         scaling = f"{r['async_samples_per_s'] / baseline['async_samples_per_s']:7.2f}x" if baseline else f"{'-':>8}"
         wait = r["sweep"][0]["learner_wait_share"]
-        print(f"{layout.name:10} {layout.gpus:4d} {r['async_samples_per_s']:8.2f} {r['sync_samples_per_s']:8.2f} "
-              f"{r['async_vs_sync_speedup']:9.2f}x {scaling} {r['staleness_mean']:9.2f} {wait:12.0%} "
-              f"{r['server_pause_ms']:13.1f}")
+        sync = f"{r['sync_samples_per_s']:8.2f}" if r["sync_samples_per_s"] else f"{'-':>8}"
+        speedup = f"{r['async_vs_sync_speedup']:9.2f}x" if r["async_vs_sync_speedup"] else f"{'-':>10}"
+        print(f"{layout.name:10} {layout.gpus:4d} {r['async_samples_per_s']:8.2f} {sync} {speedup} {scaling} "
+              f"{r['staleness_mean']:9.2f} {wait:12.0%} {r['server_pause_ms']:13.1f}")
 
 
 def main() -> None:
@@ -128,7 +129,7 @@ def main() -> None:
     baseline = results.get(layouts[0])
     print_table(results, baseline)
     if baseline is None:
-        print(f"the first layout ({layouts[0].name}) has not run both modes yet: no scaling column")
+        print(f"the first layout ({layouts[0].name}) has no async run yet: no scaling column")
         return
     print(RESULT_PREFIX + json.dumps({
         "gpus": {layout.name: layout.gpus for layout in results},

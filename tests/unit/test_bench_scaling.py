@@ -10,6 +10,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.placement import check_ray_placement
 from scripts import bench_async_vs_sync
+from scripts import bench_scaling
 from scripts.bench_scaling import Layout
 
 
@@ -54,3 +55,22 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
         bench_async_vs_sync.gpu_layout(layout_args(servers=8))
     monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 0)
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=3)) == []  # CPU: the commands place nothing
+
+
+def test_async_figures_stand_without_the_sync_run_and_its_ratios_stay_empty(capsys):
+    assert bench_async_vs_sync.against(3.0, 2.0) == 1.5 and bench_async_vs_sync.against(3.0, None) is None
+    async_run = {"samples_per_s": 90.0, "tokens_per_s": 15000.0, "staleness_mean": 1.2, "staleness_max": 2,
+                 "response_length_mean": 160.0, "groups_dropped_stale": 8, "groups_handed_out": 96, "learner_wait_share": 0.5}
+    entry = bench_async_vs_sync.sweep_entry(bench_async_vs_sync.Run("async", 2), async_run, None)
+    assert (entry["samples_per_s"], entry["speedup"], entry["token_speedup"]) == (90.0, None, None)
+    with_sync = bench_async_vs_sync.sweep_entry(bench_async_vs_sync.Run("async", 2), async_run,
+                                                {"samples_per_s": 45.0, "tokens_per_s": 6000.0})
+    assert (with_sync["speedup"], with_sync["token_speedup"]) == (2.0, 2.5)
+    plain, on_ray = Layout.parse("3:1"), Layout.parse("3:1@ray")
+    row = {"sync_samples_per_s": None, "async_vs_sync_speedup": None, "staleness_mean": 1.2, "server_pause_ms": 67.0,
+           "sweep": [entry]}
+    results = {plain: row | {"async_samples_per_s": 100.0}, on_ray: row | {"async_samples_per_s": 90.0}}
+    bench_scaling.print_table(results, results[plain])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:6] == ["3s1l", "4", "100.00", "-", "-", "1.00x"]
+    assert lines[2].split()[:6] == ["3s1l-ray", "4", "90.00", "-", "-", "0.90x"]
