@@ -15,6 +15,7 @@ behaviour log-probs are vLLM's after the grammar's mask, those of the distributi
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Sequence
 
 from pydantic import TypeAdapter, ValidationError
@@ -32,6 +33,18 @@ class ToolParserError(ValueError):
     """The configured parser does not exist; the message names the config key."""
 
 
+class OneLineParseErrors(logging.Filter):
+    """A policy in training writes malformed calls all the time; vLLM's parsers log each with its traceback
+    (15 lines for a typo in the JSON). This keeps the record and its level, with the exception on one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage()} ({type(error).__name__}: {error})", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 class ToolCallReader:
     """One server's parser class and tokenizer; a parser object per reply (parsers keep per-request state)."""
 
@@ -43,6 +56,9 @@ class ToolCallReader:
             raise ToolParserError(f"{key}: '{name}' is not one of vLLM's tool parsers ({', '.join(known)})") from None
         self._name = name
         self._tokenizer = tokenizer
+        parser_log = logging.getLogger(self._parser.__module__)
+        if not any(isinstance(f, OneLineParseErrors) for f in parser_log.filters):
+            parser_log.addFilter(OneLineParseErrors())
 
     def constraint(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
         """The grammar that forces the call `request.tool_choice` asks for ("required" or a named function) or

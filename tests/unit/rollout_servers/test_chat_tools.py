@@ -38,3 +38,12 @@ def test_a_reply_constrained_to_json_is_read_as_vllms_server_reads_it():
                                                   "tool_choice": {"type": "function", "function": {"name": "add"}}})
     _, (call,) = reader.read(ids('{"a": 2}') + [EOS], named, json_reply=True)
     assert (call.function.name, call.function.arguments) == ("add", '{"a": 2}')
+
+
+def test_an_unreadable_call_is_logged_on_one_line_and_read_as_no_call(caplog):
+    reader = ToolCallReader("hermes", TOKENIZER)
+    ToolCallReader("hermes", TOKENIZER)  # a second reader adds no second filter
+    with caplog.at_level("ERROR"):
+        assert reader.read(ids('<tool_call>{"nme": "add", "arguments": {}}</tool_call>') + [EOS], REQUEST) == (None, [])
+    (record,) = [r for r in caplog.records if r.name.startswith("vllm.tool_parsers")]
+    assert record.exc_info is None and "KeyError: 'name'" in record.getMessage() and "\n" not in caplog.text.strip()
