@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.endpoints import FINISHED_KEY, read_endpoints
@@ -14,6 +15,15 @@ from asyncrl.endpoints import FINISHED_KEY, read_endpoints
 log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 60.0  # how often a waiting server says that it waits
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where a server finds its learner."""
+
+    buffer: str  # tcp:// address of the trajectory buffer
+    sync: str  # tcp:// address of the learner's weight-sync coordinator
+    learner_dir: Path | None = None  # the run directory whose endpoints file named them (None: fixed by the config)
 
 
 class LearnerMoved(Exception):

@@ -35,7 +35,7 @@ from rollout_servers.chat_sessions import ChatSessions
 from rollout_servers.chat_tools import ToolCallReader
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.group_sampler import GroupSampler, ServerStats
-from rollout_servers.learner_wait import LearnerWait
+from rollout_servers.learner_wait import Endpoints, LearnerWait
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.sample_slots import Claim, SampleSlots
 from rollout_servers.sync_client import SyncClient, cancel
@@ -46,13 +46,6 @@ log = logging.getLogger(__name__)
 
 _SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
 VALIDATING_SERVER = 0  # index of the one server that runs validation passes
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    buffer: str  # tcp:// address of the trajectory buffer
-    sync: str  # tcp:// address of the learner's weight-sync coordinator
-    learner_dir: Path | None = None  # the run directory whose endpoints file named them (None: fixed by the config)
 
 
 class RolloutServer:

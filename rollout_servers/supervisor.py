@@ -29,8 +29,7 @@ from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import pin
 from asyncrl.restarts import QuickDeaths
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
-from rollout_servers.learner_wait import LearnerFinished, LearnerMoved
-from rollout_servers.server import Endpoints, RolloutServer
+from rollout_servers.learner_wait import Endpoints, LearnerFinished, LearnerMoved
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +148,9 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
     if gpus is not None:
         pin(gpus)  # before vLLM first touches CUDA
     prepare_nccl_environment(config.rollout.weight_sync.host)  # before vLLM's workers start: they inherit it
+    # Imported here, in the server's own process: vLLM takes seconds of CPU to import, and the supervisor (and
+    # every other process that imports this module) never runs an engine.
+    from rollout_servers.server import RolloutServer
     try:
         server = RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR)
     except Exception as error:

@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as error:
         print(f"rollout-{args.index}: {error}", file=sys.stderr)
         return 2
-    from rollout_servers.server import Endpoints
+    from rollout_servers.learner_wait import Endpoints
     from rollout_servers.supervisor import serve_one
 
     endpoints = Endpoints(config.buffer.address, config.rollout.weight_sync.control_address)

@@ -138,3 +138,11 @@ def test_help_imports_nothing_heavy():
         snippet = code.replace("['--help']", repr([*args, "--help"]))
         out = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_rollout_supervisor_leaves_vllm_to_its_servers():
+    # Each process that imports vLLM spends seconds of CPU on it; the supervisor runs no engine, so importing
+    # vLLM there only delays the servers it starts (and every job start on a small machine).
+    code = "import sys\nimport rollout_servers.supervisor\nprint('VLLM', 'vllm' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "VLLM False" in out.stdout, out.stdout + out.stderr

@@ -47,17 +47,17 @@ def test_unresolvable_host_is_not_treated_as_loopback():
 
 
 SERVE_ONE_UNTIL_BUILT = """
-import json, os, sys
+import json, os, sys, types
 from asyncrl.config import load_config
 from rollout_servers import supervisor
-from rollout_servers.server import Endpoints
+from rollout_servers.learner_wait import Endpoints
 
 class ReportsItsEnvironment:  # stands in for the server, built where vLLM's engine would start next
     def __init__(self, *args):
         print(json.dumps({name: os.environ.get(name) for name in sys.argv[2:]}), flush=True)
         raise RuntimeError("built: stop here")
 
-supervisor.RolloutServer = ReportsItsEnvironment
+sys.modules["rollout_servers.server"] = types.SimpleNamespace(RolloutServer=ReportsItsEnvironment)  # what serve_one imports
 config = load_config(None, ["rollout.weight_sync.host=10.1.2.3"])
 supervisor.serve_one(config, 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
 """

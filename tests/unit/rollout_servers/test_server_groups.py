@@ -25,7 +25,8 @@ from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.chat_admission import ChatAdmission
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.sample_slots import SampleSlots
-from rollout_servers.server import Endpoints, RolloutServer
+from rollout_servers.learner_wait import Endpoints
+from rollout_servers.server import RolloutServer
 from waiting import wait_until_async
 
 N = 2  # samples per group
