@@ -17,9 +17,9 @@ Response lengths are long-tailed, in one of two ways (--lengths):
               of stop token ids (`rollout.sampling.stop_token_ids`) that a randomly initialised model,
               whose next-token distribution is near uniform, samples with probability 1 - 2^(-1/median)
               per token, so lengths are geometric with that median, capped at max_tokens (random weights only)
-Samples/s is counted from the learner's metrics after --warmup-steps steps, up to the step
-before the last (which also writes the final checkpoint); over the same steps, the groups the buffer
-dropped as staler than K and the share of the learner's time spent waiting for a batch.
+Samples/s is counted from the learner's metrics after --warmup-steps steps (an async run: at least K + 1, see
+Run.warmup), up to the step before the last (which also writes the final checkpoint); over the same steps, the
+groups the buffer dropped as staler than K and the share of the learner's time spent waiting for a batch.
 --max-staleness takes a list (e.g. 1,2,4,8) to sweep K: the async mode runs once per K (run directory
 bench-async-k<K>), each compared with the one sync run, so staleness can be tuned against throughput.
 --modes runs a subset; with a fixed --out-dir, a run made earlier is read back from its metrics, so the
@@ -73,6 +73,15 @@ class Run:
     @property
     def label(self) -> str:
         return "sync" if self.mode == "sync" else f"async K={self.k}"
+
+    def warmup(self, warmup_steps: int) -> int:
+        """Steps left out of its rate. While the learner's first step runs (compiling, minutes on a GPU) an async
+        server fills the buffer up to K + 1 batches ahead, and the next K steps drain that backlog without
+        waiting: timed, they would credit the async run with throughput it has not sustained."""
+        return warmup_steps if self.mode == "sync" else max(warmup_steps, self.k + 1)
+
+
+MIN_TIMED_STEPS = 2  # fewer give no rate worth printing
 
 
 def planned_runs(ks: list[int]) -> list[Run]:
@@ -287,7 +296,7 @@ def sweep_entry(run: Run, result: dict, sync: dict | None) -> dict:
         "staleness_mean": round(result["staleness_mean"], 3), "staleness_max": result["staleness_max"],
         "response_length_mean": round(result["response_length_mean"], 1),
         "groups_dropped_stale": result["groups_dropped_stale"], "groups_handed_out": result["groups_handed_out"],
-        "learner_wait_share": round(result["learner_wait_share"], 3),
+        "learner_wait_share": round(result["learner_wait_share"], 3), "timed_steps": result["steps"],
     }
 
 
@@ -311,10 +320,14 @@ def main() -> None:
     if unknown := set(modes) - set(MODES):
         raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES)})")
     runs = planned_runs(args.max_staleness)
+    if short := [run.label for run in runs if args.steps - 1 - run.warmup(args.warmup_steps) < MIN_TIMED_STEPS]:
+        raise SystemExit(f"--steps {args.steps} leaves fewer than {MIN_TIMED_STEPS} timed steps for {', '.join(short)} "
+                         f"(an async run's warm-up is at least K + 1 steps, and the last step is not timed)")
     for run in runs:
         if run.mode in modes:
             run_mode(run, args, root, data_file)
-    results = {run: summarise(_metrics(root, run), args.warmup_steps) for run in runs if _metrics_file(root, run).exists()}
+    results = {run: summarise(_metrics(root, run), run.warmup(args.warmup_steps))
+               for run in runs if _metrics_file(root, run).exists()}
     sync = results.get(runs[0])
     print_table(results, sync)
     if len(results) != len(runs):

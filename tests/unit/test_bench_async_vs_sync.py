@@ -49,3 +49,14 @@ def test_per_sample_lengths_stop_on_a_share_of_the_vocabulary_that_gives_the_med
     stats = geometric_lengths(median, max_tokens=1024, samples=20_000, seed=0)
     assert 180 <= stats["p50"] <= 205 and stats["max"] == 1024  # the cap holds the tail
     assert 250 <= stats["mean"] <= 285  # geometric mean 277 before the cap, a little less with it
+
+
+def test_an_async_run_leaves_the_backlog_of_its_first_step_out_of_its_rate():
+    # the first step compiles (14 s on an H100) while the server fills the buffer K + 1 batches ahead; the
+    # next K steps drain it without waiting, so a K = 4 run is timed from step 6, a K = 2 run from step 4
+    assert [run.warmup(3) for run in planned_runs(k_list("1,2,4,8"))] == [3, 3, 3, 5, 9]
+    steps = [14.0, 0.5, 0.6, 0.8, 0.4, 2.6, 2.6, 2.6, 2.6, 2.6, 3.0]  # step_s of a K = 4 run, steps 1-11
+    clock = [sum(steps[:i + 1]) for i in range(len(steps))]
+    records = [{"step": i + 1, "time": t, "batch/samples": 128} for i, t in enumerate(clock)]
+    assert summarise(records, Run("async", 4).warmup(3))["samples_per_s"] == pytest.approx(128 / 2.6)  # steps 6-10
+    assert summarise(records, 3)["samples_per_s"] > 1.25 * 128 / 2.6  # what the backlog of steps 4-5 made of it

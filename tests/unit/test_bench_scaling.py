@@ -60,7 +60,7 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
 def test_async_figures_stand_without_the_sync_run_and_its_ratios_stay_empty(capsys):
     assert bench_async_vs_sync.against(3.0, 2.0) == 1.5 and bench_async_vs_sync.against(3.0, None) is None
     async_run = {"samples_per_s": 90.0, "tokens_per_s": 15000.0, "staleness_mean": 1.2, "staleness_max": 2,
-                 "response_length_mean": 160.0, "groups_dropped_stale": 8, "groups_handed_out": 96, "learner_wait_share": 0.5}
+                 "response_length_mean": 160.0, "groups_dropped_stale": 8, "groups_handed_out": 96, "learner_wait_share": 0.5, "steps": 6}
     entry = bench_async_vs_sync.sweep_entry(bench_async_vs_sync.Run("async", 2), async_run, None)
     assert (entry["samples_per_s"], entry["speedup"], entry["token_speedup"]) == (90.0, None, None)
     with_sync = bench_async_vs_sync.sweep_entry(bench_async_vs_sync.Run("async", 2), async_run,
