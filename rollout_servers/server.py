@@ -10,7 +10,6 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
