@@ -159,7 +159,7 @@ class RolloutServer:
             return None
         prompts = load_validation_prompts(self.config, self.tokenizer)
         log.info("validating every %d versions on %d held-out prompts", self.config.validation.every, len(prompts))
-        return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer)
+        return Validator(self.config.validation, self.config.rollout.sampling, prompts, self.tokenizer, self.config.run.seed)
 
     def _start_validation(self, engine: RolloutEngine, scorer: RewardScorer, agent: AgentLoop) -> asyncio.Task | None:
         """The background task that validates due versions (server 0 with validation on), or None."""

@@ -19,4 +19,5 @@ class ValidationConfig:
     k: int = bounded(1, 1)  # k of the logged pass@k (unbiased estimator over the n samples)
     max_prompts: int = bounded(0, 0)  # held-out prompts per pass, the first ones of the files; 0 = all
     temperature: float = bounded(1.0, 0.0)  # sampling temperature of validation (0 = greedy)
+    seeded: bool = True  # fixed sampling seeds per held-out sample (from run.seed): a policy scores the same every pass
     final_wait_s: float = bounded(120.0, 0.0)  # the learner holds its last record this long for the final version's pass

@@ -11,7 +11,7 @@ from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, write_rows
 from asyncrl.rewards import RewardResult
 from asyncrl.tasks import arithmetic
-from rollout_servers.validation import ValidationPrompt, Validator, load_validation_prompts
+from rollout_servers.validation import VALIDATION_SEED_OFFSET, ValidationPrompt, Validator, load_validation_prompts
 from waiting import wait_until_async
 
 N, K = 4, 2
@@ -31,9 +31,11 @@ class FakeEngine:
     def __init__(self, correct: dict[tuple[int, ...], tuple[str, int]], version: int = 10) -> None:
         self.correct, self.current_version, self.needs_catch_up = correct, version, False
         self.samplings: list[SamplingConfig] = []
+        self.seeds: list[int | None] = []
 
-    async def generate_group(self, prompt_ids, sampling=None):
+    async def generate_group(self, prompt_ids, sampling=None, *, seed=None):
         self.samplings.append(sampling)
+        self.seeds.append(seed)
         answer, right = self.correct[tuple(prompt_ids)]
         texts = [answer if index < right else "wrong" for index in range(sampling.n)]
         return [SimpleNamespace(token_ids=[ord(c) for c in text]) for text in texts]
@@ -53,12 +55,27 @@ def prompt(ids: list[int], answer: str, source: str = "arithmetic") -> Validatio
     return ValidationPrompt(PromptRow([{"role": "user", "content": "q"}], source, answer), ids)
 
 
-def make_validator(every: int = 10) -> tuple[Validator, FakeEngine]:
+def make_validator(every: int = 10, seeded: bool = True, run_seed: int = 0) -> tuple[Validator, FakeEngine]:
     prompts = [prompt([1], "3"), prompt([2], "7"), prompt([3], "x=1", source="algebra")]
     engine = FakeEngine({(1,): ("3", 1), (2,): ("7", 2), (3,): ("x=1", 0)})
-    settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5)
+    settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5, seeded=seeded)
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=8)
-    return Validator(settings, sampling, prompts, CharTokenizer()), engine
+    return Validator(settings, sampling, prompts, CharTokenizer(), run_seed), engine
+
+
+def test_every_pass_samples_each_prompt_with_the_same_seeds_drawn_from_the_run_seed():
+    validator, engine = make_validator(run_seed=5)
+    for _ in range(2):
+        asyncio.run(validator.run_pass(engine, ExactMatchScorer()))
+    base = 5 + VALIDATION_SEED_OFFSET
+    # prompt i's group seed is base + i * n (its samples take that + their index: no two samples share one)
+    assert engine.seeds == [base, base + N, base + 2 * N] * 2
+    other, other_engine = make_validator(run_seed=6)
+    asyncio.run(other.run_pass(other_engine, ExactMatchScorer()))
+    assert other_engine.seeds == [base + 1, base + 1 + N, base + 1 + 2 * N]  # another run.seed, other draws
+    unseeded, unseeded_engine = make_validator(seeded=False)
+    asyncio.run(unseeded.run_pass(unseeded_engine, ExactMatchScorer()))
+    assert unseeded_engine.seeds == [None] * 3
 
 
 def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
@@ -139,7 +156,8 @@ def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rew
     validator = Validator(settings, SamplingConfig(n=8), prompts, CharTokenizer())
     episodes = FakeEpisodes([1.0, 0.5, 0.0, 1.0])
     metrics = asyncio.run(validator.run_pass(engine, ExactMatchScorer(), episodes))
-    assert episodes.calls == [("7", N, None, "validation")]
+    # the episodes of held-out prompt 1 are seeded like a single-turn prompt's group (their turns from there)
+    assert episodes.calls == [("7", N, VALIDATION_SEED_OFFSET + N, "validation")] and engine.seeds == [VALIDATION_SEED_OFFSET]
     assert len(engine.samplings) == 1  # only the single-turn prompt went to the engine directly
     assert metrics["val/game/score/mean"] == pytest.approx(2.5 / 4)
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(2 / 4)
