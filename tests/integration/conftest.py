@@ -37,10 +37,11 @@ for _key, _value in {
 SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
 ENGINE_CPU_THREADS = 1  # OpenMP threads of the shared engine's processes (rollout.engine.cpu_threads)
-# Real jobs run at once by `real_jobs`: a job keeps less than one core busy (its roles start one after another,
-# then the learner and the engine take turns: those modules, three jobs at a time, kept two cores 62 % busy), and the longest job (two
-# runs back to back) sets the end: on the 2-core box four at a time took the nine jobs 394 s, three at a time
-# 459 s (measured before the rollout supervisor stopped importing vLLM, which saves some of the difference).
+# Real jobs run at once by `real_jobs`: a job keeps less than one core busy (its roles start one after
+# another, then the learner and the engine take turns: those modules, three jobs at a time, kept two cores
+# 62 % busy), and the longest job (two runs back to back) sets the end: on the 2-core box four at a time took
+# the nine jobs 394 s, three at a time 459 s (measured before the rollout supervisor stopped importing vLLM,
+# which saves some of the difference).
 JOBS_AT_ONCE = 4
 
 _T = TypeVar("_T")
