@@ -41,6 +41,7 @@ def _world(rank: int, size: int, port: int, device: str, cpu_collectives: bool =
     world = init_world(device, cpu_collectives)
     try:
         yield world
+        dist.barrier()  # tear down together (test_learner_fsdp.worker says why); not after a failure: a peer may be gone
     finally:
         dist.destroy_process_group()
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):

@@ -58,6 +58,10 @@ def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str,
     state = gathered_weights(model)
     if rank == 0:
         torch.save({"metrics": outcome.metrics, "state": state}, out)
+    # Tear down together: a rank that destroys its group and exits while its peer is still busy (rank 0 saving)
+    # closes the peer's gloo connections under it, and the peer aborted ("terminate called without an active
+    # exception", SIGABRT) once in a CI run.
+    dist.barrier()
     dist.destroy_process_group()
 
 

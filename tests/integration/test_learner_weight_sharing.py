@@ -150,6 +150,7 @@ def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> N
                     "master": master}, out)
     else:
         assert metrics == {}
+    dist.barrier()  # tear down together (test_learner_fsdp.worker says why)
     dist.destroy_process_group()
 
 
