@@ -46,7 +46,7 @@ def die_with_spawning_parent() -> None:
 
 def die_with_spawner_from_the_start() -> None:
     """In a process that multiprocessing spawned below an asyncrl command: die with the process that spawned it,
-    from before it unpickles and runs its target. Such a process imports the command's main module, `asyncrl.cli`,
+    from before it unpickles and runs its target. Such a process imports the command's main module, `launch.cli`,
     before anything else, and that module calls this.
 
     Why so early: vLLM's engine core loads our plugin (`die_with_spawning_parent`) only after its handshake with

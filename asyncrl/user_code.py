@@ -14,7 +14,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-SPEC_SEPARATOR = ":"  # "path/to/file.py:Name" or "package.module:Name"
+from asyncrl.config.fields import SPEC_SEPARATOR
 
 
 def describe_exception(error: BaseException) -> str:

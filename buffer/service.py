@@ -23,9 +23,9 @@ from typing import Any, Callable
 import zmq
 
 from asyncrl.config.buffer import BufferConfig
-from asyncrl.group_summary import GroupSummary, summarize_group
+from buffer.group_summary import GroupSummary, summarize_group
 from asyncrl.heap import freeze_startup_heap, keep_freed_memory
-from asyncrl.launch_buffer import ENDPOINT_FILE
+from asyncrl.buffer_process import ENDPOINT_FILE
 from asyncrl.messages import (BUFFERS_OWN_STALENESS, Ack, AdmissionGrant, AdmissionRequest, BatchRequest, BufferPosition,
                               BufferStats, Commit, DecodeError, ErrorReply, PolicyVersion, StatsRequest, decode, encode,
                               encode_batch)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from asyncrl.config.buffer import BufferConfig
-from asyncrl.group_summary import GroupSummary, record_id_of, summarize_group
+from buffer.group_summary import GroupSummary, record_id_of, summarize_group
 from asyncrl.messages import DecodeError
 from buffer.commits import CommitPoint, load_commit, save_commit
 from buffer.consumers import ConsumerWindows

@@ -13,7 +13,7 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
-from asyncrl.pacing import Pacer
+from learner.pacing import Pacer
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint

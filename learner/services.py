@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.config.buffer import split_tcp_endpoint
+from asyncrl.net import split_tcp_endpoint
 from asyncrl.endpoints import FINISHED_KEY, port_to_bind, remember_ports, remembered_ports, write_endpoints
-from asyncrl.launch_buffer import BUFFER_LOG, BufferProcess, connect_or_start_buffer
+from asyncrl.buffer_process import BUFFER_LOG, BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
 from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
-from asyncrl.weight_transfer.coordinator import RoundReport, SyncCoordinator
+from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.protocol import resolve_backend
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The policy half of the synchronous reference (`learner.mode=sync`, `asyncrl.sync_reference`): the model,
+"""The policy half of the synchronous reference (`learner.mode=sync`, `launch.sync_reference`): the model,
 its optimizer and one optimizer step per batch, with the learner's own model loading and loss.
 
 One rank, no buffer, no weight broadcast: the caller hands in a batch and takes the new weights back."""

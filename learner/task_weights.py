@@ -8,9 +8,9 @@ from typing import Any, Mapping
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import load_prompt_file
-from asyncrl.task_weights import TaskWeightScheduler, file_tasks
+from learner.task_weight_scheduler import TaskWeightScheduler, file_tasks
 from asyncrl.weight_transfer.control_messages import TaskWeights
-from asyncrl.weight_transfer.coordinator import SyncCoordinator
+from learner.weight_sync.coordinator import SyncCoordinator
 
 log = logging.getLogger(__name__)
 

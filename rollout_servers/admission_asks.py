@@ -7,7 +7,7 @@ the grants its open chat sessions hold as running (they stay within the stalenes
 
 from __future__ import annotations
 
-from rollout_servers.chat_admission import ChatAdmission
+from rollout_servers.chat.admission import ChatAdmission
 from rollout_servers.sample_slots import SampleSlots
 
 

@@ -34,10 +34,11 @@ from typing import Any, Protocol
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
-from asyncrl.environments import ENV_ERROR, ChatDelta, EnvironmentFailure, EnvironmentRegistry, ModelTurn, Transcript
-from asyncrl.environments.guard import GuardedEnvironment
+from asyncrl.environments import ChatDelta, ModelTurn, Transcript
+from rollout_servers.environments.guard import GuardedEnvironment
 from asyncrl.messages import Trajectory
-from rollout_servers.chat_tools import ToolCallReader
+from rollout_servers.chat.tools import ToolCallReader
+from rollout_servers.environments import ENV_ERROR, EnvironmentFailure, EnvironmentRegistry
 from rollout_servers.completion import STALE, Completion, TokensSoFar
 from rollout_servers.row_sampling import SEED_MODULUS, sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done

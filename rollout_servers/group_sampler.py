@@ -12,7 +12,7 @@ from typing import Awaitable, Callable, Iterator
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptRow, encode_prompt
 from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
-from asyncrl.rewards import RewardRequest, RewardScorer
+from rollout_servers.rewards import RewardRequest, RewardScorer
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.engine import RolloutEngine

@@ -46,7 +46,7 @@ class LearnerWait:
         self.addresses = {"buffer": buffer_address, "sync": sync_address}
         self.run_dir, self.report_every_s = run_dir, report_every_s
         self._silent_since: float | None = None  # monotonic time of the first unanswered request of this wait
-        self._reported_at = 0.0
+        self._reported_at: float | None = None  # monotonic time of this wait's last report (None: none yet)
 
     def silent(self, error: Exception) -> None:
         """A request to the buffer went unanswered (`error`): say once a minute that the server waits; raise
@@ -54,7 +54,7 @@ class LearnerWait:
         now = time.monotonic()
         if self._silent_since is None:
             self._silent_since = now
-        if now - self._reported_at >= self.report_every_s:
+        if self._reported_at is None or now - self._reported_at >= self.report_every_s:
             self._reported_at = now
             silent_for = f"for {now - self._silent_since:.0f}s" if now > self._silent_since else "(first time)"
             log.warning("waiting for the learner: its buffer at %s has not answered %s: %s; generation carries on "
@@ -71,4 +71,4 @@ class LearnerWait:
         """The buffer answered: a wait, if there was one, is over."""
         if self._silent_since is not None:
             log.info("the learner's buffer answers again after %.0fs: carrying on", time.monotonic() - self._silent_since)
-            self._silent_since, self._reported_at = None, 0.0
+            self._silent_since, self._reported_at = None, None

@@ -16,22 +16,22 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture
-from asyncrl.environments import EnvironmentRegistry
+from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import TrajectoryGroup
-from asyncrl.rewards import RewardScorer, check_reward_setup
+from rollout_servers.rewards import RewardScorer, check_reward_setup
 from asyncrl.staleness import weights_lag
 from asyncrl.stop_signal import ignore_stop_signals
 from asyncrl.transport import AdmissionClient, BufferTimeout, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry
 from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.agent_loop import AgentLoop
-from rollout_servers.chat_admission import ChatAdmission
-from rollout_servers.chat_auth import load_api_key
-from rollout_servers.chat_endpoint import ChatEndpoint
-from rollout_servers.chat_lost import LostSessions
-from rollout_servers.chat_sessions import ChatSessions
-from rollout_servers.chat_tools import ToolCallReader
+from rollout_servers.chat.admission import ChatAdmission
+from rollout_servers.chat.auth import load_api_key
+from rollout_servers.chat.endpoint import ChatEndpoint
+from rollout_servers.chat.lost import LostSessions
+from rollout_servers.chat.sessions import ChatSessions
+from rollout_servers.chat.tools import ToolCallReader
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.group_sampler import GroupSampler, ServerStats
 from rollout_servers.learner_wait import Endpoints, LearnerWait

@@ -1,4 +1,4 @@
-"""The generation half of the synchronous reference (`learner.mode=sync`, `asyncrl.sync_reference`): one vLLM
+"""The generation half of the synchronous reference (`learner.mode=sync`, `launch.sync_reference`): one vLLM
 engine in this process samples a batch of prompt groups with the weights it holds, the groups are scored,
 and each new policy is loaded through the engine's weight-update path.
 
@@ -20,11 +20,11 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture, PromptRow, encode_prompt
-from asyncrl.environments import EnvironmentRegistry
+from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK, free_port
 from asyncrl.placement import VISIBLE_DEVICES
-from asyncrl.rewards import RewardRequest, RewardScorer
+from rollout_servers.rewards import RewardRequest, RewardScorer
 from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for, update_info_for
 from asyncrl.weight_transfer.group import transfer_device
 from rollout_servers.agent_loop import AgentLoop

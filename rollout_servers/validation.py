@@ -21,7 +21,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, encode_prompt, load_prompt_file
-from asyncrl.rewards import RewardRequest, RewardResult
+from rollout_servers.rewards import RewardRequest, RewardResult
 from asyncrl.validation import NOT_VALIDATED, PromptOutcome, validation_metrics
 from rollout_servers.row_sampling import SEED_MODULUS, group_seed
 

@@ -7,7 +7,7 @@ The async mode runs the product's two commands, as a user would in two terminals
   (`learner.gpus=[0] rollout.gpus=[0]`: weights through CUDA IPC, the servers' memory share lowered to leave
   the learner room, as docs/placement.md says),
 for --steps optimizer steps, training while the server generates (K=--max-staleness). The sync mode is
-`asyncrl learner learner.mode=sync`, the synchronous reference (asyncrl/sync_reference.py): one process with
+`asyncrl learner learner.mode=sync`, the synchronous reference (launch/sync_reference.py): one process with
 its own engine generates a batch, trains one step on it and loads the new weights, then the next batch.
 Response lengths are long-tailed, in one of two ways (--lengths):
   per-prompt  each prompt carries its own cap (`extra_info.max_tokens`, see docs/configuration.md) drawn
@@ -164,7 +164,7 @@ def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) ->
     overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
-    command = [sys.executable, "-m", "asyncrl"]
+    command = [sys.executable, "-m", "launch"]
     on_ray = bool(args.ray_address) and run.mode == "async"
     if on_ray:  # one command places every role on the cluster
         learner = subprocess.Popen([*command, "launch", "--config", args.config, "--ray-address", args.ray_address,

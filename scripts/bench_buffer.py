@@ -34,9 +34,9 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from asyncrl.launch_buffer import BufferProcess, start_buffer
+from asyncrl.buffer_process import BufferProcess, start_buffer
 from asyncrl.messages import encode
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
 from asyncrl.units import MS_PER_S
 

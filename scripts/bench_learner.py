@@ -48,7 +48,7 @@ from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK, free_port
-from asyncrl.tiny.tokenizer import build_char_tokenizer
+from demo.tiny.tokenizer import build_char_tokenizer
 from learner import attention
 from learner.batching import TrainBatch, collate
 from learner.distributed import World, init_world

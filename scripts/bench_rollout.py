@@ -142,7 +142,7 @@ def ensure_model(config: AsyncRLConfig) -> None:
     """Build the tiny model at model.path when nothing is there (cached, minutes on CPU)."""
     if Path(config.model.path).is_dir():
         return
-    from asyncrl.tiny.build import init_model
+    from demo.tiny.build import init_model
 
     print(f"no model at {config.model.path}: building the tiny model", flush=True)
     init_model(config)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from asyncrl.data import write_rows
 from asyncrl.metrics import read_metrics
-from asyncrl.tasks import arithmetic
+from demo.tasks import arithmetic
+from rollout_servers.rewards.builtin import exact_match
 
 RUN_TIMEOUT_S = 1800  # one cell, engine start included
 CELL_FILE = "bench_cell.json"
@@ -46,7 +47,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """The cells' reward (reward.custom_fn points here): a digits-only answer for `digits`, exact match otherwise."""
     if data_source == SATURATING_TASK:
         return float(solution_str.strip().isdigit())
-    return arithmetic.score(solution_str, ground_truth)
+    return exact_match(solution_str, ground_truth)
 
 
 @dataclass
@@ -73,7 +74,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def asyncrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, env=os.environ.copy())
 
 

@@ -68,7 +68,7 @@ stage_setup() {
     nvidia-smi --query-gpu=name,memory.total --format=csv
     "$PYTHON" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpus', torch.cuda.device_count())"
     register_plugin
-    "$PYTHON" -m asyncrl data --config "$CONFIG" && "$PYTHON" -m asyncrl init-model --config "$CONFIG"
+    "$PYTHON" -m launch data --config "$CONFIG" && "$PYTHON" -m launch init-model --config "$CONFIG"
 }
 
 stage_tests() {
@@ -100,7 +100,7 @@ BIG_MODEL=(model.path=.cache/models/qwen7b_shape model.tiny.hidden_size=3584 mod
 
 stage_big() {
     local status=0
-    "$PYTHON" -m asyncrl init-model --config "$CONFIG" "${BIG_MODEL[@]}" || return 1
+    "$PYTHON" -m launch init-model --config "$CONFIG" "${BIG_MODEL[@]}" || return 1
     if [ "${BIG_SYNC:-1}" = 1 ]; then  # BIG_SYNC=0 skips the weight-sync benchmark (the e2e job alone)
         "$PYTHON" scripts/bench_weight_sync.py --config "$CONFIG" --model .cache/models/qwen7b_shape --rounds 5 \
             --trainer-weights cpu "${BIG_MODEL[@]}" rollout.engine.tensor_parallel_size=2 rollout.engine.gpu_memory_utilization=0.8 || status=1

@@ -1,5 +1,5 @@
 """Discrete-event replay of an async job on the two-GPU host, to compare fixed staleness bounds K with the
-pacing controller (`buffer.max_staleness=auto`), which runs here as the real `asyncrl.pacing.Pacer`.
+pacing controller (`buffer.max_staleness=auto`), which runs here as the real `learner.pacing.Pacer`.
 
 What is replayed (docs/benchmarks.md, seventh GPU session: two H200s, 0.5B shape, one server on GPU 0, the
 learner on GPU 1, 16 groups x 8 samples per step, per-sample lengths geometric with median 192 and a 1,024
@@ -36,7 +36,7 @@ import random
 from dataclasses import dataclass, field
 
 from asyncrl.config.buffer import PacingConfig
-from asyncrl.pacing import Pacer
+from learner.pacing import Pacer
 from asyncrl.staleness import admission_capacity, staleness, trainable
 
 TRAIN_S = 2.16  # learner seconds per step (5.69 s sync step x 38 % not waiting)

@@ -38,7 +38,7 @@ from pathlib import Path
 import psutil
 
 from asyncrl.config import load_config
-from asyncrl.group_summary import record_id_of
+from buffer.group_summary import record_id_of
 from asyncrl.metrics import read_metrics
 from buffer.log import SegmentLog
 
@@ -68,7 +68,7 @@ class Command:
         if self.process is not None:
             print(f"{time.strftime('%H:%M:%S')} {self.name} exited with {self.process.returncode}: restarting", flush=True)
         with open(self.log, "ab") as output:
-            self.process = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", self.name, *self.args], stdout=output,
+            self.process = subprocess.Popen([sys.executable, "-m", "launch.cli", self.name, *self.args], stdout=output,
                                             stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
         self.starts += 1
 
@@ -172,7 +172,7 @@ def roles_now(learner: Command, rollout: Command) -> dict[str, list[psutil.Proce
         "server": _direct(rollout.process, _children(rollout.process, "spawn_main")),
         "supervisor": _alive(rollout.process),
         "engine_core": _children(rollout.process, "VLLM::EngineCore"),
-        "buffer": _children(learner.process, "asyncrl.cli buffer"),
+        "buffer": _children(learner.process, "launch.cli buffer"),
         "learner_rank": _direct(learner.process, _children(learner.process, "spawn_main")),
     }
 

@@ -81,7 +81,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def asyncrl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, env=os.environ.copy())
 
 

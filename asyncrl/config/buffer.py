@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 
 from asyncrl.config.fields import bounded, one_of
-from asyncrl.messages import MAX_AHEAD, MAX_COUNT, MAX_VERSION
+from asyncrl.net import is_loopback
+from asyncrl.wire_limits import MAX_AHEAD, MAX_COUNT, MAX_VERSION
 from asyncrl.staleness import trainable
 
 AUTO = "auto"  # buffer.max_staleness chosen during the run by the pacing controller
 
-LOOPBACK_NAMES = ("localhost",)
 C_INT_MAX = 2**31 - 1  # mallopt takes a C int
-
-
-def is_loopback(host: str) -> bool:
-    """True for loopback addresses and names (binding there needs no CURVE keys)."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def split_tcp_endpoint(endpoint: str) -> tuple[str, int]:
-    """`tcp://host:port` as (host, port); port `*` or 0 means any free port (returned as 0)."""
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not (port == "*" or port.isdigit()):
-        raise ValueError(f"'{endpoint}' must look like tcp://host:port")
-    return host, 0 if port == "*" else int(port)
 
 
 @dataclass
 class PacingConfig:
     """`buffer.max_staleness: auto`: the learner chooses K between `k_min` and `k_max` from what it measures
-    (`asyncrl/pacing.py`, `docs/tuning.md`)."""
+    (`learner/pacing.py`, `docs/tuning.md`)."""
 
     k_min: int = bounded(1, 0, MAX_VERSION)  # smallest K the controller chooses
     k_max: int = bounded(8, 0, MAX_VERSION)  # largest K it ever chooses

@@ -1,6 +1,6 @@
 """The `environment` section: which data sources run as multi-turn episodes, and the episode limits.
 
-A data source listed in `by_source` is played out by its environment (`asyncrl.environments`): the
+A data source listed in `by_source` is played out by its environment (`rollout_servers.environments`): the
 rollout server alternates model turns and environment steps, token-in/token-out, and the environment's
 rewards are the sample's reward. Other data sources stay single-turn, scored by `reward`.
 """
@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.config.fields import bounded
-from asyncrl.environments.registry import is_environment_spec
+from asyncrl.config.fields import SPEC_SEPARATOR, bounded
 
+# the built-in environments (rollout_servers.environments), by the name `by_source` gives them
+BUILTIN_ENVIRONMENT_NAMES = ("calculator", "guess_number")
 # Built-in data sources play out in the built-in environment of the same name unless remapped.
-BUILTIN_BY_SOURCE = {"calculator": "calculator", "guess_number": "guess_number"}
+BUILTIN_BY_SOURCE = {name: name for name in BUILTIN_ENVIRONMENT_NAMES}
+
+
+def is_environment_spec(spec: str) -> bool:
+    """A built-in name or something of the `path:Class` form (checked for existence only at load)."""
+    return spec in BUILTIN_ENVIRONMENT_NAMES or SPEC_SEPARATOR in spec
 
 
 @dataclass

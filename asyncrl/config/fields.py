@@ -7,6 +7,7 @@ from typing import Any
 
 RANGE_KEY = "asyncrl_range"
 CHOICES_KEY = "asyncrl_choices"
+SPEC_SEPARATOR = ":"  # a user object named in the config: "path/to/file.py:Name" or "package.module:Name"
 
 
 def bounded(default: Any, lo: float | None = None, hi: float | None = None) -> Any:

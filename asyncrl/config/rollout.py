@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from asyncrl.config.buffer import is_loopback
+from asyncrl.net import is_loopback
 from asyncrl.config.fields import bounded, items, one_of
 
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from asyncrl.config.buffer import BufferConfig, is_loopback, split_tcp_endpoint
+from asyncrl.config.buffer import BufferConfig
+from asyncrl.net import is_loopback, split_tcp_endpoint
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.guard import GuardConfig
 from asyncrl.config.learner import LearnerConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zmq.asyncio
 
-from asyncrl.config.buffer import split_tcp_endpoint
+from asyncrl.net import split_tcp_endpoint
 from asyncrl.transport.sockets import ServingRouter, connect_dealer
 
 # inbound frames are heartbeats, telemetry and round replies, a few kB each; past this a peer is cut off

@@ -19,7 +19,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from asyncrl.config.buffer import is_loopback, split_tcp_endpoint
+from asyncrl.net import is_loopback
 from asyncrl.config.loader import ConfigError
 from asyncrl.messages import DecodeError, ErrorReply, decode, encode
 from asyncrl.units import MS_PER_S

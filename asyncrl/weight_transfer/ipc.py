@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from asyncrl.weight_transfer.group import IPC, WeightTransferError
+from asyncrl.weight_transfer.group import WeightTransferError
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.weight_transfer.group import GLOO, NCCL, TRAINER_RANK, GroupAddress
+from asyncrl.weight_transfer.group import GLOO, NCCL, GroupAddress
 
 BACKEND_NAME = "asyncrl"  # name of our engine in vLLM's WeightTransferEngineFactory
 TIED_HEAD_NAME = "lm_head.weight"  # output head that transformers omits from named_parameters() when tied

@@ -18,7 +18,7 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 
 import pytest
 
-from asyncrl.launch_buffer import BufferProcess, start_buffer
+from asyncrl.buffer_process import BufferProcess, start_buffer
 from learner_helpers import TINY_SHAPE
 from run_helpers import prepare, tiny_job
 
@@ -78,8 +78,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from asyncrl.config import load_config
-    from asyncrl.tiny.build import init_model
-    from asyncrl.tiny.model import build_tiny_model
+    from demo.tiny.build import init_model
+    from demo.tiny.model import build_tiny_model
 
     served_dir = tmp_path_factory.mktemp("tiny_served")
     shape = [f"model.tiny.{key}={value}" for key, value in dataclasses.asdict(TINY_SHAPE).items()]

@@ -50,8 +50,8 @@ def _world(rank: int, size: int, port: int, device: str, cpu_collectives: bool =
 
 def save_tiny_model(directory: Path, seed: int = 0) -> Path:
     """A tied tiny Qwen2 model plus its character tokenizer, saved as a Hugging Face directory."""
-    from asyncrl.tiny.model import build_tiny_model
-    from asyncrl.tiny.tokenizer import build_char_tokenizer
+    from demo.tiny.model import build_tiny_model
+    from demo.tiny.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     build_tiny_model(TINY_SHAPE, tokenizer, seed).save_pretrained(directory)

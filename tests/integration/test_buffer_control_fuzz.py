@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from asyncrl.messages import AdmissionRequest, BatchRequest, Commit, PolicyVersion, StatsRequest, encode
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
 from asyncrl.transport.sockets import connect_dealer
 

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
 
 from buffer_helpers import drain, free_port
@@ -58,7 +58,7 @@ def test_kill_9_mid_stream_keeps_every_acknowledged_record_exactly_once(buffer_p
 PRODUCER_SCRIPT = """
 import sys
 from asyncrl.messages import encode
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import TrajectoryProducer
 
 producer = TrajectoryProducer(sys.argv[1], max_in_flight=4)

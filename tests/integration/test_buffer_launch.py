@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launch_buffer import connect_or_start_buffer
-from asyncrl.synthetic import synthetic_group
+from asyncrl.buffer_process import connect_or_start_buffer
+from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
 
 pytestmark = pytest.mark.slow

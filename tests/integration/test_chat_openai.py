@@ -22,7 +22,7 @@ import pytest
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.environments import ChatDelta
-from asyncrl.environments.calculator import evaluate
+from rollout_servers.environments.calculator import evaluate
 from asyncrl.messages import TrajectoryGroup, decode
 from buffer.log import SegmentLog
 from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job
@@ -70,7 +70,7 @@ def job(tmp_path_factory, tiny_job_inputs):
                          f"run.root_dir={tmp / 'runs'}")
     run_dir = tmp / "runs" / "chat-sdk"
     with open(tmp / "run.log", "w") as output:  # a file, not a pipe: nobody reads the job's progress lines
-        run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *overrides], stdout=output,
+        run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", *overrides], stdout=output,
                                stderr=subprocess.STDOUT)
     job = Job(run, run_dir, tiny_job_inputs / "model", key_file, "")
     try:

@@ -70,7 +70,7 @@ def drive_sessions(chat_file: Path, run: subprocess.Popen, closes: list[dict]) -
 
 def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(tmp_path, tiny_job_inputs):
     run_dir = tmp_path / "runs" / "chat"
-    run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *overrides(tiny_job_inputs, tmp_path)],
+    run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", *overrides(tiny_job_inputs, tmp_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     closes: list[dict] = []
     agent = threading.Thread(target=drive_sessions, args=(run_dir / "rollout" / "server-0.chat.json", run, closes))
@@ -107,7 +107,7 @@ def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path, ti
     job = overrides(tiny_job_inputs, tmp_path, f"rollout.chat.session_idle_s={IDLE_S}",
                     f"learner.batch_timeout_s={BATCH_TIMEOUT_S}")
     run_dir = tmp_path / "runs" / "chat"
-    run = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", *job],
+    run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", *job],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     answered: list[str] = []
     agents = [threading.Thread(target=abandon_session, args=(run_dir / "rollout" / "server-0.chat.json", run,

@@ -88,7 +88,7 @@ def test_validation_is_logged_once_per_pass_and_the_run_plots(finished_runs):
     assert all(v % VALIDATE_EVERY == 0 or v in (4.0, 6.0) for v in versions)
     assert all(r["val/prompts"] == 4 and 0.0 <= r["val/pass@2"] <= 1.0 for r in passes)
     assert all(r["val/arithmetic/score/mean"] == r["val/score/mean"] for r in passes)  # one data source
-    plotted = subprocess.run([sys.executable, "-m", "asyncrl.cli", "plot", str(run_dir)], capture_output=True, text=True,
+    plotted = subprocess.run([sys.executable, "-m", "launch.cli", "plot", str(run_dir)], capture_output=True, text=True,
                              timeout=RUN_TIMEOUT_S)
     assert plotted.returncode == 0, plotted.stderr
     assert {"reward.png", "staleness.png", "weight_sync.png"} <= {p.name for p in (run_dir / "plots").iterdir()}

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from asyncrl import cli
+from launch import cli
 from asyncrl.config import load_config, save_config
 from asyncrl.config.algorithm import AlgorithmConfig
 from learner.batching import collate
@@ -47,7 +47,7 @@ class TrainedRun:
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", "export", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launch.cli", "export", *args], capture_output=True, text=True,
                           timeout=EXPORT_TIMEOUT_S)
 
 

@@ -13,8 +13,8 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from asyncrl.tiny.model import build_tiny_model
-from asyncrl.tiny.tokenizer import build_char_tokenizer
+from demo.tiny.model import build_tiny_model
+from demo.tiny.tokenizer import build_char_tokenizer
 from learner.batching import collate
 from learner.distributed import init_world
 from learner.policy_model import load_policy

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from asyncrl.config.buffer import BufferConfig
-from asyncrl.group_summary import record_id_of
-from asyncrl.launch_ray.reaper import group_alive
+from buffer.group_summary import record_id_of
+from launch.ray_cluster.reaper import group_alive
 from buffer.log import SegmentLog
 from buffer_helpers import free_port
 from waiting import exited, holds_within, wait_until
@@ -183,7 +183,7 @@ def kill_buffer(operator: Any, text: str) -> None:
 
 def test_launch_survives_a_killed_rollout_server_then_a_killed_buffer(ray_cluster, operator, tiny_models, tmp_path):
     args = overrides(tmp_path, tiny_models.served_dir)
-    cli = [sys.executable, "-m", "asyncrl.cli"]
+    cli = [sys.executable, "-m", "launch.cli"]
     subprocess.run([*cli, "data", *args], check=True, capture_output=True, timeout=120)
     output = tmp_path / "launch.out"
     with open(output, "w") as sink:
@@ -250,7 +250,7 @@ def test_launch_survives_a_killed_rollout_server_then_a_killed_buffer(ray_cluste
 
 def test_launch_fails_clearly_when_the_learner_dies(ray_cluster, tmp_path):
     args = [*overrides(tmp_path, tmp_path / "no-model"), "run.name=ray-fail"]
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "launch", "--ray-address", ray_cluster.address, *args],
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "launch", "--ray-address", ray_cluster.address, *args],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     text = done.stdout + done.stderr
     assert done.returncode == 1, text[-5000:]

@@ -20,7 +20,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.data import PromptMixture, encode_prompt, write_rows
-from asyncrl.tasks import arithmetic
+from demo.tasks import arithmetic
 from asyncrl.transport import BufferConsumer
 from buffer_helpers import drain, free_port
 from rollout_servers.prompt_stream import PromptStream

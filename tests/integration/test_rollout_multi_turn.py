@@ -19,7 +19,8 @@ import torch
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
-from asyncrl.environments import ChatDelta, EnvironmentRegistry
+from asyncrl.environments import ChatDelta
+from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.weight_transfer import update_info_for, weights_for_transfer
 from rollout_servers.agent_loop import AgentLoop
 from tests.integration.conftest import join_fresh_group
@@ -156,9 +157,9 @@ def test_chat_endpoint_records_a_session_token_in_token_out(rollout_engine, serv
 
     from asyncrl.config.rollout import ChatEndpointConfig
     from asyncrl.messages import Ack
-    from rollout_servers.chat_admission import ChatAdmission
-    from rollout_servers.chat_endpoint import ChatEndpoint
-    from rollout_servers.chat_sessions import ChatSessions
+    from rollout_servers.chat.admission import ChatAdmission
+    from rollout_servers.chat.endpoint import ChatEndpoint
+    from rollout_servers.chat.sessions import ChatSessions
 
     engine = RecordingEngine(rollout_engine)
     tokenizer = tiny_models.tokenizer

@@ -30,7 +30,7 @@ POLL_S = 0.5
 def _start_run(tmp: Path, name: str) -> subprocess.Popen:
     # Its own session, like a shell's foreground job: killpg reaches exactly what a terminal would. The console
     # goes to a file beside the run, where a failed wait reads why the run ended.
-    command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(tmp, 50, f"run.name={name}")]
+    command = [sys.executable, "-m", "launch.cli", "run", *tiny_job(tmp, 50, f"run.name={name}")]
     with _console(tmp, name).open("w") as console:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=console, text=True, start_new_session=True,
                                 env=os.environ.copy())
@@ -115,7 +115,7 @@ def test_kill_9_mid_training_leaves_no_process_behind(job_dir):
         # rank, the server and its reward worker(s); the resource trackers of `asyncrl learner` and of the rollout
         # supervisor (multiprocessing's, without a parent-death signal: each ends when the last process holding
         # its pipe, the spawned ones below its starter, has gone)
-        assert any("asyncrl.cli buffer" in name for name in names), names
+        assert any("launch.cli buffer" in name for name in names), names
         assert any("VLLM::EngineCore" in name for name in names), names
         assert sum("multiprocessing.spawn" in name for name in names) >= 3, names
         assert sum("multiprocessing.resource_tracker" in name for name in names) >= 2, names
@@ -132,7 +132,7 @@ def malformed_data_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedPro
     """A run whose data file has a row without a prompt; returns the finished run, the file and the run dir."""
     malformed = tmp / "malformed.jsonl"
     malformed.write_text('{"question": "2+2"}\n')
-    command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(
+    command = [sys.executable, "-m", "launch.cli", "run", *tiny_job(
         inputs, 50, f"run.root_dir={tmp / 'runs'}", "run.name=cannot-start", f"data.train_files=[{malformed}]")]
     run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
     return run, malformed, tmp / "runs" / "cannot-start"
@@ -140,7 +140,7 @@ def malformed_data_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedPro
 
 def engine_refused_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
     """A run whose engine refuses its settings at every start (one restart allowed); returns it and its run dir."""
-    command = [sys.executable, "-m", "asyncrl.cli", "run", *tiny_job(
+    command = [sys.executable, "-m", "launch.cli", "run", *tiny_job(
         inputs, 50, f"run.root_dir={tmp / 'runs'}", "run.name=keeps-dying", "rollout.engine.max_model_len=100000",
         "rollout.max_restarts=1", "rollout.restart_backoff_s=0.1")]
     run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())

@@ -42,7 +42,7 @@ POLL_S = 0.2
 
 
 def _start(command: str, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", command, *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", command, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=os.environ.copy())
 
 

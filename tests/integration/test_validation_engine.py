@@ -10,8 +10,8 @@ from asyncrl.config.rollout import SamplingConfig
 from asyncrl.config.sections import RewardConfig
 from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow
-from asyncrl.rewards import RewardResult, RewardScorer
-from asyncrl.tasks import arithmetic
+from rollout_servers.rewards import RewardResult, RewardScorer
+from demo.tasks import arithmetic
 from rollout_servers.validation import ValidationPrompt, Validator
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -9,7 +9,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("rollout_servers", "buffer", "learner")
-LAZY_ROLE_IMPORTERS = ("asyncrl/cli.py", "asyncrl/commands/", "asyncrl/launch")
+LAUNCH, DEMO = "launch", "demo"
+OURS = ("asyncrl", *ROLES, LAUNCH, DEMO)
+# Which of our packages each package's modules may import. `asyncrl` is the floor every role stands on (the
+# contracts: messages, config, transport, weight-transfer protocol, staleness, data, placement, process
+# plumbing); each role owns its room; the demo's tasks write rows for the rollout servers' built-in
+# environments and scorers; `launch` (the CLI, its commands, the Ray launcher) is the one place that
+# puts the roles together.
+MAY_IMPORT = {
+    "asyncrl": {"asyncrl"},
+    "rollout_servers": {"asyncrl", "rollout_servers"},
+    "buffer": {"asyncrl", "buffer"},
+    "learner": {"asyncrl", "learner"},
+    DEMO: {"asyncrl", "rollout_servers", DEMO},
+    LAUNCH: set(OURS),
+}
+HEAVY = ("torch", "vllm", "transformers", "zmq", "numpy", "msgspec", "pyarrow", "aiohttp")
 FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
 
@@ -35,22 +50,32 @@ def top(module: str) -> str:
     return module.split(".")[0]
 
 
-@pytest.mark.parametrize("role", ROLES)
-def test_roles_do_not_import_each_other(role):
-    for path in sources(role):
+def loaded_after(statement: str) -> list[str]:
+    """The modules of ours and the heavy libraries that `statement` leaves in sys.modules (a fresh interpreter)."""
+    code = (f"import sys\n{statement}\n"
+            f"print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in {OURS + HEAVY!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert "LOADED" in out.stdout, out.stdout + out.stderr
+    return ast.literal_eval(out.stdout.split("LOADED", 1)[1].strip())
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_each_package_imports_only_what_it_stands_on(package):
+    for path in sources(package):
         for module, _ in imports(path):
-            assert top(module) not in set(ROLES) - {role}, f"{path.relative_to(ROOT)} imports {module}"
+            if top(module) in OURS:
+                assert top(module) in MAY_IMPORT[package], f"{path.relative_to(ROOT)} imports {module}"
 
 
 def test_only_rollout_servers_import_vllm():
-    for package in ("asyncrl", "buffer", "learner"):
+    for package in set(OURS) - {"rollout_servers"}:
         for path in sources(package):
             for module, _ in imports(path):
                 assert top(module) != "vllm", f"{path.relative_to(ROOT)} imports {module}"
 
 
 def test_only_learner_imports_fsdp():
-    for package in ("asyncrl", "buffer", "rollout_servers"):
+    for package in set(OURS) - {"learner"}:
         for path in sources(package):
             for module, _ in imports(path):
                 fsdp = module.startswith(FSDP_MODULES) or module.endswith(".fully_shard")
@@ -63,14 +88,20 @@ def test_buffer_imports_neither_torch_nor_vllm():
             assert top(module) not in ("torch", "vllm"), f"{path.relative_to(ROOT)} imports {module}"
 
 
-def test_core_imports_roles_only_lazily_from_the_cli():
-    for path in sources("asyncrl"):
-        relative = str(path.relative_to(ROOT))
-        for module, at_top in imports(path):
-            if top(module) not in ROLES:
-                continue
-            allowed = relative.startswith(LAZY_ROLE_IMPORTERS) and not at_top
-            assert allowed, f"{relative} imports {module} ({'module level' if at_top else 'lazily'})"
+def test_the_config_loads_no_implementation():
+    # Any process reads its config first: a config section must not pull in environments, data readers,
+    # sockets or tensors (it once loaded 33 modules through the environment section).
+    loaded = loaded_after("import asyncrl.config")
+    outside = [m for m in loaded if not m.startswith(("asyncrl.config", "asyncrl.staleness", "asyncrl.net",
+                                                       "asyncrl.units", "asyncrl.wire_limits")) and m != "asyncrl"]
+    assert outside == [], outside
+
+
+def test_the_config_knows_every_built_in_environment():
+    from asyncrl.config.environment import BUILTIN_ENVIRONMENT_NAMES
+    from rollout_servers.environments import BUILTIN_ENVIRONMENTS
+
+    assert set(BUILTIN_ENVIRONMENT_NAMES) == set(BUILTIN_ENVIRONMENTS)
 
 
 def test_rule_checker_sees_nested_imports(tmp_path):
@@ -79,7 +110,15 @@ def test_rule_checker_sees_nested_imports(tmp_path):
     assert imports(sample) == [("zmq", True), ("learner.losses", False)]
 
 
-PRODUCT_PACKAGES = ("asyncrl", *ROLES)
+def test_package_rule_catches_a_role_importing_another(tmp_path, monkeypatch):
+    (tmp_path / "buffer").mkdir()
+    (tmp_path / "buffer" / "bad.py").write_text("from learner.losses import ppo\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="buffer/bad.py imports learner.losses.ppo"):
+        test_each_package_imports_only_what_it_stands_on("buffer")
+
+
+PRODUCT_PACKAGES = OURS
 TRANSPORT = "asyncrl/transport/"  # the one home of ZeroMQ sockets: binding, connecting, the CURVE rule
 ZMQ_SOCKET_TYPES = {"ROUTER", "DEALER", "REQ", "REP", "PUB", "SUB", "XPUB", "XSUB", "PUSH", "PULL", "PAIR", "STREAM"}
 
@@ -127,12 +166,12 @@ def test_socket_rule_checker_sees_every_form(tmp_path):
 
 def test_help_imports_nothing_heavy():
     code = (
-        "import sys\nfrom asyncrl import cli\n"
+        "import sys\nfrom launch import cli\n"
         "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers', 'zmq', *"
-        + repr(ROLES) + "))\nprint('HEAVY', heavy)\n"
+        + repr((*ROLES, DEMO)) + "))\nprint('HEAVY', heavy)\n"
     )
-    from asyncrl.cli import COMMANDS
+    from launch.cli import COMMANDS
 
     for args in ([], *([command.name] for command in COMMANDS)):
         snippet = code.replace("['--help']", repr([*args, "--help"]))

@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from asyncrl.messages import encode
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from buffer.log import SegmentLog
 from scripts.soak import MemoryTrace, SeenProcesses, buffer_check, trained_twice
 from waiting import wait_until

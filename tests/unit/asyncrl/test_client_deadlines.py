@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.net import free_port
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, BufferTimeout, TrajectoryProducer, generate_curve_keys
 from buffer.service import BufferService
 

@@ -82,7 +82,7 @@ def test_saved_config_reloads_identically(tmp_path):
 
 def test_cli_rejects_bad_key_before_any_work(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "data", f"task.out_dir={tmp_path}", "task.max_digitz=2"],
+        [sys.executable, "-m", "launch.cli", "data", f"task.out_dir={tmp_path}", "task.max_digitz=2"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

@@ -5,10 +5,11 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.commands.data import write_task_files
+from launch.commands.data import write_task_files
 from asyncrl.config.sections import TaskConfig
 from asyncrl.data import DataError, PromptMixture, load_prompt_file, write_rows
-from asyncrl.tasks import arithmetic
+from demo.tasks import arithmetic
+from rollout_servers.rewards.builtin import exact_match
 
 
 def verl_row(question="1+2=", answer="3", source="arithmetic"):
@@ -112,7 +113,7 @@ def test_task_files_are_deterministic_and_disjoint(tmp_path):
     assert len(val_questions) == 40 and not val_questions & {r.messages[0]["content"] for r in train}
     for row in train[:50]:
         question = row.messages[0]["content"]
-        assert arithmetic.score(str(eval(question[:-1])), row.ground_truth) == 1.0
+        assert exact_match(str(eval(question[:-1])), row.ground_truth) == 1.0
     again = write_task_files(TaskConfig(**{**task.__dict__, "out_dir": str(tmp_path / "y")}), seed=3)
     assert again["train"].read_bytes() == paths["train"].read_bytes()
 

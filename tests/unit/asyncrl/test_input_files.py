@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.commands.common import check_input_files
+from launch.commands.common import check_input_files
 from asyncrl.config import ConfigError, load_config
 
 
@@ -33,7 +33,7 @@ def test_files_that_are_there_pass_and_unread_ones_are_not_asked_for(tmp_path):
 
 def test_run_stops_at_once_with_the_key_and_starts_no_role(tmp_path):
     missing = tmp_path / "missing.parquet"
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", f"run.root_dir={tmp_path / 'runs'}",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", f"run.root_dir={tmp_path / 'runs'}",
                            f"data.train_files=[{missing}]"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"data.train_files: no file at {missing}" in done.stderr

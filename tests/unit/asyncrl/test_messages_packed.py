@@ -4,7 +4,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from asyncrl.group_summary import summarize_group
+from buffer.group_summary import summarize_group
 from asyncrl.messages import SCHEMA_VERSION, DecodeError, Trajectory, TrajectoryGroup, decode, encode
 from asyncrl.packed import Float32List, Int32List, MaskList, pack
 

@@ -39,12 +39,12 @@ if __name__ == "__main__":
     time.sleep(600)  # lives until the test kills it
 """
 
-# The middle process of an asyncrl command: its main module imports asyncrl.cli, as `asyncrl` and `python -m
-# asyncrl.cli` do. Its grandchild's target never asks to die with its parent (vLLM's engine core before its
+# The middle process of an asyncrl command: its main module imports launch.cli, as `asyncrl` and `python -m
+# launch.cli` do. Its grandchild's target never asks to die with its parent (vLLM's engine core before its
 # handshake with the server does not get to); it says that it runs, then waits.
 MIDDLE_OF_A_COMMAND = """
 import multiprocessing, time
-import asyncrl.cli
+import launch.cli
 
 def waits_without_asking():
     print("running", flush=True)

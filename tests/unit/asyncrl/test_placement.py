@@ -151,7 +151,7 @@ def test_pin_limits_what_children_see(monkeypatch):
 
 
 def test_run_refuses_a_plan_before_any_role_starts(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", f"run.root_dir={tmp_path}", "run.name=x",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "run", f"run.root_dir={tmp_path}", "run.name=x",
                            "data.train_files=[README.md]", "learner.gpus=[0]"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 2

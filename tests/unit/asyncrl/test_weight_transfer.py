@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from asyncrl.config.sections import TinyModelConfig
-from asyncrl.tiny.model import build_tiny_model
-from asyncrl.tiny.tokenizer import build_char_tokenizer
+from demo.tiny.model import build_tiny_model
+from demo.tiny.tokenizer import build_char_tokenizer
 from asyncrl.weight_transfer import (
     GroupAddress,
     TransferGroup,

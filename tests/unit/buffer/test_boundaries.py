@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 BUFFER_MAY_IMPORT = {"asyncrl", "buffer", "numpy", "zmq", "msgspec", "xxhash"} | set(sys.stdlib_module_names)
-LAZY_BUFFER_IMPORTERS = ("asyncrl/cli.py", "asyncrl/commands/", "asyncrl/launch")
+LAZY_BUFFER_IMPORTERS = ("launch/cli.py", "launch/commands/", "asyncrl/launch")
 
 
 def imports(path: Path) -> list[tuple[str, bool]]:
@@ -42,12 +42,12 @@ def test_asyncrl_imports_buffer_only_lazily_from_the_cli_and_launchers():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "asyncrl.cli", *args], capture_output=True, text=True, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
 
 
 def test_cli_lists_buffer_and_keygen_without_heavy_imports():
-    probe = ("import sys, asyncrl.cli as cli; cli.build_parser().format_help(); "
+    probe = ("import sys, launch.cli as cli; cli.build_parser().format_help(); "
              "print(sorted(m for m in ('torch', 'vllm', 'buffer', 'zmq') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                           timeout=60).stdout.strip() == "[]"

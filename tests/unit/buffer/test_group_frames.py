@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.group_summary import record_id_of, summarize_group
+from buffer.group_summary import record_id_of, summarize_group
 from asyncrl.messages import (SCHEMA_VERSION, Batch, BufferStats, DecodeError, PolicyVersion, Trajectory,
                               TrajectoryGroup, decode, encode, encode_batch)
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 
 GOOD = encode(synthetic_group("r1", samples=2, completion_tokens=8, version=3))
 

@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from asyncrl.messages import AdmissionRequest, BatchRequest, Commit, ErrorReply, PolicyVersion, decode, encode
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import AdmissionClient, BufferConsumer, BufferRequestError, TrajectoryProducer
 from asyncrl.transport.sockets import connect_dealer
 

@@ -12,7 +12,7 @@ import zmq
 
 from asyncrl.messages import Ack, ErrorReply, decode, encode
 from asyncrl.net import free_port
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from asyncrl.transport import (AdmissionClient, BufferConsumer, BufferRequestError, BufferTimeout,
                                TrajectoryProducer, generate_curve_keys)
 from asyncrl.transport.sockets import bind_router, connect_dealer

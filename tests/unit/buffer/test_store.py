@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from asyncrl.group_summary import summarize_group
+from buffer.group_summary import summarize_group
 from asyncrl.messages import encode
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits
 

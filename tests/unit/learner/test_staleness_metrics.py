@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from asyncrl.messages import Batch
-from asyncrl.synthetic import synthetic_group
+from demo.synthetic import synthetic_group
 from learner.staleness import staleness_metrics
 
 

@@ -12,9 +12,10 @@ import pytest
 from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
-from asyncrl.environments import ChatDelta, EnvironmentRegistry
-from asyncrl.environments.calculator import CALCULATOR_TOOL
-from asyncrl.tiny.tokenizer import build_char_tokenizer
+from asyncrl.environments import ChatDelta
+from rollout_servers.environments import EnvironmentRegistry
+from rollout_servers.environments.calculator import CALCULATOR_TOOL
+from demo.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.agent_loop import TURN_SEED_STRIDE, AgentLoop
 from rollout_servers.completion import STALE, Completion
 

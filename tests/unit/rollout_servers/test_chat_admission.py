@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rollout_servers.chat_admission import ChatAdmission
+from rollout_servers.chat.admission import ChatAdmission
 
 SHORT_WAIT_S = 0.05
 LONG_WAIT_S = 5.0

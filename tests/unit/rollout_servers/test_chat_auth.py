@@ -3,7 +3,7 @@
 import pytest
 
 from asyncrl.config.rollout import ChatEndpointConfig
-from rollout_servers.chat_auth import ApiKeyError, load_api_key
+from rollout_servers.chat.auth import ApiKeyError, load_api_key
 
 
 def test_the_key_comes_from_a_file_or_an_environment_variable(tmp_path, monkeypatch):

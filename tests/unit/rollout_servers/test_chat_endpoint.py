@@ -21,10 +21,10 @@ import vllm
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta
 from asyncrl.messages import Ack
-from rollout_servers.chat_endpoint import ChatEndpoint
-from rollout_servers.chat_sessions import ChatSessions, SessionError
-from rollout_servers.chat_stream import TextSteps
-from rollout_servers.chat_tools import ToolCallReader
+from rollout_servers.chat.endpoint import ChatEndpoint
+from rollout_servers.chat.sessions import ChatSessions, SessionError
+from rollout_servers.chat.stream import TextSteps
+from rollout_servers.chat.tools import ToolCallReader
 from tests.unit.rollout_servers.test_agent_loop import EOS, TOKENIZER, ScriptedEngine, ids, turn
 from tests.unit.rollout_servers.test_chat_sessions import USER, OpenPlaces
 from waiting import wait_until, wait_until_async

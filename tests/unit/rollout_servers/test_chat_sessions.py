@@ -10,10 +10,10 @@ import pytest
 
 from asyncrl.config.rollout import ChatEndpointConfig
 from asyncrl.environments import ChatDelta
-from rollout_servers.chat_admission import ChatAdmission
-from rollout_servers.chat_endpoint import ChatEndpoint
-from rollout_servers.chat_lost import RESTARTED, LostSessions
-from rollout_servers.chat_sessions import ChatSessions, SessionError, normalized
+from rollout_servers.chat.admission import ChatAdmission
+from rollout_servers.chat.endpoint import ChatEndpoint
+from rollout_servers.chat.lost import RESTARTED, LostSessions
+from rollout_servers.chat.sessions import ChatSessions, SessionError, normalized
 from tests.unit.rollout_servers.test_agent_loop import EOS, SAMPLING, TOKENIZER, ScriptedEngine, ids, turn
 from waiting import wait_until_async
 

@@ -3,7 +3,7 @@
 import pytest
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-from rollout_servers.chat_tools import ToolCallReader, ToolParserError
+from rollout_servers.chat.tools import ToolCallReader, ToolParserError
 from tests.unit.rollout_servers.test_agent_loop import EOS, TOKENIZER, ids
 
 REQUEST = ChatCompletionRequest.model_validate({

@@ -23,6 +23,15 @@ def test_a_wait_is_reported_once_per_period_and_its_end_once(tmp_path, caplog):
     assert caplog.text.count("answers again") == 1
 
 
+def test_the_first_wait_is_reported_on_a_machine_booted_moments_ago(tmp_path, caplog, monkeypatch):
+    # time.monotonic() counts from boot: a report period longer than the uptime must not hide the first line
+    monkeypatch.setattr("rollout_servers.learner_wait.time.monotonic", lambda: 5.0)
+    wait = LearnerWait(BUFFER, SYNC, None, report_every_s=60)
+    with caplog.at_level(logging.INFO, logger="rollout_servers.learner_wait"):
+        wait.silent(TimeoutError("no reply"))
+    assert caplog.text.count("waiting for the learner") == 1
+
+
 def test_no_endpoints_file_while_the_learner_restarts_keeps_waiting(tmp_path):
     LearnerWait(BUFFER, SYNC, tmp_path).silent(TimeoutError("no reply"))  # the learner removed it at its start
 

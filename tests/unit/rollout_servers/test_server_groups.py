@@ -17,12 +17,12 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.data import write_rows
 from asyncrl.messages import Ack, AdmissionGrant, Trajectory, TrajectoryGroup
-from asyncrl.rewards import RewardFunctionError, RewardResult
-from asyncrl.rewards.builtin import UnknownDataSourceError
-from asyncrl.tiny.tokenizer import build_char_tokenizer
+from rollout_servers.rewards import RewardFunctionError, RewardResult
+from rollout_servers.rewards.builtin import UnknownDataSourceError
+from demo.tiny.tokenizer import build_char_tokenizer
 from buffer.admission import Admission
 from rollout_servers.admission_asks import AdmissionAsks
-from rollout_servers.chat_admission import ChatAdmission
+from rollout_servers.chat.admission import ChatAdmission
 from rollout_servers.completion import STALE, Completion
 from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.learner_wait import Endpoints

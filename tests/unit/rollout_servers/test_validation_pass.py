@@ -9,8 +9,8 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, write_rows
-from asyncrl.rewards import RewardResult
-from asyncrl.tasks import arithmetic
+from rollout_servers.rewards import RewardResult
+from demo.tasks import arithmetic
 from rollout_servers.validation import VALIDATION_SEED_OFFSET, ValidationPrompt, Validator, load_validation_prompts
 from waiting import wait_until_async
 
@@ -120,7 +120,7 @@ def test_background_task_validates_due_versions_and_survives_a_failing_pass():
 
 
 def test_held_out_prompts_respect_max_prompts_and_prompt_length(tmp_path):
-    from asyncrl.tiny.tokenizer import build_char_tokenizer
+    from demo.tiny.tokenizer import build_char_tokenizer
 
     rows = [arithmetic.make_row(q, a, i, "val") for i, (q, a) in enumerate([("1+2=", "3"), ("12345+1=", "12346"), ("4+4=", "8"), ("5-1=", "4")])]
     path = write_rows(rows, tmp_path / "val.jsonl")

@@ -1,0 +1,94 @@
+"""Build, warm-start and save the tiny default model; cached by a hash of everything that shapes it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.config import AsyncRLConfig
+from demo.tasks.catalog import task_kind
+from demo.tiny.model import build_tiny_model
+from demo.tiny.tokenizer import build_char_tokenizer
+from demo.tiny.warm_start import greedy_accuracy, warm_start
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "init_report.json"  # written into the model directory; holds the cache key and accuracies
+
+
+def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
+    """Make sure a warm-started tiny model for `config` exists at `config.model.path`; return its report."""
+    target = Path(config.model.path)
+    key = cache_key(config)
+    cached = read_report(target)
+    if not force and cached.get("cache_key") == key:
+        log.info("tiny model at %s is up to date (cache key %s)", target, key[:12])
+        return cached
+    started = time.perf_counter()
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed)
+    kind = task_kind(config.task)
+    split = kind.split(config.task, config.run.seed)
+    held_out = split.val[: config.model.warm_start.eval_samples]  # the validation file's first problems
+    # single-turn greedy accuracy only: a multi-turn task's starting reward is validation's version 0
+    accuracy = greedy_accuracy if kind.teacher is None else _not_measured
+    before = accuracy(model, tokenizer, held_out)
+    warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions)
+    after = accuracy(model, tokenizer, held_out)
+    report = {
+        "cache_key": key,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "accuracy_before_warm_start": before,
+        "accuracy_after_warm_start": after,
+        "warm_start_steps": config.model.warm_start.steps,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    _save(model, tokenizer, target, report)
+    log.info("saved tiny model to %s: greedy accuracy %s -> %s", target, before, after)
+    return report
+
+
+def _not_measured(model: Any, tokenizer: Any, problems: Any) -> None:
+    return None
+
+
+def cache_key(config: AsyncRLConfig) -> str:
+    """Hash of every setting that changes the saved model."""
+    shaping = {
+        "tiny": dataclasses.asdict(config.model.tiny),
+        "warm_start": dataclasses.asdict(config.model.warm_start),
+        "task": dataclasses.asdict(config.task) | {"out_dir": None, "format": None, "num_train": None},
+        "seed": config.run.seed,
+        "tokenizer": hashlib.sha256(build_char_tokenizer().backend_tokenizer.to_str().encode()).hexdigest(),
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+
+
+def read_report(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / REPORT_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save(model: torch.nn.Module, tokenizer: Any, target: Path, report: dict[str, Any]) -> None:
+    """Write to a sibling temp dir, then rename: a killed init never leaves a half-written model."""
+    staging = target.with_name(target.name + ".partial")
+    staging.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    (staging / REPORT_FILE).write_text(json.dumps(report, indent=2))
+    if target.exists():
+        backup = target.with_name(target.name + ".old")
+        target.rename(backup)
+        staging.rename(target)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        staging.rename(target)

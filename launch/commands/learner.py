@@ -1,0 +1,83 @@
+"""`asyncrl learner`: train. Spawns learner.nproc local ranks, or joins the world torchrun gives."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+
+from launch.commands.common import make_run_dir, start
+from asyncrl.config import AsyncRLConfig
+from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.net import free_port
+from asyncrl.stop_signal import interrupt_on_stop_signals
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "learner")
+    if config.learner.mode == "sync":  # the synchronous reference: one process, its own engine
+        from launch.commands import sync_reference
+
+        return sync_reference.main(config, log)
+    torchrun = "WORLD_SIZE" in os.environ  # torchrun or Ray gave this process its rank and its GPUs
+    from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
+    from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
+
+    plan = None if torchrun else place_local_job(config, log)
+
+    prepare_nccl_environment(config.rollout.weight_sync.host)
+    run_dir = make_run_dir(config, "run")
+    (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # rollout servers wait for this run's addresses
+    log.info("run directory: %s", run_dir)
+    if torchrun:  # this process is one rank of the given world
+        from learner.main import train
+
+        train(config, run_dir)
+        print(f"RUN_DIR {run_dir}", flush=True)
+        return 0
+    if plan is not None:
+        pin(plan.learner)  # the ranks (spawned below) see their GPUs as 0..nproc-1
+    code = spawn_ranks(config, str(run_dir), log)
+    if code == INTERRUPTED:
+        log.warning("stopped by a signal: the ranks closed their services and exited")
+    print(f"RUN_DIR {run_dir}", flush=True)
+    return code
+
+
+def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int:
+    """Run learner.nproc local ranks to the end; the exit code: 0, INTERRUPTED when a stop signal ended them
+    first, 1 when one failed (one line here; its error and traceback are in its log).
+
+    SIGTERM (what `asyncrl run` sends the learner's process group) is taken like Ctrl-C, here and in every
+    rank: a rank unwinds through its `finally` (buffer stopped, metrics closed, its process group left) and
+    exits, and this process waits for that. A signal to this process alone (a process manager's) is passed on
+    to the ranks. Killed outright, a rank left the multiprocessing resource tracker
+    warning about a leaked semaphore (tqdm's, from loading the model) on the console."""
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    from learner.main import spawned_rank
+
+    interrupt_on_stop_signals()
+    size = config.learner.nproc
+    context = mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size,
+                                 start_method="spawn", join=False)
+    try:
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        for process in context.processes:  # a signal to this process alone (a process manager's) reaches them too
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGTERM)
+        for process in context.processes:
+            process.join()
+        return INTERRUPTED
+    except ProcessException as error:  # torch ends the other ranks
+        rank_log = Path(run_dir) / "logs" / f"learner{error.error_index}.log"
+        log.error("learner rank %d failed (%s): see %s", error.error_index, str(error).strip().splitlines()[0], rank_log)
+        return 1
+    return 0
+

@@ -1,0 +1,46 @@
+"""`asyncrl rollout`: run rollout.num_servers vLLM servers for a learner (same run.name), with the job's shared
+settings taken from the learner's config, until the learner finishes the job or a signal stops them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from launch.commands.common import check_input_files, start
+from asyncrl.exit_codes import INTERRUPTED
+from launch.job_settings import adopt_learner_settings
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "rollout")
+    if config.learner.mode == "sync":
+        log.error("learner.mode=sync: the learner runs its own vLLM engine; it needs no rollout servers")
+        return 2
+    run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
+    if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
+        log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
+        return 2
+    from asyncrl.placement import place_local_job  # imports torch: after parsing
+    from rollout_servers.learner_wait import LearnerFinished
+    from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
+
+    try:
+        endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)  # the learner is up
+        if run_dir is not None:
+            config = adopt_learner_settings(config, run_dir, args.overrides, log)
+        check_input_files(config)
+        plan = place_local_job(config, log)
+        log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
+                 endpoints.sync)
+        final_step = supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."),
+                               plan.servers if plan is not None else None)
+    except LearnerFinished as finished:
+        final_step = finished.version
+    except SupervisorGaveUp as error:
+        log.error("%s", error)
+        return 1
+    if final_step is None:
+        log.info("stopped by a signal: the rollout servers are stopped")
+        return INTERRUPTED
+    log.info("the learner finished the job at step %d: the rollout servers are stopped", final_step)
+    return 0

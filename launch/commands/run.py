@@ -1,0 +1,107 @@
+"""`asyncrl run`: the whole job on this machine: learner (which starts the buffer) plus rollout servers,
+live progress on the console, per-role logs in the run directory, clean stop on Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from launch.commands.common import check_input_files, start
+from asyncrl.endpoints import ENDPOINTS_FILE
+from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.parent_death import launched_environment
+from asyncrl.stop_signal import StopSignal
+
+_POLL_S = 0.5  # how often the launcher checks its children
+_STOP_TIMEOUT_S = 30.0  # grace period after SIGTERM before SIGKILL
+_ERRORS_SHOWN = 3  # error records of the rollout supervisor's log repeated on the console when it gives up
+_CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError lists up to 5 rows and a count)
+
+
+def main(args: argparse.Namespace) -> int:
+    config, log = start(args, "run")
+    check_input_files(config)
+    from asyncrl.placement import as_overrides, place_local_job  # imports torch: after parsing
+
+    plan = place_local_job(config, log, automatic=True)  # refused here, before any role starts
+    name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.run.root_dir) / name
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # a resumed run's old addresses must not be used
+    base = [sys.executable, "-m", "launch.cli"]
+    placed = as_overrides(plan) if plan is not None else []  # each role pins itself to its GPUs of the plan
+    shared = (["--config", args.config] if args.config else []) + [*args.overrides, *placed, f"run.name={name}"]
+    # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout
+    # supervisor's output go to logs/.
+    learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)
+    # learner.mode=sync: the learner runs the synchronous reference, which owns its engine
+    rollout = None if config.learner.mode == "sync" else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
+    log.info("run directory %s: learner pid %d, rollout pid %s (servers log to logs/)", run_dir, learner.pid,
+             rollout.pid if rollout else "none")
+    stop = StopSignal()
+    code = 0
+    try:
+        while not stop.requested and learner.poll() is None:
+            if rollout is not None and rollout.poll() not in (None, 0):  # 0: the learner told it the job is finished
+                log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
+                for line in last_errors(run_dir / "logs" / "rollout.log"):
+                    log.error("  %s", line)
+                code = 1
+                break
+            time.sleep(_POLL_S)
+        if stop.requested:
+            code = INTERRUPTED
+        elif code == 0:
+            code = learner.returncode or 0
+    finally:
+        for process in (rollout, learner):
+            if process is not None:
+                _stop(process)
+    print(f"RUN_DIR {run_dir}", flush=True)
+    return code
+
+
+def last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:
+    """The last `count` error records of a log (why a child gave up), oldest first: each ERROR line with the
+    indented lines that continue its message (a DataError's rows, say); tracebacks stay in the log."""
+    if not log_path.is_file():
+        return []
+    records: list[list[str]] = []
+    continues = False  # the line before belongs to an error record that may go on
+    for line in log_path.read_text(errors="replace").splitlines():
+        if " ERROR " in line:
+            records.append([line])
+            continues = True
+        elif continues and line.startswith("  ") and len(records[-1]) <= _CONTINUATION_LINES:
+            records[-1].append(line)
+        else:
+            continues = False
+    return [line for record in records[-count:] for line in record]
+
+
+def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False) -> subprocess.Popen:
+    output = open(log_path, "ab")
+    stderr = None if stderr_to_console else subprocess.STDOUT
+    # A session of its own: stopping it reaches every process below (vLLM engine cores, learner ranks). The
+    # child dies with this process, should it be killed outright (`asyncrl.parent_death`).
+    return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=launched_environment())
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(_STOP_TIMEOUT_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # leftovers of the group, even when the leader has exited
+    except ProcessLookupError:
+        pass
+    process.wait()

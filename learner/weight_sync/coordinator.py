@@ -1,0 +1,358 @@
+"""The learner's side of weight sync rounds: who takes part, the group, the broadcast, the outcome.
+
+Servers announce themselves with `SyncJoin` heartbeats on the coordinator's ROUTER socket. A round
+first asks every live server to confirm it is there (`SyncPrepare` → `SyncReady`, within `liveness_s`),
+so a server that died since its last heartbeat costs that wait, not a rendezvous deadline; it then
+invites the servers that answered, (re)builds the transfer group when membership changed or the last
+round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
+or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
+round. With backend "ipc" (a server on the learner's GPU) there is no group: the round's weights are copied
+into a buffer the servers map through CUDA IPC, before they are invited (`weight_transfer.ipc`).
+Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
+(`ServerTelemetry`) on the same channel, apart from the heartbeats; the latest of each server's is kept
+for `rollout_metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from asyncrl.messages import DecodeError, decode, encode
+from asyncrl.net import free_port
+from asyncrl.transport.control import bind_control
+from asyncrl.units import MS_PER_S
+from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
+                                                      SyncJoin, SyncPrepare, SyncReady)
+from asyncrl.weight_transfer.group import IPC, GroupAddress, WeightTransferError, transfer_device
+from asyncrl.weight_transfer.ipc import OTHER_GPU, SharedWeights
+from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
+from asyncrl.weight_transfer.sender import WeightSender, stage_for_transfer
+from learner.weight_sync.server_metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_FIRST_SERVER_RANK = 1  # rank 0 is the trainer
+# errors no retry can fix: the group itself is invalid (e.g. NCCL ranks sharing one GPU)
+UNRECOVERABLE_MARKERS = ("Duplicate GPU", "invalid usage", "ncclInvalidUsage", OTHER_GPU)
+
+
+class WeightSyncFailed(RuntimeError):
+    """No rollout server can load the learner's weights; the message holds each one's last error."""
+
+
+@dataclass
+class Member:
+    identity: bytes  # ZeroMQ routing id of the server's socket
+    ranks: int  # group ranks it occupies
+    last_seen: float  # monotonic time of its last heartbeat
+    version: int  # version it holds (reported, or loaded in a successful round)
+    needs_catch_up: bool = False  # its last update failed: it holds no complete weights
+
+
+@dataclass
+class RoundReport:
+    version: int  # policy version broadcast
+    servers: int  # servers live when the round began (asked to take part)
+    succeeded: list[str] = field(default_factory=list)  # servers that loaded the weights
+    failed: dict[str, str] = field(default_factory=dict)  # server -> reason
+    seconds: float = 0.0  # coordinator wall time of the round
+    transfer_seconds: float = 0.0  # broadcast time alone
+    max_server_pause_s: float = 0.0  # longest pause-to-resume reported by a server
+
+
+class SyncCoordinator:
+    def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float,
+                 staging_bytes: int = 0, max_failures: int = 3, curve_dir: str = "") -> None:
+        """`staging_bytes`: device memory for copying a round's weights to the transfer device before the
+        servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent. `max_failures`: rounds
+        in a row a server may fail before it is given up on (left out of rounds until it restarts).
+        `curve_dir`: the job's CURVE keys (buffer.curve_dir); required when `bind` is not loopback, and then
+        only servers holding the authorised client key can join."""
+        self._router = bind_control(bind, curve_dir)
+        self.socket, self.address = self._router.socket, self._router.endpoint
+        self.group_host, self.group_port, self.backend = group_host, group_port, backend
+        self.timeout_s, self.liveness_s = timeout_s, liveness_s
+        self.staging_bytes = staging_bytes
+        self.members: dict[str, Member] = {}
+        self._sender: WeightSender | None = None  # gloo / NCCL: the trainer's end of the group
+        self._shared: SharedWeights | None = None  # IPC: the buffer the servers map
+        self._group_members: tuple[bytes, ...] = ()  # socket identities of the group's servers: a restarted one is new
+        self._round = 0
+        self._last_tokens = (0, time.monotonic())  # for the rollout token rate
+        self._server_metrics = ServerMetrics()
+        self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
+        self.latest_version = 0  # newest version broadcast
+        self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
+        self.max_failures = max_failures
+        self._failures: dict[str, tuple[int, str]] = {}  # server -> (rounds failed in a row, last error)
+        self._given_up: dict[str, bytes] = {}  # server -> identity of the process given up on (a restart is new)
+        self._identities: dict[str, bytes] = {}  # server -> identity of its latest heartbeat (kept when forgotten)
+
+    def live_members(self) -> list[str]:
+        self._drain()
+        now = time.monotonic()
+        return sorted(name for name, m in self.members.items() if now - m.last_seen <= self.liveness_s)
+
+    def lagging_members(self, version: int) -> list[str]:
+        """Live servers, not given up on, that hold an older version than `version`, or no complete weights."""
+        live = self._syncable()
+        return [name for name in live if self.members[name].version < version or self.members[name].needs_catch_up]
+
+    def _syncable(self) -> list[str]:
+        """Live servers except those given up on (a restarted process, with a new identity, is taken again)."""
+        return [name for name in self.live_members() if self._given_up.get(name) != self.members[name].identity]
+
+    def _record_outcome(self, report: RoundReport) -> None:
+        """Count each server's failures in a row; give up on one that reached `max_failures` or failed in a way
+        no retry can fix (logged once, with the error); raise WeightSyncFailed when no live server is left."""
+        for name in report.succeeded:
+            self._failures.pop(name, None)
+        for name, reason in report.failed.items():
+            count = self._failures.get(name, (0, ""))[0] + 1
+            self._failures[name] = (count, reason)
+            hopeless = any(marker in reason for marker in UNRECOVERABLE_MARKERS)
+            identity = self._identities.get(name)
+            if (count >= self.max_failures or hopeless) and identity is not None and self._given_up.get(name) != identity:
+                self._given_up[name] = identity
+                why = "an error no retry can fix" if hopeless else f"{count} rounds in a row (rollout.weight_sync.max_failures)"
+                log.error("giving up on %s until it restarts: it failed to load the weights, %s: %s", name, why, reason)
+        live = self.live_members()
+        if live and not self._syncable() and report.failed:
+            errors = "; ".join(f"{name}: {self._failures.get(name, (0, 'unknown'))[1]}" for name in live)
+            raise WeightSyncFailed(f"no rollout server can load the learner's weights ({errors})")
+
+    def rollout_metrics(self, learner_version: int | None = None) -> dict[str, float]:
+        """Server counters summed over servers whose telemetry arrived within `liveness_s`: `rollout/tokens_per_s` since the previous call,
+        `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; per-server rates, in-flight
+        requests and version lag behind `learner_version` (default: the newest version broadcast), see
+        `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
+        `new_validation`)."""
+        beats = self._live_telemetry()
+        tokens = sum(b.tokens_generated for b in beats)
+        now = time.monotonic()
+        last_tokens, last_time = self._last_tokens
+        rate = (tokens - last_tokens) / (now - last_time) if now > last_time and tokens >= last_tokens else 0.0
+        self._last_tokens = (tokens, now)
+        uptime = sum(b.uptime_seconds for b in beats)
+        idle = sum(b.idle_seconds for b in beats)
+        return {
+            "rollout/servers": float(len(beats)),
+            "rollout/tokens_per_s": rate,
+            "rollout/idle_ratio": idle / uptime if uptime else 0.0,
+            "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
+            "rollout/groups_resampled": float(sum(b.groups_resampled for b in beats)),
+            "rollout/chat_sessions": float(sum(b.chat_sessions for b in beats)),
+            "rollout/chat_waiting": float(sum(b.chat_waiting for b in beats)),
+            "rollout/chat_dropped_idle": float(sum(b.chat_dropped_idle for b in beats)),
+            "rollout/chat_lost": float(sum(b.chat_lost for b in beats)),
+        } | self._server_metrics.metrics(
+            beats, {name: member.version for name, member in self.members.items()},
+            self.latest_version if learner_version is None else learner_version,
+        ) | self.new_validation(beats)  # the same snapshot: a message read in between would split one record
+
+    def new_validation(self, telemetry: list[ServerTelemetry] | None = None) -> dict[str, float]:
+        """`val/*` of a validation pass that live servers' telemetry carries and no earlier call returned
+        (each pass once), with `val/version` the policy version it validated; {} when there is none.
+        `telemetry`: the snapshot to read (default: the latest, read now)."""
+        fresh: dict[str, float] = {}
+        for beat in self._live_telemetry() if telemetry is None else telemetry:
+            if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
+                self._validations_logged[beat.server_id] = beat.validation_version
+                fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
+        return fresh
+
+    def _live_telemetry(self) -> list[ServerTelemetry]:
+        """The latest telemetry of each server heard from within `liveness_s`, by server name."""
+        self._drain()
+        now = time.monotonic()
+        return [latest for _, (received, latest) in sorted(self._telemetry.items()) if now - received <= self.liveness_s]
+
+    def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
+        """Block until `count` servers are live or the timeout passes; returns the live ones."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.live_members()) < count and time.monotonic() < deadline:
+            self._poll_until(deadline)
+        return self.live_members()
+
+    def broadcast(self, version: int, named_tensors: NamedTensors) -> RoundReport:
+        """One round: every live server receives `named_tensors` as `version`, or is reported failed (and given
+        up on after `max_failures` such rounds; WeightSyncFailed when that leaves none)."""
+        report = self._run_round(version, named_tensors)
+        self._record_outcome(report)
+        return report
+
+    def _run_round(self, version: int, named_tensors: NamedTensors) -> RoundReport:
+        started = time.perf_counter()
+        candidates = self._syncable()
+        report = RoundReport(version=version, servers=len(candidates))
+        self.latest_version = max(self.latest_version, version)
+        if not candidates:
+            return report
+        self._round += 1
+        invited = self._confirm_present(report, candidates)
+        if not invited:
+            report.seconds = time.perf_counter() - started
+            return report
+        update_info = update_info_for(named_tensors)
+        if self.backend == IPC:
+            named_tensors, report.transfer_seconds = self._write_shared(named_tensors)
+        else:
+            named_tensors = stage_for_transfer(named_tensors, transfer_device(self.backend), self.staging_bytes)
+        identities = tuple(self.members[name].identity for name in invited)
+        rebuild = identities != self._group_members
+        address, init_infos = self._plan_group(invited) if rebuild else (None, {})
+        for name in invited:
+            invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
+            self.socket.send_multipart([self.members[name].identity, encode(invite)])
+        try:
+            if address is not None and self.backend != IPC:
+                self._sender = WeightSender.open(address)
+            self._group_members = identities
+            if self._sender is not None:
+                report.transfer_seconds = self._sender.send_weights(named_tensors)
+        except WeightTransferError as error:
+            log.warning("weight sync round %d (version %d) failed: %s", self._round, version, error)
+            self._close_group()
+            report.failed |= {name: f"transfer: {error}" for name in invited}
+            self._collect(report, invited, time.monotonic() + self.liveness_s)
+            report.seconds = time.perf_counter() - started
+            return report
+        self._collect(report, invited, time.monotonic() + self.timeout_s)
+        if any(name in report.failed for name in invited):
+            self._close_group()  # a member may be stuck mid-broadcast: never reuse this group
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def tell_servers(self, notice: object) -> list[str]:
+        """Send `notice` (a control message) to every live server; the servers it went to."""
+        live = self.live_members()
+        for name in live:
+            self.socket.send_multipart([self.members[name].identity, encode(notice)])
+        return live
+
+    def finish_job(self, version: int, timeout_s: float) -> list[str]:
+        """Tell every live server that the job ended at `version`, again each `liveness_s`, until each has
+        answered that it leaves or `timeout_s` passed; the servers that did not answer."""
+        deadline = time.monotonic() + timeout_s
+        while (live := self.tell_servers(JobFinished(version))) and time.monotonic() < deadline:
+            self._poll_until(deadline)
+        return live
+
+    def _poll_until(self, deadline: float) -> None:
+        """Wait for a message, at most until `deadline` and at most one `liveness_s` (a heartbeat's period)."""
+        self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * MS_PER_S))
+
+    def close(self) -> None:
+        self._close_group()
+        if self._shared is not None:
+            self._shared.close()
+        self._router.close()
+
+    def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
+        """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
+        self._close_group()
+        offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in invited])
+        port = 0 if self.backend == IPC else self.group_port or free_port(self.group_host)
+        address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
+        shared = self._shared.handle.as_dict() if self._shared is not None else None
+        return address, {name: init_info_for(address, offsets[name], shared) for name in invited}
+
+    def _write_shared(self, named_tensors: NamedTensors) -> tuple[NamedTensors, float]:
+        """IPC: the round's weights copied into the shared buffer before anyone is invited (nothing is left to
+        send afterwards); a buffer made anew means new handles, so every server is invited to map it again."""
+        if self._shared is None:
+            self._shared = SharedWeights()
+        if self._shared.reserve(named_tensors):
+            self._group_members = ()
+        return [], self._shared.write(named_tensors)
+
+    def _confirm_present(self, report: RoundReport, candidates: list[str]) -> list[str]:
+        """The candidates that answer this round's `SyncPrepare` within `liveness_s` (at most `timeout_s`,
+        the bound of every wait in a round); the others are reported failed and forgotten until they
+        heartbeat again."""
+        for name in candidates:
+            self.socket.send_multipart([self.members[name].identity, encode(SyncPrepare(self._round))])
+        waiting = set(candidates)
+        wait_s = min(self.liveness_s, self.timeout_s)
+        for reply in self._messages_until(time.monotonic() + wait_s, waiting):
+            if isinstance(reply, SyncReady) and reply.round_id == self._round:
+                waiting.discard(reply.server_id)
+        self._forget_silent(report, waiting, f"no answer to the round's prepare within {wait_s:g}s")
+        return [name for name in candidates if name not in waiting]
+
+    def _forget_silent(self, report: RoundReport, silent: set[str], reason: str) -> None:
+        for name in silent:
+            report.failed.setdefault(name, reason)
+            self.members.pop(name, None)  # silent: it must announce itself again
+
+    def _collect(self, report: RoundReport, invited: list[str], deadline: float) -> None:
+        """Gather SyncDone replies for this round until all arrived or the deadline."""
+        waiting = set(invited)
+        for reply in self._messages_until(deadline, waiting):
+            if isinstance(reply, SyncDone) and reply.round_id == self._round and reply.server_id in waiting:
+                waiting.discard(reply.server_id)
+                if reply.ok:
+                    member = self.members.get(reply.server_id)
+                    if member is not None:
+                        member.version, member.needs_catch_up = report.version, False
+                    report.succeeded.append(reply.server_id)
+                    report.failed.pop(reply.server_id, None)
+                    report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
+                else:
+                    report.failed[reply.server_id] = reply.error
+        self._forget_silent(report, waiting, "no reply before the deadline")
+
+    def _messages_until(self, deadline: float, waiting: set[str]) -> Iterator[object]:
+        """Messages as they arrive (heartbeats and telemetry are taken in on the way) while `waiting`, which the caller
+        empties, still names a server and the deadline has not passed."""
+        while waiting and time.monotonic() < deadline:
+            if not self.socket.poll(int(max(deadline - time.monotonic(), 0) * MS_PER_S)):
+                return
+            yield self._receive_one()
+
+    def _drain(self) -> None:
+        while self.socket.poll(0):
+            self._receive_one()
+
+    def _receive_one(self) -> object:
+        identity, frame = self.socket.recv_multipart()[:2]
+        try:
+            msg = decode(frame)
+        except DecodeError as error:
+            log.warning("dropping an undecodable weight-sync frame: %s", error)
+            return None
+        if isinstance(msg, SyncJoin):
+            known = self.members.get(msg.server_id)
+            if known is None:
+                log.info("rollout server %s joined weight sync (version %d)", msg.server_id, msg.version)
+            version = msg.version
+            if known is not None and known.identity == identity:
+                # same process: a heartbeat queued before the last round must not undo what it loaded
+                version = max(version, known.version)
+            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up)
+            self._identities[msg.server_id] = identity
+        elif isinstance(msg, ServerTelemetry):
+            self._telemetry[msg.server_id] = (time.monotonic(), msg)
+        elif isinstance(msg, ServerLeaving) and self.members.pop(msg.server_id, None) is not None:
+            log.info("rollout server %s left: the job is finished", msg.server_id)
+        return msg
+
+    def _close_group(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._group_members = None, ()
+
+
+def rank_layout(servers: list[tuple[str, int]]) -> tuple[dict[str, int], int]:
+    """Each server's first group rank (the trainer is rank 0; a server takes one rank per worker) and
+    the world size."""
+    offsets, next_rank = {}, _FIRST_SERVER_RANK
+    for name, ranks in servers:
+        offsets[name] = next_rank
+        next_rank += ranks
+    return offsets, next_rank
+

@@ -1,0 +1,82 @@
+"""The synchronous reference's loop (launch/sync_reference.py) with stand-ins for its engine and policy
+halves: the order of its steps, the weights' versions, what it records, and non-finite steps."""
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.config.sections import MetricsConfig
+from asyncrl.messages import Trajectory, TrajectoryGroup
+from asyncrl.metrics import MetricsLogger, read_metrics
+from launch.sync_reference import TooManyBadSteps, run, trained_groups
+
+
+def group(number: int, version: int) -> TrajectoryGroup:
+    samples = [Trajectory(prompt_ids=[1, 2], completion_ids=[3 + i] * (i + 1), behaviour_logprobs=[-0.5] * (i + 1),
+                          token_versions=[version] * (i + 1), loss_mask=[1] * (i + 1), reward=float(i),
+                          group_id=f"g{number}", data_source="test", finish_reason="stop") for i in range(2)]
+    return TrajectoryGroup(f"g{number}", f"g{number}", "sync", samples)
+
+
+@dataclass
+class Outcome:
+    metrics: dict[str, float]
+    finite: bool = True
+
+
+@dataclass
+class FakeHalves:
+    """Both halves in one: records the calls the loop makes; a step's loss is not finite where listed."""
+
+    non_finite: set[int] = field(default_factory=set)  # train calls (0-based) whose loss is not finite
+    calls: list[tuple] = field(default_factory=list)
+    version: int = 0  # of the weights the fake engine holds
+    weights_device: str = "cpu"
+
+    def sample(self) -> list[TrajectoryGroup]:
+        self.calls.append(("sample", self.version))
+        return [group(len(self.calls), self.version)]
+
+    def train(self, groups: list[TrajectoryGroup], version: int) -> Outcome:
+        finite = sum(call[0] == "train" for call in self.calls) not in self.non_finite
+        self.calls.append(("train", version))
+        return Outcome({"actor/pg_loss": 0.25 if finite else math.nan, "actor/grad_norm": 1.0}, finite)
+
+    def weights(self, device: str) -> list[tuple[str, float]]:
+        return [("w", 1.0)]
+
+    def load_weights(self, version: int, weights) -> float:
+        self.calls.append(("load", version))
+        self.version = version
+        return 0.01
+
+
+def reference(tmp_path, halves: FakeHalves, steps: int = 2) -> int:
+    config = load_config(None, [f"learner.total_steps={steps}", "learner.max_bad_steps=2"])
+    metrics = MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"))
+    try:
+        return run(config, tmp_path, halves, halves, metrics)
+    finally:
+        metrics.close()
+
+
+def test_each_step_samples_with_the_current_weights_trains_then_loads_the_next(tmp_path):
+    halves = FakeHalves()
+    assert reference(tmp_path, halves) == 2
+    assert halves.calls == [("sample", 0), ("train", 0), ("load", 1), ("sample", 1), ("train", 1), ("load", 2)]
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["staleness/max"] for r in records] == [0.0, 0.0]
+    assert records[0]["batch/samples"] == 2 and records[0]["batch/tokens"] == 3 and records[0]["critic/score/mean"] == 0.5
+    assert records[0]["weight_sync/server_pause_seconds"] == 0.01
+    assert trained_groups(tmp_path, 2) == [group(4, 1)]  # the groups the step trained on, read back
+
+
+def test_a_non_finite_step_keeps_the_weights_and_too_many_stop_the_run(tmp_path):
+    halves = FakeHalves(non_finite={0})
+    reference(tmp_path, halves, steps=1)
+    assert halves.calls == [("sample", 0), ("train", 0), ("sample", 0), ("train", 0), ("load", 1)]
+    with pytest.raises(TooManyBadSteps):
+        reference(tmp_path / "again", FakeHalves(non_finite={0, 1}), steps=1)

@@ -1,0 +1,97 @@
+"""`asyncrl tune RUN_DIR` on hand-built runs: one per verdict, each with the numbers its advice must name."""
+
+import pytest
+
+from launch.cli import main
+from asyncrl.config import load_config, save_config
+from asyncrl.config.sections import MetricsConfig
+from asyncrl.metrics import MetricsLogger
+from launch.tuning import NotEnoughSteps, read_run
+
+STEPS = 20  # the first 2 (a tenth) are left out as warm-up
+
+
+def write_run(run_dir, overrides: list[str], step: dict[str, float], warmup: dict[str, float] | None = None) -> None:
+    save_config(load_config(None, overrides), run_dir)
+    logger = MetricsLogger(run_dir, MetricsConfig(wandb_mode="disabled"))
+    for number in range(1, STEPS + 1):
+        logger.log(number, (warmup or step) if number <= 2 and warmup else step)
+    logger.close()
+
+
+def steady(wait_s: float, train_s: float, sync_s: float = 0.0, **extra: float) -> dict[str, float]:
+    return {"timing_s/wait_batch": wait_s, "timing_s/step": wait_s + train_s, "weight_sync/seconds": sync_s,
+            "staleness/mean": 1.5, "staleness/max_staleness": 2.0, "rollout_corr/mismatch_kl": 0.004,
+            "rollout_corr/is_clip_frac": 0.01, "response_length/mean": 100.0, "batch/samples": 64.0,
+            "rollout/idle_ratio": 0.0} | extra
+
+
+def tune(run_dir, capsys) -> list[str]:
+    assert main(["tune", str(run_dir)]) == 0
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def test_generation_bound(tmp_path, capsys):
+    # waits 0.6 of a 1.6 s step (sync 0.4 s after it): 30 % of 2.0 s; warm-up steps that waited 50 s are left out
+    write_run(tmp_path, ["buffer.max_staleness=2", "rollout.num_servers=2"], steady(0.6, 1.0, 0.4),
+              warmup=steady(50.0, 1.0, 0.4))
+    verdict, k, servers, micro = tune(tmp_path, capsys)
+    assert verdict.startswith("generation-bound over 18 steps of 2.000 s: the learner waited for batches 30%")
+    assert "weight sync took 20%" in verdict and "training the rest (50%)" in verdict
+    assert k.startswith("K: buffer.max_staleness=3 or auto")
+    # 2 servers / (1 - 0.3) = 2.86 -> 3; 1 / 0.7 = 1.43x the generation rate
+    assert servers.startswith("servers: rollout.num_servers=3") and "1.43x" in servers
+    assert micro.startswith("micro-batch: keep")
+
+
+def test_learner_bound_with_a_small_micro_batch(tmp_path, capsys):
+    write_run(tmp_path, ["buffer.max_staleness=4", "rollout.num_servers=4", "learner.micro_batch_tokens=1024"],
+              steady(0.01, 0.99, **{"rollout/idle_ratio": 0.5}))
+    verdict, k, servers, micro = tune(tmp_path, capsys)
+    assert verdict.startswith("learner-bound over 18 steps of 1.000 s: the learner waited for batches 1%")
+    assert k.startswith("K: buffer.max_staleness=3 or auto") and "1.50 versions old" in k
+    assert servers.startswith("servers: 2 of the 4 would do") and "idle 50%" in servers
+    # 100 tokens x 64 samples = 6,400 per step: 7 micro-batches of 1,024
+    assert micro.startswith("micro-batch: learner.micro_batch_tokens=auto or 2048") and "about 7 micro-batches" in micro
+
+
+def test_sync_bound(tmp_path, capsys):
+    # sync 0.5 s after a 0.5 s step: 50 % of the time; at sync_every=1 -> ceil(1 · 0.5 / 0.1) = 5
+    write_run(tmp_path, ["buffer.max_staleness=1"], steady(0.05, 0.45, 0.5))
+    verdict, k, _, _ = tune(tmp_path, capsys)
+    assert verdict.startswith("sync-bound") and "weight sync took 50%" in verdict
+    assert k.startswith("sync: learner.sync_every=5") and "K ≥ 5" in k
+
+
+def test_a_paced_run_reports_where_the_controller_settled(tmp_path, capsys):
+    write_run(tmp_path, ["buffer.max_staleness=auto"], steady(0.02, 0.98, **{"staleness/max_staleness": 3.0}))
+    _, k, _, _ = tune(tmp_path, capsys)
+    assert k.startswith("K: the controller settled at K=3 (mean 3.00)")
+
+
+@pytest.mark.parametrize("last_k, expected", [
+    (8.0, "K: the controller reached buffer.pacing.k_max=8 while the learner still waited 30%"),
+    (3.0, "K: the drift held the controller at K=3 (mismatch_kl 0.0300, bound 0.02)"),
+])
+def test_a_paced_generation_bound_run_says_what_stopped_k(tmp_path, capsys, last_k, expected):
+    write_run(tmp_path, ["buffer.max_staleness=auto"],
+              steady(0.3, 0.7, **{"staleness/max_staleness": last_k, "rollout_corr/mismatch_kl": 0.03}))
+    _, k, _, _ = tune(tmp_path, capsys)
+    assert k.startswith(expected)
+
+
+def test_a_run_from_before_k_was_logged_names_the_configured_k(tmp_path, capsys):
+    step = steady(0.0, 1.0)
+    del step["staleness/max_staleness"]
+    write_run(tmp_path, ["buffer.max_staleness=2"], step)
+    assert "staleness trained 1.50 under K 2;" in tune(tmp_path, capsys)[0]
+
+
+def test_a_run_without_metrics_or_steps_fails_clearly(tmp_path, capsys):
+    assert main(["tune", str(tmp_path)]) == 1
+    assert "no config.yaml" in capsys.readouterr().err
+    save_config(load_config(None, []), tmp_path)
+    assert main(["tune", str(tmp_path)]) == 1
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    with pytest.raises(NotEnoughSteps, match="1 learner step"):
+        read_run([steady(0.1, 0.9)])

@@ -1,0 +1,394 @@
+"""Weight-sync rounds without vLLM: fake servers on real ZeroMQ sockets and a real gloo group."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+import zmq
+
+from asyncrl.messages import decode, encode
+from asyncrl.transport import generate_curve_keys
+from asyncrl.transport.sockets import connect_dealer
+from asyncrl.weight_transfer import TransferGroup, parse_update_info
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncJoin,
+                                                      SyncPrepare, SyncReady)
+from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
+from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
+from asyncrl.weight_transfer.protocol import InitInfo
+from waiting import wait_until
+
+TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
+LIVENESS_S = 1.0
+HEARTBEAT_S = 0.05
+
+
+class FakeServer(threading.Thread):
+    """Heartbeats; answers each prepare; on each invite (re)joins the group if asked, receives every
+    tensor, reports. A server with `answer=False` heartbeats and ignores everything else; one with `fail_with`
+    receives and then reports that error."""
+
+    def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "", curve_dir: str = "") -> None:
+        super().__init__(daemon=True)
+        self.name_, self.address, self.answer, self.fail_with = name, address, answer, fail_with
+        self.curve_dir = curve_dir  # CURVE client keys to connect with ("" = none)
+        self.received: dict[int, dict[str, torch.Tensor]] = {}
+        self.stop = threading.Event()
+        self.version = 0
+        self.finished_at: int | None = None  # the final version of a JobFinished it answered
+        self.joins = 0  # init requests received (a group joined, or a shared buffer mapped)
+
+    def run(self) -> None:
+        sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
+        group = None
+        while not self.stop.is_set():
+            sock.send(encode(SyncJoin(self.name_, 1, self.version)))
+            if not sock.poll(int(HEARTBEAT_S * 1000)):
+                continue
+            message = decode(sock.recv())
+            if not self.answer:
+                continue
+            if isinstance(message, SyncPrepare):
+                sock.send(encode(SyncReady(self.name_, message.round_id)))
+                continue
+            if isinstance(message, JobFinished):
+                sock.send(encode(ServerLeaving(self.name_)))
+                self.finished_at = message.version
+                break
+            invite = message
+            try:
+                if invite.init_info:
+                    info = InitInfo(**invite.init_info)
+                    self.joins += 1
+                    group = (SharedWeightsReader(CpuSharedWeights.buffers[info.ipc["handle"]]) if info.backend == "ipc"
+                             else TransferGroup.join(info.address(), info.rank_offset))
+                tensors = received(group, parse_update_info(invite.update_info))
+                if self.fail_with:  # a server that takes part in the transfer but fails to load, every time
+                    raise RuntimeError(self.fail_with)
+            except Exception as error:  # as a real server does: report, stay, catch up next round
+                sock.send(encode(SyncDone(self.name_, invite.round_id, ok=False, error=str(error))))
+                continue
+            self.received[invite.version], self.version = tensors, invite.version
+            sock.send(encode(SyncDone(self.name_, invite.round_id, ok=True, seconds=0.01)))
+        sock.close(0)
+
+
+def received(group, metas) -> dict[str, torch.Tensor]:
+    """Every announced tensor: broadcast over a gloo group, or copied out of a shared buffer (IPC)."""
+    if isinstance(group, SharedWeightsReader):
+        return {name: view.clone() for name, view in group.tensors(metas)}
+    tensors = {}
+    for meta in metas:
+        tensors[meta.name] = torch.empty(meta.shape, dtype=meta.dtype)
+        group.broadcast(tensors[meta.name])
+    return tensors
+
+
+class CpuSharedWeights:
+    """Stands in for the CUDA IPC buffer in these CPU tests: the same layout, shared by reference; the "handle"
+    names the buffer in `buffers`."""
+
+    buffers: dict[str, torch.Tensor] = {}
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.handle: IpcHandle | None = None
+
+    def reserve(self, named_tensors) -> bool:
+        _, size = byte_layout([t.numel() * t.element_size() for _, t in named_tensors])
+        if self.buffer is not None and self.buffer.numel() >= size:
+            return False
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        key = f"buffer-{len(self.buffers)}"
+        self.buffers[key] = self.buffer
+        self.handle = IpcHandle("cpu", key, size, 0, "", 0, "", False)
+        return True
+
+    def write(self, named_tensors) -> float:
+        pack_into(self.buffer, named_tensors)
+        return 0.0
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+def coordinator(staging_bytes: int = 0, max_failures: int = 3, backend: str = "gloo") -> SyncCoordinator:
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, backend, TIMEOUT_S, liveness_s=LIVENESS_S,
+                           staging_bytes=staging_bytes, max_failures=max_failures)
+
+
+def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
+    # the middle one is a transposed view, as some state-dict entries are: it must arrive laid out as its shape says
+    return [("a.weight", torch.full((3, 2), scale)), ("b.weight", (torch.arange(6.0).reshape(2, 3) * scale).t()),
+            ("lm_head.weight", torch.arange(4.0) * scale)]
+
+
+def test_rank_layout_gives_each_server_consecutive_ranks_after_the_trainer():
+    assert rank_layout([("s0", 2), ("s1", 2), ("s2", 1)]) == ({"s0": 1, "s1": 3, "s2": 5}, 6)
+
+
+@pytest.mark.parametrize("staging_bytes", [0, 24, 1 << 20], ids=["unstaged", "first-staged", "all-staged"])
+def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(staging_bytes):
+    coord = coordinator(staging_bytes)
+    servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
+    for server in servers:
+        server.start()
+    try:
+        assert coord.wait_for_members(2, timeout_s=10) == ["s0", "s1"]
+        for version, scale in ((1, 1.0), (2, -3.0)):
+            report = coord.broadcast(version, weights(scale))
+            assert sorted(report.succeeded) == ["s0", "s1"] and not report.failed
+            for server in servers:
+                got = server.received[version]
+                assert all(torch.equal(got[name], tensor) for name, tensor in weights(scale))
+        assert coord.lagging_members(2) == []
+        assert coord.lagging_members(3) == ["s0", "s1"]
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
+def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
+    coord = coordinator()
+    first = FakeServer("s0", coord.address)
+    first.start()
+    try:
+        coord.wait_for_members(1, timeout_s=10)
+        assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
+        first_identity = coord.members["s0"].identity
+        first.stop.set()
+        first.join()
+        restarted = FakeServer("s0", coord.address)  # a new process: a new socket, not in the old group
+        restarted.start()
+
+        def restart_heard() -> bool:
+            coord.live_members()  # takes its heartbeats in
+            return coord.members["s0"].identity != first_identity
+
+        wait_until(restart_heard, TIMEOUT_S, "a heartbeat of the restarted server")
+        report = coord.broadcast(2, weights(2.0))
+        assert report.succeeded == ["s0"] and not report.failed, report
+        assert torch.equal(restarted.received[2]["a.weight"], torch.full((3, 2), 2.0))
+    finally:
+        first.stop.set()
+        restarted.stop.set()
+        coord.close()
+
+
+def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
+    coord = coordinator()
+    leaving, silent = FakeServer("leaving", coord.address), FakeServer("silent", coord.address, answer=False)
+    leaving.start()
+    silent.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        started = time.monotonic()
+        assert coord.finish_job(7, timeout_s=2 * LIVENESS_S) == ["silent"]  # it keeps heartbeating, never answers
+        assert time.monotonic() - started < TIMEOUT_S
+        leaving.join(TIMEOUT_S)
+        assert leaving.finished_at == 7 and "leaving" not in coord.members
+    finally:
+        leaving.stop.set()
+        silent.stop.set()
+        coord.close()
+
+
+def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once(monkeypatch):
+    """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
+    were written before the invitation), and maps it again when the weights outgrow it."""
+    monkeypatch.setattr("learner.weight_sync.coordinator.SharedWeights", CpuSharedWeights)
+    coord = coordinator(backend="ipc")
+    servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
+    for server in servers:
+        server.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        for version, scale in ((1, 1.0), (2, -3.0)):
+            report = coord.broadcast(version, weights(scale))
+            assert sorted(report.succeeded) == ["s0", "s1"] and not report.failed
+            for server in servers:
+                assert all(torch.equal(server.received[version][name], tensor) for name, tensor in weights(scale))
+        assert [server.joins for server in servers] == [1, 1]
+        larger = weights(5.0) + [("extra.weight", torch.ones(1000))]
+        report = coord.broadcast(3, larger)
+        assert sorted(report.succeeded) == ["s0", "s1"]
+        assert [server.joins for server in servers] == [2, 2]
+        assert torch.equal(servers[0].received[3]["extra.weight"], torch.ones(1000))
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
+def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped():
+    coord = coordinator()
+    good, silent = FakeServer("good", coord.address), FakeServer("silent", coord.address, answer=False)
+    good.start()
+    silent.start()
+    try:
+        coord.wait_for_members(2, timeout_s=10)
+        started = time.monotonic()
+        report = coord.broadcast(1, weights(1.0))
+        # it costs the prepare's wait (liveness_s), not the rendezvous deadline (a group that waits for it
+        # fails after TIMEOUT_S), and the good server still gets the weights: the group is built of the
+        # servers that answered
+        assert time.monotonic() - started < TIMEOUT_S
+        assert "silent" in report.failed and report.succeeded == ["good"]
+        assert torch.equal(good.received[1]["a.weight"], torch.full((3, 2), 1.0))
+        silent.stop.set()
+        silent.join()
+        # liveness counts from when a heartbeat is read: reading them all along, the stopped server drops out
+        # liveness_s after its last one arrived (none still queued could look fresh to the next round)
+        wait_until(lambda: coord.live_members() == ["good"], LIVENESS_S + TIMEOUT_S, "the silent server dropped",
+                   poll_s=HEARTBEAT_S)
+        report = coord.broadcast(2, weights(2.0))
+        assert report.succeeded == ["good"] and not report.failed
+        assert torch.equal(good.received[2]["a.weight"], torch.full((3, 2), 2.0))
+    finally:
+        good.stop.set()
+        silent.stop.set()
+        coord.close()
+
+
+def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
+    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", timeout_s=1.0, liveness_s=60.0)
+    silent = FakeServer("silent", coord.address, answer=False)
+    silent.start()
+    try:
+        coord.wait_for_members(1, timeout_s=10)
+        started = time.monotonic()
+        report = coord.broadcast(1, weights(1.0))
+        assert "silent" in report.failed and not report.succeeded
+        assert time.monotonic() - started < 30.0  # bounded by timeout_s (1 s), not liveness_s (60 s)
+    finally:
+        silent.stop.set()
+        coord.close()
+
+
+def test_no_servers_means_an_empty_round_not_a_wait():
+    coord = coordinator()
+    try:
+        started = time.monotonic()
+        report = coord.broadcast(1, weights(1.0))
+        assert report.servers == 0 and time.monotonic() - started < 0.5
+    finally:
+        coord.close()
+
+
+def test_validation_in_telemetry_is_returned_once_per_pass():
+    coord = coordinator()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(coord.address)
+
+    learner_version = 100
+
+    def telemetry_then_metrics(validation: dict, version: int) -> dict[str, float]:
+        """The metrics of the first call that read this telemetry (its version lag tells which one was read)."""
+        sock.send(encode(ServerTelemetry("s0", version, validation=validation, validation_version=version)))
+
+        def read() -> dict[str, float] | None:
+            metrics = coord.rollout_metrics(learner_version)
+            return metrics if metrics.get("rollout/s0/version_lag") == learner_version - version else None
+
+        return wait_until(read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
+
+    try:
+        assert "val/score/mean" not in telemetry_then_metrics({}, -1)
+        first = telemetry_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
+        assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
+        assert "val/score/mean" not in coord.rollout_metrics()  # the same pass, heard again: not logged twice
+        second = telemetry_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
+        assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
+    finally:
+        sock.close(0)
+        coord.close()
+
+
+@contextmanager
+def serving(coord: SyncCoordinator, *servers: FakeServer) -> Iterator[None]:
+    """The servers running against `coord` for the block; all stopped and the coordinator closed after."""
+    for server in servers:
+        server.start()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
+def test_a_server_that_keeps_failing_is_given_up_on_and_the_others_go_on(caplog):
+    coord = coordinator(max_failures=2)
+    good, broken = FakeServer("good", coord.address), FakeServer("broken", coord.address, fail_with="out of memory")
+    with serving(coord, good, broken):
+        coord.wait_for_members(2, timeout_s=10)
+        assert "broken" in coord.broadcast(1, weights(1.0)).failed
+        assert "broken" in coord.broadcast(2, weights(2.0)).failed  # the second in a row: given up
+        assert "giving up on broken" in caplog.text and "rollout.weight_sync.max_failures" in caplog.text
+        report = coord.broadcast(3, weights(3.0))
+        assert report.succeeded == ["good"] and not report.failed  # no longer invited
+        assert coord.lagging_members(4) == ["good"]  # nor caught up
+
+
+def test_an_error_no_retry_can_fix_ends_the_sync_at_once_when_no_server_is_left():
+    coord = coordinator(max_failures=100)
+    broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
+    with serving(coord, broken):
+        coord.wait_for_members(1, timeout_s=10)
+        started = time.monotonic()
+        with pytest.raises(WeightSyncFailed, match="Duplicate GPU"):
+            coord.broadcast(1, weights(1.0))
+        assert time.monotonic() - started < TIMEOUT_S  # the first round, not max_failures of them
+
+
+def test_a_restarted_server_is_taken_again():
+    coord = coordinator(max_failures=1)
+    broken = FakeServer("s0", coord.address, fail_with="out of memory")
+    restarted = FakeServer("s0", coord.address)  # same name, a new process (a new socket identity)
+    with serving(coord, broken):
+        coord.wait_for_members(1, timeout_s=10)
+        with pytest.raises(WeightSyncFailed):
+            coord.broadcast(1, weights(1.0))
+        broken.stop.set()
+        broken.join()
+        with serving(coord, restarted):
+            wait_until(lambda: coord.lagging_members(1) == ["s0"], TIMEOUT_S, "the restarted server taken again",
+                       poll_s=HEARTBEAT_S)
+            assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
+
+
+# "lo" names the loopback interface: the CURVE rule cannot tell it is loopback, so it applies in full
+# (as to a node's address under Ray), while every byte of the test stays on 127.0.0.1
+NON_LOOPBACK_LOOKING_BIND = "tcp://lo:0"
+
+
+def test_a_non_loopback_bind_without_keys_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"non-loopback.*buffer\.curve_dir"):
+        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S)
+
+
+def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sync(tmp_path):
+    keys, other_keys = generate_curve_keys(tmp_path / "keys"), generate_curve_keys(tmp_path / "other")
+    # the impostor knows the coordinator's public key; its own client key is a valid one nobody authorised
+    shutil.copy(keys / "server.key", other_keys / "server.key")
+    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S,
+                            curve_dir=str(keys))
+    member = FakeServer("member", coord.address, curve_dir=str(keys))
+    keyless = FakeServer("keyless", coord.address)
+    impostor = FakeServer("impostor", coord.address, curve_dir=str(other_keys))
+    with serving(coord, member, keyless, impostor):
+        assert coord.wait_for_members(1, timeout_s=10) == ["member"]
+        # the intruders heartbeat every HEARTBEAT_S all along: many tries, none of which may get through
+        deadline = time.monotonic() + 2 * LIVENESS_S
+        while time.monotonic() < deadline:
+            assert coord.live_members() == ["member"]
+            time.sleep(HEARTBEAT_S)  # the behaviour under test: no intruder gets in over 2 * liveness_s
+        report = coord.broadcast(1, weights(1.0))
+        assert report.servers == 1 and report.succeeded == ["member"] and not report.failed
+        assert not keyless.received and not impostor.received
