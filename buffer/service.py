@@ -32,7 +32,7 @@ from asyncrl.messages import (BUFFERS_OWN_STALENESS, Ack, AdmissionGrant, Admiss
 from asyncrl.transport.sockets import ServingRouter
 from asyncrl.units import MS_PER_S
 from buffer.admission import Admission, LeasesFull
-from buffer.background_sync import BackgroundSync
+from buffer.background_fsync import BackgroundFsync
 from buffer.dir_lock import DirectoryLock
 from buffer.log import Payload
 from buffer.metrics import Counters, IngestRate
@@ -67,7 +67,7 @@ class BufferService:
         self._next_reject_log = 0.0
         self.router = ServingRouter(config.bind_host, config.port, config.max_message_bytes, config.curve_dir)
         self.socket, self.endpoint = self.router.socket, self.router.endpoint
-        self.syncer = BackgroundSync() if config.fsync == "batch" else None
+        self.syncer = BackgroundFsync() if config.fsync == "batch" else None
         self._syncing = 0  # writes (oldest unsynced first) that the running background fsync covers
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)

@@ -29,7 +29,7 @@ from learner.loop import LoopState, resume_state, run_loop
 from learner.memory import resolve_micro_batch_tokens
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, load_policy, load_reference
 from learner.services import LearnerServices
-from learner.task_weights import TaskWeightsPublisher
+from learner.task_weight_publisher import TaskWeightsPublisher
 from learner.train_step import Passes
 
 log = logging.getLogger(__name__)

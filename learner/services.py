@@ -17,7 +17,7 @@ from asyncrl.buffer_process import BUFFER_LOG, BufferProcess, connect_or_start_b
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
-from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
+from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
 from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.protocol import resolve_backend

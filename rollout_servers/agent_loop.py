@@ -35,7 +35,7 @@ from asyncrl.config.environment import EnvironmentConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, ModelTurn, Transcript
-from rollout_servers.environments.guard import GuardedEnvironment
+from rollout_servers.environments.guarded import GuardedEnvironment
 from asyncrl.messages import Trajectory
 from rollout_servers.chat.tools import ToolCallReader
 from rollout_servers.environments import ENV_ERROR, EnvironmentFailure, EnvironmentRegistry

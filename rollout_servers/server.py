@@ -57,7 +57,7 @@ class RolloutServer:
         self._index = server_index
         self._state_dir = state_dir
         # Sampling seeds follow the prompt order: a rerun with the same run.seed samples the same
-        # completions for the same prompts (what makes K=0 reproduce learner.mode=sync exactly).
+        # completions for the same prompts (what makes K=0 reproduce learner.mode=synchronous exactly).
         self._seed_base = config.run.seed + _SERVER_SEED_STRIDE * server_index
         self.endpoints = endpoints
         mixture = PromptMixture(

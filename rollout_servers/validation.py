@@ -2,7 +2,7 @@
 
 Whenever the engine's weights reach a policy version that is a multiple of `validation.every`, the
 server samples `validation.n` completions of each held-out prompt on the same engine, scores them with
-the same reward scorer as training, and keeps the `val/*` metrics (`asyncrl.validation`). The server's
+the same reward scorer as training, and keeps the `val/*` metrics (`asyncrl.validation_scores`). The server's
 telemetry carries the latest result to the learner, which logs it once. A pass runs concurrently with training
 generation; a weight update during the pass leaves its later tokens on newer weights, so the numbers
 are for the version the pass started on or a newer one.
@@ -22,7 +22,7 @@ from asyncrl.config.rollout import SamplingConfig
 from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, encode_prompt, load_prompt_file
 from rollout_servers.rewards import RewardRequest, RewardResult
-from asyncrl.validation import NOT_VALIDATED, PromptOutcome, validation_metrics
+from asyncrl.validation_scores import NOT_VALIDATED, PromptOutcome, validation_metrics
 from rollout_servers.row_sampling import SEED_MODULUS, group_seed
 
 if TYPE_CHECKING:  # the module itself stays free of vLLM, so that it is testable with a fake engine

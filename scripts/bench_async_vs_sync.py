@@ -7,7 +7,7 @@ The async mode runs the product's two commands, as a user would in two terminals
   (`learner.gpus=[0] rollout.gpus=[0]`: weights through CUDA IPC, the servers' memory share lowered to leave
   the learner room, as docs/placement.md says),
 for --steps optimizer steps, training while the server generates (K=--max-staleness). The sync mode is
-`asyncrl learner learner.mode=sync`, the synchronous reference (launch/sync_reference.py): one process with
+`asyncrl learner learner.mode=synchronous`, the synchronous reference (launch/reference_loop.py): one process with
 its own engine generates a batch, trains one step on it and loads the new weights, then the next batch.
 Response lengths are long-tailed, in one of two ways (--lengths):
   per-prompt  each prompt carries its own cap (`extra_info.max_tokens`, see docs/configuration.md) drawn
@@ -56,6 +56,7 @@ from asyncrl.data import load_prompt_file
 JOB_TIMEOUT_S = 900  # one mode's learner run, engine start included
 STOP_TIMEOUT_S = 60  # the rollout command gets this long to stop after SIGTERM
 MODES = ("sync", "async")
+LEARNER_MODE = {"sync": "synchronous", "async": "async"}  # each mode's learner.mode
 SIMULATED_SAMPLES = 100_000  # draws behind the reported length stats of --lengths per-sample
 
 
@@ -161,7 +162,7 @@ def _length_stats(lengths: list[int]) -> dict:
 def run_mode(run: Run, args: argparse.Namespace, root: Path, data_file: Path) -> None:
     """Run the mode once (a previous run of the same name in `root` is replaced, not resumed)."""
     shutil.rmtree(root / run.name, ignore_errors=True)
-    overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={run.mode}",
+    overrides = [f"run.root_dir={root}", f"run.name={run.name}", f"learner.mode={LEARNER_MODE[run.mode]}",
                  f"learner.total_steps={args.steps}", f"buffer.max_staleness={run.k}",
                  f"data.train_files=[{data_file}]", "rollout.sampling.ignore_eos=true", *args.overrides]
     command = [sys.executable, "-m", "launch"]

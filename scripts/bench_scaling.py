@@ -3,7 +3,7 @@
 Each layout is `scripts/bench_async_vs_sync.py` with --servers S --learner-ranks L (S rollout servers on GPUs
 0..S-1, L FSDP learner ranks on the next L GPUs; `colocated` = one GPU shared by both roles, weights through
 CUDA IPC), run in its own directory under --out-dir, with the same job, lengths, steps and K. The sync
-column is the synchronous reference (`learner.mode=sync`: one engine and one learner rank, on GPUs 0 and 1
+column is the synchronous reference (`learner.mode=synchronous`: one engine and one learner rank, on GPUs 0 and 1
 whatever the layout), so async / sync says what the layout's GPUs buy over the reference. The first
 layout listed is the baseline of the scaling column (2 GPUs: one server, one learner rank, by default).
 A host's per-command time limit rarely holds every run: --modes and --layouts pick what runs now, runs already

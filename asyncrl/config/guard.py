@@ -35,5 +35,5 @@ class GuardConfig:
             problems.append(("guard.rollback_steps", f"{self.rollback_steps} steps back needs kept checkpoints that reach that far: "
                              f"learner.checkpoint_every × (learner.keep_checkpoints − 1) = {reach}"))
         if sync_mode:
-            problems.append(("guard.enabled", "the synchronous reference (learner.mode=sync) has no guard"))
+            problems.append(("guard.enabled", "the synchronous reference (learner.mode=synchronous) has no guard"))
         return problems

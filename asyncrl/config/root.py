@@ -63,9 +63,9 @@ class AsyncRLConfig:
                              f"must be below learner.batch_timeout_s={self.learner.batch_timeout_s:g}: sessions an "
                              "agent abandoned hold admission places until dropped, and the learner may wait for "
                              "those places that long"))
-        if self.learner.mode == "sync" and self.rollout.num_servers != 1:
-            problems.append(("rollout.num_servers", "learner.mode=sync runs one engine: must be 1"))
-        sync_mode = self.learner.mode == "sync"
+        if self.learner.mode == "synchronous" and self.rollout.num_servers != 1:
+            problems.append(("rollout.num_servers", "learner.mode=synchronous runs one engine: must be 1"))
+        sync_mode = self.learner.mode == "synchronous"
         problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, sync_mode) + self.reward.cross_checks()
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
         problems += self._study_lag_problems()
@@ -78,8 +78,8 @@ class AsyncRLConfig:
         if not self.buffer.study_lag_versions:
             return []
         key = "buffer.study_lag_versions"
-        if self.learner.mode == "sync":
-            return [(key, "learner.mode=sync samples with the newest weights by construction: it has no lag to set")]
+        if self.learner.mode == "synchronous":
+            return [(key, "learner.mode=synchronous samples with the newest weights by construction: it has no lag to set")]
         if self.learner.sync_every != 1:
             return [(key, f"needs learner.sync_every=1 (is {self.learner.sync_every}): between broadcasts the servers' "
                           "weights would fall further behind than the lag")]

@@ -34,5 +34,5 @@ class TaskWeightsConfig:
         if tasks < 2:
             problems.append(("data.task_weights.enabled", "needs at least two data.train_files to move weight between"))
         if sync_mode:
-            problems.append(("data.task_weights.enabled", "the synchronous reference (learner.mode=sync) keeps fixed weights"))
+            problems.append(("data.task_weights.enabled", "the synchronous reference (learner.mode=synchronous) keeps fixed weights"))
         return problems

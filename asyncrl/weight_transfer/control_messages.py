@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.messages import message
-from asyncrl.validation import NOT_VALIDATED
+from asyncrl.validation_scores import NOT_VALIDATED
 
 
 @message("sync_join")

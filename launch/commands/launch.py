@@ -13,8 +13,8 @@ from launch.commands.common import start
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "launch")
-    if config.learner.mode == "sync":
-        print("asyncrl launch: learner.mode=sync runs in one process: use `asyncrl run` or `asyncrl learner`", file=sys.stderr)
+    if config.learner.mode == "synchronous":
+        print("asyncrl launch: learner.mode=synchronous runs in one process: use `asyncrl run` or `asyncrl learner`", file=sys.stderr)
         return 2
     from asyncrl.placement import check_ray_placement  # imports torch: after parsing
 

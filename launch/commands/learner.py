@@ -18,10 +18,10 @@ from asyncrl.stop_signal import interrupt_on_stop_signals
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "learner")
-    if config.learner.mode == "sync":  # the synchronous reference: one process, its own engine
-        from launch.commands import sync_reference
+    if config.learner.mode == "synchronous":  # the synchronous reference: one process, its own engine
+        from launch.commands import reference
 
-        return sync_reference.main(config, log)
+        return reference.main(config, log)
     torchrun = "WORLD_SIZE" in os.environ  # torchrun or Ray gave this process its rank and its GPUs
     from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment

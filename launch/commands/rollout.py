@@ -13,8 +13,8 @@ from launch.job_settings import adopt_learner_settings
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "rollout")
-    if config.learner.mode == "sync":
-        log.error("learner.mode=sync: the learner runs its own vLLM engine; it needs no rollout servers")
+    if config.learner.mode == "synchronous":
+        log.error("learner.mode=synchronous: the learner runs its own vLLM engine; it needs no rollout servers")
         return 2
     run_dir = Path(config.run.root_dir) / config.run.name if config.run.name else None
     if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):

@@ -39,8 +39,8 @@ def main(args: argparse.Namespace) -> int:
     # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout
     # supervisor's output go to logs/.
     learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)
-    # learner.mode=sync: the learner runs the synchronous reference, which owns its engine
-    rollout = None if config.learner.mode == "sync" else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
+    # learner.mode=synchronous: the learner runs the synchronous reference, which owns its engine
+    rollout = None if config.learner.mode == "synchronous" else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
     log.info("run directory %s: learner pid %d, rollout pid %s (servers log to logs/)", run_dir, learner.pid,
              rollout.pid if rollout else "none")
     stop = StopSignal()

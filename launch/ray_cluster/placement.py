@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from asyncrl.config.ray_launch import RayRoleConfig
 
 
-class PlacementError(RuntimeError):
+class ResourcesNotGranted(RuntimeError):
     """The cluster did not grant a role's resources in time."""
 
 
@@ -24,14 +24,14 @@ def bundle(role: RayRoleConfig) -> dict[str, float]:
 
 def reserve(name: str, role: RayRoleConfig, count: int, strategy: str, timeout_s: float,
             should_stop: Any) -> PlacementGroup:
-    """A placement group of `count` bundles, once the cluster has granted it (PlacementError if not)."""
+    """A placement group of `count` bundles, once the cluster has granted it (ResourcesNotGranted if not)."""
     group = placement_group([bundle(role)] * count, strategy=strategy, name=name)
     deadline = time.monotonic() + timeout_s
     ready = group.ready()
     while not ray.wait([ready], timeout=1.0)[0]:
         if should_stop() or time.monotonic() > deadline:
             remove_placement_group(group)
-            raise PlacementError(f"{name}: the cluster did not grant {count} x {bundle(role)} ({strategy}) within "
+            raise ResourcesNotGranted(f"{name}: the cluster did not grant {count} x {bundle(role)} ({strategy}) within "
                                  f"{timeout_s:.0f}s; available: {ray.available_resources()}")
     return group
 

@@ -24,7 +24,7 @@ from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.net import free_port
 from asyncrl.transport.control import bind_control
 from asyncrl.units import MS_PER_S
-from asyncrl.validation import NOT_VALIDATED, VERSION_KEY
+from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
                                                       SyncJoin, SyncPrepare, SyncReady)
 from asyncrl.weight_transfer.group import IPC, GroupAddress, WeightTransferError, transfer_device

@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 from asyncrl.environments.base import Environment
 from rollout_servers.environments.calculator import CalculatorEnvironment
-from rollout_servers.environments.guard import ENV_ERROR, EnvironmentFailure, GuardedEnvironment
+from rollout_servers.environments.guarded import ENV_ERROR, EnvironmentFailure, GuardedEnvironment
 from rollout_servers.environments.guess_number import GuessNumberEnvironment
 from asyncrl.config.fields import SPEC_SEPARATOR
 from asyncrl.user_code import UserCodeError, describe_exception, load_object

@@ -120,6 +120,6 @@ def test_a_non_loopback_control_bind_needs_the_jobs_curve_keys():
 
 @pytest.mark.parametrize("override", ["learner.nproc=2", "rollout.num_servers=2"])
 def test_the_synchronous_reference_runs_one_rank_and_one_engine(override):
-    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*learner.mode=sync"):
-        load_config(None, ["learner.mode=sync", override])
+    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*learner.mode=synchronous"):
+        load_config(None, ["learner.mode=synchronous", override])
     load_config(None, [override])  # the async job takes any number of each

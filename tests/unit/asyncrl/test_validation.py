@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncrl.validation import PromptOutcome, pass_at_k, validation_metrics
+from asyncrl.validation_scores import PromptOutcome, pass_at_k, validation_metrics
 
 
 @pytest.mark.parametrize(

@@ -73,8 +73,8 @@ def test_a_study_lag_within_k_loads():
      r"buffer\.study_lag_versions: 3 exceeds buffer\.max_staleness=2: every sample would be dropped"),
     (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.sync_every=2"],
      r"buffer\.study_lag_versions: needs learner\.sync_every=1 \(is 2\)"),
-    (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.mode=sync"],
-     r"buffer\.study_lag_versions: learner\.mode=sync samples with the newest weights"),
+    (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.mode=synchronous"],
+     r"buffer\.study_lag_versions: learner\.mode=synchronous samples with the newest weights"),
 ])
 def test_a_study_lag_that_cannot_hold_is_refused_naming_the_key(overrides, problem):
     with pytest.raises(ConfigError, match=problem):

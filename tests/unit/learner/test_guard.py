@@ -111,7 +111,7 @@ def test_the_saved_state_keeps_the_count_the_bests_and_what_a_rollback_would_dis
     (["guard.watch=[{max_drop: 0.2}]"], r"guard.watch\[0\].name: must name a logged metric"),
     (["guard.rollback_steps=5", "learner.checkpoint_every=2", "learner.keep_checkpoints=3"],
      r"guard.rollback_steps: 5 steps back needs .* = 4"),
-    (["learner.mode=sync"], r"guard.enabled: the synchronous reference"),
+    (["learner.mode=synchronous"], r"guard.enabled: the synchronous reference"),
 ])
 def test_bad_guard_settings_are_refused_naming_the_key(overrides, problem):
     with pytest.raises(ConfigError, match=problem):

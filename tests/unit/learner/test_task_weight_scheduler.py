@@ -120,7 +120,7 @@ def test_the_mixture_draws_with_new_weights_and_keeps_them_in_its_state(tmp_path
     (["data.task_weights.metric=critic/score/mean"], r"data.task_weights.metric: must contain \{task\}"),
     (["data.task_weights.min_weight=0.6"], r"data.task_weights.min_weight: 2 tasks cannot each keep 0.6"),
     (["data.train_files=[a.jsonl]"], r"data.task_weights.enabled: needs at least two data.train_files"),
-    (["learner.mode=sync"], r"data.task_weights.enabled: the synchronous reference"),
+    (["learner.mode=synchronous"], r"data.task_weights.enabled: the synchronous reference"),
     (["data.weights=[39,1]"], r"data.task_weights.min_weight: data.weights start a task at a share of 0.025, below the floor 0.05"),
 ])
 def test_bad_settings_are_refused_naming_the_key(overrides, problem):

@@ -13,7 +13,7 @@ from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, ModelTurn, StepResult, Transcript
 from rollout_servers.environments import ENV_ERROR, ENV_TIMEOUT, EnvironmentConfigError, EnvironmentFailure, EnvironmentRegistry
 from rollout_servers.environments.calculator import CALCULATOR_TOOL, CalculatorEnvironment, evaluate
-from rollout_servers.environments.guard import GuardedEnvironment
+from rollout_servers.environments.guarded import GuardedEnvironment
 from rollout_servers.environments.guess_number import GuessNumberEnvironment
 from demo.tiny.tokenizer import build_char_tokenizer
 

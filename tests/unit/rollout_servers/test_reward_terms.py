@@ -13,7 +13,7 @@ from rollout_servers.rewards import RewardFunctionError, RewardRequest, RewardSc
 from rollout_servers.rewards.results import result_from_return
 from rollout_servers.rewards.terms import RewardSpec, load_reward
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
-from asyncrl.validation import PromptOutcome, validation_metrics
+from asyncrl.validation_scores import PromptOutcome, validation_metrics
 
 TERMS_FILE = Path(__file__).resolve().parents[2] / "fixtures" / "reward_terms.py"
 PENALTY = -0.1  # weight of the length term

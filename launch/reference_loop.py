@@ -1,4 +1,4 @@
-"""`learner.mode=sync`: synchronous RL, written out plainly. One process owns a vLLM engine and the policy:
+"""`learner.mode=synchronous`: synchronous RL, written out plainly. One process owns a vLLM engine and the policy:
 
     for each step:
         generate a batch with the current weights, score it    (Sampler.sample)
@@ -7,11 +7,11 @@
 
 It shares the model, the engine and the loss with the async job, and nothing else: no buffer, no admission,
 no weight-sync coordinator, no staleness bound. It is the reference the async job with
-`buffer.max_staleness=0` must reproduce step by step (tests/integration/test_k0_matches_sync.py) and the
+`buffer.max_staleness=0` must reproduce step by step (tests/integration/test_k0_matches_reference.py) and the
 baseline of scripts/bench_async_vs_sync.py. Each step's metrics go to `metrics.jsonl` under the names the
 async learner uses; the groups each step trained on go to `trained/step_N.msgpack` (`trained_groups` reads them).
 
-The two halves live in their roles (rollout_servers/sync_sampler.py, learner/sync_trainer.py); the
+The two halves live in their roles (rollout_servers/reference_sampler.py, learner/reference_trainer.py); the
 `asyncrl learner` command builds them and hands them in."""
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ class Sampler(Protocol):
     def load_weights(self, version: int, weights: Sequence[tuple[str, Any]]) -> float: ...
 
 
-class StepResult(Protocol):
+class TrainedStep(Protocol):
     metrics: dict[str, float]  # actor/* of the step
     finite: bool  # False: the loss was not finite and the update was skipped
 
 
 class Trainer(Protocol):
-    def train(self, groups: list[TrajectoryGroup], version: int) -> StepResult: ...
+    def train(self, groups: list[TrajectoryGroup], version: int) -> TrainedStep: ...
 
     def weights(self, device: Any) -> Sequence[tuple[str, Any]]: ...
 

@@ -1,4 +1,4 @@
-"""The synchronous reference's loop (launch/sync_reference.py) with stand-ins for its engine and policy
+"""The synchronous reference's loop (launch/reference_loop.py) with stand-ins for its engine and policy
 halves: the order of its steps, the weights' versions, what it records, and non-finite steps."""
 
 import math
@@ -10,7 +10,7 @@ from asyncrl.config import load_config
 from asyncrl.config.sections import MetricsConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.metrics import MetricsLogger, read_metrics
-from launch.sync_reference import TooManyBadSteps, run, trained_groups
+from launch.reference_loop import TooManyBadSteps, run, trained_groups
 
 
 def group(number: int, version: int) -> TrajectoryGroup:

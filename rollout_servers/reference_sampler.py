@@ -1,4 +1,4 @@
-"""The generation half of the synchronous reference (`learner.mode=sync`, `launch.sync_reference`): one vLLM
+"""The generation half of the synchronous reference (`learner.mode=synchronous`, `launch.reference_loop`): one vLLM
 engine in this process samples a batch of prompt groups with the weights it holds, the groups are scored,
 and each new policy is loaded through the engine's weight-update path.
 
@@ -44,7 +44,7 @@ class Prompt:
     number: int  # place in the prompt stream: the group's seed and id
 
 
-class SyncSampler:
+class ReferenceSampler:
     def __init__(self, config: AsyncRLConfig, loop: asyncio.AbstractEventLoop, engine: RolloutEngine,
                  sender: WeightSender, scorer: RewardScorer) -> None:
         self.config = config
@@ -60,7 +60,7 @@ class SyncSampler:
         self._drawn = 0  # prompts taken from the stream so far
 
     @classmethod
-    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: str) -> SyncSampler:
+    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: str) -> ReferenceSampler:
         """Start the engine on `model.path` (policy version 0), on `gpus` (physical ids; None: those this process
         sees), and join it to a weight-transfer group of its own over `backend` (gloo, or NCCL when the engine
         has GPUs of its own: NCCL cannot join two ranks on one GPU)."""
@@ -121,7 +121,7 @@ class SyncSampler:
         else:
             completions = await self._engine.generate_group(prompt.ids, sampling, seed=seed)
             trajectories = await self._scored(completions, row, group_id)
-        return TrajectoryGroup(record_id=group_id, group_id=group_id, server_id="sync", trajectories=trajectories)
+        return TrajectoryGroup(record_id=group_id, group_id=group_id, server_id="reference", trajectories=trajectories)
 
     async def _scored(self, completions: list[Completion], row: PromptRow, group_id: str) -> list[Trajectory]:
         texts = [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]

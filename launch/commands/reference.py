@@ -1,5 +1,5 @@
-"""`asyncrl learner` (and `asyncrl run`) with `learner.mode=sync`: the synchronous reference
-(`launch.sync_reference`) in this process, its engine half and policy half built from their roles.
+"""`asyncrl learner` (and `asyncrl run`) with `learner.mode=synchronous`: the synchronous reference
+(`launch.reference_loop`) in this process, its engine half and policy half built from their roles.
 
 GPUs: the plan of a one-server job (docs/placement.md). One GPU is shared by the engine and the policy
 (the engine's memory share lowered to leave the policy room); with two, the engine takes the server's GPU
@@ -21,9 +21,9 @@ from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.logs import setup_logging
 from asyncrl.metrics import METRICS_FILE, MetricsLogger
 from asyncrl.stop_signal import interrupt_on_stop_signals
-from launch.sync_reference import run
+from launch.reference_loop import run
 
-ROLE = "sync"  # the process's name in its log lines and its log file, logs/sync.log
+ROLE = "reference"  # the process's name in its log lines and its log file, logs/reference.log
 
 
 def main(config: AsyncRLConfig, log: logging.Logger) -> NoReturn:
@@ -39,7 +39,7 @@ def main(config: AsyncRLConfig, log: logging.Logger) -> NoReturn:
 
 def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     if "WORLD_SIZE" in os.environ:
-        log.error("learner.mode=sync runs in one process, not under torchrun or Ray")
+        log.error("learner.mode=synchronous runs in one process, not under torchrun or Ray")
         return 2
     from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
     from asyncrl.weight_transfer.group import GLOO, NCCL
@@ -58,15 +58,15 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     setup_logging(ROLE, config.run.log_level, run_dir / "logs" / f"{ROLE}.log")
     interrupt_on_stop_signals()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as a rollout server: the engine shares the cores
-    from learner.sync_trainer import SyncTrainer, close_world, open_world  # imports the roles: after parsing
-    from rollout_servers.sync_sampler import SyncSampler
+    from learner.reference_trainer import ReferenceTrainer, close_world, open_world  # imports the roles: after parsing
+    from rollout_servers.reference_sampler import ReferenceSampler
 
     with contextlib.ExitStack() as opened:  # closed in reverse order, whatever fails
         world = open_world(config)  # this process's GPU before the engine's processes are given theirs
         opened.callback(close_world)
-        sampler = SyncSampler.start(config, engine_gpus, NCCL if engine_gpus else GLOO)
+        sampler = ReferenceSampler.start(config, engine_gpus, NCCL if engine_gpus else GLOO)
         opened.callback(sampler.close)
-        trainer = SyncTrainer.load(config, world)  # after the engine: micro-batches sized from the memory it left
+        trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches sized from the memory it left
         metrics = opened.enter_context(contextlib.closing(MetricsLogger(run_dir, config.metrics, dataclasses.asdict(config))))
         try:
             version = run(config, run_dir, sampler, trainer, metrics)

@@ -1,5 +1,5 @@
-"""The async job with max_staleness=0 reproduces the independent synchronous reference (`learner.mode=sync`,
-launch/sync_reference.py: one process, its own engine, no buffer) step by step: the same samples (prompt,
+"""The async job with max_staleness=0 reproduces the independent synchronous reference (`learner.mode=synchronous`,
+launch/reference_loop.py: one process, its own engine, no buffer) step by step: the same samples (prompt,
 completion, behaviour log-probs, token versions, reward), the same losses and gradient norms, and every trained
 token sampled by the policy version it is trained at (staleness 0). With max_staleness=1 the same comparison
 fails. The tolerance is zero: every compared value is equal to the last bit.
@@ -18,7 +18,7 @@ import pytest
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.messages import TrajectoryGroup, decode
 from asyncrl.metrics import read_metrics
-from launch.sync_reference import trained_groups
+from launch.reference_loop import trained_groups
 from buffer.log import SegmentLog
 from run_helpers import asyncrl, tiny_job
 
@@ -89,7 +89,7 @@ def real_job(name: str, *mode: str):
     return run
 
 
-RUNS = {"k0-sync": real_job("k0-sync", "learner.mode=sync"), "k0-async": real_job("k0-async", "buffer.max_staleness=0"),
+RUNS = {"k0-sync": real_job("k0-sync", "learner.mode=synchronous"), "k0-async": real_job("k0-async", "buffer.max_staleness=0"),
         "k1-async": real_job("k1-async", "buffer.max_staleness=1")}
 REAL_JOBS = list(RUNS.values())  # run side by side with other modules' jobs (conftest.py)
 

@@ -1,4 +1,4 @@
-"""The policy half of the synchronous reference (`learner.mode=sync`, `launch.sync_reference`): the model,
+"""The policy half of the synchronous reference (`learner.mode=synchronous`, `launch.reference_loop`): the model,
 its optimizer and one optimizer step per batch, with the learner's own model loading and loss.
 
 One rank, no buffer, no weight broadcast: the caller hands in a batch and takes the new weights back."""
@@ -25,7 +25,7 @@ from learner.train_step import Passes, StepOutcome, train_step
 
 
 @dataclasses.dataclass
-class SyncTrainer:
+class ReferenceTrainer:
     config: AsyncRLConfig
     world: World  # a world of one rank: FSDP2 wraps the policy exactly as the async learner's rank 0 does
     model: torch.nn.Module
@@ -35,7 +35,7 @@ class SyncTrainer:
     pad_id: int
 
     @classmethod
-    def load(cls, config: AsyncRLConfig, world: World) -> SyncTrainer:
+    def load(cls, config: AsyncRLConfig, world: World) -> ReferenceTrainer:
         """The policy at `model.path` (policy version 0) and a fresh AdamW in `world` (`open_world`), set up as the
         async learner sets up its rank: same seed, threads, sharding and micro-batches, so the two compute the
         same step."""

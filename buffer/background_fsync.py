@@ -12,7 +12,7 @@ import queue
 import threading
 
 
-class BackgroundSync:
+class BackgroundFsync:
     def __init__(self) -> None:
         self._requests: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._ready, self._signal = os.pipe()  # one byte per finished sync wakes the service's poll

@@ -7,17 +7,17 @@ import select
 
 import pytest
 
-from buffer.background_sync import BackgroundSync
+from buffer.background_fsync import BackgroundFsync
 
 WAIT_S = 5
 
 
-def finished(syncer: BackgroundSync) -> bool:
+def finished(syncer: BackgroundFsync) -> bool:
     return bool(select.select([syncer.fileno()], [], [], WAIT_S)[0])
 
 
 def test_a_sync_runs_off_thread_and_reports_its_end(tmp_path):
-    syncer = BackgroundSync()
+    syncer = BackgroundFsync()
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     os.write(fd, b"data")
     syncer.start(os.dup(fd))
@@ -29,7 +29,7 @@ def test_a_sync_runs_off_thread_and_reports_its_end(tmp_path):
 
 
 def test_a_failed_sync_hands_back_its_error(tmp_path, monkeypatch):
-    syncer = BackgroundSync()
+    syncer = BackgroundFsync()
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "I/O error")))
     syncer.start(os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT))
     assert finished(syncer)
