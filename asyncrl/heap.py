@@ -3,7 +3,7 @@
 Freezing. A process that imported torch, transformers or vLLM holds several hundred thousand objects that live
 as long as it does. CPython's full (generation 2) collection walks every one of them, and the
 process's loop stands still meanwhile: ~250 ms in a rollout server on the 2-core dev box, ~140 ms in
-the learner, ~13 ms in the buffer (docs/benchmarks.md). Freezing moves the objects alive at the end of
+the learner, ~13 ms in the buffer (docs/history/benchmarks-2026-11.md, garbage-collector pauses). Freezing moves the objects alive at the end of
 startup into a permanent generation that collections skip, so later full collections walk only what
 the role allocated since. Frozen objects are still freed by reference counting when their last
 reference goes; only reference cycles among them would outlive their use, and startup leaves few;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks and GPU tests of issue 9 in one go, on a host with torch (CUDA) and vLLM importable
+# The GPU benchmarks and GPU tests in one go, on a host with torch (CUDA) and vLLM importable
 # (on a host without a package index, unpack what scripts/gpu_pack.sh packs and put it on PYTHONPATH).
 # Usage: scripts/gpu_bench.sh STAGE... (default: all), stages in the order given:
 #   setup      register asyncrl's vLLM plugin from a source tree (no pip install needed) and build the

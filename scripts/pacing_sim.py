@@ -1,7 +1,7 @@
 """Discrete-event replay of an async job on the two-GPU host, to compare fixed staleness bounds K with the
 pacing controller (`buffer.max_staleness=auto`), which runs here as the real `learner.pacing.Pacer`.
 
-What is replayed (docs/benchmarks.md, seventh GPU session: two H200s, 0.5B shape, one server on GPU 0, the
+What is replayed (docs/history/benchmarks-2026-11.md, seventh GPU session: two H200s, 0.5B shape, one server on GPU 0, the
 learner on GPU 1, 16 groups x 8 samples per step, per-sample lengths geometric with median 192 and a 1,024
 cap, `rollout.max_inflight=256`):
 - the learner trains a batch in TRAIN_S = 2.16 s: the sync step of 5.69 s less its 62 % waiting for generation
