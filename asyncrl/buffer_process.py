@@ -2,6 +2,7 @@
 
 The learner uses this when buffer.address is empty; roles never import each other, so the buffer
 runs as its own process either way. Readiness is the endpoint file the service writes after binding.
+`BufferLaunch` keeps how the learner's buffer was started, so that a restart starts the same one.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from asyncrl.config import AsyncRLConfig, save_config
+from asyncrl.net import split_tcp_endpoint
 from asyncrl.parent_death import launched_environment
 
 BUFFER_SUBDIR = "buffer"  # the buffer's directory inside a run directory when buffer.dir is empty
@@ -67,23 +69,35 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
             raise RuntimeError(f"buffer process exited with code {process.returncode} before serving (see {log_path})")
         if time.monotonic() > deadline:
             process.kill()
+            process.wait()
             raise TimeoutError(f"buffer did not start serving within {timeout_s:.0f}s (see {log_path})")
         time.sleep(POLL_S)
     return BufferProcess(process, endpoint.read_text(), directory)
 
 
-def connect_or_start_buffer(config: AsyncRLConfig, run_dir: str | Path, timeout_s: float = 30.0,
-                            port: int = 0) -> tuple[str, BufferProcess | None]:
-    """The buffer address to use: buffer.address if set, else that of a buffer started for this run.
+@dataclass(frozen=True)
+class BufferLaunch:
+    """How the learner starts its own buffer: the run's config on one directory, output appended to one log."""
 
-    The started buffer runs with this run's resolved config (saved in run_dir) on buffer.dir, or on
-    <run_dir>/buffer, on `port` when buffer.port is 0 (the port chosen by `port_to_bind`); the caller stops
-    it (BufferProcess.stop) when the run ends."""
-    if config.buffer.address:
-        return config.buffer.address, None
+    directory: Path  # the buffer directory: log segments, commit, endpoint file
+    config_path: Path  # the run's resolved config
+    log_path: Path  # the child's output; each restart appends to it
+    port: int = 0  # port to bind; 0 = the config's buffer.port
+    timeout_s: float = 30.0  # longest wait for a start to serve
+
+    def start(self) -> BufferProcess:
+        overrides = [f"buffer.port={self.port}"] if self.port else []
+        return start_buffer(self.directory, self.config_path, overrides, timeout_s=self.timeout_s, log_path=self.log_path)
+
+    def at(self, address: str) -> BufferLaunch:
+        """This launch bound to the port of `address`: a restart serves where the clients look."""
+        return replace(self, port=split_tcp_endpoint(address)[1])
+
+
+def own_buffer_launch(config: AsyncRLConfig, run_dir: str | Path, timeout_s: float = 30.0, port: int = 0) -> BufferLaunch:
+    """How to run a buffer for this run: with the run's resolved config (saved in run_dir) on buffer.dir, or on
+    <run_dir>/buffer, on `port` when buffer.port is 0 (the port chosen by `port_to_bind`)."""
     run_dir = Path(run_dir)
     config_path = save_config(config, run_dir)
     directory = Path(config.buffer.dir) if config.buffer.dir else run_dir / BUFFER_SUBDIR
-    overrides = [f"buffer.port={port}"] if port and not config.buffer.port else []
-    process = start_buffer(directory, config_path, overrides, timeout_s=timeout_s, log_path=run_dir / BUFFER_LOG)
-    return process.address, process
+    return BufferLaunch(directory, config_path, run_dir / BUFFER_LOG, 0 if config.buffer.port else port, timeout_s)

@@ -1,6 +1,7 @@
-"""When to restart a supervised process that died, shared by `asyncrl rollout`'s supervisor and the Ray
-launcher: back-off doubling with each death in a row soon after a start, a fresh count once a process
-has run `rollout.healthy_after_s`, and giving up past a restart limit."""
+"""When to restart a supervised process that died, shared by `asyncrl rollout`'s supervisor, the learner's
+watch over its own buffer and the Ray launcher: back-off doubling with each death in a row soon after a start,
+a fresh count once a process has run `rollout.healthy_after_s`, and giving up past a restart limit (each caller
+names its own: `rollout.max_restarts`, `buffer.max_restarts`, `ray.max_restarts`)."""
 
 from __future__ import annotations
 

@@ -13,12 +13,12 @@ import torch
 from asyncrl.config import AsyncRLConfig
 from asyncrl.net import split_tcp_endpoint
 from asyncrl.endpoints import FINISHED_KEY, port_to_bind, remember_ports, remembered_ports, write_endpoints
-from asyncrl.buffer_process import BUFFER_LOG, BufferProcess, connect_or_start_buffer
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
 from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
+from learner.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
 from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.protocol import resolve_backend
 
@@ -37,7 +37,7 @@ class LearnerServices:
     consumer: BufferConsumer
     coordinator: SyncCoordinator
     metrics: MetricsLogger
-    buffer_process: BufferProcess | None
+    buffer_process: BufferSupervisor | None  # the buffer this learner started, restarted when it dies
     latest_weights: list[tuple[str, torch.Tensor]] | None = None  # what the servers should hold (catch-up)
     latest_version: int = 0
 
@@ -45,11 +45,12 @@ class LearnerServices:
     def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int, start_ahead: list[int]) -> "LearnerServices":
         before = remembered_ports(run_dir)  # a restart binds the ports of the run's first start: servers stay
         buffer_port = port_to_bind("buffer", config.buffer.bind_host, config.buffer.port, before.get("buffer"))
-        address, buffer_process = connect_or_start_buffer(config, run_dir, port=buffer_port)
+        address, buffer_process = connect_or_supervise_buffer(config, run_dir, port=buffer_port)
         coordinator = _start_coordinator(config, before.get("sync"))
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, start_ahead=start_ahead,
                                   curve_dir=config.buffer.curve_dir,
-                                  timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s)
+                                  timeout_s=config.buffer.client_timeout_s, resend_s=config.buffer.client_resend_s,
+                                  watch=buffer_process)
         started = {"buffer": address} if buffer_process is not None else {}  # a given buffer (buffer.address) is not ours
         remember_ports(run_dir, {"sync": coordinator.address} | started)
         write_endpoints(run_dir, {"buffer": address, "sync": coordinator.address})
@@ -91,10 +92,10 @@ class LearnerServices:
                      next_ahead=self.consumer.ahead)
 
     def _check_buffer_alive(self) -> None:
-        """Raise, naming the buffer's log, when the buffer this learner started has exited (instead of the
-        timeouts of requests nobody answers)."""
-        if self.buffer_process is not None and (code := self.buffer_process.process.poll()) is not None:
-            raise RuntimeError(f"the buffer exited with code {code}: see {self.run_dir / BUFFER_LOG}")
+        """Raise, naming the buffer's log, when the buffer this learner started has exited for good (instead of
+        the timeouts of requests nobody answers); one that died is being restarted."""
+        if self.buffer_process is not None:
+            self.buffer_process.check()
 
     def sync_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> RoundReport:
         self.latest_weights, self.latest_version = weights, version

@@ -37,6 +37,7 @@ class PacingConfig:
 @dataclass
 class BufferConfig:
     address: str = ""  # tcp://host:port of a running buffer to use; empty = the learner starts its own
+    max_restarts: int = bounded(5, 0)  # the learner's own buffer: restarts in a row of one dying within rollout.healthy_after_s of its start (back-off rollout.restart_backoff_s, doubling); its next such death fails the learner
     bind_host: str = "127.0.0.1"  # interface the service binds; anything but loopback requires curve_dir
     port: int = bounded(0, 0, 65535)  # TCP port of the service; 0 = a free port, written to <dir>/endpoint (a learner's buffer: chosen at the run's first start, kept in <run>/ports.json, bound again at its restarts)
     dir: str = ""  # log segments, committed offset and endpoint file; empty = <run dir>/buffer

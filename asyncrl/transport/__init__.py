@@ -2,7 +2,7 @@
 
 from asyncrl.transport.clients import AdmissionClient, BufferConsumer
 from asyncrl.transport.producer import TrajectoryProducer
-from asyncrl.transport.sockets import BufferRequestError, BufferTimeout, RequestChannel, generate_curve_keys
+from asyncrl.transport.sockets import BufferRequestError, BufferTimeout, RequestChannel, RestartWatch, generate_curve_keys
 
 __all__ = ["AdmissionClient", "BufferConsumer", "BufferRequestError", "BufferTimeout", "RequestChannel",
-           "TrajectoryProducer", "generate_curve_keys"]
+           "RestartWatch", "TrajectoryProducer", "generate_curve_keys"]

@@ -10,7 +10,7 @@ import zmq
 
 from asyncrl.messages import (BUFFERS_OWN_STALENESS, AdmissionGrant, AdmissionRequest, Batch, BatchRequest, BufferPosition,
                               BufferStats, Commit, PolicyVersion, StatsRequest)
-from asyncrl.transport.sockets import RequestChannel
+from asyncrl.transport.sockets import RequestChannel, RestartWatch
 from asyncrl.units import MS_PER_S
 
 
@@ -46,15 +46,17 @@ class BufferConsumer:
     at or past it listed in `ahead` (the buffer hands out the oldest groups first, not in log order). The
     learner stores both in its checkpoint and passes them back as `start_offset` and `start_ahead` after a
     restart (-1: start at the buffer's read position, which after a buffer start is its commit). Every
-    batch request carries them, so a restart of either side resumes exactly where the learner is."""
+    batch request carries them, so a restart of either side resumes exactly where the learner is: a restarted
+    buffer hands out what follows the position, not what it had handed out before it died. `watch`: the
+    supervisor of a buffer restarted under this consumer (`RequestChannel`)."""
 
     def __init__(self, address: str, consumer_id: str, *, start_offset: int = -1, start_ahead: Sequence[int] = (),
                  curve_dir: str = "", timeout_s: float = 30.0, resend_s: float = 5.0,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, watch: RestartWatch | None = None) -> None:
         self.consumer_id = consumer_id
         self.position = start_offset
         self.ahead = list(start_ahead)
-        self.channel = RequestChannel(address, curve_dir, timeout_s, context, resend_s)
+        self.channel = RequestChannel(address, curve_dir, timeout_s, context, resend_s, watch)
 
     def next_batch(self, policy_version: int, max_samples: int = 0, max_tokens: int = 0,
                    wait_s: float = 0.0, max_staleness: int = BUFFERS_OWN_STALENESS) -> Batch:

@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import zmq
 import zmq.auth
@@ -125,6 +125,19 @@ class ServingRouter:
         self.context.term()
 
 
+class RestartWatch(Protocol):
+    """What a client may know of a buffer that is restarted under it (the learner's own buffer: its supervisor)."""
+
+    def restarts(self) -> int:
+        """Buffers started so far in place of one that died."""
+
+    def restarting(self) -> bool:
+        """Whether a buffer died and its successor does not serve yet."""
+
+    def check(self) -> None:
+        """Raise the reason once no buffer will serve again."""
+
+
 def connect_dealer(context: zmq.Context, address: str, curve_dir: str = "") -> zmq.Socket:
     """A DEALER connected to `address`, with CURVE client keys when curve_dir is set."""
     keys = (load_key(curve_dir, f"{CLIENT_CERT}.key_secret"), load_key(curve_dir, f"{SERVER_CERT}.key")) if curve_dir else None
@@ -142,20 +155,27 @@ class RequestChannel:
     that died with a buffer reaches the buffer restarted on the same address, and a late reply to an
     earlier copy is never taken for a later request's reply (it goes to the closed socket). Every request
     the buffer takes is safe to repeat: batch requests carry the consumer's position, commits and versions
-    are idempotent, and an admission request carries an id the buffer answers once."""
+    are idempotent, and an admission request carries an id the buffer answers once.
+
+    With a `watch` (a buffer that is restarted under this client), the deadline does not run out while the
+    buffer is being restarted, and each restart gives the request a whole `timeout_s` again; once the watch
+    says no buffer will serve again, its reason is raised at the next resend."""
 
     def __init__(self, address: str, curve_dir: str = "", timeout_s: float = 30.0,
-                 context: zmq.Context | None = None, resend_s: float = 5.0) -> None:
+                 context: zmq.Context | None = None, resend_s: float = 5.0, watch: RestartWatch | None = None) -> None:
         self.address, self.curve_dir, self.timeout_s, self.resend_s = address, curve_dir, timeout_s, resend_s
         self.context = context or zmq.Context.instance()
         self.socket = connect_dealer(self.context, address, curve_dir)
         self.resends = 0  # copies sent again because no reply came in time
+        self.watch = watch
+        self._restarts_seen = 0  # the watch's restarts when the request in flight was sent, or last retried
 
     def request(self, message: Any, expect: type[_T], wait_s: float = 0.0) -> _T:
         """Send `message`, return the reply of type `expect`. The buffer may hold the request up to `wait_s`
         (a batch request waiting for data); BufferTimeout after wait_s + timeout_s without a reply."""
         frame = encode(message)
         deadline = time.monotonic() + wait_s + self.timeout_s
+        self._restarts_seen = self.watch.restarts() if self.watch is not None else 0
         attempts = refused = 0
         while True:
             refused += not self._send(frame)
@@ -165,6 +185,7 @@ class RequestChannel:
             if self.socket.poll(max(0, int((until - now) * MS_PER_S)), zmq.POLLIN):
                 break
             self._reset()
+            deadline = self._deadline_after_silence(message, deadline, wait_s)
             if time.monotonic() >= deadline:
                 raise BufferTimeout(f"no reply to {type(message).__name__} from the buffer at {self.address} "
                                     f"within {wait_s + self.timeout_s:.1f}s ({attempts} attempts, {refused} of them "
@@ -176,6 +197,23 @@ class RequestChannel:
         if not isinstance(reply, expect):
             raise DecodeError(f"expected {expect.__name__} from the buffer, got {type(reply).__name__}")
         return reply
+
+    def _deadline_after_silence(self, message: Any, deadline: float, wait_s: float) -> float:
+        """The request's deadline once a copy went unanswered: unchanged without a watch; raises the watch's reason
+        once no buffer will serve again; not before a whole timeout from now while the buffer is being restarted,
+        and a whole timeout from now at the first resend to a buffer restarted since the last copy."""
+        if self.watch is None:
+            return deadline
+        self.watch.check()
+        whole = time.monotonic() + wait_s + self.timeout_s
+        if self.watch.restarting():
+            return max(deadline, whole)
+        if (restarts := self.watch.restarts()) != self._restarts_seen:
+            self._restarts_seen = restarts
+            log.warning("retrying %s against the restarted buffer at %s (restart %d; up to %.1fs more)",
+                        type(message).__name__, self.address, restarts, wait_s + self.timeout_s)
+            return whole
+        return deadline
 
     def _send(self, frame: bytes) -> bool:
         """Queue the frame without blocking (a blocking send waits past any deadline when ZeroMQ has no

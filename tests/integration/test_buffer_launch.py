@@ -1,25 +1,26 @@
-"""How the learner gets its buffer: the configured address, or a buffer process it starts."""
+"""How the learner gets its buffer: the configured address (not watched), or a buffer process it starts and
+keeps running."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.buffer_process import connect_or_start_buffer
 from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
+from learner.buffer_supervisor import connect_or_supervise_buffer
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_configured_address_is_used_as_is(tmp_path):
     config = load_config(None, ["buffer.address=tcp://127.0.0.1:5999"])
-    assert connect_or_start_buffer(config, tmp_path) == ("tcp://127.0.0.1:5999", None)
+    assert connect_or_supervise_buffer(config, tmp_path) == ("tcp://127.0.0.1:5999", None)
 
 
 def test_without_an_address_a_buffer_is_started_for_the_run(tmp_path):
     config = load_config(None, ["buffer.max_staleness=0"])
-    address, process = connect_or_start_buffer(config, tmp_path)
+    address, supervisor = connect_or_supervise_buffer(config, tmp_path)
     try:
         TrajectoryProducer(address).send(synthetic_group("x", completion_tokens=4, version=0))
         consumer = BufferConsumer(address, "learner")
@@ -27,4 +28,4 @@ def test_without_an_address_a_buffer_is_started_for_the_run(tmp_path):
         assert consumer.next_batch(policy_version=1).dropped_stale == 1  # the run's max_staleness=0 applies
         assert (tmp_path / "buffer" / "endpoint").exists() and (tmp_path / "config.yaml").exists()
     finally:
-        assert process.stop() == 0
+        assert supervisor.stop() == 0

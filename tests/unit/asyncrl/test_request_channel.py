@@ -1,10 +1,15 @@
 """The clients' request channel against a scripted buffer (a ROUTER socket the test drives): a request
 whose reply never comes is resent on a fresh socket, a late reply to an earlier copy is never taken for
-a later request's, and an admission request keeps its id across resends."""
+a later request's, and an admission request keeps its id across resends. With a restart watch (the
+learner's own buffer), a request outlives its deadline while the buffer is restarted, is retried against
+the restarted one, and ends with the watch's reason once no buffer will serve again."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -93,3 +98,51 @@ def test_a_resent_admission_request_keeps_its_id_and_the_next_gets_a_new_one(rou
     socket.send_multipart([identity, encode(AdmissionGrant(4, 0, 1))])
     thread.join(timeout=RECEIVE_MS / 1000)
     assert result["value"].granted == 4 and first_again.request_id not in (lost.request_id, following.request_id)
+
+
+@dataclass
+class ScriptedWatch:
+    """A buffer restarted under the channel, in the states the test sets."""
+
+    restart_count: int = 0
+    dead: bool = False
+    reason: Exception | None = None
+
+    def restarts(self) -> int:
+        return self.restart_count
+
+    def restarting(self) -> bool:
+        return self.dead
+
+    def check(self) -> None:
+        if self.reason is not None:
+            raise self.reason
+
+
+def test_a_request_waits_out_a_restart_and_is_retried_against_the_restarted_buffer(router, caplog):
+    socket, endpoint = router
+    timeout_s = 1.0
+    watch = ScriptedWatch(dead=True)
+    channel = RequestChannel(endpoint, timeout_s=timeout_s, resend_s=RESEND_S, watch=watch)
+    with caplog.at_level(logging.WARNING):
+        thread, result = in_thread(lambda: channel.request(PolicyVersion(5), BufferPosition))
+        restart_ends = time.monotonic() + 2 * timeout_s
+        while time.monotonic() < restart_ends:  # copies go unanswered past the deadline: the buffer is restarting
+            receive(socket)
+        assert thread.is_alive()
+        watch.dead, watch.restart_count = False, 1
+        while thread.is_alive():  # answer every copy: only one sent after the restart reaches the channel
+            if socket.poll(10):
+                identity, request = receive(socket)
+                socket.send_multipart([identity, position(555)])
+    assert result["value"].read_offset == 555
+    retries = [m for m in caplog.messages if "retrying PolicyVersion against the restarted buffer" in m]
+    assert len(retries) == 1 and "restart 1" in retries[0]
+
+
+def test_a_request_ends_with_the_reason_once_no_buffer_will_serve_again(router):
+    _, endpoint = router
+    watch = ScriptedWatch(reason=RuntimeError("buffer.max_restarts=5 used up"))
+    channel = RequestChannel(endpoint, timeout_s=TIMEOUT_S, resend_s=RESEND_S, watch=watch)
+    with pytest.raises(RuntimeError, match=r"buffer\.max_restarts=5 used up"):
+        channel.request(PolicyVersion(1), BufferPosition)
