@@ -222,7 +222,7 @@ def test_hand_case_loss_of_the_plain_step(loss):
     value = policy_loss(list(logprobs), list(behaviour), list(mask), [A, -A], config)
     value.backward()
     expected_loss, expected_gradient = HAND_EXPECTED[loss]
-    assert float(value) == pytest.approx(expected_loss, abs=HAND_ATOL)
+    assert value.item() == pytest.approx(expected_loss, abs=HAND_ATOL)
     torch.testing.assert_close(logprobs.grad, torch.tensor(expected_gradient, dtype=torch.float64), rtol=0, atol=HAND_ATOL)
 
 
@@ -235,6 +235,6 @@ def test_hand_case_loss_of_the_learner(loss):
                                                     loss_mask=mask, proximal_logprobs=logprobs.detach()), config)
     value.backward()
     expected_loss, expected_gradient = HAND_EXPECTED[loss]
-    assert float(value) == pytest.approx(expected_loss, abs=HAND_ATOL)
+    assert value.item() == pytest.approx(expected_loss, abs=HAND_ATOL)
     assert metrics["actor/pg_loss"] == pytest.approx(expected_loss, abs=HAND_ATOL)
     torch.testing.assert_close(logprobs.grad, torch.tensor(expected_gradient, dtype=torch.float64), rtol=0, atol=HAND_ATOL)
