@@ -5,10 +5,13 @@
         train one optimizer step on it                         (Trainer.train)
         load the new weights into the engine                   (Sampler.load_weights)
 
-It shares the model, the engine and the loss with the async job, and nothing else: no buffer, no admission,
-no weight-sync coordinator, no staleness bound. It is the reference the async job with
-`buffer.max_staleness=0` must reproduce step by step (tests/integration/test_k0_matches_reference.py) and the
-baseline of scripts/bench_async_vs_sync.py. Each step's metrics go to `metrics.jsonl` under the names the
+It runs the async job's own generation and training code (engine, sampling, rewards, collate, advantages,
+losses, learning-rate schedule, optimizer step) without its plumbing: no buffer, no admission, no weight-sync
+coordinator, no staleness bound, one learner rank (docs/architecture.md lists what is shared). It is the
+reference the async job with `buffer.max_staleness=0` must reproduce step by step
+(tests/integration/test_k0_matches_reference.py: the plumbing changes nothing at K = 0; the shared RL maths is
+checked on its own by tests/unit/learner/test_independent_grpo.py) and the baseline of
+scripts/bench_async_vs_sync.py. Each step's metrics go to `metrics.jsonl` under the names the
 async learner uses; the groups each step trained on go to `trained/step_N.msgpack` (`trained_groups` reads them).
 
 The two halves live in their roles (rollout_servers/reference_sampler.py, learner/reference_trainer.py); the

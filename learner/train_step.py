@@ -119,9 +119,12 @@ def rank_chunks(batch: TrainBatch, micro_batch_tokens: int, world: World, packed
 
 
 def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
+    """The whole batch's count that `learner.loss_terms.aggregate` divides by: trained tokens (token_mean), or
+    sequences with at least one trained token (seq_mean_token_sum)."""
+    trained = batch.loss_mask.bool()  # [B, T-1]
     if algorithm.aggregation == "token_mean":
-        return float(batch.loss_mask.sum().clamp(min=1))
-    return float(max(len(batch), 1))
+        return float(trained.sum().clamp(min=1))
+    return float(trained.any(dim=1).sum().clamp(min=1))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The async job with max_staleness=0 reproduces the independent synchronous reference (`learner.mode=synchronous`,
+"""The async job with max_staleness=0 reproduces the synchronous reference (`learner.mode=synchronous`,
 launch/reference_loop.py: one process, its own engine, no buffer) step by step: the same samples (prompt,
 completion, behaviour log-probs, token versions, reward), the same losses and gradient norms, and every trained
 token sampled by the policy version it is trained at (staleness 0). With max_staleness=1 the same comparison
@@ -8,6 +8,11 @@ What makes it exact: both draw server 0's prompt stream with run.seed and seed e
 (rollout.seeded_sampling); both give the engine the batch's requests together, with the same weights; both
 train the rows in content order (learner/loop.py `canonical_order`) with the learner's model and loss.
 Validation is off: its requests would share the engine's batches with the rollouts, a case not compared.
+
+Both runs train with the same learner code (advantages, losses, optimizer step) and sample with the same engine
+code, so this shows that the async plumbing (buffer, admission, weight sync, versions) changes nothing at K = 0;
+a mistake in the shared maths would show in both alike. tests/unit/learner/test_independent_grpo.py checks that
+maths against a step written apart from the learner.
 """
 
 import math

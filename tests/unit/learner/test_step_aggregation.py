@@ -1,0 +1,47 @@
+"""The learner's step divides the whole batch's loss by the count its aggregation names (docs/losses.md): trained
+tokens for token_mean, sequences with at least one trained token for seq_mean_token_sum, in both cases over the
+whole batch however it is cut into micro-batches.
+
+The case is worked out by hand whatever the model: behaviour log-probs of -100 put every importance weight
+min(π_prox/π_behav, C) at C = 2, and with one optimizer step π_θ = π_prox, so decoupled_ppo's per-token loss is
+-2·A. Group g: sample 1 (reward 1, two trained tokens) and sample 2 (reward 0, one), A = ±a with
+a = 0.5 / (√0.5 + 1e-6) = 0.7071058. Group h: sample 3, alone (A = 0), whose only token is a tool token (mask 0).
+    token sums: sample 1 -4a, sample 2 +2a, sample 3 nothing; total -2a
+    token_mean:          -2a / 3 trained tokens          = -0.4714039
+    seq_mean_token_sum:  -2a / 2 sequences with a token  = -0.7071058   (sample 3 has none: it does not count)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.messages import Trajectory, TrajectoryGroup
+from learner.batching import collate
+from learner.distributed import World
+from learner.train_step import Passes, train_step
+from policy_helpers import tiny_policy
+
+FAR_OFF_POLICY = -100.0  # log π_behav: every importance weight is truncated at C
+
+
+def sample(prompt: list[int], completion: list[int], mask: list[int], reward: float, group: str) -> Trajectory:
+    return Trajectory(prompt, completion, [FAR_OFF_POLICY if m else 0.0 for m in mask], [0] * len(completion), mask,
+                      reward, group, "arithmetic", "stop")
+
+
+BATCH = [
+    TrajectoryGroup("g", "g", "s", [sample([3, 4], [5, 6], [1, 1], 1.0, "g"), sample([3, 4], [7], [1], 0.0, "g")]),
+    TrajectoryGroup("h", "h", "s", [sample([8, 9], [10], [0], 1.0, "h")]),
+]
+
+
+@pytest.mark.parametrize("aggregation, expected", [("token_mean", -0.4714039), ("seq_mean_token_sum", -0.7071058)])
+@pytest.mark.parametrize("micro_batch_tokens", [3, 1000])  # one row per pass, or the whole batch in one
+def test_the_step_divides_by_the_whole_batchs_count(aggregation, expected, micro_batch_tokens):
+    model = tiny_policy()
+    outcome = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), collate(BATCH, 0),
+                         AlgorithmConfig(aggregation=aggregation), Passes(micro_batch_tokens), 0.0,
+                         World(rank=0, size=1, device=torch.device("cpu")))
+    assert outcome.metrics["actor/pg_loss"] == pytest.approx(expected, abs=1e-7)
