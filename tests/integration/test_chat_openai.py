@@ -182,7 +182,8 @@ def named(tool: dict) -> dict:
 def forced_call(client: openai.OpenAI, tool: dict, tool_choice, name: str,
                 max_tokens: int) -> tuple[str, openai.types.chat.ChatCompletion]:
     """A first turn offered `tool` and forced by `tool_choice` to call it, in session `<name>-<try>` (seeded by the
-    try); a try cut short by `max_tokens` is closed unsent and retried in a new session. Returns the session and reply."""
+    try); a try cut short by `max_tokens` is closed unsent and retried in a new session. Returns the session and
+    the reply."""
     for attempt in range(CALL_TRIES):
         session_id = f"{name}-{attempt}"
         reply = client.chat.completions.create(model="m", messages=[USER], tools=[tool], tool_choice=tool_choice,
