@@ -192,6 +192,7 @@ def _open_store(address: GroupAddress, rank: int) -> dist.Store:
             is_master=is_trainer,
             timeout=address.timeout,
             wait_for_workers=False,  # torch's own wait overshoots by a second; _await_members keeps the deadline
+            master_listen_fd=_listen_on_host(address) if is_trainer else None,
         )
         prefixed = dist.PrefixStore(_STORE_PREFIX, store)
         _await_members(prefixed, address, deadline)
@@ -202,6 +203,13 @@ def _open_store(address: GroupAddress, rank: int) -> dist.Store:
             f"waiting for {waiting_for}: {error}"
         ) from error
     return prefixed
+
+
+def _listen_on_host(address: GroupAddress) -> int:
+    """A socket listening on the group's host alone, handed to the trainer's store (which then owns it): torch's
+    store server listens on every interface, so a group meeting on 127.0.0.1 was reachable from the network."""
+    family = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((address.host, address.port), family=family).detach()
 
 
 def _wait_for_listener(address: GroupAddress, deadline: float) -> None:

@@ -2,7 +2,9 @@
 
 Whoever can call the endpoint writes training data (a closed session is a trajectory with the reward the
 caller names), so with a key configured every route answers HTTP 401 to a request without it, before
-anything is read or stored. The config refuses a non-loopback host without a key (`ChatEndpointConfig`).
+anything is read or stored. A non-loopback host without a key is refused by the config (`ChatEndpointConfig`)
+and again when the endpoint binds (`refuse_open_bind`), as the buffer's ZeroMQ sockets refuse one without CURVE
+keys: an endpoint built without the config's checks still never listens beyond this host unprotected.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig
+from asyncrl.net import is_loopback
 
 BEARER = "Bearer "
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ApiKeyError(ValueError):
-    """The configured key cannot be read; the message names the config key."""
+    """The configured key cannot be read, or a non-loopback endpoint has none; the message names the config key."""
 
 
 def load_api_key(settings: ChatEndpointConfig) -> str | None:
@@ -41,6 +44,13 @@ def load_api_key(settings: ChatEndpointConfig) -> str | None:
                               "not set or empty in the rollout server's environment")
         return key
     return None
+
+
+def refuse_open_bind(host: str, key: str | None) -> None:
+    """Raise unless listening on `host` is safe: a loopback address, or any address with an API key."""
+    if not key and not is_loopback(host):
+        raise ApiKeyError(f"rollout.chat.host: refusing to listen on non-loopback '{host}' without an API key; set "
+                          "rollout.chat.api_key_file or rollout.chat.api_key_env, or use a loopback host (127.0.0.1)")
 
 
 def require_key(key: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:

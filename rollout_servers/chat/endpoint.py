@@ -24,7 +24,7 @@ from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
-from rollout_servers.chat.auth import require_key
+from rollout_servers.chat.auth import refuse_open_bind, require_key
 from rollout_servers.chat.request import SESSION_HEADER, parse_request
 from rollout_servers.chat.sessions import CHAT_DATA_SOURCE, ChatSessions, FieldError, SessionError
 from rollout_servers.chat.stream import ReplyFormat, ReplyShape, StreamedReply
@@ -50,7 +50,8 @@ class ChatEndpoint:
 
     async def start(self, settings: ChatEndpointConfig, port: int, api_key: str | None = None) -> int:
         """Listen on `settings.host`:`port` (0 = a free port); returns the port. With `api_key` every
-        request must carry it (`chat_auth.py`)."""
+        request must carry it (`chat_auth.py`); without one only a loopback host is allowed (`ApiKeyError`)."""
+        refuse_open_bind(settings.host, api_key)
         app = web.Application(middlewares=[require_key(api_key)] if api_key else [])
         app.add_routes([
             web.post("/v1/chat/completions", self._completions),

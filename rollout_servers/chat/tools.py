@@ -8,7 +8,9 @@ messages after it are rendered: what is trained is always the exact ids sampled.
 `tool_choice: "required"`, a named function and `parallel_tool_calls: false` are served as vLLM's own server
 serves them (`vllm_compat.tool_call_constraint`): a structured-outputs grammar on the reply forces the call
 (in the parser's own format where it has a structural tag, as hermes does; else as JSON, read as vLLM's
-server reads it) and allows at most one with `parallel_tool_calls: false`. The constrained tokens are the tokens sampled, and their
+server reads it) and allows at most one with `parallel_tool_calls: false`. A forced call's arguments follow
+its tool's `parameters` schema: its tools are given to vLLM's grammar builder as `strict` unless the client
+set `strict: false`. The constrained tokens are the tokens sampled, and their
 behaviour log-probs are vLLM's after the grammar's mask, those of the distribution that drew them.
 """
 
@@ -63,9 +65,11 @@ class ToolCallReader:
     def constraint(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
         """The grammar that forces the call `request.tool_choice` asks for ("required" or a named function) or
         allows one call at most (`parallel_tool_calls: false`), as vLLM's server sets it; None when unconstrained."""
-        if not (forces_a_call(request) or request.parallel_tool_calls is False):
-            return None
-        return tool_call_constraint(self._name, self._tokenizer, request)
+        if forces_a_call(request):
+            return tool_call_constraint(self._name, self._tokenizer, _arguments_pinned(request))
+        if request.parallel_tool_calls is False:
+            return tool_call_constraint(self._name, self._tokenizer, request)
+        return None
 
     def read(self, token_ids: Sequence[int], request: ChatCompletionRequest,
              json_reply: bool = False) -> tuple[str | None, list[Any]]:
@@ -95,6 +99,16 @@ class ToolCallReader:
 
 def forces_a_call(request: ChatCompletionRequest) -> bool:
     return request.tool_choice == REQUIRED or isinstance(request.tool_choice, ChatCompletionNamedToolChoiceParam)
+
+
+def _arguments_pinned(request: ChatCompletionRequest) -> ChatCompletionRequest:
+    """A copy of `request` whose tools are `strict` unless the client said `strict: false`: vLLM 0.32's grammar
+    leaves a non-strict tool's arguments free (any JSON value, even a bare number) unless the tool is strict,
+    so a forced call would follow no schema; 0.24's pins them already, and strict tools are pinned by both."""
+    tools = [tool if tool.function.strict is not None
+             else tool.model_copy(update={"function": tool.function.model_copy(update={"strict": True})})
+             for tool in request.tools or []]
+    return request.model_copy(update={"tools": tools})
 
 
 def _json_calls(text: str, request: ChatCompletionRequest) -> list[ToolCall]:

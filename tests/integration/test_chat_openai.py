@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import jsonschema
 import numpy
 import openai
 import pytest
@@ -37,6 +38,7 @@ STOP_TIMEOUT_S = 120
 POLL_S = 0.2
 USER = {"role": "user", "content": "2+3="}
 NEXT = {"role": "user", "content": "4+1="}
+MAX_MODEL_LEN = 256  # the tiny model's positions; room for a tool, its call and the tool's answer
 EXAMPLE_AGENT = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
 
 
@@ -66,7 +68,7 @@ def job(tmp_path_factory, tiny_job_inputs):
     overrides = tiny_job(tiny_job_inputs, TOTAL_STEPS, "run.name=chat-sdk", "rollout.chat.enabled=true",
                          f"rollout.chat.api_key_file={key_file}", "validation.every=0", "buffer.batch_groups=2",
                          "buffer.max_staleness=1", "rollout.sampling.n=2", "rollout.max_inflight=4",
-                         "rollout.chat.tool_parser=hermes", "rollout.engine.max_model_len=256",  # room for the tools
+                         "rollout.chat.tool_parser=hermes", f"rollout.engine.max_model_len={MAX_MODEL_LEN}",
                          f"run.root_dir={tmp / 'runs'}")
     run_dir = tmp / "runs" / "chat-sdk"
     with open(tmp / "run.log", "w") as output:  # a file, not a pipe: nobody reads the job's progress lines
@@ -154,13 +156,15 @@ def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> t
     return reply.choices[0].message.content, seen
 
 
-# The calculator with `strict` arguments: vLLM's grammar then follows the schema, so a model never taught to call
-# it (this job's) still closes its call within a few tokens; the tool's JSON also fits the prompt of this job.
-CALL_TRIES = 8  # forced calls cut short by CALL_MAX_TOKENS (about 1 in 4 here) are retried in a new session
-CALL_MAX_TOKENS = 64  # the prompt with the tool is 160 tokens: a call, the tool's message and an answer fit 256
-# Its keys in the order of vLLM's request model, which the server's prompt renders.
+# Tools without `strict`: a forced call's arguments still follow their schema (the endpoint pins them), so a model
+# never taught to call them (this job's) closes its call within a few tokens. Their keys are in the order of vLLM's
+# request model, which the server's prompt renders.
+CALL_TRIES = 8  # forced calls cut short by their token cap (about 1 in 4 here) are retried in a new session
+CALL_MAX_TOKENS = 64  # the prompt with the calculator is 144 tokens: a call, the tool's message and an answer fit
 CALCULATOR = {"type": "function", "function": {"name": "calc", "parameters": {
-    "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}, "strict": True}}
+    "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}}}
+SWITCH_ARGUMENTS = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
+SWITCH = {"type": "function", "function": {"name": "set", "parameters": SWITCH_ARGUMENTS}}  # a required field
 
 
 @dataclass
@@ -171,39 +175,62 @@ class ToolRoundTrip:
     record_id: str  # the session's record id
 
 
+def named(tool: dict) -> dict:
+    return {"type": "function", "function": {"name": tool["function"]["name"]}}
+
+
+def forced_call(client: openai.OpenAI, tool: dict, tool_choice, name: str,
+                max_tokens: int) -> tuple[str, openai.types.chat.ChatCompletion]:
+    """A first turn offered `tool` and forced by `tool_choice` to call it, in session `<name>-<try>` (seeded by the
+    try); a try cut short by `max_tokens` is closed unsent and retried in a new session. Returns the session and
+    the reply."""
+    for attempt in range(CALL_TRIES):
+        session_id = f"{name}-{attempt}"
+        reply = client.chat.completions.create(model="m", messages=[USER], tools=[tool], tool_choice=tool_choice,
+                                               logprobs=True, max_tokens=max_tokens, seed=attempt,
+                                               **session(session_id))
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls", choice
+            return session_id, reply
+        # the grammar lets JSON whitespace run on; only a reply cut by its token cap may lack the forced call
+        assert choice.finish_reason == "length", choice
+        client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
+    pytest.fail(f"no forced call completed within {max_tokens} tokens in {CALL_TRIES} tries")
+
+
 @pytest.fixture(scope="module")
 def tool_round_trip(job) -> ToolRoundTrip:
     """One session, while the job serves: the model calls the calculator (forced by naming the function: the
     tiny model of this job was never taught to call it), the agent answers with a `tool` message, the model
     answers, and the session is closed as a group of one."""
-    client, tools = job.client(), [CALCULATOR]
-    forced = {"type": "function", "function": {"name": "calc"}}
-    for attempt in range(CALL_TRIES):
-        session_id = f"tools-{attempt}"
-        first = client.chat.completions.create(model="m", messages=[USER], tools=tools, tool_choice=forced,
-                                               logprobs=True, max_tokens=CALL_MAX_TOKENS, seed=attempt,
-                                               **session(session_id))
-        choice = first.choices[0]
-        if choice.message.tool_calls:
-            break
-        # the grammar lets JSON whitespace run on; only a reply cut by its token cap may lack the forced call
-        assert choice.finish_reason == "length", choice
-        client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
-    else:
-        pytest.fail(f"no forced call completed within {CALL_MAX_TOKENS} tokens in {CALL_TRIES} tries")
+    client = job.client()
+    session_id, first = forced_call(client, CALCULATOR, named(CALCULATOR), "tools", CALL_MAX_TOKENS)
+    choice = first.choices[0]
     (call,) = choice.message.tool_calls
-    assert (choice.finish_reason, call.function.name) == ("tool_calls", "calc")
-    arguments = json.loads(call.function.arguments)  # the grammar makes it JSON, whatever the model chose
-    expression = arguments.get("expr") if isinstance(arguments, dict) else None
+    assert call.function.name == "calc"
+    expression = json.loads(call.function.arguments).get("expr")  # an object, by the tool's schema
     tool_reply = evaluate(expression) if isinstance(expression, str) else "error"
     history = [USER, choice.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": tool_reply}]
-    final = client.chat.completions.create(model="m", messages=history, tools=tools, tool_choice="none", logprobs=True,
-                                           **session(session_id))
+    final = client.chat.completions.create(model="m", messages=history, tools=[CALCULATOR], tool_choice="none",
+                                           logprobs=True, **session(session_id))
     closed = client.post(f"/sessions/{session_id}/close", body={"reward": 1.0}, cast_to=object)
     assert closed["sent"] is True
     seen = [(entry.token, entry.logprob) for reply in (first, final) for entry in reply.choices[0].logprobs.content]
     return ToolRoundTrip(closed["offset"], seen, tool_reply, closed["record_id"])
+
+
+@pytest.mark.parametrize("label, tool_choice", [("required", "required"), ("named", named(SWITCH))])
+def test_a_forced_calls_arguments_follow_the_tools_schema(job, label, tool_choice):
+    """The tiny model's free JSON is junk (`true`, a bare number); forced, each call's arguments are an object of
+    the tool's schema, its required field of its type. A one-turn session: the endpoint caps it at the room left."""
+    client = job.client()
+    session_id, reply = forced_call(client, SWITCH, tool_choice, f"schema-{label}", MAX_MODEL_LEN)
+    for call in reply.choices[0].message.tool_calls:
+        assert call.function.name == "set"
+        jsonschema.validate(json.loads(call.function.arguments), SWITCH_ARGUMENTS)
+    client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
 
 
 def read_group(job: Job, offset: int) -> TrajectoryGroup:

@@ -7,6 +7,7 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 import torch
 
@@ -78,6 +79,18 @@ def test_trainer_without_workers_fails_within_its_deadline():
     with pytest.raises(WeightTransferError, match="waiting for all rollout workers"):
         WeightSender.open(address())
     assert time.perf_counter() - started < DEADLINE_S + POLL_SLACK_S
+
+
+def test_the_trainers_store_listens_on_the_groups_host_alone():
+    where = address()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        joining = pool.submit(TransferGroup.join, where, WORKER_RANK)
+        sender = WeightSender.open(where)
+        listening = {tuple(c.laddr) for c in psutil.Process().net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == where.port}
+        joining.result().close()
+    sender.close()
+    assert listening == {("127.0.0.1", where.port)}  # not every interface ("::" or "0.0.0.0")
 
 
 def test_update_info_round_trip_and_validation():

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import socket
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +22,7 @@ import vllm
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta
 from asyncrl.messages import Ack
+from rollout_servers.chat.auth import ApiKeyError
 from rollout_servers.chat.endpoint import ChatEndpoint
 from rollout_servers.chat.sessions import ChatSessions, SessionError
 from rollout_servers.chat.stream import TextSteps
@@ -234,6 +236,38 @@ def test_without_the_api_key_every_route_is_refused_with_401_and_nothing_is_stor
         assert reply.choices[0].message.content == "ab"
         sdk.post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
         assert len(served.groups) == 1
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("api_key", [None, ""])
+def test_a_non_loopback_host_without_a_key_is_refused_before_listening(api_key):
+    """The config refuses this host when it is loaded; an endpoint built without the config's checks refuses it
+    when it binds, as the buffer's sockets refuse a non-loopback host without CURVE keys."""
+    served = Served(ScriptedEngine([]), ChatEndpointConfig(enabled=True, host="0.0.0.0"))
+    served.thread.start()
+    port = free_port()
+    try:
+        with pytest.raises(ApiKeyError, match=r"rollout\.chat\.host: refusing to listen on non-loopback '0\.0\.0\.0' "
+                                              r"without an API key; set rollout\.chat\.api_key_file"):
+            served.call(served.endpoint.start(served.settings, port, api_key))
+        with pytest.raises(ConnectionRefusedError):  # nothing listens, on any interface
+            socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S).close()
+    finally:
+        served.call(served.endpoint.stop())
+        served.loop.call_soon_threadsafe(served.loop.stop)
+        served.thread.join(DEADLINE_S)
+
+
+def test_with_a_key_the_endpoint_listens_on_any_host():
+    with serving(ScriptedEngine([turn("ab", -0.5)]), api_key="sesame", host="0.0.0.0") as served:
+        reply = client(served, api_key="sesame").chat.completions.create(model="tiny", messages=[USER],
+                                                                         extra_body={"session_id": "s"})
+        assert reply.choices[0].message.content == "ab"
 
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "adds two integers",
