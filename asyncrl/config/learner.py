@@ -19,7 +19,7 @@ class LearnerConfig:
     lr: float = bounded(1e-5, 0.0, 1.0)  # AdamW peak learning rate (reached at the end of the warm-up)
     warmup_steps: int = bounded(0, 0)  # linear learning-rate warm-up from lr/warmup_steps to lr, in optimizer steps
     lr_schedule: str = one_of("constant", "cosine")  # after the warm-up: constant lr, or cosine decay to min_lr_ratio * lr at total_steps
-    min_lr_ratio: float = bounded(0.0, 0.0, 1.0)  # cosine: the final learning rate as a share of lr
+    min_lr_ratio: float = bounded(0.0, 0.0, 1.0)  # cosine: the rate the decay reaches at total_steps, as a share of lr (the last step run, total_steps - 1, is one decay step above it)
     weight_decay: float = bounded(0.0, 0.0)  # AdamW decoupled weight decay
     beta1: float = bounded(0.9, 0.0, 1.0)  # AdamW first-moment decay
     beta2: float = bounded(0.999, 0.0, 1.0)  # AdamW second-moment decay
