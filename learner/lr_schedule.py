@@ -1,6 +1,7 @@
 """The learning rate of each optimizer step: linear warm-up over `learner.warmup_steps`, then constant or a
-cosine decay to `learner.min_lr_ratio` · `learner.lr` at `learner.total_steps` (the last step run is one before). A pure function of the step,
-so a resumed run continues the schedule from its checkpoint's step with no scheduler state to save."""
+cosine decay to `learner.min_lr_ratio` · `learner.lr` at `learner.total_steps` (the last step run is one
+before). A pure function of the step, so a resumed run continues the schedule from its checkpoint's step
+with no scheduler state to save."""
 
 from __future__ import annotations
 
