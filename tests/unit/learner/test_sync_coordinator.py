@@ -15,14 +15,18 @@ import zmq
 from asyncrl.messages import decode, encode
 from asyncrl.transport import generate_curve_keys
 from asyncrl.transport.sockets import connect_dealer
-from asyncrl.weight_transfer import TransferGroup, parse_update_info
+from asyncrl.weight_transfer import parse_update_info, weight_backend
+from asyncrl.weight_transfer.backends import GLOO
+from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncJoin,
                                                       SyncPrepare, SyncReady)
 from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
+from asyncrl.weight_transfer.interface import SendingEnd
 from asyncrl.weight_transfer.protocol import InitInfo
 from waiting import wait_until
 
+CPU = torch.device("cpu")
 TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
 LIVENESS_S = 1.0
 HEARTBEAT_S = 0.05
@@ -45,7 +49,7 @@ class FakeServer(threading.Thread):
 
     def run(self) -> None:
         sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
-        group = None
+        weights = None  # the receiving end of the latest init request
         while not self.stop.is_set():
             sock.send(encode(SyncJoin(self.name_, 1, self.version)))
             if not sock.poll(int(HEARTBEAT_S * 1000)):
@@ -65,9 +69,9 @@ class FakeServer(threading.Thread):
                 if invite.init_info:
                     info = InitInfo(**invite.init_info)
                     self.joins += 1
-                    group = (SharedWeightsReader(CpuSharedWeights.buffers[info.ipc["handle"]]) if info.backend == "ipc"
-                             else TransferGroup.join(info.address(), info.rank_offset))
-                tensors = received(group, parse_update_info(invite.update_info))
+                    weights = (SharedWeightsReader(CpuSharedWeights.buffers[info.ipc["handle"]]) if info.backend == "ipc"
+                               else weight_backend(info.backend).receiving_end(info, info.rank_offset, CPU))
+                tensors = {name: tensor.clone() for name, tensor in weights.tensors(parse_update_info(invite.update_info))}
                 if self.fail_with:  # a server that takes part in the transfer but fails to load, every time
                     raise RuntimeError(self.fail_with)
             except Exception as error:  # as a real server does: report, stay, catch up next round
@@ -76,17 +80,6 @@ class FakeServer(threading.Thread):
             self.received[invite.version], self.version = tensors, invite.version
             sock.send(encode(SyncDone(self.name_, invite.round_id, ok=True, seconds=0.01)))
         sock.close(0)
-
-
-def received(group, metas) -> dict[str, torch.Tensor]:
-    """Every announced tensor: broadcast over a gloo group, or copied out of a shared buffer (IPC)."""
-    if isinstance(group, SharedWeightsReader):
-        return {name: view.clone() for name, view in group.tensors(metas)}
-    tensors = {}
-    for meta in metas:
-        tensors[meta.name] = torch.empty(meta.shape, dtype=meta.dtype)
-        group.broadcast(tensors[meta.name])
-    return tensors
 
 
 class CpuSharedWeights:
@@ -117,9 +110,10 @@ class CpuSharedWeights:
         self.buffer = None
 
 
-def coordinator(staging_bytes: int = 0, max_failures: int = 3, backend: str = "gloo") -> SyncCoordinator:
-    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, backend, TIMEOUT_S, liveness_s=LIVENESS_S,
-                           staging_bytes=staging_bytes, max_failures=max_failures)
+def coordinator(staging_bytes: int = 0, max_failures: int = 3, weights: SendingEnd | None = None) -> SyncCoordinator:
+    """A coordinator sending through `weights` (default: gloo's sending end with `staging_bytes`)."""
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, weights or GLOO.sending_end(staging_bytes), TIMEOUT_S,
+                           liveness_s=LIVENESS_S, max_failures=max_failures)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -199,11 +193,10 @@ def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
         coord.close()
 
 
-def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once(monkeypatch):
+def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
     """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
     were written before the invitation), and maps it again when the weights outgrow it."""
-    monkeypatch.setattr("learner.weight_sync.coordinator.SharedWeights", CpuSharedWeights)
-    coord = coordinator(backend="ipc")
+    coord = coordinator(weights=IpcSendingEnd("ipc", CpuSharedWeights()))
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
     for server in servers:
         server.start()
@@ -257,7 +250,7 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
 
 
 def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
-    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", timeout_s=1.0, liveness_s=60.0)
+    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, GLOO.sending_end(), timeout_s=1.0, liveness_s=60.0)
     silent = FakeServer("silent", coord.address, answer=False)
     silent.start()
     try:
@@ -370,14 +363,14 @@ NON_LOOPBACK_LOOKING_BIND = "tcp://lo:0"
 
 def test_a_non_loopback_bind_without_keys_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"non-loopback.*buffer\.curve_dir"):
-        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S)
+        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, GLOO.sending_end(), TIMEOUT_S, LIVENESS_S)
 
 
 def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sync(tmp_path):
     keys, other_keys = generate_curve_keys(tmp_path / "keys"), generate_curve_keys(tmp_path / "other")
     # the impostor knows the coordinator's public key; its own client key is a valid one nobody authorised
     shutil.copy(keys / "server.key", other_keys / "server.key")
-    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S,
+    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, GLOO.sending_end(), TIMEOUT_S, LIVENESS_S,
                             curve_dir=str(keys))
     member = FakeServer("member", coord.address, curve_dir=str(keys))
     keyless = FakeServer("keyless", coord.address)
