@@ -23,7 +23,7 @@ from rollout_servers.rewards import RewardScorer, check_reward_setup
 from asyncrl.staleness import weights_lag
 from asyncrl.stop_signal import ignore_stop_signals
 from asyncrl.transport import AdmissionClient, BufferTimeout, TrajectoryProducer
-from asyncrl.weight_transfer.control_messages import ServerTelemetry
+from asyncrl.weight_transfer.control_messages import ServerTelemetry, ValidationResult
 from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.chat.admission import ChatAdmission
@@ -98,7 +98,7 @@ class RolloutServer:
                           rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir,
                           on_validate=self.validator.request if self.validator else lambda version: None,
                           on_finished=self.leave, on_task_weights=self.prompts.set_weights)
-        telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._telemetry(engine),
+        telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._reports(engine),
                                     curve_dir=buffer.curve_dir)
         background = [asyncio.create_task(sync.run()), asyncio.create_task(telemetry.run())]
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
@@ -167,8 +167,13 @@ class RolloutServer:
             return None
         return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s, agent))
 
+    def _reports(self, engine: RolloutEngine) -> list[ServerTelemetry | ValidationResult]:
+        """What the server tells the learner every heartbeat period: its counters, and its latest validation pass
+        (again each time: the learner logs each pass once, and hears it after a restart too)."""
+        validated = self.validator.result(self.server_id) if self.validator else None
+        return [self._telemetry(engine), *([validated] if validated else [])]
+
     def _telemetry(self, engine: RolloutEngine) -> ServerTelemetry:
-        validation = self.validator.telemetry_fields() if self.validator else {}
         return ServerTelemetry(
             self.server_id, engine.current_version,
             tokens_generated=engine.tokens_sampled,
@@ -181,7 +186,6 @@ class RolloutServer:
             chat_waiting=self._chat_places.waiting,
             chat_dropped_idle=self._chat_sessions.dropped_idle if self._chat_sessions else 0,
             chat_lost=self._chat_sessions.lost.refused if self._chat_sessions else 0,
-            **validation,
         )
 
     def stop(self) -> None:

@@ -1,6 +1,6 @@
 """The learner's side of weight sync rounds: who takes part, the group, the broadcast, the outcome.
 
-Servers announce themselves with `SyncJoin` heartbeats on the coordinator's ROUTER socket. A round
+Servers announce themselves with `ServerHeartbeat`s on the coordinator's ROUTER socket. A round
 first asks every live server to confirm it is there (`SyncPrepare` → `SyncReady`, within `liveness_s`),
 so a server that died since its last heartbeat costs that wait, not a rendezvous deadline; it then
 invites the servers that answered, (re)builds the transfer group when membership changed or the last
@@ -8,8 +8,8 @@ round failed, broadcasts, and waits for each server's `SyncDone` until the deadl
 or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
 round. How the weights travel is the backend's (`asyncrl.weight_transfer.backends`): the coordinator drives
 its `SendingEnd` (stage before the invitations, connect after them, send). Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
-(`ServerTelemetry`) on the same channel, apart from the heartbeats; the latest of each server's is kept
-for `rollout_metrics`.
+(`ServerTelemetry`) and their latest validation pass (`ValidationResult`) on the same channel, apart from the
+heartbeats; the latest of each server's are kept for `rollout_metrics`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import bind_control
 from asyncrl.units import MS_PER_S
 from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
-                                                      SyncJoin, SyncPrepare, SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry,
+                                                      SyncDone, SyncInvite, SyncPrepare, SyncReady, ValidationResult)
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
 from asyncrl.weight_transfer.interface import SendingEnd
 from asyncrl.weight_transfer.ipc import OTHER_GPU
@@ -32,6 +32,8 @@ from asyncrl.weight_transfer.protocol import NamedTensors, update_info_for
 from learner.weight_sync.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+_Report = TypeVar("_Report", ServerTelemetry, ValidationResult)
 
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
 # errors no retry can fix: the group itself is invalid (e.g. NCCL ranks sharing one GPU)
@@ -81,6 +83,7 @@ class SyncCoordinator:
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
         self._server_metrics = ServerMetrics()
         self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
+        self._validations: dict[str, tuple[float, ValidationResult]] = {}  # server -> (time received, latest pass)
         self.latest_version = 0  # newest version broadcast
         self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
         self.max_failures = max_failures
@@ -127,7 +130,9 @@ class SyncCoordinator:
         requests and version lag behind `learner_version` (default: the newest version broadcast), see
         `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
         `new_validation`)."""
-        beats = self._live_telemetry()
+        self._drain()
+        beats = _heard_within(self._telemetry, self.liveness_s)
+        passes = _heard_within(self._validations, self.liveness_s)
         tokens = sum(b.tokens_generated for b in beats)
         now = time.monotonic()
         last_tokens, last_time = self._last_tokens
@@ -148,24 +153,21 @@ class SyncCoordinator:
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
-        ) | self.new_validation(beats)  # the same snapshot: a message read in between would split one record
+        ) | self.new_validation(passes)  # the same snapshot: a message read in between would split one record
 
-    def new_validation(self, telemetry: list[ServerTelemetry] | None = None) -> dict[str, float]:
-        """`val/*` of a validation pass that live servers' telemetry carries and no earlier call returned
-        (each pass once), with `val/version` the policy version it validated; {} when there is none.
-        `telemetry`: the snapshot to read (default: the latest, read now)."""
+    def new_validation(self, passes: list[ValidationResult] | None = None) -> dict[str, float]:
+        """`val/*` of a validation pass that a live server reported and no earlier call returned (each pass once),
+        with `val/version` the policy version it validated; {} when there is none. `passes`: the snapshot to read
+        (default: the latest, read now)."""
+        if passes is None:
+            self._drain()
+            passes = _heard_within(self._validations, self.liveness_s)
         fresh: dict[str, float] = {}
-        for beat in self._live_telemetry() if telemetry is None else telemetry:
-            if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
-                self._validations_logged[beat.server_id] = beat.validation_version
-                fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
+        for result in passes:
+            if result.metrics and result.version > self._validations_logged.get(result.server_id, NOT_VALIDATED):
+                self._validations_logged[result.server_id] = result.version
+                fresh |= result.metrics | {VERSION_KEY: float(result.version)}
         return fresh
-
-    def _live_telemetry(self) -> list[ServerTelemetry]:
-        """The latest telemetry of each server heard from within `liveness_s`, by server name."""
-        self._drain()
-        now = time.monotonic()
-        return [latest for _, (received, latest) in sorted(self._telemetry.items()) if now - received <= self.liveness_s]
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""
@@ -308,7 +310,7 @@ class SyncCoordinator:
         except DecodeError as error:
             log.warning("dropping an undecodable weight-sync frame: %s", error)
             return None
-        if isinstance(msg, SyncJoin):
+        if isinstance(msg, ServerHeartbeat):
             known = self.members.get(msg.server_id)
             if known is None:
                 log.info("rollout server %s joined weight sync (version %d)", msg.server_id, msg.version)
@@ -320,6 +322,8 @@ class SyncCoordinator:
             self._identities[msg.server_id] = identity
         elif isinstance(msg, ServerTelemetry):
             self._telemetry[msg.server_id] = (time.monotonic(), msg)
+        elif isinstance(msg, ValidationResult):
+            self._validations[msg.server_id] = (time.monotonic(), msg)
         elif isinstance(msg, ServerLeaving) and self.members.pop(msg.server_id, None) is not None:
             log.info("rollout server %s left: the job is finished", msg.server_id)
         return msg
@@ -327,6 +331,12 @@ class SyncCoordinator:
     def _close_group(self) -> None:
         self._weights.disconnect()
         self._group_members = ()
+
+
+def _heard_within(latest: dict[str, tuple[float, _Report]], seconds: float) -> list[_Report]:
+    """The latest report of each server heard from within `seconds`, by server name."""
+    now = time.monotonic()
+    return [report for _, (received, report) in sorted(latest.items()) if now - received <= seconds]
 
 
 def rank_layout(servers: list[tuple[str, int]]) -> tuple[dict[str, int], int]:

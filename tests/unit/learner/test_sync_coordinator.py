@@ -18,8 +18,8 @@ from asyncrl.transport.sockets import connect_dealer
 from asyncrl.weight_transfer import parse_update_info, weight_backend
 from asyncrl.weight_transfer.backends import GLOO
 from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncJoin,
-                                                      SyncPrepare, SyncReady)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry, SyncDone,
+                                                      SyncPrepare, SyncReady, ValidationResult)
 from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.interface import SendingEnd
@@ -51,7 +51,7 @@ class FakeServer(threading.Thread):
         sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
         weights = None  # the receiving end of the latest init request
         while not self.stop.is_set():
-            sock.send(encode(SyncJoin(self.name_, 1, self.version)))
+            sock.send(encode(ServerHeartbeat(self.name_, 1, self.version)))
             if not sock.poll(int(HEARTBEAT_S * 1000)):
                 continue
             message = decode(sock.recv())
@@ -274,16 +274,19 @@ def test_no_servers_means_an_empty_round_not_a_wait():
         coord.close()
 
 
-def test_validation_in_telemetry_is_returned_once_per_pass():
+def test_a_validation_pass_is_returned_once():
     coord = coordinator()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coord.address)
 
     learner_version = 100
 
-    def telemetry_then_metrics(validation: dict, version: int) -> dict[str, float]:
-        """The metrics of the first call that read this telemetry (its version lag tells which one was read)."""
-        sock.send(encode(ServerTelemetry("s0", version, validation=validation, validation_version=version)))
+    def reports_then_metrics(validated: ValidationResult | None, version: int) -> dict[str, float]:
+        """The metrics of the first call that read this telemetry (its version lag tells which one was read); the
+        validation result goes first on the same socket, so that call has read it too."""
+        if validated is not None:
+            sock.send(encode(validated))
+        sock.send(encode(ServerTelemetry("s0", version)))
 
         def read() -> dict[str, float] | None:
             metrics = coord.rollout_metrics(learner_version)
@@ -292,11 +295,12 @@ def test_validation_in_telemetry_is_returned_once_per_pass():
         return wait_until(read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
 
     try:
-        assert "val/score/mean" not in telemetry_then_metrics({}, -1)
-        first = telemetry_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
+        assert "val/score/mean" not in reports_then_metrics(None, 1)
+        first = reports_then_metrics(ValidationResult("s0", 10, {"val/score/mean": 0.25, "val/pass@4": 0.5}), 10)
         assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
-        assert "val/score/mean" not in coord.rollout_metrics()  # the same pass, heard again: not logged twice
-        second = telemetry_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
+        assert "val/score/mean" not in reports_then_metrics(ValidationResult("s0", 10, {"val/score/mean": 0.25}), 11), \
+            "the same pass, heard again: not logged twice"
+        second = reports_then_metrics(ValidationResult("s0", 20, {"val/score/mean": 0.75, "val/pass@4": 1.0}), 20)
         assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
     finally:
         sock.close(0)
