@@ -27,7 +27,7 @@ class IpcBackend(WeightBackend):
     limit = "CUDA IPC needs every server on the learner's GPU"
 
     def sending_end(self, staging_bytes: int = 0) -> SendingEnd:
-        return IpcSendingEnd(self.name, SharedWeights())
+        return IpcSendingEnd(SharedWeights())
 
     def receiving_end(self, init_info: InitInfo, rank: int, device: torch.device,
                       previous: ReceivingEnd | None = None) -> ReceivingEnd:
@@ -36,16 +36,16 @@ class IpcBackend(WeightBackend):
 
 
 class IpcSendingEnd(SendingEnd):
-    def __init__(self, name: str, shared: SharedWeights) -> None:
+    def __init__(self, shared: SharedWeights) -> None:
         """`shared`: the buffer the servers map (its CPU stand-in in unit tests)."""
-        self.name, self.shared = name, shared
+        self.shared = shared
 
     def stage(self, named_tensors: NamedTensors) -> Staged:
         moved = self.shared.reserve(named_tensors)
         return Staged([], self.shared.write(named_tensors), moved)
 
     def address(self, host: str, port: int, world_size: int, timeout_s: float) -> GroupAddress:
-        return GroupAddress(host, NO_PORT, world_size, self.name, timeout_s)
+        return GroupAddress(host, NO_PORT, world_size, IpcBackend.name, timeout_s)
 
     def init_info(self, address: GroupAddress, rank_offset: int) -> dict[str, Any]:
         return init_info_for(address, rank_offset, self.shared.handle.as_dict())

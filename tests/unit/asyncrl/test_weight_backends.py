@@ -89,7 +89,11 @@ def test_a_group_sends_nothing_before_it_is_connected():
 
 
 class CpuSharedWeights:
-    """The CUDA IPC buffer's stand-in: the same layout and the same answers, in CPU memory."""
+    """The CUDA IPC buffer's stand-in in CPU tests: the same layout, shared by reference; its "handle" names the buffer
+    in `buffers`, where a server's stand-in finds it."""
+
+    buffers: dict[str, torch.Tensor] = {}
+    WRITE_S = 0.25  # what each write reports as the round's transfer time
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None  # [size_bytes] uint8
@@ -100,12 +104,14 @@ class CpuSharedWeights:
         if self.buffer is not None and self.buffer.numel() >= size:
             return False
         self.buffer = torch.empty(size, dtype=torch.uint8)
-        self.handle = IpcHandle("cpu", f"buffer of {size} bytes", size, 0, "", 0, "", False)
+        key = f"buffer-{len(self.buffers)} of {size} bytes"
+        self.buffers[key] = self.buffer
+        self.handle = IpcHandle("cpu", key, size, 0, "", 0, "", False)
         return True
 
     def write(self, named_tensors) -> float:
         pack_into(self.buffer, named_tensors)
-        return 0.25  # seconds, as the round's transfer time
+        return self.WRITE_S
 
     def close(self) -> None:
         self.buffer = None
@@ -113,14 +119,14 @@ class CpuSharedWeights:
 
 def test_the_ipc_end_transfers_while_staging_and_moves_only_when_the_weights_outgrow_its_buffer():
     shared = CpuSharedWeights()
-    sender = IpcSendingEnd("ipc", shared)
+    sender = IpcSendingEnd(shared)
     first = sender.stage(WEIGHTS)
-    assert first.moved and first.tensors == [] and sender.send(first) == 0.25
+    assert first.moved and first.tensors == [] and sender.send(first) == CpuSharedWeights.WRITE_S
     assert not sender.stage(WEIGHTS).moved, "the same sizes: the servers keep their mapping"
     address = sender.address("127.0.0.1", 29500, world_size=3, timeout_s=5.0)
     assert (address.port, address.backend) == (0, "ipc"), "no store to meet at"
     init_info = sender.init_info(address, rank_offset=2)
-    assert init_info["ipc"]["handle"] == "buffer of 536 bytes" and init_info["rank_offset"] == 2
+    assert init_info["ipc"]["handle"].endswith(" of 536 bytes") and init_info["rank_offset"] == 2
     views = dict(SharedWeightsReader(shared.buffer).tensors(parse_update_info(update_info_for(WEIGHTS))))
     assert all(torch.equal(views[name], tensor) for name, tensor in WEIGHTS)
     assert sender.stage([*WEIGHTS, ("d.extra", torch.ones(1000))]).moved

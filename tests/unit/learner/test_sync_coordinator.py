@@ -21,9 +21,10 @@ from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry, SyncDone,
                                                       SyncPrepare, SyncReady, ValidationResult)
 from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
-from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
+from asyncrl.weight_transfer.ipc import SharedWeightsReader
 from asyncrl.weight_transfer.interface import SendingEnd
 from asyncrl.weight_transfer.protocol import InitInfo
+from tests.unit.asyncrl.test_weight_backends import CpuSharedWeights
 from waiting import wait_until
 
 CPU = torch.device("cpu")
@@ -80,34 +81,6 @@ class FakeServer(threading.Thread):
             self.received[invite.version], self.version = tensors, invite.version
             sock.send(encode(SyncDone(self.name_, invite.round_id, ok=True, seconds=0.01)))
         sock.close(0)
-
-
-class CpuSharedWeights:
-    """Stands in for the CUDA IPC buffer in these CPU tests: the same layout, shared by reference; the "handle"
-    names the buffer in `buffers`."""
-
-    buffers: dict[str, torch.Tensor] = {}
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self.handle: IpcHandle | None = None
-
-    def reserve(self, named_tensors) -> bool:
-        _, size = byte_layout([t.numel() * t.element_size() for _, t in named_tensors])
-        if self.buffer is not None and self.buffer.numel() >= size:
-            return False
-        self.buffer = torch.empty(size, dtype=torch.uint8)
-        key = f"buffer-{len(self.buffers)}"
-        self.buffers[key] = self.buffer
-        self.handle = IpcHandle("cpu", key, size, 0, "", 0, "", False)
-        return True
-
-    def write(self, named_tensors) -> float:
-        pack_into(self.buffer, named_tensors)
-        return 0.0
-
-    def close(self) -> None:
-        self.buffer = None
 
 
 def coordinator(staging_bytes: int = 0, max_failures: int = 3, weights: SendingEnd | None = None) -> SyncCoordinator:
@@ -196,7 +169,7 @@ def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
 def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
     """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
     were written before the invitation), and maps it again when the weights outgrow it."""
-    coord = coordinator(weights=IpcSendingEnd("ipc", CpuSharedWeights()))
+    coord = coordinator(weights=IpcSendingEnd(CpuSharedWeights()))
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
     for server in servers:
         server.start()
