@@ -38,7 +38,8 @@ def named(name: str) -> WeightBackend | None:
     try:
         return BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown weight-sync backend '{name}': choose one of {', '.join([*BACKENDS, AUTO])}") from None
+        choices = ", ".join([*BACKENDS, AUTO])
+        raise ValueError(f"unknown weight-sync backend '{name}': choose one of {choices}") from None
 
 
 def placed(name: str, shared_gpu: bool) -> str:

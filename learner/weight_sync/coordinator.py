@@ -7,9 +7,10 @@ invites the servers that answered, (re)builds the transfer group when membership
 round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
 or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
 round. How the weights travel is the backend's (`asyncrl.weight_transfer.backends`): the coordinator drives
-its `SendingEnd` (stage before the invitations, connect after them, send). Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
-(`ServerTelemetry`) and their latest validation pass (`ValidationResult`) on the same channel, apart from the
-heartbeats; the latest of each server's are kept for `rollout_metrics`.
+its `SendingEnd` (stage before the invitations, connect after them, send). Every wait is bounded, so the
+learner never hangs on a server. Servers also send their counters (`ServerTelemetry`) and their latest
+validation pass (`ValidationResult`) on the same channel, apart from the heartbeats; the latest of each
+server's are kept for `rollout_metrics`.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ async def join_fresh_group(engine: Any, timeout_s: float = SYNC_TIMEOUT_S) -> An
 
     sender = GLOO.sending_end()
     address = sender.address("127.0.0.1", free_port(), world_size=2, timeout_s=timeout_s)
-    await asyncio.gather(asyncio.to_thread(sender.connect, address), engine.join_weight_sync(sender.init_info(address, 1)))
+    await asyncio.gather(asyncio.to_thread(sender.connect, address),
+                         engine.join_weight_sync(sender.init_info(address, 1)))
     return sender
 
 

@@ -46,7 +46,8 @@ def test_each_message_has_a_kind_of_its_own():
 @pytest.mark.parametrize(("body", "error"), [
     ({"server_id": "s", "ranks": 0, "version": 1}, r"Expected `int` >= 1 - at `\$.ranks`"),
     ({"server_id": "s", "ranks": 1, "version": -1}, r"Expected `int` >= 0 - at `\$.version`"),
-    ({"server_id": "x" * (MAX_ID_CHARS + 1), "ranks": 1, "version": 1}, r"Expected `str` of length <= 256 - at `\$.server_id`"),
+    ({"server_id": "x" * (MAX_ID_CHARS + 1), "ranks": 1, "version": 1},
+     r"Expected `str` of length <= 256 - at `\$.server_id`"),
     ({"server_id": "s", "ranks": "two", "version": 1}, r"Expected `int`, got `str` - at `\$.ranks`"),
 ])
 def test_a_heartbeat_out_of_range_is_refused_naming_the_field(body, error):
@@ -58,7 +59,8 @@ def test_what_no_peer_of_this_build_sends_is_refused_clearly():
     with pytest.raises(DecodeError, match="unknown message kind 'sync_join'"):  # an older build's heartbeat
         decode(msgpack.packb([SCHEMA_VERSION, "sync_join", {"server_id": "s", "ranks": 1, "version": 0}]))
     with pytest.raises(DecodeError, match=f"schema version {SCHEMA_VERSION + 1} is not supported"):
-        decode(msgpack.packb([SCHEMA_VERSION + 1, "validation_result", {"server_id": "s", "version": 1, "metrics": {}}]))
+        decode(msgpack.packb([SCHEMA_VERSION + 1, "validation_result", {"server_id": "s", "version": 1,
+                                                                         "metrics": {}}]))
     with pytest.raises(DecodeError, match="malformed 'validation_result' message"):
         decode(msgpack.packb([SCHEMA_VERSION, "validation_result", {"server_id": "s", "version": 1,
                                                                      "metrics": {"val/score/mean": "high"}}]))
@@ -66,9 +68,10 @@ def test_what_no_peer_of_this_build_sends_is_refused_clearly():
 
 @settings(max_examples=200, deadline=None)
 @given(kind=st.sampled_from([sent.kind for sent in EVERY_KIND]),
-       body=st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
-                         lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                         max_leaves=12))
+       body=st.recursive(
+           st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8),
+           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+           max_leaves=12))
 def test_any_body_of_a_control_kind_decodes_or_raises_decode_error(kind, body):
     try:
         decode(msgpack.packb([SCHEMA_VERSION, kind, body]))

@@ -13,13 +13,15 @@ import torch
 from asyncrl.config.fields import CHOICES_KEY
 from asyncrl.config.rollout import WeightSyncConfig
 from asyncrl.weight_transfer import GroupAddress, parse_update_info, update_info_for
-from asyncrl.weight_transfer.backends import AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, placed, weight_backend
+from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, placed,
+                                              weight_backend)
 from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
 from asyncrl.weight_transfer.protocol import InitInfo
 
 CPU = torch.device("cpu")
-WEIGHTS = [("a.weight", torch.full((3, 2), 1.5)), ("b.bias", torch.arange(4.0)), ("c.view", torch.arange(6.0).reshape(2, 3).t())]
+WEIGHTS = [("a.weight", torch.full((3, 2), 1.5)), ("b.bias", torch.arange(4.0)),
+           ("c.view", torch.arange(6.0).reshape(2, 3).t())]  # a view among them: sent as laid out by its shape
 
 
 def test_the_config_offers_every_backend_and_auto():
