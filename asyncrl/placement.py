@@ -7,8 +7,9 @@ two commands it starts as explicit lists; a command started alone without lists 
 
 Automatic split: one visible GPU is shared by the learner and every server (colocated); with more, the
 servers take the first `num_servers` × tensor-parallel GPUs and the learner's ranks the next `learner.nproc`.
-A colocated plan syncs weights through CUDA IPC (`weight_sync.backend: auto` means ipc there): NCCL refuses two
-ranks on one GPU, so an explicit `nccl` is refused, as is an explicit `ipc` for a plan that puts the roles apart.
+A colocated plan syncs weights through CUDA IPC (`weight_sync.backend: auto` means ipc there). A backend that does
+not work where the plan puts the roles is refused before anything starts: `nccl` on a shared GPU (NCCL refuses two
+ranks on one GPU), `ipc` for roles apart (`asyncrl.weight_transfer.backends`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from asyncrl.config import AsyncRLConfig, ConfigError
+from asyncrl.weight_transfer.backends import alternatives, named, placed
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory the servers take together; the learner gets the rest
@@ -94,18 +96,15 @@ def visible_gpus() -> list[int]:
 
 
 def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
-    """The weight-sync backend the plan allows: `auto` is ipc when colocated; nccl is refused there (two ranks on
-    one GPU) and ipc everywhere else (it needs the server on the learner's GPU)."""
-    backend = config.rollout.weight_sync.backend
+    """The weight-sync backend the plan allows: `auto` is ipc when colocated; a backend that does not work where the
+    plan puts the roles (nccl on a shared GPU, ipc apart) is refused."""
+    name = config.rollout.weight_sync.backend
     if plan is None:
-        return backend
-    if plan.colocated and backend == "nccl":
-        raise PlacementError("rollout.weight_sync.backend=nccl: the learner and a rollout server share a GPU "
-                             f"({plan.describe()}), and NCCL cannot join two ranks on one GPU; use ipc, gloo or auto")
-    if not plan.colocated and backend == "ipc":
-        raise PlacementError("rollout.weight_sync.backend=ipc: CUDA IPC needs every server on the learner's GPU, and "
-                             f"the plan puts them apart ({plan.describe()}); use nccl, gloo or auto")
-    return "ipc" if plan.colocated and backend == "auto" else backend
+        return name
+    where = ("the learner and a rollout server share a GPU" if plan.colocated
+             else "the plan puts the learner and the servers on GPUs of their own")
+    _refuse_where_it_fails(name, plan.colocated, f"{where} ({plan.describe()})")
+    return placed(name, plan.colocated)
 
 
 def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan | None:
@@ -113,8 +112,8 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
     `rollout.weight_sync.backend` set to what it allows (changes `config` in place); PlacementError before
     anything starts when it cannot be given."""
     visible = visible_gpus()
-    if not visible and config.rollout.weight_sync.backend == "ipc":
-        raise PlacementError("rollout.weight_sync.backend=ipc: CUDA IPC needs a GPU and none is visible; use gloo or auto")
+    if not visible:
+        _check_backend_without_gpu(config.rollout.weight_sync.backend)
     plan = plan_placement(config, visible, automatic)
     if plan is not None:
         log.info("%s", plan.describe())
@@ -125,6 +124,23 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
         if plan.colocated:
             leave_room_for_the_learner(config, log)
     return plan
+
+
+def _refuse_where_it_fails(name: str, shared_gpu: bool, where: str) -> None:
+    """PlacementError when backend `name` does not work where a server does (`shared_gpu`) or does not share the
+    learner's GPU; `where` says how the roles are placed. `auto` always works (placement decides it)."""
+    backend = named(name)
+    if backend is not None and not backend.works(shared_gpu):
+        raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and {backend.limit}; "
+                             f"use {alternatives(shared_gpu)}")
+
+
+def _check_backend_without_gpu(name: str) -> None:
+    """A backend that carries the weights through GPU memory is refused on a machine without a visible GPU."""
+    backend = named(name)
+    if backend is not None and backend.device_type == "cuda":
+        raise PlacementError(f"rollout.weight_sync.backend={name}: {backend.title} needs a GPU and none is visible; "
+                             f"use {alternatives(None)}")
 
 
 def leave_room_for_the_learner(config: AsyncRLConfig, log) -> None:
@@ -164,9 +180,8 @@ def check_ray_placement(config: AsyncRLConfig) -> None:
     if config.learner.device == "cuda" and not learner_gpus:
         raise PlacementError("learner.device=cuda with ray.learner.num_gpus=0: the learner ranks' actors would see no "
                              "GPU; set ray.learner.num_gpus=1")
-    if config.rollout.weight_sync.backend == "ipc":
-        raise PlacementError("rollout.weight_sync.backend=ipc: under asyncrl launch every actor has GPUs of its own, "
-                             "and CUDA IPC needs the servers on the learner's GPU; use nccl, gloo or auto")
+    _refuse_where_it_fails(config.rollout.weight_sync.backend, shared_gpu=False,
+                           where="under asyncrl launch every actor has GPUs of its own")
 
 
 def as_overrides(plan: Plan) -> list[str]:

@@ -18,8 +18,7 @@ from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import servers_share_of_learner_gpu
 from asyncrl.stop_signal import interrupt_once
-from asyncrl.weight_transfer.group import transfer_device
-from asyncrl.weight_transfer.protocol import resolve_backend
+from asyncrl.weight_transfer.backends import weight_backend
 from learner.checkpoint import CHECKPOINTS_DIR
 from learner.distributed import World, init_world
 from learner.guard import RollbackHooks, SafetyGuard
@@ -152,7 +151,7 @@ class WeightSharing:
         lag = config.buffer.study_lag_versions
         self.lagged = LaggedWeights(lag) if lag and services is not None else None
         sync = config.rollout.weight_sync
-        sends_from_gpu = world.device.type == "cuda" and transfer_device(resolve_backend(sync.backend)).type == "cuda"
+        sends_from_gpu = world.device.type == "cuda" and weight_backend(sync.backend).device_type == "cuda"
         fits = full_weights_bytes(model, self.dtype) <= sync.staging_bytes
         self.device = world.device if sends_from_gpu and fits and not lag else torch.device("cpu")
         gathers_off_gpu = world.device.type == "cuda" and self.device.type == "cpu"

@@ -20,7 +20,7 @@ from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
 from learner.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
 from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
-from asyncrl.weight_transfer.protocol import resolve_backend
+from asyncrl.weight_transfer.backends import weight_backend
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,9 @@ def _start_coordinator(config: AsyncRLConfig, remembered_port: int | None) -> Sy
     sync = config.rollout.weight_sync
     host, port = split_tcp_endpoint(sync.control_bind)
     port = port_to_bind("weight-sync coordinator", host, port, remembered_port)
-    return SyncCoordinator(f"tcp://{host}:{port}", sync.host, sync.port, resolve_backend(sync.backend), sync.timeout_s,
-                           sync.liveness_s, sync.staging_bytes, sync.max_failures, config.buffer.curve_dir)
+    weights = weight_backend(sync.backend).sending_end(sync.staging_bytes)
+    return SyncCoordinator(f"tcp://{host}:{port}", sync.host, sync.port, weights, sync.timeout_s, sync.liveness_s,
+                           sync.max_failures, config.buffer.curve_dir)
 
 
 def _flat_config(run_dir: Path) -> dict:

@@ -22,11 +22,10 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture, PromptRow, encode_prompt
 from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from asyncrl.net import LOOPBACK, free_port
+from asyncrl.net import LOOPBACK
 from asyncrl.placement import VISIBLE_DEVICES
 from rollout_servers.rewards import RewardRequest, RewardScorer
-from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for, update_info_for
-from asyncrl.weight_transfer.group import transfer_device
+from asyncrl.weight_transfer import SendingEnd, WeightBackend, update_info_for
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
@@ -46,11 +45,12 @@ class Prompt:
 
 class ReferenceSampler:
     def __init__(self, config: AsyncRLConfig, loop: asyncio.AbstractEventLoop, engine: RolloutEngine,
-                 sender: WeightSender, scorer: RewardScorer) -> None:
+                 backend: WeightBackend, sender: SendingEnd, scorer: RewardScorer) -> None:
         self.config = config
         self._loop = loop  # every engine call runs on it: vLLM's AsyncLLM stays bound to the loop that first used it
         self._engine = engine
-        self._sender = sender  # this process's end of the engine's weight-transfer group
+        self._backend = backend  # how the weights reach the engine
+        self._sender = sender  # this process's end of it
         self._scorer = scorer
         self._tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self._agent = AgentLoop(engine, self._tokenizer, EnvironmentRegistry.from_config(config.environment.by_source),
@@ -60,7 +60,7 @@ class ReferenceSampler:
         self._drawn = 0  # prompts taken from the stream so far
 
     @classmethod
-    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: str) -> ReferenceSampler:
+    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: WeightBackend) -> ReferenceSampler:
         """Start the engine on `model.path` (policy version 0), on `gpus` (physical ids; None: those this process
         sees), and join it to a weight-transfer group of its own over `backend` (gloo, or NCCL when the engine
         has GPUs of its own: NCCL cannot join two ranks on one GPU)."""
@@ -68,12 +68,12 @@ class ReferenceSampler:
         with _visible_to_children(gpus):
             engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0))
         sender = loop.run_until_complete(_join_transfer_group(engine, config, backend))
-        return cls(config, loop, engine, sender, RewardScorer(config.reward))
+        return cls(config, loop, engine, backend, sender, RewardScorer(config.reward))
 
     @property
     def weights_device(self) -> torch.device:
         """Where `load_weights` takes the weights from without a copy: this process's GPU for NCCL, else the CPU."""
-        return transfer_device(self._sender.address.backend)
+        return self._backend.device()
 
     def sample(self) -> list[TrajectoryGroup]:
         """The next `buffer.batch_groups` prompts, each sampled `rollout.sampling.n` times and scored."""
@@ -87,7 +87,7 @@ class ReferenceSampler:
     def load_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> float:
         """Load `weights` into the engine as policy `version`; returns the seconds the engine was paused."""
         async def transfer() -> float:
-            _, paused_s = await asyncio.gather(asyncio.to_thread(self._sender.send_weights, weights),
+            _, paused_s = await asyncio.gather(asyncio.to_thread(self._sender.send, self._sender.stage(weights)),
                                                self._engine.update_weights(update_info_for(weights), version))
             return paused_s
 
@@ -136,13 +136,14 @@ class ReferenceSampler:
         ]
 
 
-async def _join_transfer_group(engine: RolloutEngine, config: AsyncRLConfig, backend: str) -> WeightSender:
+async def _join_transfer_group(engine: RolloutEngine, config: AsyncRLConfig, backend: WeightBackend) -> SendingEnd:
     """A loopback group between this process (rank 0) and the engine's workers: the weights travel as they do to
     a rollout server, through vLLM's weight-transfer API, without a coordinator."""
     workers = config.rollout.engine.tensor_parallel_size
-    address = GroupAddress(LOOPBACK, free_port(), 1 + workers, backend, config.rollout.weight_sync.timeout_s)
-    sender, _ = await asyncio.gather(asyncio.to_thread(WeightSender.open, address),
-                                     engine.join_weight_sync(init_info_for(address, rank_offset=1)))
+    sender = backend.sending_end()
+    address = sender.address(LOOPBACK, 0, 1 + workers, config.rollout.weight_sync.timeout_s)
+    await asyncio.gather(asyncio.to_thread(sender.connect, address),
+                         engine.join_weight_sync(sender.init_info(address, rank_offset=1)))
     return sender
 
 

@@ -4,11 +4,10 @@ group scored off the engine's loop and sent to the buffer (acknowledged), weight
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import functools
 import itertools
 import json
 import logging
-import threading
 import time
 from pathlib import Path
 
@@ -18,14 +17,15 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture
 from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.heap import freeze_startup_heap
-from asyncrl.messages import TrajectoryGroup
+from asyncrl.messages import Ack, TrajectoryGroup
 from rollout_servers.rewards import RewardScorer, check_reward_setup
 from asyncrl.staleness import weights_lag
 from asyncrl.stop_signal import ignore_stop_signals
-from asyncrl.transport import AdmissionClient, BufferTimeout, TrajectoryProducer
-from asyncrl.weight_transfer.control_messages import ServerTelemetry
+from asyncrl.transport import AdmissionClient, TrajectoryProducer
+from asyncrl.weight_transfer.control_messages import ServerTelemetry, ValidationResult
 from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.buffer_calls import BufferCalls
 from rollout_servers.chat.admission import ChatAdmission
 from rollout_servers.chat.auth import load_api_key
 from rollout_servers.chat.endpoint import ChatEndpoint
@@ -70,7 +70,6 @@ class RolloutServer:
         self.stats = ServerStats()
         self.validator = self._validator(server_index)
         self._check_rewards(mixture)
-        self._transport_lock = threading.Lock()  # zmq sockets are not thread-safe; sends run in threads
         self.groups = GroupSampler(config, self.server_id, self._seed_base, self.prompts, self.tokenizer, self.stats)
         self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
         self._slots = SampleSlots(config.rollout.max_inflight)
@@ -81,11 +80,8 @@ class RolloutServer:
         self._chat_tools = ToolCallReader(chat.tool_parser, self.tokenizer) if chat.enabled and chat.tool_parser else None
         self._stop = asyncio.Event()
         self._started = time.perf_counter()
-        # the threads that wait on the buffer's sockets (one at a time: `_transport_lock`), apart from asyncio's own
-        self._buffer_threads = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="buffer-io")
-        self._learner_wait = LearnerWait(endpoints.buffer, endpoints.sync, endpoints.learner_dir)
+        self._buffer = BufferCalls(LearnerWait(endpoints.buffer, endpoints.sync, endpoints.learner_dir))
         self.finished_version: int | None = None  # the learner's final version, once it said the job is finished
-        self._buffer_calls: set[concurrent.futures.Future] = set()  # requests to the buffer not known to be done
         self._buffer_quiet = asyncio.Event()  # set once stopped with no request to the buffer left running
 
     async def serve(self) -> None:
@@ -98,7 +94,7 @@ class RolloutServer:
                           rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir,
                           on_validate=self.validator.request if self.validator else lambda version: None,
                           on_finished=self.leave, on_task_weights=self.prompts.set_weights)
-        telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._telemetry(engine),
+        telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._reports(engine),
                                     curve_dir=buffer.curve_dir)
         background = [asyncio.create_task(sync.run()), asyncio.create_task(telemetry.run())]
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
@@ -123,7 +119,7 @@ class RolloutServer:
                 await cancel(task)
             for closable in (sync, telemetry, admission, producer):
                 closable.close()
-            self._buffer_threads.shutdown(wait=False, cancel_futures=True)
+            self._buffer.close()
             engine.shutdown()
 
     async def _start_chat(self, engine: RolloutEngine, producer: TrajectoryProducer) -> ChatEndpoint | None:
@@ -135,10 +131,7 @@ class RolloutServer:
         sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id,
                                 self._chat_places, LostSessions(open_ids))
         self._chat_sessions = sessions
-
-        async def send(group: TrajectoryGroup):
-            return await asyncio.to_thread(self._locked, producer.send, group)
-
+        send = functools.partial(self._send_group, producer)
         endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send, self._chat_tools)
         port = await endpoint.start(settings, settings.port + self._index if settings.port else 0, self._chat_key)
         if self._state_dir is not None:
@@ -167,8 +160,13 @@ class RolloutServer:
             return None
         return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s, agent))
 
+    def _reports(self, engine: RolloutEngine) -> list[ServerTelemetry | ValidationResult]:
+        """What the server tells the learner every heartbeat period: its counters, and its latest validation pass
+        (again each time: the learner logs each pass once, and hears it after a restart too)."""
+        validated = self.validator.result(self.server_id) if self.validator else None
+        return [self._telemetry(engine), *([validated] if validated else [])]
+
     def _telemetry(self, engine: RolloutEngine) -> ServerTelemetry:
-        validation = self.validator.telemetry_fields() if self.validator else {}
         return ServerTelemetry(
             self.server_id, engine.current_version,
             tokens_generated=engine.tokens_sampled,
@@ -181,7 +179,6 @@ class RolloutServer:
             chat_waiting=self._chat_places.waiting,
             chat_dropped_idle=self._chat_sessions.dropped_idle if self._chat_sessions else 0,
             chat_lost=self._chat_sessions.lost.refused if self._chat_sessions else 0,
-            **validation,
         )
 
     def stop(self) -> None:
@@ -212,8 +209,7 @@ class RolloutServer:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
             # a cancelled task's request may still run in its thread (a group being acknowledged): let it end
-            running_calls = [call for call in self._buffer_calls if not call.done()]
-            await asyncio.to_thread(concurrent.futures.wait, running_calls, self.config.buffer.client_timeout_s)
+            await self._buffer.stop(self.config.buffer.client_timeout_s)
             self._buffer_quiet.set()
 
     async def _generate_until_stopped(self, engine: RolloutEngine, agent: AgentLoop, admission: AdmissionClient,
@@ -252,24 +248,12 @@ class RolloutServer:
     async def _ask(self, admission: AdmissionClient, wanted: int, running: int):
         """Ask admission for `wanted` more groups while `running` ones are not done (every done task has
         counted itself finished)."""
-        return await self._to_buffer(admission.request, *self._asks.ask(wanted, running))
+        return await self._buffer.call(admission.request, *self._asks.ask(wanted, running))
 
-    async def _to_buffer(self, request, *args):
-        """`request(*args)` on the buffer's sockets, in a thread. While the buffer does not answer (its learner is
-        gone), the same request is made again and the server waits for the learner (`LearnerWait`)."""
-        while True:
-            call = self._buffer_threads.submit(self._locked, request, *args)
-            self._buffer_calls.add(call)
-            try:
-                answer = await asyncio.wrap_future(call)
-            except BufferTimeout as error:
-                self._learner_wait.silent(error)
-                continue
-            finally:
-                if call.done():  # else its thread still runs it, cancelled or not: the stop waits for it
-                    self._buffer_calls.discard(call)
-            self._learner_wait.answered()
-            return answer
+    async def _send_group(self, producer: TrajectoryProducer, group: TrajectoryGroup) -> Ack:
+        """The one way a group reaches the buffer, a prompt's or a chat session's: acknowledged, sent again while the
+        buffer does not answer, and waited for by a leaving server (`BufferCalls`)."""
+        return await self._buffer.call(producer.send, group)
 
     def _start_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
                      scorer: RewardScorer) -> asyncio.Task:
@@ -279,13 +263,6 @@ class RolloutServer:
 
     async def _one_group(self, engine: RolloutEngine, agent: AgentLoop, producer: TrajectoryProducer,
                          scorer: RewardScorer, slots: Claim) -> None:
-        async def send(group: TrajectoryGroup):
-            return await self._to_buffer(producer.send, group)
-
-        await self.groups.sample(engine, agent, scorer, slots, send)
+        await self.groups.sample(engine, agent, scorer, slots, functools.partial(self._send_group, producer))
         self._asks.group_finished()
-
-    def _locked(self, function, *args):
-        with self._transport_lock:
-            return function(*args)
 

@@ -11,8 +11,8 @@ from typing import Awaitable, Callable
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import connect_control
 from asyncrl.units import MS_PER_S
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, SyncDone, SyncInvite, SyncJoin,
-                                                      SyncPrepare, SyncReady, TaskWeights, ValidateVersion)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, SyncDone,
+                                                      SyncInvite, SyncPrepare, SyncReady, TaskWeights, ValidateVersion)
 from rollout_servers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -49,15 +49,15 @@ class SyncClient:
     async def run(self) -> None:
         """Heartbeat and serve the learner's requests until cancelled or the job is finished."""
         while not self.finished:
-            await self.socket.send(encode(self._join()))
+            await self.socket.send(encode(self._heartbeat()))
             if await self.socket.poll(int(self.heartbeat_s * MS_PER_S)):
                 await self._handle(await self.socket.recv())
 
     def close(self) -> None:
         self.socket.close(0)
 
-    def _join(self) -> SyncJoin:
-        return SyncJoin(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up)
+    def _heartbeat(self) -> ServerHeartbeat:
+        return ServerHeartbeat(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up)
 
     async def _handle(self, frame: bytes) -> None:
         try:

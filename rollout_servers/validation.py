@@ -23,6 +23,7 @@ from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, encode_prompt, load_prompt_file
 from rollout_servers.rewards import RewardRequest, RewardResult
 from asyncrl.validation_scores import NOT_VALIDATED, PromptOutcome, validation_metrics
+from asyncrl.weight_transfer.control_messages import ValidationResult
 from rollout_servers.row_sampling import SEED_MODULUS, group_seed
 
 if TYPE_CHECKING:  # the module itself stays free of vLLM, so that it is testable with a fake engine
@@ -85,7 +86,7 @@ def load_validation_prompts(config: AsyncRLConfig, tokenizer: Any) -> list[Valid
 
 
 class Validator:
-    """Runs passes when due and holds the latest result for the server's telemetry (`ServerTelemetry` fields)."""
+    """Runs passes when due and holds the latest result, which the server reports to the learner (`result`)."""
 
     def __init__(self, settings: ValidationConfig, sampling: SamplingConfig, prompts: list[ValidationPrompt],
                  tokenizer: Any, run_seed: int = 0) -> None:
@@ -124,9 +125,11 @@ class Validator:
                  len(outcomes), seconds)
         return self.metrics
 
-    def telemetry_fields(self) -> dict[str, Any]:
-        """`ServerTelemetry.validation` and `ServerTelemetry.validation_version`."""
-        return {"validation": dict(self.metrics), "validation_version": self.version}
+    def result(self, server_id: str) -> ValidationResult | None:
+        """The latest pass as server `server_id` reports it; None before the first."""
+        if not self.metrics:
+            return None
+        return ValidationResult(server_id, self.version, dict(self.metrics))
 
     async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float,
                            episodes: Episodes | None = None) -> None:

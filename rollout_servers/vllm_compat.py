@@ -130,11 +130,11 @@ class LegacyTrainerHooks:
 
     @staticmethod
     def trainer_init(*_: Any, **__: Any) -> NoReturn:
-        raise NotImplementedError("asyncrl's trainer side is asyncrl.weight_transfer.WeightSender")
+        raise NotImplementedError("asyncrl's trainer side is the learner's SendingEnd (asyncrl.weight_transfer)")
 
     @staticmethod
     def trainer_send_weights(*_: Any, **__: Any) -> NoReturn:
-        raise NotImplementedError("asyncrl's trainer side is asyncrl.weight_transfer.WeightSender")
+        raise NotImplementedError("asyncrl's trainer side is the learner's SendingEnd (asyncrl.weight_transfer)")
 
 
 def layerwise_reload_start(model: torch.nn.Module) -> None:

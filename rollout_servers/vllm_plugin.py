@@ -1,24 +1,20 @@
 """vLLM plugin: our weight-transfer engine, registered in every vLLM process via `vllm.general_plugins`.
 
-The worker side of `asyncrl.weight_transfer`: it joins the trainer's private gloo/NCCL group at
-`init_weight_transfer_engine` (or, for backend "ipc", maps the trainer's shared buffer on the same GPU),
-and on `update_weights` receives each announced tensor by broadcast (or views it in that buffer) and
-feeds it to the model's `load_weights`: inside vLLM's layerwise reload (started and finished by
-`start_weight_update` / `finish_weight_update`), or straight into the serving parameters where the
-engine chose to load in place (`vllm_compat.loads_in_place`).
+The worker side of `asyncrl.weight_transfer`: at `init_weight_transfer_engine` it gets the receiving end of the
+backend the init request names (it joins the trainer's private gloo/NCCL group, or maps the trainer's CUDA IPC
+buffer on the same GPU), and on `update_weights` pulls each announced tensor from it and feeds it to the model's
+`load_weights`: inside vLLM's layerwise reload (started and finished by `start_weight_update` /
+`finish_weight_update`), or straight into the serving parameters where the engine chose to load in place
+(`vllm_compat.loads_in_place`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
-
-import torch
+from typing import Any
 
 from asyncrl.parent_death import die_with_spawning_parent
-from asyncrl.weight_transfer import BACKEND_NAME, TransferGroup
-from asyncrl.weight_transfer.group import IPC
-from asyncrl.weight_transfer.ipc import SharedWeightsReader
+from asyncrl.weight_transfer import BACKEND_NAME, ReceivingEnd, weight_backend
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat
 from rollout_servers.vllm_log_filters import drop_expected_warnings
@@ -44,28 +40,21 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self._group: TransferGroup | SharedWeightsReader | None = None  # SharedWeightsReader: backend "ipc"
+        self._weights: ReceivingEnd | None = None  # where the trainer's weights come from, once joined
         self._in_place = False  # set at each join from the init request
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
-        """Join (or rejoin, after a failed round) the trainer's group, or map its shared buffer; the previous group
-        is dropped on success."""
+        """Join (or rejoin, after a failed round) the trainer's weights as the init request says; the previous
+        receiving end is dropped once the new one is up, and kept when it still reaches the same weights."""
         rank = init_info.rank_offset + vllm_compat.worker_index(self.parallel_config)
         # Read the device before any update: during a reload the model sits on the meta device, so a
-        # rejoin after a failed round takes the previous group's.
-        device = self._group.device if self._group is not None else vllm_compat.engine_device(self)
-        joined = self._connect(init_info, rank, device)
-        if joined is not self._group:
+        # rejoin after a failed round takes the previous end's.
+        device = self._weights.device if self._weights is not None else vllm_compat.engine_device(self)
+        joined = weight_backend(init_info.backend).receiving_end(init_info, rank, device, self._weights)
+        if joined is not self._weights:
             self.shutdown()
-            self._group = joined
+            self._weights = joined
         self._in_place = init_info.load_in_place
-
-    def _connect(self, init_info: InitInfo, rank: int, device: torch.device) -> TransferGroup | SharedWeightsReader:
-        """The trainer's group; for backend "ipc" its shared buffer (the mapping in use, if it is the same buffer)."""
-        if init_info.backend == IPC:
-            previous = self._group if isinstance(self._group, SharedWeightsReader) else None
-            return SharedWeightsReader.open(init_info.ipc, device, previous)
-        return TransferGroup.join(init_info.address(), rank, device)
 
     def start_weight_update(self) -> None:
         if not self._in_place:
@@ -98,28 +87,17 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         hands a kernel-format loader when loading in place: checkpoint names need the model's own loader);
         later releases pass none and call our start/finish hooks instead.
         """
-        if self._group is None:
-            raise RuntimeError("update_weights before init_weight_transfer_engine: no transfer group")
+        if self._weights is None:
+            raise RuntimeError("update_weights before init_weight_transfer_engine: no weights to receive from")
         load = self.model.load_weights if self._in_place or load_weights is None else load_weights
-        received = self._received(update_info)
+        received = self._weights.tensors(update_info.tensors())  # each received when the loader asks for it
         load(received)
         unread = [name for name, _ in received]  # still received, so the trainer's round completes
-        self._group.synchronize()
+        self._weights.synchronize()
         if unread:
             raise RuntimeError(f"load_weights stopped before {len(unread)} announced tensors, first '{unread[0]}'")
 
-    def _received(self, update_info: UpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each announced tensor as (name, tensor), received when the loader asks for it."""
-        assert self._group is not None
-        if isinstance(self._group, SharedWeightsReader):
-            yield from self._group.tensors(update_info.tensors())
-            return
-        for meta in update_info.tensors():
-            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self._group.device)
-            self._group.broadcast(buffer)
-            yield meta.name, buffer
-
     def shutdown(self) -> None:
-        if self._group is not None:
-            self._group.close()
-            self._group = None
+        if self._weights is not None:
+            self._weights.close()
+            self._weights = None

@@ -39,11 +39,9 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.net import free_port
-from asyncrl.weight_transfer import GroupAddress, TransferGroup, WeightSender, init_info_for, update_info_for, weights_for_transfer
+from asyncrl.weight_transfer import GroupAddress, TransferGroup, update_info_for, weight_backend, weights_for_transfer
+from asyncrl.weight_transfer.backends import GLOO, IPC, NCCL
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
-from asyncrl.weight_transfer.group import GLOO, IPC
-from asyncrl.weight_transfer.ipc import SharedWeights
-from asyncrl.weight_transfer.sender import stage_for_transfer
 
 SPAWN = multiprocessing.get_context("spawn")  # CUDA and vLLM both need fresh processes
 HOST = "127.0.0.1"
@@ -105,16 +103,16 @@ def _sizes(text: str) -> list[int]:
 def placement(args: argparse.Namespace, tensor_parallel: int) -> Placement:
     servers = max(args.servers)
     if args.colocated:
-        return Placement(IPC, torch.device("cuda", 0), [[0]], baseline=GLOO)
+        return Placement(IPC.name, torch.device("cuda", 0), [[0]], baseline=GLOO.name)
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        return Placement(GLOO, torch.device("cpu"), [[] for _ in range(servers)])
+        return Placement(GLOO.name, torch.device("cpu"), [[] for _ in range(servers)])
     needed = servers * tensor_parallel + 1
     if gpus < needed:
         raise SystemExit(f"{servers} servers of tensor_parallel_size {tensor_parallel} and a trainer need {needed} GPUs; "
                          f"{gpus} are visible")
     server_gpus = [list(range(i * tensor_parallel, (i + 1) * tensor_parallel)) for i in range(servers)]
-    return Placement("nccl", torch.device("cuda", servers * tensor_parallel), server_gpus)
+    return Placement(NCCL.name, torch.device("cuda", servers * tensor_parallel), server_gpus)
 
 
 def load_tensors(model_dir: str, dtype: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -122,10 +120,6 @@ def load_tensors(model_dir: str, dtype: str, device: torch.device) -> list[tuple
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
     return weights_for_transfer(model)
-
-
-def group_address(backend: str, world_size: int, timeout_s: float) -> GroupAddress:
-    return GroupAddress(HOST, 0 if backend == IPC else free_port(), world_size=world_size, backend=backend, timeout_s=timeout_s)
 
 
 # floor phase: plain processes -------------------------------------------------------------------------------
@@ -136,7 +130,7 @@ def floor_member(rank: int, address: GroupAddress, device: torch.device, model_d
         torch.cuda.set_device(device)
     tensors = [tensor for _, tensor in load_tensors(model_dir, dtype, device)]
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
-    group = TransferGroup.join(address, rank, device)
+    group = weight_backend(address.backend).join(address, rank, device)
     per_tensor = [_timed_round(group, tensors) for _ in range(rounds + 1)][1:]
     one_buffer = [_timed_round(group, [flat]) for _ in range(rounds + 1)][1:]
     group.close()
@@ -157,7 +151,7 @@ def measure_floor(args: argparse.Namespace, where: Placement, servers: int) -> d
     """The trainer broadcasting to one plain receiver per GPU of the first `servers` servers."""
     results = SPAWN.Queue()
     devices = [where.trainer] + where.receivers(servers)
-    address = group_address(where.backend, len(devices), args.timeout_s)
+    address = GroupAddress(HOST, free_port(), len(devices), where.backend, args.timeout_s)
     members = [SPAWN.Process(target=floor_member, args=(rank, address, device, args.model, args.dtype, args.rounds, results))
                for rank, device in enumerate(devices)]
     for process in members:
@@ -201,39 +195,31 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
 
 def trainer(device: torch.device, held_on: torch.device, staging_bytes: int, model_dir: str, dtype: str,
             commands, results) -> None:
-    """Opens the groups it is given; each round stages the weights (as the learner's coordinator does before
-    inviting servers), says so, and sends them. With IPC the stage is the copy into the shared buffer and nothing
-    is sent after it (its time is reported as the send)."""
+    """Drives the sending end of each backend it is told to open, as the learner's coordinator does: each round
+    stages the weights (before the servers would be invited), says so, and sends them. With IPC the stage is the
+    copy into the shared buffer and nothing is sent after it (its time is reported as the send)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     named = load_tensors(model_dir, dtype, held_on)
     results.put(update_info_for(named))
-    sender, shared = None, None
+    end = None
     while (command := commands.get(timeout=WAIT_S)) is not None:
         match command:
-            case ("open", address):
-                prepare_nccl_environment(address.host)
-                if address.backend == IPC:
-                    shared = SharedWeights()
-                    shared.reserve(named)
-                    results.put(shared.handle.as_dict())
-                else:
-                    results.put(None)
-                    sender = WeightSender.open(address, device)
-            case "round" if shared is not None:
-                written_s = shared.write(named)
-                results.put("staged")
-                results.put(written_s)
+            case ("open", backend, servers, tensor_parallel, timeout_s):
+                prepare_nccl_environment(HOST)
+                end = weight_backend(backend).sending_end(staging_bytes)
+                end.stage(named)  # IPC: the shared buffer exists once staged, and its handle goes in the init requests
+                address = end.address(HOST, 0, 1 + servers * tensor_parallel, timeout_s)
+                results.put([end.init_info(address, 1 + i * tensor_parallel) for i in range(servers)])
+                end.connect(address)
             case "round":
-                staged = stage_for_transfer(named, device, staging_bytes)
+                staged = end.stage(named)
                 results.put("staged")
-                results.put(sender.send_weights(staged))
+                results.put(end.send(staged))
                 del staged
             case "close":
-                for closing in (sender, shared):
-                    if closing is not None:
-                        closing.close()
-                sender, shared = None, None
+                end.close()
+                end = None
                 results.put("closed")
 
 
@@ -281,10 +267,8 @@ def measure_engines(args: argparse.Namespace, where: Placement, tensor_parallel:
     measured, version = {}, 0
     for backend in where.backends:
         for servers in args.servers:
-            address = group_address(backend, 1 + servers * tensor_parallel, args.timeout_s)
-            commands.put(("open", address))
-            handle = results.get(timeout=WAIT_S)
-            engines.tell([("join", init_info_for(address, 1 + i * tensor_parallel, handle)) for i in range(servers)])
+            commands.put(("open", backend, servers, tensor_parallel, args.timeout_s))
+            engines.tell([("join", init_info) for init_info in results.get(timeout=WAIT_S)])
             timed = []
             for _ in range(args.rounds + 1):
                 version += 1
@@ -315,7 +299,7 @@ def print_table(floors: dict[int, dict], engines: dict) -> None:
         rows += [(f"{servers} server(s): flat buffer broadcast (floor)", floor["flat_s"]),
                  (f"{servers} server(s): per-tensor broadcast (floor)", floor["per_tensor_s"])]
     for (backend, servers), measured in engines.items():
-        send = "trainer copy into the shared buffer" if backend == IPC else "trainer send"
+        send = "trainer copy into the shared buffer" if backend == IPC.name else "trainer send"
         rows += [(f"{servers} server(s), {backend}: {send}", measured["send_s"]),
                  (f"{servers} server(s), {backend}: longest pause -> resume", measured["pause_s"]),
                  (f"{servers} server(s), {backend}: round (invite -> last resume)", measured["round_s"])]
@@ -353,7 +337,7 @@ def main() -> None:
                    "flat_floor_ms": median_ms(floors[first]["flat_s"]), "sync_vs_floor": round(sync_ms / floor_ms, 2),
                    "floor_ms_by_servers": {n: median_ms(floor["per_tensor_s"]) for n, floor in floors.items()}}
     if args.colocated:
-        baseline_ms = median_ms(engines[(GLOO, first)]["pause_s"])
+        baseline_ms = median_ms(engines[(GLOO.name, first)]["pause_s"])
         result |= {"colocated_weight_sync_ms": sync_ms, "gloo_weight_sync_ms": baseline_ms,
                    "ipc_vs_gloo": round(baseline_ms / sync_ms, 2)}
     print("RESULT " + json.dumps(result), flush=True)

@@ -1,10 +1,13 @@
-"""Trainer → rollout-server weight transfer over a private torch.distributed group (torch only, no vLLM).
+"""Trainer → rollout-server weight transfer (torch only, no vLLM).
 
-The learner uses `WeightSender`; the rollout servers' vLLM plugin joins the same group through
-`TransferGroup.join` and reads the tensor list from the update info built by `update_info_for`.
+`backends.weight_backend` names the backend of a job (gloo, NCCL or CUDA IPC); the learner's coordinator drives its
+`SendingEnd`, and the rollout servers' vLLM plugin pulls the tensors from its `ReceivingEnd`, in the order of the
+update info built by `update_info_for`.
 """
 
+from asyncrl.weight_transfer.backends import weight_backend
 from asyncrl.weight_transfer.group import TRAINER_RANK, GroupAddress, TransferGroup, WeightTransferError
+from asyncrl.weight_transfer.interface import ReceivingEnd, SendingEnd, Staged, WeightBackend
 from asyncrl.weight_transfer.protocol import (
     BACKEND_NAME,
     TensorMeta,
@@ -13,18 +16,21 @@ from asyncrl.weight_transfer.protocol import (
     update_info_for,
     weights_for_transfer,
 )
-from asyncrl.weight_transfer.sender import WeightSender
 
 __all__ = [
     "BACKEND_NAME",
     "TRAINER_RANK",
     "GroupAddress",
+    "ReceivingEnd",
+    "SendingEnd",
+    "Staged",
     "TensorMeta",
     "TransferGroup",
-    "WeightSender",
+    "WeightBackend",
     "WeightTransferError",
     "init_info_for",
     "parse_update_info",
     "update_info_for",
+    "weight_backend",
     "weights_for_transfer",
 ]

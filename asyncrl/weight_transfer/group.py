@@ -1,16 +1,11 @@
 """A private torch.distributed group for weight transfer: trainer at rank 0, rollout workers at 1..N.
 
-Built from a `TCPStore` and a bare gloo / NCCL backend object instead of `init_process_group`, so it
+Built from a `TCPStore` and a bare process-group backend object instead of `init_process_group`, so it
 lives beside the learner's own FSDP world (and vLLM's internal groups) without touching the global
 default group. Every step has a deadline: the store rendezvous, the backend's connection handshake
 and each broadcast raise `WeightTransferError` when it passes, so neither side hangs on the other.
-
-NCCL differs from gloo in two ways that matter for deadlines. Its communicator is created by the first
-collective, a blocking call that waits for every peer: the handshake therefore runs on a helper thread
-that the caller stops waiting for at the deadline (the communicator is aborted so the thread is freed).
-And its broadcasts are stream-ordered, not CPU-blocking: `broadcast` only enqueues, and `synchronize`
-waits for everything enqueued, polling a CUDA event against the deadline and aborting the communicator
-when it passes. NCCL's own watchdog gets a much longer timeout so that it never kills the process first.
+What differs between gloo and NCCL (how a broadcast is waited for, how a round is bounded, how pending
+work is aborted) is the group's `Collectives` (`collectives.py`).
 """
 
 from __future__ import annotations
@@ -25,16 +20,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from asyncrl.weight_transfer.collectives import Collectives
+
 log = logging.getLogger(__name__)
 
 TRAINER_RANK = 0  # the sender; rollout workers take ranks 1..world_size-1
-GLOO, NCCL, IPC = "gloo", "nccl", "ipc"  # ipc: no group, a shared buffer on one GPU (weight_transfer.ipc)
 _STORE_PREFIX = "asyncrl/weight_transfer"  # namespaces our keys should the store ever be shared
 _HANDSHAKE_VALUE = 20261122  # broadcast once at join: proves the data path works end to end
 _POLL_S = 0.2  # how often a member re-checks, while waiting, for the trainer's port or the other members
 _JOINED_KEY = "joined"  # store counter: members that have arrived
-_EVENT_POLL_S = 1e-4  # how often `synchronize` re-checks an NCCL round's completion event
-_WATCHDOG_FACTOR = 10  # NCCL's watchdog timeout, in deadlines: ours fires first and aborts cleanly
 
 
 class WeightTransferError(RuntimeError):
@@ -48,7 +42,7 @@ class GroupAddress:
     host: str  # address of the trainer's TCPStore (rank 0 listens, the others connect)
     port: int  # TCP port of that store
     world_size: int  # trainer plus every receiving worker
-    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    backend: str  # name of the weight backend (`backends.py`): "gloo" (CPU tensors) or "nccl" (CUDA tensors)
     timeout_s: float  # deadline for the rendezvous and for each broadcast, in seconds
 
     @property
@@ -62,23 +56,25 @@ class GroupAddress:
 class TransferGroup:
     """One member's handle on the group: broadcast from the trainer, bounded by the deadline."""
 
-    def __init__(
-        self, address: GroupAddress, rank: int, store: dist.Store, backend: dist.Backend, device: torch.device
-    ) -> None:
+    def __init__(self, address: GroupAddress, rank: int, store: dist.Store, process_group: dist.Backend,
+                 device: torch.device, collectives: Collectives) -> None:
         self.address = address
         self.rank = rank
         self._store = store  # rank 0 hosts the store server: it must outlive the group
-        self._backend = backend
+        self._process_group = process_group
         self.device = device  # where this member sends and receives
+        self._collectives = collectives
 
     @classmethod
-    def join(cls, address: GroupAddress, rank: int, device: torch.device | None = None) -> TransferGroup:
-        """Meet the other members; raise `WeightTransferError` if they are not all there in time. Without a
-        `device`, an NCCL member uses the current CUDA device, a gloo member the CPU."""
+    def join(cls, address: GroupAddress, rank: int, collectives: Collectives,
+             device: torch.device | None = None) -> TransferGroup:
+        """Meet the other members over `collectives`; raise `WeightTransferError` if they are not all there in
+        time. Without a `device`, a member of a CUDA backend uses the current CUDA device, else the CPU."""
         started = time.perf_counter()
         store = _open_store(address, rank)
-        backend = _connect_backend(address, rank, store)
-        group = cls(address, rank, store, backend, device or transfer_device(address.backend))
+        process_group = _connect(address, rank, store, collectives)
+        device = device or default_device(collectives.device_type)
+        group = cls(address, rank, store, process_group, device, collectives)
         group._bounded_handshake(group.device)
         log.info("joined %s as rank %d in %.2fs", address.describe(), rank, time.perf_counter() - started)
         return group
@@ -93,11 +89,7 @@ class TransferGroup:
         options.rootRank = src
         options.timeout = self.address.timeout
         try:
-            work = self._backend.broadcast([tensor], options)
-            if self.address.backend == NCCL:
-                work.wait()  # makes the current stream wait for NCCL's; the CPU goes on
-            else:
-                work.wait(self.address.timeout)
+            self._collectives.await_broadcast(self._process_group.broadcast([tensor], options), self.address.timeout)
         except RuntimeError as error:
             raise WeightTransferError(
                 f"broadcast of a {tuple(tensor.shape)} {tensor.dtype} tensor in {self.address.describe()} "
@@ -110,33 +102,23 @@ class TransferGroup:
         A no-op for gloo (its broadcasts complete before returning). For NCCL a passed deadline aborts the
         communicator, so no kernel stays blocked on a missing peer; the group is unusable afterwards.
         """
-        if self.address.backend != NCCL:
-            return
-        done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + self.address.timeout_s
-        while not done.query():
-            if time.monotonic() >= deadline:
-                self.abort()
-                raise WeightTransferError(
-                    f"broadcasts in {self.address.describe()} did not complete within the "
-                    f"{self.address.timeout_s}s deadline (rank {self.rank}); the communicator was aborted"
-                )
-            time.sleep(_EVENT_POLL_S)
+        if not self._collectives.wait_for_enqueued(self.address.timeout_s):
+            self.abort()
+            raise WeightTransferError(
+                f"broadcasts in {self.address.describe()} did not complete within the "
+                f"{self.address.timeout_s}s deadline (rank {self.rank}); the communicator was aborted"
+            )
 
     def abort(self) -> None:
         """Abort the backend's pending work (NCCL: ncclCommAbort) and drop the group."""
-        backend = self._backend
+        process_group = self._process_group
         self.close()
-        if backend is not None and self.address.backend == NCCL:
-            try:
-                backend.abort()
-            except RuntimeError as error:  # already torn down by NCCL itself; nothing left to free
-                log.debug("aborting %s: %s", self.address.describe(), error)
+        if process_group is not None:
+            self._collectives.abort(process_group)
 
     def close(self) -> None:
         """Drop the backend and the store (rank 0's store server stops with it)."""
-        self._backend = None  # type: ignore[assignment]
+        self._process_group = None  # type: ignore[assignment]
         self._store = None  # type: ignore[assignment]
 
     def _bounded_handshake(self, device: torch.device) -> None:
@@ -239,19 +221,13 @@ def _await_members(store: dist.Store, address: GroupAddress, deadline: float) ->
         joined = store.add(_JOINED_KEY, 0)
 
 
-def _connect_backend(address: GroupAddress, rank: int, store: dist.Store) -> dist.Backend:
+def _connect(address: GroupAddress, rank: int, store: dist.Store, collectives: Collectives) -> dist.Backend:
     try:
-        if address.backend == GLOO:
-            return dist.ProcessGroupGloo(store, rank, address.world_size, address.timeout)
-        if address.backend == NCCL:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = address.timeout * _WATCHDOG_FACTOR
-            return dist.ProcessGroupNCCL(store, rank, address.world_size, options)
+        return collectives.connect(store, rank, address.world_size, address.timeout)
     except RuntimeError as error:
         raise WeightTransferError(f"rank {rank} could not connect the {address.describe()}: {error}") from error
-    raise ValueError(f"weight-transfer backend must be '{GLOO}' or '{NCCL}', got '{address.backend}'")
 
 
-def transfer_device(backend: str) -> torch.device:
-    """Where a member of a `backend` transfer sends and receives by default: NCCL and IPC the current CUDA device."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend in (NCCL, IPC) else torch.device("cpu")
+def default_device(device_type: str) -> torch.device:
+    """This process's device of `device_type`: the current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from asyncrl.weight_transfer.group import GLOO, NCCL, GroupAddress
+from asyncrl.weight_transfer.group import GroupAddress
 
 BACKEND_NAME = "asyncrl"  # name of our engine in vLLM's WeightTransferEngineFactory
 TIED_HEAD_NAME = "lm_head.weight"  # output head that transformers omits from named_parameters() when tied
@@ -35,7 +35,7 @@ class InitInfo:
     host: str  # the trainer's store address
     port: int  # the trainer's store port
     world_size: int  # trainer plus every receiving worker
-    backend: str  # "gloo", "nccl" or "ipc"
+    backend: str  # name of the weight backend that carries the weights (`backends.py`)
     timeout_s: float  # deadline of the rendezvous and of each broadcast, seconds
     rank_offset: int  # group rank of this server's first worker (its tensor-parallel rank 0)
     load_in_place: bool = False  # load into the serving parameters, no layerwise reload (the engine decides)
@@ -65,13 +65,6 @@ class UpdateInfo:
             TensorMeta(name, _dtype(dtype_name), tuple(shape))
             for name, dtype_name, shape in zip(self.names, self.dtype_names, self.shapes)
         ]
-
-
-def resolve_backend(name: str) -> str:
-    """"auto" picks NCCL where CUDA is available, gloo otherwise."""
-    if name != "auto":
-        return name
-    return NCCL if torch.cuda.is_available() else GLOO
 
 
 def init_info_for(address: GroupAddress, rank_offset: int, ipc: dict[str, Any] | None = None) -> dict[str, Any]:

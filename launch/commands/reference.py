@@ -42,7 +42,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
         log.error("learner.mode=synchronous runs in one process, not under torchrun or Ray")
         return 2
     from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
-    from asyncrl.weight_transfer.group import GLOO, NCCL
+    from asyncrl.weight_transfer.backends import group_backend
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
     plan = place_local_job(config, log, automatic=True)  # None on a machine without GPUs
@@ -64,7 +64,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     with contextlib.ExitStack() as opened:  # closed in reverse order, whatever fails
         world = open_world(config)  # this process's GPU before the engine's processes are given theirs
         opened.callback(close_world)
-        sampler = ReferenceSampler.start(config, engine_gpus, NCCL if engine_gpus else GLOO)
+        sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=bool(engine_gpus)))
         opened.callback(sampler.close)
         trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches sized from the memory it left
         metrics = opened.enter_context(contextlib.closing(MetricsLogger(run_dir, config.metrics, dataclasses.asdict(config))))

@@ -1,16 +1,16 @@
 """The learner's side of weight sync rounds: who takes part, the group, the broadcast, the outcome.
 
-Servers announce themselves with `SyncJoin` heartbeats on the coordinator's ROUTER socket. A round
+Servers announce themselves with `ServerHeartbeat`s on the coordinator's ROUTER socket. A round
 first asks every live server to confirm it is there (`SyncPrepare` → `SyncReady`, within `liveness_s`),
 so a server that died since its last heartbeat costs that wait, not a rendezvous deadline; it then
 invites the servers that answered, (re)builds the transfer group when membership changed or the last
 round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
 or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
-round. With backend "ipc" (a server on the learner's GPU) there is no group: the round's weights are copied
-into a buffer the servers map through CUDA IPC, before they are invited (`weight_transfer.ipc`).
-Every wait is bounded, so the learner never hangs on a server. Servers also send their counters
-(`ServerTelemetry`) on the same channel, apart from the heartbeats; the latest of each server's is kept
-for `rollout_metrics`.
+round. How the weights travel is the backend's (`asyncrl.weight_transfer.backends`): the coordinator drives
+its `SendingEnd` (stage before the invitations, connect after them, send). Every wait is bounded, so the
+learner never hangs on a server. Servers also send their counters (`ServerTelemetry`) and their latest
+validation pass (`ValidationResult`) on the same channel, apart from the heartbeats; the latest of each
+server's are kept for `rollout_metrics`.
 """
 
 from __future__ import annotations
@@ -18,22 +18,23 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 from asyncrl.messages import DecodeError, decode, encode
-from asyncrl.net import free_port
 from asyncrl.transport.control import bind_control
 from asyncrl.units import MS_PER_S
 from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
-                                                      SyncJoin, SyncPrepare, SyncReady)
-from asyncrl.weight_transfer.group import IPC, GroupAddress, WeightTransferError, transfer_device
-from asyncrl.weight_transfer.ipc import OTHER_GPU, SharedWeights
-from asyncrl.weight_transfer.protocol import NamedTensors, init_info_for, update_info_for
-from asyncrl.weight_transfer.sender import WeightSender, stage_for_transfer
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry,
+                                                      SyncDone, SyncInvite, SyncPrepare, SyncReady, ValidationResult)
+from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
+from asyncrl.weight_transfer.interface import SendingEnd
+from asyncrl.weight_transfer.ipc import OTHER_GPU
+from asyncrl.weight_transfer.protocol import NamedTensors, update_info_for
 from learner.weight_sync.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+
+_Report = TypeVar("_Report", ServerTelemetry, ValidationResult)
 
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
 # errors no retry can fix: the group itself is invalid (e.g. NCCL ranks sharing one GPU)
@@ -65,26 +66,25 @@ class RoundReport:
 
 
 class SyncCoordinator:
-    def __init__(self, bind: str, group_host: str, group_port: int, backend: str, timeout_s: float, liveness_s: float,
-                 staging_bytes: int = 0, max_failures: int = 3, curve_dir: str = "") -> None:
-        """`staging_bytes`: device memory for copying a round's weights to the transfer device before the
-        servers are invited (`stage_for_transfer`); 0 copies each tensor as it is sent. `max_failures`: rounds
-        in a row a server may fail before it is given up on (left out of rounds until it restarts).
-        `curve_dir`: the job's CURVE keys (buffer.curve_dir); required when `bind` is not loopback, and then
-        only servers holding the authorised client key can join."""
+    def __init__(self, bind: str, group_host: str, group_port: int, weights: SendingEnd, timeout_s: float,
+                 liveness_s: float, max_failures: int = 3, curve_dir: str = "") -> None:
+        """`weights`: the learner's end of the job's weight backend (`WeightBackend.sending_end`), closed with the
+        coordinator. `group_port`: where each new group meets (0: a free port). `max_failures`: rounds in a row a
+        server may fail before it is given up on (left out of rounds until it restarts). `curve_dir`: the job's
+        CURVE keys (buffer.curve_dir); required when `bind` is not loopback, and then only servers holding the
+        authorised client key can join."""
         self._router = bind_control(bind, curve_dir)
         self.socket, self.address = self._router.socket, self._router.endpoint
-        self.group_host, self.group_port, self.backend = group_host, group_port, backend
+        self.group_host, self.group_port = group_host, group_port
         self.timeout_s, self.liveness_s = timeout_s, liveness_s
-        self.staging_bytes = staging_bytes
         self.members: dict[str, Member] = {}
-        self._sender: WeightSender | None = None  # gloo / NCCL: the trainer's end of the group
-        self._shared: SharedWeights | None = None  # IPC: the buffer the servers map
+        self._weights = weights
         self._group_members: tuple[bytes, ...] = ()  # socket identities of the group's servers: a restarted one is new
         self._round = 0
         self._last_tokens = (0, time.monotonic())  # for the rollout token rate
         self._server_metrics = ServerMetrics()
         self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
+        self._validations: dict[str, tuple[float, ValidationResult]] = {}  # server -> (time received, latest pass)
         self.latest_version = 0  # newest version broadcast
         self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
         self.max_failures = max_failures
@@ -131,7 +131,9 @@ class SyncCoordinator:
         requests and version lag behind `learner_version` (default: the newest version broadcast), see
         `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
         `new_validation`)."""
-        beats = self._live_telemetry()
+        self._drain()
+        beats = _heard_within(self._telemetry, self.liveness_s)
+        passes = _heard_within(self._validations, self.liveness_s)
         tokens = sum(b.tokens_generated for b in beats)
         now = time.monotonic()
         last_tokens, last_time = self._last_tokens
@@ -152,24 +154,21 @@ class SyncCoordinator:
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
-        ) | self.new_validation(beats)  # the same snapshot: a message read in between would split one record
+        ) | self.new_validation(passes)  # the same snapshot: a message read in between would split one record
 
-    def new_validation(self, telemetry: list[ServerTelemetry] | None = None) -> dict[str, float]:
-        """`val/*` of a validation pass that live servers' telemetry carries and no earlier call returned
-        (each pass once), with `val/version` the policy version it validated; {} when there is none.
-        `telemetry`: the snapshot to read (default: the latest, read now)."""
+    def new_validation(self, passes: list[ValidationResult] | None = None) -> dict[str, float]:
+        """`val/*` of a validation pass that a live server reported and no earlier call returned (each pass once),
+        with `val/version` the policy version it validated; {} when there is none. `passes`: the snapshot to read
+        (default: the latest, read now)."""
+        if passes is None:
+            self._drain()
+            passes = _heard_within(self._validations, self.liveness_s)
         fresh: dict[str, float] = {}
-        for beat in self._live_telemetry() if telemetry is None else telemetry:
-            if beat.validation and beat.validation_version > self._validations_logged.get(beat.server_id, NOT_VALIDATED):
-                self._validations_logged[beat.server_id] = beat.validation_version
-                fresh |= beat.validation | {VERSION_KEY: float(beat.validation_version)}
+        for result in passes:
+            if result.metrics and result.version > self._validations_logged.get(result.server_id, NOT_VALIDATED):
+                self._validations_logged[result.server_id] = result.version
+                fresh |= result.metrics | {VERSION_KEY: float(result.version)}
         return fresh
-
-    def _live_telemetry(self) -> list[ServerTelemetry]:
-        """The latest telemetry of each server heard from within `liveness_s`, by server name."""
-        self._drain()
-        now = time.monotonic()
-        return [latest for _, (received, latest) in sorted(self._telemetry.items()) if now - received <= self.liveness_s]
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""
@@ -198,10 +197,9 @@ class SyncCoordinator:
             report.seconds = time.perf_counter() - started
             return report
         update_info = update_info_for(named_tensors)
-        if self.backend == IPC:
-            named_tensors, report.transfer_seconds = self._write_shared(named_tensors)
-        else:
-            named_tensors = stage_for_transfer(named_tensors, transfer_device(self.backend), self.staging_bytes)
+        staged = self._weights.stage(named_tensors)
+        if staged.moved:  # every server must learn where the weights are now
+            self._group_members = ()
         identities = tuple(self.members[name].identity for name in invited)
         rebuild = identities != self._group_members
         address, init_infos = self._plan_group(invited) if rebuild else (None, {})
@@ -209,11 +207,10 @@ class SyncCoordinator:
             invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
             self.socket.send_multipart([self.members[name].identity, encode(invite)])
         try:
-            if address is not None and self.backend != IPC:
-                self._sender = WeightSender.open(address)
+            if address is not None:
+                self._weights.connect(address)
             self._group_members = identities
-            if self._sender is not None:
-                report.transfer_seconds = self._sender.send_weights(named_tensors)
+            report.transfer_seconds = self._weights.send(staged)
         except WeightTransferError as error:
             log.warning("weight sync round %d (version %d) failed: %s", self._round, version, error)
             self._close_group()
@@ -248,27 +245,16 @@ class SyncCoordinator:
 
     def close(self) -> None:
         self._close_group()
-        if self._shared is not None:
-            self._shared.close()
+        self._weights.close()
         self._router.close()
 
     def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
-        """A fresh group for `invited` on a free port, and each server's init request (its first rank)."""
+        """A fresh group for `invited` (on a free port unless `group_port` is set), and each server's init request
+        (its first rank)."""
         self._close_group()
         offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in invited])
-        port = 0 if self.backend == IPC else self.group_port or free_port(self.group_host)
-        address = GroupAddress(self.group_host, port, world_size, self.backend, self.timeout_s)
-        shared = self._shared.handle.as_dict() if self._shared is not None else None
-        return address, {name: init_info_for(address, offsets[name], shared) for name in invited}
-
-    def _write_shared(self, named_tensors: NamedTensors) -> tuple[NamedTensors, float]:
-        """IPC: the round's weights copied into the shared buffer before anyone is invited (nothing is left to
-        send afterwards); a buffer made anew means new handles, so every server is invited to map it again."""
-        if self._shared is None:
-            self._shared = SharedWeights()
-        if self._shared.reserve(named_tensors):
-            self._group_members = ()
-        return [], self._shared.write(named_tensors)
+        address = self._weights.address(self.group_host, self.group_port, world_size, self.timeout_s)
+        return address, {name: self._weights.init_info(address, offsets[name]) for name in invited}
 
     def _confirm_present(self, report: RoundReport, candidates: list[str]) -> list[str]:
         """The candidates that answer this round's `SyncPrepare` within `liveness_s` (at most `timeout_s`,
@@ -325,7 +311,7 @@ class SyncCoordinator:
         except DecodeError as error:
             log.warning("dropping an undecodable weight-sync frame: %s", error)
             return None
-        if isinstance(msg, SyncJoin):
+        if isinstance(msg, ServerHeartbeat):
             known = self.members.get(msg.server_id)
             if known is None:
                 log.info("rollout server %s joined weight sync (version %d)", msg.server_id, msg.version)
@@ -337,14 +323,21 @@ class SyncCoordinator:
             self._identities[msg.server_id] = identity
         elif isinstance(msg, ServerTelemetry):
             self._telemetry[msg.server_id] = (time.monotonic(), msg)
+        elif isinstance(msg, ValidationResult):
+            self._validations[msg.server_id] = (time.monotonic(), msg)
         elif isinstance(msg, ServerLeaving) and self.members.pop(msg.server_id, None) is not None:
             log.info("rollout server %s left: the job is finished", msg.server_id)
         return msg
 
     def _close_group(self) -> None:
-        if self._sender is not None:
-            self._sender.close()
-        self._sender, self._group_members = None, ()
+        self._weights.disconnect()
+        self._group_members = ()
+
+
+def _heard_within(latest: dict[str, tuple[float, _Report]], seconds: float) -> list[_Report]:
+    """The latest report of each server heard from within `seconds`, by server name."""
+    now = time.monotonic()
+    return [report for _, (received, report) in sorted(latest.items()) if now - received <= seconds]
 
 
 def rank_layout(servers: list[tuple[str, int]]) -> tuple[dict[str, int], int]:

@@ -7,9 +7,11 @@
 Each reply is one engine request sampled like training rollouts (config sampling; the fields the request
 may set are in `chat_request.py`), answered whole or streamed (`chat_stream.py`), with tool calls read by
 vLLM's parser (`chat_tools.py`); with an API key every route needs it (`chat_auth.py`). A closed session
-becomes a trajectory (`chat_sessions.py`) and its group is sent to the buffer like any other, under the
-record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once. A new session
-waits for a place within the staleness bound (`chat_admission.py`); without one in time it gets HTTP 503.
+becomes a trajectory (`chat_sessions.py`) and its group is sent to the buffer on the path of any other group
+(acknowledged, sent again while the learner is away, waited for when the server leaves: `buffer_calls.py`), under
+the record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once; a close that comes
+while the server leaves gets HTTP 503. A new session waits for a place within the staleness bound
+(`chat_admission.py`); without one in time it gets HTTP 503.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
+from rollout_servers.buffer_calls import ServerStopping
 from rollout_servers.chat.auth import refuse_open_bind, require_key
 from rollout_servers.chat.request import SESSION_HEADER, parse_request
 from rollout_servers.chat.sessions import CHAT_DATA_SOURCE, ChatSessions, FieldError, SessionError
@@ -33,7 +36,7 @@ from rollout_servers.chat.tools import ToolCallReader, forces_a_call
 log = logging.getLogger(__name__)
 
 IDLE_CHECKS_PER_LIMIT = 10  # idle sessions are looked for this many times per rollout.chat.session_idle_s (dropped ≤ 10 % late)
-GroupSink = Callable[[TrajectoryGroup], Awaitable[Ack]]  # sends a finished group to the buffer
+GroupSink = Callable[[TrajectoryGroup], Awaitable[Ack]]  # the server's one path to the buffer (`BufferCalls`)
 
 
 class ChatEndpoint:
@@ -50,7 +53,7 @@ class ChatEndpoint:
 
     async def start(self, settings: ChatEndpointConfig, port: int, api_key: str | None = None) -> int:
         """Listen on `settings.host`:`port` (0 = a free port); returns the port. With `api_key` every
-        request must carry it (`chat_auth.py`); without one only a loopback host is allowed (`ApiKeyError`)."""
+        request must carry it (`auth.py`); without one only a loopback host is allowed (`ApiKeyError`)."""
         refuse_open_bind(settings.host, api_key)
         app = web.Application(middlewares=[require_key(api_key)] if api_key else [])
         app.add_routes([
@@ -132,7 +135,10 @@ class ChatEndpoint:
             return _error(getattr(error, "status", 400), str(error))
         if group is None:
             return web.json_response({"session_id": session_id, "record_id": record_id, "sent": False})
-        ack = await self._sink(group)
+        try:
+            ack = await self._sink(group)
+        except ServerStopping as error:
+            return _error(503, f"record {record_id} was not sent: {error}")
         if ack.error:
             return _error(502, f"the buffer refused record {record_id}: {ack.error}")
         log.info("chat group %s (%d sessions) sent to the buffer at offset %d", record_id, group.num_samples(), ack.offset)

@@ -116,13 +116,13 @@ def rollout_engine(tiny_models: TinyModels, loop_runner: LoopRunner) -> Iterator
 
 
 async def join_fresh_group(engine: Any, timeout_s: float = SYNC_TIMEOUT_S) -> Any:
-    """A new gloo weight-sync group between a trainer-side `WeightSender` and `engine` (which leaves its old one)."""
-    from asyncrl.weight_transfer import GroupAddress, WeightSender, init_info_for
+    """A new gloo weight-sync group between the trainer's sending end and `engine` (which leaves its old one)."""
+    from asyncrl.weight_transfer.backends import GLOO
 
-    address = GroupAddress("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=timeout_s)
-    sender, _ = await asyncio.gather(
-        asyncio.to_thread(WeightSender.open, address), engine.join_weight_sync(init_info_for(address, 1))
-    )
+    sender = GLOO.sending_end()
+    address = sender.address("127.0.0.1", free_port(), world_size=2, timeout_s=timeout_s)
+    await asyncio.gather(asyncio.to_thread(sender.connect, address),
+                         engine.join_weight_sync(sender.init_info(address, 1)))
     return sender
 
 

@@ -78,7 +78,7 @@ async def update_to(engine, sender, model, version: int) -> float:
     """Send `model`'s weights from a trainer thread while the engine receives them; pause→resume seconds."""
     named = weights_for_transfer(model)
     _, paused_s = await asyncio.gather(
-        asyncio.to_thread(sender.send_weights, named), engine.update_weights(update_info_for(named), version)
+        asyncio.to_thread(sender.send, sender.stage(named)), engine.update_weights(update_info_for(named), version)
     )
     return paused_s
 
@@ -230,7 +230,7 @@ def test_rendezvous_without_trainer_fails_within_deadline(rollout_engine, loop_r
 
 
 def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_engine, loop_runner, tiny_models):
-    from asyncrl.weight_transfer import WeightSender
+    from asyncrl.weight_transfer import SendingEnd
     from rollout_servers.engine import WeightSyncError
 
     prompt = prompt_ids(tiny_models)
@@ -238,7 +238,7 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
     version_before = rollout_engine.current_version
     new_version = version_before + 1
 
-    async def fresh_group() -> WeightSender:
+    async def fresh_group() -> SendingEnd:
         return await join_fresh_group(rollout_engine, BROKEN_ROUND_TIMEOUT_S)
 
     async def interrupted_round() -> float:
@@ -246,7 +246,7 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
         started = time.perf_counter()
         with pytest.raises(WeightSyncError, match="engine stays paused"):
             await asyncio.gather(
-                asyncio.to_thread(sender.send_weights, named[:TENSORS_BEFORE_TRAINER_DIES]),
+                asyncio.to_thread(sender.send, sender.stage(named[:TENSORS_BEFORE_TRAINER_DIES])),
                 rollout_engine.update_weights(update_info_for(named), new_version),
             )
         sender.close()
@@ -278,18 +278,16 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
 def test_updates_through_cuda_ipc_serve_the_new_weights(rollout_engine, loop_runner, tiny_models):
     """Backend ipc: the engine maps the trainer's buffer at the first update and reads the second one through the
     same mapping; after each, greedy tokens and log-probs are those of the weights just written."""
-    from asyncrl.weight_transfer import init_info_for
-    from asyncrl.weight_transfer.ipc import SharedWeights
+    from asyncrl.weight_transfer.backends import IPC
 
     prompt = prompt_ids(tiny_models)
-    shared = SharedWeights()
-    address = GroupAddress("127.0.0.1", 0, world_size=2, backend="ipc", timeout_s=SYNC_TIMEOUT_S)
+    sender = IPC.sending_end()
+    address = sender.address("127.0.0.1", 0, world_size=2, timeout_s=SYNC_TIMEOUT_S)
     try:
         for model, other in ((tiny_models.served, tiny_models.update), (tiny_models.update, tiny_models.served)):
             named = [(name, tensor.cuda()) for name, tensor in weights_for_transfer(model)]
-            if shared.reserve(named):
-                loop_runner.run(rollout_engine.join_weight_sync(init_info_for(address, 1, shared.handle.as_dict())))
-            shared.write(named)
+            if sender.stage(named).moved:  # written into the shared buffer; a new buffer must be mapped first
+                loop_runner.run(rollout_engine.join_weight_sync(sender.init_info(address, 1)))
             version = rollout_engine.current_version + 1
             paused_s = loop_runner.run(rollout_engine.update_weights(update_info_for(named), version))
             log.warning("CUDA IPC update pause→resume: %.3fs", paused_s)
@@ -299,7 +297,7 @@ def test_updates_through_cuda_ipc_serve_the_new_weights(rollout_engine, loop_run
             assert logprob_gap(after, model, prompt) < LOGPROB_TOLERANCE
             assert logprob_gap(after, other, prompt) > DIFFERENT_WEIGHTS_GAP
     finally:
-        shared.close()
+        sender.close()
 
 
 def test_the_engine_workers_run_with_the_configured_cpu_threads(rollout_engine, loop_runner):

@@ -53,7 +53,7 @@ def served_sender(rollout_engine, loop_runner, tiny_models):
 
 
 async def send(engine, sender, named, version: int) -> None:
-    await asyncio.gather(asyncio.to_thread(sender.send_weights, named),
+    await asyncio.gather(asyncio.to_thread(sender.send, sender.stage(named)),
                          engine.update_weights(update_info_for(named), version))
 
 

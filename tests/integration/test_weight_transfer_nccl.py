@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from asyncrl.net import free_port
-from asyncrl.weight_transfer import GroupAddress, TransferGroup, WeightTransferError
+from asyncrl.weight_transfer import GroupAddress, WeightTransferError
+from asyncrl.weight_transfer.backends import NCCL
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
 pytestmark = [
@@ -48,7 +49,7 @@ def member(rank: int, where: GroupAddress, device: int, joins: int, send: bool, 
         for attempt in range(joins):
             at = GroupAddress(where.host, where.port + attempt, where.world_size, where.backend, where.timeout_s)
             started = time.monotonic()
-            group = TransferGroup.join(at, rank, torch.device("cuda", device))
+            group = NCCL.join(at, rank, torch.device("cuda", device))
             joined_s = time.monotonic() - started
             tensors = expected if rank == 0 else [torch.empty_like(t) for t in expected]
             if send:

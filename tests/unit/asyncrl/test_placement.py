@@ -99,10 +99,12 @@ def test_nccl_is_refused_where_the_roles_share_a_gpu():
         weight_sync_backend(config("rollout.weight_sync.backend=nccl"), plan)
 
 
-def test_ipc_is_refused_where_no_gpu_is_visible(monkeypatch):
+@pytest.mark.parametrize(("backend", "title"), [("ipc", "CUDA IPC"), ("nccl", "NCCL")])
+def test_a_gpu_backend_is_refused_where_no_gpu_is_visible(monkeypatch, backend, title):
     monkeypatch.setattr("asyncrl.placement.visible_gpus", lambda: [])
-    with pytest.raises(PlacementError, match="rollout.weight_sync.backend=ipc: CUDA IPC needs a GPU"):
-        place_local_job(config("rollout.weight_sync.backend=ipc"), logging.getLogger(__name__))
+    with pytest.raises(PlacementError, match=f"rollout.weight_sync.backend={backend}: {title} needs a GPU and none is "
+                                             "visible; use gloo or auto"):
+        place_local_job(config(f"rollout.weight_sync.backend={backend}"), logging.getLogger(__name__))
 
 
 def test_colocated_servers_leave_the_learner_most_of_the_gpu(monkeypatch, caplog):

@@ -15,14 +15,14 @@ from asyncrl.config.sections import TinyModelConfig
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
 from asyncrl.weight_transfer import (
+    TRAINER_RANK,
     GroupAddress,
-    TransferGroup,
-    WeightSender,
     WeightTransferError,
     parse_update_info,
     update_info_for,
     weights_for_transfer,
 )
+from asyncrl.weight_transfer.backends import GLOO
 from asyncrl.weight_transfer.ipc import ALIGN_BYTES, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.sender import stage_for_transfer
 
@@ -39,7 +39,7 @@ def address(timeout_s: float = DEADLINE_S) -> GroupAddress:
 
 
 def receive_all(where: GroupAddress, update_info: dict) -> list[torch.Tensor]:
-    group = TransferGroup.join(where, WORKER_RANK)
+    group = GLOO.join(where, WORKER_RANK)
     received = []
     for meta in parse_update_info(update_info):
         buffer = torch.empty(meta.shape, dtype=meta.dtype)
@@ -58,8 +58,9 @@ def test_sender_broadcasts_every_tensor_in_order():
     ]
     with ThreadPoolExecutor(max_workers=1) as pool:
         receiving = pool.submit(receive_all, where, update_info_for(named))
-        sender = WeightSender.open(where)
-        sender.send_weights(named)
+        sender = GLOO.sending_end()
+        sender.connect(where)
+        sender.send(sender.stage(named))
         received = receiving.result()
     sender.close()
     assert len(received) == len(named)
@@ -70,14 +71,14 @@ def test_sender_broadcasts_every_tensor_in_order():
 def test_worker_without_trainer_fails_within_its_deadline():
     started = time.perf_counter()
     with pytest.raises(WeightTransferError, match="waiting for the trainer's store"):
-        TransferGroup.join(address(), WORKER_RANK)
+        GLOO.join(address(), WORKER_RANK)
     assert time.perf_counter() - started < DEADLINE_S + POLL_SLACK_S
 
 
 def test_trainer_without_workers_fails_within_its_deadline():
     started = time.perf_counter()
     with pytest.raises(WeightTransferError, match="waiting for all rollout workers"):
-        WeightSender.open(address())
+        GLOO.join(address(), TRAINER_RANK)
     assert time.perf_counter() - started < DEADLINE_S + POLL_SLACK_S
 
 

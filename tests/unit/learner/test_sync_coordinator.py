@@ -15,14 +15,19 @@ import zmq
 from asyncrl.messages import decode, encode
 from asyncrl.transport import generate_curve_keys
 from asyncrl.transport.sockets import connect_dealer
-from asyncrl.weight_transfer import TransferGroup, parse_update_info
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncJoin,
-                                                      SyncPrepare, SyncReady)
+from asyncrl.weight_transfer import parse_update_info, weight_backend
+from asyncrl.weight_transfer.backends import GLOO
+from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry, SyncDone,
+                                                      SyncPrepare, SyncReady, ValidationResult)
 from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
-from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
+from asyncrl.weight_transfer.ipc import SharedWeightsReader
+from asyncrl.weight_transfer.interface import SendingEnd
 from asyncrl.weight_transfer.protocol import InitInfo
+from tests.unit.asyncrl.test_weight_backends import CpuSharedWeights
 from waiting import wait_until
 
+CPU = torch.device("cpu")
 TIMEOUT_S = 10.0  # generous: a gloo rendezvous on a loaded 2-core box can take seconds
 LIVENESS_S = 1.0
 HEARTBEAT_S = 0.05
@@ -45,9 +50,9 @@ class FakeServer(threading.Thread):
 
     def run(self) -> None:
         sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
-        group = None
+        weights = None  # the receiving end of the latest init request
         while not self.stop.is_set():
-            sock.send(encode(SyncJoin(self.name_, 1, self.version)))
+            sock.send(encode(ServerHeartbeat(self.name_, 1, self.version)))
             if not sock.poll(int(HEARTBEAT_S * 1000)):
                 continue
             message = decode(sock.recv())
@@ -65,9 +70,9 @@ class FakeServer(threading.Thread):
                 if invite.init_info:
                     info = InitInfo(**invite.init_info)
                     self.joins += 1
-                    group = (SharedWeightsReader(CpuSharedWeights.buffers[info.ipc["handle"]]) if info.backend == "ipc"
-                             else TransferGroup.join(info.address(), info.rank_offset))
-                tensors = received(group, parse_update_info(invite.update_info))
+                    weights = (SharedWeightsReader(CpuSharedWeights.buffers[info.ipc["handle"]]) if info.backend == "ipc"
+                               else weight_backend(info.backend).receiving_end(info, info.rank_offset, CPU))
+                tensors = {name: tensor.clone() for name, tensor in weights.tensors(parse_update_info(invite.update_info))}
                 if self.fail_with:  # a server that takes part in the transfer but fails to load, every time
                     raise RuntimeError(self.fail_with)
             except Exception as error:  # as a real server does: report, stay, catch up next round
@@ -78,48 +83,10 @@ class FakeServer(threading.Thread):
         sock.close(0)
 
 
-def received(group, metas) -> dict[str, torch.Tensor]:
-    """Every announced tensor: broadcast over a gloo group, or copied out of a shared buffer (IPC)."""
-    if isinstance(group, SharedWeightsReader):
-        return {name: view.clone() for name, view in group.tensors(metas)}
-    tensors = {}
-    for meta in metas:
-        tensors[meta.name] = torch.empty(meta.shape, dtype=meta.dtype)
-        group.broadcast(tensors[meta.name])
-    return tensors
-
-
-class CpuSharedWeights:
-    """Stands in for the CUDA IPC buffer in these CPU tests: the same layout, shared by reference; the "handle"
-    names the buffer in `buffers`."""
-
-    buffers: dict[str, torch.Tensor] = {}
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self.handle: IpcHandle | None = None
-
-    def reserve(self, named_tensors) -> bool:
-        _, size = byte_layout([t.numel() * t.element_size() for _, t in named_tensors])
-        if self.buffer is not None and self.buffer.numel() >= size:
-            return False
-        self.buffer = torch.empty(size, dtype=torch.uint8)
-        key = f"buffer-{len(self.buffers)}"
-        self.buffers[key] = self.buffer
-        self.handle = IpcHandle("cpu", key, size, 0, "", 0, "", False)
-        return True
-
-    def write(self, named_tensors) -> float:
-        pack_into(self.buffer, named_tensors)
-        return 0.0
-
-    def close(self) -> None:
-        self.buffer = None
-
-
-def coordinator(staging_bytes: int = 0, max_failures: int = 3, backend: str = "gloo") -> SyncCoordinator:
-    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, backend, TIMEOUT_S, liveness_s=LIVENESS_S,
-                           staging_bytes=staging_bytes, max_failures=max_failures)
+def coordinator(staging_bytes: int = 0, max_failures: int = 3, weights: SendingEnd | None = None) -> SyncCoordinator:
+    """A coordinator sending through `weights` (default: gloo's sending end with `staging_bytes`)."""
+    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, weights or GLOO.sending_end(staging_bytes), TIMEOUT_S,
+                           liveness_s=LIVENESS_S, max_failures=max_failures)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -199,11 +166,10 @@ def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
         coord.close()
 
 
-def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once(monkeypatch):
+def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
     """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
     were written before the invitation), and maps it again when the weights outgrow it."""
-    monkeypatch.setattr("learner.weight_sync.coordinator.SharedWeights", CpuSharedWeights)
-    coord = coordinator(backend="ipc")
+    coord = coordinator(weights=IpcSendingEnd(CpuSharedWeights()))
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
     for server in servers:
         server.start()
@@ -257,7 +223,7 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
 
 
 def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
-    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, "gloo", timeout_s=1.0, liveness_s=60.0)
+    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, GLOO.sending_end(), timeout_s=1.0, liveness_s=60.0)
     silent = FakeServer("silent", coord.address, answer=False)
     silent.start()
     try:
@@ -281,16 +247,19 @@ def test_no_servers_means_an_empty_round_not_a_wait():
         coord.close()
 
 
-def test_validation_in_telemetry_is_returned_once_per_pass():
+def test_a_validation_pass_is_returned_once():
     coord = coordinator()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coord.address)
 
     learner_version = 100
 
-    def telemetry_then_metrics(validation: dict, version: int) -> dict[str, float]:
-        """The metrics of the first call that read this telemetry (its version lag tells which one was read)."""
-        sock.send(encode(ServerTelemetry("s0", version, validation=validation, validation_version=version)))
+    def reports_then_metrics(validated: ValidationResult | None, version: int) -> dict[str, float]:
+        """The metrics of the first call that read this telemetry (its version lag tells which one was read); the
+        validation result goes first on the same socket, so that call has read it too."""
+        if validated is not None:
+            sock.send(encode(validated))
+        sock.send(encode(ServerTelemetry("s0", version)))
 
         def read() -> dict[str, float] | None:
             metrics = coord.rollout_metrics(learner_version)
@@ -299,11 +268,12 @@ def test_validation_in_telemetry_is_returned_once_per_pass():
         return wait_until(read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
 
     try:
-        assert "val/score/mean" not in telemetry_then_metrics({}, -1)
-        first = telemetry_then_metrics({"val/score/mean": 0.25, "val/pass@4": 0.5}, 10)
+        assert "val/score/mean" not in reports_then_metrics(None, 1)
+        first = reports_then_metrics(ValidationResult("s0", 10, {"val/score/mean": 0.25, "val/pass@4": 0.5}), 10)
         assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
-        assert "val/score/mean" not in coord.rollout_metrics()  # the same pass, heard again: not logged twice
-        second = telemetry_then_metrics({"val/score/mean": 0.75, "val/pass@4": 1.0}, 20)
+        assert "val/score/mean" not in reports_then_metrics(ValidationResult("s0", 10, {"val/score/mean": 0.25}), 11), \
+            "the same pass, heard again: not logged twice"
+        second = reports_then_metrics(ValidationResult("s0", 20, {"val/score/mean": 0.75, "val/pass@4": 1.0}), 20)
         assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
     finally:
         sock.close(0)
@@ -370,14 +340,14 @@ NON_LOOPBACK_LOOKING_BIND = "tcp://lo:0"
 
 def test_a_non_loopback_bind_without_keys_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"non-loopback.*buffer\.curve_dir"):
-        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S)
+        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, GLOO.sending_end(), TIMEOUT_S, LIVENESS_S)
 
 
 def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sync(tmp_path):
     keys, other_keys = generate_curve_keys(tmp_path / "keys"), generate_curve_keys(tmp_path / "other")
     # the impostor knows the coordinator's public key; its own client key is a valid one nobody authorised
     shutil.copy(keys / "server.key", other_keys / "server.key")
-    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, "gloo", TIMEOUT_S, LIVENESS_S,
+    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, GLOO.sending_end(), TIMEOUT_S, LIVENESS_S,
                             curve_dir=str(keys))
     member = FakeServer("member", coord.address, curve_dir=str(keys))
     keyless = FakeServer("keyless", coord.address)

@@ -10,9 +10,9 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.messages import decode, encode
-from asyncrl.weight_transfer.control_messages import (JobFinished, ServerLeaving, ServerTelemetry, SyncDone, SyncInvite,
-                                                      SyncJoin, SyncPrepare, SyncReady, TaskWeights,
-                                                      ValidateVersion)
+from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry,
+                                                      SyncDone, SyncInvite, SyncPrepare, SyncReady, TaskWeights,
+                                                      ValidateVersion, ValidationResult)
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.telemetry import TelemetrySender
 
@@ -45,17 +45,17 @@ async def next_reply(router: zmq.asyncio.Socket) -> tuple[bytes, object]:
     while True:
         identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
         message = decode(frame)
-        if not isinstance(message, (SyncJoin, ServerTelemetry)):
+        if not isinstance(message, (ServerHeartbeat, ServerTelemetry)):
             return identity, message
 
 
-async def first_heartbeat(router: zmq.asyncio.Socket) -> tuple[bytes, SyncJoin]:
+async def first_heartbeat(router: zmq.asyncio.Socket) -> tuple[bytes, ServerHeartbeat]:
     """The sync client's first heartbeat and its socket's identity (a telemetry sender's messages, which may
     come first from a socket of their own, are passed over)."""
     while True:
         identity, frame = await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S)
         message = decode(frame)
-        if isinstance(message, SyncJoin):
+        if isinstance(message, ServerHeartbeat):
             return identity, message
 
 
@@ -118,7 +118,7 @@ def test_garbage_and_unexpected_messages_are_ignored():
     async def scenario(router, engine):
         identity, _ = await first_heartbeat(router)
         await router.send_multipart([identity, b"\x00not msgpack"])
-        await router.send_multipart([identity, encode(SyncJoin("learner?", 1, 0))])  # a kind servers never get
+        await router.send_multipart([identity, encode(ServerHeartbeat("learner?", 1, 0))])  # a kind servers never get
         await router.send_multipart([identity, encode(SyncPrepare(round_id=9))])
         _, reply = await next_reply(router)
         assert reply == SyncReady("s0", 9)  # the first answer: nothing before it was taken for a round
@@ -148,7 +148,7 @@ def test_telemetry_keeps_flowing_while_an_update_holds_the_sync_client():
         address, engine = router.getsockopt_string(zmq.LAST_ENDPOINT), SlowEngine()
         client = SyncClient(address, "s0", engine, 1, HEARTBEAT_S)
         # each reading says whether it was taken while the update ran (in `inflight`, as a marker)
-        sender = TelemetrySender(address, HEARTBEAT_S, lambda: ServerTelemetry("s0", 0, inflight=int(engine.updating)))
+        sender = TelemetrySender(address, HEARTBEAT_S, lambda: [ServerTelemetry("s0", 0, inflight=int(engine.updating))])
         tasks = [asyncio.ensure_future(client.run()), asyncio.ensure_future(sender.run())]
         try:
             identity, _ = await first_heartbeat(router)
@@ -230,3 +230,23 @@ def test_the_learners_task_weights_reach_the_server_and_bad_ones_are_ignored():
             router.close(0)
 
     assert asyncio.run(scenario()) == [[0.25, 0.75], [0.1, 0.9]]
+
+
+def test_the_telemetry_sender_sends_every_report_each_period():
+    reports = [ServerTelemetry("s0", 3, tokens_generated=40), ValidationResult("s0", 3, {"val/score/mean": 0.5})]
+
+    async def scenario() -> list[object]:
+        router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        sender = TelemetrySender(router.getsockopt_string(zmq.LAST_ENDPOINT), HEARTBEAT_S, lambda: reports)
+        task = asyncio.ensure_future(sender.run())
+        try:
+            frames = [await asyncio.wait_for(router.recv_multipart(), REPLY_TIMEOUT_S) for _ in range(2 * len(reports))]
+            return [decode(frame) for _, frame in frames]
+        finally:
+            await cancel(task)
+            sender.close()
+            router.close(0)
+
+    assert asyncio.run(scenario()) == reports * 2, "both reports, in order, period after period"

@@ -11,6 +11,7 @@ from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, write_rows
 from rollout_servers.rewards import RewardResult
 from demo.tasks import arithmetic
+from asyncrl.weight_transfer.control_messages import ValidationResult
 from rollout_servers.validation import VALIDATION_SEED_OFFSET, ValidationPrompt, Validator, load_validation_prompts
 from waiting import wait_until_async
 
@@ -89,12 +90,12 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(3 / 8)
     assert metrics["val/algebra/score/mean"] == 0.0
     assert 0.0 < metrics["val/seconds"] < 60.0  # the pass was timed
-    assert validator.telemetry_fields() == {"validation": metrics, "validation_version": 10}
+    assert validator.result("server-0") == ValidationResult("server-0", 10, metrics)
 
 
 def test_due_on_each_new_multiple_of_every_and_the_version_the_learner_asks_for():
     validator, engine = make_validator(every=10)
-    assert validator.telemetry_fields() == {"validation": {}, "validation_version": -1}
+    assert validator.result("server-0") is None, "nothing to report before the first pass"
     assert not validator.is_due(FINAL_VERSION)
     validator.request(FINAL_VERSION)  # the learner's final version
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]

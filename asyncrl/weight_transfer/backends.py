@@ -1,0 +1,64 @@
+"""The weight backends, and the one place a backend name becomes a backend.
+
+- gloo: a private group over CPU memory; works wherever the roles are.
+- nccl: the same group over GPUs; NCCL joins no two ranks on one GPU, so not where a server shares the learner's.
+- ipc: no group, one CUDA IPC buffer on the learner's GPU that the servers there map.
+
+`rollout.weight_sync.backend: auto` is decided in two steps: a plan that puts a server on the learner's GPU makes it
+ipc (`placed`); otherwise each process takes nccl where it sees CUDA, else gloo (`weight_backend`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncrl.weight_transfer.collectives import GlooCollectives, NcclCollectives
+from asyncrl.weight_transfer.group_backend import GroupBackend
+from asyncrl.weight_transfer.interface import WeightBackend
+from asyncrl.weight_transfer.ipc_backend import IpcBackend
+
+AUTO = "auto"
+GLOO = GroupBackend("gloo", "gloo", GlooCollectives(), on_a_shared_gpu=True)
+NCCL = GroupBackend("nccl", "NCCL", NcclCollectives(), on_a_shared_gpu=False,
+                    limit="NCCL cannot join two ranks on one GPU")
+IPC = IpcBackend()
+BACKENDS: dict[str, WeightBackend] = {backend.name: backend for backend in (GLOO, NCCL, IPC)}
+
+
+def weight_backend(name: str) -> WeightBackend:
+    """The backend `name` names; `auto` (what placement left it: no server on the learner's GPU) is nccl where this
+    process sees CUDA, else gloo. A ValueError names the choices."""
+    return named(name) or (NCCL if torch.cuda.is_available() else GLOO)
+
+
+def named(name: str) -> WeightBackend | None:
+    """The backend `name` names; None for `auto`, which is decided later (`placed`, then `weight_backend`)."""
+    if name == AUTO:
+        return None
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        choices = ", ".join([*BACKENDS, AUTO])
+        raise ValueError(f"unknown weight-sync backend '{name}': choose one of {choices}") from None
+
+
+def placed(name: str, shared_gpu: bool) -> str:
+    """`name` once a plan says whether a server shares the learner's GPU: there `auto` is ipc, elsewhere it stays
+    `auto` (each process resolves it, `weight_backend`); the other names stay as they are."""
+    return IPC.name if name == AUTO and shared_gpu else name
+
+
+def group_backend(receiver_has_own_gpus: bool) -> GroupBackend:
+    """A group between a trainer and an engine of their own (the synchronous reference): NCCL where the engine has
+    GPUs of its own, else gloo (NCCL joins no two ranks on one GPU)."""
+    return NCCL if receiver_has_own_gpus else GLOO
+
+
+def alternatives(shared_gpu: bool | None) -> str:
+    """What a refused backend's error advises: the names that work where a server does (`shared_gpu`) or does not
+    share the learner's GPU; `None`: on a machine without a GPU."""
+    if shared_gpu is None:
+        fitting = [backend.name for backend in BACKENDS.values() if backend.device_type == "cpu"]
+    else:
+        fitting = [backend.name for backend in BACKENDS.values() if backend.works(shared_gpu)]
+    return ", ".join(fitting) + f" or {AUTO}"

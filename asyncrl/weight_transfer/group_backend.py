@@ -1,0 +1,87 @@
+"""The gloo and NCCL backends: a private `TransferGroup` in which the learner (rank 0) broadcasts each tensor.
+
+The learner's end opens the group once the servers were invited, and keeps it while the membership holds;
+staging copies what fits in `staging_bytes` onto the sending device before the servers pause
+(`stage_for_transfer`). A server's end joins the group at its init request and receives each announced tensor
+into a fresh buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from asyncrl.net import free_port
+from asyncrl.weight_transfer.collectives import Collectives
+from asyncrl.weight_transfer.group import TRAINER_RANK, GroupAddress, TransferGroup
+from asyncrl.weight_transfer.interface import ReceivingEnd, SendingEnd, Staged, WeightBackend
+from asyncrl.weight_transfer.protocol import InitInfo, NamedTensors, TensorMeta, init_info_for
+from asyncrl.weight_transfer.sender import send_weights, stage_for_transfer
+
+
+class GroupBackend(WeightBackend):
+    def __init__(self, name: str, title: str, collectives: Collectives, on_a_shared_gpu: bool, limit: str = "") -> None:
+        self.name, self.title, self.collectives = name, title, collectives
+        self.device_type = collectives.device_type
+        self.on_a_shared_gpu, self.on_gpus_apart, self.limit = on_a_shared_gpu, True, limit
+
+    def join(self, address: GroupAddress, rank: int, device: torch.device | None = None) -> TransferGroup:
+        """Join the group at `address` as `rank` (the trainer is rank 0)."""
+        return TransferGroup.join(address, rank, self.collectives, device)
+
+    def sending_end(self, staging_bytes: int = 0) -> SendingEnd:
+        return GroupSendingEnd(self, staging_bytes)
+
+    def receiving_end(self, init_info: InitInfo, rank: int, device: torch.device,
+                      previous: ReceivingEnd | None = None) -> ReceivingEnd:
+        return GroupReceivingEnd(self.join(init_info.address(), rank, device))
+
+
+class GroupSendingEnd(SendingEnd):
+    def __init__(self, backend: GroupBackend, staging_bytes: int) -> None:
+        self.backend, self.staging_bytes = backend, staging_bytes
+        self._group: TransferGroup | None = None  # its rank 0 (the trainer's), once connected
+
+    def stage(self, named_tensors: NamedTensors) -> Staged:
+        return Staged(stage_for_transfer(named_tensors, self.backend.device(), self.staging_bytes))
+
+    def address(self, host: str, port: int, world_size: int, timeout_s: float) -> GroupAddress:
+        return GroupAddress(host, port or free_port(host), world_size, self.backend.name, timeout_s)
+
+    def init_info(self, address: GroupAddress, rank_offset: int) -> dict[str, Any]:
+        return init_info_for(address, rank_offset)
+
+    def connect(self, address: GroupAddress) -> None:
+        self.disconnect()
+        self._group = self.backend.join(address, TRAINER_RANK)
+
+    def send(self, staged: Staged) -> float:
+        if self._group is None:
+            raise RuntimeError("send before connect: no group to broadcast in")
+        return staged.seconds + send_weights(self._group, staged.tensors)
+
+    def disconnect(self) -> None:
+        if self._group is not None:
+            self._group.close()
+        self._group = None
+
+
+class GroupReceivingEnd:
+    """A worker's member of the group: each announced tensor broadcast into a buffer of its own."""
+
+    def __init__(self, group: TransferGroup) -> None:
+        self.group = group
+        self.device = group.device
+
+    def tensors(self, metas: Sequence[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
+        for meta in metas:
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            self.group.broadcast(buffer)
+            yield meta.name, buffer
+
+    def synchronize(self) -> None:
+        self.group.synchronize()
+
+    def close(self) -> None:
+        self.group.close()

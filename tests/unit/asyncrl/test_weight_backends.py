@@ -1,0 +1,134 @@
+"""The weight backends behind one interface: how a name becomes a backend, where each works, and their ends as
+the coordinator drives them (a gloo round trip; the ipc end with a CPU stand-in for its CUDA buffer)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from asyncrl.config.fields import CHOICES_KEY
+from asyncrl.config.rollout import WeightSyncConfig
+from asyncrl.weight_transfer import GroupAddress, parse_update_info, update_info_for
+from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, placed,
+                                              weight_backend)
+from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
+from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
+from asyncrl.weight_transfer.protocol import InitInfo
+
+CPU = torch.device("cpu")
+WEIGHTS = [("a.weight", torch.full((3, 2), 1.5)), ("b.bias", torch.arange(4.0)),
+           ("c.view", torch.arange(6.0).reshape(2, 3).t())]  # a view among them: sent as laid out by its shape
+
+
+def test_the_config_offers_every_backend_and_auto():
+    choices = {field.name: field.metadata.get(CHOICES_KEY) for field in dataclasses.fields(WeightSyncConfig)}["backend"]
+    assert set(choices) == {*BACKENDS, AUTO}
+
+
+def test_auto_is_nccl_with_cuda_else_gloo_and_a_plan_with_a_shared_gpu_makes_it_ipc(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert weight_backend(AUTO) is NCCL
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert weight_backend(AUTO) is GLOO
+    assert placed(AUTO, shared_gpu=True) == "ipc" and placed(AUTO, shared_gpu=False) == AUTO
+    assert placed("gloo", shared_gpu=True) == "gloo", "a name chosen by the user stays"
+    assert [weight_backend(name) for name in ("gloo", "nccl", "ipc")] == [GLOO, NCCL, IPC]
+    with pytest.raises(ValueError, match="unknown weight-sync backend 'mpi': choose one of gloo, nccl, ipc, auto"):
+        weight_backend("mpi")
+
+
+def test_where_each_backend_works_and_what_a_refusal_advises():
+    assert [(backend.name, backend.works(True), backend.works(False)) for backend in BACKENDS.values()] == [
+        ("gloo", True, True), ("nccl", False, True), ("ipc", True, False)]
+    assert [backend.device_type for backend in BACKENDS.values()] == ["cpu", "cuda", "cuda"]
+    assert alternatives(shared_gpu=True) == "gloo, ipc or auto"
+    assert alternatives(shared_gpu=False) == "gloo, nccl or auto"
+    assert alternatives(shared_gpu=None) == "gloo or auto"
+    assert group_backend(receiver_has_own_gpus=True) is NCCL and group_backend(receiver_has_own_gpus=False) is GLOO
+
+
+def free_address(world_size: int = 2) -> GroupAddress:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return GroupAddress("127.0.0.1", port, world_size, "gloo", timeout_s=30.0)
+
+
+def test_a_gloo_round_from_the_sending_end_to_a_receiving_end_built_from_its_init_request():
+    sender = GLOO.sending_end(staging_bytes=1 << 20)
+    address = sender.address("127.0.0.1", free_address().port, world_size=2, timeout_s=30.0)
+    init_info = InitInfo(**sender.init_info(address, rank_offset=1))
+    update_info = update_info_for(WEIGHTS)
+
+    def receive() -> dict[str, torch.Tensor]:
+        end = weight_backend(init_info.backend).receiving_end(init_info, init_info.rank_offset, CPU)
+        received = dict(end.tensors(parse_update_info(update_info)))
+        end.synchronize()
+        end.close()
+        return received
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        receiving = pool.submit(receive)
+        staged = sender.stage(WEIGHTS)
+        sender.connect(address)
+        seconds = sender.send(staged)
+        received = receiving.result()
+    sender.close()
+    assert (init_info.backend, init_info.rank_offset, init_info.world_size) == ("gloo", 1, 2)
+    assert not staged.moved and seconds > 0
+    assert list(received) == [name for name, _ in WEIGHTS]
+    assert all(torch.equal(received[name], tensor) for name, tensor in WEIGHTS)
+
+
+def test_a_group_sends_nothing_before_it_is_connected():
+    sender = GLOO.sending_end()
+    with pytest.raises(RuntimeError, match="send before connect"):
+        sender.send(sender.stage(WEIGHTS))
+
+
+class CpuSharedWeights:
+    """The CUDA IPC buffer's stand-in in CPU tests: the same layout, shared by reference; its "handle" names the buffer
+    in `buffers`, where a server's stand-in finds it."""
+
+    buffers: dict[str, torch.Tensor] = {}
+    WRITE_S = 0.25  # what each write reports as the round's transfer time
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None  # [size_bytes] uint8
+        self.handle: IpcHandle | None = None
+
+    def reserve(self, named_tensors) -> bool:
+        _, size = byte_layout([t.numel() * t.element_size() for _, t in named_tensors])
+        if self.buffer is not None and self.buffer.numel() >= size:
+            return False
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        key = f"buffer-{len(self.buffers)} of {size} bytes"
+        self.buffers[key] = self.buffer
+        self.handle = IpcHandle("cpu", key, size, 0, "", 0, "", False)
+        return True
+
+    def write(self, named_tensors) -> float:
+        pack_into(self.buffer, named_tensors)
+        return self.WRITE_S
+
+    def close(self) -> None:
+        self.buffer = None
+
+
+def test_the_ipc_end_transfers_while_staging_and_moves_only_when_the_weights_outgrow_its_buffer():
+    shared = CpuSharedWeights()
+    sender = IpcSendingEnd(shared)
+    first = sender.stage(WEIGHTS)
+    assert first.moved and first.tensors == [] and sender.send(first) == CpuSharedWeights.WRITE_S
+    assert not sender.stage(WEIGHTS).moved, "the same sizes: the servers keep their mapping"
+    address = sender.address("127.0.0.1", 29500, world_size=3, timeout_s=5.0)
+    assert (address.port, address.backend) == (0, "ipc"), "no store to meet at"
+    init_info = sender.init_info(address, rank_offset=2)
+    assert init_info["ipc"]["handle"].endswith(" of 536 bytes") and init_info["rank_offset"] == 2
+    views = dict(SharedWeightsReader(shared.buffer).tensors(parse_update_info(update_info_for(WEIGHTS))))
+    assert all(torch.equal(views[name], tensor) for name, tensor in WEIGHTS)
+    assert sender.stage([*WEIGHTS, ("d.extra", torch.ones(1000))]).moved
