@@ -5,13 +5,13 @@
     GET  /v1/models                  the served model
 
 Each reply is one engine request sampled like training rollouts (config sampling; the fields the request
-may set are in `chat_request.py`), answered whole or streamed (`chat_stream.py`), with tool calls read by
-vLLM's parser (`chat_tools.py`); with an API key every route needs it (`chat_auth.py`). A closed session
-becomes a trajectory (`chat_sessions.py`) and its group is sent to the buffer on the path of any other group
+may set are in `request.py`), answered whole or streamed (`stream.py`), with tool calls read by
+vLLM's parser (`tools.py`); with an API key every route needs it (`auth.py`). A closed session
+becomes a trajectory (`sessions.py`) and its group is sent to the buffer on the path of any other group
 (acknowledged, sent again while the learner is away, waited for when the server leaves: `buffer_calls.py`), under
 the record id `<server_id>-chat-<group_id or session_id>`, so a resent close is stored once; a close that comes
 while the server leaves gets HTTP 503. A new session waits for a place within the staleness bound
-(`chat_admission.py`); without one in time it gets HTTP 503.
+(`admission.py`); without one in time it gets HTTP 503.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class ChatEndpoint:
                                               chat.tools, read_tool_calls, constraint)
         except SessionError as error:
             return _error(error.status, str(error), getattr(error, "field", None))
-        except ConnectionError:  # the client left mid-stream: its turn was not recorded (chat_sessions.reply)
+        except ConnectionError:  # the client left mid-stream: its turn was not recorded (sessions.reply)
             if listener is None:
                 raise
             log.info("chat client of session '%s' left mid-reply; nothing new is recorded", chat.session_id)

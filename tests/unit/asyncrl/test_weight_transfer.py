@@ -85,8 +85,9 @@ def test_trainer_without_workers_fails_within_its_deadline():
 def test_the_trainers_store_listens_on_the_groups_host_alone():
     where = address()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        joining = pool.submit(TransferGroup.join, where, WORKER_RANK)
-        sender = WeightSender.open(where)
+        joining = pool.submit(GLOO.join, where, WORKER_RANK)
+        sender = GLOO.sending_end()
+        sender.connect(where)
         listening = {tuple(c.laddr) for c in psutil.Process().net_connections("inet")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == where.port}
         joining.result().close()
