@@ -255,15 +255,17 @@ def test_a_validation_pass_is_returned_once():
     learner_version = 100
 
     def reports_then_metrics(validated: ValidationResult | None, version: int) -> dict[str, float]:
-        """The metrics of the first call that read this telemetry (its version lag tells which one was read); the
-        validation result goes first on the same socket, so that call has read it too."""
+        """What the learner's calls logged from sending these reports until one read this telemetry (its version
+        lag tells which one was read). The validation result goes first on the same socket, but a call may
+        land between the two messages: it then logs the result, and the next call the telemetry."""
         if validated is not None:
             sock.send(encode(validated))
         sock.send(encode(ServerTelemetry("s0", version)))
+        logged: dict[str, float] = {}
 
         def read() -> dict[str, float] | None:
-            metrics = coord.rollout_metrics(learner_version)
-            return metrics if metrics.get("rollout/s0/version_lag") == learner_version - version else None
+            logged.update(coord.rollout_metrics(learner_version))
+            return logged if logged.get("rollout/s0/version_lag") == learner_version - version else None
 
         return wait_until(read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
 
