@@ -186,8 +186,7 @@ def second_moment_masked(inputs: LossInputs, config: AlgorithmConfig) -> LossRes
     cutoff = inputs.m2_cutoff if inputs.m2_cutoff is not None else second_moment_cutoff(squared[trained], config.m2_threshold)
     masked = trained & (squared > cutoff)  # [B, T]
     loss, metrics = _masked_importance_loss(inputs, config, masked)
-    metrics["trust_region/m2"] = masked_mean(squared, trained).item()
-    metrics["trust_region/m2_kept"] = masked_mean(squared, trained & ~masked).item()
+    metrics.update(second_moment_summary(squared[trained], cutoff))
     metrics.update(_rollout_metrics(log_ratio, _masked_weight(log_ratio, masked), inputs.loss_mask))
     return loss, metrics
 
@@ -204,6 +203,15 @@ def decoupled_ppo_behaviour_kl(inputs: LossInputs, config: AlgorithmConfig) -> L
     metrics["actor/behaviour_kl_loss"] = kl_loss.item()
     metrics["actor/behaviour_kl_coef"] = config.behaviour_kl_coef
     return loss + config.behaviour_kl_coef * kl_loss, metrics
+
+
+def second_moment_summary(squared: Tensor, cutoff: float) -> Metrics:
+    """M2PO's statistic over [N] squared log ratios: its mean over every token (`trust_region/m2`) and over the
+    tokens the cutoff keeps (`trust_region/m2_kept`, at most m2_threshold); 0 for an empty set. The learner
+    reports them over the whole optimizer step, where the loss alone sees one micro-batch."""
+    kept = squared[squared <= cutoff]  # [n]
+    return {"trust_region/m2": squared.mean().item() if squared.numel() else 0.0,
+            "trust_region/m2_kept": kept.mean().item() if kept.numel() else 0.0}
 
 
 def sequences_within_ratio_bounds(log_ratio: Tensor, mask: Tensor, config: AlgorithmConfig) -> Tensor:

@@ -27,6 +27,8 @@ class AlgorithmConfig:
     dppo_kl_bound: float = bounded(0.05, 0.0)  # dppo_kl: δ on the per-token binary KL(π_behav‖π_θ), in nats
     m2_threshold: float = bounded(0.04, 0.0)  # m2po: τ, the bound on the mean of (log π_prox − log π_behav)² over each optimizer step's kept tokens
     behaviour_kl_coef: float = bounded(0.1, 0.0)  # decoupled_ppo_kl: weight of the k3 KL(π_behav‖π_θ) penalty added to decoupled PPO
+    mini_batches: int = bounded(1, 1)  # optimizer steps per pass over a batch, each on a share of its groups (a group never splits); 1 = one step per batch
+    epochs: int = bounded(1, 1)  # passes over each batch; a batch takes mini_batches × epochs optimizer steps and stays one policy version
     use_reference: bool = False  # add a KL penalty to a frozen reference model (the learner loads it and scores every batch with it)
     reference_path: str = ""  # the reference model's directory; empty = model.path (the policy's starting weights)
     reference_cpu_offload: bool = False  # GPU: keep the reference's weights in CPU memory, copied to the GPU layer by layer for its pass
@@ -34,3 +36,9 @@ class AlgorithmConfig:
     kl_estimator: str = one_of("k3", "k1")  # per-token KL estimate: k3 is non-negative and low-variance, k1 unbiased
     grpo_std_norm: bool = True  # GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)
     adv_eps: float = bounded(1e-6, 0.0)  # added to a std before dividing by it (GRPO std norm, REINFORCE++ whitening)
+
+    def cross_checks(self, batch_groups: int) -> list[tuple[str, str]]:
+        if self.mini_batches > batch_groups:
+            return [("algorithm.mini_batches", f"must not exceed buffer.batch_groups={batch_groups}: a mini-batch "
+                                               "holds whole groups, at least one")]
+        return []
