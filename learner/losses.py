@@ -17,9 +17,9 @@ Modes, registered by name in `LOSSES`:
 - naive_ppo:     ℓ_clip(π_θ/π_behav)                                 (no correction; for ablations)
 Behaviour-anchored trust regions: each bounds how far π_θ (or π_prox) may stand from π_behav, the policy
 that sampled, rather than from π_prox; ρ = π_θ/π_behav, and a masked token adds 0 but stays in the count:
-- dppo_tv:       −m·A·ρ, m = 0 where |π_θ − π_behav| > δ_tv and A pushes further out   (DPPO-Binary-TV)
-- dppo_kl:       −m·A·ρ, m = 0 where KL(Bern(π_behav)‖Bern(π_θ)) > δ_kl, likewise     (DPPO-Binary-KL)
-- m2po:          −m·A·ρ, m = 0 on the largest (log π_prox − log π_behav)² until their mean is ≤ τ  (M2PO)
+- dppo_tv:       −κ·A·ρ, κ = 0 where |π_θ − π_behav| > δ_tv and A pushes further out   (DPPO-Binary-TV)
+- dppo_kl:       −κ·A·ρ, κ = 0 where KL(Bern(π_behav)‖Bern(π_θ)) > δ_kl, likewise     (DPPO-Binary-KL)
+- m2po:          −κ·A·ρ, κ = 0 on the largest (log π_prox − log π_behav)² until their mean is ≤ τ  (M2PO)
 - decoupled_ppo_kl: decoupled_ppo + β·KL(π_behav‖π_θ), KL by k3 on the sampled tokens
 `compute_policy_loss` runs the configured mode and adds the KL penalty and the entropy metric.
 """
@@ -155,18 +155,18 @@ def naive_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
 
 @register_loss("dppo_tv")
 def dppo_total_variation(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
-    """DPPO-Binary-TV (arXiv 2602.04879) anchored to π_behav: per token −m·A·ρ, ρ = π_θ/π_behav, whose gradient
-    is −m·ρ·A·∇log π_θ. D = π_θ − π_behav is the token's probability shift (|D| is the total variation between
-    "this token or another" under the two policies); m = 0 where |D| > dppo_tv_bound and A·D > 0, i.e. the
+    """DPPO-Binary-TV (arXiv 2602.04879) anchored to π_behav: per token −κ·A·ρ, ρ = π_θ/π_behav, whose gradient
+    is −κ·ρ·A·∇log π_θ. D = π_θ − π_behav is the token's probability shift (|D| is the total variation between
+    "this token or another" under the two policies); κ = 0 where |D| > dppo_tv_bound and A·D > 0, i.e. the
     advantage pushes the token further out of the region, else 1. ρ is neither clipped nor truncated: the mask
-    is the only bound, and a low-probability token may move its few hundredths freely."""
+    is the only bound, so a rare token's ratio may grow large while its probability moves little."""
     shift = _probability_shift(inputs)  # [B, T]
     return _divergence_masked(inputs, config, shift.abs(), config.dppo_tv_bound, shift)
 
 
 @register_loss("dppo_kl")
 def dppo_binary_kl(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
-    """DPPO-Binary-KL (arXiv 2602.04879) anchored to π_behav: as dppo_tv, with m = 0 where
+    """DPPO-Binary-KL (arXiv 2602.04879) anchored to π_behav: as dppo_tv, with κ = 0 where
     KL(Bern(π_behav)‖Bern(π_θ)) (loss_terms.binary_kl) exceeds dppo_kl_bound and A·(π_θ − π_behav) > 0."""
     divergence = binary_kl(inputs.behaviour_logprobs, inputs.logprobs.detach())  # [B, T]
     return _divergence_masked(inputs, config, divergence, config.dppo_kl_bound, _probability_shift(inputs))
@@ -174,8 +174,8 @@ def dppo_binary_kl(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
 
 @register_loss("m2po")
 def second_moment_masked(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
-    """M2PO (arXiv 2510.01161): per token −m·A·ρ, ρ = π_θ/π_behav, no clip. With s = (log π_prox − log π_behav)²,
-    m = 0 on the trained tokens whose s exceeds the cutoff c of loss_terms.second_moment_cutoff: the largest
+    """M2PO (arXiv 2510.01161): per token −κ·A·ρ, ρ = π_θ/π_behav, no clip. With s = (log π_prox − log π_behav)²,
+    κ = 0 on the trained tokens whose s exceeds the cutoff c of loss_terms.second_moment_cutoff: the largest
     s are masked, as few as it takes for the mean s of the kept tokens to be at most m2_threshold. s uses π_prox,
     fixed for the batch (as AReaL computes it); with one optimizer step per batch π_prox is π_θ, the paper's
     form. c is taken over the whole optimizer step when the learner passes `m2_cutoff`, else over these tokens."""
@@ -255,7 +255,7 @@ def _probability_shift(inputs: LossInputs) -> Tensor:
 def _divergence_masked(
     inputs: LossInputs, config: AlgorithmConfig, divergence: Tensor, bound: float, shift: Tensor
 ) -> LossResult:
-    """DPPO: −m·A·ρ with the tokens that leave the trust region (loss_terms.leaves_trust_region) masked."""
+    """DPPO: −κ·A·ρ with the tokens that leave the trust region (loss_terms.leaves_trust_region) masked."""
     masked = inputs.loss_mask.bool() & leaves_trust_region(divergence, bound, shift, inputs.advantages)  # [B, T]
     loss, metrics = _masked_importance_loss(inputs, config, masked)
     metrics["trust_region/divergence_mean"] = masked_mean(divergence.detach(), inputs.loss_mask).item()

@@ -71,7 +71,7 @@ def test_binary_kl_per_token():
     ],
 )
 def test_dppo_masks_exactly_the_tokens_that_leave_the_region(loss, config, masked, divergence):
-    # per token −m·A·ρ, token_mean over 7 tokens (masked tokens count, adding 0); ∂/∂log π_θ = −m·A·ρ/7
+    # per token −κ·A·ρ, token_mean over 7 tokens (masked tokens count, adding 0); ∂/∂log π_θ = −κ·A·ρ/7
     m = [0.0 if name in masked else 1.0 for name in "abcdefg"]
     expected_grad = [-keep * a * r / 7 for keep, a, r in zip(m, ADVANTAGES, RATIOS)]
     # TV: b −1.2, c −0.6, e −10, f +10, g 0 → −1.8/7;   KL: b −1.2, c −0.6, f +10, g 0 → 8.2/7
@@ -152,7 +152,7 @@ def m2po_batch(cutoff: float | None = None) -> LossInputs:
 def test_m2po_masks_the_largest_second_moments(threshold, cutoff, masked):
     m = [0.0 if t in masked else 1.0 for t in range(5)]
     ratios = [math.exp(l) for l in LOG_RATIOS]
-    expected_grad = [-keep * a * r / 5 for keep, a, r in zip(m, M2_ADVANTAGES, ratios)]  # −m·A·ρ / 5 tokens
+    expected_grad = [-keep * a * r / 5 for keep, a, r in zip(m, M2_ADVANTAGES, ratios)]  # −κ·A·ρ / 5 tokens
     inputs = m2po_batch(cutoff)
     loss, metrics = compute_policy_loss(inputs, AlgorithmConfig(loss="m2po", m2_threshold=threshold))
     loss.backward()
