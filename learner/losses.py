@@ -15,8 +15,8 @@ Modes, registered by name in `LOSSES`:
 - seq_mask:      ℓ_clip(π_θ/π_prox) on sequences whose ratio π_prox/π_behav lies in
                  [seq_mask_low, seq_mask_high]; other sequences are dropped from the loss
 - naive_ppo:     ℓ_clip(π_θ/π_behav)                                 (no correction; for ablations)
-Behaviour-anchored trust regions: each bounds how far π_θ (or π_prox) may stand from π_behav, the policy
-that sampled, rather than from π_prox; ρ = π_θ/π_behav, and a masked token adds 0 but stays in the count:
+Behaviour-anchored trust regions: each bounds how far π_θ (m2po: π_prox) stands from π_behav, the policy that
+sampled, and not only from π_prox; ρ = π_θ/π_behav, and a masked token adds 0 but stays in the count:
 - dppo_tv:       −κ·A·ρ, κ = 0 where |π_θ − π_behav| > δ_tv and A pushes further out   (DPPO-Binary-TV)
 - dppo_kl:       −κ·A·ρ, κ = 0 where KL(Bern(π_behav)‖Bern(π_θ)) > δ_kl, likewise     (DPPO-Binary-KL)
 - m2po:          −κ·A·ρ, κ = 0 on the largest (log π_prox − log π_behav)² until their mean is ≤ τ  (M2PO)
@@ -62,7 +62,7 @@ class LossInputs:
     proximal_logprobs: Tensor | None = None  # [B, T] log π_prox recomputed before the update (decoupled_ppo, seq_mask, m2po, decoupled_ppo_kl)
     reference_logprobs: Tensor | None = None  # [B, T] log π_ref of a frozen reference model (use_reference)
     entropy: Tensor | None = None  # [B, T] entropy of π_θ per position (metric only; see token_entropy)
-    denominator: float | None = None  # tokens or sequences of the whole batch when this is a micro-batch of it
+    denominator: float | None = None  # tokens or sequences of the optimizer step's whole (mini-)batch when this is a micro-batch of it
     m2_cutoff: float | None = None  # m2po: the cutoff c over the whole optimizer step's tokens; None = from these tokens alone
 
 

@@ -60,7 +60,7 @@ def train_step(
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     minis = _plan(batch, advantages, algorithm, passes, world)
     with out_of_memory_names_keys(passes.micro_batch_tokens):
-        _fix_anchors(model if algorithm.loss in NEEDS_PROXIMAL else None, reference, minis, algorithm, passes, world)
+        _score_anchors(model if algorithm.loss in NEEDS_PROXIMAL else None, reference, minis, algorithm, passes, world)
     updates = []
     for mini in [mini for _ in range(algorithm.epochs) for mini in minis]:
         metrics, finite = _optimizer_step(model, optimizer, mini, algorithm, passes, grad_clip, world)
@@ -94,6 +94,8 @@ def _optimizer_step(
 
 @dataclass
 class Pass:
+    """One forward/backward pass's metrics."""
+
     metrics: dict[str, float]  # what the loss reported for one micro-batch
     real: bool  # False: a padding pass, whose metrics name the keys but add no value
 
@@ -162,6 +164,7 @@ class MiniBatch:
 
 
 def _plan(batch: TrainBatch, advantages: Tensor, algorithm: AlgorithmConfig, passes: Passes, world: World) -> list[MiniBatch]:
+    """The batch's mini-batches (whole groups, algorithm.mini_batches) and this rank's micro-batches of each."""
     minis = []
     for rows in mini_batch_rows(batch.group_index, algorithm.mini_batches):
         part = batch.select(rows)
@@ -170,7 +173,7 @@ def _plan(batch: TrainBatch, advantages: Tensor, algorithm: AlgorithmConfig, pas
     return minis
 
 
-def _fix_anchors(policy: torch.nn.Module | None, reference: torch.nn.Module | None, minis: list[MiniBatch],
+def _score_anchors(policy: torch.nn.Module | None, reference: torch.nn.Module | None, minis: list[MiniBatch],
                  algorithm: AlgorithmConfig, passes: Passes, world: World) -> None:
     """Score every mini-batch before the first update: π_prox stays the policy that started the batch."""
     for mini in minis:
