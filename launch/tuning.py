@@ -3,7 +3,9 @@
 The reading follows docs/tuning.md. Over the run's steps after the warm-up (the first tenth, at least one
 step: engine warm-up and compilation), it compares three shares of the learner's wall time per step:
 waiting for batches (generation-bound), weight-sync rounds (sync-bound) and training (learner-bound), and
-derives K, the number of rollout servers and the micro-batch to try, each with the numbers behind it.
+derives K, the number of rollout servers and the micro-batch to try, each with the numbers behind it. Then it
+reads the drift at that K (`rollout_corr/mismatch_kl`, and the share of tokens a behaviour-anchored loss masked,
+`trust_region/masked_frac`) against the run's drift bounds and says whether the loss holds it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ SYNC_BOUND = 0.25  # weight sync taking more than this share (and more than the 
 SYNC_TARGET = 0.10  # share of the time weight sync should take after the advice
 WARMUP_SHARE = 0.10  # leading share of the steps left out (engine warm-up, compilation)
 DRIFT_KEYS = ("rollout_corr/mismatch_kl", "rollout_corr/is_clip_frac")
+MASKED_KEY = "trust_region/masked_frac"  # logged by the behaviour-anchored losses (dppo_tv, dppo_kl, m2po)
+BEHAVIOUR_ANCHORED = ("dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl", "naive_ppo")  # losses bounding π_θ against π_behav
+PROXIMAL_CLIPPED = ("decoupled_ppo", "seq_mask")  # losses whose clip anchors on π_prox: it binds only from a batch's second step
+BOUND_KEYS = {"dppo_tv": "algorithm.dppo_tv_bound", "dppo_kl": "algorithm.dppo_kl_bound", "m2po": "algorithm.m2_threshold"}
 
 
 class NotEnoughSteps(ValueError):
@@ -32,14 +38,19 @@ class RunSettings:
     k: str  # buffer.max_staleness: a number or auto
     k_max: int  # buffer.pacing.k_max (auto's ceiling)
     max_mismatch_kl: float  # buffer.pacing.max_mismatch_kl (auto's drift bound)
+    max_is_clip_frac: float  # buffer.pacing.max_is_clip_frac (auto's bound on the share of tokens corrected or masked)
     num_servers: int  # rollout.num_servers
     micro_batch_tokens: str  # learner.micro_batch_tokens: a number or auto
     sync_every: int  # learner.sync_every
+    loss: str  # algorithm.loss
+    optimizer_steps: int  # optimizer steps per batch: algorithm.mini_batches × algorithm.epochs
 
     @classmethod
     def of(cls, config: AsyncRLConfig) -> RunSettings:
-        return cls(config.buffer.max_staleness, config.buffer.pacing.k_max, config.buffer.pacing.max_mismatch_kl,
-                   config.rollout.num_servers, config.learner.micro_batch_tokens, config.learner.sync_every)
+        pacing, algorithm = config.buffer.pacing, config.algorithm
+        return cls(config.buffer.max_staleness, pacing.k_max, pacing.max_mismatch_kl, pacing.max_is_clip_frac,
+                   config.rollout.num_servers, config.learner.micro_batch_tokens, config.learner.sync_every,
+                   algorithm.loss, algorithm.mini_batches * algorithm.epochs)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class RunReading:
     staleness_mean: float  # staleness/mean
     mismatch_kl: float  # rollout_corr/mismatch_kl
     is_clip_frac: float  # rollout_corr/is_clip_frac
+    masked_frac: float | None  # trust_region/masked_frac; None: the loss logged none
     rollout_idle: float  # rollout/idle_ratio at the last step that logged it (a whole-run figure)
     completion_tokens: float  # completion tokens trained per step: response_length/mean x batch/samples
 
@@ -80,15 +92,16 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
         sync_share=sync_s / step_s, k_mean=sum(ks) / len(ks) if ks else None, k_last=int(ks[-1]) if ks else None,
         staleness_mean=_mean(read, "staleness/mean"),
         mismatch_kl=_mean(read, DRIFT_KEYS[0]), is_clip_frac=_mean(read, DRIFT_KEYS[1]),
+        masked_frac=_mean(read, MASKED_KEY) if any(r.get(MASKED_KEY) is not None for r in read) else None,
         rollout_idle=idle[-1] if idle else 0.0,
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
     )
 
 
 def advise(reading: RunReading, settings: RunSettings) -> list[str]:
-    """The verdict with its numbers, then one piece of advice each for K, servers and micro-batch."""
+    """The verdict with its numbers, then one piece of advice each for K, servers, micro-batch and drift."""
     return [_verdict_line(reading, settings), _k_advice(reading, settings), _servers_advice(reading, settings),
-            _micro_batch_advice(reading, settings)]
+            _micro_batch_advice(reading, settings), _drift_advice(reading, settings)]
 
 
 def _verdict_line(r: RunReading, s: RunSettings) -> str:
@@ -154,6 +167,36 @@ def _micro_batch_advice(r: RunReading, s: RunSettings) -> str:
     return (f"micro-batch: learner.micro_batch_tokens=auto or {2 * tokens} (a step trains {r.completion_tokens:.0f} "
             f"completion tokens in about {math.ceil(r.completion_tokens / tokens)} micro-batches of {tokens}: fewer, "
             "larger ones use the device better while memory allows)")
+
+
+def _drift_advice(r: RunReading, s: RunSettings) -> str:
+    """Whether the drift at the run's K stayed inside its bounds, and what to change when it did not."""
+    k = r.k_last if r.k_last is not None else s.k
+    lower = _lower_k(s)
+    if r.masked_frac is not None and r.masked_frac > s.max_is_clip_frac:
+        bound = BOUND_KEYS.get(s.loss, "its bound")
+        return (f"drift: {s.loss} masked {r.masked_frac:.1%} of the trained tokens at K={k} ({MASKED_KEY}, above "
+                f"buffer.pacing.max_is_clip_frac={s.max_is_clip_frac:g}; mismatch_kl {r.mismatch_kl:.4f}): those tokens "
+                f"train nothing; {lower}, or loosen {bound} if the held-out reward holds")
+    if r.mismatch_kl <= s.max_mismatch_kl:
+        masked = f", {r.masked_frac:.1%} of tokens masked" if r.masked_frac is not None else ""
+        return (f"drift: mismatch_kl {r.mismatch_kl:.4f} at K={k} is within buffer.pacing.max_mismatch_kl="
+                f"{s.max_mismatch_kl:g}{masked}: {s.loss} holds this K")
+    high = f"drift: mismatch_kl {r.mismatch_kl:.4f} at K={k} is above buffer.pacing.max_mismatch_kl={s.max_mismatch_kl:g}"
+    if s.loss in BEHAVIOUR_ANCHORED:
+        return (f"{high}; {s.loss} bounds the policy against the one that sampled: watch the held-out reward, and "
+                f"{lower} if it falls")
+    steps = (", or several optimizer steps per batch (algorithm.mini_batches) so its clip around π_prox binds"
+             if s.loss in PROXIMAL_CLIPPED and s.optimizer_steps == 1 else "")
+    return (f"{high}, and {s.loss} has no trust region anchored to the policy that sampled: {lower}, or switch to a "
+            f"behaviour-anchored loss (algorithm.loss=dppo_tv, m2po or decoupled_ppo_kl; docs/losses.md){steps}")
+
+
+def _lower_k(s: RunSettings) -> str:
+    if s.k == "auto":
+        return f"lower K (buffer.pacing.k_max below {s.k_max}, or a smaller buffer.pacing.max_mismatch_kl)"
+    fixed = int(s.k)
+    return f"lower K (buffer.max_staleness={fixed - 1})" if fixed > 0 else "K is 0 already: the drift is the engine's own"
 
 
 def _mean(records: Sequence[Mapping[str, Any]], key: str) -> float:

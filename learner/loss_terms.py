@@ -1,5 +1,5 @@
 """Building blocks the policy losses share: masked reductions, the PPO clip, importance-weight
-truncation, KL estimators, aggregation and per-token entropy.
+truncation, KL estimators, the behaviour-anchored trust regions' masks, aggregation and per-token entropy.
 
 Shapes: B sequences, T completion tokens, V vocabulary, [] a scalar. A mask is 1 where a token is trained
 on and 0 on environment/tool tokens and padding. Every reduction selects with the mask (never multiplies
@@ -9,6 +9,7 @@ infinity there cannot reach a loss or metric value.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,45 @@ def k3_from_log_ratio(log_ratio: Tensor) -> Tensor:
     unbiased, non-negative estimate of KL(q‖p)."""
     clamped = log_ratio.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # [B, T]
     return clamped.exp() - 1.0 - clamped
+
+
+def binary_kl(behaviour_logprobs: Tensor, logprobs: Tensor) -> Tensor:
+    """Per token, KL(Bern(μ)‖Bern(π)) for μ = π_behav(token), π = π_θ(token): the divergence between the two
+    policies restricted to "this token or any other", DPPO's cheap stand-in for the full-vocabulary KL:
+        μ·(log μ − log π) + (1 − μ)·(log(1 − μ) − log(1 − π)).
+    log(1 − p) is floored at −LOG_RATIO_LIMIT, so a probability of exactly 1 gives a finite value."""
+    log_mu = behaviour_logprobs.clamp(-LOG_RATIO_LIMIT, 0.0)  # [B, T]
+    log_pi = logprobs.clamp(-LOG_RATIO_LIMIT, 0.0)  # [B, T]
+    mu = log_mu.exp()  # [B, T]
+    return mu * (log_mu - log_pi) + (1.0 - mu) * (_log_one_minus(log_mu) - _log_one_minus(log_pi))
+
+
+def _log_one_minus(log_p: Tensor) -> Tensor:
+    """log(1 − p) from log p ≤ 0, floored at −LOG_RATIO_LIMIT."""
+    return torch.log(-torch.expm1(log_p)).clamp(min=-LOG_RATIO_LIMIT)
+
+
+def leaves_trust_region(divergence: Tensor, bound: float, shift: Tensor, advantages: Tensor) -> Tensor:
+    """[B, T] bool, DPPO's mask: the token lies past the bound (divergence > bound) and its advantage pushes its
+    probability further the way it has already moved (A · shift > 0, shift = π_θ − π_behav). An update back
+    toward π_behav is never masked, nor is a token with A = 0."""
+    return (divergence > bound) & (advantages * shift > 0)
+
+
+def second_moment_cutoff(squared_log_ratios: Tensor, threshold: float) -> float:
+    """M2PO's cutoff c over one optimizer step's trained tokens ([N] values s = (log ratio)²): keeping the
+    tokens with s ≤ c, and masking the ones above it, keeps as many tokens as possible (the smallest s first)
+    while their mean s stays at most `threshold`. Equal values are kept or masked together. -inf (mask every
+    token) when even the smallest s exceeds the threshold; +inf (mask none) when there are no tokens."""
+    if squared_log_ratios.numel() == 0:
+        return math.inf
+    ascending = squared_log_ratios.detach().double().flatten().sort().values  # [N]
+    counts = torch.arange(1, ascending.numel() + 1, dtype=ascending.dtype, device=ascending.device)  # [N]
+    prefix_mean = ascending.cumsum(0) / counts  # [N] non-decreasing: each added value is the largest so far
+    last_of_its_value = torch.ones_like(ascending, dtype=torch.bool)  # [N]
+    last_of_its_value[:-1] = ascending[1:] > ascending[:-1]
+    admissible = (last_of_its_value & (prefix_mean <= threshold)).nonzero()  # [k, 1]
+    return float(ascending[admissible.max()]) if admissible.numel() else -math.inf
 
 
 def kl_estimate(logprobs: Tensor, reference_logprobs: Tensor, estimator: str) -> Tensor:

@@ -1,5 +1,6 @@
 """The policy half of the synchronous reference (`learner.mode=synchronous`, `launch.reference_loop`): the model,
-its optimizer and one optimizer step per batch, with the learner's own model loading and loss.
+its optimizer and one learner step per batch (`algorithm.mini_batches` × `algorithm.epochs` optimizer steps, the
+async learner's `train_step`), with the learner's own model loading and loss.
 
 One rank, no buffer, no weight broadcast: the caller hands in a batch and takes the new weights back."""
 
@@ -52,7 +53,7 @@ class ReferenceTrainer:
         return cls(config, world, model, reference, optimizer, passes, pad_id)
 
     def train(self, groups: list[TrajectoryGroup], version: int) -> StepOutcome:
-        """One optimizer step on `groups`, taking the policy from `version` to `version` + 1 (skipped, and
+        """One learner step on `groups`, taking the policy from `version` to `version` + 1 (skipped, and
         `finite` False, when the loss or gradient is not finite). The rows go in content order, as the
         async learner orders them, so that the same samples make the same micro-batches and float sums."""
         rate = learning_rate(version, self.config.learner)

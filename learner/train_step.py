@@ -1,23 +1,31 @@
-"""One optimizer step on a batch: advantages, proximal log-probs, micro-batched loss and backward,
-gradient clipping, update. Every rank holds the whole batch and trains on its share of the rows;
-losses are normalised by whole-batch counts so that any number of ranks computes the same gradient."""
+"""One learner step on a batch: advantages and anchor log-probs once, then `algorithm.mini_batches` ×
+`algorithm.epochs` optimizer steps, each a micro-batched loss and backward over one mini-batch (whole groups),
+gradient clipping and an update. However many steps it takes, the batch makes one policy version: π_prox, the
+policy that started the batch, anchors every step, while π_θ moves from step to step. Every rank holds the whole
+batch and trains on its share of each mini-batch's rows; losses are normalised by whole-mini-batch counts so that
+any number of ranks computes the same gradient."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from learner.advantages import compute_advantages
 from learner.batching import TrainBatch, micro_batches
 from learner.distributed import World, sum_across_ranks
 from learner.logprobs import target_logprobs
-from learner.losses import LossInputs, compute_policy_loss
+from learner.loss_terms import second_moment_cutoff
+from learner.losses import LossInputs, compute_policy_loss, second_moment_summary
 from learner.memory import out_of_memory_names_keys
+from learner.mini_batches import mini_batch_rows
 
-NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask")  # losses that anchor the clip on the learner's pre-update policy
+NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask", "m2po", "decoupled_ppo_kl")  # losses that read π_prox, the batch's starting policy
+NEEDS_SECOND_MOMENT_CUTOFF = ("m2po",)  # losses whose mask needs a statistic of the whole optimizer step's tokens
 
 
 @dataclass(frozen=True)
@@ -31,8 +39,8 @@ class Passes:
 
 @dataclass
 class StepOutcome:
-    metrics: dict[str, float]  # averaged over micro-batches and ranks
-    finite: bool  # False: the loss or gradient was NaN/inf and the update was skipped
+    metrics: dict[str, float]  # averaged over micro-batches and ranks, then over the batch's optimizer steps
+    finite: bool  # False: a loss or gradient was NaN/inf; that update and the batch's later ones were skipped
 
 
 def train_step(
@@ -46,18 +54,34 @@ def train_step(
     reference: torch.nn.Module | None = None,
 ) -> StepOutcome:
     """`passes.temperature` makes π the distribution the rollout servers' behaviour log-probs were taken from;
-    `reference` is the frozen model of `algorithm.use_reference`."""
+    `reference` is the frozen model of `algorithm.use_reference`. Every optimizer step runs at the learning rate
+    the caller set for the batch."""
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
-    chunks = rank_chunks(batch, passes.micro_batch_tokens, world, passes.packed)
-    denominator = _denominator(batch, algorithm)
+    minis = _plan(batch, advantages, algorithm, passes, world)
     with out_of_memory_names_keys(passes.micro_batch_tokens):
-        anchors = _anchor_logprobs(model if algorithm.loss in NEEDS_PROXIMAL else None, reference, batch, chunks, passes)
-        optimizer.zero_grad(set_to_none=True)
-        per_chunk = _train_passes(model, batch, chunks, advantages, anchors, denominator, algorithm, world, passes)
+        _score_anchors(model if algorithm.loss in NEEDS_PROXIMAL else None, reference, minis, algorithm, passes, world)
+    updates = []
+    for mini in [mini for _ in range(algorithm.epochs) for mini in minis]:
+        metrics, finite = _optimizer_step(model, optimizer, mini, algorithm, passes, grad_clip, world)
+        updates.append(metrics)
+        if not finite:
+            # the weights already moved by the batch's earlier steps stay; the caller counts a bad step
+            return StepOutcome(metrics=_over_updates(updates), finite=False)
+    return StepOutcome(metrics=_over_updates(updates), finite=True)
+
+
+def _optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, mini: "MiniBatch", algorithm: AlgorithmConfig,
+    passes: Passes, grad_clip: float, world: World,
+) -> tuple[dict[str, float], bool]:
+    """One update on one mini-batch: its metrics, and whether they were finite (else the update is skipped)."""
+    optimizer.zero_grad(set_to_none=True)
+    with out_of_memory_names_keys(passes.micro_batch_tokens):
+        per_chunk = _train_passes(model, mini, algorithm, world, passes)
     grad_norm = _clip(model, grad_clip)
-    metrics = _combine(per_chunk, world) | {"actor/grad_norm": grad_norm}
-    # Judged on whole-batch numbers that every rank holds alike, so all ranks skip or step together. The
+    metrics = _combine(per_chunk, world) | mini.step_metrics | {"actor/grad_norm": grad_norm}
+    # Judged on whole-mini-batch numbers that every rank holds alike, so all ranks skip or step together. The
     # check sits before the update rather than before backward: FSDP's backward is a collective every
     # rank must join, and a NaN gradient is harmless once it is discarded here.
     finite = _is_finite(metrics)
@@ -65,36 +89,44 @@ def train_step(
         optimizer.step()
     else:
         optimizer.zero_grad(set_to_none=True)
-    return StepOutcome(metrics=metrics, finite=finite)
+    return metrics, finite
+
+
+@dataclass
+class Pass:
+    """One forward/backward pass's metrics."""
+
+    metrics: dict[str, float]  # what the loss reported for one micro-batch
+    real: bool  # False: a padding pass, whose metrics name the keys but add no value
 
 
 def _train_passes(
-    model: torch.nn.Module, batch: TrainBatch, chunks: list["Chunk"], advantages: torch.Tensor,
-    anchors: "Anchors", denominator: float, algorithm: AlgorithmConfig, world: World, passes: Passes,
-) -> list[dict[str, float]]:
-    """Forward and backward of each micro-batch, gradients accumulating; the metrics of each real pass."""
+    model: torch.nn.Module, mini: "MiniBatch", algorithm: AlgorithmConfig, world: World, passes: Passes,
+) -> list[Pass]:
+    """Forward and backward of each micro-batch, gradients accumulating; the metrics of each pass."""
+    assert mini.anchors is not None
     per_chunk = []
-    for index, chunk in enumerate(chunks):
-        part = batch.select(chunk.rows)
+    for index, chunk in enumerate(mini.chunks):
+        part = mini.part.select(chunk.rows)
         logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature,
                                             packed=passes.packed)  # [b, T-1] each
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=part.behaviour_logprobs,
-            advantages=advantages[chunk.rows, : part.target_width],
+            advantages=mini.advantages[chunk.rows, : part.target_width],
             loss_mask=part.loss_mask,
-            proximal_logprobs=None if anchors.proximal is None else anchors.proximal[index],
-            reference_logprobs=None if anchors.reference is None else anchors.reference[index],
+            proximal_logprobs=None if mini.anchors.proximal is None else mini.anchors.proximal[index],
+            reference_logprobs=None if mini.anchors.reference is None else mini.anchors.reference[index],
             entropy=entropy,
-            denominator=denominator,
+            denominator=mini.denominator,
+            m2_cutoff=mini.m2_cutoff,
         )
         loss, metrics = compute_policy_loss(inputs, algorithm)
         # FSDP averages gradients over ranks; scaling by the world size turns that average into the sum
         # of every rank's share of the whole-batch loss. A padding chunk contributes a zero gradient.
         scale = 0.0 if chunk.padding else float(world.size)
         (loss * scale).backward()
-        if not chunk.padding:
-            per_chunk.append(metrics)
+        per_chunk.append(Pass(metrics, real=not chunk.padding))
     return per_chunk
 
 
@@ -118,6 +150,68 @@ def rank_chunks(batch: TrainBatch, micro_batch_tokens: int, world: World, packed
     return mine + [Chunk([0], padding=True)] * (max(counts) - len(mine))
 
 
+@dataclass
+class MiniBatch:
+    """The rows of one optimizer step, with what is fixed for them before the batch's first update."""
+
+    part: TrainBatch  # the rows, cut to the longest of them
+    advantages: Tensor  # [b, T'-1] computed over the whole batch
+    chunks: list[Chunk]  # this rank's micro-batches of the rows
+    denominator: float  # tokens or sequences of the mini-batch: its loss is a mean over them
+    anchors: Anchors | None = None  # log-probs under the batch's starting weights and the reference
+    m2_cutoff: float | None = None  # m2po's cutoff over the mini-batch's tokens on every rank
+    step_metrics: dict[str, float] = field(default_factory=dict)  # taken over the whole mini-batch, replacing per-pass means
+
+
+def _plan(batch: TrainBatch, advantages: Tensor, algorithm: AlgorithmConfig, passes: Passes, world: World) -> list[MiniBatch]:
+    """The batch's mini-batches (whole groups, algorithm.mini_batches) and this rank's micro-batches of each."""
+    minis = []
+    for rows in mini_batch_rows(batch.group_index, algorithm.mini_batches):
+        part = batch.select(rows)
+        chunks = rank_chunks(part, passes.micro_batch_tokens, world, passes.packed)
+        minis.append(MiniBatch(part, advantages[rows, : part.target_width], chunks, _denominator(part, algorithm)))
+    return minis
+
+
+def _score_anchors(policy: torch.nn.Module | None, reference: torch.nn.Module | None, minis: list[MiniBatch],
+                 algorithm: AlgorithmConfig, passes: Passes, world: World) -> None:
+    """Score every mini-batch before the first update: π_prox stays the policy that started the batch."""
+    for mini in minis:
+        mini.anchors = _anchor_logprobs(policy, reference, mini.part, mini.chunks, passes)
+        if algorithm.loss in NEEDS_SECOND_MOMENT_CUTOFF:
+            squared = _squared_log_ratios(mini, world)  # [N]
+            mini.m2_cutoff = second_moment_cutoff(squared, algorithm.m2_threshold)
+            mini.step_metrics = second_moment_summary(squared, mini.m2_cutoff)
+
+
+def _squared_log_ratios(mini: MiniBatch, world: World) -> Tensor:
+    """[N] (log π_prox − log π_behav)² of every trained token of the mini-batch, on every rank's rows."""
+    assert mini.anchors is not None and mini.anchors.proximal is not None
+    squared = []
+    for chunk, proximal in zip(mini.chunks, mini.anchors.proximal):
+        if not chunk.padding:
+            part = mini.part.select(chunk.rows)
+            squared.append((proximal - part.behaviour_logprobs).square()[part.loss_mask.bool()])  # [n]
+    # float64 on every rank, so that a rank without rows gathers alike with one holding float32 log-probs
+    mine = torch.cat(squared).double() if squared else torch.zeros(0, dtype=torch.float64, device=world.device)
+    return _gathered(mine, world)
+
+
+def _gathered(values: Tensor, world: World) -> Tensor:
+    """Every rank's 1-D `values` (lengths may differ), concatenated in rank order."""
+    if world.size == 1:
+        return values
+    length = torch.tensor([values.numel()], dtype=torch.long, device=world.device)
+    lengths = [torch.zeros_like(length) for _ in range(world.size)]
+    dist.all_gather(lengths, length)
+    counts = [int(count) for count in lengths]
+    padded = torch.zeros(max(counts), dtype=values.dtype, device=world.device)  # all_gather needs equal shapes
+    padded[: values.numel()] = values
+    gathered = [torch.empty_like(padded) for _ in range(world.size)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([rank_values[:count] for rank_values, count in zip(gathered, counts)])
+
+
 def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
     """The whole batch's count that `learner.loss_terms.aggregate` divides by: trained tokens (token_mean), or
     sequences with at least one trained token (seq_mean_token_sum)."""
@@ -131,7 +225,7 @@ def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
 class Anchors:
     """Log-probs fixed before the update, per chunk, [b, T-1] each (None where the step needs none)."""
 
-    proximal: list[torch.Tensor] | None  # log π_prox: the policy's weights before this update
+    proximal: list[torch.Tensor] | None  # log π_prox: the policy's weights before the batch's first update
     reference: list[torch.Tensor] | None  # log π_ref: the frozen reference model
 
 
@@ -158,7 +252,7 @@ def _clip(model: torch.nn.Module, grad_clip: float) -> float:
     return float(norm)
 
 
-ADDITIVE_METRICS = ("actor/pg_loss", "actor/kl_loss")  # partial sums of the whole-batch loss: add up
+ADDITIVE_METRICS = ("actor/pg_loss", "actor/kl_loss", "actor/behaviour_kl_loss")  # partial sums of the whole-batch loss: add up
 LOSS_AND_GRADIENT = (*ADDITIVE_METRICS, "actor/grad_norm")  # NaN/inf in any of these skips the update
 
 
@@ -166,11 +260,29 @@ def _is_finite(metrics: dict[str, float]) -> bool:
     return all(math.isfinite(metrics[key]) for key in LOSS_AND_GRADIENT if key in metrics)
 
 
-def _combine(records: list[dict[str, float]], world: World) -> dict[str, float]:
-    """Whole-batch metrics: loss parts summed over passes and ranks, the rest averaged over passes."""
-    keys = sorted({k for record in records for k in record})
-    totals = {k: sum(r.get(k, 0.0) for r in records) for k in keys} | {"_passes": float(len(records))}
+def _combine(records: list[Pass], world: World) -> dict[str, float]:
+    """One optimizer step's metrics: loss parts summed over real passes and ranks, the rest averaged over real
+    passes. Every rank runs at least one pass, padding or not, so every rank sums the same keys (a rank holding
+    none of a small mini-batch's rows included)."""
+    keys = sorted({k for record in records for k in record.metrics})
+    real = [record.metrics for record in records if record.real]
+    totals = {k: sum(r.get(k, 0.0) for r in real) for k in keys} | {"_passes": float(len(real))}
     totals = sum_across_ranks(totals, world)
     passes = max(totals.pop("_passes"), 1.0)
     return {k: v if k in ADDITIVE_METRICS else v / passes for k, v in totals.items()}
 
+
+def _over_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The batch's metrics: one optimizer step's as they are; several steps' averaged, with the step count and
+    the first and last step's `actor/pg_clipfrac` (the first step's π_θ is π_prox, so a clip anchored there
+    binds only in later steps)."""
+    if len(updates) == 1:
+        return updates[0]
+    keys = sorted({key for update in updates for key in update})
+    metrics = {key: math.fsum(u[key] for u in updates if key in u) / sum(key in u for u in updates) for key in keys}
+    metrics["actor/optimizer_steps"] = float(len(updates))
+    if "actor/pg_clipfrac" in updates[0]:
+        metrics["actor/pg_clipfrac_first_step"] = updates[0]["actor/pg_clipfrac"]
+    if "actor/pg_clipfrac" in updates[-1]:
+        metrics["actor/pg_clipfrac_last_step"] = updates[-1]["actor/pg_clipfrac"]
+    return metrics

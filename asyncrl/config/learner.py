@@ -15,9 +15,9 @@ class LearnerConfig:
     nproc: int = bounded(1, 1)  # local ranks spawned by `asyncrl learner` (ignored under torchrun)
     gpus: list[int] = field(default_factory=list)  # GPU ids of the local ranks, one each; empty = `asyncrl run` splits the visible GPUs, a lone `asyncrl learner` uses what it sees (docs/placement.md)
     device: str = one_of("auto", "cpu", "cuda")  # auto = cuda when available
-    total_steps: int = bounded(100, 1)  # optimizer steps to run (policy version at the end)
+    total_steps: int = bounded(100, 1)  # learner steps to run, one batch and one policy version each (the version at the end); a step takes algorithm.mini_batches × epochs optimizer steps
     lr: float = bounded(1e-5, 0.0, 1.0)  # AdamW peak learning rate (reached at the end of the warm-up)
-    warmup_steps: int = bounded(0, 0)  # linear learning-rate warm-up from lr/warmup_steps to lr, in optimizer steps
+    warmup_steps: int = bounded(0, 0)  # linear learning-rate warm-up from lr/warmup_steps to lr, in learner steps (every optimizer step of a batch runs at its batch's rate)
     lr_schedule: str = one_of("constant", "cosine")  # after the warm-up: constant lr, or cosine decay to min_lr_ratio * lr at total_steps
     min_lr_ratio: float = bounded(0.0, 0.0, 1.0)  # cosine: the rate the decay reaches at total_steps, as a share of lr (the last step run, total_steps - 1, is one decay step above it)
     weight_decay: float = bounded(0.0, 0.0)  # AdamW decoupled weight decay
@@ -31,8 +31,8 @@ class LearnerConfig:
     cpu_offload: bool = False  # GPU: keep sharded weights, gradients and optimizer state in CPU memory (largest models; slower steps)
     mixed_precision: bool = True  # GPU: forward/backward in bf16 (weights cast per pass), gradients reduced in fp32 (ignored on CPU)
     master_dtype: str = one_of("float32", "bfloat16", "float16")  # the learner's weights and optimizer state; bfloat16 halves their memory but rounds away updates under ~0.4 % of a weight (lr 1e-6 trains nothing)
-    sync_every: int = bounded(1, 1)  # optimizer steps between weight broadcasts to the rollout servers
-    checkpoint_every: int = bounded(50, 1)  # optimizer steps between checkpoints (model, optimizer, data, buffer offset)
+    sync_every: int = bounded(1, 1)  # learner steps (batches) between weight broadcasts to the rollout servers
+    checkpoint_every: int = bounded(50, 1)  # learner steps (batches) between checkpoints (model, optimizer, data, buffer offset)
     keep_checkpoints: int = bounded(2, 1)  # most recent checkpoints kept on disk
     resume: str = "auto"  # auto = continue the latest checkpoint in the run dir; never; or a checkpoint path
     max_bad_steps: int = bounded(3, 1)  # consecutive non-finite losses (each step skipped) before the run stops

@@ -68,7 +68,7 @@ class AsyncRLConfig:
         sync_mode = self.learner.mode == "synchronous"
         problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, sync_mode) + self.reward.cross_checks()
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
-        problems += self._study_lag_problems()
+        problems += self._study_lag_problems() + self.algorithm.cross_checks(self.buffer.batch_groups)
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += self._control_channel_problems()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)

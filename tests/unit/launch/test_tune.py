@@ -35,7 +35,7 @@ def test_generation_bound(tmp_path, capsys):
     # waits 0.6 of a 1.6 s step (sync 0.4 s after it): 30 % of 2.0 s; warm-up steps that waited 50 s are left out
     write_run(tmp_path, ["buffer.max_staleness=2", "rollout.num_servers=2"], steady(0.6, 1.0, 0.4),
               warmup=steady(50.0, 1.0, 0.4))
-    verdict, k, servers, micro = tune(tmp_path, capsys)
+    verdict, k, servers, micro, _ = tune(tmp_path, capsys)
     assert verdict.startswith("generation-bound over 18 steps of 2.000 s: the learner waited for batches 30%")
     assert "weight sync took 20%" in verdict and "training the rest (50%)" in verdict
     assert k.startswith("K: buffer.max_staleness=3 or auto")
@@ -47,7 +47,7 @@ def test_generation_bound(tmp_path, capsys):
 def test_learner_bound_with_a_small_micro_batch(tmp_path, capsys):
     write_run(tmp_path, ["buffer.max_staleness=4", "rollout.num_servers=4", "learner.micro_batch_tokens=1024"],
               steady(0.01, 0.99, **{"rollout/idle_ratio": 0.5}))
-    verdict, k, servers, micro = tune(tmp_path, capsys)
+    verdict, k, servers, micro, _ = tune(tmp_path, capsys)
     assert verdict.startswith("learner-bound over 18 steps of 1.000 s: the learner waited for batches 1%")
     assert k.startswith("K: buffer.max_staleness=3 or auto") and "1.50 versions old" in k
     assert servers.startswith("servers: 2 of the 4 would do") and "idle 50%" in servers
@@ -58,14 +58,14 @@ def test_learner_bound_with_a_small_micro_batch(tmp_path, capsys):
 def test_sync_bound(tmp_path, capsys):
     # sync 0.5 s after a 0.5 s step: 50 % of the time; at sync_every=1 -> ceil(1 · 0.5 / 0.1) = 5
     write_run(tmp_path, ["buffer.max_staleness=1"], steady(0.05, 0.45, 0.5))
-    verdict, k, _, _ = tune(tmp_path, capsys)
+    verdict, k, _, _, _ = tune(tmp_path, capsys)
     assert verdict.startswith("sync-bound") and "weight sync took 50%" in verdict
     assert k.startswith("sync: learner.sync_every=5") and "K ≥ 5" in k
 
 
 def test_a_paced_run_reports_where_the_controller_settled(tmp_path, capsys):
     write_run(tmp_path, ["buffer.max_staleness=auto"], steady(0.02, 0.98, **{"staleness/max_staleness": 3.0}))
-    _, k, _, _ = tune(tmp_path, capsys)
+    _, k, _, _, _ = tune(tmp_path, capsys)
     assert k.startswith("K: the controller settled at K=3 (mean 3.00)")
 
 
@@ -76,7 +76,7 @@ def test_a_paced_run_reports_where_the_controller_settled(tmp_path, capsys):
 def test_a_paced_generation_bound_run_says_what_stopped_k(tmp_path, capsys, last_k, expected):
     write_run(tmp_path, ["buffer.max_staleness=auto"],
               steady(0.3, 0.7, **{"staleness/max_staleness": last_k, "rollout_corr/mismatch_kl": 0.03}))
-    _, k, _, _ = tune(tmp_path, capsys)
+    _, k, _, _, _ = tune(tmp_path, capsys)
     assert k.startswith(expected)
 
 
@@ -95,3 +95,44 @@ def test_a_run_without_metrics_or_steps_fails_clearly(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
     with pytest.raises(NotEnoughSteps, match="1 learner step"):
         read_run([steady(0.1, 0.9)])
+
+
+# ------------------------------------------------------------------------------------ drift at the chosen K
+
+
+def test_low_drift_says_the_loss_holds_k(tmp_path, capsys):
+    write_run(tmp_path, ["buffer.max_staleness=2"], steady(0.0, 1.0))  # mismatch_kl 0.004, default bound 0.02
+    drift = tune(tmp_path, capsys)[4]
+    assert drift == ("drift: mismatch_kl 0.0040 at K=2 is within buffer.pacing.max_mismatch_kl=0.02: decoupled_ppo "
+                     "holds this K")
+
+
+def test_high_drift_under_a_proximal_loss_suggests_a_smaller_k_or_a_behaviour_anchored_loss(tmp_path, capsys):
+    write_run(tmp_path, ["buffer.max_staleness=8", "algorithm.loss=decoupled_ppo"],
+              steady(0.0, 1.0, **{"rollout_corr/mismatch_kl": 0.35, "staleness/max_staleness": 8.0}))
+    drift = tune(tmp_path, capsys)[4]
+    assert drift.startswith("drift: mismatch_kl 0.3500 at K=8 is above buffer.pacing.max_mismatch_kl=0.02, and "
+                            "decoupled_ppo has no trust region anchored to the policy that sampled: lower K "
+                            "(buffer.max_staleness=7), or switch to a behaviour-anchored loss (algorithm.loss=dppo_tv")
+    assert drift.endswith("so its clip around π_prox binds")  # one optimizer step per batch
+
+
+def test_a_high_masked_share_names_the_loss_its_bound_and_a_smaller_k(tmp_path, capsys):
+    # m2po masked 12 % of the tokens at K = 4 (above buffer.pacing.max_is_clip_frac = 0.05)
+    write_run(tmp_path, ["buffer.max_staleness=4", "algorithm.loss=m2po"],
+              steady(0.0, 1.0, **{"trust_region/masked_frac": 0.12, "rollout_corr/mismatch_kl": 0.09,
+                                  "staleness/max_staleness": 4.0}))
+    drift = tune(tmp_path, capsys)[4]
+    assert drift == ("drift: m2po masked 12.0% of the trained tokens at K=4 (trust_region/masked_frac, above "
+                     "buffer.pacing.max_is_clip_frac=0.05; mismatch_kl 0.0900): those tokens train nothing; lower K "
+                     "(buffer.max_staleness=3), or loosen algorithm.m2_threshold if the held-out reward holds")
+
+
+def test_high_drift_under_a_behaviour_anchored_loss_with_few_masked_tokens(tmp_path, capsys):
+    write_run(tmp_path, ["buffer.max_staleness=auto", "algorithm.loss=dppo_tv", "algorithm.mini_batches=4"],
+              steady(0.0, 1.0, **{"trust_region/masked_frac": 0.01, "rollout_corr/mismatch_kl": 0.05,
+                                  "staleness/max_staleness": 3.0}))
+    drift = tune(tmp_path, capsys)[4]
+    assert drift == ("drift: mismatch_kl 0.0500 at K=3 is above buffer.pacing.max_mismatch_kl=0.02; dppo_tv bounds "
+                     "the policy against the one that sampled: watch the held-out reward, and lower K "
+                     "(buffer.pacing.k_max below 8, or a smaller buffer.pacing.max_mismatch_kl) if it falls")

@@ -28,7 +28,7 @@ from learner.registry import RegistryError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 CUSTOM_FILE = FIXTURES / "custom_losses.py"
-MODES = ("decoupled_ppo", "tis", "seq_mask", "naive_ppo")
+MODES = ("decoupled_ppo", "tis", "seq_mask", "naive_ppo", "dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl")
 TOLERANCE = 1e-5  # float32 arithmetic on values of order 1
 
 
