@@ -15,6 +15,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch, TrajectoryGroup, decode, encode
 from learner.pacing import Pacer
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
+from learner.bad_steps import note_bad_step
 from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint, save_checkpoint
 from learner.distributed import World, broadcast_bytes
@@ -24,10 +25,6 @@ from learner.staleness import staleness_metrics
 from learner.train_step import Passes, train_step
 
 log = logging.getLogger(__name__)
-
-
-class TooManyBadSteps(RuntimeError):
-    """Consecutive non-finite losses exceeded learner.max_bad_steps."""
 
 
 @dataclass
@@ -98,9 +95,7 @@ def run_loop(
         trained = time.perf_counter() - started - waited
         if not outcome.finite:
             state.bad_steps += 1
-            log.warning("non-finite loss or gradient at step %d: update skipped (%d in a row)", state.step + 1, state.bad_steps)
-            if state.bad_steps >= settings.max_bad_steps:
-                raise TooManyBadSteps(f"{state.bad_steps} non-finite steps in a row (learner.max_bad_steps)")
+            note_bad_step(state.bad_steps, state.step + 1, settings.max_bad_steps)
             continue
         state.bad_steps = 0
         state.step += 1

@@ -9,7 +9,8 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
-from learner.loop import LoopState, TooManyBadSteps, run_loop
+from learner.bad_steps import TooManyBadSteps
+from learner.loop import LoopState, run_loop
 from learner.train_step import Passes
 from learner.policy_model import load_policy
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
