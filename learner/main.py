@@ -43,10 +43,14 @@ def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
 
 @contextmanager
 def learner_world(config: AsyncRLConfig) -> Iterator[World]:
-    """This rank in the learner's process group, which it leaves on the way out."""
+    """This rank in the learner's process group, which it leaves on the way out. A run that ended normally leaves
+    it together (a barrier first): a rank that destroys its group and exits while a peer is still busy (rank 0
+    telling the servers the job ended) closes the peer's connections under it, and the peer may abort. After an
+    error there is no barrier: a peer may have died, and the barrier would wait for it."""
     world = init_world(config.learner.device, cpu_collectives=config.learner.cpu_offload)
     try:
         yield world
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
