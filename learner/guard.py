@@ -141,9 +141,12 @@ def share_decision(decision: GuardDecision | None, world: World) -> GuardDecisio
     if world.size == 1:
         assert decision is not None
         return decision
-    sent = None if decision is None else json.dumps({"kind": type(decision).__name__, **dataclasses.asdict(decision)}).encode()
-    fields = json.loads(broadcast_bytes(sent, world))
-    return _DECISIONS[fields.pop("kind")](**fields)
+    received = json.loads(broadcast_bytes(_as_json(decision) if decision is not None else None, world))
+    return _DECISIONS[received.pop("kind")](**received)
+
+
+def _as_json(decision: GuardDecision) -> bytes:
+    return json.dumps({"kind": type(decision).__name__, **dataclasses.asdict(decision)}).encode()
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ class LoopState:
     buffer_offset: int = -1  # buffer log position after the last trained batch (-1 = the buffer's commit)
     buffer_ahead: list[int] = field(default_factory=list)  # records at or past buffer_offset trained (or dropped) too
     bad_steps: int = 0  # consecutive skipped steps
-    task_weights: dict[str, Any] = field(default_factory=dict)  # the task-weight scheduler's state as resumed or restored by a rollback ({} when off)
+    # the task-weight scheduler's state as resumed, or as a rollback restored it (rank 0's scheduler holds the current one)
+    task_weights: dict[str, Any] = field(default_factory=dict)
     lr_scale: float = 1.0  # factor on the scheduled learning rate (guard.lr_scale at each rollback)
     guard: dict[str, Any] = field(default_factory=dict)  # the safety guard's state in the checkpoint resumed from
     max_staleness: int = 0  # K rank 0 takes the next batch under (changes during the run with buffer.max_staleness=auto)
