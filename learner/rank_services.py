@@ -73,6 +73,8 @@ class RankServices(Protocol):
 
 
 class RankZeroServices:
+    """Rank 0's side: the learner's only link to the buffer, the rollout servers and the metrics sink."""
+
     def __init__(self, config: AsyncRLConfig, world: World, connections: LearnerServices, sharing: WeightSharing,
                  tasks: TaskWeightsPublisher | FixedTaskWeights, guard: SafetyGuard | NoGuard,
                  pacer: Pacer | FixedStaleness) -> None:
@@ -155,6 +157,8 @@ class RankZeroServices:
 
 
 class PeerServices:
+    """A rank other than 0: its part in rank 0's collectives, nothing else."""
+
     def __init__(self, config: AsyncRLConfig, world: World, sharing: WeightSharing, guard: GuardFollower | NoGuard,
                  max_staleness: int) -> None:
         self.config, self.world, self.sharing, self.guard = config, world, sharing, guard
