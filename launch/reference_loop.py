@@ -28,6 +28,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup, decode, encode
 from asyncrl.metrics import MetricsLogger
 from asyncrl.staleness import staleness
+from learner.bad_steps import note_bad_step
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,6 @@ class Trainer(Protocol):
     def weights(self, device: Any) -> Sequence[tuple[str, Any]]: ...
 
 
-class TooManyBadSteps(RuntimeError):
-    """learner.max_bad_steps batches in a row gave a non-finite loss."""
-
-
 def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger) -> int:
     """Train to `learner.total_steps`; returns the final policy version."""
     version, bad_steps = 0, 0
@@ -70,9 +67,7 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         trained = time.perf_counter()
         if not outcome.finite:  # the step was skipped: the engine keeps its weights, the next batch comes
             bad_steps += 1
-            log.warning("non-finite loss at step %d: update skipped (%d in a row)", version + 1, bad_steps)
-            if bad_steps >= config.learner.max_bad_steps:
-                raise TooManyBadSteps(f"{bad_steps} non-finite steps in a row (learner.max_bad_steps)")
+            note_bad_step(bad_steps, version + 1, config.learner.max_bad_steps)
             continue
         bad_steps, version = 0, version + 1
         paused_s = sampler.load_weights(version, trainer.weights(sampler.weights_device))

@@ -1,5 +1,6 @@
-"""The safety guard: watches named metrics against their recent best and, when one collapses, rolls the
-learner back to a checkpoint taken before it, then goes on.
+"""The safety guard: watches named metrics against their recent best and, when one collapses, decides that the
+learner rolls back to a checkpoint taken before it and goes on, or that the run stops. The guard decides; the
+loop applies the decision (learner/loop.py), on every rank.
 
 A rollback after step T restores what a resume restores from that checkpoint (weights, optimizer, RNG, task
 weights) and optionally scales the learning rate down. The buffer position is not moved back: the samples
@@ -22,18 +23,13 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Mapping
 
-import torch
-
+from asyncrl.config import AsyncRLConfig
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.staleness import trainable
-from learner.checkpoint import META_FILE, checkpoint_at_or_before, load_checkpoint, remove_checkpoints_after
-from asyncrl.messages import Batch
+from learner.checkpoint import META_FILE, checkpoint_at_or_before, remove_checkpoints_after
 from learner.distributed import World, broadcast_bytes
-
-if TYPE_CHECKING:
-    from learner.loop import LoopState
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +99,68 @@ class CollapseDetector:
         self.history = {name: [(s, v) for s, v in values if s <= step] for name, values in self.history.items()}
 
 
-@dataclass
-class RollbackHooks:
-    fetch_batch: Callable[[int, int], Batch] | None  # rank 0: the next batch for a version under a K (None on the other ranks)
-    resume: Callable[["LoopState"], None]  # every rank: share the restored weights (and task weights) as the new version
+@dataclass(frozen=True)
+class GoOn:
+    """No collapse: training goes on."""
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """Restore `checkpoint` and go on as `version`, after draining what the collapsed policy was admitted to sample."""
+
+    reason: str  # the collapse, described
+    checkpoint: str  # the checkpoint to restore
+    checkpoint_step: int  # its step
+    collapsed_step: int  # the step whose metrics collapsed: the drained batches are asked for at this version
+    max_staleness: int  # K they are asked under: the collapsed step's (admission let the policy sample under it)
+    version: int  # the version of the restored weights: the first that can train no sample of the collapsed policy
+    lr_scale: float  # factor on the learning rate from now on (guard.lr_scale)
+    rollback: int  # this rollback's number, 1 for the first
+    max_rollbacks: int  # guard.max_rollbacks
+
+    @property
+    def drained_batches(self) -> int:
+        """Batches the servers may already hold or sample for the collapsed policy: K + 1 with a fixed K."""
+        return self.version - self.collapsed_step
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A collapse with no rollback left (guard.max_rollbacks) or possible (no checkpoint old enough)."""
+
+    reason: str  # the collapse and why no rollback answers it
+
+
+GuardDecision = GoOn | RollBack | Stop
+GO_ON = GoOn()
+_DECISIONS = {kind.__name__: kind for kind in (GoOn, RollBack, Stop)}
+
+
+def share_decision(decision: GuardDecision | None, world: World) -> GuardDecision:
+    """Rank 0's decision (`decision`; None on the other ranks) on every rank, as JSON."""
+    if world.size == 1:
+        assert decision is not None
+        return decision
+    received = json.loads(broadcast_bytes(_as_json(decision) if decision is not None else None, world))
+    return _DECISIONS[received.pop("kind")](**received)
+
+
+def _as_json(decision: GuardDecision) -> bytes:
+    return json.dumps({"kind": type(decision).__name__, **dataclasses.asdict(decision)}).encode()
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a rollback consumed and discarded from the buffer, and the position past it."""
+
+    samples: int  # samples in the drained batches
+    groups: int  # groups consumed, those dropped as stale included
+    next_offset: int  # the buffer position after the drained batches
+    next_ahead: list[int]  # records at or past next_offset consumed too
 
 
 class SafetyGuard:
-    """Every rank holds one; rank 0 observes the metrics and decides, the others follow its decision."""
+    """Rank 0's guard: observes each step's metrics, decides after the step, and keeps count of its rollbacks."""
 
     def __init__(self, settings: GuardConfig, max_staleness: int, checkpoints: Path, reach: int,
                  saved: Mapping[str, Any]) -> None:
@@ -125,8 +175,14 @@ class SafetyGuard:
         self.trained: list[tuple[int, int]] = [(int(step), int(n)) for step, n in saved.get("trained", [])]
         self.pending: Collapse | None = None
 
+    @classmethod
+    def of_run(cls, config: AsyncRLConfig, checkpoints: Path, saved: Mapping[str, Any]) -> SafetyGuard:
+        """The guard of `guard.enabled` over the run's `checkpoints`, continuing from `saved`."""
+        reach = config.learner.checkpoint_every * config.learner.keep_checkpoints
+        return cls(config.guard, config.buffer.starting_staleness(), checkpoints, reach, saved)
+
     def observe(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
-        """Rank 0, before step `step`'s record is logged: look for a collapse; returns the `guard/*` metrics."""
+        """Before step `step`'s record is logged: look for a collapse; returns the `guard/*` metrics."""
         self.trained = [(done, samples) for done, samples in self.trained if done > step - self.reach]
         self.trained.append((step, int(metrics.get(SAMPLES_KEY, 0))))
         collapse = self.detector.observe(step, metrics)
@@ -143,60 +199,66 @@ class SafetyGuard:
                   f"rolling back to checkpoint step {target_step}" if can_roll_back else "stopping the run")
         return logged | {"guard/collapse": 1.0, "guard/drop": collapse.drop, "guard/rollback_to": float(target_step)}
 
-    def agreed_collapse(self, world: World) -> Collapse | None:
-        """Every rank, after the step: rank 0's finding, on every rank."""
-        found, self.pending = self.pending, None
-        if world.size == 1:
-            return found
-        payload = broadcast_bytes(json.dumps(dataclasses.asdict(found) if found else None).encode(), world)
-        decided = json.loads(payload)
-        return Collapse(**decided) if decided else None
-
-    def roll_back(self, collapse: Collapse, state: LoopState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  world: World, hooks: RollbackHooks) -> None:
-        """Every rank: restore the checkpoint `collapse` names; `state` (updated in place) is where training goes on."""
+    def decide(self) -> GuardDecision:
+        """After the step: go on, roll back to the checkpoint the collapse observed names, or stop the run."""
+        collapse, self.pending = self.pending, None
+        if collapse is None:
+            return GO_ON
         if self.rollbacks >= self.settings.max_rollbacks:
-            raise GuardStopped(f"{collapse.describe()}; {self.rollbacks} rollbacks done (guard.max_rollbacks): stopping the run")
+            return Stop(f"{collapse.describe()}; {self.rollbacks} rollbacks done (guard.max_rollbacks): stopping the run")
         if not collapse.checkpoint:
-            raise GuardStopped(f"{collapse.describe()}; no checkpoint {self.settings.rollback_steps} or more steps before "
-                               "it (guard.rollback_steps) to roll back to: stopping the run")
-        version = first_untrainable_version(collapse.step, collapse.max_staleness)
-        drained = self._drain(collapse.step, version - collapse.step, collapse.max_staleness, state, hooks.fetch_batch)
-        meta = load_checkpoint(Path(collapse.checkpoint), model, optimizer, world)
-        if world.is_main:  # the newer ones hold the branch rolled back: never resumed from, nor rolled back to
-            remove_checkpoints_after(self.checkpoints, meta["step"])
-        trained = sum(samples for step, samples in self.trained if meta["step"] < step <= collapse.step)
-        self.rollbacks += 1
-        self.discarded_samples += trained + drained
-        self.detector.forget_after(meta["step"])
-        self.trained = [(step, samples) for step, samples in self.trained if step <= meta["step"]]
-        # in place: rank 0's step callback keeps the task weights in this same state object
-        state.step, state.bad_steps, state.task_weights = version, 0, meta.get("task_weights", {})
-        state.lr_scale *= self.settings.lr_scale
-        log.error("GUARD: rolled back to %s (step %d) as version %d: discarded the %d samples trained since and the %d "
-                  "sampled for later steps; learning rate × %g; rollback %d of at most %d", collapse.checkpoint,
-                  meta["step"], version, trained, drained, state.lr_scale, self.rollbacks, self.settings.max_rollbacks)
-        hooks.resume(state)
+            return Stop(f"{collapse.describe()}; no checkpoint {self.settings.rollback_steps} or more steps before it "
+                        "(guard.rollback_steps) to roll back to: stopping the run")
+        return RollBack(collapse.describe(), collapse.checkpoint, collapse.checkpoint_step, collapse.step,
+                        collapse.max_staleness, first_untrainable_version(collapse.step, collapse.max_staleness),
+                        self.settings.lr_scale, self.rollbacks + 1, self.settings.max_rollbacks)
 
-    def _drain(self, version: int, batches: int, max_staleness: int, state: LoopState,
-               fetch_batch: Callable[[int, int], Batch] | None) -> int:
-        """Rank 0: consume and discard `batches` batches at `version` (what the collapsed policy was admitted to
-        sample), moving the loop's buffer position past them; returns their samples."""
-        if fetch_batch is None:
-            return 0
-        samples = 0
-        for _ in range(batches):
-            batch = fetch_batch(version, max_staleness)
-            samples += sum(len(group.trajectories) for group in batch.groups)
-            self.drained_groups += len(batch.groups) + batch.dropped_stale
-            state.buffer_offset, state.buffer_ahead = batch.next_offset, batch.next_ahead
-        return samples
+    def agreed_decision(self, world: World) -> GuardDecision:
+        """The decision after the step, on every rank (the others call `GuardFollower.agreed_decision`)."""
+        return share_decision(self.decide(), world)
+
+    def rolled_back(self, rollback: RollBack, drained: Drained) -> int:
+        """Once the checkpoint is restored: delete the newer ones (the rolled-back branch: never resumed from, nor rolled
+        back to), count what was discarded and forget the values measured since; returns the samples trained since
+        the checkpoint."""
+        restored = rollback.checkpoint_step
+        remove_checkpoints_after(self.checkpoints, restored)
+        trained = sum(samples for step, samples in self.trained if restored < step <= rollback.collapsed_step)
+        self.rollbacks += 1
+        self.discarded_samples += trained + drained.samples
+        self.drained_groups += drained.groups
+        self.detector.forget_after(restored)
+        self.trained = [(step, samples) for step, samples in self.trained if step <= restored]
+        return trained
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps, so that a resumed run counts its rollbacks and compares with the same bests."""
         return {"rollbacks": self.rollbacks, "discarded_samples": self.discarded_samples, "drained_groups": self.drained_groups,
                 "history": {name: [list(entry) for entry in values] for name, values in self.detector.history.items()},
                 "trained": [list(entry) for entry in self.trained]}
+
+
+class GuardFollower:
+    """The guard on the ranks other than 0: they take rank 0's decision."""
+
+    def agreed_decision(self, world: World) -> GuardDecision:
+        return share_decision(None, world)
+
+
+class NoGuard:
+    """`guard.enabled` false, on any rank: nothing watched, every step goes on, nothing exchanged between ranks."""
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> dict[str, float]:
+        return {}
+
+    def agreed_decision(self, world: World) -> GuardDecision:
+        return GO_ON
+
+    def rolled_back(self, rollback: RollBack, drained: Drained) -> int:
+        raise AssertionError("guard.enabled is false: no rollback was decided")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
 
 def first_untrainable_version(step: int, max_staleness: int) -> int:

@@ -131,3 +131,13 @@ class Pacer:
             log.info("pacing: max_staleness %d -> %d after step %d: %s", self.k, decision.k, version, decision.reason)
             self.k, self.recent = decision.k, []
         return decision
+
+
+class FixedStaleness:
+    """A fixed `buffer.max_staleness`, where no Pacer chooses K: every step keeps it."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def observe(self, version: int, metrics: Mapping[str, float]) -> Decision:
+        return Decision(self.k, "buffer.max_staleness is fixed")

@@ -135,6 +135,21 @@ class LearnerServices:
         log.warning("no validation of the final version %d within validation.final_wait_s=%.0fs", version, settings.final_wait_s)
         return latest
 
+    def publish_version(self, version: int) -> None:
+        """Tell the buffer the learner's version: admission widens with it."""
+        self.consumer.publish_version(version)
+
+    def server_metrics(self, version: int) -> dict[str, float]:
+        """The buffer's counters and the rollout servers' telemetry, for step `version`'s record."""
+        return self.consumer.stats().metrics() | self.coordinator.rollout_metrics(version)
+
+    def log_metrics(self, version: int, metrics: dict[str, float]) -> None:
+        self.metrics.log(version, metrics)
+
+    def commit(self, version: int, buffer_offset: int, buffer_ahead: list[int]) -> None:
+        """The checkpoint of `version` holds the buffer position: the buffer may forget what lies before it."""
+        self.consumer.commit(version, buffer_offset, buffer_ahead)
+
     def finish(self, version: int) -> None:
         """The job ended at `version`: tell the servers (they stop, and `asyncrl rollout` exits), waiting up to
         rollout.weight_sync.liveness_s for each to answer, and leave the end in the endpoints file for a server

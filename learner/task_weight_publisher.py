@@ -50,3 +50,23 @@ class TaskWeightsPublisher:
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
+
+
+class FixedTaskWeights:
+    """`data.task_weights.enabled` false: the servers keep `data.weights`; a checkpoint carries on the task-weight
+    state it was resumed with (or a rollback restored)."""
+
+    def __init__(self, saved: Mapping[str, Any]) -> None:
+        self.saved = saved
+
+    def publish(self, version: int) -> None:
+        pass
+
+    def after_step(self, version: int, metrics: Mapping[str, float]) -> dict[str, float]:
+        return {}
+
+    def restore(self, saved: Mapping[str, Any], version: int) -> None:
+        self.saved = saved
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return self.saved

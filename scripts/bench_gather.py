@@ -5,7 +5,7 @@ side by side on the same sharded model.
 
 The model is a randomly initialised Qwen2-architecture LM of a named shape (`--shape`, Qwen2.5's dimensions),
 float32 master weights sharded with FSDP2 on one rank as the learner does; each round gathers every weight,
-casts it to `--sync-dtype` (model.dtype) and copies it into CPU memory, as `learner.main.WeightSharing` does
+casts it to `--sync-dtype` (model.dtype) and copies it into CPU memory, as `learner.weight_sharing.WeightSharing` does
 on rank 0 (a multi-rank learner adds the all-gather, which both variants share). The first round of each
 variant is a warm-up (the pinned variant allocates its tensors there). Table: median, min and max seconds
 per round; last line: RESULT {json} with gather_pageable_s, gather_pinned_s, pinned_speedup, bytes.

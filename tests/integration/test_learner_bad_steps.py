@@ -9,10 +9,11 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
-from learner.loop import LoopState, TooManyBadSteps, run_loop
-from learner.train_step import Passes
+from learner.bad_steps import TooManyBadSteps
+from learner.loop_state import LoopState
 from learner.policy_model import load_policy
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
+from offline_learner import OfflineConnections, run_offline
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ class Trained:
     buffer: ScriptedBuffer
     initial: dict[str, torch.Tensor]  # weights before run_loop
     final: dict[str, torch.Tensor]  # weights after it
-    logged: list[int]  # versions passed to after_step
+    logged: list[int]  # versions whose record rank 0 logged
     optimizer_entries: int  # parameters with AdamW state (0 = the optimizer never stepped)
     error: TooManyBadSteps | None
 
@@ -69,14 +70,14 @@ def train_on(model_dir, run_dir, batches: list[Batch], total_steps: int) -> Trai
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr)
         initial = {k: v.clone() for k, v in gathered_weights(model).items()}
         buffer = ScriptedBuffer(model, batches)
-        logged: list[int] = []
+        connections = OfflineConnections(buffer)
         state = LoopState()
         error = None
         try:
-            run_loop(config, run_dir, world, model, optimizer, state, buffer, lambda v, m: logged.append(v),
-                     lambda v, o, a: None, pad_id=0, passes=Passes(4096))
+            run_offline(config, run_dir, world, model, optimizer, state, connections)
         except TooManyBadSteps as raised:
             error = raised
+        logged = [version for version, _ in connections.records]
         return Trained(state, buffer, initial, gathered_weights(model), logged, len(optimizer.state), error)
 
 

@@ -10,11 +10,11 @@ import torch
 
 from asyncrl.config import load_config
 from learner.checkpoint import CHECKPOINTS_DIR
-from learner.guard import GuardStopped, RollbackHooks, SafetyGuard
-from learner.loop import LoopState, run_loop
+from learner.guard import GuardStopped
+from learner.loop_state import LoopState
 from learner.policy_model import load_policy
-from learner.train_step import Passes
 from learner_helpers import random_groups, save_tiny_model, single_rank_world
+from offline_learner import OfflineConnections, run_offline
 from test_learner_bad_steps import ScriptedBuffer, batch_of
 
 pytestmark = pytest.mark.slow
@@ -35,21 +35,14 @@ def test_a_collapse_rolls_back_and_the_one_past_the_last_rollback_stops_the_run(
         "guard.max_rollbacks=1",
     ])
     run_dir = tmp_path / "run"
-    logged: dict[int, dict[str, float]] = {}
     with single_rank_world() as world:
         model = load_policy(config.model.path, "float32", config.learner, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr)
         buffer = ScriptedBuffer(model, scripted_batches(12))
-        guard = SafetyGuard(config.guard, 0, run_dir / CHECKPOINTS_DIR, reach=6, saved={})
-
-        def after_step(version: int, metrics: dict[str, float]) -> None:
-            metrics |= guard.observe(version, metrics)
-            logged[version] = dict(metrics)
-
-        state = LoopState()
+        connections = OfflineConnections(buffer)
         with pytest.raises(GuardStopped) as stopped:
-            run_loop(config, run_dir, world, model, optimizer, state, buffer, after_step, lambda v, o, a: None, pad_id=0,
-                     passes=Passes(4096), guard=guard, rollback_hooks=RollbackHooks(buffer, resume=lambda s: None))
+            run_offline(config, run_dir, world, model, optimizer, LoopState(), connections)
+    logged = connections.logged
     # batch 5 collapses step 5: back to checkpoint 2 (3 steps back at most: 4 is only 1 back); batch 6 is drained at
     # version 5 (K = 0: one batch was admitted ahead); training goes on from version 6 with batch 7
     assert buffer.versions == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]

@@ -7,10 +7,10 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
-from learner.loop import resume_state, run_loop
+from learner.loop_state import resume_state
 from learner.policy_model import load_policy
-from learner.train_step import Passes
 from learner_helpers import random_groups, save_tiny_model, single_rank_world
+from offline_learner import OfflineConnections, run_offline
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,6 @@ def test_the_paced_k_reaches_each_batch_request_and_survives_a_resume(tmp_path):
     model_dir = save_tiny_model(tmp_path / "model")
     config = load_config(None, overrides(model_dir))
     asked: list[int] = []
-    logged: dict[int, dict[str, float]] = {}
 
     def fetch_batch(version: int, max_staleness: int) -> Batch:
         asked.append(max_staleness)
@@ -39,9 +38,9 @@ def test_the_paced_k_reaches_each_batch_request_and_survives_a_resume(tmp_path):
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.learner.lr)
         state = resume_state(config, tmp_path / "run", model, optimizer, world)
         assert state.max_staleness == K_START  # a new run starts at k_start
-        run_loop(config, tmp_path / "run", world, model, optimizer, state, fetch_batch,
-                 lambda version, metrics: logged.__setitem__(version, dict(metrics)), lambda v, o, a: None,
-                 pad_id=0, passes=Passes(4096))
+        connections = OfflineConnections(fetch_batch)
+        run_offline(config, tmp_path / "run", world, model, optimizer, state, connections)
+        logged = connections.logged
         assert asked == [3, 2]  # lowered by one after each one-step window, for drift
         assert [logged[v]["staleness/max_staleness"] for v in (1, 2)] == [3, 2]
         assert state.max_staleness == 1  # decided after step 2 and saved with its checkpoint

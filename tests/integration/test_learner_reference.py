@@ -6,10 +6,10 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
-from learner.loop import LoopState, run_loop
+from learner.loop_state import LoopState
 from learner.policy_model import load_policy, load_reference
-from learner.train_step import Passes
 from learner_helpers import random_groups, save_tiny_model, single_rank_world
+from offline_learner import OfflineConnections, run_offline
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +24,13 @@ def test_kl_to_the_reference_starts_at_zero_and_grows_while_the_rate_warms_up(tm
     ])
     batches = iter(Batch(groups=random_groups(step, groups=2, samples=4), offsets=[2 * step, 2 * step + 1],
                          next_offset=2 * step + 2) for step in range(STEPS))
-    logged: dict[int, dict[str, float]] = {}
+    connections = OfflineConnections(lambda version, max_staleness: next(batches))
     with single_rank_world() as world:
         model = load_policy(str(model_dir), "float32", config.learner, world)
         reference = load_reference(config, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        run_loop(config, tmp_path / "run", world, model, optimizer, LoopState(), lambda version, max_staleness: next(batches),
-                 lambda version, metrics: logged.__setitem__(version, dict(metrics)), lambda v, o, a: None,
-                 pad_id=0, passes=Passes(4096), reference=reference)
+        run_offline(config, tmp_path / "run", world, model, optimizer, LoopState(), connections, reference)
+    logged = connections.logged
     kl = [logged[version]["actor/kl_loss"] for version in range(1, STEPS + 1)]
     assert kl[0] == 0.0  # the policy before its first update is the reference, token for token
     assert all(value > 0 for value in kl[1:]) and kl[-1] > kl[1]

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
 from learner.distributed import init_world
-from learner.main import WeightSharing, warn_if_updates_round_away
+from learner.main import warn_if_updates_round_away
+from learner.weight_sharing import WeightSharing
 from learner.policy_model import full_weights, full_weights_bytes, load_policy
 from learner_helpers import free_port, gathered_weights, save_tiny_model, single_rank_world
 

@@ -10,7 +10,8 @@ from asyncrl.config import load_config
 from asyncrl.config.sections import MetricsConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.metrics import MetricsLogger, read_metrics
-from launch.reference_loop import TooManyBadSteps, run, trained_groups
+from launch.reference_loop import run, trained_groups
+from learner.bad_steps import TooManyBadSteps
 
 
 def group(number: int, version: int) -> TrajectoryGroup:

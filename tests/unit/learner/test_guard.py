@@ -1,11 +1,12 @@
 """The safety guard's decisions on hand-computed metric sequences: what counts as a collapse, which checkpoint
-it rolls back to, the version training goes on from, its saved state, and when it stops the run instead.
-(The rollback itself, on a real job, is tests/integration/test_task_weights_run.py.)"""
+it rolls back to, the version training goes on from, its saved state, and when it stops the run instead; and the
+loop carrying out a rollback. (A rollback on a real job is tests/integration/test_task_weights_run.py.)"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +17,16 @@ from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.config.loader import ConfigError
 from asyncrl.messages import Batch
 from learner.distributed import World
-from learner.guard import CollapseDetector, GuardStopped, RollbackHooks, SafetyGuard, first_untrainable_version
-from learner.loop import LoopState
+from learner.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop, first_untrainable_version
+from learner.loop import roll_back
+from learner.loop_state import LoopState
+from learner.pacing import FixedStaleness
+from learner.policy_trainer import PolicyTrainer
+from learner.rank_services import RankZeroServices
+from learner.task_weight_publisher import FixedTaskWeights
+from learner.train_step import Passes
+from learner.weight_sharing import WeightSharing
+from offline_learner import OfflineConnections
 
 SCORE, KL = "val/a/score/mean", "actor/kl"
 SETTINGS = GuardConfig(enabled=True, window=3, rollback_steps=3, lr_scale=0.5, max_rollbacks=1,
@@ -72,8 +81,39 @@ def test_a_collapse_names_the_newest_checkpoint_far_enough_back_in_the_logged_me
     logged = guard.observe(10, {SCORE: 0.5, "batch/samples": 16.0})
     assert logged == {"guard/rollbacks": 0.0, "guard/discarded_samples": 0.0, "guard/drained_groups": 0.0,
                       "guard/collapse": 1.0, "guard/drop": 0.5, "guard/rollback_to": 6.0}  # step_8 is only 2 steps back: rollback_steps is 3
-    collapse = guard.agreed_collapse(ALONE)
-    assert collapse.checkpoint == str(tmp_path / "step_00000006") and guard.agreed_collapse(ALONE) is None
+    decision = guard.decide()
+    assert decision.checkpoint == str(tmp_path / "step_00000006") and guard.decide() is GO_ON
+
+
+def test_a_collapse_decides_a_rollback_past_the_bound_of_the_collapsed_step_and_the_decision_is_taken_once(tmp_path):
+    guard = guard_with_checkpoints(tmp_path, [4, 6, 8], saved={"rollbacks": 0})
+    guard.observe(7, {SCORE: 0.8, "batch/samples": 16.0})
+    guard.observe(8, {SCORE: 1.0, "batch/samples": 16.0})
+    assert guard.decide() is GO_ON  # nothing collapsed yet
+    # the collapsed step's batch was taken under K = 1 (paced), not the guard's starting K of 2: versions 10 and 11
+    # may still train samples of version 10, version 12 none; 2 batches are drained at version 10
+    guard.observe(10, {SCORE: 0.6, "batch/samples": 16.0, "staleness/max_staleness": 1})
+    decision = guard.decide()
+    assert decision == RollBack(reason="val/a/score/mean = 0.6 at step 10, 40% worse than its recent best 1",
+                                checkpoint=str(tmp_path / "step_00000006"), checkpoint_step=6, collapsed_step=10,
+                                max_staleness=1, version=12, lr_scale=0.5, rollback=1, max_rollbacks=1)
+    assert decision.drained_batches == 2
+    assert guard.decide() is GO_ON  # the next step goes on unless it collapses again
+
+
+def test_a_rollback_counts_what_it_discarded_and_forgets_what_it_undid(tmp_path):
+    guard = guard_with_checkpoints(tmp_path, [4, 6, 8], saved={"discarded_samples": 5, "drained_groups": 1})
+    for step, score in [(5, 1.0), (6, 1.0), (7, 0.9), (8, 1.0), (9, 0.2)]:
+        guard.observe(step, {SCORE: score, "batch/samples": 2.0 * step})
+    rollback = guard.decide()  # back to step 6; K = 2: version 12, 3 batches drained
+    trained = guard.rolled_back(rollback, Drained(samples=30, groups=12, next_offset=0, next_ahead=[]))
+    assert trained == 14 + 16 + 18  # the samples of steps 7, 8 and 9
+    assert (guard.rollbacks, guard.discarded_samples, guard.drained_groups) == (1, 5 + 48 + 30, 1 + 12)
+    kept = sorted(path.name for path in tmp_path.glob("step_*"))
+    assert kept == ["step_00000004", "step_00000006", "step_00000009.partial"]  # step 8 was on the rolled-back branch
+    assert guard.state_dict()["trained"] == [[5, 10], [6, 12]]
+    assert guard.state_dict()["history"][SCORE] == [[5, 1.0], [6, 1.0]]
+    assert guard.observe(10, {SCORE: 0.75})["guard/collapse"] == 0.0  # 25 % below the best kept, 1.0
 
 
 def test_training_goes_on_past_the_staleness_bound():
@@ -82,17 +122,18 @@ def test_training_goes_on_past_the_staleness_bound():
 
 
 def test_no_rollback_left_or_no_checkpoint_stops_the_run_with_the_reason(tmp_path):
-    hooks = RollbackHooks(fetch_batch=lambda version, max_staleness: pytest.fail("nothing may be drained"), resume=lambda state: None)
     spent = guard_with_checkpoints(tmp_path, [4], saved={"rollbacks": 1})
     spent.observe(8, {SCORE: 1.0})
     spent.observe(9, {SCORE: 0.1})
-    with pytest.raises(GuardStopped, match=r"val/a/score/mean = 0.1 at step 9, 90% worse .*1 rollbacks done \(guard.max_rollbacks\)"):
-        spent.roll_back(spent.agreed_collapse(ALONE), LoopState(step=9), torch.nn.Linear(1, 1), None, ALONE, hooks)
+    stop = spent.decide()
+    assert isinstance(stop, Stop)
+    assert re.search(r"val/a/score/mean = 0.1 at step 9, 90% worse .*1 rollbacks done \(guard.max_rollbacks\)", stop.reason)
     early = SafetyGuard(SETTINGS, max_staleness=2, checkpoints=tmp_path / "none", reach=8, saved={})
     early.observe(1, {SCORE: 1.0})
     early.observe(2, {SCORE: 0.1})
-    with pytest.raises(GuardStopped, match=r"no checkpoint 3 or more steps before it \(guard.rollback_steps\)"):
-        early.roll_back(early.agreed_collapse(ALONE), LoopState(step=2), torch.nn.Linear(1, 1), None, ALONE, hooks)
+    stop = early.decide()
+    assert isinstance(stop, Stop)
+    assert re.search(r"no checkpoint 3 or more steps before it \(guard.rollback_steps\)", stop.reason)
 
 
 def test_the_saved_state_keeps_the_count_the_bests_and_what_a_rollback_would_discard(tmp_path):
@@ -154,15 +195,22 @@ def test_a_rollback_restores_the_checkpoint_drops_the_newer_ones_and_goes_on_pas
         return Batch(groups=[SimpleNamespace(trajectories=[0, 1, 2])] * 2, offsets=[offset, offset + 1],
                      next_offset=offset + 3, dropped_stale=1, next_ahead=[offset + 5])
 
-    hooks = RollbackHooks(fetch_batch, resume=lambda state: calls.append(("resume", state.step, model.weight.sum().item())))
+    config = load_config(None, [])
+    connections = OfflineConnections(fetch_batch)
+    services = RankZeroServices(config, alone_in_a_group, connections,
+                                WeightSharing(config, model, alone_in_a_group, connections), FixedTaskWeights({}), guard,
+                                FixedStaleness(2))
+    trainer = PolicyTrainer(config, alone_in_a_group, model, None, optimizer, Passes(4096), pad_id=0)
     state = LoopState(step=9, buffer_offset=100, lr_scale=0.5)
-    guard.roll_back(guard.agreed_collapse(alone_in_a_group), state, model, optimizer, alone_in_a_group, hooks)
+    roll_back(guard.decide(), state, trainer, services)
     # step 9 collapsed; 3 steps back is step 6; with K = 2 the batches of versions 10 and 11 were admitted already:
     # they are drained at version 9, and the restored weights go out as version 12
     assert torch.equal(model.weight, saved_weights[6])
-    assert calls == [("fetch", 9, 2), ("fetch", 9, 2), ("fetch", 9, 2), ("resume", 12, 12.0)]  # under the step's K
+    assert calls == [("fetch", 9, 2), ("fetch", 9, 2), ("fetch", 9, 2)]  # under the step's K
+    assert connections.rounds == [(12, 12.0)] and connections.published == [12]  # the restored weights, as version 12
     assert (state.step, state.buffer_offset, state.buffer_ahead) == (12, 133, [135])  # past the drained batches
     assert (state.lr_scale, state.task_weights) == (0.25, {"step": 6})
+    assert services.checkpoint_meta()["task_weights"] == {"step": 6}  # the next checkpoint keeps the restored ones
     assert sorted(path.name for path in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
     # the samples trained at steps 7, 8 and 9, and the 3 drained batches' 6 samples each
     assert (guard.discarded_samples, guard.drained_groups, guard.rollbacks) == (70 + 80 + 90 + 18, 9, 1)

@@ -1,0 +1,84 @@
+"""This rank's policy and optimizer, and what the learner does with them: one optimizer step per batch, a checkpoint
+saved, a checkpoint restored. Each of these is a collective: every rank calls it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.messages import TrajectoryGroup
+from asyncrl.placement import servers_share_of_learner_gpu
+from learner.batching import collate
+from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.distributed import World
+from learner.logprobs import sampling_temperature
+from learner.lr_schedule import set_learning_rate
+from learner.memory import resolve_micro_batch_tokens
+from learner.policy_model import load_policy, load_reference
+from learner.train_step import Passes, StepOutcome, train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicyTrainer:
+    config: AsyncRLConfig
+    world: World
+    model: torch.nn.Module  # the policy, sharded over the ranks (FSDP2)
+    reference: torch.nn.Module | None  # frozen model of algorithm.use_reference
+    optimizer: torch.optim.Optimizer
+    passes: Passes  # how each batch goes through the model
+    pad_id: int
+
+    @classmethod
+    def load(cls, config: AsyncRLConfig, world: World) -> PolicyTrainer:
+        """The policy at `model.path` and a fresh AdamW, seeded and threaded as `learner.*` says (a checkpoint
+        restores them after)."""
+        settings = config.learner
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        torch.manual_seed(config.run.seed)
+        model = load_policy(config.model.path, settings.master_dtype, settings, world)
+        reference = load_reference(config, world)  # before sizing the micro-batches: its weights take memory too
+        passes = plan_passes(config, model, world)  # before the optimizer state exists: auto sizing leaves room for it
+        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(settings.beta1, settings.beta2),
+                                      weight_decay=settings.weight_decay)
+        pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
+        return cls(config, world, model, reference, optimizer, passes, pad_id)
+
+    def train(self, groups: list[TrajectoryGroup], rate: float) -> StepOutcome:
+        """One optimizer step on `groups` at learning rate `rate` (skipped, `finite` False, when the loss or
+        gradient is not finite)."""
+        set_learning_rate(self.optimizer, rate)
+        batch = collate(canonical_order(groups), self.pad_id)
+        return train_step(self.model, self.optimizer, batch, self.config.algorithm, self.passes,
+                          self.config.learner.grad_clip, self.world, self.reference)
+
+    def save(self, root: Path, step: int, meta: dict[str, Any]) -> Path:
+        """Checkpoint `step` under `root` with `meta` (rank 0's is written), keeping learner.keep_checkpoints."""
+        return save_checkpoint(root, step, self.model, self.optimizer, meta, self.world, self.config.learner.keep_checkpoints)
+
+    def restore(self, checkpoint: Path) -> dict[str, Any]:
+        """Back to `checkpoint`'s weights, optimizer state and RNG; returns its metadata."""
+        return load_checkpoint(checkpoint, self.model, self.optimizer, self.world)
+
+
+def canonical_order(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """The batch's groups sorted by content, not by arrival: the same samples give the same micro-batches
+    and float sums whatever order concurrent requests finished in (K=0 then reproduces the synchronous reference)."""
+    return sorted(groups, key=lambda group: [(t.prompt_ids, t.completion_ids) for t in group.trajectories])
+
+
+def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> Passes:
+    """Micro-batch size (measured when auto), packing, and the servers' sampling temperature; every rank calls."""
+    packed = config.learner.packs(world.device.type == "cuda")
+    tokens = resolve_micro_batch_tokens(model, config.learner, world, model.config.vocab_size,
+                                        model.config.max_position_embeddings, packed, servers_share_of_learner_gpu(config))
+    log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
+    return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout))

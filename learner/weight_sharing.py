@@ -1,0 +1,62 @@
+"""Every rank's part in sending the weights to the rollout servers: gather the full weights, and on rank 0 hand
+them to the weight-sync coordinator."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from asyncrl.config import AsyncRLConfig
+from asyncrl.weight_transfer.backends import weight_backend
+from learner.distributed import World
+from learner.lagged_weights import LaggedWeights
+from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes
+from learner.services import LearnerServices
+
+
+class WeightSharing:
+    """Gathers the full weights (a collective on every rank) in `model.dtype`, the servers' dtype, and
+    broadcasts them from rank 0. They are gathered straight onto the learner's GPU when NCCL sends from
+    there and they fit in `rollout.weight_sync.staging_bytes`; otherwise into CPU memory, from where the
+    coordinator stages what fits before the servers pause. With `buffer.study_lag_versions` = L, rank 0 keeps
+    the last L + 1 versions in CPU memory and sends the one L versions back, except the final version, which
+    goes out as itself so that its validation (and anything served after the job) sees the trained policy."""
+
+    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerServices | None) -> None:
+        self.model, self.services = model, services
+        self.dtype = DTYPES[config.model.dtype]
+        self.final_version = config.learner.total_steps
+        lag = config.buffer.study_lag_versions
+        self.lagged = LaggedWeights(lag) if lag and services is not None else None
+        sync = config.rollout.weight_sync
+        sends_from_gpu = world.device.type == "cuda" and weight_backend(sync.backend).device_type == "cuda"
+        fits = full_weights_bytes(model, self.dtype) <= sync.staging_bytes
+        self.device = world.device if sends_from_gpu and fits and not lag else torch.device("cpu")
+        gathers_off_gpu = world.device.type == "cuda" and self.device.type == "cpu"
+        # reused page-locked buffers would leave every kept lagged version holding the newest weights
+        self.pinned = PinnedWeights() if gathers_off_gpu and services is not None and not lag else None
+
+    def __call__(self, version: int) -> dict[str, float]:
+        """Share the weights of `version` (or, lagged, of an older one); rank 0 returns the round's metrics, the
+        other ranks {}."""
+        if self.services is not None:
+            self.services.release_weights()  # the previous round's copy goes before the next is gathered
+        started = time.perf_counter()
+        weights = full_weights(self.model, self.dtype, self.device, keep=self.services is not None, pinned=self.pinned)
+        gathered_s = time.perf_counter() - started
+        if self.services is None:
+            return {}
+        sent = version
+        if self.lagged is not None and version < self.final_version:
+            sent, weights = self.lagged.lagged(version, weights)
+        report = self.services.sync_weights(sent, weights)
+        return {
+            "weight_sync/version_sent": float(sent),
+            "weight_sync/gather_seconds": gathered_s,
+            "weight_sync/seconds": report.seconds,
+            "weight_sync/transfer_seconds": report.transfer_seconds,
+            "weight_sync/server_pause_seconds": report.max_server_pause_s,
+            "weight_sync/servers_ok": float(len(report.succeeded)),
+            "weight_sync/servers_failed": float(len(report.failed)),
+        }
