@@ -29,7 +29,8 @@ def rule_uses(path: Path) -> list[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and any(isinstance(op, ORDERINGS) for op in node.ops) and names_max_staleness(node):
             found.append(node.lineno)
-        elif isinstance(node, ast.BinOp) and (names_max_staleness(node.left) or names_max_staleness(node.right)):
+        elif isinstance(node, ast.BinOp) and not isinstance(node.op, ast.BitOr) \
+                and (names_max_staleness(node.left) or names_max_staleness(node.right)):  # `|`: a dict merged, not arithmetic
             found.append(node.lineno)
     return found
 

@@ -26,7 +26,7 @@ from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner import attention, reference_trainer
+from learner import attention, policy_trainer, reference_trainer
 from learner.advantages import compute_advantages
 from learner.distributed import World
 from learner.logprobs import attach_scoring
@@ -129,7 +129,7 @@ def learner_step(config: AsyncRLConfig, model: torch.nn.Module, groups: list[Tra
                  monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     """One `train` of the synchronous reference's trainer, set up by its own `load` around `model` (which the
     step updates in place); the step's metrics."""
-    monkeypatch.setattr(reference_trainer, "load_policy", lambda path, dtype, settings, world: model)
+    monkeypatch.setattr(policy_trainer, "load_policy", lambda path, dtype, settings, world: model)
     trainer = reference_trainer.ReferenceTrainer.load(config, World(rank=0, size=1, device=torch.device("cpu")))
     outcome = trainer.train(groups, version=0)
     assert outcome.finite
