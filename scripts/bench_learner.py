@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
+from asyncrl.logs import setup_logging
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK, free_port
 from demo.tiny.tokenizer import build_char_tokenizer
@@ -280,6 +281,7 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
 
 def main() -> None:
     args = parse_args()
+    setup_logging("bench-learner")  # the learner's own lines: auto's micro-batch and checkpointing choices
     if args.threads:
         torch.set_num_threads(args.threads)
     world = join_single_rank_world(args.device)
