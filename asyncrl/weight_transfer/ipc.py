@@ -146,8 +146,8 @@ class SharedWeightsReader:
         """(name, view) of each announced tensor (`TensorMeta`s in order): views of the shared buffer, whose
         values are the learner's latest round until its next, which starts only after this server answered.
         The views are made once and reused while the announced tensors stay the same (every round of a run):
-        inside vLLM's update, where every torch call passes its device mode, making them anew took a
-        measurable share of a one-GPU sync's pause."""
+        made anew, they cost three torch calls per tensor inside the engine's pause, each through vLLM's device
+        mode (873 calls per round for a 0.5B model's 291 tensors)."""
         layout = tuple((meta.name, meta.dtype, tuple(meta.shape)) for meta in metas)
         if layout != self._layout:
             self._views, self._layout = self._views_of(layout), layout
