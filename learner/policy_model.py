@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -12,9 +13,11 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.weight_transfer.sender import materialised
 from learner import attention
-from learner.activation_checkpointing import apply_activation_checkpointing
+from learner.activation_checkpointing import AUTO, apply_activation_checkpointing, attach_switch, checkpointing_for_device
 from learner.distributed import World
 from learner.logprobs import SCORING_METHOD, attach_scoring
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,11 +41,16 @@ def load_reference(config: AsyncRLConfig, world: World) -> torch.nn.Module | Non
 def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) -> torch.nn.Module:
     """`model` (loaded with `attention.register()`'s implementation) on this rank's device: activation
     checkpointing and `torch.compile` per decoder layer as configured, then sharded with fully_shard per
-    decoder layer and at the root, with `score_targets` run under FSDP like `forward`."""
+    decoder layer and at the root, with `score_targets` run under FSDP like `forward`. Checkpointing `auto`
+    is chosen later, by `learner.memory` (none until then)."""
     attach_scoring(model)
     model.to(world.device)
     layers = _decoder_layers(model)
-    apply_activation_checkpointing(layers, settings.activation_checkpointing)
+    checkpointing = checkpointing_for_device(settings.activation_checkpointing, world.device)
+    if checkpointing != settings.activation_checkpointing:
+        log.info("learner.activation_checkpointing=%s on %s: %s (no GPU memory to save)", AUTO, world.device.type,
+                 checkpointing)
+    attach_switch(model, apply_activation_checkpointing(layers, checkpointing))
     if settings.compile:
         for layer in layers:
             layer.compile(dynamic=True)

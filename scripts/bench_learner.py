@@ -23,8 +23,9 @@ with P the parameters that multiply a vector per token (the output head included
 embedding left out: a lookup), N = Σ L_i the tokens of the step (prompt and completion, padding left out),
 d_attn = heads · head_dim, and causal attention taking half of the L² scores. MFU = FLOPs / step time /
 `--peak-tflops`.
-Last line: RESULT {json} with learner_tok_s, mfu, peak_memory_gib, params (the first variant's, with every
-variant's figures under "variants"); mfu and peak memory are null on CPU.
+Last line: RESULT {json} with learner_tok_s, mfu, peak_memory_gib, micro_batch_tokens, checkpointing (the mode it
+trained with: auto's choice), params (the first variant's, with every variant's figures under "variants"); mfu
+and peak memory are null on CPU.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
+from asyncrl.logs import setup_logging
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK, free_port
 from demo.tiny.tokenizer import build_char_tokenizer
 from learner import attention
 from learner.batching import TrainBatch, collate
+from learner.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
 from learner.distributed import World, init_world
 from learner.memory import resolve_micro_batch_tokens
 from learner.policy_model import DTYPES, shard_policy
@@ -97,7 +100,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt group (GRPO's n)")
     parser.add_argument("--micro-batch-tokens", default="8192", help="tokens per pass, or auto (learner.micro_batch_tokens)")
     parser.add_argument("--variants", default="packed,padded", help="comma-separated: packed, padded (the last is the baseline)")
-    parser.add_argument("--activation-checkpointing", default="none", choices=["none", "selective", "full"])
+    parser.add_argument("--activation-checkpointing", default=LearnerConfig().activation_checkpointing,
+                        choices=[*MODES, AUTO], help="learner.activation_checkpointing (auto: chosen per variant)")
     parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (learner.compile)")
     parser.add_argument("--cpu-offload", action="store_true", help="optimizer state in CPU memory (learner.cpu_offload)")
     parser.add_argument("--loss", default=AlgorithmConfig().loss, help="policy loss (algorithm.loss)")
@@ -148,7 +152,7 @@ def frozen_reference(shape: Shape, args: argparse.Namespace, world: World) -> to
     as the learner's `load_reference` does."""
     dtype = "bfloat16" if world.device.type == "cuda" else args.dtype
     model = build_model(shape, argparse.Namespace(**{**vars(args), "dtype": dtype}), world).requires_grad_(False)
-    return shard_policy(model, LearnerConfig(compile=args.compile), world)
+    return shard_policy(model, LearnerConfig(activation_checkpointing=NONE, compile=args.compile), world)
 
 
 def completion_lengths(args: argparse.Namespace, rng: random.Random) -> list[int]:
@@ -198,6 +202,7 @@ def matmul_parameters(model: torch.nn.Module, shape: Shape) -> int:
 class VariantResult:
     name: str
     micro_batch_tokens: int
+    checkpointing: str  # the mode it trained with (auto's choice)
     seconds: list[float]
     peak_gib: float | None
 
@@ -206,8 +211,11 @@ def run_variant(name: str, model: torch.nn.Module, reference: torch.nn.Module | 
                 args: argparse.Namespace, world: World, shape: Shape) -> VariantResult:
     """`--warmup` then `--steps` timed train steps of one variant, with a fresh AdamW."""
     packed = name == "packed"
-    settings = LearnerConfig(micro_batch_tokens=args.micro_batch_tokens, cpu_offload=args.cpu_offload)
+    settings = LearnerConfig(micro_batch_tokens=args.micro_batch_tokens, cpu_offload=args.cpu_offload,
+                             activation_checkpointing=args.activation_checkpointing)
     tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed)
+    switch = checkpointing_switch(model)
+    checkpointing = switch.mode if switch else checkpointing_for_device(args.activation_checkpointing, world.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LearnerConfig().lr)
     passes = Passes(micro_batch_tokens=tokens, packed=packed)
     algorithm = AlgorithmConfig(loss=args.loss, use_reference=reference is not None)
@@ -228,7 +236,7 @@ def run_variant(name: str, model: torch.nn.Module, reference: torch.nn.Module | 
     gc.collect()
     if world.device.type == "cuda":
         torch.cuda.empty_cache()
-    return VariantResult(name, tokens, seconds, peak)
+    return VariantResult(name, tokens, checkpointing, seconds, peak)
 
 
 def _synchronize(world: World) -> None:
@@ -249,7 +257,7 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
     print(f"batch: {len(lengths)} samples, {tokens} tokens (lengths median {int(statistics.median(lengths))}, "
           f"max {max(lengths)}), groups of {args.group_size}, loss {args.loss}, {flops / TERA:.1f} TFLOP per step")
     baseline = statistics.median(results[-1].seconds)
-    print(f"{'variant':>8} {'mb tokens':>10} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs ' + results[-1].name:>10}")
+    print(f"{'variant':>8} {'checkpoint':>10} {'mb tokens':>10} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs ' + results[-1].name:>10}")
     figures = {}
     for result in results:
         step_s = statistics.median(result.seconds)
@@ -257,12 +265,13 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
         figures[result.name] = {
             "learner_tok_s": round(tokens / step_s, 1), "mfu": None if mfu is None else round(mfu, 4),
             "step_s": round(step_s, 4), "peak_memory_gib": None if result.peak_gib is None else round(result.peak_gib, 1),
-            "micro_batch_tokens": result.micro_batch_tokens, "speedup": round(baseline / step_s, 3),
+            "micro_batch_tokens": result.micro_batch_tokens, "checkpointing": result.checkpointing,
+            "speedup": round(baseline / step_s, 3),
         }
         shown_mfu = f"{mfu:.1%}" if mfu is not None else "-"
         shown_peak = f"{result.peak_gib:.1f}" if result.peak_gib is not None else "-"
-        print(f"{result.name:>8} {result.micro_batch_tokens:>10} {step_s:>8.3f} {tokens / step_s:>10.0f} {shown_mfu:>7} "
-              f"{shown_peak:>9} {baseline / step_s:>9.2f}x")
+        print(f"{result.name:>8} {result.checkpointing:>10} {result.micro_batch_tokens:>10} {step_s:>8.3f} "
+              f"{tokens / step_s:>10.0f} {shown_mfu:>7} {shown_peak:>9} {baseline / step_s:>9.2f}x")
     first = figures[results[0].name]
     return {**first, "variant": results[0].name, "params": params, "shape": args.shape, "tokens_per_step": tokens,
             "tflop_per_step": round(flops / TERA, 2), "device": device_name, "loss": args.loss,
@@ -272,6 +281,7 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
 
 def main() -> None:
     args = parse_args()
+    setup_logging("bench-learner")  # the learner's own lines: auto's micro-batch and checkpointing choices
     if args.threads:
         torch.set_num_threads(args.threads)
     world = join_single_rank_world(args.device)

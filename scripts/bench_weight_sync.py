@@ -4,7 +4,7 @@ Two measurements in one run, on the same model's tensors:
   floor        plain processes (trainer on the learner's GPU, one receiver per server GPU) in an
                `asyncrl.weight_transfer` group: every tensor broadcast one by one, as a sync sends them,
                and all bytes as one flat buffer (the collective's own floor)
-  engine       `RolloutEngine`s (vLLM AsyncLLM), one process each, streaming --inflight requests, and a
+  engine       `RolloutEngine`s (vLLM AsyncLLM), one process each, keeping --inflight requests going, and a
                trainer process: each round the trainer stages the weights on its device as the learner's
                coordinator does (`rollout.weight_sync.staging_bytes`), then every engine pauses in keep mode,
                receives every tensor through the vLLM plugin, and resumes; the pause-to-resume time is what
@@ -18,16 +18,22 @@ i·tp on and the trainer the GPU after the last server's (NCCL); on CPU every pr
 --colocated: trainer and one engine share cuda:0, as a one-GPU job does. There is no NCCL floor then; the
 engine is synced first through gloo (the baseline: weights through CPU memory), then through CUDA IPC (the
 trainer copies each round into its shared buffer before inviting the engine, which loads from its mapping).
+Each engine also times the steps of its pause (`phase_ms`, the first server's medians): pause (the core stops after
+its running step and its outputs are counted), start (opening the update), load (the update's RPC: the worker
+receives and loads every tensor), finish (closing it), resume, and rpc_floor, one utility round trip to the engine
+core outside the pause (what each of those four RPCs costs beyond its own work).
 Rounds are timed after one untimed warm-up round per size. Last line: RESULT {json} with weight_sync_ms
 (median pause-to-resume of the first size), nccl_floor_ms (median per-tensor floor), flat_floor_ms, the bytes
 sent and, per size, broadcast_ms_by_servers (median round), pause_ms_by_servers and floor_ms_by_servers;
-colocated, colocated_weight_sync_ms, gloo_weight_sync_ms and ipc_vs_gloo instead of the floors.
+phase_ms (the first size's, first server's medians); colocated, colocated_weight_sync_ms, gloo_weight_sync_ms and ipc_vs_gloo
+instead of the floors.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -177,8 +183,9 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
 
     config = load_config(args.config, args.overrides)
     engine = await RolloutEngine.start(args.model, config.rollout)
+    phases = time_update_phases(engine)
     streaming = SamplingConfig(temperature=1.0, max_tokens=config.rollout.engine.max_model_len // 2, ignore_eos=True, n=1)
-    background = [asyncio.create_task(engine.generate([1, 2, 3, 4], streaming)) for _ in range(args.inflight)]
+    background = [asyncio.create_task(_keep_generating(engine, streaming)) for _ in range(args.inflight)]
     results.put("ready")
     while (command := await asyncio.to_thread(commands.get, True, WAIT_S)) is not None:
         match command:
@@ -186,11 +193,56 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
                 await engine.join_weight_sync(init_info)
                 results.put("joined")
             case ("update", update_info, version):
-                results.put(await engine.update_weights(update_info, version))
+                pause_s = await engine.update_weights(update_info, version)
+                phases["rpc_floor"] = await _timed_call(engine.llm.is_sleeping)
+                results.put((pause_s, dict(phases)))
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
     engine.shutdown()
+
+
+async def _keep_generating(engine, sampling) -> None:
+    """One request after another, so that every round pauses an engine that is decoding: a request's tokens run out
+    (max_tokens) long before the last round, and an idle engine pauses at once (1 ms against 31 ms for 256 busy
+    requests on an H100)."""
+    while True:
+        await engine.generate([1, 2, 3, 4], sampling)
+
+
+PHASES = ("pause", "start", "load", "finish", "resume", "rpc_floor")
+
+
+def time_update_phases(engine) -> dict[str, float]:
+    """Wrap the steps `RolloutEngine.update_weights` awaits so that each records its seconds of the latest update
+    in the returned dict (the vLLM helpers through the module the engine calls them by, the RPCs on its AsyncLLM)."""
+    from rollout_servers import engine as engine_module
+
+    phases: dict[str, float] = {}
+    compat = engine_module.vllm_compat
+    for phase, name in (("pause", "pause_keeping_requests"), ("start", "start_update"), ("finish", "finish_update")):
+        setattr(compat, name, _recording(getattr(compat, name), phase, phases))
+    for phase, name in (("load", "update_weights"), ("resume", "resume_generation")):
+        setattr(engine.llm, name, _recording(getattr(engine.llm, name), phase, phases))
+    return phases
+
+
+def _recording(call, phase: str, phases: dict[str, float]):
+    @functools.wraps(call)
+    async def run(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return await call(*args, **kwargs)
+        finally:
+            phases[phase] = time.perf_counter() - started
+
+    return run
+
+
+async def _timed_call(call) -> float:
+    started = time.perf_counter()
+    await call()
+    return time.perf_counter() - started
 
 
 def trainer(device: torch.device, held_on: torch.device, staging_bytes: int, model_dir: str, dtype: str,
@@ -288,9 +340,11 @@ def timed_round(engines: Engines, servers: int, update_info: dict, version: int,
     commands.put("round")
     results.get(timeout=WAIT_S)  # staged: the servers are invited only now
     invited = time.perf_counter()
-    pauses = engines.tell([("update", update_info, version)] * servers)
+    answers = engines.tell([("update", update_info, version)] * servers)
     round_s = time.perf_counter() - invited
-    return {"pause_s": max(pauses), "round_s": round_s, "send_s": results.get(timeout=WAIT_S)}
+    first_phases = answers[0][1]
+    return {"pause_s": max(pause for pause, _ in answers), "round_s": round_s, "send_s": results.get(timeout=WAIT_S),
+            **{f"{phase}_phase_s": first_phases[phase] for phase in PHASES}}
 
 
 def print_table(floors: dict[int, dict], engines: dict) -> None:
@@ -303,6 +357,8 @@ def print_table(floors: dict[int, dict], engines: dict) -> None:
         rows += [(f"{servers} server(s), {backend}: {send}", measured["send_s"]),
                  (f"{servers} server(s), {backend}: longest pause -> resume", measured["pause_s"]),
                  (f"{servers} server(s), {backend}: round (invite -> last resume)", measured["round_s"])]
+        rows += [(f"{servers} server(s), {backend}: first server's {phase}", measured[f"{phase}_phase_s"])
+                 for phase in PHASES]
     print(f"{'measurement':60} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
     for name, seconds in rows:
         print(f"{name:60} {statistics.median(seconds) * MS:10.1f} {min(seconds) * MS:8.1f} {max(seconds) * MS:8.1f}")
@@ -330,6 +386,7 @@ def main() -> None:
         "staging_bytes": config.rollout.weight_sync.staging_bytes,
         "broadcast_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["round_s"]) for n in args.servers},
         "pause_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["pause_s"]) for n in args.servers},
+        "phase_ms": {phase: median_ms(measured[f"{phase}_phase_s"]) for phase in PHASES},
     }
     if floors:
         floor_ms = median_ms(floors[first]["per_tensor_s"])

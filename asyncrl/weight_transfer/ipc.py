@@ -126,6 +126,8 @@ class SharedWeightsReader:
         self.buffer = buffer  # [size_bytes] uint8, on this server's device
         self.handle = handle  # what it was mapped from (None: a local buffer, in unit tests)
         self.device = buffer.device
+        self._layout: tuple = ()  # (name, dtype, shape) of each tensor of the last update read
+        self._views: list[tuple[str, torch.Tensor]] = []  # that update's views of the buffer
 
     @classmethod
     def open(cls, fields: dict[str, Any], device: torch.device, previous: SharedWeightsReader | None = None) -> SharedWeightsReader:
@@ -141,14 +143,22 @@ class SharedWeightsReader:
         return cls(_import(handle, device), handle)
 
     def tensors(self, metas: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, view) of each announced tensor (`TensorMeta`s in order): views of the shared buffer, valid
-        until the learner's next round, which starts only after this server answered."""
-        offsets, size = byte_layout([tensor_bytes(meta.shape, meta.dtype) for meta in metas])
+        """(name, view) of each announced tensor (`TensorMeta`s in order): views of the shared buffer, whose
+        values are the learner's latest round until its next, which starts only after this server answered.
+        The views are made once and reused while the announced tensors stay the same (every round of a run):
+        made anew, they cost three torch calls per tensor inside the engine's pause, each through vLLM's device
+        mode (873 calls per round for a 0.5B model's 291 tensors)."""
+        layout = tuple((meta.name, meta.dtype, tuple(meta.shape)) for meta in metas)
+        if layout != self._layout:
+            self._views, self._layout = self._views_of(layout), layout
+        return iter(self._views)
+
+    def _views_of(self, layout: tuple) -> list[tuple[str, torch.Tensor]]:
+        offsets, size = byte_layout([tensor_bytes(shape, dtype) for _, dtype, shape in layout])
         if size > self.buffer.numel():
             raise WeightTransferError(f"the update needs {size} bytes and the shared buffer holds {self.buffer.numel()}")
-        for meta, offset in zip(metas, offsets):
-            nbytes = tensor_bytes(meta.shape, meta.dtype)
-            yield meta.name, self.buffer[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
+        return [(name, self.buffer[offset:offset + tensor_bytes(shape, dtype)].view(dtype).view(shape))
+                for (name, dtype, shape), offset in zip(layout, offsets)]
 
     def synchronize(self) -> None:
         """Wait until the loads from the buffer are done: the learner may overwrite it once this server answers."""
@@ -156,7 +166,7 @@ class SharedWeightsReader:
             torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
-        self.buffer = None  # type: ignore[assignment]
+        self.buffer, self._views = None, []  # type: ignore[assignment]
 
 
 def _export(buffer: torch.Tensor) -> IpcHandle:

@@ -170,6 +170,24 @@ def test_a_packed_buffer_reads_back_as_the_announced_tensors():
     assert all(torch.equal(views[name], tensor) and views[name].dtype == tensor.dtype for name, tensor in named)
 
 
+def test_each_round_reads_the_values_written_since_through_views_made_once():
+    """A server reads every round of a run through the same views (no slicing anew inside vLLM's update), and
+    they show what the learner wrote last; another set of tensors gets views of its own."""
+    first = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.arange(4, dtype=torch.bfloat16))]
+    buffer = torch.zeros(byte_layout([t.numel() * t.element_size() for _, t in first])[1], dtype=torch.uint8)
+    reader = SharedWeightsReader(buffer)
+    pack_into(buffer, first)
+    round_one = list(reader.tensors(parse_update_info(update_info_for(first))))
+    second = [(name, tensor * -3) for name, tensor in first]
+    pack_into(buffer, second)
+    round_two = list(reader.tensors(parse_update_info(update_info_for(second))))
+    assert all(view_two is view_one for (_, view_one), (_, view_two) in zip(round_one, round_two))
+    assert all(torch.equal(view, tensor) for (_, view), (_, tensor) in zip(round_two, second))
+    other = [("a", torch.arange(3.0))]
+    (name, view), = reader.tensors(parse_update_info(update_info_for(other)))
+    assert name == "a" and view.shape == (3,) and view is not round_one[0][1]
+
+
 def test_an_update_larger_than_the_shared_buffer_is_refused():
     named = [("a", torch.ones(100))]
     reader = SharedWeightsReader(torch.zeros(100, dtype=torch.uint8))

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from learner.activation_checkpointing import FULL, MODES, NONE, SELECTIVE, apply_activation_checkpointing
+from learner.activation_checkpointing import AUTO, FULL, MODES, NONE, SELECTIVE, apply_activation_checkpointing
 from learner.batching import collate
 from learner.distributed import World
 from learner.logprobs import target_logprobs
@@ -86,10 +86,14 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_ops(checkpointing: str) -> Counter:
-    """aten ops run during backward of one packed forward (recomputed forward ops included)."""
+def backward_ops(checkpointing: str, switched: bool = False) -> Counter:
+    """aten ops run during backward of one packed forward (recomputed forward ops included); `switched`: the
+    layers wrapped for auto, with the switch set to `checkpointing`."""
     model = tiny_policy(layers=3)
-    apply_activation_checkpointing(list(model.model.layers), checkpointing)
+    if switched:
+        apply_activation_checkpointing(list(model.model.layers), AUTO).mode = checkpointing
+    else:
+        apply_activation_checkpointing(list(model.model.layers), checkpointing)
     input_ids = torch.randint(1, 50, (4, 30), generator=torch.Generator().manual_seed(0))
     chosen, _ = target_logprobs(model, input_ids, torch.ones_like(input_ids), packed=True)
     with OpCounter() as counter:
@@ -103,3 +107,10 @@ def test_selective_recomputes_elementwise_work_and_full_recomputes_the_products_
     assert products[NONE] == products[SELECTIVE] < products[FULL]  # products are kept by selective
     assert ops[NONE]["silu"] == 0 < ops[SELECTIVE]["silu"] == ops[FULL]["silu"]  # the MLP's activation is recomputed
     assert ops[NONE]["rsqrt"] == 0 < ops[SELECTIVE]["rsqrt"]  # and the RMS norms
+
+
+def test_auto_layers_recompute_as_the_mode_their_switch_names():
+    # auto wraps each layer once and reads the mode at every call: each mode must run as its fixed wrapping does
+    for mode in MODES:
+        assert backward_ops(mode, switched=True) == backward_ops(mode), mode
+
