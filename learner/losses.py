@@ -131,7 +131,8 @@ def truncated_importance_sampling(inputs: LossInputs, config: AlgorithmConfig) -
 @register_loss("seq_mask")
 def sequence_masked_ppo(inputs: LossInputs, config: AlgorithmConfig) -> LossResult:
     """ℓ_clip(π_θ/π_prox) on the sequences whose IS ratio π_prox/π_behav lies in [seq_mask_low, seq_mask_high];
-    the others leave the loss and its denominator entirely."""
+    the others leave the loss, and its denominator too unless `inputs.denominator` fixes it (the learner's
+    micro-batched step counts the whole batch's trained tokens there, dropped sequences included)."""
     proximal = _required(inputs.proximal_logprobs, "proximal_logprobs", "loss 'seq_mask'")  # [B, T]
     log_ratio = proximal - inputs.behaviour_logprobs  # [B, T]
     keep = sequences_within_ratio_bounds(log_ratio, inputs.loss_mask, config)  # [B] bool
