@@ -81,7 +81,6 @@ class SyncCoordinator:
         self._weights = weights
         self._group_members: tuple[bytes, ...] = ()  # socket identities of the group's servers: a restarted one is new
         self._round = 0
-        self._last_tokens = (0, time.monotonic())  # for the rollout token rate
         self._server_metrics = ServerMetrics()
         self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
         self._validations: dict[str, tuple[float, ValidationResult]] = {}  # server -> (time received, latest pass)
@@ -126,7 +125,7 @@ class SyncCoordinator:
             raise WeightSyncFailed(f"no rollout server can load the learner's weights ({errors})")
 
     def rollout_metrics(self, learner_version: int | None = None) -> dict[str, float]:
-        """Server counters summed over servers whose telemetry arrived within `liveness_s`: `rollout/tokens_per_s` since the previous call,
+        """Server counters summed over servers whose telemetry arrived within `liveness_s`: 
         `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; per-server rates, in-flight
         requests and version lag behind `learner_version` (default: the newest version broadcast), see
         `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
@@ -134,16 +133,10 @@ class SyncCoordinator:
         self._drain()
         beats = _heard_within(self._telemetry, self.liveness_s)
         passes = _heard_within(self._validations, self.liveness_s)
-        tokens = sum(b.tokens_generated for b in beats)
-        now = time.monotonic()
-        last_tokens, last_time = self._last_tokens
-        rate = (tokens - last_tokens) / (now - last_time) if now > last_time and tokens >= last_tokens else 0.0
-        self._last_tokens = (tokens, now)
         uptime = sum(b.uptime_seconds for b in beats)
         idle = sum(b.idle_seconds for b in beats)
         return {
             "rollout/servers": float(len(beats)),
-            "rollout/tokens_per_s": rate,
             "rollout/idle_ratio": idle / uptime if uptime else 0.0,
             "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
             "rollout/groups_resampled": float(sum(b.groups_resampled for b in beats)),

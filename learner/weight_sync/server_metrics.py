@@ -1,5 +1,5 @@
-"""Per-server rollout metrics from the servers' telemetry counters: rates over the interval since the
-previous call (measured on each server's own uptime clock) and each server's version lag."""
+"""Per-server rollout metrics from the servers' telemetry counters: rates over the interval between a
+server's last two reports (measured on its own uptime clock) and each server's version lag."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ class _Reading:
 class ServerMetrics:
     def __init__(self) -> None:
         self._previous: dict[str, _Reading] = {}
+        self._rates_seen: dict[str, tuple[float, float]] = {}  # each server's rates at its latest new report
 
     def metrics(self, beats: list[ServerTelemetry], versions: dict[str, int], learner_version: int) -> dict[str, float]:
         """`rollout/<server_id>/{tokens_per_s,idle_ratio,inflight,version_lag}` for each server's telemetry, plus
-        `rollout/inflight` (sum) and `rollout/version_lag/{mean,max}` over them. `versions` holds the
+        `rollout/tokens_per_s` and `rollout/inflight` (sums) and `rollout/version_lag/{mean,max}` over them. `versions` holds the
         version each server is known to hold (heartbeat or last successful round), else its telemetry's."""
         values: dict[str, float] = {}
         lags = []
@@ -33,18 +34,22 @@ class ServerMetrics:
             values |= {f"{prefix}/tokens_per_s": tokens_per_s, f"{prefix}/idle_ratio": idle_ratio,
                        f"{prefix}/inflight": float(beat.inflight), f"{prefix}/version_lag": float(lag)}
         if beats:
-            values |= {"rollout/inflight": float(sum(b.inflight for b in beats)),
+            values |= {"rollout/tokens_per_s": sum(values[f"rollout/{b.server_id}/tokens_per_s"] for b in beats),
+                       "rollout/inflight": float(sum(b.inflight for b in beats)),
                        "rollout/version_lag/mean": sum(lags) / len(lags), "rollout/version_lag/max": float(max(lags))}
         return values
 
     def _rates(self, beat: ServerTelemetry) -> tuple[float, float]:
-        """Tokens/s and idle share since the previous reading of this server (since its start after a restart)."""
+        """Tokens/s and idle share between this server's last two reports (since its start after a restart).
+        A report read again (the learner steps faster than servers report) keeps its rates, not 0."""
         now = _Reading(beat.tokens_generated, beat.idle_seconds, beat.uptime_seconds)
         before = self._previous.get(beat.server_id)
+        if before == now and beat.server_id in self._rates_seen:
+            return self._rates_seen[beat.server_id]
         if before is None or now.uptime_s < before.uptime_s:  # first reading, or the server restarted
             before = _Reading(0, 0.0, 0.0)
         self._previous[beat.server_id] = now
         elapsed = now.uptime_s - before.uptime_s
-        if elapsed <= 0:
-            return 0.0, 0.0
-        return (now.tokens - before.tokens) / elapsed, (now.idle_s - before.idle_s) / elapsed
+        rates = ((now.tokens - before.tokens) / elapsed, (now.idle_s - before.idle_s) / elapsed) if elapsed > 0 else (0.0, 0.0)
+        self._rates_seen[beat.server_id] = rates
+        return rates

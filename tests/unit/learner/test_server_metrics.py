@@ -22,6 +22,19 @@ def test_rates_cover_the_interval_since_the_previous_reading():
     assert later["rollout/server-0/idle_ratio"] == pytest.approx(0.1)
 
 
+def test_a_report_read_again_keeps_its_rates_and_the_servers_rates_add_up():
+    # the learner steps faster than servers report (heartbeat_s): a step that finds no new report must not read 0
+    metrics = ServerMetrics()
+    reports = [beat("server-0", 3, tokens=100, idle_s=5.0, uptime_s=10.0), beat("server-1", 3, tokens=40, idle_s=0.0, uptime_s=4.0)]
+    first = metrics.metrics(reports, {}, learner_version=3)
+    again = metrics.metrics(reports, {}, learner_version=3)
+    assert first["rollout/tokens_per_s"] == again["rollout/tokens_per_s"] == pytest.approx(10.0 + 10.0)
+    assert again["rollout/server-0/idle_ratio"] == pytest.approx(0.5)
+    idle = metrics.metrics([beat("server-0", 3, tokens=100, idle_s=6.0, uptime_s=11.0), reports[1]], {}, learner_version=3)
+    assert idle["rollout/server-0/tokens_per_s"] == 0.0  # a new report with no new tokens: truly idle
+    assert idle["rollout/tokens_per_s"] == pytest.approx(10.0)
+
+
 def test_a_restarted_server_is_measured_from_its_new_start():
     metrics = ServerMetrics()
     metrics.metrics([beat("server-0", 0, tokens=1000, idle_s=1.0, uptime_s=100.0)], {}, learner_version=0)
