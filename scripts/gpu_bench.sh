@@ -32,6 +32,11 @@
 #              plain layouts of RAY_BASELINES (default 1:1,3:1, read back from the scaling stage's runs), so
 #              ray_vs_plain compares the two launchers on the same GPUs (RAY_MODES=async runs the Ray layout's
 #              async mode alone); the head is stopped at the end
+#   study      scripts/staleness_study.py on every visible GPU: the quickstart's tiny job, one GPU per cell shared by
+#              its learner and server (engines in bf16, as the GPU presets serve), STUDY_JOBS_PER_GPU cells
+#              (default 4) on each GPU of STUDY_GPUS (default: all) at once, kept in runs/staleness_study_gpu so
+#              that a later call on the same host continues it; STUDY_ARGS picks the grid (--ks, --losses, --mini-batches, --seeds, --steps,
+#              --stop-starting-after-s under a per-command limit)
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
@@ -143,6 +148,16 @@ stage_e2e() {
 stage_scaling() {
     "$PYTHON" scripts/bench_scaling.py --config "$CONFIG" --out-dir /tmp/asyncrl-scaling ${SCALING_ARGS:-} \
         metrics.wandb_mode=disabled
+}
+
+stage_study() {
+    local gpus jobs  # STUDY_GPUS: the GPU ids to use (default: every GPU); each cell sets CUDA_VISIBLE_DEVICES itself
+    gpus="${STUDY_GPUS:-$("$PYTHON" -c 'import torch; print(",".join(map(str, range(torch.cuda.device_count()))))')}"
+    jobs=$(( $(echo "$gpus" | tr ',' '\n' | wc -l) * ${STUDY_JOBS_PER_GPU:-4} ))
+    "$PYTHON" scripts/staleness_study.py --config configs/quickstart.yaml --gpus "$gpus" --jobs "$jobs" \
+        --out-dir runs/staleness_study_gpu ${STUDY_ARGS:-} learner.device=cuda rollout.engine.dtype=bfloat16 \
+        rollout.engine.enforce_eager=true rollout.engine.kv_cache_memory_gib=0.25 \
+        rollout.engine.gpu_memory_utilization=0.05 metrics.wandb_mode=disabled
 }
 
 stage_ray() {
