@@ -96,9 +96,9 @@ class TrajectoryProducer:
         if reply.retry_after_ms:
             self.in_flight[reply.record_id].resend_at = time.monotonic() + reply.retry_after_ms / MS_PER_S
             return
+        del self.in_flight[reply.record_id]  # a rejection is final too: the same bytes would be refused again
         if reply.error:
             raise BufferRequestError(f"buffer at {self.address} rejected record {reply.record_id}: {reply.error}")
-        del self.in_flight[reply.record_id]
         self.acks.append(reply)
 
     def _resend_due(self, now: float) -> None:

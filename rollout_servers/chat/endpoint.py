@@ -26,6 +26,7 @@ from aiohttp import web
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.messages import Ack, TrajectoryGroup
+from asyncrl.transport.sockets import BufferRequestError
 from rollout_servers.buffer_calls import ServerStopping
 from rollout_servers.chat.auth import refuse_open_bind, require_key
 from rollout_servers.chat.request import SESSION_HEADER, parse_request
@@ -139,8 +140,8 @@ class ChatEndpoint:
             ack = await self._sink(group)
         except ServerStopping as error:
             return _error(503, f"record {record_id} was not sent: {error}")
-        if ack.error:
-            return _error(502, f"the buffer refused record {record_id}: {ack.error}")
+        except BufferRequestError as error:
+            return _error(502, f"the buffer refused record {record_id}: {error}")
         log.info("chat group %s (%d sessions) sent to the buffer at offset %d", record_id, group.num_samples(), ack.offset)
         return web.json_response({"session_id": session_id, "record_id": record_id, "sent": True,
                                   "offset": ack.offset, "duplicate": ack.duplicate})

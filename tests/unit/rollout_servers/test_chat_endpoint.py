@@ -22,6 +22,7 @@ import vllm
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta
 from asyncrl.messages import Ack
+from asyncrl.transport.sockets import BufferRequestError
 from rollout_servers.chat.auth import ApiKeyError
 from rollout_servers.chat.endpoint import ChatEndpoint
 from rollout_servers.chat.sessions import ChatSessions, SessionError
@@ -213,6 +214,19 @@ def test_the_sdk_sees_refusals_as_bad_requests():
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):
             client(served).chat.completions.create(model="tiny", messages=[USER], presence_penalty=1.0,
                                                    extra_body={"session_id": "s"})
+
+
+def test_a_group_the_buffer_refuses_gets_a_502_that_names_the_record_and_the_reason():
+    with serving(ScriptedEngine([turn("ab", -0.5)])) as served:
+        async def refusing_sink(group) -> Ack:
+            raise BufferRequestError(f"buffer at tcp://x rejected record {group.record_id}: too large")
+
+        served.endpoint._sink = refusing_sink
+        client(served).chat.completions.create(model="tiny", messages=[USER], extra_body={"session_id": "s"})
+        response = httpx.post(f"{served.url}/sessions/s/close", json={"reward": 1.0}, timeout=DEADLINE_S)
+        assert response.status_code == 502, response.text
+        message = response.json()["error"]["message"]
+        assert "server-1-chat-s" in message and "too large" in message
 
 
 def test_without_the_api_key_every_route_is_refused_with_401_and_nothing_is_stored():
