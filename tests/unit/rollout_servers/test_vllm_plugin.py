@@ -1,4 +1,5 @@
-"""The plugin's receive loop: one loader call pulls every announced tensor, received on demand and in order."""
+"""The plugin's receive loop: one loader call pulls every announced tensor, received on demand and in order; loading
+in place from the shared buffer, one batched copy of the planned tensors."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 
 from asyncrl.weight_transfer import TransferGroup, update_info_for
+from asyncrl.weight_transfer.ipc import SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
-from rollout_servers import vllm_compat
+from rollout_servers import vllm_compat, vllm_plugin
 from rollout_servers.vllm_plugin import AsyncRLWeightTransferEngine
+from rollout_servers.weight_load_plan import LoadPaths
+from tests.unit.rollout_servers.fake_layers import KINDS, FakeModel, checkpoint
 
 SENT = [("a.weight", torch.full((2, 3), 1.5)), ("b.bias", torch.arange(4, dtype=torch.float32)),
         ("c.weight", torch.full((1,), -2.0))]
@@ -33,11 +37,16 @@ class ScriptedGroup:
         self.log.append("synchronize")
 
 
+def one_worker(tensor_parallel: int = 1) -> SimpleNamespace:
+    """What the plugin reads of vLLM's config: worker 0 of an engine of `tensor_parallel` workers."""
+    parallel = SimpleNamespace(data_parallel_index=0, world_size=tensor_parallel, rank=0,
+                               tensor_parallel_size=tensor_parallel, pipeline_parallel_size=1)
+    return SimpleNamespace(parallel_config=parallel, model_config=None)
+
+
 def plugin_with(group: ScriptedGroup, in_place: bool = False, model: object = None) -> AsyncRLWeightTransferEngine:
     """The plugin of worker 0 of a one-worker engine, joined to `group` as vLLM's init request would join it."""
-    one_worker = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-                                 model_config=None)
-    plugin = AsyncRLWeightTransferEngine(None, one_worker, group.device, model)
+    plugin = AsyncRLWeightTransferEngine(None, one_worker(), group.device, model)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TransferGroup, "join", lambda address, rank, collectives, device: group)
         plugin.init_transfer_engine(InitInfo("127.0.0.1", 1, 2, "gloo", 1.0, rank_offset=1, load_in_place=in_place))
@@ -108,3 +117,94 @@ def test_loading_in_place_is_chosen_only_for_unquantized_models_on_cuda(monkeypa
     assert vllm_compat.loads_in_place(True, unquantized)
     assert not vllm_compat.loads_in_place(False, unquantized)
     assert not vllm_compat.loads_in_place(True, quantized)
+
+
+class SharedBuffer(SharedWeightsReader):
+    """The server's mapping of the learner's buffer, on the CPU: the learner's rounds are packed into it here."""
+
+    def __init__(self) -> None:
+        sizes = [tensor.numel() * tensor.element_size() for _, tensor in checkpoint(seed=0)]
+        super().__init__(torch.zeros(byte_layout(sizes)[1], dtype=torch.uint8))
+        self.log: list[str] = []
+
+    def write(self, named: list[tuple[str, torch.Tensor]]) -> UpdateInfo:
+        pack_into(self.buffer, named)
+        return UpdateInfo(**update_info_for(named))
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+class CallLoggingModel(FakeModel):
+    """A model built like a vLLM model whose `load_weights` logs the names of each call (and may fail)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.calls: list[list[str]] = []
+        self.fail = fail
+
+    def load_weights(self, weights) -> set[str]:
+        named = list(weights)
+        self.calls.append([name for name, _ in named])
+        if self.fail:
+            raise RuntimeError("a loader failed")
+        return super().load_weights(named)
+
+
+def plugin_on_buffer(buffer: SharedBuffer, model: FakeModel, tensor_parallel: int = 1) -> AsyncRLWeightTransferEngine:
+    """The plugin of worker 0 loading in place, mapped onto `buffer` as the ipc backend's init request would map it."""
+    plugin = AsyncRLWeightTransferEngine(None, one_worker(tensor_parallel), buffer.device, model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SharedWeightsReader, "open", classmethod(lambda cls, fields, device, previous=None: buffer))
+        plugin.init_transfer_engine(InitInfo("127.0.0.1", 0, 2, "ipc", 1.0, rank_offset=1, load_in_place=True))
+    return plugin
+
+
+def same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> bool:
+    expected = dict(reference.named_parameters())
+    return all(torch.equal(param, expected[name]) for name, param in model.named_parameters())
+
+
+@pytest.fixture
+def fake_layers(monkeypatch) -> None:
+    """The fake model's layer types stand for vLLM's standard layers."""
+    monkeypatch.setattr(vllm_plugin, "vllm_layers", lambda: KINDS)
+
+
+def test_loading_in_place_from_the_shared_buffer_checks_the_plan_once_then_copies_in_one_batch(fake_layers):
+    buffer, model, reference = SharedBuffer(), CallLoggingModel(), FakeModel()
+    plugin = plugin_on_buffer(buffer, model)
+    tensors, fallback = len(checkpoint(seed=0)), ["layers.0.extra.weight", "lm_head.weight"]
+
+    for seed, checking in ((1, True), (2, False), (3, False)):
+        model.calls.clear()
+        named = checkpoint(seed)
+        plugin.receive_weights(buffer.write(named))
+        reference.load_weights(named)
+        assert same_weights(model, reference)
+        assert plugin.last_load == LoadPaths(batched=tensors - 2, load_weights=2, checked_plan=checking)
+        if not checking:
+            assert model.calls == [fallback], "only the tensors the plan leaves go through load_weights"
+    assert buffer.log == ["synchronize"] * 3
+
+
+def test_a_sharded_engine_streams_every_tensor_through_load_weights(fake_layers):
+    buffer, model = SharedBuffer(), CallLoggingModel()
+    named = checkpoint(seed=1)
+    plugin_on_buffer(buffer, model, tensor_parallel=2).receive_weights(buffer.write(named))
+    assert model.calls == [[name for name, _ in named]]
+
+
+def test_a_failing_batched_load_still_waits_for_its_copies_before_failing(fake_layers):
+    buffer = SharedBuffer()
+    plugin = plugin_on_buffer(buffer, CallLoggingModel(fail=True))
+    with pytest.raises(RuntimeError, match="a loader failed"):
+        plugin.receive_weights(buffer.write(checkpoint(seed=1)))
+    assert buffer.log == ["synchronize"]
+
+
+def test_a_worker_reports_how_its_last_update_loaded():
+    plugin = plugin_with(ScriptedGroup(SENT), in_place=True, model=RecordingModel())
+    plugin.receive_weights(announced())
+    worker = SimpleNamespace(weight_transfer_engine=plugin)
+    assert vllm_plugin.weight_load_paths(worker) == {"batched": 0, "load_weights": len(SENT), "checked_plan": False}
