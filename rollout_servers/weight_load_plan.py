@@ -9,9 +9,12 @@ into a fixed view of one parameter:
 - a packed shard (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, in the order of the model's
   `packed_modules_mapping`): the rows after those of the shards listed before it (the layer's `output_sizes`);
 - a vocabulary embedding or output head: the leading rows of a parameter padded past the vocabulary.
-Anything else keeps going through `load_weights`: a name with no parameter of its own (the output head of a tied
-model, a name the model's loader renames), a dtype other than the parameter's, a parameter whose loader is not a
-standard layer's (a custom loader may transform what it copies), a shape that does not fit, views that overlap.
+A tied alias (the output head of a model whose head is its embedding) is the same tensor as a parameter the round
+loads under its own name: vLLM's loaders skip it (0.32 raises when it comes without that parameter), and so does the
+plan, unless that parameter loads through `load_weights`, where the alias goes along. Anything else keeps going
+through `load_weights`: a name with no parameter (one the model's loader renames), a dtype other than the
+parameter's, a parameter whose loader is not a standard layer's (a custom loader may transform what it copies), a
+shape that does not fit, views that overlap.
 
 A plan is trusted only once vLLM's loader agreed with it (`checked_plan`, on the plan's first round): the round is
 loaded by `load_weights` alone, then every planned tensor is loaded again as distinct random values, and its view
@@ -42,7 +45,7 @@ Layout = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # (name, dtype, s
 PROBE_BATCH_BYTES = 256 * 2**20  # random values loaded at once while checking a plan (device memory, once per plan)
 FINGERPRINT_CHUNK = 2**24  # elements summed at once (bounds the int64 temporaries to 128 MiB each)
 PROBE_SEED = 0x5EED
-NO_PARAMETER = "no parameter of that name (a tied or renamed weight)"
+NO_PARAMETER = "no parameter of that name (the model's loader may rename it)"
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class LoadPaths:
 
     batched: int  # copied by the one batched copy
     load_weights: int  # loaded by vLLM's `load_weights`
+    tied: int = 0  # skipped: tied aliases of parameters the batched copy loads
     checked_plan: bool = False  # this round also checked the plan against `load_weights` (its first round)
 
 
@@ -102,6 +106,7 @@ class LoadPlan:
     planned: list[int]  # indices (in the announced order) of the tensors the batched copy loads
     views: list[torch.Tensor]  # their destinations, in the same order
     fallback: dict[int, str]  # indices of the tensors `load_weights` loads, and why
+    tied: dict[int, int]  # indices of the tied aliases skipped → the index of the tensor loaded in their place
     # (module, attribute, parameter, address) of every parameter a view points into: a plan whose parameters were
     # replaced or reallocated since would copy into memory the model no longer reads
     anchors: list[tuple[torch.nn.Module, str, torch.Tensor, int]]
@@ -121,14 +126,25 @@ class LoadPlan:
         return self.paths()
 
     def paths(self, checked: bool = False) -> LoadPaths:
-        return LoadPaths(len(self.planned), len(self.fallback), checked)
+        return LoadPaths(len(self.planned), len(self.fallback), len(self.tied), checked)
 
     def without(self, indices: Iterable[int], reason: str) -> LoadPlan:
-        """The same plan with the tensors at `indices` loaded by `load_weights` instead."""
+        """The same plan with the tensors at `indices`, and the tied aliases of those, loaded by `load_weights`
+        instead (an alias goes in the same call as its parameter's tensor, as vLLM's loader expects it)."""
         dropped = set(indices)
         kept = [(index, view) for index, view in zip(self.planned, self.views) if index not in dropped]
-        return LoadPlan(self.model, self.layout, [index for index, _ in kept], [view for _, view in kept],
-                        self.fallback | {index: reason for index in sorted(dropped)}, self.anchors)
+        fallback, tied = _with_tied(self.fallback | {index: reason for index in dropped}, self.tied, self.layout)
+        return LoadPlan(self.model, self.layout, [index for index, _ in kept], [view for _, view in kept], fallback,
+                        tied, self.anchors)
+
+
+def _with_tied(fallback: dict[int, str], tied: dict[int, int], layout: Layout) -> tuple[dict[int, str], dict[int, int]]:
+    """The fallback with the tied aliases of its tensors added (an alias goes in the same `load_weights` call as its
+    parameter's tensor, as vLLM's loader expects it), in announced order; the aliases still skipped."""
+    untied = {alias: f"tied to {layout[index][0]}, which loads through load_weights"
+              for alias, index in tied.items() if index in fallback}
+    return (dict(sorted((fallback | untied).items())),
+            {alias: index for alias, index in tied.items() if alias not in untied})
 
 
 def layout_of(named: Sequence[NamedTensor]) -> Layout:
@@ -142,9 +158,12 @@ def resolve(model: torch.nn.Module, layout: Layout, kinds: LayerKinds) -> LoadPl
     params = dict(model.named_parameters())  # each parameter under one name: a tied alias is absent
     modules = dict(model.named_modules())
     shards = _shards(getattr(model, "packed_modules_mapping", {}))
+    tied = _tied(model, layout)
     targets: dict[int, Target] = {}
     fallback: dict[int, str] = {}
     for index, (name, dtype, shape) in enumerate(layout):
+        if index in tied:
+            continue
         target = _target(name, dtype, shape, params, modules, shards, kinds)
         if isinstance(target, Target):
             targets[index] = target
@@ -152,8 +171,18 @@ def resolve(model: torch.nn.Module, layout: Layout, kinds: LayerKinds) -> LoadPl
             fallback[index] = target
     for index in _overlapping(targets):
         fallback[index] = f"its rows of {targets.pop(index).param} overlap another tensor's"
-    return LoadPlan(model, layout, list(targets), [_view(params[t.param], t) for t in targets.values()],
-                    dict(sorted(fallback.items())), _anchors({t.param for t in targets.values()}, params, modules))
+    fallback, tied = _with_tied(fallback, tied, layout)
+    return LoadPlan(model, layout, list(targets), [_view(params[t.param], t) for t in targets.values()], fallback,
+                    tied, _anchors({t.param for t in targets.values()}, params, modules))
+
+
+def _tied(model: torch.nn.Module, layout: Layout) -> dict[int, int]:
+    """Announced tied aliases → the index of the announced tensor of the parameter they are the same tensor as."""
+    canonical = {id(param): name for name, param in model.named_parameters()}
+    announced = {name: index for index, (name, _, _) in enumerate(layout)}
+    aliases = {name: canonical[id(param)] for name, param in model.named_parameters(remove_duplicate=False)}
+    return {index: announced[aliases[name]] for name, index in announced.items()
+            if name in aliases and aliases[name] != name and aliases[name] in announced}
 
 
 def _shards(packed_modules_mapping: dict[str, list[str]]) -> dict[str, Shard]:
@@ -335,10 +364,11 @@ def _fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _log_plan(plan: LoadPlan) -> None:
-    names = [plan.layout[index][0] for index in plan.fallback]
-    reasons = "; ".join(f"{name}: {reason}" for name, reason in zip(names, plan.fallback.values()))
+    reasons = [f"{plan.layout[index][0]}: {reason}" for index, reason in plan.fallback.items()]
+    reasons += [f"{plan.layout[alias][0]}: tied to {plan.layout[index][0]}" for alias, index in plan.tied.items()]
     log.info("weight load plan checked against vLLM's loader: %d of %d tensors load in one batched copy, %d through "
-             "load_weights%s", len(plan.planned), len(plan.layout), len(plan.fallback), f" ({reasons})" if reasons else "")
+             "load_weights, %d skipped as tied aliases%s", len(plan.planned), len(plan.layout), len(plan.fallback),
+             len(plan.tied), f" ({'; '.join(reasons)})" if reasons else "")
 
 
 # loading through vLLM ----------------------------------------------------------------------------------------------

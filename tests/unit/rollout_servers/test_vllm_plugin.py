@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from asyncrl.weight_transfer import TransferGroup, update_info_for
-from asyncrl.weight_transfer.ipc import SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat, vllm_plugin
 from rollout_servers.vllm_plugin import AsyncRLWeightTransferEngine
 from rollout_servers.weight_load_plan import LoadPaths
 from tests.unit.rollout_servers.fake_layers import KINDS, FakeModel, checkpoint
+from tests.unit.rollout_servers.plugin_helpers import SharedBuffer, plugin_on_buffer
 
 SENT = [("a.weight", torch.full((2, 3), 1.5)), ("b.bias", torch.arange(4, dtype=torch.float32)),
         ("c.weight", torch.full((1,), -2.0))]
@@ -119,22 +119,6 @@ def test_loading_in_place_is_chosen_only_for_unquantized_models_on_cuda(monkeypa
     assert not vllm_compat.loads_in_place(True, quantized)
 
 
-class SharedBuffer(SharedWeightsReader):
-    """The server's mapping of the learner's buffer, on the CPU: the learner's rounds are packed into it here."""
-
-    def __init__(self) -> None:
-        sizes = [tensor.numel() * tensor.element_size() for _, tensor in checkpoint(seed=0)]
-        super().__init__(torch.zeros(byte_layout(sizes)[1], dtype=torch.uint8))
-        self.log: list[str] = []
-
-    def write(self, named: list[tuple[str, torch.Tensor]]) -> UpdateInfo:
-        pack_into(self.buffer, named)
-        return UpdateInfo(**update_info_for(named))
-
-    def synchronize(self) -> None:
-        self.log.append("synchronize")
-
-
 class CallLoggingModel(FakeModel):
     """A model built like a vLLM model whose `load_weights` logs the names of each call (and may fail)."""
 
@@ -151,15 +135,6 @@ class CallLoggingModel(FakeModel):
         return super().load_weights(named)
 
 
-def plugin_on_buffer(buffer: SharedBuffer, model: FakeModel, tensor_parallel: int = 1) -> AsyncRLWeightTransferEngine:
-    """The plugin of worker 0 loading in place, mapped onto `buffer` as the ipc backend's init request would map it."""
-    plugin = AsyncRLWeightTransferEngine(None, one_worker(tensor_parallel), buffer.device, model)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SharedWeightsReader, "open", classmethod(lambda cls, fields, device, previous=None: buffer))
-        plugin.init_transfer_engine(InitInfo("127.0.0.1", 0, 2, "ipc", 1.0, rank_offset=1, load_in_place=True))
-    return plugin
-
-
 def same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> bool:
     expected = dict(reference.named_parameters())
     return all(torch.equal(param, expected[name]) for name, param in model.named_parameters())
@@ -172,9 +147,9 @@ def fake_layers(monkeypatch) -> None:
 
 
 def test_loading_in_place_from_the_shared_buffer_checks_the_plan_once_then_copies_in_one_batch(fake_layers):
-    buffer, model, reference = SharedBuffer(), CallLoggingModel(), FakeModel()
-    plugin = plugin_on_buffer(buffer, model)
-    tensors, fallback = len(checkpoint(seed=0)), ["layers.0.extra.weight", "lm_head.weight"]
+    buffer, model, reference = SharedBuffer(checkpoint(seed=0)), CallLoggingModel(), FakeModel()
+    plugin = plugin_on_buffer(buffer, model, one_worker())
+    tensors = len(checkpoint(seed=0))
 
     for seed, checking in ((1, True), (2, False), (3, False)):
         model.calls.clear()
@@ -182,22 +157,24 @@ def test_loading_in_place_from_the_shared_buffer_checks_the_plan_once_then_copie
         plugin.receive_weights(buffer.write(named))
         reference.load_weights(named)
         assert same_weights(model, reference)
-        assert plugin.last_load == LoadPaths(batched=tensors - 2, load_weights=2, checked_plan=checking)
+        assert plugin.last_load == LoadPaths(batched=tensors - 2, load_weights=1, tied=1, checked_plan=checking)
         if not checking:
-            assert model.calls == [fallback], "only the tensors the plan leaves go through load_weights"
+            assert model.calls == [["layers.0.extra.weight"]], "only the tensors the plan leaves go through load_weights"
     assert buffer.log == ["synchronize"] * 3
 
 
 def test_a_sharded_engine_streams_every_tensor_through_load_weights(fake_layers):
-    buffer, model = SharedBuffer(), CallLoggingModel()
+    buffer, model = SharedBuffer(checkpoint(seed=0)), CallLoggingModel()
     named = checkpoint(seed=1)
-    plugin_on_buffer(buffer, model, tensor_parallel=2).receive_weights(buffer.write(named))
+    plugin = plugin_on_buffer(buffer, model, one_worker(tensor_parallel=2))
+    plugin.receive_weights(buffer.write(named))
     assert model.calls == [[name for name, _ in named]]
+    assert plugin.last_load == LoadPaths(batched=0, load_weights=len(named))
 
 
 def test_a_failing_batched_load_still_waits_for_its_copies_before_failing(fake_layers):
-    buffer = SharedBuffer()
-    plugin = plugin_on_buffer(buffer, CallLoggingModel(fail=True))
+    buffer = SharedBuffer(checkpoint(seed=0))
+    plugin = plugin_on_buffer(buffer, CallLoggingModel(fail=True), one_worker())
     with pytest.raises(RuntimeError, match="a loader failed"):
         plugin.receive_weights(buffer.write(checkpoint(seed=1)))
     assert buffer.log == ["synchronize"]
@@ -207,4 +184,5 @@ def test_a_worker_reports_how_its_last_update_loaded():
     plugin = plugin_with(ScriptedGroup(SENT), in_place=True, model=RecordingModel())
     plugin.receive_weights(announced())
     worker = SimpleNamespace(weight_transfer_engine=plugin)
-    assert vllm_plugin.weight_load_paths(worker) == {"batched": 0, "load_weights": len(SENT), "checked_plan": False}
+    assert vllm_plugin.weight_load_paths(worker) == {"batched": 0, "load_weights": len(SENT), "tied": 0,
+                                                     "checked_plan": False}

@@ -12,7 +12,7 @@ from torch import nn
 from rollout_servers.weight_load_plan import NO_PARAMETER, LoadPaths, checked_plan, layout_of, resolve
 from tests.unit.rollout_servers.fake_layers import KINDS, PADDED_VOCAB, VOCAB, FakeModel, checkpoint
 
-FALLBACK = {"layers.0.extra.weight", "lm_head.weight"}  # a loader of its own; the tied head
+FALLBACK = {"layers.0.extra.weight"}  # a loader of its own (the tied head is skipped, as vLLM's loader skips it)
 
 
 class RecordingLoader:
@@ -48,7 +48,7 @@ def test_each_tensor_lands_in_the_rows_its_packed_or_padded_parameter_holds_it_i
     loader = RecordingLoader(model)
     plan = resolve(model, layout_of(named), KINDS)
 
-    assert plan.load(named, loader) == LoadPaths(batched=len(named) - 2, load_weights=2)
+    assert plan.load(named, loader) == LoadPaths(batched=len(named) - 2, load_weights=1, tied=1)
 
     attn, mlp = model.layers[0].attn, model.layers[0].mlp
     expected_rows = {  # (parameter, start, stop): the checkpoint tensor it holds there
@@ -63,7 +63,7 @@ def test_each_tensor_lands_in_the_rows_its_packed_or_padded_parameter_holds_it_i
         assert torch.equal(param.data[start:stop], sent[name]), name
     assert torch.equal(model.embed.weight.data[VOCAB:PADDED_VOCAB], torch.zeros(PADDED_VOCAB - VOCAB, 4)), \
         "the padding rows are left alone"
-    assert loader.calls == [["layers.0.extra.weight", "lm_head.weight"]], "one load_weights call, the rest only"
+    assert loader.calls == [["layers.0.extra.weight"]], "one load_weights call, the rest only"
     assert torch.equal(model.layers[0].extra.weight.data, sent["layers.0.extra.weight"] * 2)
 
 
@@ -79,12 +79,27 @@ def test_what_the_plan_cannot_resolve_safely_goes_to_load_weights_with_its_reaso
     reasons = fallback_names(plan)
     assert set(reasons) == FALLBACK | {"layers.0.attn.o_proj.weight", "layers.0.mlp.down_proj.weight",
                                        "layers.0.attn.q_proj.weight", "layers.0.unknown.weight"}
-    assert reasons["lm_head.weight"] == reasons["layers.0.unknown.weight"] == NO_PARAMETER
+    assert reasons["layers.0.unknown.weight"] == NO_PARAMETER
     assert reasons["layers.0.extra.weight"] == "OwnLoader loads layers.0.extra.weight with a loader of its own"
     assert reasons["layers.0.attn.o_proj.weight"] == "sent as torch.float64, served as torch.float32"
     assert reasons["layers.0.mlp.down_proj.weight"] == "shape [6, 4] does not fit layers.0.mlp.down_proj.weight [4, 6] as a plain tensor"
     assert reasons["layers.0.attn.q_proj.weight"].startswith("shape [3, 4] does not fit layers.0.attn.qkv_proj.weight")
-    assert len(plan.planned) == len(named) - len(reasons)
+    assert len(plan.planned) == len(named) - len(reasons) - len(plan.tied)
+
+
+def test_a_tied_alias_is_skipped_unless_its_parameter_loads_through_load_weights_then_it_goes_along():
+    model, named = FakeModel(), checkpoint(seed=1)
+    plan = resolve(model, layout_of(named), KINDS)
+    assert {plan.layout[alias][0]: plan.layout[index][0] for alias, index in plan.tied.items()} == \
+        {"lm_head.weight": "embed.weight"}
+
+    named[0] = ("embed.weight", named[0][1].double())  # the embedding now goes to load_weights
+    loader = RecordingLoader(model)
+    plan = resolve(model, layout_of(named), KINDS)
+    assert plan.tied == {}
+    assert fallback_names(plan)["lm_head.weight"] == "tied to embed.weight, which loads through load_weights"
+    plan.load(named, loader)
+    assert loader.calls == [["embed.weight", "layers.0.extra.weight", "lm_head.weight"]], "one call, in announced order"
 
 
 def test_tensors_whose_rows_overlap_are_all_left_to_load_weights():
@@ -103,7 +118,7 @@ def test_a_checked_plan_that_agrees_with_the_loader_loads_later_rounds_as_the_lo
     first = checkpoint(seed=1)
     plan = checked_plan(model, first, loader, KINDS)
     reference.load_weights(first)
-    assert plan.paths(checked=True) == LoadPaths(batched=len(first) - 2, load_weights=2, checked_plan=True)
+    assert plan.paths(checked=True) == LoadPaths(batched=len(first) - 2, load_weights=1, tied=1, checked_plan=True)
     assert_same_weights(model, reference)
 
     for seed in (2, 3):
@@ -129,7 +144,8 @@ def test_a_plan_the_loader_disagrees_with_is_caught_even_where_the_values_repeat
     swapped = {f"layers.0.attn.{shard}_proj.{leaf}" for shard in "kv" for leaf in ("weight", "bias")}
     assert set(fallback_names(plan)) == FALLBACK | swapped
     assert all(f"'{name}' elsewhere" in caplog.text for name in swapped)
-    assert f"{len(first) - 6} of {len(first)} tensors load in one batched copy, 6 through load_weights" in caplog.text
+    assert (f"{len(first) - 6} of {len(first)} tensors load in one batched copy, 5 through load_weights, "
+            "1 skipped as tied aliases") in caplog.text
 
     second = checkpoint(seed=2)
     plan.load(second, model.load_weights)
@@ -183,13 +199,13 @@ def test_a_plan_fits_only_its_model_its_layout_and_the_parameters_it_points_into
 
 @pytest.mark.parametrize("stops_after", [0, 1])
 def test_a_loader_that_stops_early_fails_naming_the_first_tensor_it_left(stops_after):
-    model, named = FakeModel(), checkpoint(seed=1)
+    model, named = FakeModel(), checkpoint(seed=1) + [("layers.0.unknown.weight", torch.zeros(2))]
     plan = resolve(model, layout_of(named), KINDS)
 
     def stops(weights) -> None:
         for _ in range(stops_after):
             next(weights)
 
-    first_left = sorted(FALLBACK)[stops_after]
+    first_left = ["layers.0.extra.weight", "layers.0.unknown.weight"][stops_after]
     with pytest.raises(RuntimeError, match=f"stopped before {2 - stops_after} announced tensors, first '{first_left}'"):
         plan.load(named, stops)
