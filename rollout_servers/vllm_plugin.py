@@ -22,6 +22,7 @@ from asyncrl.weight_transfer.protocol import InitInfo, TensorMeta, UpdateInfo
 from rollout_servers import vllm_compat
 from rollout_servers.vllm_log_filters import drop_expected_warnings
 from rollout_servers.weight_load_plan import (
+    Layout,
     LoadPaths,
     LoadPlan,
     NamedTensor,
@@ -107,7 +108,7 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         if held is None:
             self._stream(metas, self.model.load_weights if self._in_place or load_weights is None else load_weights)
         else:
-            self._load_batched(held)
+            self._load_batched(held, layout_of(metas))
 
     def _whole_round(self, metas: list[TensorMeta]) -> list[NamedTensor] | None:
         """Every announced tensor at once where the batched load applies: loading in place into a model that is not
@@ -127,16 +128,16 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         fail_if_unread(unread)
         self.last_load = LoadPaths(batched=0, load_weights=len(metas))
 
-    def _load_batched(self, named: list[NamedTensor]) -> None:
+    def _load_batched(self, named: list[NamedTensor], layout: Layout) -> None:
         """The planned tensors in one batched copy, the rest through `load_weights`; the plan is resolved and checked
         against `load_weights` on its first round (a new model or a new set of tensors). The round ends once the
         copies from the receiving end are done, failed or not (the learner rewrites the shared buffer next)."""
         try:
-            if self._plan is not None and self._plan.fits(self.model, layout_of(named)):
+            if self._plan is not None and self._plan.fits(self.model, layout):
                 self.last_load = self._plan.load(named, self.model.load_weights)
             else:
                 self._plan = None  # a check that fails midway leaves none: the next round checks again
-                self._plan = checked_plan(self.model, named, self.model.load_weights, vllm_layers())
+                self._plan = checked_plan(self.model, named, layout, self.model.load_weights, vllm_layers())
                 self.last_load = self._plan.paths(checked=True)
         finally:
             self._weights.synchronize()

@@ -35,6 +35,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from asyncrl.weight_transfer.protocol import TensorMeta
 from rollout_servers.vllm_compat import WeightLoader
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ log = logging.getLogger(__name__)
 NamedTensor = tuple[str, torch.Tensor]
 Layout = tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]  # (name, dtype, shape) of each announced tensor
 
-PROBE_BATCH_BYTES = 256 * 2**20  # random values loaded at once while checking a plan (device memory, once per plan)
-FINGERPRINT_CHUNK = 2**24  # elements summed at once (bounds the int64 temporaries to 128 MiB each)
+# While a plan is checked (once), device memory beyond what vLLM planned for: random values loaded at once (or one
+# tensor's worth, where a tensor is larger), and elements fingerprinted at once (two int64 temporaries of 32 MiB).
+PROBE_BATCH_BYTES = 64 * 2**20
+FINGERPRINT_CHUNK = 2**22
 PROBE_SEED = 0x5EED
 NO_PARAMETER = "no parameter of that name (the model's loader may rename it)"
 
@@ -147,8 +150,10 @@ def _with_tied(fallback: dict[int, str], tied: dict[int, int], layout: Layout) -
             {alias: index for alias, index in tied.items() if alias not in untied})
 
 
-def layout_of(named: Sequence[NamedTensor]) -> Layout:
-    return tuple((name, tensor.dtype, tuple(tensor.shape)) for name, tensor in named)
+def layout_of(metas: Sequence[TensorMeta]) -> Layout:
+    """What a plan is made for, from the update's announcement: reading it off the tensors would cost two torch
+    calls per tensor each round, through vLLM's device mode on 0.24."""
+    return tuple((meta.name, meta.dtype, tuple(meta.shape)) for meta in metas)
 
 
 # resolving ---------------------------------------------------------------------------------------------------------
@@ -286,11 +291,11 @@ def _anchors(names: set[str], params: dict[str, torch.Tensor],
 
 # checking ----------------------------------------------------------------------------------------------------------
 
-def checked_plan(model: torch.nn.Module, named: Sequence[NamedTensor], load_weights: WeightLoader,
+def checked_plan(model: torch.nn.Module, named: Sequence[NamedTensor], layout: Layout, load_weights: WeightLoader,
                  kinds: LayerKinds) -> LoadPlan:
-    """Resolve the plan for this round's tensors and check it against `load_weights` (module docstring); the round is
-    loaded either way. Costs `load_weights` about three times over, once per plan."""
-    plan = resolve(model, layout_of(named), kinds)
+    """Resolve the plan for this round's tensors (announced as `layout`) and check it against `load_weights` (module
+    docstring); the round is loaded either way. Costs `load_weights` two or three times over, once per plan."""
+    plan = resolve(model, layout, kinds)
     load_all(load_weights, named)  # the round as vLLM's loader alone leaves it: the reference
     reference = fingerprints(model)
     misplaced = _misplaced(plan, named, load_weights)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from rollout_servers.weight_load_plan import NO_PARAMETER, LoadPaths, checked_plan, layout_of, resolve
+from asyncrl.weight_transfer import parse_update_info, update_info_for
+from rollout_servers.weight_load_plan import NO_PARAMETER, Layout, LoadPaths, checked_plan, layout_of, resolve
 from tests.unit.rollout_servers.fake_layers import KINDS, PADDED_VOCAB, VOCAB, FakeModel, checkpoint
 
 FALLBACK = {"layers.0.extra.weight"}  # a loader of its own (the tied head is skipped, as vLLM's loader skips it)
@@ -25,6 +26,11 @@ class RecordingLoader:
         named = list(weights)
         self.calls.append([name for name, _ in named])
         self.model.load_weights(named)
+
+
+def layout(named: list[tuple[str, torch.Tensor]]) -> Layout:
+    """The layout of a round of `named`, as the plugin reads it off the update's announcement."""
+    return layout_of(parse_update_info(update_info_for(named)))
 
 
 def params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -46,7 +52,7 @@ def test_each_tensor_lands_in_the_rows_its_packed_or_padded_parameter_holds_it_i
     model, named = FakeModel(), checkpoint(seed=1)
     sent = dict(named)
     loader = RecordingLoader(model)
-    plan = resolve(model, layout_of(named), KINDS)
+    plan = resolve(model, layout(named), KINDS)
 
     assert plan.load(named, loader) == LoadPaths(batched=len(named) - 2, load_weights=1, tied=1)
 
@@ -74,7 +80,7 @@ def test_what_the_plan_cannot_resolve_safely_goes_to_load_weights_with_its_reaso
     named["layers.0.mlp.down_proj.weight"] = named["layers.0.mlp.down_proj.weight"].t()  # a shape that does not fit
     named["layers.0.attn.q_proj.weight"] = torch.zeros(3, 4)  # rows that are not the shard's
     named["layers.0.unknown.weight"] = torch.zeros(2)
-    plan = resolve(model, layout_of(list(named.items())), KINDS)
+    plan = resolve(model, layout(list(named.items())), KINDS)
 
     reasons = fallback_names(plan)
     assert set(reasons) == FALLBACK | {"layers.0.attn.o_proj.weight", "layers.0.mlp.down_proj.weight",
@@ -89,13 +95,13 @@ def test_what_the_plan_cannot_resolve_safely_goes_to_load_weights_with_its_reaso
 
 def test_a_tied_alias_is_skipped_unless_its_parameter_loads_through_load_weights_then_it_goes_along():
     model, named = FakeModel(), checkpoint(seed=1)
-    plan = resolve(model, layout_of(named), KINDS)
+    plan = resolve(model, layout(named), KINDS)
     assert {plan.layout[alias][0]: plan.layout[index][0] for alias, index in plan.tied.items()} == \
         {"lm_head.weight": "embed.weight"}
 
     named[0] = ("embed.weight", named[0][1].double())  # the embedding now goes to load_weights
     loader = RecordingLoader(model)
-    plan = resolve(model, layout_of(named), KINDS)
+    plan = resolve(model, layout(named), KINDS)
     assert plan.tied == {}
     assert fallback_names(plan)["lm_head.weight"] == "tied to embed.weight, which loads through load_weights"
     plan.load(named, loader)
@@ -105,7 +111,7 @@ def test_a_tied_alias_is_skipped_unless_its_parameter_loads_through_load_weights
 def test_tensors_whose_rows_overlap_are_all_left_to_load_weights():
     model = FakeModel()
     named = checkpoint(seed=1) + [("layers.0.attn.qkv_proj.weight", torch.zeros(8, 4))]  # fused and shards both sent
-    reasons = fallback_names(resolve(model, layout_of(named), KINDS))
+    reasons = fallback_names(resolve(model, layout(named), KINDS))
     overlapping = {"layers.0.attn.qkv_proj.weight", "layers.0.attn.q_proj.weight", "layers.0.attn.k_proj.weight",
                    "layers.0.attn.v_proj.weight"}
     assert set(reasons) == FALLBACK | overlapping
@@ -116,7 +122,7 @@ def test_a_checked_plan_that_agrees_with_the_loader_loads_later_rounds_as_the_lo
     model, reference = FakeModel(), FakeModel()
     loader = RecordingLoader(model)
     first = checkpoint(seed=1)
-    plan = checked_plan(model, first, loader, KINDS)
+    plan = checked_plan(model, first, layout(first), loader, KINDS)
     reference.load_weights(first)
     assert plan.paths(checked=True) == LoadPaths(batched=len(first) - 2, load_weights=1, tied=1, checked_plan=True)
     assert_same_weights(model, reference)
@@ -124,7 +130,7 @@ def test_a_checked_plan_that_agrees_with_the_loader_loads_later_rounds_as_the_lo
     for seed in (2, 3):
         loader.calls.clear()
         named = checkpoint(seed)
-        assert plan.fits(model, layout_of(named))
+        assert plan.fits(model, layout(named))
         plan.load(named, loader)
         reference.load_weights(named)
         assert_same_weights(model, reference)
@@ -137,7 +143,7 @@ def test_a_plan_the_loader_disagrees_with_is_caught_even_where_the_values_repeat
     model, reference = FakeModel(qkv_stacking=[0, 2, 1]), FakeModel(qkv_stacking=[0, 2, 1])
     first = checkpoint(seed=1, fresh_biases=True)
     with caplog.at_level(logging.INFO, logger="rollout_servers.weight_load_plan"):
-        plan = checked_plan(model, first, RecordingLoader(model), KINDS)
+        plan = checked_plan(model, first, layout(first), RecordingLoader(model), KINDS)
     reference.load_weights(first)
     assert_same_weights(model, reference)
 
@@ -162,7 +168,7 @@ def test_a_loader_that_writes_beyond_the_plan_drops_the_plan(caplog):
         fake.load_weights = _also_copying_the_norm(fake)
     first = checkpoint(seed=1)
     with caplog.at_level(logging.WARNING, logger="rollout_servers.weight_load_plan"):
-        plan = checked_plan(model, first, model.load_weights, KINDS)
+        plan = checked_plan(model, first, layout(first), model.load_weights, KINDS)
     reference.load_weights(first)
 
     assert plan.paths() == LoadPaths(batched=0, load_weights=len(first))
@@ -185,22 +191,22 @@ def _also_copying_the_norm(model: FakeModel):
 
 def test_a_plan_fits_only_its_model_its_layout_and_the_parameters_it_points_into():
     model, named = FakeModel(), checkpoint(seed=1)
-    plan = resolve(model, layout_of(named), KINDS)
-    assert plan.fits(model, layout_of(named))
-    assert not plan.fits(FakeModel(), layout_of(named))
-    assert not plan.fits(model, layout_of(named[:-1]))
+    plan = resolve(model, layout(named), KINDS)
+    assert plan.fits(model, layout(named))
+    assert not plan.fits(FakeModel(), layout(named))
+    assert not plan.fits(model, layout(named[:-1]))
     model.layers[0].attn.o_proj.weight.data = torch.zeros(4, 4)  # reallocated: the view points into the old memory
-    assert not plan.fits(model, layout_of(named))
+    assert not plan.fits(model, layout(named))
     replaced = FakeModel()
-    plan = resolve(replaced, layout_of(named), KINDS)
+    plan = resolve(replaced, layout(named), KINDS)
     replaced.layers[0].norm.weight = nn.Parameter(torch.ones(4))
-    assert not plan.fits(replaced, layout_of(named))
+    assert not plan.fits(replaced, layout(named))
 
 
 @pytest.mark.parametrize("stops_after", [0, 1])
 def test_a_loader_that_stops_early_fails_naming_the_first_tensor_it_left(stops_after):
     model, named = FakeModel(), checkpoint(seed=1) + [("layers.0.unknown.weight", torch.zeros(2))]
-    plan = resolve(model, layout_of(named), KINDS)
+    plan = resolve(model, layout(named), KINDS)
 
     def stops(weights) -> None:
         for _ in range(stops_after):
