@@ -191,7 +191,8 @@ def _tied(model: torch.nn.Module, layout: Layout) -> dict[int, int]:
 
 
 def _shards(packed_modules_mapping: dict[str, list[str]]) -> dict[str, Shard]:
-    """Each shard module's name (e.g. "k_proj") → where it goes; a name listed under two packed modules is left out."""
+    """Each shard module's name (e.g. "k_proj") → where it goes; a name listed under two packed modules is left
+    out."""
     listed = [(name, Shard(packed, index, len(names)))
               for packed, names in packed_modules_mapping.items() for index, name in enumerate(names)]
     counts = {name: sum(other == name for other, _ in listed) for name, _ in listed}

@@ -36,7 +36,8 @@ class Packed(nn.Module):
     """A merged layer: its loader copies shard i into the rows after those of the shards stacked before it, in the
     order `stacking` (the order of `output_sizes` unless a test says otherwise)."""
 
-    def __init__(self, output_sizes: list[int], columns: int, bias: bool, stacking: Sequence[int] | None = None) -> None:
+    def __init__(self, output_sizes: list[int], columns: int, bias: bool,
+                 stacking: Sequence[int] | None = None) -> None:
         super().__init__()
         self.output_sizes = output_sizes
         self.stacking = list(stacking or range(len(output_sizes)))

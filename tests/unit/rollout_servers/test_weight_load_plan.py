@@ -53,21 +53,23 @@ def test_each_tensor_lands_in_the_rows_its_packed_or_padded_parameter_holds_it_i
     sent = dict(named)
     loader = RecordingLoader(model)
     plan = resolve(model, layout(named), KINDS)
+    model.embed.weight.data[VOCAB:] = 7.0  # the padding rows, as they were before the round
 
     assert plan.load(named, loader) == LoadPaths(batched=len(named) - 2, load_weights=1, tied=1)
 
-    attn, mlp = model.layers[0].attn, model.layers[0].mlp
-    expected_rows = {  # (parameter, start, stop): the checkpoint tensor it holds there
-        (attn.qkv_proj.weight, 0, 4): "layers.0.attn.q_proj.weight", (attn.qkv_proj.weight, 4, 6): "layers.0.attn.k_proj.weight",
-        (attn.qkv_proj.weight, 6, 8): "layers.0.attn.v_proj.weight", (attn.qkv_proj.bias, 0, 4): "layers.0.attn.q_proj.bias",
-        (attn.qkv_proj.bias, 4, 6): "layers.0.attn.k_proj.bias", (attn.qkv_proj.bias, 6, 8): "layers.0.attn.v_proj.bias",
-        (mlp.gate_up_proj.weight, 0, 6): "layers.0.mlp.gate_proj.weight", (mlp.gate_up_proj.weight, 6, 12): "layers.0.mlp.up_proj.weight",
-        (model.embed.weight, 0, VOCAB): "embed.weight", (attn.o_proj.weight, 0, 4): "layers.0.attn.o_proj.weight",
-        (mlp.down_proj.weight, 0, 4): "layers.0.mlp.down_proj.weight", (model.layers[0].norm.weight, 0, 4): "layers.0.norm.weight",
-    }
-    for (param, start, stop), name in expected_rows.items():
-        assert torch.equal(param.data[start:stop], sent[name]), name
-    assert torch.equal(model.embed.weight.data[VOCAB:PADDED_VOCAB], torch.zeros(PADDED_VOCAB - VOCAB, 4)), \
+    attn, mlp, prefix = model.layers[0].attn, model.layers[0].mlp, "layers.0."
+    expected_rows = [  # (parameter, start, stop, the checkpoint tensor it holds there)
+        (attn.qkv_proj.weight, 0, 4, "attn.q_proj.weight"), (attn.qkv_proj.weight, 4, 6, "attn.k_proj.weight"),
+        (attn.qkv_proj.weight, 6, 8, "attn.v_proj.weight"), (attn.qkv_proj.bias, 0, 4, "attn.q_proj.bias"),
+        (attn.qkv_proj.bias, 4, 6, "attn.k_proj.bias"), (attn.qkv_proj.bias, 6, 8, "attn.v_proj.bias"),
+        (mlp.gate_up_proj.weight, 0, 6, "mlp.gate_proj.weight"), (mlp.gate_up_proj.weight, 6, 12, "mlp.up_proj.weight"),
+        (attn.o_proj.weight, 0, 4, "attn.o_proj.weight"), (mlp.down_proj.weight, 0, 4, "mlp.down_proj.weight"),
+        (model.layers[0].norm.weight, 0, 4, "norm.weight"),
+    ]
+    for param, start, stop, name in expected_rows:
+        assert torch.equal(param.data[start:stop], sent[prefix + name]), name
+    assert torch.equal(model.embed.weight.data[:VOCAB], sent["embed.weight"])
+    assert torch.equal(model.embed.weight.data[VOCAB:], torch.full((PADDED_VOCAB - VOCAB, 4), 7.0)), \
         "the padding rows are left alone"
     assert loader.calls == [["layers.0.extra.weight"]], "one load_weights call, the rest only"
     assert torch.equal(model.layers[0].extra.weight.data, sent["layers.0.extra.weight"] * 2)
@@ -88,7 +90,8 @@ def test_what_the_plan_cannot_resolve_safely_goes_to_load_weights_with_its_reaso
     assert reasons["layers.0.unknown.weight"] == NO_PARAMETER
     assert reasons["layers.0.extra.weight"] == "OwnLoader loads layers.0.extra.weight with a loader of its own"
     assert reasons["layers.0.attn.o_proj.weight"] == "sent as torch.float64, served as torch.float32"
-    assert reasons["layers.0.mlp.down_proj.weight"] == "shape [6, 4] does not fit layers.0.mlp.down_proj.weight [4, 6] as a plain tensor"
+    assert reasons["layers.0.mlp.down_proj.weight"] == \
+        "shape [6, 4] does not fit layers.0.mlp.down_proj.weight [4, 6] as a plain tensor"
     assert reasons["layers.0.attn.q_proj.weight"].startswith("shape [3, 4] does not fit layers.0.attn.qkv_proj.weight")
     assert len(plan.planned) == len(named) - len(reasons) - len(plan.tied)
 
