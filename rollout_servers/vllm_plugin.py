@@ -2,22 +2,36 @@
 
 The worker side of `asyncrl.weight_transfer`: at `init_weight_transfer_engine` it gets the receiving end of the
 backend the init request names (it joins the trainer's private gloo/NCCL group, or maps the trainer's CUDA IPC
-buffer on the same GPU), and on `update_weights` pulls each announced tensor from it and feeds it to the model's
-`load_weights`: inside vLLM's layerwise reload (started and finished by `start_weight_update` /
-`finish_weight_update`), or straight into the serving parameters where the engine chose to load in place
-(`vllm_compat.loads_in_place`).
+buffer on the same GPU), and on `update_weights` loads each announced tensor:
+- through the model's `load_weights`, pulling each tensor from the receiving end as the loader asks: inside vLLM's
+  layerwise reload (started and finished by `start_weight_update` / `finish_weight_update`), or straight into the
+  serving parameters where the engine chose to load in place (`vllm_compat.loads_in_place`);
+- in one batched copy into the serving parameters (`weight_load_plan`), where the engine loads in place into one
+  unsharded model from a receiving end that holds the whole round already (the shared buffer of the ipc backend).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, ReceivingEnd, weight_backend
-from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
+from asyncrl.weight_transfer.protocol import InitInfo, TensorMeta, UpdateInfo
 from rollout_servers import vllm_compat
 from rollout_servers.vllm_log_filters import drop_expected_warnings
+from rollout_servers.weight_load_plan import (
+    Layout,
+    LoadPaths,
+    LoadPlan,
+    NamedTensor,
+    checked_plan,
+    fail_if_unread,
+    layout_of,
+    unread_after,
+    vllm_layers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +56,8 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         super().__init__(*args, **kwargs)
         self._weights: ReceivingEnd | None = None  # where the trainer's weights come from, once joined
         self._in_place = False  # set at each join from the init request
+        self._plan: LoadPlan | None = None  # where the batched load copies each tensor, once checked
+        self.last_load = LoadPaths(batched=0, load_weights=0)  # how the last update loaded (`weight_load_paths`)
 
     def init_transfer_engine(self, init_info: InitInfo) -> None:
         """Join (or rejoin, after a failed round) the trainer's weights as the init request says; the previous
@@ -78,26 +94,62 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
             raise
 
     def receive_weights(self, update_info: UpdateInfo, load_weights: vllm_compat.WeightLoader | None = None) -> None:
-        """Receive the announced tensors in order and load them in one `load_weights` call.
+        """Receive the announced tensors and load them: in one batched copy where `_whole_round` holds them all, else
+        in one `load_weights` call pulling each tensor as it is received.
 
-        The loader pulls each tensor from a generator that receives it on demand: vLLM's per-call setup is
-        paid once instead of once per tensor (on an H200, 474 → 176 ms for 291 tensors), and a layer's
-        buffers are still freed as soon as the loader is done with them.
         vLLM 0.24 hands in its own `load_weights` (its worker runs the layerwise reload around this call, or
         hands a kernel-format loader when loading in place: checkpoint names need the model's own loader);
         later releases pass none and call our start/finish hooks instead.
         """
         if self._weights is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine: no weights to receive from")
-        load = self.model.load_weights if self._in_place or load_weights is None else load_weights
-        received = self._weights.tensors(update_info.tensors())  # each received when the loader asks for it
-        load(received)
-        unread = [name for name, _ in received]  # still received, so the trainer's round completes
+        metas = update_info.tensors()
+        held = self._whole_round(metas)
+        if held is None:
+            self._stream(metas, self.model.load_weights if self._in_place or load_weights is None else load_weights)
+        else:
+            self._load_batched(held, layout_of(metas))
+
+    def _whole_round(self, metas: list[TensorMeta]) -> list[NamedTensor] | None:
+        """Every announced tensor at once where the batched load applies: loading in place into a model that is not
+        sharded (tensor and pipeline parallel size 1: every loader then copies the whole tensor into one view), from
+        a receiving end that holds the round already; None otherwise."""
+        unsharded = self.parallel_config.tensor_parallel_size == 1 and self.parallel_config.pipeline_parallel_size == 1
+        if not (self._in_place and unsharded):
+            return None
+        return self._weights.whole_round(metas)
+
+    def _stream(self, metas: list[TensorMeta], load: vllm_compat.WeightLoader) -> None:
+        """One `load_weights` call pulling each tensor from a generator that receives it on demand: vLLM's per-call
+        setup is paid once instead of once per tensor (on an H200, 474 → 176 ms for 291 tensors), and a layer's
+        buffers are still freed as soon as the loader is done with them."""
+        unread = unread_after(load, self._weights.tensors(metas))
         self._weights.synchronize()
-        if unread:
-            raise RuntimeError(f"load_weights stopped before {len(unread)} announced tensors, first '{unread[0]}'")
+        fail_if_unread(unread)
+        self.last_load = LoadPaths(batched=0, load_weights=len(metas))
+
+    def _load_batched(self, named: list[NamedTensor], layout: Layout) -> None:
+        """The planned tensors in one batched copy, the rest through `load_weights`; the plan is resolved and checked
+        against `load_weights` on its first round (a new model or a new set of tensors). The round ends once the
+        copies from the receiving end are done, failed or not (the learner rewrites the shared buffer next)."""
+        try:
+            if self._plan is not None and self._plan.fits(self.model, layout):
+                self.last_load = self._plan.load(named, self.model.load_weights)
+            else:
+                self._plan = None  # a check that fails midway leaves none: the next round checks again
+                self._plan = checked_plan(self.model, named, layout, self.model.load_weights, vllm_layers())
+                self.last_load = self._plan.paths(checked=True)
+        finally:
+            self._weights.synchronize()
 
     def shutdown(self) -> None:
         if self._weights is not None:
             self._weights.close()
             self._weights = None
+
+
+def weight_load_paths(worker: Any) -> dict[str, Any]:
+    """How a vLLM worker's last weight update loaded its tensors (`LoadPaths`); run in the worker through vLLM's
+    `collective_rpc` by tests and benchmarks (a function sent to the worker needs VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+    engine = worker.weight_transfer_engine
+    return dataclasses.asdict(engine.last_load)

@@ -21,11 +21,13 @@ trainer copies each round into its shared buffer before inviting the engine, whi
 Each engine also times the steps of its pause (`phase_ms`, the first server's medians): pause (the core stops after
 its running step and its outputs are counted), start (opening the update), load (the update's RPC: the worker
 receives and loads every tensor), finish (closing it), resume, and rpc_floor, one utility round trip to the engine
-core outside the pause (what each of those four RPCs costs beyond its own work).
+core outside the pause (what each of those four RPCs costs beyond its own work); load_paths says how the first server's
+worker loaded the last timed round (`rollout_servers.vllm_plugin.weight_load_paths`: tensors copied in one batch,
+through vLLM's load_weights, skipped as tied aliases).
 Rounds are timed after one untimed warm-up round per size. Last line: RESULT {json} with weight_sync_ms
 (median pause-to-resume of the first size), nccl_floor_ms (median per-tensor floor), flat_floor_ms, the bytes
 sent and, per size, broadcast_ms_by_servers (median round), pause_ms_by_servers and floor_ms_by_servers;
-phase_ms (the first size's, first server's medians); colocated, colocated_weight_sync_ms, gloo_weight_sync_ms and ipc_vs_gloo
+phase_ms (the first size's, first server's medians), load_paths; colocated, colocated_weight_sync_ms, gloo_weight_sync_ms and ipc_vs_gloo
 instead of the floors.
 """
 
@@ -40,6 +42,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -174,12 +177,15 @@ def engine_server(gpus: list[int], args: argparse.Namespace, commands, results) 
     """One rollout engine, streaming --inflight requests; joins groups and takes updates as it is told."""
     if gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # before CUDA starts in this process
+    # lets the benchmark run `weight_load_paths` in the engine's worker (vLLM sends a function only when allowed)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     asyncio.run(_serve_engine(args, commands, results))
 
 
 async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
     from asyncrl.config.rollout import SamplingConfig
     from rollout_servers.engine import RolloutEngine
+    from rollout_servers.vllm_plugin import weight_load_paths
 
     config = load_config(args.config, args.overrides)
     engine = await RolloutEngine.start(args.model, config.rollout)
@@ -195,7 +201,8 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
             case ("update", update_info, version):
                 pause_s = await engine.update_weights(update_info, version)
                 phases["rpc_floor"] = await _timed_call(engine.llm.is_sleeping)
-                results.put((pause_s, dict(phases)))
+                load_paths = (await engine.llm.collective_rpc(weight_load_paths))[0]
+                results.put((pause_s, dict(phases), load_paths))
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
@@ -335,16 +342,16 @@ def measure_engines(args: argparse.Namespace, where: Placement, tensor_parallel:
     return measured
 
 
-def timed_round(engines: Engines, servers: int, update_info: dict, version: int, commands, results) -> dict[str, float]:
+def timed_round(engines: Engines, servers: int, update_info: dict, version: int, commands, results) -> dict[str, Any]:
     """One sync as the learner runs it: stage, invite every server, wait for the last one's resume."""
     commands.put("round")
     results.get(timeout=WAIT_S)  # staged: the servers are invited only now
     invited = time.perf_counter()
     answers = engines.tell([("update", update_info, version)] * servers)
     round_s = time.perf_counter() - invited
-    first_phases = answers[0][1]
-    return {"pause_s": max(pause for pause, _ in answers), "round_s": round_s, "send_s": results.get(timeout=WAIT_S),
-            **{f"{phase}_phase_s": first_phases[phase] for phase in PHASES}}
+    _, first_phases, load_paths = answers[0]
+    return {"pause_s": max(pause for pause, _, _ in answers), "round_s": round_s, "send_s": results.get(timeout=WAIT_S),
+            **{f"{phase}_phase_s": first_phases[phase] for phase in PHASES}, "load_paths": load_paths}
 
 
 def print_table(floors: dict[int, dict], engines: dict) -> None:
@@ -362,6 +369,8 @@ def print_table(floors: dict[int, dict], engines: dict) -> None:
     print(f"{'measurement':60} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
     for name, seconds in rows:
         print(f"{name:60} {statistics.median(seconds) * MS:10.1f} {min(seconds) * MS:8.1f} {max(seconds) * MS:8.1f}")
+    for (backend, servers), measured in engines.items():
+        print(f"{servers} server(s), {backend}: the first server's last round loaded {measured['load_paths'][-1]}")
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -387,6 +396,7 @@ def main() -> None:
         "broadcast_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["round_s"]) for n in args.servers},
         "pause_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["pause_s"]) for n in args.servers},
         "phase_ms": {phase: median_ms(measured[f"{phase}_phase_s"]) for phase in PHASES},
+        "load_paths": measured["load_paths"][-1],
     }
     if floors:
         floor_ms = median_ms(floors[first]["per_tensor_s"])

@@ -80,6 +80,13 @@ class GroupReceivingEnd:
             self.group.broadcast(buffer)
             yield meta.name, buffer
 
+    def whole_round(self, metas: Sequence[TensorMeta]) -> None:
+        """None: each tensor is broadcast into a buffer of its own as the loader asks for it, and freed once loaded.
+        Holding a whole round would put a second copy of the weights in the server's device memory (15 GB for the 7B
+        shape), beyond what vLLM planned its KV cache around; the batched load is for the shared buffer (ipc), whose
+        views cost nothing."""
+        return None
+
     def synchronize(self) -> None:
         self.group.synchronize()
 

@@ -69,6 +69,10 @@ class ReceivingEnd(Protocol):
     def tensors(self, metas: Sequence[TensorMeta]) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of each announced tensor, received as the caller asks for the next one."""
 
+    def whole_round(self, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]] | None:
+        """(name, tensor) of every announced tensor at once, where holding them all costs nothing (views of a round
+        already on the device), for a batched load; None where each is received as the caller asks (`tensors`)."""
+
     def synchronize(self) -> None:
         """Wait until the round's receives (and the loads queued behind them) are done."""
 

@@ -143,15 +143,19 @@ class SharedWeightsReader:
         return cls(_import(handle, device), handle)
 
     def tensors(self, metas: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, view) of each announced tensor (`TensorMeta`s in order): views of the shared buffer, whose
-        values are the learner's latest round until its next, which starts only after this server answered.
-        The views are made once and reused while the announced tensors stay the same (every round of a run):
-        made anew, they cost three torch calls per tensor inside the engine's pause, each through vLLM's device
-        mode (873 calls per round for a 0.5B model's 291 tensors)."""
+        """(name, view) of each announced tensor (`TensorMeta`s in order), as `whole_round` holds them."""
+        return iter(self.whole_round(metas))
+
+    def whole_round(self, metas: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) of every announced tensor: views of the shared buffer, whose values are the learner's latest
+        round until its next, which starts only after this server answered. The views are made once and reused
+        while the announced tensors stay the same (every round of a run): made anew, they cost three torch calls per
+        tensor inside the engine's pause, each through vLLM's device mode (873 calls per round for a 0.5B model's
+        291 tensors). The list is shared between rounds: read it, never change it."""
         layout = tuple((meta.name, meta.dtype, tuple(meta.shape)) for meta in metas)
         if layout != self._layout:
             self._views, self._layout = self._views_of(layout), layout
-        return iter(self._views)
+        return self._views
 
     def _views_of(self, layout: tuple) -> list[tuple[str, torch.Tensor]]:
         offsets, size = byte_layout([tensor_bytes(shape, dtype) for _, dtype, shape in layout])

@@ -19,6 +19,7 @@ import torch
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
 from rollout_servers.completion import STALE
+from rollout_servers.vllm_plugin import weight_load_paths
 from tests.integration.conftest import ENGINE_CPU_THREADS, SYNC_TIMEOUT_S, free_port, join_fresh_group
 from waiting import wait_until_async
 
@@ -152,6 +153,10 @@ def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, l
 
     paused_s = loop_runner.run(update_to(rollout_engine, weight_sender, tiny_models.update, version=1))
     log.warning("weight update pause→resume: %.3fs", paused_s)
+    tensors = len(weights_for_transfer(tiny_models.update))
+    assert loop_runner.run(rollout_engine.llm.collective_rpc(weight_load_paths)) == [
+        {"batched": 0, "load_weights": tensors, "tied": 0, "checked_plan": False}], \
+        "a group's tensors stream through load_weights (one batched copy is for the shared buffer)"
 
     after = loop_runner.run(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS)))
     assert rollout_engine.current_version == 1
@@ -277,20 +282,25 @@ def test_interrupted_update_keeps_engine_paused_until_a_complete_one(rollout_eng
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC: the engine on this process's GPU")
 def test_updates_through_cuda_ipc_serve_the_new_weights(rollout_engine, loop_runner, tiny_models):
     """Backend ipc: the engine maps the trainer's buffer at the first update and reads the second one through the
-    same mapping; after each, greedy tokens and log-probs are those of the weights just written."""
+    same mapping; after each, greedy tokens and log-probs are those of the weights just written. Loading in place
+    (CUDA, unquantized), the first update checks the load plan and the second copies every tensor in one batch but
+    the tied head (skipped, as vLLM's loader skips it)."""
     from asyncrl.weight_transfer.backends import IPC
 
     prompt = prompt_ids(tiny_models)
     sender = IPC.sending_end()
     address = sender.address("127.0.0.1", 0, world_size=2, timeout_s=SYNC_TIMEOUT_S)
     try:
-        for model, other in ((tiny_models.served, tiny_models.update), (tiny_models.update, tiny_models.served)):
+        for checking, (model, other) in ((True, (tiny_models.served, tiny_models.update)),
+                                         (False, (tiny_models.update, tiny_models.served))):
             named = [(name, tensor.cuda()) for name, tensor in weights_for_transfer(model)]
             if sender.stage(named).moved:  # written into the shared buffer; a new buffer must be mapped first
                 loop_runner.run(rollout_engine.join_weight_sync(sender.init_info(address, 1)))
             version = rollout_engine.current_version + 1
             paused_s = loop_runner.run(rollout_engine.update_weights(update_info_for(named), version))
             log.warning("CUDA IPC update pause→resume: %.3fs", paused_s)
+            assert loop_runner.run(rollout_engine.llm.collective_rpc(weight_load_paths)) == [
+                {"batched": len(named) - 1, "load_weights": 0, "tied": 1, "checked_plan": checking}]
             after = loop_runner.run(rollout_engine.generate(prompt, greedy(GREEDY_TOKENS)))
             assert after.versions == [version] * GREEDY_TOKENS
             assert after.token_ids == transformers_greedy(model, prompt, GREEDY_TOKENS)

@@ -1,4 +1,5 @@
-"""The plugin's receive loop: one loader call pulls every announced tensor, received on demand and in order."""
+"""The plugin's receive loop: one loader call pulls every announced tensor, received on demand and in order; loading
+in place from the shared buffer, one batched copy of the planned tensors."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 
 from asyncrl.weight_transfer import TransferGroup, update_info_for
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
-from rollout_servers import vllm_compat
+from rollout_servers import vllm_compat, vllm_plugin
 from rollout_servers.vllm_plugin import AsyncRLWeightTransferEngine
+from rollout_servers.weight_load_plan import LoadPaths
+from tests.unit.rollout_servers.fake_layers import KINDS, FakeModel, checkpoint
+from tests.unit.rollout_servers.plugin_helpers import SharedBuffer, plugin_on_buffer
 
 SENT = [("a.weight", torch.full((2, 3), 1.5)), ("b.bias", torch.arange(4, dtype=torch.float32)),
         ("c.weight", torch.full((1,), -2.0))]
@@ -33,11 +37,16 @@ class ScriptedGroup:
         self.log.append("synchronize")
 
 
+def one_worker(tensor_parallel: int = 1) -> SimpleNamespace:
+    """What the plugin reads of vLLM's config: worker 0 of an engine of `tensor_parallel` workers."""
+    parallel = SimpleNamespace(data_parallel_index=0, world_size=tensor_parallel, rank=0,
+                               tensor_parallel_size=tensor_parallel, pipeline_parallel_size=1)
+    return SimpleNamespace(parallel_config=parallel, model_config=None)
+
+
 def plugin_with(group: ScriptedGroup, in_place: bool = False, model: object = None) -> AsyncRLWeightTransferEngine:
     """The plugin of worker 0 of a one-worker engine, joined to `group` as vLLM's init request would join it."""
-    one_worker = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
-                                 model_config=None)
-    plugin = AsyncRLWeightTransferEngine(None, one_worker, group.device, model)
+    plugin = AsyncRLWeightTransferEngine(None, one_worker(), group.device, model)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TransferGroup, "join", lambda address, rank, collectives, device: group)
         plugin.init_transfer_engine(InitInfo("127.0.0.1", 1, 2, "gloo", 1.0, rank_offset=1, load_in_place=in_place))
@@ -108,3 +117,72 @@ def test_loading_in_place_is_chosen_only_for_unquantized_models_on_cuda(monkeypa
     assert vllm_compat.loads_in_place(True, unquantized)
     assert not vllm_compat.loads_in_place(False, unquantized)
     assert not vllm_compat.loads_in_place(True, quantized)
+
+
+class CallLoggingModel(FakeModel):
+    """A model built like a vLLM model whose `load_weights` logs the names of each call (and may fail)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.calls: list[list[str]] = []
+        self.fail = fail
+
+    def load_weights(self, weights) -> set[str]:
+        named = list(weights)
+        self.calls.append([name for name, _ in named])
+        if self.fail:
+            raise RuntimeError("a loader failed")
+        return super().load_weights(named)
+
+
+def same_weights(model: torch.nn.Module, reference: torch.nn.Module) -> bool:
+    expected = dict(reference.named_parameters())
+    return all(torch.equal(param, expected[name]) for name, param in model.named_parameters())
+
+
+@pytest.fixture
+def fake_layers(monkeypatch) -> None:
+    """The fake model's layer types stand for vLLM's standard layers."""
+    monkeypatch.setattr(vllm_plugin, "vllm_layers", lambda: KINDS)
+
+
+def test_loading_in_place_from_the_shared_buffer_checks_the_plan_once_then_copies_in_one_batch(fake_layers):
+    buffer, model, reference = SharedBuffer(checkpoint(seed=0)), CallLoggingModel(), FakeModel()
+    plugin = plugin_on_buffer(buffer, model, one_worker())
+    tensors = len(checkpoint(seed=0))
+
+    for seed, checking in ((1, True), (2, False), (3, False)):
+        model.calls.clear()
+        named = checkpoint(seed)
+        plugin.receive_weights(buffer.write(named))
+        reference.load_weights(named)
+        assert same_weights(model, reference)
+        assert plugin.last_load == LoadPaths(batched=tensors - 2, load_weights=1, tied=1, checked_plan=checking)
+        if not checking:
+            assert model.calls == [["layers.0.extra.weight"]], "only the tensors the plan leaves go through load_weights"
+    assert buffer.log == ["synchronize"] * 3
+
+
+def test_a_sharded_engine_streams_every_tensor_through_load_weights(fake_layers):
+    buffer, model = SharedBuffer(checkpoint(seed=0)), CallLoggingModel()
+    named = checkpoint(seed=1)
+    plugin = plugin_on_buffer(buffer, model, one_worker(tensor_parallel=2))
+    plugin.receive_weights(buffer.write(named))
+    assert model.calls == [[name for name, _ in named]]
+    assert plugin.last_load == LoadPaths(batched=0, load_weights=len(named))
+
+
+def test_a_failing_batched_load_still_waits_for_its_copies_before_failing(fake_layers):
+    buffer = SharedBuffer(checkpoint(seed=0))
+    plugin = plugin_on_buffer(buffer, CallLoggingModel(fail=True), one_worker())
+    with pytest.raises(RuntimeError, match="a loader failed"):
+        plugin.receive_weights(buffer.write(checkpoint(seed=1)))
+    assert buffer.log == ["synchronize"]
+
+
+def test_a_worker_reports_how_its_last_update_loaded():
+    plugin = plugin_with(ScriptedGroup(SENT), in_place=True, model=RecordingModel())
+    plugin.receive_weights(announced())
+    worker = SimpleNamespace(weight_transfer_engine=plugin)
+    assert vllm_plugin.weight_load_paths(worker) == {"batched": 0, "load_weights": len(SENT), "tied": 0,
+                                                     "checked_plan": False}
