@@ -154,6 +154,7 @@ stage_study() {
     local gpus jobs  # STUDY_GPUS: the GPU ids to use (default: every GPU); each cell sets CUDA_VISIBLE_DEVICES itself
     gpus="${STUDY_GPUS:-$("$PYTHON" -c 'import torch; print(",".join(map(str, range(torch.cuda.device_count()))))')}"
     jobs=$(( $(echo "$gpus" | tr ',' '\n' | wc -l) * ${STUDY_JOBS_PER_GPU:-4} ))
+    register_plugin
     "$PYTHON" scripts/staleness_study.py --config configs/quickstart.yaml --gpus "$gpus" --jobs "$jobs" \
         --out-dir runs/staleness_study_gpu ${STUDY_ARGS:-} learner.device=cuda rollout.engine.dtype=bfloat16 \
         rollout.engine.enforce_eager=true rollout.engine.kv_cache_memory_gib=0.25 \
