@@ -282,17 +282,20 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (reward, drift, masked) = plt.subplots(1, 3, figsize=(15, 4.2))
+    colours = {loss: plt.cm.tab10(index % 10) for index, loss in enumerate(dict.fromkeys(r["loss"] for r in rows))}
     for loss, mini_batches in dict.fromkeys((r["loss"], r["mini_batches"]) for r in rows):
         mine = [r for r in rows if (r["loss"], r["mini_batches"]) == (loss, mini_batches)]
-        label, style = f"{loss} M={mini_batches}", "-" if mini_batches == 1 else "--"
+        # one colour per loss, one line style per M
+        line = {"color": colours[loss], "linestyle": "-" if mini_batches == 1 else "--", "marker": "o",
+                "label": f"{loss} M={mini_batches}"}
         scored = [r for r in mine if r["val_score"] is not None]
-        reward.errorbar([r["k"] for r in scored], [r["val_score"] for r in scored], linestyle=style,
-                        yerr=[r["val_score_std"] or 0.0 for r in scored], marker="o", capsize=3, label=label)
+        reward.errorbar([r["k"] for r in scored], [r["val_score"] for r in scored],
+                        yerr=[r["val_score_std"] or 0.0 for r in scored], capsize=3, **line)
         measured = [r for r in mine if r["mismatch_kl"] is not None]
-        drift.plot([r["k"] for r in measured], [r["mismatch_kl"] for r in measured], style, marker="o", label=label)
-        bounded = [r for r in mine if (r["masked_frac"] if r["masked_frac"] is not None else r["pg_clipfrac"]) is not None]
-        masked.plot([r["k"] for r in bounded], [r["masked_frac"] if r["masked_frac"] is not None else r["pg_clipfrac"]
-                                                for r in bounded], style, marker="o", label=label)
+        drift.plot([r["k"] for r in measured], [r["mismatch_kl"] for r in measured], **line)
+        held_back = [(r["k"], r["masked_frac"] if r["masked_frac"] is not None else r["pg_clipfrac"]) for r in mine]
+        held_back = [(k, share) for k, share in held_back if share is not None]
+        masked.plot([k for k, _ in held_back], [share for _, share in held_back], **line)
     reward.set(xlabel="staleness K (every sample exactly K old)", ylabel="final val/score/mean",
                title="held-out reward (mean ± sd over seeds)")
     drift.set(xlabel="staleness K", ylabel="rollout_corr/mismatch_kl", title="behaviour vs learner policy (KL)")
