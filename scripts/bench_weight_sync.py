@@ -39,6 +39,7 @@ import functools
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import time
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ SPAWN = multiprocessing.get_context("spawn")  # CUDA and vLLM both need fresh pr
 HOST = "127.0.0.1"
 TRAINER_RANK = 0
 WAIT_S = 600  # longest wait for a child's answer: no phase may hang the benchmark
+POLL_S = 1.0  # how often a wait checks that the children it waits on still live
 MS = 1000
 
 
@@ -165,7 +167,7 @@ def measure_floor(args: argparse.Namespace, where: Placement, servers: int) -> d
                for rank, device in enumerate(devices)]
     for process in members:
         process.start()
-    floor = results.get(timeout=WAIT_S)
+    floor = answer(results, *members)
     for process in members:
         process.join(WAIT_S)
     return floor
@@ -282,6 +284,25 @@ def trainer(device: torch.device, held_on: torch.device, staging_bytes: int, mod
                 results.put("closed")
 
 
+def answer(results, *watched) -> Any:
+    """The next item of `results`, as soon as it comes; a child of `watched` that exited before answering ends the
+    wait at once (a failed engine start, a crashed trainer) instead of after WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            return results.get(timeout=POLL_S)
+        except queue.Empty:
+            pass
+        gone = [process for process in watched if process.exitcode is not None]
+        if gone:
+            try:
+                return results.get_nowait()  # answered just before exiting
+            except queue.Empty:
+                raise RuntimeError(f"{gone[0].name} exited with {gone[0].exitcode} before answering") from None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {WAIT_S} s")
+
+
 @dataclass
 class Engines:
     """The engine processes and their queues."""
@@ -298,7 +319,7 @@ class Engines:
         for process in processes:
             process.start()
         for result in results:
-            if (ready := result.get(timeout=WAIT_S)) != "ready":
+            if (ready := answer(result, *processes)) != "ready":
                 raise RuntimeError(f"an engine did not start: {ready}")
         return cls(processes, commands, results)
 
@@ -306,7 +327,7 @@ class Engines:
         """One command each to the first len(commands) engines, at once; their answers."""
         for queue, command in zip(self.commands, commands):
             queue.put(command)
-        return [result.get(timeout=WAIT_S) for result in self.results[:len(commands)]]
+        return [answer(result, *self.processes) for result in self.results[:len(commands)]]
 
     def stop(self) -> None:
         for queue in self.commands:
@@ -322,35 +343,36 @@ def measure_engines(args: argparse.Namespace, where: Placement, tensor_parallel:
     held_on = where.trainer if args.trainer_weights == "device" else torch.device("cpu")
     sender = SPAWN.Process(target=trainer, args=(where.trainer, held_on, staging_bytes, args.model, args.dtype, commands, results))
     sender.start()
-    update_info = results.get(timeout=WAIT_S)
+    update_info = answer(results, sender)
     measured, version = {}, 0
     for backend in where.backends:
         for servers in args.servers:
             commands.put(("open", backend, servers, tensor_parallel, args.timeout_s))
-            engines.tell([("join", init_info) for init_info in results.get(timeout=WAIT_S)])
+            engines.tell([("join", init_info) for init_info in answer(results, sender)])
             timed = []
             for _ in range(args.rounds + 1):
                 version += 1
-                timed.append(timed_round(engines, servers, update_info, version, commands, results))
+                timed.append(timed_round(engines, servers, update_info, version, commands, results, sender))
             timed = timed[1:]  # the first round of a group is a warm-up
             measured[(backend, servers)] = {key: [round_[key] for round_ in timed] for key in timed[0]}
             commands.put("close")
-            results.get(timeout=WAIT_S)
+            answer(results, sender)
     commands.put(None)
     sender.join(WAIT_S)
     engines.stop()
     return measured
 
 
-def timed_round(engines: Engines, servers: int, update_info: dict, version: int, commands, results) -> dict[str, Any]:
+def timed_round(engines: Engines, servers: int, update_info: dict, version: int, commands, results,
+                sender) -> dict[str, Any]:
     """One sync as the learner runs it: stage, invite every server, wait for the last one's resume."""
     commands.put("round")
-    results.get(timeout=WAIT_S)  # staged: the servers are invited only now
+    answer(results, sender)  # staged: the servers are invited only now
     invited = time.perf_counter()
     answers = engines.tell([("update", update_info, version)] * servers)
     round_s = time.perf_counter() - invited
     _, first_phases, load_paths = answers[0]
-    return {"pause_s": max(pause for pause, _, _ in answers), "round_s": round_s, "send_s": results.get(timeout=WAIT_S),
+    return {"pause_s": max(pause for pause, _, _ in answers), "round_s": round_s, "send_s": answer(results, sender),
             **{f"{phase}_phase_s": first_phases[phase] for phase in PHASES}, "load_paths": load_paths}
 
 
