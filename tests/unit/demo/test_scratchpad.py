@@ -3,8 +3,10 @@ against the model's limits, and the warm start's teacher."""
 
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.sections import ScratchpadTaskConfig, TaskConfig, WarmStartConfig
@@ -118,3 +120,16 @@ def test_the_warm_start_learns_noisy_worked_solutions_of_training_questions(monk
     assert len(shown) == 2 * 64 and not {question for question, _ in shown} & held_out
     right = [response == scratchpad.worked_solution((question, ""), 0.0, random.Random(0)) for question, response in shown]
     assert 0 < sum(right) < len(right)  # the teacher slips at label_noise per column, and not always
+
+
+def test_the_gpu_preset_loads_with_a_tens_of_millions_parameter_model_and_long_responses():
+    config = load_config(Path(__file__).resolve().parents[3] / "configs" / "gpu_longtail.yaml")
+    settings = config.task.scratchpad
+    assert config.task.name == "scratchpad" and (settings.min_size, settings.max_size) == (1, 21)
+    assert settings.longest_response_tokens() == 969 <= config.rollout.sampling.max_tokens
+    assert settings.longest_prompt_tokens() + 969 <= config.rollout.engine.max_model_len
+    with torch.device("meta"):  # the shape only: no memory, no initialisation
+        model = build_tiny_model(config.model.tiny, build_char_tokenizer(), seed=0)
+    assert 50e6 < sum(p.numel() for p in model.parameters()) < 200e6
+    assert config.model.warm_start.device == config.learner.device == "cuda"
+    assert config.validation.every and config.validation.length_buckets[-1] < 969  # the longest have a bucket
