@@ -38,7 +38,7 @@ class WarmStartConfig:
     batch_size: int = bounded(64, 1)  # sequences per supervised step
     lr: float = bounded(3e-3, 0.0, 1.0)  # peak AdamW learning rate (linear warm-up, cosine decay)
     warmup_steps: int = bounded(20, 0)  # linear warm-up steps
-    label_noise: float = bounded(0.0, 0.0, 1.0)  # chance that each answer digit shown is a random digit (a sloppy teacher: sampling errs, greedy mostly not)
+    label_noise: float = bounded(0.0, 0.0, 1.0)  # chance that each answer digit shown (scratchpad: each column's sum digit) is a random digit (a sloppy teacher: sampling errs, greedy mostly not)
     eval_samples: int = bounded(128, 1)  # held-out prompts greedily decoded to record the starting accuracy
     device: str = one_of("cpu", "cuda")  # where init-model builds and trains the model; cuda: the first visible GPU, passes in bf16 autocast
 
