@@ -171,15 +171,16 @@ def summarise(records: list[Record], launched: float, mode: Mode, warmup_steps: 
     timed = [steps[n] for n in numbers if start < n <= last]
     trained_mean = sum(map(trained_tokens, steps.values())) / sum(r["batch/samples"] for r in steps.values())
     generated_mean = trained_mean if mode.name == "sync" else steps[numbers[-1]].get(GENERATED_MEAN_KEY)
-    scores = {version: record[SCORE_KEY] for version, record in sorted(passes(records).items())}
+    validated = passes(records)
+    scores = {version: record[SCORE_KEY] for version, record in sorted(validated.items())}
     return {
-        "steps": numbers[-1], "wall_s": clock[numbers[-1]], "first_step_s": clock[numbers[0]],
+        "steps": numbers[-1], "first_record_s": clock[numbers[0]], "last_record_s": clock[numbers[-1]],
         "trained_tokens_per_s": sum(map(trained_tokens, timed)) / (clock[last] - clock[start]),
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "start_score": scores.get(0), "best_score": max(scores.values(), default=None),
         "scores": scores, "made_at": {v: version_made_at(clock, steps, v) for v in scores if v == 0 or v in steps},
-        "buckets": {version: bucket_scores(record) for version, record in passes(records).items()},
+        "buckets": {version: bucket_scores(record) for version, record in validated.items()},
     }
 
 
@@ -255,8 +256,8 @@ def mode_figures(summary: dict[str, Any], target: float | None) -> dict[str, Any
             "trained_length_mean": _round(summary["trained_length_mean"]),
             "generated_length_mean": _round(summary["generated_length_mean"]),
             "length_ratio": _round(summary["length_ratio"], 3), "start_score": _round(summary["start_score"], 3),
-            "best_score": _round(summary["best_score"], 3), "wall_s": _round(summary["wall_s"]),
-            "first_step_s": _round(summary["first_step_s"]), "steps": summary["steps"]}
+            "best_score": _round(summary["best_score"], 3), "first_record_s": _round(summary["first_record_s"]),
+            "last_record_s": _round(summary["last_record_s"]), "steps": summary["steps"]}
 
 
 def _round(value: float | None, digits: int = 1) -> float | None:
@@ -272,7 +273,7 @@ def print_table(figures: dict[str, dict[str, Any]], comparison: dict[str, Any] |
             ("trained tokens/s", "trained_tokens_per_s", True), ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
             ("start score", "start_score", False), ("best score", "best_score", False),
-            ("first step done (s)", "first_step_s", False), ("last step done (s)", "wall_s", False)]
+            ("first step's record (s)", "first_record_s", False), ("last step's record (s)", "last_record_s", False)]
     for title, key, compared in rows:
         values = [figures[label][key] for label in labels]
         line = f"{title:34}" + "".join(f"{_cell(value):>14}" for value in values)
