@@ -1,5 +1,6 @@
-"""Validation metrics from scored samples: mean reward and unbiased pass@k, overall and per data source, and
-per data source the mean of each numeric entry the reward function returned beside the score.
+"""Validation metrics from scored samples: mean reward and unbiased pass@k, overall and per data source, per data
+source the mean of each numeric entry the reward function returned beside the score, and the mean reward per
+bucket of response lengths.
 
 pass@k is the chance that at least one of k samples drawn without replacement from a prompt's n samples
 is correct, estimated without bias from the c correct ones (Chen et al., 2021, "Evaluating Large
@@ -8,6 +9,7 @@ Language Models Trained on Code"):  pass@k = 1 − C(n−c, k) / C(n, k), averag
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -21,6 +23,7 @@ NOT_VALIDATED = -1  # validation version before the first pass
 # A sample counts as correct for pass@k when its reward reaches this: the built-in scorers give 1.0 for a
 # right answer and 0.0 otherwise; a partial-credit reward passes only with full marks.
 CORRECT_MIN_SCORE = 1.0
+OPEN_END = "inf"  # the upper end in the name of the last length bucket, which has none
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class PromptOutcome:
     data_source: str  # dataset of the prompt (per-source metrics)
     scores: list[float]  # reward of each of its n samples
     infos: list[Mapping[str, float]] = field(default_factory=list)  # each sample's other reward entries (empty: none)
+    lengths: list[int] = field(default_factory=list)  # each sample's response tokens (the model's own in an episode)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -41,16 +45,41 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
-def validation_metrics(outcomes: Sequence[PromptOutcome], k: int) -> dict[str, float]:
+def validation_metrics(outcomes: Sequence[PromptOutcome], k: int, length_buckets: Sequence[int] = ()) -> dict[str, float]:
     """`val/score/mean`, `val/pass@k` and `val/prompts` over all prompts, the same under `val/<data_source>/`
-    for each data source, and `val/<data_source>/<entry>/mean` for each entry of the samples' reward info."""
+    for each data source, `val/<data_source>/<entry>/mean` for each entry of the samples' reward info, and
+    the length buckets' metrics (`length_bucket_metrics`) when `length_buckets` are given."""
     by_source: dict[str, list[PromptOutcome]] = defaultdict(list)
     for outcome in outcomes:
         by_source[outcome.data_source].append(outcome)
     metrics = _summary(outcomes, k, PREFIX)
     for source, group in sorted(by_source.items()):
         metrics |= _summary(group, k, f"{PREFIX}/{source}")
-    return metrics | task_reward_metrics(_scored_samples(outcomes), PREFIX)
+    return metrics | task_reward_metrics(_scored_samples(outcomes), PREFIX) | length_bucket_metrics(outcomes, length_buckets)
+
+
+def length_bucket_metrics(outcomes: Sequence[PromptOutcome], upper_ends: Sequence[int]) -> dict[str, float]:
+    """`val/score/bucket/<lo>-<hi>`, the mean score of the samples whose response took lo..hi tokens, and
+    `val/samples/bucket/<lo>-<hi>`, how many they are. The buckets end at `upper_ends` (increasing), the last one
+    above them is `<lo>-inf`; a bucket without samples is left out. No `upper_ends`, no buckets."""
+    if not upper_ends:
+        return {}
+    scores: dict[int, list[float]] = defaultdict(list)
+    for outcome in outcomes:
+        for score, length in zip(outcome.scores, outcome.lengths):
+            scores[bisect.bisect_left(upper_ends, length)].append(score)
+    metrics = {}
+    for bucket, found in sorted(scores.items()):
+        name = bucket_name(upper_ends, bucket)
+        metrics |= {f"{PREFIX}/score/bucket/{name}": sum(found) / len(found), f"{PREFIX}/samples/bucket/{name}": float(len(found))}
+    return metrics
+
+
+def bucket_name(upper_ends: Sequence[int], bucket: int) -> str:
+    """"<lo>-<hi>": the response lengths (tokens, both ends included) of bucket `bucket` of `upper_ends`."""
+    low = upper_ends[bucket - 1] + 1 if bucket else 1
+    high = str(upper_ends[bucket]) if bucket < len(upper_ends) else OPEN_END
+    return f"{low}-{high}"
 
 
 def _scored_samples(outcomes: Sequence[PromptOutcome]) -> list[ScoredSample]:

@@ -47,10 +47,11 @@ COMMANDS = (
     Command(
         "data",
         "write synthetic verifiable train/val files (verl layout)",
-        "Writes train and validation files for the synthetic task task.name (arithmetic, or the "
+        "Writes train and validation files for the synthetic task task.name (arithmetic, scratchpad, or the "
         "multi-turn calculator and guess_number) in verl's layout (prompt as a chat list, data_source, "
         "ability, reward_model.ground_truth, extra_info) under task.out_dir. Difficulty: "
-        "task.min_digits/max_digits and task.operators, task.guess_number.*. Deterministic for run.seed.",
+        "task.min_digits/max_digits and task.operators, task.scratchpad.*, task.guess_number.*. "
+        "Deterministic for run.seed.",
         "launch.commands.data:main",
     ),
     Command(

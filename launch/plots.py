@@ -59,6 +59,8 @@ FIGURES = (
         Panel("mean reward", (Series("critic/score/mean", "train (batch)"),
                               Series("val/score/mean", "validation", x_key="val/version"))),
         Panel("pass@k (validation)", patterns=(SeriesPattern(r"^val/pass@\d+$", x_key="val/version"),)),
+        Panel("mean reward by response tokens (validation)",
+              patterns=(SeriesPattern(r"^val/score/bucket/", x_key="val/version"),)),
     )),
     FigureSpec("tasks.png", "Tasks: reward and sampling weight per data source", (
         Panel("mean reward (train batch)", patterns=(SeriesPattern(r"^critic/[^/]+/score/mean$"),)),

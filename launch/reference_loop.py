@@ -1,9 +1,11 @@
 """`learner.mode=synchronous`: synchronous RL, written out plainly. One process owns a vLLM engine and the policy:
 
+    validate the first weights when due                        (Sampler.validate)
     for each step:
         generate a batch with the current weights, score it    (Sampler.sample)
         train one optimizer step on it                         (Trainer.train)
         load the new weights into the engine                   (Sampler.load_weights)
+        validate them when due                                 (Sampler.validate)
 
 It runs the async job's own generation and training code (engine, sampling, rewards, collate, advantages,
 losses, learning-rate schedule, optimizer step) without its plumbing: no buffer, no admission, no weight-sync
@@ -11,8 +13,10 @@ coordinator, no staleness bound, one learner rank (docs/architecture.md lists wh
 reference the async job with `buffer.max_staleness=0` must reproduce step by step
 (tests/integration/test_k0_matches_reference.py: the plumbing changes nothing at K = 0; the shared RL maths is
 checked on its own by tests/unit/learner/test_independent_grpo.py) and the baseline of
-scripts/bench_async_vs_sync.py. Each step's metrics go to `metrics.jsonl` under the names the
-async learner uses; the groups each step trained on go to `trained/step_N.msgpack` (`trained_groups` reads them).
+scripts/bench_async_vs_sync.py and scripts/bench_time_to_score.py. Each step's metrics go to `metrics.jsonl` under
+the names the async learner uses, a validation pass's `val/*` in the record of the step that made the version it
+validated (version 0's in a record of step 0); its timings leave the pass out, its `val/seconds` says how long it
+took. The groups each step trained on go to `trained/step_N.msgpack` (`trained_groups` reads them).
 
 The two halves live in their roles (rollout_servers/reference_sampler.py, learner/reference_trainer.py); the
 `asyncrl learner` command builds them and hands them in."""
@@ -43,6 +47,8 @@ class Sampler(Protocol):
 
     def load_weights(self, version: int, weights: Sequence[tuple[str, Any]]) -> float: ...
 
+    def validate(self) -> dict[str, float]: ...
+
 
 class TrainedStep(Protocol):
     metrics: dict[str, float]  # actor/* of the step
@@ -58,6 +64,8 @@ class Trainer(Protocol):
 def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger) -> int:
     """Train to `learner.total_steps`; returns the final policy version."""
     version, bad_steps = 0, 0
+    if first := sampler.validate():
+        metrics.log(version, first)
     started = time.perf_counter()
     while version < config.learner.total_steps:
         step_started = time.perf_counter()
@@ -83,7 +91,7 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         }
         record["rollout/tokens_per_s"] = record["batch/tokens"] / record["timing_s/wait_batch"]
         record["learner/tokens_per_s"] = record["batch/tokens"] / record["timing_s/train"]
-        metrics.log(version, record)
+        metrics.log(version, record | sampler.validate())
         log.info("step %d/%d reward %.3f pg_loss %.3f step_s %.3f", version, config.learner.total_steps,
                  record["critic/score/mean"], record["actor/pg_loss"], record["timing_s/step"])
     return version

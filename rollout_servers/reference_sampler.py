@@ -4,7 +4,10 @@ and each new policy is loaded through the engine's weight-update path.
 
 The prompts and sampling seeds are those of rollout server 0 of an async job with the same `run.seed`:
 prompt `k` of the mixture seeded with `run.seed`, its group seeded `group_seed(run.seed, k, n)`. So the
-async job with one server and `buffer.max_staleness=0` can be compared with this, sample for sample."""
+async job with one server and `buffer.max_staleness=0` can be compared with this, sample for sample.
+
+It validates as rollout server 0 does (`rollout_servers.validation`: the same held-out prompts, seeds and
+`val/*` metrics) whenever the engine's weights reach a version due, between the steps."""
 
 from __future__ import annotations
 
@@ -24,12 +27,14 @@ from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK
 from asyncrl.placement import VISIBLE_DEVICES
+from asyncrl.validation_scores import VERSION_KEY
 from rollout_servers.rewards import RewardRequest, RewardScorer
 from asyncrl.weight_transfer import SendingEnd, WeightBackend, update_info_for
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.row_sampling import group_seed, sampling_for_row
+from rollout_servers.validation import Validator, load_validation_prompts
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,9 @@ class ReferenceSampler:
         self._mixture = PromptMixture(config.data.train_files, config.data.weights, seed=config.run.seed,
                                       shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows)
         self._drawn = 0  # prompts taken from the stream so far
+        held_out = load_validation_prompts(config, self._tokenizer) if config.validation.every else []
+        self._validator = Validator(config.validation, config.rollout.sampling, held_out, self._tokenizer, config.run.seed)
+        self._validator.request(config.learner.total_steps)  # the final version, as the async learner asks for it
 
     @classmethod
     def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: WeightBackend) -> ReferenceSampler:
@@ -92,6 +100,15 @@ class ReferenceSampler:
             return paused_s
 
         return self._loop.run_until_complete(transfer())
+
+    def validate(self) -> dict[str, float]:
+        """A validation pass on the engine's weights when their version is due (a multiple of `validation.every`,
+        or the final one): its `val/*` metrics and `val/version`; {} when none is due."""
+        version = self._engine.current_version
+        if not self._validator.is_due(version):
+            return {}
+        metrics = self._loop.run_until_complete(self._validator.run_pass(self._engine, self._scorer, self._agent))
+        return metrics | {VERSION_KEY: float(version)}
 
     def close(self) -> None:
         self._scorer.close()

@@ -118,7 +118,7 @@ class Validator:
         outcomes = await asyncio.gather(*(self._outcome(engine, scorer, episodes, prompt, self._seed(index))
                                           for index, prompt in enumerate(self.prompts)))
         seconds = time.perf_counter() - started
-        self.metrics = validation_metrics(outcomes, self.settings.k) | {"val/seconds": seconds}
+        self.metrics = validation_metrics(outcomes, self.settings.k, self.settings.length_buckets) | {"val/seconds": seconds}
         self.version = version
         log.info("validation of version %d: mean score %.3f, pass@%d %.3f over %d prompts in %.1fs", version,
                  self.metrics["val/score/mean"], self.settings.k, self.metrics[f"val/pass@{self.settings.k}"],
@@ -153,8 +153,10 @@ class Validator:
         row = prompt.row
         if episodes is not None and episodes.handles(row.data_source):
             trajectories = await episodes.run_group(row, self.sampling, seed, VALIDATION_GROUP_ID)
-            return PromptOutcome(row.data_source, [t.reward for t in trajectories], [t.reward_info for t in trajectories])
+            return PromptOutcome(row.data_source, [t.reward for t in trajectories], [t.reward_info for t in trajectories],
+                                 [sum(t.loss_mask) for t in trajectories])
         completions = await engine.generate_group(prompt.prompt_ids, self.sampling, seed=seed)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, t, row.ground_truth, row.extra_info) for t in texts])
-        return PromptOutcome(row.data_source, [result.score for result in results], [result.info for result in results])
+        return PromptOutcome(row.data_source, [result.score for result in results], [result.info for result in results],
+                             [len(c.token_ids) for c in completions])

@@ -70,7 +70,7 @@ class AsyncRLConfig:
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
         problems += self._study_lag_problems() + self.algorithm.cross_checks(self.buffer.batch_groups)
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
-        problems += self._control_channel_problems()
+        problems += self._control_channel_problems() + self._scratchpad_fit_problems() + self.validation.cross_checks()
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
 
     def _study_lag_problems(self) -> list[tuple[str, str]]:
@@ -84,6 +84,23 @@ class AsyncRLConfig:
             return [(key, f"needs learner.sync_every=1 (is {self.learner.sync_every}): between broadcasts the servers' "
                           "weights would fall further behind than the lag")]
         return []
+
+    def _scratchpad_fit_problems(self) -> list[tuple[str, str]]:
+        """The largest scratchpad problem's prompt and worked solution fit every limit they pass through: else the
+        longest problems would be skipped or cut short, and never rewarded."""
+        if self.task.name != "scratchpad":
+            return []
+        pad = self.task.scratchpad
+        if pad.min_size > pad.max_size:
+            return [("task.scratchpad.min_size", f"must not exceed task.scratchpad.max_size={pad.max_size}")]
+        prompt, response = pad.longest_prompt_tokens(), pad.longest_response_tokens()
+        limits = (("model.tiny.max_position", self.model.tiny.max_position, prompt + response, "prompt + solution"),
+                  ("rollout.engine.max_model_len", self.rollout.engine.max_model_len, prompt + response, "prompt + solution"),
+                  ("rollout.sampling.max_tokens", self.rollout.sampling.max_tokens, response, "solution"),
+                  ("data.max_prompt_length", self.data.max_prompt_length, prompt, "prompt"))
+        return [(key, f"is {have}, but the largest scratchpad problem (task.scratchpad.max_size={pad.max_size}) "
+                      f"needs {need} tokens for its {what}")
+                for key, have, need, what in limits if have < need]
 
     def _control_channel_problems(self) -> list[tuple[str, str]]:
         """The buffer's CURVE rule for the weight-sync control socket, which shares the buffer's keys."""

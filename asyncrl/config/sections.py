@@ -38,8 +38,9 @@ class WarmStartConfig:
     batch_size: int = bounded(64, 1)  # sequences per supervised step
     lr: float = bounded(3e-3, 0.0, 1.0)  # peak AdamW learning rate (linear warm-up, cosine decay)
     warmup_steps: int = bounded(20, 0)  # linear warm-up steps
-    label_noise: float = bounded(0.0, 0.0, 1.0)  # chance that each answer digit shown is a random digit (a sloppy teacher: sampling errs, greedy mostly not)
+    label_noise: float = bounded(0.0, 0.0, 1.0)  # chance that each answer digit shown (scratchpad: each column's sum digit) is a random digit (a sloppy teacher: sampling errs, greedy mostly not)
     eval_samples: int = bounded(128, 1)  # held-out prompts greedily decoded to record the starting accuracy
+    device: str = one_of("cpu", "cuda")  # where init-model builds and trains the model; cuda: the first visible GPU, passes in bf16 autocast
 
 
 @dataclass
@@ -65,9 +66,36 @@ class GuessNumberTaskConfig:
     feedback: str = one_of("direction", "range")  # after a wrong guess: "higher"/"lower"; range: also the numbers still possible, "higher: 17-31"
 
 
+# The scratchpad task's worked solution (demo/tasks/scratchpad.py), counted in the tiny model's character tokens:
+SCRATCHPAD_COLUMN_TOKENS = 8  # a line's column sum "7+8+0=15": two digits, the carry in, carry out and sum digit, 3 signs
+SCRATCHPAD_LINE_MARKS = 4  # a line's other characters: '+' between the restated operands, two ':', the newline
+CHAT_PROMPT_TOKENS = 19  # the tiny tokenizer's ChatML around one user message plus the assistant header
+END_OF_TURN_TOKENS = 1  # the end-of-turn token after a response
+
+
+@dataclass
+class ScratchpadTaskConfig:
+    min_size: int = bounded(1, 1)  # fewest digits per operand (a 1-digit problem's worked solution: 18-19 tokens)
+    max_size: int = bounded(5, 1)  # most digits per operand; a solution takes 1.5 size² + 14.5 size + 3 tokens at most (21 digits: 969)
+    tail: float = bounded(1.0, 0.0)  # training sizes are drawn with probability ∝ size^-tail: 0 = uniform, larger = long problems rarer
+    val_tail: float = bounded(0.0, 0.0)  # the same for the held-out problems; 0 = every size equally often, so every length bucket gets prompts
+
+    def longest_prompt_tokens(self) -> int:
+        """Prompt tokens of a `max_size` problem ("367+398="), chat template included."""
+        return CHAT_PROMPT_TOKENS + 2 * self.max_size + 2
+
+    def longest_response_tokens(self) -> int:
+        """Tokens of a `max_size` problem's worked solution with a final carry: line i (0-based, from the right)
+        restates the 2 × (size − i) digits not yet added, adds a column and writes the i + 1 answer digits so
+        far; then "=" and the size + 1 digits of the sum, and the end of the turn."""
+        size = self.max_size
+        lines = sum(2 * (size - i) + SCRATCHPAD_COLUMN_TOKENS + (i + 1) + SCRATCHPAD_LINE_MARKS for i in range(size))
+        return lines + 1 + (size + 1) + END_OF_TURN_TOKENS
+
+
 @dataclass
 class TaskConfig:
-    name: str = one_of("arithmetic", "calculator", "guess_number")  # synthetic task written by `asyncrl data` and taught by the warm start
+    name: str = one_of("arithmetic", "calculator", "guess_number", "scratchpad")  # synthetic task written by `asyncrl data` and taught by the warm start
     out_dir: str = ".cache/data/arithmetic"  # where train/val files are written
     format: str = one_of("parquet", "jsonl")  # file format of the written files
     num_train: int = bounded(20000, 1)  # training prompts
@@ -77,6 +105,7 @@ class TaskConfig:
     operators: str = "+-"  # operators drawn uniformly; any of "+-*"
     calculator: CalculatorTaskConfig = field(default_factory=CalculatorTaskConfig)  # multi-turn tool use (name=calculator; questions use the digit/operator fields)
     guess_number: GuessNumberTaskConfig = field(default_factory=GuessNumberTaskConfig)  # multi-turn higher/lower game (name=guess_number)
+    scratchpad: ScratchpadTaskConfig = field(default_factory=ScratchpadTaskConfig)  # long-tailed addition worked column by column (name=scratchpad; ignores the digit/operator fields)
 
 
 @dataclass

@@ -2,14 +2,14 @@
 
 Rollout server 0 runs a pass whenever its weights reach a policy version that is a multiple of `every`,
 and on the final version (`learner.total_steps`), and reports mean reward and pass@k (overall and per
-data source) to the learner, which logs `val/*`.
+data source) and the mean reward per response-length bucket to the learner, which logs `val/*`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncrl.config.fields import bounded
+from asyncrl.config.fields import bounded, items
 
 
 @dataclass
@@ -21,3 +21,10 @@ class ValidationConfig:
     temperature: float = bounded(1.0, 0.0)  # sampling temperature of validation (0 = greedy)
     seeded: bool = True  # fixed sampling seeds per held-out sample (from run.seed): a policy scores the same every pass
     final_wait_s: float = bounded(120.0, 0.0)  # the learner holds its last record this long for the final version's pass
+    length_buckets: list[int] = items()  # upper ends (response tokens, increasing) of the buckets of val/score/bucket/<lo>-<hi>, the mean score by response length; empty = none
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        ends = self.length_buckets
+        if any(end < 1 for end in ends) or any(a >= b for a, b in zip(ends, ends[1:])):
+            return [("validation.length_buckets", f"{ends} must be token counts >= 1 in increasing order")]
+        return []

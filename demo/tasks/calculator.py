@@ -26,7 +26,7 @@ from rollout_servers.environments.calculator import (
 from demo.tasks import arithmetic
 from demo.tasks.dialogue import Dialogue
 from demo.tasks.arithmetic import noisy_answer
-from demo.tasks.splits import Problem, draw_problems
+from demo.tasks.splits import Problem, arithmetic_problems, draw_problems
 
 DATA_SOURCE = "calculator"
 UNAIDED_NOISE = 0.5  # digit error rate of the teacher's unaided answers at least (it cannot multiply in its head)
@@ -42,7 +42,7 @@ def make_row(problem: Problem, index: int, split: str, task: TaskConfig) -> dict
 
 def teacher_dialogue(rng: random.Random, task: TaskConfig, label_noise: float, held_out: frozenset[str]) -> Dialogue:
     """One teacher episode on a fresh problem whose question is not held out."""
-    ((question, answer),) = draw_problems(rng, task, 1, exclude=held_out, unique=False)
+    ((question, answer),) = draw_problems(rng, arithmetic_problems(task), 1, exclude=held_out, unique=False)
     messages = [{"role": "user", "content": question}]
     tools = [CALCULATOR_TOOL] if task.calculator.tool_format == HERMES else None
     if rng.random() >= task.calculator.tool_use_rate:

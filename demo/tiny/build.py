@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from demo.tasks.catalog import task_kind
+from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
 from demo.tiny.warm_start import greedy_accuracy, warm_start
@@ -34,15 +34,18 @@ def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
         return cached
     started = time.perf_counter()
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed)
+    model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed).to(_device(config.model.warm_start.device))
     kind = task_kind(config.task)
     split = kind.split(config.task, config.run.seed)
     held_out = split.val[: config.model.warm_start.eval_samples]  # the validation file's first problems
-    # single-turn greedy accuracy only: a multi-turn task's starting reward is validation's version 0
-    accuracy = greedy_accuracy if kind.teacher is None else _not_measured
-    before = accuracy(model, tokenizer, held_out)
+
+    def accuracy() -> float | None:
+        """Single-turn greedy accuracy only: a multi-turn task's starting reward is validation's version 0."""
+        return greedy_accuracy(model, tokenizer, held_out, kind.teacher) if isinstance(kind.teacher, SingleTurn) else None
+
+    before = accuracy()
     warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions)
-    after = accuracy(model, tokenizer, held_out)
+    after = accuracy()
     report = {
         "cache_key": key,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -56,8 +59,10 @@ def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
     return report
 
 
-def _not_measured(model: Any, tokenizer: Any, problems: Any) -> None:
-    return None
+def _device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("model.warm_start.device=cuda, but torch sees no GPU here: use cpu")
+    return torch.device(name)
 
 
 def cache_key(config: AsyncRLConfig) -> str:

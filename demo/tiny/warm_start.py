@@ -15,11 +15,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
 from asyncrl.environments import ChatDelta
-from demo.tasks.arithmetic import noisy_answer
-from demo.tasks.catalog import Teacher, task_kind
+from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tasks.dialogue import IGNORE_INDEX, dialogue_example
 from demo.tasks.splits import Problem, draw_problems
-from rollout_servers.rewards.builtin import exact_match
+from rollout_servers.rewards.builtin import scorer_for
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ Example = tuple[list[int], list[int]]  # input ids, labels
 
 LOG_EVERY = 50  # supervised steps between progress lines
 WARM_START_STREAM = 7919  # seed offset: the split's own stream (seed) would start with the held-out questions
-ANSWER_SLACK_TOKENS = 3  # decode budget beyond the longest possible answer (sign, end marker)
+ANSWER_SLACK_TOKENS = 3  # decode budget beyond the longest right response (sign, end marker)
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
@@ -50,8 +49,9 @@ def warm_start(
     seed: int,
     held_out: frozenset[str],
 ) -> None:
-    """Train `model` in place for `schedule.steps` supervised steps on freshly drawn problems, none of
-    whose questions is in `held_out` (validation measures generalisation, not recall)."""
+    """Train `model` in place, where it is, for `schedule.steps` supervised steps on freshly drawn problems, none
+    of whose questions is in `held_out` (validation measures generalisation, not recall). On a GPU each pass
+    runs in bf16 autocast (the weights and AdamW's state stay float32)."""
     rng = random.Random(seed + WARM_START_STREAM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
     lr_at = _warmup_cosine(schedule.lr, schedule.warmup_steps, schedule.steps)
@@ -59,8 +59,9 @@ def warm_start(
     examples = _example_source(tokenizer, task, schedule, held_out)
     for step in range(schedule.steps):
         batch = examples(rng)
-        input_ids, labels, attention = pad_examples(batch, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        input_ids, labels, attention = (t.to(model.device) for t in pad_examples(batch, tokenizer.pad_token_id))
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"):
+            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.zero_grad(set_to_none=True)
@@ -73,13 +74,16 @@ def warm_start(
 
 def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedule: WarmStartConfig,
                     held_out: frozenset[str]) -> Callable[[random.Random], list[Example]]:
-    """A batch of supervised examples per call: question → noisy answer, or a multi-turn task's teacher episodes."""
-    teacher: Teacher | None = task_kind(task).teacher
-    if teacher is None:
+    """A batch of supervised examples per call: question → the teacher's noisy response, or a multi-turn task's
+    teacher episodes."""
+    teacher = task_kind(task).teacher
+    if isinstance(teacher, SingleTurn):
+        space = teacher.problems(task)
+
         def single_turn(rng: random.Random) -> list[Example]:
-            problems = draw_problems(rng, task, schedule.batch_size, exclude=held_out, unique=False)
-            return [supervised_example(tokenizer, question, noisy_answer(answer, schedule.label_noise, rng))
-                    for question, answer in problems]
+            problems = draw_problems(rng, space, schedule.batch_size, exclude=held_out, unique=False)
+            return [supervised_example(tokenizer, problem[0], teacher.response(problem, schedule.label_noise, rng))
+                    for problem in problems]
         return single_turn
     chat = ChatDelta(tokenizer)
 
@@ -90,18 +94,21 @@ def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedu
 
 
 @torch.no_grad()
-def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[Problem]) -> float:
-    """Share of `problems` the model answers exactly right with greedy decoding."""
+def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
+                    teacher: SingleTurn) -> float:
+    """Share of `problems` the model answers right with greedy decoding, scored as the rollout servers score
+    the task's data source, with room for the longest response the teacher writes without a slip."""
     prompts = [prompt_ids(tokenizer, question) for question, _ in problems]
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    max_answer = max(len(answer) for _, answer in problems) + ANSWER_SLACK_TOKENS
-    output = model.generate(
-        input_ids=input_ids, attention_mask=attention, max_new_tokens=max_answer, do_sample=False
-    )
+    right = [teacher.response(problem, 0.0, random.Random(0)) for problem in problems]  # noise 0: the right response
+    budget = max(len(tokenizer.encode(text, add_special_tokens=False)) for text in right) + ANSWER_SLACK_TOKENS
+    output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+                            max_new_tokens=budget, do_sample=False)
     completions = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
-    return sum(exact_match(text, answer) for text, (_, answer) in zip(completions, problems)) / len(problems)
+    score = scorer_for(teacher.data_source)
+    return sum(score(text, answer) for text, (_, answer) in zip(completions, problems)) / len(problems)
 
 
 def pad_examples(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

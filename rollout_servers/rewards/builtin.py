@@ -14,11 +14,21 @@ from rollout_servers.rewards.math_answers import score_math_answer
 AnswerScorer = Callable[[str, Any], float]  # (solution_str, ground_truth) -> reward
 
 EXACT_MATCH_SOURCE = "arithmetic"  # the synthetic arithmetic task's data source (demo.tasks.arithmetic)
+SCRATCHPAD_SOURCE = "scratchpad"  # the worked-addition task's data source (demo.tasks.scratchpad)
+FINAL_ANSWER_MARK = "="  # a worked solution's last line: this mark, then the answer
 
 
 def exact_match(solution_str: str, ground_truth: str) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, is exactly the answer."""
     return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+def final_answer_match(solution_str: str, ground_truth: str) -> float:
+    """1.0 when the completion's last line is the final-answer mark followed exactly by the answer; the working
+    above it is not scored (a slip in it shows in the answer it leads to)."""
+    lines = solution_str.strip().splitlines()
+    last = lines[-1] if lines else ""
+    return exact_match(last[len(FINAL_ANSWER_MARK):], ground_truth) if last.startswith(FINAL_ANSWER_MARK) else 0.0
 
 
 # data sources of verl's example datasets and recipes whose answers math-verify can check
@@ -34,6 +44,7 @@ MATH_KEYWORDS = ("gsm8k", "math", "aime")
 
 SCORERS_BY_NAME: dict[str, AnswerScorer] = {
     EXACT_MATCH_SOURCE: exact_match,
+    SCRATCHPAD_SOURCE: final_answer_match,
     **{name: score_math_answer for name in MATH_DATA_SOURCES},
 }
 SCORERS_BY_KEYWORD: dict[str, AnswerScorer] = {keyword: score_math_answer for keyword in MATH_KEYWORDS}

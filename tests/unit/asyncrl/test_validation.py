@@ -2,6 +2,7 @@
 
 import pytest
 
+from asyncrl.config import ConfigError, load_config
 from asyncrl.validation_scores import PromptOutcome, pass_at_k, validation_metrics
 
 
@@ -45,3 +46,24 @@ def test_metrics_overall_and_per_data_source():
 
 def test_no_outcomes_give_no_metrics():
     assert validation_metrics([], k=1) == {}
+
+
+def test_mean_score_per_response_length_bucket():
+    outcomes = [
+        PromptOutcome("scratchpad", [1.0, 0.0, 1.0], lengths=[20, 64, 65]),
+        PromptOutcome("scratchpad", [0.0, 1.0, 0.5], lengths=[300, 1000, 1]),
+    ]
+    metrics = validation_metrics(outcomes, k=1, length_buckets=[64, 128, 256])
+    buckets = {name: value for name, value in metrics.items() if "/bucket/" in name}
+    assert buckets == {
+        "val/score/bucket/1-64": pytest.approx((1.0 + 0.0 + 0.5) / 3), "val/samples/bucket/1-64": 3.0,  # 20, 64, 1
+        "val/score/bucket/65-128": 1.0, "val/samples/bucket/65-128": 1.0,  # 65
+        "val/score/bucket/257-inf": 0.5, "val/samples/bucket/257-inf": 2.0,  # 300, 1000; 129-256 is empty
+    }
+    assert not any("/bucket/" in name for name in validation_metrics(outcomes, k=1))  # no buckets configured
+
+
+@pytest.mark.parametrize("buckets", [[64, 64], [128, 64], [0, 64]])
+def test_length_buckets_must_be_increasing_token_counts(buckets):
+    with pytest.raises(ConfigError, match=r"validation.length_buckets: .* must be token counts >= 1 in increasing order"):
+        load_config(None, [f"validation.length_buckets=[{','.join(map(str, buckets))}]"])

@@ -11,6 +11,7 @@ from asyncrl.environments import ModelTurn
 from rollout_servers.environments.guess_number import GuessNumberEnvironment
 from rollout_servers.environments.calculator import CALCULATOR_TOOL, CalculatorEnvironment
 from demo.tasks import calculator, guess_number
+from demo.tasks.arithmetic import noisy_answer
 from demo.tasks.splits import split_task
 from demo.tiny import warm_start as warm_start_module
 from demo.tiny.model import build_tiny_model
@@ -63,12 +64,12 @@ def test_split_gives_fewer_val_problems_when_the_space_runs_out():
 
 def test_label_noise_replaces_digits_at_the_configured_rate():
     rng = random.Random(0)
-    assert warm_start_module.noisy_answer("-123", 0.0, rng) == "-123"
-    noisy = [warm_start_module.noisy_answer("1234567890", 0.3, rng) for _ in range(2000)]
+    assert noisy_answer("-123", 0.0, rng) == "-123"
+    noisy = [noisy_answer("1234567890", 0.3, rng) for _ in range(2000)]
     assert all(len(answer) == 10 and answer.isdigit() for answer in noisy)
     changed = sum(a != b for answer in noisy for a, b in zip(answer, "1234567890")) / (2000 * 10)
     assert abs(changed - 0.3 * 0.9) < 0.01  # a replacement draws the same digit one time in ten
-    assert warm_start_module.noisy_answer("-7", 1.0, random.Random(1))[0] == "-"  # the sign is never noise
+    assert noisy_answer("-7", 1.0, random.Random(1))[0] == "-"  # the sign is never noise
 
 
 def test_guess_number_rows_carry_the_game_settings_for_the_environment(tmp_path):

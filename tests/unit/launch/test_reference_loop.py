@@ -32,6 +32,7 @@ class FakeHalves:
     """Both halves in one: records the calls the loop makes; a step's loss is not finite where listed."""
 
     non_finite: set[int] = field(default_factory=set)  # train calls (0-based) whose loss is not finite
+    due: set[int] = field(default_factory=set)  # versions a validation pass is due at
     calls: list[tuple] = field(default_factory=list)
     version: int = 0  # of the weights the fake engine holds
     weights_device: str = "cpu"
@@ -53,6 +54,12 @@ class FakeHalves:
         self.version = version
         return 0.01
 
+    def validate(self) -> dict[str, float]:
+        if self.version not in self.due:
+            return {}
+        self.calls.append(("validate", self.version))
+        return {"val/score/mean": self.version / 10, "val/version": float(self.version), "val/seconds": 0.5}
+
 
 def reference(tmp_path, halves: FakeHalves, steps: int = 2) -> int:
     config = load_config(None, [f"learner.total_steps={steps}", "learner.max_bad_steps=2"])
@@ -73,6 +80,18 @@ def test_each_step_samples_with_the_current_weights_trains_then_loads_the_next(t
     assert records[0]["batch/samples"] == 2 and records[0]["batch/tokens"] == 3 and records[0]["critic/score/mean"] == 0.5
     assert records[0]["weight_sync/server_pause_seconds"] == 0.01
     assert trained_groups(tmp_path, 2) == [group(4, 1)]  # the groups the step trained on, read back
+
+
+def test_due_versions_are_validated_once_their_weights_are_loaded_and_logged_with_the_step_that_made_them(tmp_path):
+    halves = FakeHalves(due={0, 2})
+    assert reference(tmp_path, halves, steps=3) == 3
+    assert halves.calls == [("validate", 0), ("sample", 0), ("train", 0), ("load", 1), ("sample", 1), ("train", 1),
+                            ("load", 2), ("validate", 2), ("sample", 2), ("train", 2), ("load", 3)]
+    records = read_metrics(tmp_path)
+    assert [(r["step"], r.get("val/version"), r.get("val/score/mean")) for r in records] == [
+        (0, 0.0, 0.0), (1, None, None), (2, 2.0, 0.2), (3, None, None)]
+    assert "batch/samples" not in records[0]  # version 0's pass alone: no step trained it
+    assert records[2]["batch/samples"] == 2 and records[2]["val/seconds"] == 0.5
 
 
 def test_a_non_finite_step_keeps_the_weights_and_too_many_stop_the_run(tmp_path):

@@ -156,6 +156,23 @@ def test_arithmetic_is_exact_match(solution, answer, score):
 
 
 @pytest.mark.parametrize(
+    "solution, answer, score",
+    [
+        ("5+7:5+7+0=12:2\n=12", "12", 1.0),
+        ("5+7:5+7+0=13:3\n=12", "12", 1.0),  # the working is not scored, only the answer line
+        ("=12\n", "12", 1.0),
+        ("5+7:5+7+0=12:2\n=13", "12", 0.0),
+        ("5+7:5+7+0=12:2\n12", "12", 0.0),  # no final-answer mark
+        ("=12\n5+7:5+7+0=12:2", "12", 0.0),  # the answer must be the last line
+        ("5+7:5+7+0=12:2\n=120", "12", 0.0),
+        ("", "12", 0.0),
+    ],
+)
+def test_scratchpad_scores_the_final_answer_line(solution, answer, score):
+    assert compute_score("scratchpad", solution, answer) == score
+
+
+@pytest.mark.parametrize(
     "data_source, solution, answer, score",
     [
         ("lighteval/MATH", "\\boxed{\\frac{1}{2}}", "0.5", 1.0),

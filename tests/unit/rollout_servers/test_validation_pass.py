@@ -56,10 +56,11 @@ def prompt(ids: list[int], answer: str, source: str = "arithmetic") -> Validatio
     return ValidationPrompt(PromptRow([{"role": "user", "content": "q"}], source, answer), ids)
 
 
-def make_validator(every: int = 10, seeded: bool = True, run_seed: int = 0) -> tuple[Validator, FakeEngine]:
+def make_validator(every: int = 10, seeded: bool = True, run_seed: int = 0,
+                   length_buckets: tuple[int, ...] = ()) -> tuple[Validator, FakeEngine]:
     prompts = [prompt([1], "3"), prompt([2], "7"), prompt([3], "x=1", source="algebra")]
     engine = FakeEngine({(1,): ("3", 1), (2,): ("7", 2), (3,): ("x=1", 0)})
-    settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5, seeded=seeded)
+    settings = ValidationConfig(every=every, n=N, k=K, temperature=0.5, seeded=seeded, length_buckets=list(length_buckets))
     sampling = SamplingConfig(temperature=1.0, max_tokens=16, n=8)
     return Validator(settings, sampling, prompts, CharTokenizer(), run_seed), engine
 
@@ -91,6 +92,15 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert metrics["val/algebra/score/mean"] == 0.0
     assert 0.0 < metrics["val/seconds"] < 60.0  # the pass was timed
     assert validator.result("server-0") == ValidationResult("server-0", 10, metrics)
+
+
+def test_pass_reports_the_mean_score_per_bucket_of_response_tokens():
+    validator, engine = make_validator(length_buckets=(1, 4))
+    metrics = asyncio.run(validator.run_pass(engine, ExactMatchScorer()))
+    # right answers "3", "7" are 1 token (3 samples), every other sample is "wrong", 5 tokens (9 samples)
+    assert {name: value for name, value in metrics.items() if "/bucket/" in name} == {
+        "val/score/bucket/1-1": 1.0, "val/samples/bucket/1-1": 3.0,
+        "val/score/bucket/5-inf": 0.0, "val/samples/bucket/5-inf": 9.0}
 
 
 def test_due_on_each_new_multiple_of_every_and_the_version_the_learner_asks_for():
@@ -147,13 +157,14 @@ class FakeEpisodes:
 
     async def run_group(self, row, sampling, seed, group_id):
         self.calls.append((row.ground_truth, sampling.n, seed, group_id))
-        return [SimpleNamespace(reward=reward, reward_info={"solved": float(reward == 1.0)}) for reward in self.rewards]
+        return [SimpleNamespace(reward=reward, reward_info={"solved": float(reward == 1.0)}, loss_mask=[1, 0, 1] * (i + 1))
+                for i, reward in enumerate(self.rewards)]
 
 
 def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rewards():
     prompts = [prompt([1], "3"), prompt([9], "7", source="game")]
     engine = FakeEngine({(1,): ("3", 2)})
-    settings = ValidationConfig(every=10, n=N, k=K, temperature=0.5)
+    settings = ValidationConfig(every=10, n=N, k=K, temperature=0.5, length_buckets=[2, 4])
     validator = Validator(settings, SamplingConfig(n=8), prompts, CharTokenizer())
     episodes = FakeEpisodes([1.0, 0.5, 0.0, 1.0])
     metrics = asyncio.run(validator.run_pass(engine, ExactMatchScorer(), episodes))
@@ -164,3 +175,6 @@ def test_multi_turn_prompts_are_validated_as_episodes_with_their_environment_rew
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(2 / 4)
     assert metrics["val/game/pass@2"] == pytest.approx(1 - 1 / 6)  # 2 of 4 reach a reward of 1
     assert metrics["val/game/solved/mean"] == pytest.approx(2 / 4)  # the environments' reward info, per task
+    # an episode's response length counts its model tokens (loss mask 1): 2, 4, 6, 8; the answers "3" take 1 token
+    assert metrics["val/score/bucket/1-2"] == pytest.approx((1.0 + 1.0 + 1.0) / 3)  # episode 1 and the two "3"s
+    assert metrics["val/score/bucket/3-4"] == 0.5 and metrics["val/samples/bucket/5-inf"] == 4.0  # 2 "wrong", 2 episodes
