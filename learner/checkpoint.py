@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from learner.distributed import World
 from asyncrl.rng import rng_state_from_json, rng_state_to_json
@@ -29,6 +29,9 @@ CHECKPOINTS_DIR = "checkpoints"  # under the run directory
 META_FILE = "meta.json"
 _PREFIX = "step_"
 _PARTIAL = ".partial"
+# What trains, and its optimizer state: with LoRA the adapters (the frozen base comes from model.path again), else
+# every weight (none is frozen).
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
 
 
 def save_checkpoint(
@@ -40,7 +43,7 @@ def save_checkpoint(
     if world.is_main:
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
     (partial / _rank_rng_file(world.rank)).write_text(json.dumps(_rank_rng(world)))
     dist.barrier()
@@ -80,10 +83,10 @@ def _complete(root: Path) -> list[Path]:
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World) -> dict[str, Any]:
     """Restore model, optimizer and RNG state in place (this rank's CPU and CUDA generators where the checkpoint
     holds them); returns the metadata (step, data, buffer offset)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_TRAINED)
     meta = json.loads((path / META_FILE).read_text())
     random.setstate(rng_state_from_json(meta["python_rng"]))
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))

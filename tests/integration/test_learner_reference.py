@@ -27,7 +27,7 @@ def test_kl_to_the_reference_starts_at_zero_and_grows_while_the_rate_warms_up(tm
     connections = OfflineConnections(lambda version, max_staleness: next(batches))
     with single_rank_world() as world:
         model = load_policy(str(model_dir), "float32", config.learner, world)
-        reference = load_reference(config, world)
+        reference = load_reference(config, world, model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         run_offline(config, tmp_path / "run", world, model, optimizer, LoopState(), connections, reference)
     logged = connections.logged
