@@ -5,18 +5,20 @@ backend the init request names (it joins the trainer's private gloo/NCCL group, 
 buffer on the same GPU), and on `update_weights` pulls each announced tensor from it and feeds it to the model's
 `load_weights`: inside vLLM's layerwise reload (started and finished by `start_weight_update` /
 `finish_weight_update`), or straight into the serving parameters where the engine chose to load in place
-(`vllm_compat.loads_in_place`).
+(`vllm_compat.loads_in_place`). A policy served as a LoRA adapter is received by `receive_adapter` instead.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, ReceivingEnd, weight_backend
 from asyncrl.weight_transfer.protocol import InitInfo, UpdateInfo
 from rollout_servers import vllm_compat
+from rollout_servers.adapter import write_adapter_weights
 from rollout_servers.vllm_log_filters import drop_expected_warnings
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,17 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         self._weights.synchronize()
         if unread:
             raise RuntimeError(f"load_weights stopped before {len(unread)} announced tensors, first '{unread[0]}'")
+
+    def receive_adapter(self, update_info: UpdateInfo, directory: Path, write: bool) -> None:
+        """Receive a round's LoRA adapter (the policy served as an adapter, `rollout_servers.adapter`) and, with
+        `write`, write it into `directory` as PEFT's adapter file, from which vLLM's own LoRA loading reloads it.
+        Nothing is loaded into the model here, so no reload session is opened."""
+        if self._weights is None:
+            raise RuntimeError("adapter update before init_weight_transfer_engine: no weights to receive from")
+        received = list(self._weights.tensors(update_info.tensors()))
+        self._weights.synchronize()
+        if write:  # copies: a backend may hand out views of a buffer that the next round rewrites
+            write_adapter_weights({name: tensor.to("cpu", copy=True) for name, tensor in received}, directory)
 
     def shutdown(self) -> None:
         if self._weights is not None:
