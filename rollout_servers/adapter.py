@@ -12,7 +12,6 @@ requests in flight go on under the new adapter, as after a full-weight update. v
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -26,14 +25,11 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.config.sections import LoraConfig
 
-log = logging.getLogger(__name__)
-
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # PEFT's names, which vLLM's LoRA loading reads
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 POLICY_ADAPTER_NAME = "asyncrl-policy"
 POLICY_ADAPTER_ID = 1  # vLLM's id of the one adapter a server serves (ids start at 1)
 SERVED_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's max_lora_rank takes
-WORKER_EXTENSION = "rollout_servers.adapter.AdapterReceiver"  # vLLM's worker_extension_cls with LoRA on
 _SHARED_MEMORY = Path("/dev/shm")
 
 
@@ -90,3 +86,4 @@ class AdapterReceiver:
 
 
 RECEIVE_METHOD = AdapterReceiver.asyncrl_receive_adapter.__name__  # what the engine asks its workers to run
+WORKER_EXTENSION = f"{AdapterReceiver.__module__}.{AdapterReceiver.__qualname__}"  # vLLM's worker_extension_cls
