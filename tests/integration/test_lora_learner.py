@@ -15,11 +15,21 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import AsyncRLConfig, load_config, save_config
+from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.learner import LearnerConfig
+from asyncrl.config.sections import LoraConfig
 from asyncrl.messages import TrajectoryGroup
+from launch import cli
+from launch.commands import export as export_command
+from learner import attention
+from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR
 from learner.export import MERGED_DIR
-from learner.lora import is_adapter_weight
+from learner.logprobs import target_logprobs
+from learner.lora import add_adapters, is_adapter_weight
+from learner.policy_model import shard_policy
 from learner.policy_trainer import PolicyTrainer
+from learner.train_step import Passes, train_step
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 
 pytestmark = pytest.mark.slow
@@ -71,9 +81,6 @@ def finished(trainer: PolicyTrainer, metrics: list[dict]) -> dict:
 
 def rewarded_gap(trainer: PolicyTrainer, groups: list[TrajectoryGroup]) -> float:
     """How much more likely the policy makes the completions rewarded 1 than those rewarded 0 (per-token mean)."""
-    from learner.batching import collate
-    from learner.logprobs import target_logprobs
-
     data = collate(groups, trainer.pad_id)
     with torch.no_grad():
         scored, _ = target_logprobs(trainer.model, data.input_ids, data.attention_mask, with_entropy=False)
@@ -152,6 +159,27 @@ def test_export_writes_the_adapter_in_peft_layout_and_the_merged_model(runs, tmp
                               atol=1e-3)  # the adapter changed the policy
 
 
-def test_merged_export_of_a_run_without_lora_is_refused(runs, tmp_path):
-    done = export(str(runs.run_dir), "--out", str(tmp_path), "--merged", "model.lora.enabled=false")
-    assert done.returncode == 1 and "--merged needs a LoRA run (model.lora.enabled)" in done.stderr
+def test_merged_export_of_a_run_without_lora_is_refused(runs, tmp_path, capsys):
+    args = cli.parse(["export", str(runs.run_dir), "--out", str(tmp_path), "--merged", "model.lora.enabled=false"])
+    assert export_command.main(args) == 1
+    assert "--merged needs a LoRA run (model.lora.enabled)" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_frozen_bfloat16_base_trains_float32_adapters_under_fsdp2(tmp_path):
+    """What a GPU learner with mixed precision holds (`frozen_base_dtype`): FSDP2 takes units whose frozen weights
+    and trained weights differ in dtype (torch checks the trained ones only), and the adapters stay float32."""
+    model_dir = save_tiny_model(tmp_path / "model")
+    with single_rank_world() as world:
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                    attn_implementation=attention.register())
+        lora = LoraConfig(enabled=True, rank=4, target_modules=list(TARGETS))
+        model = shard_policy(add_adapters(base, list(base.model.layers), lora, torch.float32), LearnerConfig(), world)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+        before = gathered_weights(model)
+        outcome = train_step(model, optimizer, collate(batch(1), 0), AlgorithmConfig(), Passes(4096), 1.0, world)
+        after = gathered_weights(model)
+    assert outcome.finite and outcome.metrics["actor/grad_norm"] > 0
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert any(not torch.equal(before[name], after[name]) for name in before)
