@@ -95,12 +95,12 @@ def full_weights_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
 def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool,
                  pinned: PinnedWeights | None = None) -> list[tuple[str, torch.Tensor]]:
     """Unsharded served weights (`served_tensors`: with LoRA the adapters) in `dtype` on `device`, in state-dict
-    order; a tied weight is gathered once and listed under each of its names. Gathering is a collective: every rank calls this, and ranks with `keep`
-    False take part and get an empty list. Each weight is cast as soon as it is gathered, so a learner that
-    keeps float32 weights never holds a whole float32 copy. The result is a copy: training on does not
-    change it (a late server caught up with it gets the version it was sent as). With `pinned` (weights of a
-    GPU learner gathered into CPU memory) the copies are its reused page-locked tensors, valid until the next
-    call with it."""
+    order; a tied weight is gathered once and listed under each of its names. Gathering is a collective: every
+    rank calls this, and ranks with `keep` False take part and get an empty list. Each weight is cast as soon as
+    it is gathered, so a learner that keeps float32 weights never holds a whole float32 copy. The result is a
+    copy: training on does not change it (a late server caught up with it gets the version it was sent as). With
+    `pinned` (weights of a GPU learner gathered into CPU memory) the copies are its reused page-locked tensors,
+    valid until the next call with it."""
     weights: list[tuple[str, torch.Tensor]] = []
     gathered: dict[int, torch.Tensor | None] = {}
     for name, tensor in served_tensors(model):

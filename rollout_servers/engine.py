@@ -266,7 +266,7 @@ class RolloutEngine:
             self._streams[request_id].version_changed(sampled, version)
 
     async def _receive(self, update_info: dict[str, Any], version: int) -> None:
-        if self._adapter is not None:
+        if self._adapter is not None:  # vLLM's own LoRA loading: no weight-update session, no reload of the base
             await self._adapter.load(self._llm, update_info)
             await vllm_compat.label_weights(self._llm, version)
             return
