@@ -2,7 +2,8 @@
 launch/reference_loop.py: one process, its own engine, no buffer) step by step: the same samples (prompt,
 completion, behaviour log-probs, token versions, reward), the same losses and gradient norms, and every trained
 token sampled by the policy version it is trained at (staleness 0). With max_staleness=1 the same comparison
-fails. The tolerance is zero: every compared value is equal to the last bit.
+fails. The tolerance is zero: every compared value is equal to the last bit. The same holds with the policy trained
+and served as a LoRA adapter (`model.lora`).
 
 What makes it exact: both draw server 0's prompt stream with run.seed and seed each group from its place in it
 (rollout.seeded_sampling); both give the engine the batch's requests together, with the same weights; both
