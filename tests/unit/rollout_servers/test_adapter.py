@@ -14,6 +14,7 @@ from asyncrl.config.rollout import EngineConfig
 from asyncrl.config.sections import LoraConfig
 from rollout_servers.adapter import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, POLICY_ADAPTER_ID, RECEIVE_METHOD,
                                      ServedAdapter, served_rank)
+from rollout_servers.engine import _naming_lora_when_start_fails
 from rollout_servers.engine_args import engine_args
 from test_vllm_plugin import SENT, ScriptedGroup, announced, plugin_with
 
@@ -89,3 +90,14 @@ def test_engine_arguments_serve_one_adapter_only_with_lora_on(tmp_path):
     for lora in (None, LoraConfig()):
         lora_off = engine_args(str(tmp_path), EngineConfig(), 8, lora)
         assert not lora_off.enable_lora and not lora_off.worker_extension_cls
+
+
+def test_an_engine_that_fails_to_start_with_lora_names_the_key_and_leaves_no_directory():
+    adapter = ServedAdapter(LORA, "/models/base")
+    with pytest.raises(RuntimeError, match="model.lora.enabled=true") as failed:
+        with _naming_lora_when_start_fails(adapter):
+            raise ValueError("Qwen3NextForCausalLM does not support LoRA yet.")
+    assert "does not support LoRA yet" in str(failed.value) and not adapter.directory.exists()
+    with pytest.raises(ValueError, match="^no adapter$"):  # without LoRA the engine's own error goes through
+        with _naming_lora_when_start_fails(None):
+            raise ValueError("no adapter")
