@@ -28,7 +28,7 @@ class Flag:
 @dataclass(frozen=True)
 class Argument:
     name: str  # positional ("run_dir") or option ("--out") of one command, beside --config and the overrides
-    metavar: str  # shown in the usage line, e.g. "RUN_DIR"
+    metavar: str  # shown in the usage line, e.g. "RUN_DIR"; empty: an option that takes no value (a switch)
     help: str
 
 
@@ -136,13 +136,17 @@ COMMANDS = (
         "write a run's checkpoint as a Hugging Face directory (safetensors, config, tokenizer)",
         "Loads the newest complete checkpoint of RUN_DIR (or --checkpoint) into the model at the run's "
         "model.path (from RUN_DIR/config.yaml; overrides apply) and writes a directory that "
-        "transformers and vLLM load, to RUN_DIR/export/step_N (or --out). Runs in one process with no "
-        "process group, on the CPU. Its last line is `EXPORT_DIR <path>`.",
+        "transformers and vLLM load, to RUN_DIR/export/step_N (or --out). A LoRA run (model.lora.enabled) "
+        "writes its adapter in PEFT's layout there, and with --merged also the base with the adapter merged "
+        "in, under merged/. Runs in one process with no process group, on the CPU. Its last line is "
+        "`EXPORT_DIR <path>`.",
         "launch.commands.export:main",
         arguments=(
             Argument("run_dir", "RUN_DIR", "run directory written by `asyncrl run` or `asyncrl learner`"),
             Argument("--checkpoint", "PATH", "checkpoint directory to export (default: the newest complete one)"),
             Argument("--out", "DIR", "output directory (default: RUN_DIR/export/step_N)"),
+            Argument("--merged", "", "LoRA run: also write the base with the adapter merged in, as a Hugging Face "
+                                     "directory under merged/ in the output directory"),
         ),
     ),
     Command(
@@ -185,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         sub = subcommands.add_parser(command.name, help=command.summary, description=command.description)
         for argument in command.arguments:
-            sub.add_argument(argument.name, metavar=argument.metavar, help=argument.help)
+            if argument.metavar:
+                sub.add_argument(argument.name, metavar=argument.metavar, help=argument.help)
+            else:
+                sub.add_argument(argument.name, action="store_true", help=argument.help)
         if command.takes_config:
             sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
             sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)

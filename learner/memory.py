@@ -212,9 +212,10 @@ def _probe(model: torch.nn.Module, tokens: int, sample: int, vocab: int, world: 
 
 
 def _local_parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's shard of the weights (what each optimizer moment matches)."""
+    """Bytes of this rank's shard of the trained weights (what each optimizer moment matches; with LoRA the
+    adapters alone)."""
     total = 0
-    for parameter in model.parameters():
+    for parameter in (p for p in model.parameters() if p.requires_grad):
         local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
         total += local.numel() * local.element_size()
     return total

@@ -11,29 +11,47 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
+from asyncrl.config.sections import LoraConfig
 from asyncrl.weight_transfer.sender import materialised
 from learner import attention
 from learner.activation_checkpointing import AUTO, apply_activation_checkpointing, attach_switch, checkpointing_for_device
 from learner.distributed import World
 from learner.logprobs import SCORING_METHOD, attach_scoring
+from learner.lora import AdaptersOff, adapter_tensors, add_adapters, has_adapters
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_policy(model_path: str, dtype: str, settings: LearnerConfig, world: World) -> torch.nn.Module:
-    """The HF causal LM at `model_path`, sharded with fully_shard per decoder layer and at the root."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype], attn_implementation=attention.register())
+def load_policy(model_path: str, dtype: str, settings: LearnerConfig, world: World,
+                lora: LoraConfig | None = None) -> torch.nn.Module:
+    """The HF causal LM at `model_path` in `dtype`, sharded with fully_shard per decoder layer and at the root. With
+    `lora` enabled, only its adapters are in `dtype` and train; the base is frozen in `frozen_base_dtype`."""
+    with_adapters = lora is not None and lora.enabled
+    weights_dtype = frozen_base_dtype(dtype, settings, world) if with_adapters else dtype
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[weights_dtype],
+                                                 attn_implementation=attention.register())
+    if with_adapters:
+        add_adapters(model, _decoder_layers(model), lora, DTYPES[dtype])
     return shard_policy(model, settings, world)
 
 
-def load_reference(config: AsyncRLConfig, world: World) -> torch.nn.Module | None:
-    """The frozen reference model of `algorithm.use_reference` (None without it), in `model.dtype`, sharded
-    like the policy; it only runs forward passes, so it keeps no activations and has no optimizer state."""
+def frozen_base_dtype(master_dtype: str, settings: LearnerConfig, world: World) -> str:
+    """The dtype of LoRA's frozen base: bfloat16 where the learner computes in bfloat16 (mixed precision on a GPU),
+    since a weight that never moves loses nothing to it and each pass would cast it anyway; else `master_dtype`."""
+    return "bfloat16" if settings.mixed_precision and world.device.type == "cuda" else master_dtype
+
+
+def load_reference(config: AsyncRLConfig, world: World, policy: torch.nn.Module) -> torch.nn.Module | None:
+    """The frozen reference model of `algorithm.use_reference` (None without it): with LoRA and no
+    `algorithm.reference_path`, `policy`'s base with its adapters off; else a model in `model.dtype`, sharded
+    like the policy, that only runs forward passes (no activations kept, no optimizer state)."""
     algorithm = config.algorithm
     if not algorithm.use_reference:
         return None
+    if config.model.lora.enabled and not algorithm.reference_path:
+        return AdaptersOff(policy)
     settings = replace(config.learner, activation_checkpointing="none", cpu_offload=algorithm.reference_cpu_offload)
     return load_policy(algorithm.reference_path or config.model.path, config.model.dtype, settings, world).requires_grad_(False)
 
@@ -62,24 +80,30 @@ def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) 
     return model
 
 
+def served_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """What the rollout servers load, as live (sharded) tensors: with LoRA the adapters alone, under their names in
+    PEFT's adapter files; else every weight by its state-dict name."""
+    return adapter_tensors(model) if has_adapters(model) else list(model.state_dict(keep_vars=True).items())
+
+
 def full_weights_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the unsharded weights in `dtype`, a tied weight counted once (what `full_weights` holds)."""
-    unique = {id(tensor): tensor for tensor in model.state_dict(keep_vars=True).values()}
+    """Bytes of the unsharded served weights in `dtype`, a tied weight counted once (what `full_weights` holds)."""
+    unique = {id(tensor): tensor for _, tensor in served_tensors(model)}
     return sum(tensor.numel() for tensor in unique.values()) * dtype.itemsize
 
 
 def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool,
                  pinned: PinnedWeights | None = None) -> list[tuple[str, torch.Tensor]]:
-    """Unsharded weights in `dtype` on `device`, in state-dict order; a tied weight is gathered once and
-    listed under each of its names. Gathering is a collective: every rank calls this, and ranks with `keep`
-    False take part and get an empty list. Each weight is cast as soon as it is gathered, so a learner that
-    keeps float32 weights never holds a whole float32 copy. The result is a copy: training on does not
-    change it (a late server caught up with it gets the version it was sent as). With `pinned` (weights of a
-    GPU learner gathered into CPU memory) the copies are its reused page-locked tensors, valid until the next
-    call with it."""
+    """Unsharded served weights (`served_tensors`: with LoRA the adapters) in `dtype` on `device`, in state-dict
+    order; a tied weight is gathered once and listed under each of its names. Gathering is a collective: every
+    rank calls this, and ranks with `keep` False take part and get an empty list. Each weight is cast as soon as
+    it is gathered, so a learner that keeps float32 weights never holds a whole float32 copy. The result is a
+    copy: training on does not change it (a late server caught up with it gets the version it was sent as). With
+    `pinned` (weights of a GPU learner gathered into CPU memory) the copies are its reused page-locked tensors,
+    valid until the next call with it."""
     weights: list[tuple[str, torch.Tensor]] = []
     gathered: dict[int, torch.Tensor | None] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in served_tensors(model):
         if id(tensor) not in gathered:
             full = materialised(tensor.detach())  # a shard's all-gather: every rank takes part
             gathered[id(tensor)] = _kept_copy(name, full, dtype, device, pinned) if keep else None

@@ -38,16 +38,17 @@ class PolicyTrainer:
 
     @classmethod
     def load(cls, config: AsyncRLConfig, world: World) -> PolicyTrainer:
-        """The policy at `model.path` and a fresh AdamW, seeded and threaded as `learner.*` says (a checkpoint
-        restores them after)."""
+        """The policy at `model.path` (with `model.lora`'s adapters) and a fresh AdamW over what trains, seeded and
+        threaded as `learner.*` says (a checkpoint restores them after)."""
         settings = config.learner
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(config.run.seed)
-        model = load_policy(config.model.path, settings.master_dtype, settings, world)
-        reference = load_reference(config, world)  # before sizing the micro-batches: its weights take memory too
+        model = load_policy(config.model.path, settings.master_dtype, settings, world, config.model.lora)
+        reference = load_reference(config, world, model)  # before sizing the micro-batches: its weights take memory too
         passes = plan_passes(config, model, world)  # before the optimizer state exists: auto sizing leaves room for it
-        optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(settings.beta1, settings.beta2),
+        trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # with LoRA: the adapters
+        optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(settings.beta1, settings.beta2),
                                       weight_decay=settings.weight_decay)
         pad_id = AutoTokenizer.from_pretrained(config.model.path).pad_token_id or 0
         return cls(config, world, model, reference, optimizer, passes, pad_id)

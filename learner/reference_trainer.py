@@ -43,7 +43,8 @@ class ReferenceTrainer:
         return outcome
 
     def weights(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        """The full weights in `model.dtype` (the engine's) on `device`: a copy the engine loads from."""
+        """The full served weights (with LoRA the adapter) in `model.dtype` (the engine's) on `device`: a copy the
+        engine loads from."""
         return full_weights(self.policy.model, DTYPES[self.policy.config.model.dtype], device, keep=True)
 
 

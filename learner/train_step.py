@@ -19,6 +19,7 @@ from learner.advantages import compute_advantages
 from learner.batching import TrainBatch, micro_batches
 from learner.distributed import World, sum_across_ranks
 from learner.logprobs import target_logprobs
+from learner.lora import adapter_dropout
 from learner.loss_terms import second_moment_cutoff
 from learner.losses import LossInputs, compute_policy_loss, second_moment_summary
 from learner.memory import out_of_memory_names_keys
@@ -54,7 +55,8 @@ def train_step(
     reference: torch.nn.Module | None = None,
 ) -> StepOutcome:
     """`passes.temperature` makes π the distribution the rollout servers' behaviour log-probs were taken from;
-    `reference` is the frozen model of `algorithm.use_reference`. Every optimizer step runs at the learning rate
+    `reference` is the frozen model of `algorithm.use_reference` (with LoRA and no `algorithm.reference_path`, the
+    policy with its adapters off, `learner.lora.AdaptersOff`). Every optimizer step runs at the learning rate
     the caller set for the batch."""
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
@@ -77,7 +79,7 @@ def _optimizer_step(
 ) -> tuple[dict[str, float], bool]:
     """One update on one mini-batch: its metrics, and whether they were finite (else the update is skipped)."""
     optimizer.zero_grad(set_to_none=True)
-    with out_of_memory_names_keys(passes.micro_batch_tokens):
+    with out_of_memory_names_keys(passes.micro_batch_tokens), adapter_dropout(model):
         per_chunk = _train_passes(model, mini, algorithm, world, passes)
     grad_norm = _clip(model, grad_clip)
     metrics = _combine(per_chunk, world) | mini.step_metrics | {"actor/grad_norm": grad_norm}

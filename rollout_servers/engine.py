@@ -16,8 +16,10 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
+from asyncrl.config.sections import LoraConfig
 from asyncrl.staleness import trainable
 from rollout_servers import vllm_compat
+from rollout_servers.adapter import ServedAdapter
 from rollout_servers.completion import Completion, TokenStream, TokensSoFar
 from rollout_servers.engine_args import engine_args, engine_process_env, sampling_params
 from rollout_servers.row_sampling import sample_seeds
@@ -42,6 +44,20 @@ def _prefix_cache_salt(version: int) -> str:
     return f"asyncrl-policy-v{version}"
 
 
+@contextlib.contextmanager
+def _naming_lora_when_start_fails(adapter: ServedAdapter | None) -> Iterator[None]:
+    """vLLM refuses adapters for a model it cannot serve them with only deep inside its engine's start; say which
+    key asked for them."""
+    try:
+        yield
+    except Exception as error:
+        if adapter is None:
+            raise
+        adapter.close()
+        raise RuntimeError(f"vLLM failed to start with model.lora.enabled=true ({error}); check above whether it "
+                           "serves LoRA adapters for this model and model.lora.target_modules") from error
+
+
 class WeightSyncError(RuntimeError):
     """Joining the weight-sync group or applying an update failed (the message says which and why)."""
 
@@ -49,10 +65,11 @@ class WeightSyncError(RuntimeError):
 class RolloutEngine:
     """Generation with behaviour log-probs and token versions; weight updates that keep requests alive."""
 
-    def __init__(self, llm: AsyncLLM, config: RolloutConfig, version: int) -> None:
+    def __init__(self, llm: AsyncLLM, config: RolloutConfig, version: int, adapter: ServedAdapter | None = None) -> None:
         self._llm = llm
         self._config = config
         self._version = version
+        self._adapter = adapter  # the policy served as a LoRA adapter (model.lora), else None: updates load weights
         self._load_in_place = vllm_compat.loads_in_place(config.weight_sync.load_in_place, llm.model_config)
         self._streams: dict[str, TokenStream] = {}
         self._requests: dict[str, asyncio.Task] = {}  # request id -> the task reading vLLM's output
@@ -61,14 +78,18 @@ class RolloutEngine:
         self._needs_catch_up = False
 
     @classmethod
-    async def start(cls, model_path: str, config: RolloutConfig, version: int = 0) -> RolloutEngine:
-        """Start vLLM on `model_path`, whose weights are policy `version`. Call from the serving event loop."""
+    async def start(cls, model_path: str, config: RolloutConfig, version: int = 0,
+                    lora: LoraConfig | None = None) -> RolloutEngine:
+        """Start vLLM on `model_path`, whose weights are policy `version`; with `lora` enabled, the policy is served as
+        an adapter on that base, which each update replaces. Call from the serving event loop."""
         started = time.perf_counter()
-        with engine_process_env(config.engine):
-            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight))
+        adapter = ServedAdapter(lora, model_path) if lora is not None and lora.enabled else None
+        with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter):
+            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight, lora))
         await vllm_compat.label_weights(llm, version)
-        log.info("vLLM engine on %s started in %.1fs (version %d)", model_path, time.perf_counter() - started, version)
-        return cls(llm, config, version)
+        log.info("vLLM engine on %s started in %.1fs (version %d%s)", model_path, time.perf_counter() - started, version,
+                 ", serving the policy as a LoRA adapter" if adapter else "")
+        return cls(llm, config, version, adapter)
 
     @property
     def llm(self) -> AsyncLLM:
@@ -145,7 +166,9 @@ class RolloutEngine:
     async def _read(self, stream: TokenStream, prompt: dict[str, Any], params: Any,
                     on_tokens: TokensSoFar | None) -> None:
         # closed explicitly so that a failing `on_tokens` (a chat client gone) aborts the request at once
-        async with contextlib.aclosing(self._llm.generate(prompt, params, stream.request_id)) as outputs:
+        lora_request = self._adapter.request if self._adapter is not None else None
+        async with contextlib.aclosing(self._llm.generate(prompt, params, stream.request_id,
+                                                          lora_request=lora_request)) as outputs:
             async for output in outputs:
                 stream.absorb(output)
                 if on_tokens is not None:
@@ -234,6 +257,8 @@ class RolloutEngine:
         """Stop vLLM's processes. The AsyncLLM object is kept: collecting it early can block in zmq's
         context teardown (seen here as a hang at the end of the test session)."""
         self._llm.shutdown()
+        if self._adapter is not None:
+            self._adapter.close()
 
     def _mark_version_change(self, version: int) -> None:
         """While paused: tokens sampled so far by each request in flight belong to the old weights."""
@@ -241,6 +266,10 @@ class RolloutEngine:
             self._streams[request_id].version_changed(sampled, version)
 
     async def _receive(self, update_info: dict[str, Any], version: int) -> None:
+        if self._adapter is not None:  # vLLM's own LoRA loading: no weight-update session, no reload of the base
+            await self._adapter.load(self._llm, update_info)
+            await vllm_compat.label_weights(self._llm, version)
+            return
         await vllm_compat.start_update(self._llm, self._load_in_place)
         await self._llm.update_weights(vllm_compat.update_request(update_info))
         await vllm_compat.finish_update(self._llm, version)

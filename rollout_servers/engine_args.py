@@ -11,16 +11,23 @@ from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 from asyncrl.config.rollout import EngineConfig, SamplingConfig
+from asyncrl.config.sections import LoraConfig
 from asyncrl.weight_transfer import BACKEND_NAME
 from rollout_servers import vllm_compat
+from rollout_servers.adapter import WORKER_EXTENSION, served_rank
 
 _GIB = 2**30
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
 
 
-def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> AsyncEngineArgs:
-    """vLLM engine arguments with our weight-transfer backend enabled."""
+def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: LoraConfig | None = None) -> AsyncEngineArgs:
+    """vLLM engine arguments with our weight-transfer backend enabled; with `lora` enabled, serving one adapter
+    (the policy's) of its rank, which the workers receive through `rollout_servers.adapter`."""
     kv_cache_bytes = int(engine.kv_cache_memory_gib * _GIB) or None
+    serving_adapter = {} if lora is None or not lora.enabled else {
+        "enable_lora": True, "max_lora_rank": served_rank(lora.rank), "max_loras": 1, "max_cpu_loras": 1,
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
     return AsyncEngineArgs(
         model=model_path,
         dtype=engine.dtype,
@@ -35,6 +42,7 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int) -> Asy
         enable_chunked_prefill=vllm_compat.chunked_prefill(),
         weight_transfer_config={"backend": BACKEND_NAME},
         disable_log_stats=True,
+        **serving_adapter,
     )
 
 

@@ -74,7 +74,8 @@ class ReferenceSampler:
         has GPUs of its own: NCCL cannot join two ranks on one GPU)."""
         loop = asyncio.new_event_loop()
         with _visible_to_children(gpus):
-            engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0))
+            engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0,
+                                                                 lora=config.model.lora))
         sender = loop.run_until_complete(_join_transfer_group(engine, config, backend))
         return cls(config, loop, engine, backend, sender, RewardScorer(config.reward))
 

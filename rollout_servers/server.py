@@ -86,7 +86,7 @@ class RolloutServer:
 
     async def serve(self) -> None:
         rollout = self.config.rollout
-        engine = await RolloutEngine.start(self.config.model.path, rollout, version=0)
+        engine = await RolloutEngine.start(self.config.model.path, rollout, version=0, lora=self.config.model.lora)
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
                           rollout.engine.max_model_len)
         buffer = self.config.buffer

@@ -8,18 +8,21 @@ buffer on the same GPU), and on `update_weights` loads each announced tensor:
   serving parameters where the engine chose to load in place (`vllm_compat.loads_in_place`);
 - in one batched copy into the serving parameters (`weight_load_plan`), where the engine loads in place into one
   unsharded model from a receiving end that holds the whole round already (the shared buffer of the ipc backend).
+A policy served as a LoRA adapter is received by `receive_adapter` instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, ReceivingEnd, weight_backend
 from asyncrl.weight_transfer.protocol import InitInfo, TensorMeta, UpdateInfo
 from rollout_servers import vllm_compat
+from rollout_servers.adapter import write_adapter_weights
 from rollout_servers.vllm_log_filters import drop_expected_warnings
 from rollout_servers.weight_load_plan import (
     Layout,
@@ -141,6 +144,17 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
                 self.last_load = self._plan.paths(checked=True)
         finally:
             self._weights.synchronize()
+
+    def receive_adapter(self, update_info: UpdateInfo, directory: Path, write: bool) -> None:
+        """Receive a round's LoRA adapter (the policy served as an adapter, `rollout_servers.adapter`) and, with
+        `write`, write it into `directory` as PEFT's adapter file, from which vLLM's own LoRA loading reloads it.
+        Nothing is loaded into the model here, so no reload session is opened."""
+        if self._weights is None:
+            raise RuntimeError("adapter update before init_weight_transfer_engine: no weights to receive from")
+        received = list(self._weights.tensors(update_info.tensors()))
+        self._weights.synchronize()
+        if write:  # copies: a backend may hand out views of a buffer that the next round rewrites
+            write_adapter_weights({name: tensor.to("cpu", copy=True) for name, tensor in received}, directory)
 
     def shutdown(self) -> None:
         if self._weights is not None:

@@ -23,7 +23,11 @@ its running step and its outputs are counted), start (opening the update), load 
 receives and loads every tensor), finish (closing it), resume, and rpc_floor, one utility round trip to the engine
 core outside the pause (what each of those four RPCs costs beyond its own work); load_paths says how the first server's
 worker loaded the last timed round (`rollout_servers.vllm_plugin.weight_load_paths`: tensors copied in one batch,
-through vLLM's load_weights, skipped as tied aliases).
+through vLLM's load_weights, skipped as tied aliases; None for LoRA rounds).
+With `model.lora.enabled=true` among the overrides the engines serve the policy as a LoRA adapter and every round
+sends an adapter of `model.lora`'s shape for the model (B random) and swaps it in (docs/weight_sync.md, "LoRA
+adapters"); its phases are adapter_receive (the workers' RPC: receive and write the adapter file) and adapter_load
+(vLLM's add_lora), and RESULT adds lora_sync_ms (the same median pause as weight_sync_ms).
 Rounds are timed after one untimed warm-up round per size. Last line: RESULT {json} with weight_sync_ms
 (median pause-to-resume of the first size), nccl_floor_ms (median per-tensor floor), flat_floor_ms, the bytes
 sent and, per size, broadcast_ms_by_servers (median round), pause_ms_by_servers and floor_ms_by_servers;
@@ -48,6 +52,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import load_config
+from asyncrl.config.sections import LoraConfig
 from asyncrl.net import free_port
 from asyncrl.weight_transfer import GroupAddress, TransferGroup, update_info_for, weight_backend, weights_for_transfer
 from asyncrl.weight_transfer.backends import GLOO, IPC, NCCL
@@ -126,20 +131,31 @@ def placement(args: argparse.Namespace, tensor_parallel: int) -> Placement:
     return Placement(NCCL.name, torch.device("cuda", servers * tensor_parallel), server_gpus)
 
 
-def load_tensors(model_dir: str, dtype: str, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+def load_tensors(model_dir: str, dtype: str, device: torch.device, lora: LoraConfig) -> list[tuple[str, torch.Tensor]]:
+    """What a sync sends: the model's weights, or with `lora` enabled a LoRA adapter for it as the learner sends one
+    (its B random, as a trained adapter's is not zero)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
-    return weights_for_transfer(model)
+    if not lora.enabled:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
+        return weights_for_transfer(model)
+    from learner.lora import ADAPTER_NAME, adapter_tensors, add_adapters, lora_layers
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    add_adapters(model, list(model.model.layers), lora, getattr(torch, dtype))
+    for layer in lora_layers(model):
+        torch.nn.init.normal_(layer.lora_B[ADAPTER_NAME].weight, std=0.01)
+    return [(name, tensor.detach().to(device, copy=True)) for name, tensor in adapter_tensors(model)]
 
 
 # floor phase: plain processes -------------------------------------------------------------------------------
 
-def floor_member(rank: int, address: GroupAddress, device: torch.device, model_dir: str, dtype: str, rounds: int, results) -> None:
+def floor_member(rank: int, address: GroupAddress, device: torch.device, model_dir: str, dtype: str, lora: LoraConfig,
+                 rounds: int, results) -> None:
     prepare_nccl_environment(address.host)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tensors = [tensor for _, tensor in load_tensors(model_dir, dtype, device)]
+    tensors = [tensor for _, tensor in load_tensors(model_dir, dtype, device, lora)]
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=device)
     group = weight_backend(address.backend).join(address, rank, device)
     per_tensor = [_timed_round(group, tensors) for _ in range(rounds + 1)][1:]
@@ -158,12 +174,13 @@ def _timed_round(group: TransferGroup, tensors: list[torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
-def measure_floor(args: argparse.Namespace, where: Placement, servers: int) -> dict:
+def measure_floor(args: argparse.Namespace, where: Placement, servers: int, lora: LoraConfig) -> dict:
     """The trainer broadcasting to one plain receiver per GPU of the first `servers` servers."""
     results = SPAWN.Queue()
     devices = [where.trainer] + where.receivers(servers)
     address = GroupAddress(HOST, free_port(), len(devices), where.backend, args.timeout_s)
-    members = [SPAWN.Process(target=floor_member, args=(rank, address, device, args.model, args.dtype, args.rounds, results))
+    members = [SPAWN.Process(target=floor_member, args=(rank, address, device, args.model, args.dtype, lora, args.rounds,
+                                                        results))
                for rank, device in enumerate(devices)]
     for process in members:
         process.start()
@@ -190,8 +207,9 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
     from rollout_servers.vllm_plugin import weight_load_paths
 
     config = load_config(args.config, args.overrides)
-    engine = await RolloutEngine.start(args.model, config.rollout)
-    phases = time_update_phases(engine)
+    engine = await RolloutEngine.start(args.model, config.rollout, lora=config.model.lora)
+    lora = config.model.lora.enabled
+    phases = time_update_phases(engine, lora)
     streaming = SamplingConfig(temperature=1.0, max_tokens=config.rollout.engine.max_model_len // 2, ignore_eos=True, n=1)
     background = [asyncio.create_task(_keep_generating(engine, streaming)) for _ in range(args.inflight)]
     results.put("ready")
@@ -203,8 +221,9 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
             case ("update", update_info, version):
                 pause_s = await engine.update_weights(update_info, version)
                 phases["rpc_floor"] = await _timed_call(engine.llm.is_sleeping)
-                load_paths = (await engine.llm.collective_rpc(weight_load_paths))[0]
-                results.put((pause_s, dict(phases), load_paths))
+                measured = dict(phases)  # before the next RPC: with LoRA, collective_rpc is a timed phase
+                load_paths = None if lora else (await engine.llm.collective_rpc(weight_load_paths))[0]
+                results.put((pause_s, measured, load_paths))
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
@@ -219,19 +238,21 @@ async def _keep_generating(engine, sampling) -> None:
         await engine.generate([1, 2, 3, 4], sampling)
 
 
-PHASES = ("pause", "start", "load", "finish", "resume", "rpc_floor")
+PHASES = ("pause", "start", "load", "finish", "adapter_receive", "adapter_load", "resume", "rpc_floor")
 
 
-def time_update_phases(engine) -> dict[str, float]:
+def time_update_phases(engine, lora: bool) -> dict[str, float]:
     """Wrap the steps `RolloutEngine.update_weights` awaits so that each records its seconds of the latest update
-    in the returned dict (the vLLM helpers through the module the engine calls them by, the RPCs on its AsyncLLM)."""
+    in the returned dict (the vLLM helpers through the module the engine calls them by, the RPCs on its AsyncLLM).
+    The adapter's RPCs are wrapped only with `lora`: vLLM's own update calls `collective_rpc` too."""
     from rollout_servers import engine as engine_module
 
     phases: dict[str, float] = {}
     compat = engine_module.vllm_compat
     for phase, name in (("pause", "pause_keeping_requests"), ("start", "start_update"), ("finish", "finish_update")):
         setattr(compat, name, _recording(getattr(compat, name), phase, phases))
-    for phase, name in (("load", "update_weights"), ("resume", "resume_generation")):
+    adapter_calls = (("adapter_receive", "collective_rpc"), ("adapter_load", "add_lora")) if lora else ()
+    for phase, name in (("load", "update_weights"), *adapter_calls, ("resume", "resume_generation")):
         setattr(engine.llm, name, _recording(getattr(engine.llm, name), phase, phases))
     return phases
 
@@ -255,13 +276,13 @@ async def _timed_call(call) -> float:
 
 
 def trainer(device: torch.device, held_on: torch.device, staging_bytes: int, model_dir: str, dtype: str,
-            commands, results) -> None:
+            lora: LoraConfig, commands, results) -> None:
     """Drives the sending end of each backend it is told to open, as the learner's coordinator does: each round
     stages the weights (before the servers would be invited), says so, and sends them. With IPC the stage is the
     copy into the shared buffer and nothing is sent after it (its time is reported as the send)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    named = load_tensors(model_dir, dtype, held_on)
+    named = load_tensors(model_dir, dtype, held_on, lora)
     results.put(update_info_for(named))
     end = None
     while (command := commands.get(timeout=WAIT_S)) is not None:
@@ -336,12 +357,14 @@ class Engines:
             process.join(WAIT_S)
 
 
-def measure_engines(args: argparse.Namespace, where: Placement, tensor_parallel: int, staging_bytes: int) -> dict:
+def measure_engines(args: argparse.Namespace, where: Placement, tensor_parallel: int, staging_bytes: int,
+                    lora: LoraConfig) -> dict:
     """Per (backend, servers): pause-to-resume, round and trainer-send seconds of --rounds timed rounds."""
     engines = Engines.start(args, where)
     commands, results = SPAWN.Queue(), SPAWN.Queue()
     held_on = where.trainer if args.trainer_weights == "device" else torch.device("cpu")
-    sender = SPAWN.Process(target=trainer, args=(where.trainer, held_on, staging_bytes, args.model, args.dtype, commands, results))
+    sender = SPAWN.Process(target=trainer, args=(where.trainer, held_on, staging_bytes, args.model, args.dtype, lora,
+                                                 commands, results))
     sender.start()
     update_info = answer(results, sender)
     measured, version = {}, 0
@@ -373,7 +396,8 @@ def timed_round(engines: Engines, servers: int, update_info: dict, version: int,
     round_s = time.perf_counter() - invited
     _, first_phases, load_paths = answers[0]
     return {"pause_s": max(pause for pause, _, _ in answers), "round_s": round_s, "send_s": answer(results, sender),
-            **{f"{phase}_phase_s": first_phases[phase] for phase in PHASES}, "load_paths": load_paths}
+            **{f"{phase}_phase_s": first_phases.get(phase, 0.0) for phase in PHASES},  # a LoRA round has no start/finish
+            "load_paths": load_paths}
 
 
 def print_table(floors: dict[int, dict], engines: dict) -> None:
@@ -405,8 +429,9 @@ def main() -> None:
     tensor_parallel = config.rollout.engine.tensor_parallel_size
     where = placement(args, tensor_parallel)
     prepare_nccl_environment(HOST)
-    floors = {} if args.colocated else {servers: measure_floor(args, where, servers) for servers in args.servers}
-    engines = measure_engines(args, where, tensor_parallel, config.rollout.weight_sync.staging_bytes)
+    lora = config.model.lora
+    floors = {} if args.colocated else {servers: measure_floor(args, where, servers, lora) for servers in args.servers}
+    engines = measure_engines(args, where, tensor_parallel, config.rollout.weight_sync.staging_bytes, lora)
     print_table(floors, engines)
     first = args.servers[0]
     measured = engines[(where.backend, first)]
@@ -419,7 +444,10 @@ def main() -> None:
         "pause_ms_by_servers": {n: median_ms(engines[(where.backend, n)]["pause_s"]) for n in args.servers},
         "phase_ms": {phase: median_ms(measured[f"{phase}_phase_s"]) for phase in PHASES},
         "load_paths": measured["load_paths"][-1],
+        "lora": lora.enabled,
     }
+    if lora.enabled:
+        result |= {"lora_sync_ms": sync_ms, "lora_rank": lora.rank, "lora_target_modules": list(lora.target_modules)}
     if floors:
         floor_ms = median_ms(floors[first]["per_tensor_s"])
         result |= {"bytes": floors[first]["bytes"], "tensors": floors[first]["tensors"], "nccl_floor_ms": floor_ms,

@@ -16,6 +16,9 @@
 #              BIG_SYNC=0 runs the e2e job alone
 #   colocated  one GPU for both roles: the CUDA IPC tests, then bench_weight_sync.py --colocated (IPC against
 #              gloo on one engine); the one-GPU job itself is `E2E_ARGS=--colocated gpu_bench.sh e2e`
+#   lora       LoRA (model.lora): the LoRA engine tests on CUDA vLLM, then bench_weight_sync.py --colocated with
+#              model.lora.enabled=true on the Qwen2.5-7B shape (rank 16 adapters on every linear layer swapped into
+#              one engine on the trainer's GPU: lora_sync_ms, against gloo); LORA_ARGS adds overrides
 #   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
 #              (LEARNER_SHAPE=0.5b by default; 1.5b, 3b, 7b; LEARNER_ARGS adds options)
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
@@ -123,6 +126,17 @@ stage_colocated() {
         tests/integration/test_rollout_engine.py -k "ipc or greedy_after_update" || status=1
     "$PYTHON" scripts/bench_weight_sync.py --colocated --config "$CONFIG" --model .cache/models/qwen05b_shape \
         --rounds 5 rollout.engine.enforce_eager=true rollout.engine.gpu_memory_utilization=0.4 || status=1
+    return $status
+}
+
+stage_lora() {
+    local status=0
+    VLLM_WORKER_MULTIPROC_METHOD=spawn CUDA_VISIBLE_DEVICES=0 "$PYTHON" -m pytest -q -p no:cacheprovider \
+        tests/integration/test_lora_engine.py || status=1
+    "$PYTHON" -m launch init-model --config "$CONFIG" "${BIG_MODEL[@]}" || return 1
+    "$PYTHON" scripts/bench_weight_sync.py --colocated --config "$CONFIG" --model .cache/models/qwen7b_shape --rounds 5 \
+        "${BIG_MODEL[@]}" model.lora.enabled=true rollout.engine.enforce_eager=true \
+        rollout.engine.gpu_memory_utilization=0.5 ${LORA_ARGS:-} || status=1
     return $status
 }
 

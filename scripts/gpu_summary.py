@@ -4,8 +4,8 @@ Usage: python scripts/gpu_summary.py OUT_DIR. Stages that did not run (or failed
 that printed several RESULT lines (the 7B stage: its weight sync, then its job) gives the figures of all of them.
 Last line: RESULT {json} with rollout_vs_vllm_ratio, weight_sync_ms, nccl_floor_ms,
 async_vs_sync_speedup and mfu, the scale-out figures gpus, scaling_vs_2gpu, async_vs_sync (per layout),
-ray_vs_plain, weight_sync_7b_ms and broadcast_ms_by_servers (null where the stage is missing), plus the raw
-figures behind them.
+ray_vs_plain, weight_sync_7b_ms, broadcast_ms_by_servers and lora_sync_ms (null where the stage is missing), plus
+the raw figures behind them.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ FIGURES = [
     ("ray", "ray_vs_plain", "ray_vs_plain", "~ 1"),
     ("big", "weight_sync_ms", "weight_sync_7b_ms", "< 1000"),
     ("broadcast", "broadcast_ms_by_servers", "broadcast_ms_by_servers", ""),
+    ("lora", "lora_sync_ms", "lora_sync_ms", "<= 15"),
 ]
 
 

@@ -7,6 +7,7 @@ Each field carries a one-line comment: unit and effect. Ranges and choices decla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncrl.config.fields import bounded, items, one_of
 from asyncrl.config.task_weights import TaskWeightsConfig
@@ -43,12 +44,36 @@ class WarmStartConfig:
     device: str = one_of("cpu", "cuda")  # where init-model builds and trains the model; cuda: the first visible GPU, passes in bf16 autocast
 
 
+LORA_MAX_RANK = 512  # the largest adapter rank vLLM serves (its max_lora_rank)
+DECODER_LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Qwen2 / Llama names
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False  # train low-rank adapters on a frozen base instead of every weight; the servers serve the policy as an adapter
+    rank: int = bounded(16, 1, LORA_MAX_RANK)  # r: inner width of each adapter (A is r x in, B is out x r); at most the smaller side of every adapted layer
+    alpha: float = bounded(32.0, 0.0)  # the adapter's output is scaled by alpha / rank
+    dropout: float = bounded(0.0, 0.0, 0.99)  # dropout on the adapters' input in training passes only (scoring, the servers and the reference see none)
+    target_modules: list[str] = items(*DECODER_LINEAR_LAYERS)  # linear layers of the decoder layers that get adapters, by the last part of their name
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        if self.enabled and not self.target_modules:
+            return [("model.lora.target_modules", "needs at least one layer name when model.lora.enabled")]
+        return []
+
+    def peft_fields(self) -> dict[str, Any]:
+        """The adapter's settings under PEFT's `LoraConfig` names (what `adapter_config.json` holds)."""
+        return {"r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+                "target_modules": list(self.target_modules), "bias": "none"}
+
+
 @dataclass
 class ModelConfig:
     path: str = ".cache/models/tiny"  # Hugging Face directory (or hub id on machines with a hub)
     dtype: str = one_of("float32", "bfloat16", "float16")  # weights as built by init-model, written by export and sent to the servers (the learner keeps learner.master_dtype)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # shape of the locally built model
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)  # supervised phase of init-model
+    lora: LoraConfig = field(default_factory=LoraConfig)  # train LoRA adapters instead of the whole model (docs/learner.md)
 
 
 @dataclass

@@ -27,6 +27,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"asyncrl export: {checkpoint} is not a complete checkpoint (no {META_FILE})", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else run_dir / EXPORT_DIR / f"step_{checkpoint_step(checkpoint)}"
-    export_checkpoint(checkpoint, config.model.path, config.model.dtype, out)
+    if args.merged and not config.model.lora.enabled:
+        print("asyncrl export: --merged needs a LoRA run (model.lora.enabled); this run trained every weight",
+              file=sys.stderr)
+        return 1
+    export_checkpoint(checkpoint, config.model.path, config.model.dtype, out, config.model.lora, args.merged)
     print(f"EXPORT_DIR {out}", flush=True)
     return 0

@@ -1,4 +1,4 @@
-"""FSDP2 over two gloo ranks computes the same loss and update as one process on the same batch."""
+"""FSDP2 over two gloo ranks computes the same loss and update as one process on the same batch, with LoRA too."""
 
 import os
 import random
@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
-from asyncrl.config.sections import TinyModelConfig
+from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
@@ -47,12 +47,14 @@ def make_groups() -> list[TrajectoryGroup]:
     return groups
 
 
-def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu", packed: bool = False) -> None:
+def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu", packed: bool = False,
+           lora: LoraConfig | None = None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    torch.manual_seed(0)  # the adapters' A matrices start random
     world = init_world(device)
-    model = load_policy(model_dir, "float32", LearnerConfig(mixed_precision=True), world)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model = load_policy(model_dir, "float32", LearnerConfig(mixed_precision=True), world, lora)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     algorithm = AlgorithmConfig(loss=loss, grpo_std_norm=False)
     outcome = train_step(model, optimizer, collate(make_groups(), 0), algorithm, Passes(24, packed=packed), 0.0, world)
     state = gathered_weights(model)
@@ -65,9 +67,10 @@ def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str,
     dist.destroy_process_group()
 
 
-def run(size: int, model_dir, out, loss: str, device: str = "cpu", packed: bool = False) -> dict:
-    mp.start_processes(worker, args=(size, free_port(), str(model_dir), str(out), loss, device, packed), nprocs=size,
-                       start_method="spawn")
+def run(size: int, model_dir, out, loss: str, device: str = "cpu", packed: bool = False,
+        lora: LoraConfig | None = None) -> dict:
+    mp.start_processes(worker, args=(size, free_port(), str(model_dir), str(out), loss, device, packed, lora),
+                       nprocs=size, start_method="spawn")
     return torch.load(out)
 
 
@@ -90,6 +93,22 @@ def test_two_ranks_equal_one_process(tmp_path, loss, packed):
         torch.testing.assert_close(double["state"][name], value, rtol=1e-4, atol=1e-6)
         moved += int(not torch.equal(value, initial[name]))
     assert moved > len(initial) // 2  # the step really changed the weights (SGD, lr 1: update = gradient)
+
+
+def test_two_ranks_train_lora_adapters_as_one_process(tmp_path):
+    """The adapters shard with their decoder layers and train as in one process; B starts at zero, so the step shows
+    in every B."""
+    tokenizer = build_char_tokenizer()
+    shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    build_tiny_model(shape, tokenizer, seed=0).save_pretrained(tmp_path / "model")
+    lora = LoraConfig(enabled=True, rank=4, target_modules=["q_proj", "o_proj", "down_proj"])
+    single = run(1, tmp_path / "model", tmp_path / "one.pt", "decoupled_ppo", lora=lora)
+    double = run(2, tmp_path / "model", tmp_path / "two.pt", "decoupled_ppo", lora=lora)
+    assert single["metrics"]["actor/pg_loss"] == pytest.approx(double["metrics"]["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert len(single["state"]) == 2 * 3 * 2  # layers x targets x (A, B): the adapters alone
+    for name, value in single["state"].items():
+        torch.testing.assert_close(double["state"][name], value, rtol=1e-4, atol=1e-6)
+    assert all(value.abs().max() > 0 for name, value in single["state"].items() if ".lora_B." in name)
 
 
 @pytest.mark.gpu

@@ -129,7 +129,7 @@ def learner_step(config: AsyncRLConfig, model: torch.nn.Module, groups: list[Tra
                  monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
     """One `train` of the synchronous reference's trainer, set up by its own `load` around `model` (which the
     step updates in place); the step's metrics."""
-    monkeypatch.setattr(policy_trainer, "load_policy", lambda path, dtype, settings, world: model)
+    monkeypatch.setattr(policy_trainer, "load_policy", lambda path, dtype, settings, world, lora: model)
     trainer = reference_trainer.ReferenceTrainer.load(config, World(rank=0, size=1, device=torch.device("cpu")))
     outcome = trainer.train(groups, version=0)
     assert outcome.finite
