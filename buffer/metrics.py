@@ -30,10 +30,14 @@ class IngestRate:
 @dataclass
 class Counters:
     ingested: int = 0  # groups appended
+    ingested_samples: int = 0  # their samples
+    ingested_response_tokens: int = 0  # their trained completion tokens (loss mask 1)
     duplicates: int = 0  # resends acknowledged without storing
     handed_out: int = 0  # groups handed out in batches
-    dropped_stale: int = 0  # groups dropped at read time as too stale
-    dropped_passed_over: int = 0  # of those, groups a full batch had left behind while they were still fresh enough
+    handed_out_samples: int = 0  # their samples
+    handed_out_response_tokens: int = 0  # their trained completion tokens
+    dropped_stale: int = 0  # groups dropped at read time: they started outside the staleness bound
+    dropped_stale_response_tokens: int = 0  # their trained completion tokens: generated work thrown away
     rejected_frames: int = 0  # undecodable or oversized frames
     full_rejections: int = 0  # ingests told to retry later (budget full)
     refused_requests: int = 0  # well-formed requests refused (a bad position, a client over its caps)
