@@ -1,4 +1,5 @@
-"""Counters of the buffer service and its ingest rate over a sliding window."""
+"""Counters of the buffer service, its ingest rate over a sliding window, and the generated work by the version
+each group started under."""
 
 from __future__ import annotations
 
@@ -25,6 +26,33 @@ class IngestRate:
     def _trim(self, now: float) -> None:
         while self.samples and self.samples[0][0] < now - self.window_s:
             self.samples.popleft()
+
+
+@dataclass
+class GeneratedByStart:
+    """Samples and response tokens of the groups stored, by the version each started under, so that what the
+    learner was handed can be compared with as many generated samples taken in the order the buffer hands them
+    out (oldest start first): with no length bias the two hold the same lengths, while groups dropped, or passed
+    over while younger ones go out, make the ones handed out shorter. Groups still generating count in neither."""
+
+    by_version: dict[int, tuple[int, int]] = field(default_factory=dict)  # start version -> (samples, response tokens)
+
+    def add(self, start_version: int, samples: int, response_tokens: int) -> None:
+        """A group stored (start version -1: it has no trained token)."""
+        stored_samples, stored_tokens = self.by_version.get(start_version, (0, 0))
+        self.by_version[start_version] = (stored_samples + samples, stored_tokens + response_tokens)
+
+    def first(self, samples: int) -> tuple[int, float]:
+        """(samples, response tokens) of the first `samples` samples stored, oldest start first (all of them while
+        fewer were stored); the version the count ends inside adds its share of its samples at their mean length."""
+        taken, tokens = 0, 0.0
+        for version in sorted(self.by_version):
+            if taken >= samples:
+                break
+            version_samples, version_tokens = self.by_version[version]
+            share = min(version_samples, samples - taken)
+            taken, tokens = taken + share, tokens + version_tokens * share / version_samples
+        return taken, tokens
 
 
 @dataclass

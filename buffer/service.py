@@ -35,7 +35,7 @@ from buffer.admission import Admission, LeasesFull
 from buffer.background_fsync import BackgroundFsync
 from buffer.dir_lock import DirectoryLock
 from buffer.log import Payload
-from buffer.metrics import Counters, IngestRate
+from buffer.metrics import Counters, GeneratedByStart, IngestRate
 from buffer.parking import OverClientCap, ParkedRequest, ParkedRequests, ParkingCaps
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
@@ -59,6 +59,7 @@ class BufferService:
         self.admission = Admission(config.starting_staleness(), config.batch_groups, config.admission_timeout_s,
                                    config.max_leases)
         self.counters = Counters()
+        self.generated = GeneratedByStart()
         self.rate = IngestRate(config.stats_window_s)
         self.policy_version = self.store.committed.policy_version
         self.parked = ParkedRequests(ParkingCaps(config.max_parked_per_client, config.max_parked,
@@ -248,6 +249,8 @@ class BufferService:
             self.counters.ingested += len(unsynced.entries)
             self.counters.ingested_samples += sum(entry.num_samples for entry in unsynced.entries)
             self.counters.ingested_response_tokens += sum(entry.response_tokens for entry in unsynced.entries)
+            for entry in unsynced.entries:
+                self.generated.add(entry.oldest_version, entry.num_samples, entry.response_tokens)
             self.rate.add(time.monotonic(), len(unsynced.entries), unsynced.nbytes)
         for identity, frames in acks.items():
             self.socket.send_multipart([identity, *frames])
@@ -381,6 +384,7 @@ class BufferService:
     def stats(self) -> BufferStats:
         groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
         counters, window = self.counters, self.store.consumers.learner
+        first_samples, first_tokens = self.generated.first(counters.handed_out_samples)
         return BufferStats(
             size=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
             read_offset=window.read_offset, committed_offset=self.store.committed.offset,
@@ -391,6 +395,7 @@ class BufferService:
             handed_out=counters.handed_out, handed_out_samples=counters.handed_out_samples,
             handed_out_response_tokens=counters.handed_out_response_tokens, dropped_stale=counters.dropped_stale,
             dropped_stale_response_tokens=counters.dropped_stale_response_tokens,
+            first_generated_samples=first_samples, first_generated_response_tokens=first_tokens,
             staleness_histogram=dict(counters.staleness), rejected_frames=counters.rejected_frames,
             full_rejections=counters.full_rejections, admission_running=self.admission.running,
             admission_waits=self.admission.waits, admission_wait_s=self.admission.wait_s,

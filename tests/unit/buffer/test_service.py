@@ -77,6 +77,7 @@ def test_only_groups_that_started_outside_the_bound_are_dropped_and_the_work_is_
     assert (stats.ingested_samples, stats.ingested_response_tokens) == (12, 12 * TOKENS)
     assert (stats.handed_out_samples, stats.handed_out_response_tokens) == (8, 8 * TOKENS)
     assert stats.dropped_stale_response_tokens == 4 * TOKENS
+    assert (stats.first_generated_samples, stats.first_generated_response_tokens) == (8, 8 * TOKENS)
 
 
 def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_without_duplicates(serve, small_config,
