@@ -303,8 +303,8 @@ class BufferStats:
     handed_out_samples: int = 0  # samples of the groups handed out since the service started
     handed_out_response_tokens: int = 0  # their trained completion tokens
     dropped_stale_response_tokens: int = 0  # trained completion tokens of the groups dropped stale: work thrown away
-    first_generated_samples: int = 0  # as many samples stored as were handed out (fewer while fewer were stored), oldest start first
-    first_generated_response_tokens: float = 0.0  # their trained completion tokens (the last start version's at its mean)
+    first_generated_samples: int = 0  # the first whole groups stored in hand-out order (oldest start first) holding as many samples as were handed out
+    first_generated_response_tokens: int = 0  # their trained completion tokens
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for wandb/metrics.jsonl."""

@@ -32,27 +32,37 @@ class IngestRate:
 class GeneratedByStart:
     """Samples and response tokens of the groups stored, by the version each started under, so that what the
     learner was handed can be compared with as many generated samples taken in the order the buffer hands them
-    out (oldest start first): with no length bias the two hold the same lengths, while groups dropped, or passed
-    over while younger ones go out, make the ones handed out shorter. Groups still generating count in neither."""
+    out (oldest start first, then as stored): it reads the same lengths unless groups were dropped, or an old
+    group is still waiting while younger ones went out. Groups still generating count on neither side."""
 
-    by_version: dict[int, tuple[int, int]] = field(default_factory=dict)  # start version -> (samples, response tokens)
+    groups: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # start version -> (samples, response tokens) per group, as stored
+    totals: dict[int, tuple[int, int]] = field(default_factory=dict)  # start version -> its groups' samples and response tokens
 
     def add(self, start_version: int, samples: int, response_tokens: int) -> None:
         """A group stored (start version -1: it has no trained token)."""
-        stored_samples, stored_tokens = self.by_version.get(start_version, (0, 0))
-        self.by_version[start_version] = (stored_samples + samples, stored_tokens + response_tokens)
+        self.groups.setdefault(start_version, []).append((samples, response_tokens))
+        stored_samples, stored_tokens = self.totals.get(start_version, (0, 0))
+        self.totals[start_version] = (stored_samples + samples, stored_tokens + response_tokens)
 
-    def first(self, samples: int) -> tuple[int, float]:
-        """(samples, response tokens) of the first `samples` samples stored, oldest start first (all of them while
-        fewer were stored); the version the count ends inside adds its share of its samples at their mean length."""
-        taken, tokens = 0, 0.0
-        for version in sorted(self.by_version):
-            if taken >= samples:
-                break
-            version_samples, version_tokens = self.by_version[version]
-            share = min(version_samples, samples - taken)
-            taken, tokens = taken + share, tokens + version_tokens * share / version_samples
+    def first(self, samples: int) -> tuple[int, int]:
+        """(samples, response tokens) of the first whole groups in hand-out order that hold at least `samples`
+        samples (all of them while fewer were stored)."""
+        taken = tokens = 0
+        for version in sorted(self.totals):
+            version_samples, version_tokens = self.totals[version]
+            if taken + version_samples > samples:  # the count ends inside this version: its groups one by one
+                return _first_groups(self.groups[version], samples, taken, tokens)
+            taken, tokens = taken + version_samples, tokens + version_tokens
         return taken, tokens
+
+
+def _first_groups(groups: list[tuple[int, int]], samples: int, taken: int, tokens: int) -> tuple[int, int]:
+    """`taken` samples and `tokens` so far, plus `groups` in order until at least `samples` samples are taken."""
+    for group_samples, group_tokens in groups:
+        if taken >= samples:
+            break
+        taken, tokens = taken + group_samples, tokens + group_tokens
+    return taken, tokens
 
 
 @dataclass
