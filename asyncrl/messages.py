@@ -145,6 +145,7 @@ class TrajectoryGroup:
     group_id: str  # shared by the trajectories; equals each trajectory's group_id
     server_id: str  # rollout server that produced it
     trajectories: list[Trajectory]  # the group's samples
+    learner_version_at_start: Annotated[int, msgspec.Meta(ge=-1, le=MAX_VERSION)] = -1  # learner version of the server's last admission answer when the group started (-1: not started under one, e.g. a chat session)
 
     def validate(self) -> None:
         check_group_ids(self.group_id, [trajectory.group_id for trajectory in self.trajectories])
@@ -226,7 +227,7 @@ class Batch:
     groups: list[TrajectoryGroup]  # whole groups, in log order
     offsets: list[int]  # log offset of each group
     next_offset: int  # offset to commit once the batch is trained on: every record before it is consumed
-    dropped_stale: int = 0  # groups skipped as too stale while assembling this batch
+    dropped_stale: int = 0  # groups dropped while assembling this batch: they started outside the staleness bound
     next_ahead: list[int] = field(default_factory=list)  # records at or past next_offset consumed too; committed with it
 
 
@@ -280,8 +281,7 @@ class BufferStats:
     ingest_groups_per_s: float  # append rate over the last stats window
     ingest_bytes_per_s: float  # append rate over the last stats window, in bytes
     handed_out: int  # groups handed out in batches since the service started
-    dropped_stale: int  # groups dropped at read time because staleness exceeded max_staleness
-    dropped_passed_over: int  # of those, groups a full batch had left behind while still fresh enough (the rest came too late)
+    dropped_stale: int  # groups dropped at read time because they started from weights more than max_staleness behind the learner
     staleness_histogram: dict[int, int]  # staleness → groups handed out with it
     rejected_frames: int  # frames rejected as undecodable or over the size limit
     full_rejections: int  # ingests answered "retry later" because a memory or disk budget was full
@@ -298,6 +298,13 @@ class BufferStats:
     consumers: int = 0  # consumers (client ids) holding a read position of their own now
     position_rereads: int = 0  # pending records read back from the log because a consumer moved its position
     max_staleness: int = 0  # K the buffer applies now (the learner's latest)
+    ingested_samples: int = 0  # samples of the groups appended since the service started
+    ingested_response_tokens: int = 0  # their trained completion tokens (loss mask 1): the servers' generated training work
+    handed_out_samples: int = 0  # samples of the groups handed out since the service started
+    handed_out_response_tokens: int = 0  # their trained completion tokens
+    dropped_stale_response_tokens: int = 0  # trained completion tokens of the groups dropped stale: work thrown away
+    first_generated_samples: int = 0  # the first whole groups stored in hand-out order (oldest start first) holding as many samples as were handed out
+    first_generated_response_tokens: int = 0  # their trained completion tokens
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics for wandb/metrics.jsonl."""

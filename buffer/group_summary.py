@@ -6,7 +6,7 @@ per-token fields stay views of the received bytes (no copies), then checks their
 comparisons per trajectory (falling back to the same checks `decode` makes, for their precise error,
 when one fails) and judges staleness over numpy views of the whole group's versions and masks at
 once. So it accepts exactly the frames `decode` accepts as a TrajectoryGroup, and returns only what
-the buffer needs to store, deduplicate, size and judge the staleness of a record.
+the buffer needs to store, deduplicate, size, count and judge the start of a record.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ class GroupSummary:
     server_id: str  # producing rollout server
     num_samples: int  # trajectories in the group
     num_tokens: int  # prompt + completion tokens over the group
-    oldest_version: int  # oldest trained token version (-1 if none is trained)
+    response_tokens: int  # trained completion tokens (loss mask 1) over the group
+    oldest_version: int  # oldest trained token version, the version the group started under (-1 if none is trained)
+    learner_version_at_start: int  # learner version when the group started (-1: unknown)
 
 
 def _twin(cls: type, name: str, replaced: dict[str, Any]) -> type:
     """A msgspec Struct with the fields, types and defaults of dataclass `cls`, some types replaced."""
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)  # range checks (msgspec.Meta) included
     fields: list[tuple] = []
     for f in dataclasses.fields(cls):
         annotation = replaced.get(f.name, hints[f.name])
@@ -84,7 +86,9 @@ def summarize_group(frame: bytes | memoryview) -> GroupSummary:
         server_id=group.server_id,
         num_samples=len(trajectories),
         num_tokens=id_bytes // _ID_BYTES,
+        response_tokens=int(masks.sum()),
         oldest_version=oldest_trained_version(versions, masks),
+        learner_version_at_start=group.learner_version_at_start,
     )
 
 

@@ -1,4 +1,5 @@
-"""Counters of the buffer service and its ingest rate over a sliding window."""
+"""Counters of the buffer service, its ingest rate over a sliding window, and the generated work by the version
+each group started under."""
 
 from __future__ import annotations
 
@@ -28,12 +29,53 @@ class IngestRate:
 
 
 @dataclass
+class GeneratedByStart:
+    """Samples and response tokens of the groups stored, by the version each started under, so that what the
+    learner was handed can be compared with as many generated samples taken in the order the buffer hands them
+    out (oldest start first, then as stored): it reads the same lengths unless groups were dropped, or an old
+    group is still waiting while younger ones went out. Groups still generating count on neither side."""
+
+    groups: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # start version -> (samples, response tokens) per group, as stored
+    totals: dict[int, tuple[int, int]] = field(default_factory=dict)  # start version -> its groups' samples and response tokens
+
+    def add(self, start_version: int, samples: int, response_tokens: int) -> None:
+        """A group stored (start version -1: it has no trained token)."""
+        self.groups.setdefault(start_version, []).append((samples, response_tokens))
+        stored_samples, stored_tokens = self.totals.get(start_version, (0, 0))
+        self.totals[start_version] = (stored_samples + samples, stored_tokens + response_tokens)
+
+    def first(self, samples: int) -> tuple[int, int]:
+        """(samples, response tokens) of the first whole groups in hand-out order that hold at least `samples`
+        samples (all of them while fewer were stored)."""
+        taken = tokens = 0
+        for version in sorted(self.totals):
+            version_samples, version_tokens = self.totals[version]
+            if taken + version_samples > samples:  # the count ends inside this version: its groups one by one
+                return _first_groups(self.groups[version], samples, taken, tokens)
+            taken, tokens = taken + version_samples, tokens + version_tokens
+        return taken, tokens
+
+
+def _first_groups(groups: list[tuple[int, int]], samples: int, taken: int, tokens: int) -> tuple[int, int]:
+    """`taken` samples and `tokens` so far, plus `groups` in order until at least `samples` samples are taken."""
+    for group_samples, group_tokens in groups:
+        if taken >= samples:
+            break
+        taken, tokens = taken + group_samples, tokens + group_tokens
+    return taken, tokens
+
+
+@dataclass
 class Counters:
     ingested: int = 0  # groups appended
+    ingested_samples: int = 0  # their samples
+    ingested_response_tokens: int = 0  # their trained completion tokens (loss mask 1)
     duplicates: int = 0  # resends acknowledged without storing
     handed_out: int = 0  # groups handed out in batches
-    dropped_stale: int = 0  # groups dropped at read time as too stale
-    dropped_passed_over: int = 0  # of those, groups a full batch had left behind while they were still fresh enough
+    handed_out_samples: int = 0  # their samples
+    handed_out_response_tokens: int = 0  # their trained completion tokens
+    dropped_stale: int = 0  # groups dropped at read time: they started outside the staleness bound
+    dropped_stale_response_tokens: int = 0  # their trained completion tokens: generated work thrown away
     rejected_frames: int = 0  # undecodable or oversized frames
     full_rejections: int = 0  # ingests told to retry later (budget full)
     refused_requests: int = 0  # well-formed requests refused (a bad position, a client over its caps)

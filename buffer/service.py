@@ -35,7 +35,7 @@ from buffer.admission import Admission, LeasesFull
 from buffer.background_fsync import BackgroundFsync
 from buffer.dir_lock import DirectoryLock
 from buffer.log import Payload
-from buffer.metrics import Counters, IngestRate
+from buffer.metrics import Counters, GeneratedByStart, IngestRate
 from buffer.parking import OverClientCap, ParkedRequest, ParkedRequests, ParkingCaps
 from buffer.store import OffsetError, TrajectoryStore
 from buffer.window import BatchLimits, Selection
@@ -59,6 +59,7 @@ class BufferService:
         self.admission = Admission(config.starting_staleness(), config.batch_groups, config.admission_timeout_s,
                                    config.max_leases)
         self.counters = Counters()
+        self.generated = GeneratedByStart()
         self.rate = IngestRate(config.stats_window_s)
         self.policy_version = self.store.committed.policy_version
         self.parked = ParkedRequests(ParkingCaps(config.max_parked_per_client, config.max_parked,
@@ -246,6 +247,10 @@ class BufferService:
                 self.counters.duplicates += ack.duplicate
                 acks.setdefault(identity, []).append(encode(ack))
             self.counters.ingested += len(unsynced.entries)
+            self.counters.ingested_samples += sum(entry.num_samples for entry in unsynced.entries)
+            self.counters.ingested_response_tokens += sum(entry.response_tokens for entry in unsynced.entries)
+            for entry in unsynced.entries:
+                self.generated.add(entry.oldest_version, entry.num_samples, entry.response_tokens)
             self.rate.add(time.monotonic(), len(unsynced.entries), unsynced.nbytes)
         for identity, frames in acks.items():
             self.socket.send_multipart([identity, *frames])
@@ -317,12 +322,16 @@ class BufferService:
                            max_bytes=self.config.max_message_bytes - BATCH_ENVELOPE_BYTES)
 
     def _count_handout(self, selection: Selection) -> None:
-        self.counters.handed_out += len(selection.taken)
-        self.counters.dropped_stale += len(selection.dropped)
-        self.counters.dropped_passed_over += selection.dropped_passed_over
-        self.counters.staleness.update(selection.staleness)
+        counters = self.counters
+        counters.handed_out += len(selection.taken)
+        counters.handed_out_samples += sum(entry.num_samples for entry in selection.taken)
+        counters.handed_out_response_tokens += sum(entry.response_tokens for entry in selection.taken)
+        counters.dropped_stale += len(selection.dropped)
+        counters.dropped_stale_response_tokens += sum(entry.response_tokens for entry in selection.dropped)
+        counters.staleness.update(selection.staleness)
         if selection.dropped:
-            log.info("dropped %d group(s) as staler than %d", len(selection.dropped), self.admission.max_staleness)
+            log.warning("dropped %d group(s) that started from weights more than %d versions behind the learner",
+                        len(selection.dropped), self.admission.max_staleness)
 
     def _on_commit(self, identity: bytes, commit: Commit) -> None:
         self._hear_version(commit.policy_version)
@@ -375,14 +384,18 @@ class BufferService:
     def stats(self) -> BufferStats:
         groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
         counters, window = self.counters, self.store.consumers.learner
+        first_samples, first_tokens = self.generated.first(counters.handed_out_samples)
         return BufferStats(
             size=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
             read_offset=window.read_offset, committed_offset=self.store.committed.offset,
             end_offset=self.store.end_offset, policy_version=self.policy_version,
-            ingested=counters.ingested, duplicates=counters.duplicates,
+            ingested=counters.ingested, ingested_samples=counters.ingested_samples,
+            ingested_response_tokens=counters.ingested_response_tokens, duplicates=counters.duplicates,
             ingest_groups_per_s=groups_per_s, ingest_bytes_per_s=bytes_per_s,
-            handed_out=counters.handed_out, dropped_stale=counters.dropped_stale,
-            dropped_passed_over=counters.dropped_passed_over,
+            handed_out=counters.handed_out, handed_out_samples=counters.handed_out_samples,
+            handed_out_response_tokens=counters.handed_out_response_tokens, dropped_stale=counters.dropped_stale,
+            dropped_stale_response_tokens=counters.dropped_stale_response_tokens,
+            first_generated_samples=first_samples, first_generated_response_tokens=first_tokens,
             staleness_histogram=dict(counters.staleness), rejected_frames=counters.rejected_frames,
             full_rejections=counters.full_rejections, admission_running=self.admission.running,
             admission_waits=self.admission.waits, admission_wait_s=self.admission.wait_s,

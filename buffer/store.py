@@ -262,7 +262,8 @@ class TrajectoryStore:
 
 
 def _entry(offset: int, summary: GroupSummary, frame: Payload) -> Entry:
-    return Entry(offset, len(frame), summary.num_samples, summary.num_tokens, summary.oldest_version)
+    return Entry(offset, len(frame), summary.num_samples, summary.num_tokens, summary.response_tokens,
+                 summary.oldest_version, summary.learner_version_at_start)
 
 
 def _checked(offset: int, parse: Callable[[bytes], _T], frame: bytes) -> _T:

@@ -1,14 +1,14 @@
 """The records the consumer has not consumed yet, summarised in memory, and batch selection.
 
-An entry holds what selection needs (offset, size, samples, tokens, oldest version), not the record's
+An entry holds what selection needs (offset, size, samples, tokens, start versions), not the record's
 bytes: those are in the log (and the page cache), and are read back when a batch hands them out.
 
-Selection is earliest deadline first: a group can be trained until the learner is `max_staleness`
-versions past its oldest token, so the groups with the oldest tokens go first (log order among equals).
-Groups finish out of order (long responses hold old tokens), and a log-order walk let a group that
-arrived in time wait behind younger ones until it was too stale. Every group already staler than the
-bound (judged now, for the requesting learner's version) is dropped whole; the others are taken whole
-until the batch is full.
+Selection is oldest first: the groups with the oldest tokens go first (log order among equals), so that
+a long response, which finishes versions after the groups that started with it, is trained as soon as it
+arrives and no fresher group overtakes it. How long a group generated never excludes it: the staleness
+rule judges its start (`asyncrl/staleness.py`), so the only groups dropped (whole, and counted) are those
+that started from weights more than K versions behind the learner of their time, which a server that keeps
+the rule never sends. The others are taken whole until the batch is full.
 
 Consumption is therefore not a prefix of the log: the position is `read_offset` (every record before it
 consumed) plus `ahead`, the records at or past it consumed too (handed out or dropped).
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-from asyncrl.staleness import staleness, trainable
+from asyncrl.staleness import staleness, starts_within_bound
 
 
 @dataclass(frozen=True)
@@ -28,13 +28,15 @@ class Entry:
     nbytes: int  # size of the encoded TrajectoryGroup message (the log holds its bytes)
     num_samples: int  # trajectories in the group
     num_tokens: int  # prompt + completion tokens of the group
-    oldest_version: int  # oldest trained token version (-1 if none)
+    response_tokens: int  # trained completion tokens (loss mask 1) of the group
+    oldest_version: int  # oldest trained token version: the version the group started under (-1 if none)
+    learner_version_at_start: int  # learner version when the group started (-1: unknown)
 
 
 @dataclass(frozen=True)
 class BatchLimits:
-    policy_version: int  # version that will train on the batch
-    max_staleness: int  # K
+    policy_version: int  # version that will train on the batch (the staleness of what it takes is measured against it)
+    max_staleness: int  # K, which a group's start must have kept
     max_samples: int = 0  # 0 = no limit
     max_tokens: int = 0  # 0 = no limit
     max_bytes: int = 0  # encoded groups per batch, so the Batch fits the receiver's frame limit; 0 = no limit
@@ -49,10 +51,9 @@ class BatchLimits:
 @dataclass
 class Selection:
     taken: list[Entry] = field(default_factory=list)  # groups for the batch, in log order
-    dropped: list[Entry] = field(default_factory=list)  # groups too stale, dropped
+    dropped: list[Entry] = field(default_factory=list)  # groups that started outside the bound, dropped
     staleness: list[int] = field(default_factory=list)  # staleness of each taken group
     full: bool = False  # the limits were reached
-    dropped_passed_over: int = 0  # dropped groups that an earlier full batch had left behind while still fresh enough
 
 
 class PendingWindow:
@@ -64,7 +65,6 @@ class PendingWindow:
         self.ahead: set[int] = set(ahead)
         self.entries: dict[int, Entry] = {}  # offset -> entry, in log order
         self._by_version: dict[int, dict[int, Entry]] = {}  # oldest version -> its entries, in log order
-        self._passed_over: set[int] = set()  # entries a full batch left behind while they could still be trained
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -76,7 +76,6 @@ class PendingWindow:
         twin.end_offset, twin.bytes = self.end_offset, self.bytes
         twin.entries = dict(self.entries)
         twin._by_version = {version: dict(bucket) for version, bucket in self._by_version.items()}
-        twin._passed_over = set(self._passed_over)
         return twin
 
     def append(self, entry: Entry) -> None:
@@ -92,10 +91,10 @@ class PendingWindow:
     def plan(self, limits: BatchLimits) -> Selection:
         """What `take` would hand out now, without consuming anything."""
         selection = Selection()
-        chosen: list[tuple[Entry, int]] = []  # (entry, staleness), in deadline order
+        chosen: list[tuple[Entry, int]] = []  # (entry, staleness), oldest first
         samples = tokens = nbytes = 0
-        for entry in self._oldest_first():  # stale groups come before any that can be taken (untrained ones aside)
-            if not trainable(limits.policy_version, entry.oldest_version, limits.max_staleness):
+        for entry in self._oldest_first():
+            if not starts_within_bound(entry.learner_version_at_start, entry.oldest_version, limits.max_staleness):
                 selection.dropped.append(entry)
                 continue
             lag = staleness(limits.policy_version, entry.oldest_version)
@@ -114,13 +113,9 @@ class PendingWindow:
         return selection
 
     def take(self, limits: BatchLimits) -> Selection:
-        """Hand out the planned groups and drop the stale ones: both count as consumed."""
+        """Hand out the planned groups and drop those that started outside the bound: both count as consumed."""
         selection = self.plan(limits)
-        selection.dropped_passed_over = sum(entry.offset in self._passed_over for entry in selection.dropped)
         self.consume(entry.offset for entry in selection.taken + selection.dropped)
-        if selection.full:
-            self._passed_over.update(offset for offset, entry in self.entries.items()
-                                     if trainable(limits.policy_version, entry.oldest_version, limits.max_staleness))
         return selection
 
     def consume(self, offsets: Iterable[int]) -> None:
@@ -130,7 +125,6 @@ class PendingWindow:
             entry = self.entries.pop(offset, None)
             if entry is not None:
                 self._forget(entry)
-                self._passed_over.discard(offset)
                 self.ahead.add(offset)
         while self.read_offset in self.ahead:
             self.ahead.remove(self.read_offset)

@@ -7,10 +7,10 @@ weights) and optionally scales the learning rate down. The buffer position is no
 trained since the checkpoint are discarded (they came from the policy that collapsed), never trained again.
 So are the ones the collapsed policy was already admitted to sample: the learner consumes and discards the
 next K + 1 batches at version T (K = `buffer.max_staleness`, or with auto the K of step T's batch), as many as
-admission lets the servers hold in the buffer and in flight, while admission stays paused (the version does not move while they are drained). The
-restored weights then go to the servers as version T + K + 1: every version still counts the batches
-consumed (which admission's bound relies on), and any sample of the collapsed policy left is too stale to be
-trained. Both kinds count in `guard/discarded_samples`. The checkpoints newer than the one restored (the
+admission lets the servers hold in the buffer and in flight, while admission stays paused (the version does not
+move while they are drained): they are every group the collapsed policy started, long ones included (the drain
+waits for them). The restored weights then go to the servers as version T + K + 1: every version still counts
+the batches consumed, which admission's bound relies on. Both kinds count in `guard/discarded_samples`. The checkpoints newer than the one restored (the
 rolled-back branch) are deleted, and the restored state is saved at once as a checkpoint of the new version.
 After `guard.max_rollbacks` rollbacks the next collapse stops the run with its reason.
 """
@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
-from asyncrl.staleness import trainable
+from asyncrl.staleness import drained_version
 from learner.checkpoint import META_FILE, checkpoint_at_or_before, remove_checkpoints_after
 from learner.distributed import World, broadcast_bytes
 
@@ -113,7 +113,7 @@ class RollBack:
     checkpoint_step: int  # its step
     collapsed_step: int  # the step whose metrics collapsed: the drained batches are asked for at this version
     max_staleness: int  # K they are asked under: the collapsed step's (admission let the policy sample under it)
-    version: int  # the version of the restored weights: the first that can train no sample of the collapsed policy
+    version: int  # the version of the restored weights: past the drain of every group the collapsed policy started
     lr_scale: float  # factor on the learning rate from now on (guard.lr_scale)
     rollback: int  # this rollback's number, 1 for the first
     max_rollbacks: int  # guard.max_rollbacks
@@ -154,7 +154,7 @@ class Drained:
     """What a rollback consumed and discarded from the buffer, and the position past it."""
 
     samples: int  # samples in the drained batches
-    groups: int  # groups consumed, those dropped as stale included
+    groups: int  # groups consumed, those dropped for a start outside the bound included
     next_offset: int  # the buffer position after the drained batches
     next_ahead: list[int]  # records at or past next_offset consumed too
 
@@ -170,7 +170,7 @@ class SafetyGuard:
         self.detector = CollapseDetector(settings, reach, saved.get("history"))
         self.rollbacks: int = saved.get("rollbacks", 0)
         self.discarded_samples: int = saved.get("discarded_samples", 0)
-        self.drained_groups: int = saved.get("drained_groups", 0)  # groups consumed by drains (stale drops included)
+        self.drained_groups: int = saved.get("drained_groups", 0)  # groups consumed by drains (drops included)
         # (step, samples trained) since the oldest checkpoint a rollback may reach back to
         self.trained: list[tuple[int, int]] = [(int(step), int(n)) for step, n in saved.get("trained", [])]
         self.pending: Collapse | None = None
@@ -210,7 +210,7 @@ class SafetyGuard:
             return Stop(f"{collapse.describe()}; no checkpoint {self.settings.rollback_steps} or more steps before it "
                         "(guard.rollback_steps) to roll back to: stopping the run")
         return RollBack(collapse.describe(), collapse.checkpoint, collapse.checkpoint_step, collapse.step,
-                        collapse.max_staleness, first_untrainable_version(collapse.step, collapse.max_staleness),
+                        collapse.max_staleness, drained_version(collapse.step, collapse.max_staleness),
                         self.settings.lr_scale, self.rollbacks + 1, self.settings.max_rollbacks)
 
     def agreed_decision(self, world: World) -> GuardDecision:
@@ -260,11 +260,3 @@ class NoGuard:
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-
-def first_untrainable_version(step: int, max_staleness: int) -> int:
-    """The first version after `step` at which no sample drawn by a policy of version `step` or older can be trained:
-    the version of the restored weights (the batches up to it are drained)."""
-    version = step + 1
-    while trainable(version, step, max_staleness):
-        version += 1
-    return version

@@ -17,6 +17,7 @@ from learner.loop_state import LoopState
 from learner.lr_schedule import learning_rate
 from learner.policy_trainer import PolicyTrainer
 from learner.rank_services import RankServices
+from learner.staleness import mask_stale_tokens
 from learner.step_metrics import StepTimes, step_metrics
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ def run_loop(config: AsyncRLConfig, run_dir: Path, state: LoopState, trainer: Po
         started = time.perf_counter()
         batch = services.next_batch(state.step, state.max_staleness)
         waited = time.perf_counter() - started
+        batch, masked = mask_stale_tokens(batch, state.step, config.algorithm.max_token_staleness)
         rate = learning_rate(state.step, settings) * state.lr_scale
         outcome = trainer.train(batch.groups, rate)
         trained = time.perf_counter() - started - waited
@@ -40,8 +42,8 @@ def run_loop(config: AsyncRLConfig, run_dir: Path, state: LoopState, trainer: Po
             note_bad_step(state.bad_steps, state.step + 1, settings.max_bad_steps)
             continue
         state.trained(batch)
-        metrics = step_metrics(outcome.metrics, batch, state.step, rate, state.max_staleness,
-                               StepTimes(started, waited, trained))
+        metrics = masked | step_metrics(outcome.metrics, batch, state.step, rate, state.max_staleness,
+                                        StepTimes(started, waited, trained))
         state.max_staleness = services.pace(state.step, metrics)
         services.after_step(state.step, metrics)
         rolled_back = apply_guard(services.guard_decision(), state, trainer, services)

@@ -3,8 +3,8 @@ the run from what its last steps measured.
 
 K is worth raising while the learner waits for batches (generation is the bottleneck and letting it run
 further ahead keeps the learner busy) and the off-policy drift of the batches it trains is small; it is
-lowered when that drift grows past its bound, or when groups are dropped as stale while the learner does
-not wait (their generation is wasted, and a smaller K costs no throughput then). The decision is the pure
+lowered when that drift grows past its bound. No group is ever dropped for how long it generated, so no
+generation is wasted at any K: the drift is what a larger K costs. The decision is the pure
 function `next_staleness`; `Pacer` feeds it the steps since K last changed. How K is applied to samples
 stays in `asyncrl/staleness.py`; this module only chooses its value (rules and signals: docs/tuning.md).
 """
@@ -21,7 +21,6 @@ log = logging.getLogger(__name__)
 
 WAIT_KEY, STEP_KEY = "timing_s/wait_batch", "timing_s/step"
 KL_KEY, CLIP_KEY = "rollout_corr/mismatch_kl", "rollout_corr/is_clip_frac"
-DROPPED_KEY, SAMPLES_KEY = "buffer/dropped_stale_in_batch", "batch/samples"
 
 
 @dataclass(frozen=True)
@@ -32,16 +31,12 @@ class StepSignals:
     step_s: float  # seconds of the whole step (timing_s/step)
     mismatch_kl: float  # KL(π_behav‖π_learner) of the batch (rollout_corr/mismatch_kl)
     is_clip_frac: float  # share of trained tokens the correction truncated or masked (rollout_corr/is_clip_frac)
-    groups_trained: int  # groups in the batch
-    groups_dropped: int  # groups dropped as stale while the batch was gathered (buffer/dropped_stale_in_batch)
 
     @classmethod
-    def from_metrics(cls, metrics: Mapping[str, float], samples_per_group: int) -> StepSignals:
+    def from_metrics(cls, metrics: Mapping[str, float]) -> StepSignals:
         """The signals of a learner step's metrics record (the names in docs/metrics.md)."""
         return cls(wait_s=metrics[WAIT_KEY], step_s=metrics[STEP_KEY], mismatch_kl=metrics.get(KL_KEY, 0.0),
-                   is_clip_frac=metrics.get(CLIP_KEY, 0.0),
-                   groups_trained=round(metrics[SAMPLES_KEY] / samples_per_group),
-                   groups_dropped=round(metrics.get(DROPPED_KEY, 0.0)))
+                   is_clip_frac=metrics.get(CLIP_KEY, 0.0))
 
 
 @dataclass(frozen=True)
@@ -51,21 +46,17 @@ class WindowSummary:
     wait_share: float  # waiting for batches / step time, over the window
     mismatch_kl: float  # mean over the window's steps
     is_clip_frac: float  # mean over the window's steps
-    dropped_share: float  # groups dropped stale / (dropped + trained)
 
     @classmethod
     def of(cls, steps: Sequence[StepSignals]) -> WindowSummary:
         step_s = sum(step.step_s for step in steps)
-        dropped = sum(step.groups_dropped for step in steps)
-        seen = dropped + sum(step.groups_trained for step in steps)
         return cls(wait_share=sum(step.wait_s for step in steps) / step_s if step_s > 0 else 0.0,
                    mismatch_kl=sum(step.mismatch_kl for step in steps) / len(steps),
-                   is_clip_frac=sum(step.is_clip_frac for step in steps) / len(steps),
-                   dropped_share=dropped / seen if seen else 0.0)
+                   is_clip_frac=sum(step.is_clip_frac for step in steps) / len(steps))
 
     def describe(self) -> str:
         return (f"wait {self.wait_share:.0%} of step time, mismatch_kl {self.mismatch_kl:.4f}, "
-                f"is_clip_frac {self.is_clip_frac:.3f}, dropped stale {self.dropped_share:.0%}")
+                f"is_clip_frac {self.is_clip_frac:.3f}")
 
 
 @dataclass(frozen=True)
@@ -77,8 +68,7 @@ class Decision:
 def next_staleness(k: int, recent: Sequence[StepSignals], settings: PacingConfig) -> Decision:
     """K for the next steps, from the steps trained since K last changed (oldest first).
 
-    Rules, first match wins: fewer than `window` steps → hold; drift above a bound → K − 1; groups dropped
-    stale above `max_dropped_share` while the learner waited under `raise_wait_share` → K − 1; the learner
+    Rules, first match wins: fewer than `window` steps → hold; drift above a bound → K − 1; the learner
     waited more than `raise_wait_share` and both drift signals are under `raise_headroom` of their bounds
     → K + 1; otherwise hold. K never leaves [k_min, k_max]."""
     if len(recent) < settings.window:
@@ -89,9 +79,6 @@ def next_staleness(k: int, recent: Sequence[StepSignals], settings: PacingConfig
     if window.mismatch_kl > settings.max_mismatch_kl or window.is_clip_frac > settings.max_is_clip_frac:
         return _lower(k, settings, f"drift above its bound (mismatch_kl ≤ {settings.max_mismatch_kl:g}, "
                                    f"is_clip_frac ≤ {settings.max_is_clip_frac:g}): {signals}")
-    if window.dropped_share > settings.max_dropped_share and not waiting:
-        return _lower(k, settings, f"stale drops above {settings.max_dropped_share:.0%} while the learner "
-                                   f"does not wait: {signals}")
     calm = (window.mismatch_kl <= settings.raise_headroom * settings.max_mismatch_kl
             and window.is_clip_frac <= settings.raise_headroom * settings.max_is_clip_frac)
     if waiting and calm:
@@ -117,15 +104,14 @@ def _raise(k: int, settings: PacingConfig, why: str) -> Decision:
 class Pacer:
     """Keeps the steps since K last changed and applies `next_staleness` after each step; logs every change."""
 
-    def __init__(self, settings: PacingConfig, k: int, samples_per_group: int) -> None:
+    def __init__(self, settings: PacingConfig, k: int) -> None:
         self.settings = settings
         self.k = settings.clamp(k)  # a resumed K inside bounds that may have changed since
-        self.samples_per_group = samples_per_group
         self.recent: list[StepSignals] = []
 
     def observe(self, version: int, metrics: Mapping[str, float]) -> Decision:
         """Read the step that produced `version`; return the K for the next steps."""
-        self.recent = [*self.recent, StepSignals.from_metrics(metrics, self.samples_per_group)][-self.settings.window:]
+        self.recent = [*self.recent, StepSignals.from_metrics(metrics)][-self.settings.window:]
         decision = next_staleness(self.k, self.recent, self.settings)
         if decision.k != self.k:
             log.info("pacing: max_staleness %d -> %d after step %d: %s", self.k, decision.k, version, decision.reason)

@@ -90,7 +90,7 @@ class RankZeroServices:
         tasks = (TaskWeightsPublisher.start(config, resumed.task_weights, connections.coordinator)
                  if config.data.task_weights.enabled else FixedTaskWeights(resumed.task_weights))
         guard = SafetyGuard.of_run(config, run_dir / CHECKPOINTS_DIR, resumed.guard) if config.guard.enabled else NoGuard()
-        pacer = (Pacer(config.buffer.pacing, resumed.max_staleness, config.rollout.sampling.n) if config.buffer.paced
+        pacer = (Pacer(config.buffer.pacing, resumed.max_staleness) if config.buffer.paced
                  else FixedStaleness(resumed.max_staleness))
         return cls(config, world, connections, WeightSharing(config, model, world, connections), tasks, guard, pacer)
 

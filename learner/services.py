@@ -19,6 +19,7 @@ from asyncrl.transport import BufferConsumer
 from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
 from learner.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
+from learner.generated_work import generated_work_metrics
 from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
 from asyncrl.weight_transfer.backends import weight_backend
 
@@ -140,8 +141,10 @@ class LearnerServices:
         self.consumer.publish_version(version)
 
     def server_metrics(self, version: int) -> dict[str, float]:
-        """The buffer's counters and the rollout servers' telemetry, for step `version`'s record."""
-        return self.consumer.stats().metrics() | self.coordinator.rollout_metrics(version)
+        """The buffer's counters, what they say of the generated work trained, and the rollout servers' telemetry,
+        for step `version`'s record."""
+        stats = self.consumer.stats()
+        return stats.metrics() | generated_work_metrics(stats) | self.coordinator.rollout_metrics(version)
 
     def log_metrics(self, version: int, metrics: dict[str, float]) -> None:
         self.metrics.log(version, metrics)

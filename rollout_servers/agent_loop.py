@@ -13,13 +13,12 @@ tokens, one inside a turn as two versions within it. Limits end an episode, neve
 | max_tokens     | the next turn or observation would pass the episode's token limit | yes     |
 | time_budget    | `environment.episode_timeout_s` ran out (a cut turn is dropped)   | yes     |
 | abort          | the engine aborted the turn's request                             | yes     |
-| stale          | the server stopped the group as too stale to train (see below)    | no      |
 | env_error      | the environment raised or answered garbage                        | no      |
 | env_timeout    | an environment call ran past `environment.call_timeout_s`         | no      |
 
 An episode whose environment failed keeps its tokens but gets loss mask 0 everywhere and reward 0,
-with the failure in `reward_error`: a broken environment says nothing about the policy. A `stale`
-episode ends at once, and the server samples its group again (`RolloutEngine.abandon_stale`).
+with the failure in `reward_error`: a broken environment says nothing about the policy. No episode is
+stopped for staleness: its turns run through weight updates, each token with its own version.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from rollout_servers.environments.guarded import GuardedEnvironment
 from asyncrl.messages import Trajectory
 from rollout_servers.chat.tools import ToolCallReader
 from rollout_servers.environments import ENV_ERROR, EnvironmentFailure, EnvironmentRegistry
-from rollout_servers.completion import STALE, Completion, TokensSoFar
+from rollout_servers.completion import Completion, TokensSoFar
 from rollout_servers.row_sampling import SEED_MODULUS, sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 
@@ -58,8 +57,7 @@ class TurnEngine(Protocol):
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *,
                        seed: int | None = None, request_id: str | None = None,
-                       earliest_version: int | None = None, on_tokens: TokensSoFar | None = None,
-                       structured_outputs: Any = None) -> Completion: ...
+                       on_tokens: TokensSoFar | None = None, structured_outputs: Any = None) -> Completion: ...
 
 
 @dataclass
@@ -142,8 +140,6 @@ class AgentLoop:
             completion = await self._sample(transcript, sampling, room, _turn_seed(seed, turn), deadline)
             if completion is None:
                 return TIME_BUDGET
-            if completion.finish_reason == STALE:
-                return STALE
             transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
             episode.num_turns += 1
             if completion.finish_reason == ABORT:
@@ -170,8 +166,7 @@ class AgentLoop:
         if remaining <= 0:
             return None
         try:
-            request = self._engine.generate(transcript.context(), turn_sampling, seed=seed,
-                                            earliest_version=min(transcript.versions, default=None))
+            request = self._engine.generate(transcript.context(), turn_sampling, seed=seed)
             return await asyncio.wait_for(request, remaining)
         except asyncio.TimeoutError:
             return None

@@ -8,7 +8,6 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from rollout_servers import vllm_compat
 
-STALE = "stale"  # finish reason of a request the engine gave up on: its group can no longer be trained
 TokensSoFar = Callable[[Sequence[int], Sequence[float]], Awaitable[None]]  # told the ids and log-probs sampled so far
 
 
@@ -21,7 +20,7 @@ class Completion:
     token_ids: list[int]  # completion tokens, in order
     logprobs: list[float]  # behaviour log-prob of each sampled token
     versions: list[int]  # policy version whose weights sampled each token
-    finish_reason: str  # "stop", "length", "abort", or STALE
+    finish_reason: str  # "stop", "length" or "abort"
 
     def version_counts(self) -> dict[int, int]:
         """Tokens per policy version (a request that spanned updates has several)."""
@@ -45,19 +44,6 @@ class TokenStream:
     finish_reason: str = ""
     exact_spans: list[tuple[int, int, int]] | None = None  # (version, start, end), from the engine
     boundaries: list[tuple[int, int]] = field(default_factory=list)  # (tokens sampled before, new version)
-    abandon_when_stale: bool = False  # a training request: stop sampling it once its group is too stale
-    abandoned: bool = False  # it was stopped for that reason (its tokens are not used)
-    earliest_version: int | None = None  # oldest version among the sample's earlier tokens (previous turns)
-
-    def oldest_version(self) -> int:
-        """Version of the sample's oldest token: its earlier turns' if older, else this request's first
-        token's, or the lowest that can still be while none is sampled."""
-        version = self.start_version
-        for sampled, new_version in self.boundaries:
-            if sampled > 0:
-                break
-            version = new_version
-        return version if self.earliest_version is None else min(version, self.earliest_version)
 
     def version_changed(self, sampled: int, version: int) -> None:
         """An update to `version` landed after `sampled` tokens of this request (the engine was paused). A
@@ -74,8 +60,6 @@ class TokenStream:
         self.exact_spans = vllm_compat.version_spans(final)
 
     def completion(self) -> Completion:
-        if self.abandoned:
-            return Completion(self.request_id, self.prompt_ids, [], [], [], STALE)
         if len(self.logprobs) != len(self.token_ids):
             raise RuntimeError(
                 f"request {self.request_id}: {len(self.logprobs)} log-probs for {len(self.token_ids)} tokens"

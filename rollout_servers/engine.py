@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any
 
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
 from asyncrl.config.sections import LoraConfig
-from asyncrl.staleness import trainable
 from rollout_servers import vllm_compat
 from rollout_servers.adapter import ServedAdapter
 from rollout_servers.completion import Completion, TokenStream, TokensSoFar
@@ -26,11 +24,6 @@ from rollout_servers.row_sampling import sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 
 log = logging.getLogger(__name__)
-
-# Set while the current task samples a training group (`RolloutEngine.training_group`): its requests may be
-# abandoned once the group can no longer be trained. A context variable reaches the requests an agent loop
-# makes several calls down without a flag on every signature, and never the chat or validation requests.
-_TRAINING_GROUP = contextvars.ContextVar("asyncrl_training_group", default=False)
 
 
 def _prefix_cache_salt(version: int) -> str:
@@ -72,7 +65,6 @@ class RolloutEngine:
         self._adapter = adapter  # the policy served as a LoRA adapter (model.lora), else None: updates load weights
         self._load_in_place = vllm_compat.loads_in_place(config.weight_sync.load_in_place, llm.model_config)
         self._streams: dict[str, TokenStream] = {}
-        self._requests: dict[str, asyncio.Task] = {}  # request id -> the task reading vLLM's output
         self._tokens_sampled = 0
         self._update_lock = asyncio.Lock()
         self._needs_catch_up = False
@@ -132,14 +124,12 @@ class RolloutEngine:
         *,
         seed: int | None = None,
         request_id: str | None = None,
-        earliest_version: int | None = None,
         on_tokens: TokensSoFar | None = None,
         structured_outputs: StructuredOutputsParams | None = None,
     ) -> Completion:
-        """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given).
+        """Sample one completion of `prompt_ids` (config sampling unless `sampling` is given). It runs to its end
+        through weight updates, whatever their number: each token carries the version that sampled it.
 
-        `earliest_version`: the oldest policy version among tokens the sample already holds (an agent's
-        earlier turns); the request is as stale as they are when `abandon_stale` judges it.
         `on_tokens`: awaited with the ids and log-probs sampled so far as they grow (a streamed chat
         reply); an exception it raises aborts the request and comes out of this call.
         `structured_outputs`: a grammar the completion must follow (a chat request's forced tool call); the
@@ -147,20 +137,12 @@ class RolloutEngine:
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params(sampling or self._config.sampling, seed, stream=on_tokens is not None,
                                  structured_outputs=structured_outputs)
-        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version,
-                                                         abandon_when_stale=_TRAINING_GROUP.get(),
-                                                         earliest_version=earliest_version)
+        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version)
         prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
-        # vLLM aborts a request whose output reader is cancelled: reading in a task of its own lets
-        # `abandon_stale` stop this request alone.
-        reader = self._requests[request_id] = asyncio.ensure_future(self._read(stream, prompt, params, on_tokens))
         try:
-            await reader
-        except asyncio.CancelledError:
-            if not stream.abandoned or asyncio.current_task().cancelling():
-                raise  # the caller itself was cancelled
+            await self._read(stream, prompt, params, on_tokens)  # a caller's cancellation makes vLLM abort it
         finally:
-            del self._streams[request_id], self._requests[request_id]
+            del self._streams[request_id]
         return stream.completion()
 
     async def _read(self, stream: TokenStream, prompt: dict[str, Any], params: Any,
@@ -174,29 +156,6 @@ class RolloutEngine:
                 if on_tokens is not None:
                     await on_tokens(stream.token_ids, stream.logprobs)
         self._tokens_sampled += len(stream.token_ids)
-
-    @contextlib.contextmanager
-    def training_group(self) -> Iterator[None]:
-        """Requests made inside (by this task and the tasks it starts) sample a training group: they may
-        be abandoned by `abandon_stale`."""
-        token = _TRAINING_GROUP.set(True)
-        try:
-            yield
-        finally:
-            _TRAINING_GROUP.reset(token)
-
-    def abandon_stale(self, learner_version: int, max_staleness: int) -> int:
-        """Stop sampling every training request whose tokens are already staler than `max_staleness`
-        against `learner_version` (the buffer would drop its group, whatever is sampled next); such a
-        request returns a `STALE` completion without tokens. Returns the number of requests stopped."""
-        stopped = 0
-        for request_id, stream in self._streams.items():
-            too_old = not trainable(learner_version, stream.oldest_version(), max_staleness)
-            if stream.abandon_when_stale and too_old and not stream.abandoned:
-                stream.abandoned = True
-                self._requests[request_id].cancel()
-                stopped += 1
-        return stopped
 
     async def generate_group(
         self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *, seed: int | None = None,

@@ -1,10 +1,9 @@
 """One prompt's group, from the server's prompt stream to the buffer: take the next prompt that fits,
-sample its group (single-turn through the engine and the scorer, multi-turn through the agent loop),
-sample it once more to the end when the engine stopped it as too stale, send it and acknowledge it."""
+sample its group to the end (single-turn through the engine and the scorer, multi-turn through the agent
+loop; however long it runs, nothing stops it for staleness), send it and acknowledge it."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator
@@ -14,7 +13,7 @@ from asyncrl.data import PromptRow, encode_prompt
 from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
 from rollout_servers.rewards import RewardRequest, RewardScorer
 from rollout_servers.agent_loop import AgentLoop
-from rollout_servers.completion import STALE, Completion
+from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
@@ -30,7 +29,6 @@ class ServerStats:
     groups_sent: int = 0
     prompts_skipped: int = 0
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
-    groups_resampled: int = 0  # groups stopped mid-generation as too stale to be trained, then sampled again
     idle_seconds: float = 0.0
 
 
@@ -43,6 +41,7 @@ class GroupJob:
     number: int  # place in the server's prompt stream: seeds, acknowledgement
     group_id: str  # the same for a regeneration, so the buffer keeps one
     slots: Claim  # a slot of the server's capacity per sample not yet finished
+    learner_version: int  # the learner's version (the server's last admission answer) when the group started
 
 
 class GroupSampler:
@@ -56,38 +55,30 @@ class GroupSampler:
         self.stats = stats  # counted in place: the server reports them
 
     async def sample(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, slots: Claim,
-                     send: SendGroup) -> None:
-        """Sample the next prompt's group, send it and acknowledge the prompt; `slots` is released on the way."""
+                     send: SendGroup, learner_version: int) -> None:
+        """Sample the next prompt's group, started now while the learner is at `learner_version`, send it and
+        acknowledge the prompt; `slots` is released on the way."""
         try:
             number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
-            job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots)
-            trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=True)
-            if trajectories is None:  # stopped as too stale to be trained: once more, under newer weights, to the end
-                self.stats.groups_resampled += 1
-                slots.renew()
-                trajectories = await self._sample_group(engine, agent, scorer, job, stoppable=False)
+            job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots, learner_version)
+            trajectories = await self._sample_group(engine, agent, scorer, job)
         finally:
             slots.release()
         group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
-                                trajectories=trajectories)
+                                trajectories=trajectories, learner_version_at_start=job.learner_version)
         ack = await send(group)
         self.prompts.acknowledge(number)
         self.stats.groups_duplicate += ack.duplicate
         self.stats.groups_sent += 1
 
-    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, job: GroupJob,
-                            stoppable: bool) -> list[Trajectory] | None:
-        """The prompt's scored trajectories, or None when the engine stopped the group as too stale (only
-        if `stoppable`). The group keeps its place in admission either way: it is the same group."""
+    async def _sample_group(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer,
+                            job: GroupJob) -> list[Trajectory]:
+        """The prompt's scored trajectories."""
         row, seed, done = job.row, self._group_seed(job.number), job.slots.sample_done
         sampling = sampling_for_row(row, self.config.rollout.sampling)
-        with engine.training_group() if stoppable else contextlib.nullcontext():
-            if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
-                trajectories = await agent.run_group(row, sampling, seed, job.group_id, on_sample_done=done)
-                return None if any(t.finish_reason == STALE for t in trajectories) else trajectories
-            completions = await engine.generate_group(job.prompt_ids, sampling, seed=seed, on_sample_done=done)
-        if any(c.finish_reason == STALE for c in completions):
-            return None
+        if agent.handles(row.data_source):  # multi-turn: the environment plays the episode and gives the reward
+            return await agent.run_group(row, sampling, seed, job.group_id, on_sample_done=done)
+        completions = await engine.generate_group(job.prompt_ids, sampling, seed=seed, on_sample_done=done)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
         return [_trajectory(c, r.score, r.info, r.error, job.group_id, row.data_source) for c, r in zip(completions, results)]

@@ -43,13 +43,8 @@ class Claim:
 
     def __init__(self, slots: SampleSlots, samples: int) -> None:
         self._slots = slots
-        self._samples = samples
         self._held = 0
-        self.renew()
-
-    def renew(self) -> None:
-        """Hold a slot for every sample again: the group is sampled once more from the start."""
-        self._take(self._samples - self._held)
+        self._take(samples)
 
     def sample_done(self) -> None:
         """One of the group's samples finished (or was stopped): its slot is free."""

@@ -1,4 +1,4 @@
-"""End-to-end samples/s of asyncrl's asynchronous mode against its synchronous mode, same machine, same job.
+"""End-to-end trained tokens/s of asyncrl's asynchronous mode against its synchronous mode, same machine, same job.
 
 The async mode runs the product's two commands, as a user would in two terminals:
   `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0); on a larger host
@@ -17,17 +17,24 @@ Response lengths are long-tailed, in one of two ways (--lengths):
               of stop token ids (`rollout.sampling.stop_token_ids`) that a randomly initialised model,
               whose next-token distribution is near uniform, samples with probability 1 - 2^(-1/median)
               per token, so lengths are geometric with that median, capped at max_tokens (random weights only)
-Samples/s is counted from the learner's metrics after --warmup-steps steps (an async run: at least K + 1, see
-Run.warmup), up to the step before the last (which also writes the final checkpoint); over the same steps, the
-groups the buffer dropped as staler than K and the share of the learner's time spent waiting for a batch.
+The rates are counted from the learner's metrics after --warmup-steps steps (an async run: at least K + 1, see
+Run.warmup), up to the step before the last (which also writes the final checkpoint). The headline is trained
+response tokens/s with the mean trained response length beside it: samples/s alone flatters a run that trains
+shorter responses than the policy generates (a length bias), and the length ratio against sync (whose trained
+responses are all it generated) and the async run's own trained/generated mean length
+(`response_length/trained_vs_generated`) say whether it does. Samples/s comes second; over the same steps, the
+groups the buffer dropped (those that started outside the staleness bound: 0 in a normal run) and the share of
+the learner's time spent waiting for a batch.
 --max-staleness takes a list (e.g. 1,2,4,8) to sweep K: the async mode runs once per K (run directory
 bench-async-k<K>), each compared with the one sync run, so staleness can be tuned against throughput.
 --modes runs a subset; with a fixed --out-dir, a run made earlier is read back from its metrics, so the
 runs can be made in separate calls (each under a host's per-command time limit) and still be compared;
 --modes '' runs nothing and reports what --out-dir holds.
-Last line: RESULT {json} with async_samples_per_s, sync_samples_per_s, async_vs_sync_speedup, the
-staleness the async run trained with and its servers' median pause per weight sync (server_pause_ms),
-for the first K listed, and `sweep` with every K's figures (once the async runs have run; the figures
+Last line: RESULT {json} with, for the first K listed, trained_tokens_speedup (async / sync trained response
+tokens/s), length_ratio (async / sync mean trained response length), trained_vs_generated (the async run's own),
+async_trained_tokens_per_s, sync_trained_tokens_per_s, then async_samples_per_s, sync_samples_per_s,
+async_vs_sync_speedup (in samples/s), the staleness the async run trained with and its servers' median pause per
+weight sync (server_pause_ms); and `sweep` with every K's figures (once the async runs have run; the figures
 against sync are null until the sync run is there too);
 --colocated adds colocated_async_vs_sync and colocated_weight_sync_ms (the same figures, named as such).
 With --ray-address the async mode is `asyncrl launch` on that Ray cluster instead of the two commands: the same
@@ -238,11 +245,11 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def summarise(records: list[dict], warmup_steps: int) -> dict:
-    """Samples/s and trained response tokens/s from the end of the warm-up steps to the step before the
-    last (the last one also pays for the final checkpoint), plus staleness, response lengths, the groups
-    dropped as stale and the learner's waiting over the same steps. Tokens/s is reported beside samples/s
-    because an async run can train shorter responses than it generates over a short window (the long
-    ones finish later, or too late), which flatters samples/s."""
+    """Trained response tokens/s and samples/s from the end of the warm-up steps to the step before the last
+    (the last one also pays for the final checkpoint), plus staleness, response lengths (and, for an async run,
+    its trained/generated mean length at the last timed step), the groups dropped and the learner's waiting
+    over the same steps. Trained tokens/s leads: a run that trains shorter responses than the policy generates
+    shows more samples/s than it earns."""
     steps = [r for r in records if "batch/samples" in r]
     timed = [r for r in steps if warmup_steps < r["step"] < steps[-1]["step"]]
     start = next(r for r in steps if r["step"] == warmup_steps)
@@ -254,7 +261,8 @@ def summarise(records: list[dict], warmup_steps: int) -> dict:
 
     return {
         "samples_per_s": samples / seconds, "step_s": seconds / len(timed), "steps": len(timed),
-        "tokens_per_s": sum(r["batch/samples"] * r.get("response_length/mean", 0.0) for r in timed) / seconds,
+        "trained_tokens_per_s": sum(r["batch/samples"] * r.get("response_length/mean", 0.0) for r in timed) / seconds,
+        "trained_vs_generated": timed[-1].get("response_length/trained_vs_generated"),
         "staleness_mean": sum(r.get("staleness/mean", 0.0) for r in timed) / len(timed),
         "staleness_max": int(max(r.get("staleness/max", 0) for r in timed)),
         "response_length_mean": sum(r.get("response_length/mean", 0.0) for r in timed) / len(timed),
@@ -272,16 +280,26 @@ def _median(values: list[float]) -> float:
 
 
 def print_table(results: dict[Run, dict], baseline: dict | None) -> None:
-    """One row per run; ratios against the sync run where it has run."""
-    print(f"{'run':10} {'samples/s':>10} {'tokens/s':>9} {'vs sync':>8} {'step s':>7} {'staleness mean':>15} "
-          f"{'max':>4} {'resp len':>9} {'dropped':>8} {'learner waits':>14} {'sync pause ms':>14}")
+    """One row per run, trained tokens first; ratios against the sync run where it has run."""
+    print(f"{'run':10} {'trained tok/s':>13} {'vs sync':>8} {'resp len':>9} {'vs sync':>8} {'trained/gen':>11} "
+          f"{'samples/s':>10} {'vs sync':>8} {'step s':>7} {'staleness mean':>15} {'max':>4} {'dropped':>8} "
+          f"{'learner waits':>14} {'sync pause ms':>14}")
     for run, r in results.items():
-        ratio = f"{r['samples_per_s'] / baseline['samples_per_s']:7.2f}x" if baseline else f"{'-':>8}"
         dropped = f"{r['groups_dropped_stale']}/{r['groups_dropped_stale'] + r['groups_handed_out']}"
-        print(f"{run.label:10} {r['samples_per_s']:10.2f} {r['tokens_per_s']:9.0f} {ratio} {r['step_s']:7.2f} "
-              f"{r['staleness_mean']:15.2f} {r['staleness_max']:4d} {r['response_length_mean']:9.1f} {dropped:>8} "
-              f"{r['learner_wait_share']:13.0%} {r['server_pause_ms']:14.1f}")
-    print("dropped = groups dropped as stale / groups that reached the learner's reads, over the timed steps")
+        own = f"{r['trained_vs_generated']:11.3f}" if r["trained_vs_generated"] is not None else f"{'-':>11}"
+        print(f"{run.label:10} {r['trained_tokens_per_s']:13.0f} {_times(r, baseline, 'trained_tokens_per_s')} "
+              f"{r['response_length_mean']:9.1f} {_times(r, baseline, 'response_length_mean')} {own} "
+              f"{r['samples_per_s']:10.2f} {_times(r, baseline, 'samples_per_s')} {r['step_s']:7.2f} "
+              f"{r['staleness_mean']:15.2f} {r['staleness_max']:4d} {dropped:>8} {r['learner_wait_share']:13.0%} "
+              f"{r['server_pause_ms']:14.1f}")
+    print("trained/gen = the run's mean trained response length / its servers' mean generated one (1 = no length "
+          "bias; sync trains all it generates); dropped = groups dropped for a start outside the bound / groups "
+          "that reached the learner's reads, over the timed steps")
+
+
+def _times(result: dict, baseline: dict | None, key: str) -> str:
+    """result[key] / baseline[key] as a column of the table ('-' without the baseline)."""
+    return f"{result[key] / baseline[key]:7.2f}x" if baseline else f"{'-':>8}"
 
 
 def against(value: float, reference: float | None) -> float | None:
@@ -289,11 +307,18 @@ def against(value: float, reference: float | None) -> float | None:
     return round(value / reference, 3) if reference else None
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def sweep_entry(run: Run, result: dict, sync: dict | None) -> dict:
     return {
-        "k": run.k, "samples_per_s": round(result["samples_per_s"], 2), "tokens_per_s": round(result["tokens_per_s"], 1),
+        "k": run.k, "trained_tokens_per_s": round(result["trained_tokens_per_s"], 1),
+        "trained_tokens_speedup": against(result["trained_tokens_per_s"], sync and sync["trained_tokens_per_s"]),
+        "length_ratio": against(result["response_length_mean"], sync and sync["response_length_mean"]),
+        "trained_vs_generated": _rounded(result["trained_vs_generated"]),
+        "samples_per_s": round(result["samples_per_s"], 2),
         "speedup": against(result["samples_per_s"], sync and sync["samples_per_s"]),
-        "token_speedup": against(result["tokens_per_s"], sync and sync["tokens_per_s"]),
         "staleness_mean": round(result["staleness_mean"], 3), "staleness_max": result["staleness_max"],
         "response_length_mean": round(result["response_length_mean"], 1),
         "groups_dropped_stale": result["groups_dropped_stale"], "groups_handed_out": result["groups_handed_out"],
@@ -338,13 +363,17 @@ def main() -> None:
     sweep = [sweep_entry(run, results[run], sync) for run in runs[1:]]
     first = sweep[0]  # the headline figures: the first K listed
     if sync:
-        print(f"async K={first['k']} / sync: {first['speedup']:.2f}x in samples/s, "
-              f"{first['token_speedup']:.2f}x in trained response tokens/s")
+        print(f"async K={first['k']} / sync: {first['trained_tokens_speedup']:.2f}x in trained response tokens/s, "
+              f"trained responses {first['length_ratio']:.2f}x as long as sync's; {first['speedup']:.2f}x in samples/s")
     result = {
+        "trained_tokens_speedup": first["trained_tokens_speedup"],
+        "length_ratio": first["length_ratio"],
+        "trained_vs_generated": first["trained_vs_generated"],
+        "async_trained_tokens_per_s": first["trained_tokens_per_s"],
+        "sync_trained_tokens_per_s": sync and round(sync["trained_tokens_per_s"], 1),
         "async_samples_per_s": first["samples_per_s"],
         "sync_samples_per_s": sync and round(sync["samples_per_s"], 2),
         "async_vs_sync_speedup": first["speedup"],
-        "async_vs_sync_token_speedup": first["token_speedup"],
         "async_response_length_mean": first["response_length_mean"],
         "sync_response_length_mean": sync and round(sync["response_length_mean"], 1),
         "staleness_mean": first["staleness_mean"],

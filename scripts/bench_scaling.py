@@ -7,14 +7,19 @@ column is the synchronous reference (`learner.mode=synchronous`: one engine and 
 whatever the layout), so async / sync says what the layout's GPUs buy over the reference. The first
 layout listed is the baseline of the scaling column (2 GPUs: one server, one learner rank, by default).
 A host's per-command time limit rarely holds every run: --modes and --layouts pick what runs now, runs already
-in --out-dir are read back, and --modes '' only reports. Table: per layout, async and sync samples/s, async /
-sync, async samples/s against the first layout's, the staleness trained, the learner's share of time waiting
-for a batch, and the servers' median pause per weight sync.
+in --out-dir are read back, and --modes '' only reports. Table: per layout, trained response tokens/s first
+(async, sync, async / sync, against the first layout's async), the async mean trained response length against
+sync's and against its own servers' mean generated one (a run that trains shorter responses than the policy
+generates earns less than its samples/s say), then samples/s (async, sync, async / sync), the staleness trained,
+the learner's share of time waiting for a batch, and the servers' median pause per weight sync.
 A layout ending in `@ray` (e.g. 3:1@ray) runs its async mode with `asyncrl launch` on the Ray cluster of
 --ray-address (bench_async_vs_sync.py --ray-address): the same servers and ranks, GPUs picked by Ray.
-Last line: RESULT {json} with `gpus` (per layout), `scaling_vs_2gpu` (async samples/s / the first layout's),
-`async_vs_sync` (per layout, null where the sync run is missing) and `ray_vs_plain` (a Ray layout's async
-samples/s / the same layout's without Ray, where both ran), once the first layout's async run is there.
+Last line: RESULT {json} with, per layout, `gpus`, `trained_tokens_speedup` (async / sync trained response
+tokens/s), `length_ratio` (async / sync mean trained response length), `trained_vs_generated` (the async run's
+own), `async_trained_tokens_per_s`, `trained_tokens_scaling_vs_2gpu` (async trained tokens/s / the first
+layout's), then in samples/s `scaling_vs_2gpu`, `async_vs_sync` and `async_samples_per_s` (ratios null where the
+sync run is missing), and `ray_vs_plain` (a Ray layout's async samples/s / the same layout's without Ray, where
+both ran), once the first layout's async run is there.
 """
 
 from __future__ import annotations
@@ -106,15 +111,24 @@ def bench(layout: Layout, args: argparse.Namespace, modes: str) -> dict | None:
 
 
 def print_table(results: dict[Layout, dict], baseline: dict | None) -> None:
-    print(f"{'layout':10} {'GPUs':>4} {'async/s':>8} {'sync/s':>8} {'async/sync':>10} {'vs first':>8} "
+    print(f"{'layout':10} {'GPUs':>4} {'async tok/s':>11} {'sync tok/s':>10} {'async/sync':>10} {'vs first':>8} "
+          f"{'len vs sync':>11} {'trained/gen':>11} {'async/s':>8} {'sync/s':>8} {'async/sync':>10} "
           f"{'staleness':>9} {'learner waits':>13} {'sync pause ms':>13}")
     for layout, r in results.items():
-        scaling = f"{r['async_samples_per_s'] / baseline['async_samples_per_s']:7.2f}x" if baseline else f"{'-':>8}"
+        scaling = (f"{r['async_trained_tokens_per_s'] / baseline['async_trained_tokens_per_s']:7.2f}x" if baseline
+                   else f"{'-':>8}")
         wait = r["sweep"][0]["learner_wait_share"]
-        sync = f"{r['sync_samples_per_s']:8.2f}" if r["sync_samples_per_s"] else f"{'-':>8}"
-        speedup = f"{r['async_vs_sync_speedup']:9.2f}x" if r["async_vs_sync_speedup"] else f"{'-':>10}"
-        print(f"{layout.name:10} {layout.gpus:4d} {r['async_samples_per_s']:8.2f} {sync} {speedup} {scaling} "
-              f"{r['staleness_mean']:9.2f} {wait:12.0%} {r['server_pause_ms']:13.1f}")
+        print(f"{layout.name:10} {layout.gpus:4d} {r['async_trained_tokens_per_s']:11.0f} "
+              f"{_cell(r['sync_trained_tokens_per_s'], 10, '.0f')} {_cell(r['trained_tokens_speedup'], 9, '.2f', 'x')} "
+              f"{scaling} {_cell(r['length_ratio'], 10, '.2f', 'x')} {_cell(r['trained_vs_generated'], 11, '.3f')} "
+              f"{r['async_samples_per_s']:8.2f} {_cell(r['sync_samples_per_s'], 8, '.2f')} "
+              f"{_cell(r['async_vs_sync_speedup'], 9, '.2f', 'x')} {r['staleness_mean']:9.2f} {wait:12.0%} "
+              f"{r['server_pause_ms']:13.1f}")
+
+
+def _cell(value: float | None, width: int, spec: str, unit: str = "") -> str:
+    """`value` right-aligned in `width` characters (then `unit`), or '-' over the whole cell when it is missing."""
+    return f"{value:{width}{spec}}{unit}" if value is not None else f"{'-':>{width + len(unit)}}"
 
 
 def main() -> None:
@@ -133,6 +147,13 @@ def main() -> None:
         return
     print(RESULT_PREFIX + json.dumps({
         "gpus": {layout.name: layout.gpus for layout in results},
+        "trained_tokens_speedup": {layout.name: r["trained_tokens_speedup"] for layout, r in results.items()},
+        "length_ratio": {layout.name: r["length_ratio"] for layout, r in results.items()},
+        "trained_vs_generated": {layout.name: r["trained_vs_generated"] for layout, r in results.items()},
+        "async_trained_tokens_per_s": {layout.name: r["async_trained_tokens_per_s"] for layout, r in results.items()},
+        "trained_tokens_scaling_vs_2gpu": {
+            layout.name: round(r["async_trained_tokens_per_s"] / baseline["async_trained_tokens_per_s"], 3)
+            for layout, r in results.items()},
         "scaling_vs_2gpu": {layout.name: round(r["async_samples_per_s"] / baseline["async_samples_per_s"], 3)
                             for layout, r in results.items()},
         "async_vs_sync": {layout.name: r["async_vs_sync_speedup"] for layout, r in results.items()},

@@ -13,8 +13,8 @@ cap, `rollout.max_inflight=256`):
 - a weight-sync round after every step: the learner spends SYNC_S = 0.098 s (two H100s, docs/benchmarks.md),
   the server pauses PAUSE_S = 0.078 s (two H200s), its running sequences keep their place.
 The buffer's rules are the product's own (`asyncrl.staleness`): admission capacity
-(K + v + 1) * batch - (accepted + running), oldest groups first, groups staler than K dropped, and the server
-abandons and resamples groups already staler than K.
+(K + v + 1) * batch - (accepted + running), oldest groups first, and every group that starts is trained in full
+(its weights are the learner's, so it starts within any K), however long it runs.
 
 Drift model (an assumption, not a measurement): a batch's `rollout_corr/mismatch_kl` is 0.004 (`--kl-per-version`)
 times its mean staleness, and its `is_clip_frac` 0.005 (`--clip-per-version`) times it, each with log-normal noise
@@ -22,7 +22,8 @@ times its mean staleness, and its `is_clip_frac` 0.005 (`--clip-per-version`) ti
 is reached at a mean staleness of 5 versions: K = 8, which trains samples about 5.6 versions old on this
 workload, breaks it; K = 3-4 do not.
 
-Prints one row per run (fixed K = 1, 2, 4, 8, then auto) and, last, `RESULT {json}`.
+Prints one row per run (fixed K = 1, 2, 4, 8, then auto) and, last, `RESULT {json}`. The measured samples/s
+beside each fixed K come from runs under the earlier rule, which stopped and dropped groups already staler than K.
 Usage: `python scripts/pacing_sim.py [--steps 300] [--seed 0]`
 """
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.config.buffer import PacingConfig
 from learner.pacing import Pacer
-from asyncrl.staleness import admission_capacity, staleness, trainable
+from asyncrl.staleness import admission_capacity, staleness
 
 TRAIN_S = 2.16  # learner seconds per step (5.69 s sync step x 38 % not waiting)
 DECODE_FIXED_S, DECODE_PER_SEQUENCE_S = 2.56e-3, 2.63e-5  # one decode step of n sequences: fixed + n x per-sequence
@@ -47,12 +48,12 @@ BATCH_GROUPS, GROUP_SIZE, MAX_INFLIGHT = 16, 8, 256
 MEDIAN_LEN, MAX_LEN = 192, 1024
 DRIFT_NOISE = 0.3  # sigma of the log-normal noise on each batch's drift
 FIXED_KS = (1, 2, 4, 8)
-MEASURED_SAMPLES_PER_S = {1: "35.6", 2: "42.5-49.0", 4: "55.0-61.7", 8: "59.3"}  # the seventh GPU session
+MEASURED_SAMPLES_PER_S = {1: "35.6", 2: "42.5-49.0", 4: "55.0-61.7", 8: "59.3"}  # the seventh GPU session (earlier rule)
 
 
 @dataclass
 class Group:
-    version: int  # weights version the group was (re)started with: its oldest token version
+    version: int  # weights version the group started with: its oldest token version
     lengths: list[int]  # completion tokens of its samples
     unfinished: int  # samples still decoding
 
@@ -65,8 +66,7 @@ class RunResult:
     staleness_mean: float
     mismatch_kl: float  # mean over the timed steps
     kl_over_bound: float  # share of the timed steps whose batch drift was above the bound
-    dropped: int
-    seen: int
+    length_mean: float  # mean trained response length over the timed steps
     wait_share: float
     ks: list[int] = field(default_factory=list)  # K of each timed step
     changes: list[tuple[int, int]] = field(default_factory=list)  # (step, new K) of every change, warm-up included
@@ -83,7 +83,7 @@ class Simulation:
         self.now = 0.0  # seconds
         self.decoded = 0.0  # decode steps the engine has made
         self.version = 0  # learner version; the server's weights follow it after each round
-        self.accepted = 0  # groups stored for training, all time, less the dropped ones (admission's count)
+        self.accepted = 0  # groups stored for training, all time (admission's count)
         self.running: list[Group] = []  # groups being sampled (admission's running count)
         self.ends: list[tuple[float, int, Group]] = []  # per running sample: (decode step it ends at, tiebreak, group)
         self.finished: list[Group] = []  # durable in the buffer, not yet handed out
@@ -133,46 +133,35 @@ class Simulation:
             self.finished.append(group)
             self.accepted += 1
 
-    def take_batch(self) -> tuple[list[Group], int, float]:
-        """Wait until a batch of fresh-enough groups is there (oldest first; the stale ones dropped)."""
-        dropped, started = 0, self.now
+    def take_batch(self) -> tuple[list[Group], float]:
+        """Wait until a batch of groups is there (oldest first); returns it and the wait."""
+        started = self.now
         while True:
-            stale = [g for g in self.finished if not trainable(self.version, g.version, self.k)]
-            for group in stale:
-                self.finished.remove(group)
-                self.accepted -= 1
-            dropped += len(stale)
             if len(self.finished) >= BATCH_GROUPS:
                 self.finished.sort(key=lambda group: group.version)
                 batch, self.finished = self.finished[:BATCH_GROUPS], self.finished[BATCH_GROUPS:]
-                return batch, dropped, self.now - started
+                return batch, self.now - started
             self.advance(self.now + (self.ends[0][0] - self.decoded) * decode_step_s(len(self.ends)) if self.ends else self.now)
 
     def sync(self) -> None:
-        """A round: the server pauses (running sequences keep their place), then samples with the new version
-        and resamples the groups already staler than K."""
+        """A round: the server pauses (running sequences keep their place), then samples with the new version."""
         self.version += 1
         self.now += PAUSE_S
         self.advance(self.now + SYNC_S - PAUSE_S)
-        for group in [g for g in self.running if not trainable(self.version, g.version, self.k)]:
-            self.ends = [event for event in self.ends if event[2] is not group]
-            heapq.heapify(self.ends)
-            group.version = self.version
-            self.sample(group)
 
     def drift(self, mean_staleness: float) -> tuple[float, float]:
         noise = [math.exp(self.rng.gauss(0, DRIFT_NOISE)) for _ in range(2)]
         return self.kl_per_version * mean_staleness * noise[0], self.clip_per_version * mean_staleness * noise[1]
 
     def run(self, steps: int, warmup: int, name: str) -> RunResult:
-        samples = tokens = dropped_total = seen = 0
+        samples = tokens = 0
         waited = timed_s = stale_sum = kl_sum = 0.0
         over, ks, changes = 0, [], []
         bound = PacingConfig().max_mismatch_kl
         for step in range(steps):
             k_used = self.k
             began = self.now
-            batch, dropped, wait_s = self.take_batch()
+            batch, wait_s = self.take_batch()
             lags = [staleness(self.version, group.version) for group in batch]
             mean_lag = sum(lags) / len(lags)
             kl, clip = self.drift(mean_lag)
@@ -182,20 +171,18 @@ class Simulation:
                 k_before = self.k
                 self.k = self.pacer.observe(self.version, {
                     "timing_s/wait_batch": wait_s, "timing_s/step": wait_s + TRAIN_S, "rollout_corr/mismatch_kl": kl,
-                    "rollout_corr/is_clip_frac": clip, "batch/samples": float(BATCH_GROUPS * GROUP_SIZE),
-                    "buffer/dropped_stale_in_batch": float(dropped)}).k
+                    "rollout_corr/is_clip_frac": clip}).k
                 if self.k != k_before:
                     changes.append((self.version, self.k))
             if step >= warmup:
                 samples += BATCH_GROUPS * GROUP_SIZE
                 tokens += sum(sum(group.lengths) for group in batch)
-                dropped_total, seen = dropped_total + dropped, seen + dropped + len(batch)
                 waited, timed_s = waited + wait_s, timed_s + (self.now - began)
                 stale_sum, kl_sum, over = stale_sum + mean_lag, kl_sum + kl, over + (kl > bound)
                 ks.append(k_used)
         timed = steps - warmup
         return RunResult(name, samples / timed_s, tokens / timed_s, stale_sum / timed, kl_sum / timed, over / timed,
-                         dropped_total, seen, waited / timed_s, ks, changes)
+                         tokens / samples, waited / timed_s, ks, changes)
 
 
 def decode_step_s(sequences: int) -> float:
@@ -209,7 +196,7 @@ def simulate(k: int | None, args: argparse.Namespace) -> RunResult:
     if k is not None:
         return Simulation(k, None, args.seed, drift).run(args.steps, args.warmup, f"K={k}")
     settings = PacingConfig()
-    pacer = Pacer(settings, settings.k_start, GROUP_SIZE)
+    pacer = Pacer(settings, settings.k_start)
     return Simulation(pacer.k, pacer, args.seed, drift).run(args.steps, args.warmup, "auto")
 
 
@@ -227,13 +214,13 @@ def main() -> None:
     best = max(within, key=lambda run: run.samples_per_s)
     auto = runs[-1]
     print(f"{'run':<6} {'samples/s':>9} {'tokens/s':>9} {'vs best':>8} {'staleness':>9} {'mismatch_kl':>11} "
-          f"{'steps>bound':>11} {'dropped':>9} {'waits':>6} {'K (timed steps)':>16} {'measured samples/s':>19}")
+          f"{'steps>bound':>11} {'resp len':>9} {'waits':>6} {'K (timed steps)':>16} {'measured samples/s':>19}")
     for run in runs:
         k_range = f"{min(run.ks)}-{max(run.ks)}, mean {sum(run.ks) / len(run.ks):.1f}" if run is auto else str(run.ks[0])
         measured = MEASURED_SAMPLES_PER_S.get(run.ks[0], "-") if run is not auto else "-"
         print(f"{run.name:<6} {run.samples_per_s:>9.2f} {run.tokens_per_s:>9.0f} {run.samples_per_s / best.samples_per_s:>7.2f}x "
               f"{run.staleness_mean:>9.2f} {run.mismatch_kl:>11.4f} {run.kl_over_bound:>10.0%} "
-              f"{run.dropped:>4}/{run.seen:<4} {run.wait_share:>6.0%} {k_range:>16} {measured:>19}")
+              f"{run.length_mean:>9.1f} {run.wait_share:>6.0%} {k_range:>16} {measured:>19}")
     print(f"best fixed K within the drift bound (mean mismatch_kl <= {bound:g}): {best.name}; auto's K changes "
           f"(after step, new K): {auto.changes}")
     result = {

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncrl.config.fields import bounded, one_of
+from asyncrl.staleness import TOKEN_BOUND_OFF
+from asyncrl.wire_limits import MAX_VERSION
 
 
 @dataclass
@@ -36,6 +38,7 @@ class AlgorithmConfig:
     kl_estimator: str = one_of("k3", "k1")  # per-token KL estimate: k3 is non-negative and low-variance, k1 unbiased
     grpo_std_norm: bool = True  # GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)
     adv_eps: float = bounded(1e-6, 0.0)  # added to a std before dividing by it (GRPO std norm, REINFORCE++ whitening)
+    max_token_staleness: int = bounded(TOKEN_BOUND_OFF, TOKEN_BOUND_OFF, MAX_VERSION)  # M: tokens sampled more than M versions before the step that trains them are masked out of the loss (counted, the sample kept); -1 = off
 
     def cross_checks(self, batch_groups: int) -> list[tuple[str, str]]:
         if self.mini_batches > batch_groups:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from asyncrl.config.fields import bounded, one_of
 from asyncrl.net import is_loopback
 from asyncrl.wire_limits import MAX_AHEAD, MAX_COUNT, MAX_VERSION
-from asyncrl.staleness import trainable
+from asyncrl.staleness import starts_within_bound
 
 AUTO = "auto"  # buffer.max_staleness chosen during the run by the pacing controller
 
@@ -27,7 +27,6 @@ class PacingConfig:
     max_mismatch_kl: float = bounded(0.02, 0.0)  # drift bound: lower K when the window's mean rollout_corr/mismatch_kl is above it
     max_is_clip_frac: float = bounded(0.05, 0.0, 1.0)  # drift bound: lower K when the window's mean rollout_corr/is_clip_frac is above it
     raise_headroom: float = bounded(0.5, 0.0, 1.0)  # raise only while both drift signals are under this share of their bounds (room for one more version)
-    max_dropped_share: float = bounded(0.25, 0.0, 1.0)  # lower K when more of the window's groups than this share were dropped stale while the learner was not waiting
 
     def clamp(self, k: int) -> int:
         """`k` taken into [k_min, k_max]."""
@@ -46,7 +45,7 @@ class BufferConfig:
     segment_bytes: int = bounded(64 * 2**20, 4096)  # log segments close past this size; retention deletes whole ones
     max_memory_bytes: int = bounded(2 * 2**30, 1)  # bytes of groups waiting to be handed out; past it producers retry
     max_disk_bytes: int = bounded(64 * 2**30, 1)  # bytes of log not yet released by commits; past it producers retry
-    max_staleness: str = "1"  # K: groups staler than this are never handed out (dropped, counted); auto = chosen during the run within `pacing`
+    max_staleness: str = "1"  # K: a group starts only from weights at most this many versions behind the learner, then is trained in full; auto = chosen during the run within `pacing`
     pacing: PacingConfig = field(default_factory=PacingConfig)  # bounds and signals of max_staleness=auto
     study_lag_versions: int = bounded(0, 0, MAX_VERSION)  # study setting L: the servers get the learner's weights of L versions ago and admission counts the lag against K, so samples are trained L to K versions stale (K = L: exactly L, one batch per version; docs/tuning.md); 0 = off
     batch_groups: int = bounded(32, 1, MAX_COUNT)  # groups the learner trains on per step (the admission formula's batch)
@@ -85,11 +84,11 @@ class BufferConfig:
         if not is_loopback(self.bind_host) and not self.curve_dir:
             problems.append(("buffer.bind_host", f"'{self.bind_host}' is not loopback: set buffer.curve_dir (keygen)"))
         smallest_k = self.pacing.k_min if self.paced else int(value) if value.isdigit() else None  # auto never goes below k_min
-        if smallest_k is not None and not trainable(self.study_lag_versions, 0, smallest_k):  # a sample as stale as the lag
+        if smallest_k is not None and not starts_within_bound(self.study_lag_versions, 0, smallest_k):  # weights that far back
             problems.append(("buffer.study_lag_versions",
-                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness}: every sample "
-                             "would be dropped as stale (set max_staleness to the lag to train samples exactly that stale; "
-                             "with auto, K can go down to buffer.pacing.k_min)"))
+                             f"{self.study_lag_versions} exceeds buffer.max_staleness={self.max_staleness}: no group could "
+                             "start from weights that far behind the learner (set max_staleness to the lag to train "
+                             "samples exactly that stale; with auto, K can go down to buffer.pacing.k_min)"))
         if self.address and not self.address.startswith("tcp://"):
             problems.append(("buffer.address", f"'{self.address}' must look like tcp://host:port"))
         return problems

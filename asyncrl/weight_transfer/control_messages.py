@@ -103,7 +103,6 @@ class ServerTelemetry:
     version: Version  # policy version its engine holds now
     tokens_generated: int = 0  # completion tokens produced since the server started
     groups_sent: int = 0  # groups acknowledged by the buffer since the server started
-    groups_resampled: int = 0  # groups stopped as too stale to be trained and sampled again, since the server started
     idle_seconds: float = 0.0  # time with nothing in the engine, since the server started
     uptime_seconds: float = 0.0  # time since the server started serving
     inflight: int = 0  # requests in its engine now

@@ -139,7 +139,6 @@ class SyncCoordinator:
             "rollout/servers": float(len(beats)),
             "rollout/idle_ratio": idle / uptime if uptime else 0.0,
             "rollout/groups_sent": float(sum(b.groups_sent for b in beats)),
-            "rollout/groups_resampled": float(sum(b.groups_resampled for b in beats)),
             "rollout/chat_sessions": float(sum(b.chat_sessions for b in beats)),
             "rollout/chat_waiting": float(sum(b.chat_waiting for b in beats)),
             "rollout/chat_dropped_idle": float(sum(b.chat_dropped_idle for b in beats)),

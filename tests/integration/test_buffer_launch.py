@@ -3,6 +3,8 @@ keeps running."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from asyncrl.config import load_config
@@ -22,7 +24,9 @@ def test_without_an_address_a_buffer_is_started_for_the_run(tmp_path):
     config = load_config(None, ["buffer.max_staleness=0"])
     address, supervisor = connect_or_supervise_buffer(config, tmp_path)
     try:
-        TrajectoryProducer(address).send(synthetic_group("x", completion_tokens=4, version=0))
+        # started from version 0 while the learner was at 1: outside the run's max_staleness=0
+        late_start = dataclasses.replace(synthetic_group("x", completion_tokens=4, version=0), learner_version_at_start=1)
+        TrajectoryProducer(address).send(late_start)
         consumer = BufferConsumer(address, "learner")
         consumer.publish_version(1)
         assert consumer.next_batch(policy_version=1).dropped_stale == 1  # the run's max_staleness=0 applies

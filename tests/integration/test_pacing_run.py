@@ -5,8 +5,8 @@ every batch (the server holds one group at a time, and on-policy it can only sta
 after the weights reach it), so K rises; at K >= 1 a high learning rate with a reward that differs inside
 every group moves the policy a lot per version, so the stale samples' drift (rollout_corr/mismatch_kl)
 exceeds its bound and K falls again. The test replays the real controller on the signals the run logged and
-checks that the run took exactly those decisions, that the buffer and the samples followed the changing K,
-and that the checkpoint holds the last one.
+checks that the run took exactly those decisions, that the buffer and the samples' starts followed the
+changing K, and that the checkpoint holds the last one.
 """
 
 import json
@@ -71,14 +71,13 @@ def test_k_rises_while_the_learner_waits_and_falls_when_drift_grows_within_its_b
     assert [step for _, _, step, _ in logged] == [step for step in range(1, STEPS) if ks[step] != ks[step - 1]]
     assert all(reason.startswith("the learner waits for batches") for before, after, _, reason in logged if after > before)
     falls = [reason for before, after, _, reason in logged if after < before]
-    assert all(reason.startswith(("drift above its bound", "stale drops")) for reason in falls)
-    assert any(reason.startswith("drift above its bound") for reason in falls)
+    assert all(reason.startswith("drift above its bound") for reason in falls) and falls
 
 
 def test_the_run_took_the_controllers_decisions_on_its_logged_signals(paced_run):
     run_dir, records = paced_run
     settings = load_config(run_dir / "config.yaml").buffer.pacing
-    pacer = Pacer(settings, K_MIN, SAMPLES_PER_GROUP)
+    pacer = Pacer(settings, K_MIN)
     replayed = [pacer.k] + [pacer.observe(record["step"], record).k for record in records]
     assert bounds(records) == replayed[:-1]
     meta = json.loads((run_dir / "checkpoints" / f"step_{STEPS:08d}" / "meta.json").read_text())
@@ -89,4 +88,5 @@ def test_the_buffer_and_the_trained_samples_follow_the_changing_k(paced_run):
     _, records = paced_run
     for record in records:
         assert record["buffer/max_staleness"] == record["staleness/max_staleness"]  # named in the step's batch request
-        assert record.get("staleness/max", 0) <= record["staleness/max_staleness"]
+        assert record["staleness/start_lag_max"] <= record["staleness/max_staleness"]  # the rule, judged at the start
+        assert record["buffer/dropped_stale"] == 0

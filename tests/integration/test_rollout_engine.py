@@ -18,7 +18,6 @@ import torch
 
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.weight_transfer import GroupAddress, update_info_for, weights_for_transfer
-from rollout_servers.completion import STALE
 from rollout_servers.vllm_plugin import weight_load_paths
 from tests.integration.conftest import ENGINE_CPU_THREADS, SYNC_TIMEOUT_S, free_port, join_fresh_group
 from waiting import wait_until_async
@@ -124,26 +123,6 @@ def test_a_stop_token_id_ends_the_completion_and_is_kept(rollout_engine, loop_ru
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == free_run.token_ids[:end], "the same greedy tokens, up to and with the stop id"
     assert len(stopped.logprobs) == len(stopped.versions) == end
-
-
-def test_a_training_request_too_stale_to_train_is_stopped_and_the_engine_serves_on(rollout_engine, loop_runner,
-                                                                                  tiny_models):
-    prompt = prompt_ids(tiny_models)
-    long = SamplingConfig(temperature=1.0, max_tokens=SPANNING_TOKENS, ignore_eos=True)
-
-    async def stop_mid_request():
-        with rollout_engine.training_group():
-            request = asyncio.ensure_future(rollout_engine.generate(prompt, long))
-        await wait_until_async(lambda: any(rollout_engine.inflight_tokens().values()), SYNC_TIMEOUT_S,
-                               "the request's first sampled token")
-        stopped = rollout_engine.abandon_stale(rollout_engine.current_version + 2, max_staleness=1)
-        return stopped, await asyncio.wait_for(request, SYNC_TIMEOUT_S)
-
-    stopped, completion = loop_runner.run(stop_mid_request())
-    assert stopped == 1 and (completion.finish_reason, completion.token_ids) == (STALE, [])
-    assert rollout_engine.inflight_requests == 0
-    after = loop_runner.run(rollout_engine.generate(prompt, SamplingConfig(max_tokens=8, ignore_eos=True)))
-    assert len(after.token_ids) == 8 and after.finish_reason == "length"
 
 
 def test_greedy_after_update_equals_new_weights(rollout_engine, weight_sender, loop_runner, tiny_models):

@@ -1,10 +1,12 @@
-"""The async-vs-sync benchmark's summary: samples/s and trained response tokens/s over the timed steps."""
+"""The async-vs-sync benchmark's summary: trained response tokens/s first, with the trained response length
+against sync's and against the run's own generated one, then samples/s, over the timed steps."""
 
 import argparse
 
 import pytest
 
-from scripts.bench_async_vs_sync import Run, k_list, geometric_lengths, planned_runs, stop_token_ids, summarise
+from scripts.bench_async_vs_sync import (Run, geometric_lengths, k_list, planned_runs, print_table, stop_token_ids, summarise,
+                                         sweep_entry)
 
 
 def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_length():
@@ -15,7 +17,8 @@ def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_lengt
         {"step": 2, "time": 12.0, "batch/samples": 8, "response_length/mean": 100.0, "staleness/mean": 1.0,
          "staleness/max": 2, "buffer/dropped_stale": 4, "buffer/handed_out": 2, "timing_s/wait_batch": 0.5},
         {"step": 3, "time": 14.0, "batch/samples": 16, "response_length/mean": 400.0, "staleness/mean": 0.5,
-         "staleness/max": 1, "buffer/dropped_stale": 6, "buffer/handed_out": 4, "timing_s/wait_batch": 1.5},
+         "staleness/max": 1, "buffer/dropped_stale": 6, "buffer/handed_out": 4, "timing_s/wait_batch": 1.5,
+         "response_length/trained_vs_generated": 0.98},
         {"step": 4, "time": 30.0, "batch/samples": 8, "response_length/mean": 900.0, "buffer/dropped_stale": 9,
          "buffer/handed_out": 5, "timing_s/wait_batch": 16.0},
         {"step": 4, "time": 31.0, "val/score/mean": 0.5},  # not a training step
@@ -23,7 +26,8 @@ def test_summary_counts_the_timed_steps_only_and_weighs_tokens_by_response_lengt
     summary = summarise(records, warmup_steps=1)
     assert summary["steps"] == 2
     assert summary["samples_per_s"] == pytest.approx((8 + 16) / 4.0)
-    assert summary["tokens_per_s"] == pytest.approx((8 * 100 + 16 * 400) / 4.0)
+    assert summary["trained_tokens_per_s"] == pytest.approx((8 * 100 + 16 * 400) / 4.0)
+    assert summary["trained_vs_generated"] == 0.98  # the last timed step's: the buffer's counters are cumulative
     assert summary["staleness_mean"] == pytest.approx(0.75) and summary["staleness_max"] == 2
     # counters grow over steps 2-3 only: the warm-up's and the last step's drops and waits are not timed
     assert summary["groups_dropped_stale"] == 6 - 3 and summary["groups_handed_out"] == 4 - 1
@@ -60,3 +64,20 @@ def test_an_async_run_leaves_the_backlog_of_its_first_step_out_of_its_rate():
     records = [{"step": i + 1, "time": t, "batch/samples": 128} for i, t in enumerate(clock)]
     assert summarise(records, Run("async", 4).warmup(3))["samples_per_s"] == pytest.approx(128 / 2.6)  # steps 6-10
     assert summarise(records, 3)["samples_per_s"] > 1.25 * 128 / 2.6  # what the backlog of steps 4-5 made of it
+
+
+def test_the_headline_is_trained_tokens_with_the_length_ratio_against_sync_and_samples_second(capsys):
+    sync = {"trained_tokens_per_s": 6000.0, "samples_per_s": 20.0, "response_length_mean": 300.0,
+            "trained_vs_generated": None}
+    async_run = {"trained_tokens_per_s": 9000.0, "samples_per_s": 40.0, "response_length_mean": 225.0,
+                 "trained_vs_generated": 0.75, "staleness_mean": 1.5, "staleness_max": 3, "groups_dropped_stale": 0,
+                 "groups_handed_out": 96, "learner_wait_share": 0.2, "steps": 6, "step_s": 3.2, "server_pause_ms": 50.0}
+    entry = sweep_entry(Run("async", 2), async_run, sync)
+    # 2x the samples but 1.5x the tokens: the responses trained are 25 % shorter than sync's
+    assert (entry["trained_tokens_speedup"], entry["length_ratio"], entry["speedup"]) == (1.5, 0.75, 2.0)
+    assert entry["trained_vs_generated"] == 0.75
+    print_table({Run("sync", 2): sync | {k: v for k, v in async_run.items() if k not in sync},
+                 Run("async", 2): async_run}, sync)
+    header, _, row = capsys.readouterr().out.splitlines()[:3]
+    assert header.split()[:3] == ["run", "trained", "tok/s"]
+    assert row.split()[2:8] == ["9000", "1.50x", "225.0", "0.75x", "0.750", "40.00"]

@@ -59,18 +59,24 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
 
 def test_async_figures_stand_without_the_sync_run_and_its_ratios_stay_empty(capsys):
     assert bench_async_vs_sync.against(3.0, 2.0) == 1.5 and bench_async_vs_sync.against(3.0, None) is None
-    async_run = {"samples_per_s": 90.0, "tokens_per_s": 15000.0, "staleness_mean": 1.2, "staleness_max": 2,
-                 "response_length_mean": 160.0, "groups_dropped_stale": 8, "groups_handed_out": 96, "learner_wait_share": 0.5, "steps": 6}
+    async_run = {"samples_per_s": 90.0, "trained_tokens_per_s": 15000.0, "staleness_mean": 1.2, "staleness_max": 2,
+                 "response_length_mean": 160.0, "trained_vs_generated": 0.99, "groups_dropped_stale": 0,
+                 "groups_handed_out": 96, "learner_wait_share": 0.5, "steps": 6}
     entry = bench_async_vs_sync.sweep_entry(bench_async_vs_sync.Run("async", 2), async_run, None)
-    assert (entry["samples_per_s"], entry["speedup"], entry["token_speedup"]) == (90.0, None, None)
+    assert (entry["samples_per_s"], entry["speedup"], entry["trained_tokens_speedup"], entry["length_ratio"]) == (
+        90.0, None, None, None)
     with_sync = bench_async_vs_sync.sweep_entry(bench_async_vs_sync.Run("async", 2), async_run,
-                                                {"samples_per_s": 45.0, "tokens_per_s": 6000.0})
-    assert (with_sync["speedup"], with_sync["token_speedup"]) == (2.0, 2.5)
+                                                {"samples_per_s": 45.0, "trained_tokens_per_s": 6000.0,
+                                                 "response_length_mean": 200.0})
+    assert (with_sync["speedup"], with_sync["trained_tokens_speedup"], with_sync["length_ratio"]) == (2.0, 2.5, 0.8)
     plain, on_ray = Layout.parse("3:1"), Layout.parse("3:1@ray")
-    row = {"sync_samples_per_s": None, "async_vs_sync_speedup": None, "staleness_mean": 1.2, "server_pause_ms": 67.0,
-           "sweep": [entry]}
-    results = {plain: row | {"async_samples_per_s": 100.0}, on_ray: row | {"async_samples_per_s": 90.0}}
+    row = {"sync_samples_per_s": None, "async_vs_sync_speedup": None, "sync_trained_tokens_per_s": None,
+           "trained_tokens_speedup": None, "length_ratio": None, "trained_vs_generated": 0.99, "staleness_mean": 1.2,
+           "server_pause_ms": 67.0, "sweep": [entry]}
+    results = {plain: row | {"async_samples_per_s": 100.0, "async_trained_tokens_per_s": 16000.0},
+               on_ray: row | {"async_samples_per_s": 90.0, "async_trained_tokens_per_s": 12000.0}}
     bench_scaling.print_table(results, results[plain])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[:6] == ["3s1l", "4", "100.00", "-", "-", "1.00x"]
-    assert lines[2].split()[:6] == ["3s1l-ray", "4", "90.00", "-", "-", "0.90x"]
+    # trained tokens first (async, sync, async/sync, vs the first layout), the length columns, then samples/s
+    assert lines[1].split()[:10] == ["3s1l", "4", "16000", "-", "-", "1.00x", "-", "0.990", "100.00", "-"]
+    assert lines[2].split()[:10] == ["3s1l-ray", "4", "12000", "-", "-", "0.75x", "-", "0.990", "90.00", "-"]

@@ -70,7 +70,7 @@ def test_a_study_lag_within_k_loads():
 
 @pytest.mark.parametrize("overrides, problem", [
     (["buffer.max_staleness=2", "buffer.study_lag_versions=3"],
-     r"buffer\.study_lag_versions: 3 exceeds buffer\.max_staleness=2: every sample would be dropped"),
+     r"buffer\.study_lag_versions: 3 exceeds buffer\.max_staleness=2: no group could start"),
     (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.sync_every=2"],
      r"buffer\.study_lag_versions: needs learner\.sync_every=1 \(is 2\)"),
     (["buffer.max_staleness=2", "buffer.study_lag_versions=2", "learner.mode=synchronous"],

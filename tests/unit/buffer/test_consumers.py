@@ -10,7 +10,8 @@ from buffer.window import BatchLimits, Entry, PendingWindow
 def window_of(count: int) -> PendingWindow:
     window = PendingWindow(0)
     for offset in range(count):
-        window.append(Entry(offset, nbytes=10, num_samples=1, num_tokens=4, oldest_version=0))
+        window.append(Entry(offset, nbytes=10, num_samples=1, num_tokens=4, response_tokens=2, oldest_version=0,
+                            learner_version_at_start=0))
     return window
 
 

@@ -71,7 +71,7 @@ def test_a_batch_of_spliced_frames_decodes_to_the_groups():
 def test_stats_metrics_use_buffer_names():
     stats = BufferStats(size=3, size_bytes=10, log_bytes=20, read_offset=1, committed_offset=0, end_offset=4,
                         policy_version=2, ingested=4, duplicates=0, ingest_groups_per_s=1.0, ingest_bytes_per_s=5.0,
-                        handed_out=1, dropped_stale=7, dropped_passed_over=2, staleness_histogram={0: 1, 2: 3}, rejected_frames=0,
+                        handed_out=1, dropped_stale=7, staleness_histogram={0: 1, 2: 3}, rejected_frames=0,
                         full_rejections=0, admission_running=0, admission_waits=0, admission_wait_s=0.0,
                         admission_released=0)
     metrics = stats.metrics()

@@ -25,8 +25,10 @@ RESEND_S = 0.2  # clients' resend period in the restart test
 PARK_S = 1.0  # how long that test's batch request may wait in the buffer
 
 
-def group(record_id: str, version: int = 0, samples: int = 1):
-    return synthetic_group(record_id, samples=samples, completion_tokens=TOKENS, version=version)
+def group(record_id: str, version: int = 0, samples: int = 1, started_at: int = -1):
+    """A group sampled by `version` that started while the learner was at `started_at` (-1: not recorded)."""
+    sampled = synthetic_group(record_id, samples=samples, completion_tokens=TOKENS, version=version)
+    return dataclasses.replace(sampled, learner_version_at_start=started_at)
 
 
 def raw_reply(address: str, *frames: bytes):
@@ -58,18 +60,24 @@ def test_ingest_ack_batch_commit_and_stats(serve, small_config):
     assert stats.policy_version == 1 and stats.staleness_histogram == {0: 4}
 
 
-def test_stale_groups_are_dropped_and_counted(serve, small_config):
+def test_only_groups_that_started_outside_the_bound_are_dropped_and_the_work_is_counted(serve, small_config):
     service = serve(dataclasses.replace(small_config, max_staleness="1"))
     producer = TrajectoryProducer(service.endpoint)
-    for i, version in enumerate([0, 2, 1, 3, 0, 3]):
-        producer.submit(group(f"g{i}", version=version))
+    # (version of the first token, learner version at the start): g0 and g4 started 2 and 3 versions behind
+    starts = [(0, 2), (2, 2), (1, 2), (3, 3), (0, 3), (0, 1)]
+    for i, (version, learner) in enumerate(starts):
+        producer.submit(group(f"g{i}", version=version, samples=2, started_at=learner))
     producer.flush()
     consumer = BufferConsumer(service.endpoint, "learner")
     batch = consumer.next_batch(policy_version=3)
-    assert [g.record_id for g in batch.groups] == ["g1", "g3", "g5"]
-    assert batch.dropped_stale == 3 and batch.next_offset == 6
+    assert [g.record_id for g in batch.groups] == ["g1", "g2", "g3", "g5"]  # g5: 3 versions old now, started within 1
+    assert batch.dropped_stale == 2 and batch.next_offset == 6
     stats = consumer.stats()
-    assert stats.dropped_stale == 3 and stats.staleness_histogram == {1: 1, 0: 2}
+    assert stats.dropped_stale == 2 and stats.staleness_histogram == {1: 1, 2: 1, 0: 1, 3: 1}
+    assert (stats.ingested_samples, stats.ingested_response_tokens) == (12, 12 * TOKENS)
+    assert (stats.handed_out_samples, stats.handed_out_response_tokens) == (8, 8 * TOKENS)
+    assert stats.dropped_stale_response_tokens == 4 * TOKENS
+    assert (stats.first_generated_samples, stats.first_generated_response_tokens) == (8, 8 * TOKENS)
 
 
 def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_without_duplicates(serve, small_config,
@@ -96,18 +104,17 @@ def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_wi
     assert (resumed.position, resumed.ahead) == (4, [])
 
 
-def test_stale_drops_say_whether_a_full_batch_had_left_the_group_behind(serve, small_config):
+def test_a_long_group_that_arrives_versions_late_is_handed_out(serve, small_config):
     service = serve(dataclasses.replace(small_config, max_staleness="1"))
     producer = TrajectoryProducer(service.endpoint)
-    for record_id in ("a", "b"):
-        producer.send(group(record_id, version=0))
+    producer.send(group("short", version=0, started_at=0))
     learner = BufferConsumer(service.endpoint, "learner")
-    assert [g.record_id for g in learner.next_batch(policy_version=0, max_samples=1).groups] == ["a"]  # full: b waits
-    producer.send(group("late", version=0))  # arrives after every batch that version 0 could go out in
-    producer.send(group("fresh", version=2))
-    assert [g.record_id for g in learner.next_batch(policy_version=2).groups] == ["fresh"]
-    stats = learner.stats()
-    assert (stats.dropped_stale, stats.dropped_passed_over) == (2, 1)
+    assert [g.record_id for g in learner.next_batch(policy_version=0, max_samples=1).groups] == ["short"]
+    producer.send(group("long", version=0, started_at=0))  # its last token came long after, at version 6
+    producer.send(group("fresh", version=6, started_at=6))
+    batch = learner.next_batch(policy_version=6)
+    assert [g.record_id for g in batch.groups] == ["long", "fresh"] and batch.dropped_stale == 0
+    assert learner.stats().staleness_histogram == {0: 2, 6: 1}
 
 
 def test_bad_frames_are_rejected_counted_and_service_keeps_serving(serve, small_config):

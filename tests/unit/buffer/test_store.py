@@ -13,8 +13,10 @@ from buffer.window import BatchLimits
 TOKENS = 16
 
 
-def records(ids, version: int = 0):
-    frames = [encode(synthetic_group(str(i), completion_tokens=TOKENS, version=version)) for i in ids]
+def records(ids, version: int = 0, started_at: int = -1):
+    """Groups sampled by `version` that started while the learner was at `started_at` (-1: not recorded)."""
+    groups = [synthetic_group(str(i), completion_tokens=TOKENS, version=version) for i in ids]
+    frames = [encode(dataclasses.replace(group, learner_version_at_start=started_at)) for group in groups]
     return [(summarize_group(frame), frame) for frame in frames]
 
 
@@ -100,7 +102,7 @@ def test_full_disk_budget_waits_for_a_commit(tmp_path, small_config):
 
 def test_accepted_excludes_stale_drops_across_restarts(tmp_path, small_config):
     store = TrajectoryStore(small_config, tmp_path)
-    store.ingest(records(range(4), version=0) + records(range(4, 6), version=5))
+    store.ingest(records(range(4), version=0, started_at=5) + records(range(4, 6), version=5, started_at=5))
     selection = store.take(BatchLimits(policy_version=5, max_staleness=1))
     assert len(selection.dropped) == 4 and store.accepted == 2
     store.commit(6, 5)
@@ -147,7 +149,7 @@ def test_a_commit_with_records_taken_ahead_survives_a_restart(tmp_path, small_co
 
 def test_stale_drops_ahead_of_the_commit_stay_counted_across_restarts(tmp_path, small_config):
     store = TrajectoryStore(small_config, tmp_path)
-    store.ingest(records(range(2), version=5) + records([2], version=0))
+    store.ingest(records(range(2), version=5, started_at=5) + records([2], version=0, started_at=5))
     selection = store.take(BatchLimits(policy_version=5, max_staleness=1, max_samples=1))
     assert [e.offset for e in selection.taken] == [0] and [e.offset for e in selection.dropped] == [2]
     store.commit(1, 5, ahead=[2])

@@ -17,7 +17,8 @@ from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.config.loader import ConfigError
 from asyncrl.messages import Batch
 from learner.distributed import World
-from learner.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop, first_untrainable_version
+from asyncrl.staleness import drained_version
+from learner.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop
 from learner.loop import roll_back
 from learner.loop_state import LoopState
 from learner.pacing import FixedStaleness
@@ -116,9 +117,9 @@ def test_a_rollback_counts_what_it_discarded_and_forgets_what_it_undid(tmp_path)
     assert guard.observe(10, {SCORE: 0.75})["guard/collapse"] == 0.0  # 25 % below the best kept, 1.0
 
 
-def test_training_goes_on_past_the_staleness_bound():
-    assert first_untrainable_version(10, 0) == 11  # K = 0: the next version already refuses version-10 samples
-    assert first_untrainable_version(10, 2) == 13
+def test_training_goes_on_past_the_drain_of_the_admission_window():
+    assert drained_version(10, 0) == 11  # K = 0: one batch was admitted ahead
+    assert drained_version(10, 2) == 13
 
 
 def test_no_rollback_left_or_no_checkpoint_stops_the_run_with_the_reason(tmp_path):

@@ -9,20 +9,18 @@ from asyncrl.config.buffer import PacingConfig
 from learner.pacing import Pacer, StepSignals, WindowSummary, next_staleness
 
 SETTINGS = PacingConfig(k_min=1, k_max=4, window=3, raise_wait_share=0.1, max_mismatch_kl=0.02, max_is_clip_frac=0.05,
-                        raise_headroom=0.5, max_dropped_share=0.25)
+                        raise_headroom=0.5)
 
 
-def step(wait_s=0.0, step_s=1.0, kl=0.0, clip=0.0, trained=8, dropped=0) -> StepSignals:
-    return StepSignals(wait_s, step_s, kl, clip, trained, dropped)
+def step(wait_s=0.0, step_s=1.0, kl=0.0, clip=0.0) -> StepSignals:
+    return StepSignals(wait_s, step_s, kl, clip)
 
 
 def test_window_summary_by_hand():
-    # waits 0.5 + 0 + 1.0 of 1 + 2 + 3 s; drops 2 of (2 + 8) + (0 + 8) + (2 + 8) = 28 groups seen
-    summary = WindowSummary.of([step(0.5, 1.0, 0.01, 0.02, 8, 2), step(0.0, 2.0, 0.02, 0.04, 8, 0),
-                                step(1.0, 3.0, 0.03, 0.0, 8, 2)])
+    # waits 0.5 + 0 + 1.0 of 1 + 2 + 3 s
+    summary = WindowSummary.of([step(0.5, 1.0, 0.01, 0.02), step(0.0, 2.0, 0.02, 0.04), step(1.0, 3.0, 0.03, 0.0)])
     assert summary.wait_share == pytest.approx(1.5 / 6)
     assert summary.mismatch_kl == pytest.approx(0.02) and summary.is_clip_frac == pytest.approx(0.02)
-    assert summary.dropped_share == pytest.approx(4 / 28)
 
 
 def test_holds_until_a_full_window_of_steps_at_this_k():
@@ -47,14 +45,6 @@ def test_drift_above_either_bound_lowers_even_while_the_learner_waits(drift):
     assert decision.k == 2 and decision.reason.startswith("drift above its bound")
 
 
-def test_stale_drops_lower_only_when_the_learner_does_not_wait():
-    # 3 dropped of 3 + 8 per step: 27 % > 25 %
-    not_waiting = next_staleness(3, [step(wait_s=0.05, dropped=3)] * 3, SETTINGS)
-    assert not_waiting.k == 2 and not_waiting.reason.startswith("stale drops")
-    waiting = next_staleness(3, [step(wait_s=0.5, dropped=3)] * 3, SETTINGS)  # a larger K drops fewer: raise
-    assert waiting.k == 4
-
-
 def test_a_learner_bound_run_with_calm_drift_holds():
     assert next_staleness(3, [step(wait_s=0.05, kl=0.001)] * 3, SETTINGS).k == 3
 
@@ -70,14 +60,14 @@ def test_the_decision_reads_only_the_last_window_of_steps():
     assert next_staleness(2, old_drift + [step(wait_s=0.5)] * 3, SETTINGS).k == 3
 
 
-def metrics(wait_s: float, kl: float = 0.0, dropped: float = 0.0) -> dict[str, float]:
+def metrics(wait_s: float, kl: float = 0.0) -> dict[str, float]:
     return {"timing_s/wait_batch": wait_s, "timing_s/step": 1.0, "rollout_corr/mismatch_kl": kl,
-            "rollout_corr/is_clip_frac": 0.0, "batch/samples": 32.0, "buffer/dropped_stale_in_batch": dropped}
+            "rollout_corr/is_clip_frac": 0.0, "batch/samples": 32.0}
 
 
 def test_pacer_reads_metric_records_and_starts_a_new_window_after_a_change(caplog):
-    pacer = Pacer(SETTINGS, k=1, samples_per_group=4)
-    assert StepSignals.from_metrics(metrics(0.5, dropped=2.0), 4) == StepSignals(0.5, 1.0, 0.0, 0.0, 8, 2)
+    pacer = Pacer(SETTINGS, k=1)
+    assert StepSignals.from_metrics(metrics(0.5, kl=0.01)) == StepSignals(0.5, 1.0, 0.01, 0.0)
     with caplog.at_level(logging.INFO, logger="learner.pacing"):
         ks = [pacer.observe(version, metrics(0.5)).k for version in range(1, 8)]
     # a change after each full window of 3 steps at the new K: 1, 1, 2 | 2, 2, 3 | 3
@@ -87,5 +77,5 @@ def test_pacer_reads_metric_records_and_starts_a_new_window_after_a_change(caplo
 
 
 def test_pacer_clamps_a_resumed_k_into_bounds_that_changed():
-    assert Pacer(SETTINGS, k=7, samples_per_group=4).k == 4
-    assert Pacer(SETTINGS, k=0, samples_per_group=4).k == 1
+    assert Pacer(SETTINGS, k=7).k == 4
+    assert Pacer(SETTINGS, k=0).k == 1

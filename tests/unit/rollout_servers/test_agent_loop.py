@@ -17,7 +17,7 @@ from rollout_servers.environments import EnvironmentRegistry
 from rollout_servers.environments.calculator import CALCULATOR_TOOL
 from demo.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.agent_loop import TURN_SEED_STRIDE, AgentLoop
-from rollout_servers.completion import STALE, Completion
+from rollout_servers.completion import Completion
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "environments.py"
 TOKENIZER = build_char_tokenizer()
@@ -41,21 +41,16 @@ class ScriptedEngine:
     current_version: int = 3
     updates: dict[int, int] = field(default_factory=dict)
     hang_on: int = -1  # request number that never finishes
-    stale_on: int = -1  # request number the engine abandons as too stale
     requests: list[tuple[list[int], int, int | None]] = field(default_factory=list)  # (prompt, max_tokens, seed)
-    earliest_versions: list[int | None] = field(default_factory=list)  # what each request said of earlier turns
     constraints: list = field(default_factory=list)  # each request's structured-outputs grammar (None: free)
 
     async def generate(self, prompt_ids, sampling=None, *, seed=None, request_id=None,
-                       earliest_version=None, on_tokens=None, structured_outputs=None) -> Completion:
+                       on_tokens=None, structured_outputs=None) -> Completion:
         number = len(self.requests)
         self.constraints.append(structured_outputs)
         self.requests.append((list(prompt_ids), sampling.max_tokens, seed))
-        self.earliest_versions.append(earliest_version)
         if number == self.hang_on:
             await asyncio.sleep(HANG_S)  # the behaviour under test: a request that never finishes
-        if number == self.stale_on:
-            return Completion(f"r{number}", list(prompt_ids), [], [], [], STALE)
         token_ids, logprobs = self.turns[number % len(self.turns)]
         token_ids, logprobs = token_ids[: sampling.max_tokens], logprobs[: sampling.max_tokens]
         finish = "stop" if token_ids[-1:] == [EOS] else "length"
@@ -180,20 +175,6 @@ def test_episode_reaches_the_learner_through_the_wire_unchanged():
     assert batch.loss_mask[0, targets].tolist() == [1.0] * 3 + [0.0] * OBSERVATION_LEN + [1.0] * 2
     assert batch.token_versions[0, targets].tolist() == [3] * (3 + OBSERVATION_LEN) + [4] * 2
     assert batch.loss_mask[0, :start].sum() == 0
-
-
-def test_an_abandoned_turn_ends_the_episode_at_once():
-    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5)], stale_on=1)
-    episode = asyncio.run(loop_for(engine, max_turns=5).run(countdown_row(turns=3), SamplingConfig(max_tokens=8)))
-    assert episode.finish_reason == STALE
-    assert episode.num_turns == 1 and len(engine.requests) == 2  # no step after the abandoned turn
-
-
-def test_each_turn_tells_the_engine_how_old_the_episode_already_is():
-    engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5), turn("de", -2.5)], updates={0: 4, 1: 5})
-    asyncio.run(loop_for(engine, max_turns=3).run(countdown_row(turns=5), SamplingConfig(max_tokens=8)))
-    # turn 1 is sampled under version 3, turn 2 under 4: the episode stays as old as its first turn
-    assert engine.earliest_versions == [None, 3, 3]
 
 
 CALCULATOR_ROW = PromptRow([{"role": "user", "content": "63*43="}], "calculator", "2709",

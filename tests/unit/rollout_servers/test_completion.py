@@ -8,7 +8,7 @@ import pytest
 from vllm.logprobs import FlatLogprobs, Logprob
 
 from rollout_servers import vllm_compat
-from rollout_servers.completion import STALE, TokenStream
+from rollout_servers.completion import TokenStream
 
 
 def flat(token_ids: list[int], logprobs: list[float]) -> FlatLogprobs:
@@ -77,25 +77,6 @@ def test_an_update_after_the_final_output_arrived_labels_every_token_old():
     stream.absorb(output([5, 6, 7], flat([5, 6, 7], [-1.0] * 3), "stop"))
     stream.version_changed(0, 3)
     assert stream.completion().versions == [2, 2, 2]
-
-
-def test_the_oldest_version_is_that_of_the_first_token_sampled():
-    stream = TokenStream("r", [1], start_version=2)
-    assert stream.oldest_version() == 2
-    stream.version_changed(0, 3)  # nothing sampled under version 2
-    stream.version_changed(0, 4)
-    assert stream.oldest_version() == 4
-    stream.version_changed(7, 5)  # the first tokens came from version 4
-    assert stream.oldest_version() == 4
-    assert TokenStream("r", [1], start_version=6, earliest_version=3).oldest_version() == 3  # an earlier turn's
-
-
-def test_an_abandoned_request_gives_a_stale_completion_without_tokens():
-    stream = TokenStream("r", [1], start_version=0)
-    stream.absorb(output([5, 6], flat([5, 6], [-1.0, -2.0]), "abort"))
-    stream.abandoned = True
-    completion = stream.completion()
-    assert (completion.finish_reason, completion.token_ids, completion.logprobs) == (STALE, [], [])
 
 
 class _QueuedOutputsCore:

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.config.rollout import EngineConfig, RolloutConfig
-from rollout_servers.completion import STALE
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.engine_args import engine_process_env
 from waiting import wait_until_async
@@ -79,38 +78,20 @@ class HangingLLM(RecordingLLM):
         yield  # never reached: an async generator, like AsyncLLM.generate
 
 
-def test_only_training_requests_past_the_bound_are_abandoned() -> None:
+def test_nothing_stops_a_request_but_its_callers_cancellation() -> None:
+    """No staleness check stops a request: it runs until vLLM finishes it, through weight updates; only its
+    caller cancelling it makes vLLM abort it."""
     llm = HangingLLM()
     engine = RolloutEngine(llm, RolloutConfig(), version=3)
 
     async def scenario() -> None:
-        with engine.training_group():
-            training = asyncio.ensure_future(engine.generate([1], request_id="training"))
-        chat = asyncio.ensure_future(engine.generate([2], request_id="chat"))  # e.g. a chat session's turn
-        await wait_until_async(lambda: len(llm.prompts) == 2, WAIT_S, "both requests in vLLM")
-        assert engine.abandon_stale(learner_version=5, max_staleness=2) == 0  # staleness 2: still trainable
-        assert engine.abandon_stale(learner_version=9, max_staleness=2) == 1
-        completion = await asyncio.wait_for(training, timeout=5)
-        assert (completion.finish_reason, completion.token_ids) == (STALE, [])
-        assert llm.aborted == ["training"] and engine.inflight_requests == 1
-        chat.cancel()  # a caller's own cancellation still reaches it
+        request = asyncio.ensure_future(engine.generate([1], request_id="training"))
+        await wait_until_async(lambda: llm.prompts, WAIT_S, "the request in vLLM")
+        assert engine.inflight_requests == 1
+        request.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await chat
-        assert llm.aborted == ["training", "chat"] and engine.inflight_requests == 0
-
-    asyncio.run(scenario())
-
-
-def test_a_turn_is_as_stale_as_the_earlier_turns_of_its_episode() -> None:
-    llm = HangingLLM()
-    engine = RolloutEngine(llm, RolloutConfig(), version=9)
-
-    async def scenario() -> None:
-        with engine.training_group():
-            turn = asyncio.ensure_future(engine.generate([1], earliest_version=6))  # sampled now, under 9
-        await wait_until_async(lambda: llm.prompts, WAIT_S, "the turn's request in vLLM")
-        assert engine.abandon_stale(learner_version=9, max_staleness=2) == 1  # 9 - 6 > 2
-        assert (await asyncio.wait_for(turn, timeout=5)).finish_reason == STALE
+            await request
+        assert llm.aborted == ["training"] and engine.inflight_requests == 0
 
     asyncio.run(scenario())
 

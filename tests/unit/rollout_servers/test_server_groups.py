@@ -1,16 +1,16 @@
 """How a rollout server turns one prompt into one acknowledged group (`GroupSampler.sample`), with the
-engine, scorer and buffer producer stood in: a group the engine stopped as too stale is sampled once more,
-to the end, and sent once under the prompt's record id; each sample frees its slot of the server's
-capacity as it finishes, not when its whole group does; open chat sessions count against admission
-(`AdmissionAsks`)."""
+engine, scorer and buffer producer stood in: a group runs to its end, however many weight updates it spans,
+and is sent once under the prompt's record id with the learner version it started under; each sample frees
+its slot of the server's capacity as it finishes, not when its whole group does; the start gate applies the
+staleness rule; open chat sessions count against admission (`AdmissionAsks`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,50 +23,35 @@ from demo.tiny.tokenizer import build_char_tokenizer
 from buffer.admission import Admission
 from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.chat.admission import ChatAdmission
-from rollout_servers.completion import STALE, Completion
+from rollout_servers.completion import Completion
 from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.learner_wait import Endpoints
 from rollout_servers.server import RolloutServer
+from rollout_servers.start_gate import StartGate
 from waiting import wait_until_async
 
 N = 2  # samples per group
-STOPPED_ATTEMPTS = 1  # attempts the fake engine stops as too stale before it lets one finish
 REWARD = 0.75
 WAIT_S = 5.0  # for what takes a few event-loop turns, with slack for a loaded box
 CAPACITY = 8  # samples a server generates at once (rollout.max_inflight)
+SPANNED = [3, 4, 5, 6, 7]  # versions a long group's tokens were sampled by: four weight updates landed meanwhile
 
 
 @dataclass
-class StoppingEngine:
-    """Stops the first `stop_first` training groups as too stale (what `abandon_stale` leaves behind);
-    records, for every group, whether it was sampled as a stoppable training group."""
+class LongEngine:
+    """Samples every group as one long response per sample that spans several weight updates."""
 
-    stop_first: int
     slots: SampleSlots
-    stoppable: list[bool] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
-    slots_held: list[int] = field(default_factory=list)  # slots in use when each attempt began
-    _training: bool = False
-
-    @contextlib.contextmanager
-    def training_group(self):
-        self._training = True
-        try:
-            yield
-        finally:
-            self._training = False
+    slots_held: list[int] = field(default_factory=list)  # slots in use when each group began
 
     async def generate_group(self, prompt_ids, sampling=None, *, seed=None, on_sample_done=None) -> list[Completion]:
-        attempt = len(self.stoppable)
-        self.stoppable.append(self._training)
         self.seeds.append(seed)
         self.slots_held.append(self.slots.in_use)
         for _ in range(N):
             on_sample_done()
-        if attempt < self.stop_first:
-            assert self._training, "only a training group may be stopped"
-            return [Completion(f"a{attempt}-{i}", list(prompt_ids), [], [], [], STALE) for i in range(N)]
-        return [Completion(f"a{attempt}-{i}", list(prompt_ids), [7, 8], [-0.5, -0.25], [attempt, attempt], "stop")
+        tokens = list(range(10, 10 + len(SPANNED)))
+        return [Completion(f"r{i}", list(prompt_ids), tokens, [-0.5] * len(SPANNED), list(SPANNED), "length")
                 for i in range(N)]
 
 
@@ -76,10 +61,10 @@ class SingleTurn:
 
 
 @dataclass
-class StoppingAgent:
-    """A multi-turn agent loop whose first `stop_first` groups end with an episode stopped as too stale."""
+class LongAgent:
+    """A multi-turn agent loop whose episodes are the engine's long samples."""
 
-    engine: StoppingEngine
+    engine: LongEngine
 
     def handles(self, data_source: str) -> bool:
         return True
@@ -130,26 +115,41 @@ def test_a_server_with_data_no_scorer_handles_or_a_missing_reward_function_fails
 
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
-@pytest.mark.parametrize("stop_first", [0, STOPPED_ATTEMPTS])
-def test_a_group_stopped_as_too_stale_is_sampled_once_more_and_sent_once(server, stop_first, multi_turn):
+def test_a_long_group_runs_to_its_end_through_updates_and_is_sent_once_with_its_start(server, multi_turn):
     slots = SampleSlots(CAPACITY)
-    engine, producer = StoppingEngine(stop_first, slots), RecordingProducer()
-    agent = StoppingAgent(engine) if multi_turn else SingleTurn()
+    engine, producer = LongEngine(slots), RecordingProducer()
+    agent = LongAgent(engine) if multi_turn else SingleTurn()
 
-    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send))
+    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send, learner_version=3))
 
     (group,) = producer.sent
     assert group.record_id == group.group_id == "server-0-prompt-0"
-    assert [t.completion_ids for t in group.trajectories] == [[7, 8]] * N
-    assert [t.token_versions for t in group.trajectories] == [[stop_first] * 2] * N, "the finished attempt's tokens"
-    assert all(t.reward == REWARD and t.finish_reason == "stop" for t in group.trajectories)
-    # Only the first attempt may be stopped; the one after a stop runs to the end whatever happens.
-    assert engine.stoppable == [True] + [False] * stop_first
-    assert len(set(engine.seeds)) == 1, "the same prompt, sampled again with its own seeds"
-    assert (server.stats.groups_resampled, server.stats.groups_sent) == (stop_first, 1)
-    assert engine.slots_held == [N] * (1 + stop_first), "a resampled group holds a slot per sample again"
-    assert slots.in_use == 0
+    assert group.learner_version_at_start == 3 and group.oldest_version() == 3
+    assert [t.token_versions for t in group.trajectories] == [SPANNED] * N, "every token, each with its own version"
+    assert all(t.reward == REWARD and t.finish_reason == "length" for t in group.trajectories)
+    assert len(engine.seeds) == 1 and server.stats.groups_sent == 1, "sampled once"
+    assert engine.slots_held == [N] and slots.in_use == 0
     assert server.prompts.owed == 0, "the prompt is acknowledged: a restart does not regenerate it"
+
+
+def grant(learner_version: int, k: int, granted: int = 0) -> AdmissionGrant:
+    return AdmissionGrant(granted, policy_version=learner_version, max_staleness=k)
+
+
+def weights(version: int, needs_catch_up: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(current_version=version, needs_catch_up=needs_catch_up)
+
+
+def test_the_start_gate_starts_groups_only_from_weights_within_k_of_the_learner():
+    gate = StartGate(owed=2)  # a restarted server owes two groups from its previous process
+    assert gate.release(grant(9, 2), weights(0)) == 0, "a fresh engine (version 0) against learner 9: lagging"
+    gate.admit(3)
+    assert gate.release(grant(9, 2), weights(6)) == 0 and gate.waiting == 5  # 9 - 6 = 3 > K = 2
+    assert gate.release(grant(9, 2), weights(9, needs_catch_up=True)) == 0, "a failed update: mixed weights"
+    assert gate.release(grant(9, 2), weights(7)) == 5 and gate.waiting == 0  # 9 - 7 = 2 = K
+    assert not gate.is_open(grant(1, 0), weights(0)) and gate.is_open(grant(1, 0), weights(1))  # K = 0
+    gate.admit(1)
+    assert gate.release(grant(12, 4), weights(8)) == 1, "the K of the newest grant decides"
 
 
 @dataclass
@@ -158,10 +158,6 @@ class StaggeredEngine:
 
     release: asyncio.Event = field(default_factory=asyncio.Event)
     finished: int = 0  # samples done so far
-
-    @contextlib.contextmanager
-    def training_group(self):
-        yield
 
     async def generate_group(self, prompt_ids, sampling=None, *, seed=None, on_sample_done=None) -> list[Completion]:
         async def sample(index: int) -> Completion:
@@ -178,7 +174,8 @@ def test_a_finished_sample_frees_its_slot_while_its_group_still_generates(server
     slots, engine, producer = SampleSlots(CAPACITY), StaggeredEngine(), RecordingProducer()
 
     async def sample_one_group() -> list[int]:
-        group = asyncio.create_task(server.groups.sample(engine, SingleTurn(), FixedScorer(), slots.claim(N), producer.send))
+        group = asyncio.create_task(server.groups.sample(engine, SingleTurn(), FixedScorer(), slots.claim(N),
+                                                         producer.send, learner_version=0))
         await wait_until_async(lambda: engine.finished, WAIT_S, "the group's first sample")  # the others still generate
         held_meanwhile = slots.in_use
         engine.release.set()
