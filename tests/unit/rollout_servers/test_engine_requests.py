@@ -24,7 +24,7 @@ class RecordingLLM:
     def __init__(self) -> None:
         self.prompts: list[dict] = []
 
-    async def generate(self, prompt: dict, params, request_id: str):
+    async def generate(self, prompt: dict, params, request_id: str, lora_request=None):
         self.prompts.append(prompt)
         token = SimpleNamespace(logprob=-0.5)
         yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=[{5: token}], finish_reason="stop")])
@@ -68,7 +68,7 @@ class HangingLLM(RecordingLLM):
         super().__init__()
         self.aborted: list[str] = []
 
-    async def generate(self, prompt: dict, params, request_id: str):
+    async def generate(self, prompt: dict, params, request_id: str, lora_request=None):
         self.prompts.append(prompt)
         try:
             await asyncio.Event().wait()
