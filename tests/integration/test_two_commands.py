@@ -139,7 +139,10 @@ def test_a_stop_signal_to_asyncrl_learner_alone_stops_its_ranks_and_buffer(job_d
 
 def test_two_commands_restart_stop_and_end_together(job_dir):
     job = tiny_job(job_dir, TOTAL_STEPS, "run.name=two", f"learner.checkpoint_every={CHECKPOINT_EVERY}")
-    learner_only = [f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2"]
+    # the learner's first server comes after two engine starts (the stopped server's, then the second rollout's):
+    # it waits for it through both however slow the box, rather than going on alone after the default 300 s
+    learner_only = [f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2",
+                    f"rollout.connect_timeout_s={2 * WAIT_BOUND_S}"]
     rollout_args = [arg for arg in job if not arg.startswith("learner.total_steps=")]
     run_dir, started = job_dir / "runs" / "two", []
     try:
