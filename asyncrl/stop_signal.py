@@ -1,16 +1,21 @@
 """Stop signals: a flag set by SIGTERM or SIGINT, for supervising loops that must stop their children cleanly,
-and the switch that keeps a process that has begun to stop from being interrupted in its teardown."""
+the switch that keeps a process that has begun to stop from being interrupted in its teardown, and a hold for
+code that would swallow the KeyboardInterrupt of a stop."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from typing import Iterator
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignal:
     def __init__(self) -> None:
         self.requested = False
-        signal.signal(signal.SIGTERM, self._request)
-        signal.signal(signal.SIGINT, self._request)
+        for stop_signal in STOP_SIGNALS:
+            signal.signal(stop_signal, self._request)
 
     def _request(self, signum: int, frame: object) -> None:
         self.requested = True
@@ -21,7 +26,7 @@ def interrupt_on_stop_signals() -> None:
     `finally` blocks instead of dying where it stands. SIGINT is set too, not left to Python: a process started as a
     background job of a script inherits SIGINT ignored, Python then keeps it ignored, and a `kill -INT` (or the
     script's Ctrl-C) would leave the job running."""
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+    for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.default_int_handler)
 
 
@@ -32,7 +37,7 @@ def interrupt_once() -> None:
         ignore_stop_signals()
         raise KeyboardInterrupt
 
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+    for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, interrupt)
 
 
@@ -41,5 +46,30 @@ def ignore_stop_signals() -> None:
     gets the same stop twice (from `asyncrl run` to the whole process group, then from its own supervisor), and a
     second KeyboardInterrupt would break the teardown halfway (vLLM's shutdown, atexit handlers). Whoever sent
     the signal still escalates to SIGKILL if the process does not exit in time."""
-    for stop_signal in (signal.SIGTERM, signal.SIGINT):
+    for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Run the block with SIGTERM and SIGINT only recorded; on leaving it, put the handlers from before it back and
+    send this process the first stop that came meanwhile, so that they act on it there (after `interrupt_once`:
+    KeyboardInterrupt, which replaces any exception the block raised: a block that failed because of the stop, or
+    finished despite it, ends as stopped).
+
+    For a block that catches KeyboardInterrupt and carries on: vLLM's engine start waits for its engine core's
+    handshake inside `zmq_socket_ctx`, which swallows it, and the start then goes on to a running engine. Main
+    thread only, like every signal handler."""
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+
+    previous = {stop_signal: signal.signal(stop_signal, hold) for stop_signal in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for stop_signal, handler in previous.items():
+            signal.signal(stop_signal, handler)
+        if held:
+            signal.raise_signal(held[0])

@@ -19,7 +19,7 @@ from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import Ack, TrajectoryGroup
 from rollout_servers.rewards import RewardScorer, check_reward_setup
-from asyncrl.stop_signal import ignore_stop_signals
+from asyncrl.stop_signal import ignore_stop_signals, stop_signals_held
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry, ValidationResult
 from rollout_servers.admission_asks import AdmissionAsks
@@ -85,8 +85,22 @@ class RolloutServer:
         self._buffer_quiet = asyncio.Event()  # set once stopped with no request to the buffer left running
 
     async def serve(self) -> None:
+        engine: RolloutEngine | None = None
+        try:
+            # vLLM's start swallows the KeyboardInterrupt of a stop (see `stop_signals_held`) and goes on to a running
+            # engine: a server stopped meanwhile would join weight sync and generate. Held, the stop is acted on as the
+            # start ends, before the server reaches the learner or the buffer.
+            with stop_signals_held():
+                engine = await RolloutEngine.start(self.config.model.path, self.config.rollout, version=0,
+                                                   lora=self.config.model.lora)
+            await self._serve_with(engine)
+        finally:
+            if engine is not None:
+                engine.shutdown()
+
+    async def _serve_with(self, engine: RolloutEngine) -> None:
+        """Generate with the started `engine` until stopped, in step with the learner's weights."""
         rollout = self.config.rollout
-        engine = await RolloutEngine.start(self.config.model.path, rollout, version=0, lora=self.config.model.lora)
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
                           rollout.engine.max_model_len)
         buffer = self.config.buffer
@@ -120,7 +134,6 @@ class RolloutServer:
             for closable in (sync, telemetry, admission, producer):
                 closable.close()
             self._buffer.close()
-            engine.shutdown()
 
     async def _start_chat(self, engine: RolloutEngine, producer: TrajectoryProducer) -> ChatEndpoint | None:
         """The OpenAI-compatible endpoint when `rollout.chat.enabled`; its address goes to `<server_id>.chat.json`."""

@@ -1,7 +1,8 @@
 """interrupt_on_stop_signals turns a stop into a KeyboardInterrupt, also a SIGINT the process inherited ignored (a
 script's background job); ignore_stop_signals lets a process that has begun to
 stop finish its teardown through a second stop signal; interrupt_once does both, the teardown protected from the
-moment of the first stop."""
+moment of the first stop; stop_signals_held keeps a stop from a block that would swallow its KeyboardInterrupt and
+hands it to the handlers as the block ends."""
 
 import signal
 import subprocess
@@ -94,3 +95,30 @@ def run_with_sigint_ignored(mode: str) -> subprocess.CompletedProcess:
 def test_a_sigint_inherited_ignored_stops_the_process_once_it_asks_for_stop_signals():
     assert run_with_sigint_ignored("interrupt").stdout == "stopped\n"
     assert run_with_sigint_ignored("inherited").stdout == "slept through it\n"  # the hazard it guards
+
+
+# A rollout server's engine start: the block (vLLM's) would catch the KeyboardInterrupt and carry on.
+HELD = """
+import os, signal, time
+from asyncrl.stop_signal import interrupt_once, stop_signals_held
+interrupt_once()
+with stop_signals_held():
+    pass  # no stop came
+print(signal.getsignal(signal.SIGTERM).__name__, flush=True)
+try:
+    with stop_signals_held():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+        except KeyboardInterrupt:
+            print("swallowed", flush=True)
+        print("the block went on", flush=True)
+    print("not stopped", flush=True)
+except KeyboardInterrupt:
+    print("stopped as the block ended", flush=True)
+"""
+
+
+def test_a_stop_held_during_a_block_is_acted_on_as_it_ends_and_the_handlers_are_back_without_one():
+    done = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, timeout=20)
+    assert done.stdout.split("\n")[:3] == ["interrupt", "the block went on", "stopped as the block ended"], done.stderr
