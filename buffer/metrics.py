@@ -33,26 +33,38 @@ class GeneratedByStart:
     """Samples and response tokens of the groups stored, by the version each started under, so that what the
     learner was handed can be compared with as many generated samples taken in the order the buffer hands them
     out (oldest start first, then as stored): it reads the same lengths unless groups were dropped, or an old
-    group is still waiting while younger ones went out. Groups still generating count on neither side."""
+    group is still waiting while younger ones went out. Groups still generating count on neither side.
 
-    groups: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # start version -> (samples, response tokens) per group, as stored
-    totals: dict[int, tuple[int, int]] = field(default_factory=dict)  # start version -> its groups' samples and response tokens
+    Memory stays bounded in a job of days: a start version whose groups were all taken, with every older one, is
+    folded into one running total (`settled`) and forgets its groups. The count asked for only grows (samples
+    handed out), so a later answer takes a folded version whole again; a group stored late under a folded version
+    joins the total, ahead of every open version, as the buffer would hand it out."""
+
+    groups: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # open start version -> (samples, response tokens) per group, as stored
+    settled: tuple[int, int] = (0, 0)  # samples and response tokens of the folded versions' groups
+    settled_through: int | None = None  # newest folded start version; None: none folded yet
 
     def add(self, start_version: int, samples: int, response_tokens: int) -> None:
         """A group stored (start version -1: it has no trained token)."""
-        self.groups.setdefault(start_version, []).append((samples, response_tokens))
-        stored_samples, stored_tokens = self.totals.get(start_version, (0, 0))
-        self.totals[start_version] = (stored_samples + samples, stored_tokens + response_tokens)
+        if self.settled_through is not None and start_version <= self.settled_through:
+            self.settled = (self.settled[0] + samples, self.settled[1] + response_tokens)
+        else:
+            self.groups.setdefault(start_version, []).append((samples, response_tokens))
 
     def first(self, samples: int) -> tuple[int, int]:
         """(samples, response tokens) of the first whole groups in hand-out order that hold at least `samples`
-        samples (all of them while fewer were stored)."""
-        taken = tokens = 0
-        for version in sorted(self.totals):
-            version_samples, version_tokens = self.totals[version]
+        samples (all of them while fewer were stored; all folded ones when late groups made those more than
+        `samples`). `samples` must not shrink from one call to the next: versions taken whole are folded."""
+        taken, tokens = self.settled
+        for version in sorted(self.groups):
+            if taken >= samples:
+                break
+            version_samples = sum(group_samples for group_samples, _ in self.groups[version])
             if taken + version_samples > samples:  # the count ends inside this version: its groups one by one
                 return _first_groups(self.groups[version], samples, taken, tokens)
-            taken, tokens = taken + version_samples, tokens + version_tokens
+            taken += version_samples
+            tokens += sum(group_tokens for _, group_tokens in self.groups.pop(version))
+            self.settled, self.settled_through = (taken, tokens), version
         return taken, tokens
 
 

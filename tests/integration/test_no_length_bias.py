@@ -84,7 +84,6 @@ def test_the_mean_trained_length_equals_the_generated_one(runs, k):
     trained_tokens = sum(r["batch/samples"] * r["response_length/mean"] for r in records)
     assert (last["buffer/handed_out_samples"], last["buffer/handed_out_response_tokens"]) == (trained_samples, pytest.approx(trained_tokens))
     generated = last["buffer/first_generated_response_tokens"] / last["buffer/first_generated_samples"]
-    assert last["buffer/first_generated_samples"] == pytest.approx(trained_samples, abs=SAMPLES_PER_GROUP)  # whole groups
     assert trained_tokens / trained_samples == pytest.approx(generated, rel=LENGTH_TOLERANCE)
     ratios = [r["response_length/trained_vs_generated"] for r in records[STEPS // 2:]]
     assert statistics.median(ratios) == pytest.approx(1.0, abs=LENGTH_TOLERANCE), ratios
