@@ -6,20 +6,22 @@ from __future__ import annotations
 
 from typing import Callable
 
-from asyncrl.weight_transfer.backends import weight_backend
+from asyncrl.weight_transfer.backends import AUTO, weight_backend
 from asyncrl.weight_transfer.interface import SendingEnd
 
 
 class SendingEnds:
     def __init__(self, default: str, make: Callable[[str], SendingEnd]) -> None:
-        """`default`: the backend of a server that announces none (`rollout.weight_sync.backend`, `auto` resolved as
-        each process does); `make(name)`: the sending end of backend `name`, called once per backend."""
+        """`default`: the backend of a server that announces none (`rollout.weight_sync.backend` as the learner's
+        placement left it; `auto` there is nccl where this process sees CUDA, else gloo); `make(name)`: the sending end of backend `name`, called once per backend."""
         self.default, self._make = default, make
         self._ends: dict[str, SendingEnd] = {}
 
     def backend_of(self, announced: str) -> str:
-        """The backend a server that announced `announced` receives on; ValueError for a name no backend has."""
-        return weight_backend(announced or self.default).name
+        """The backend a server that announced `announced` receives on: the default where it named none or `auto`
+        (started without a plan, it does not know where it runs; the learner's placement did); ValueError for a
+        name no backend has."""
+        return weight_backend(self.default if announced in ("", AUTO) else announced).name
 
     def end(self, backend: str) -> SendingEnd:
         """The sending end of `backend` (a name `backend_of` gave), made on first use and kept."""

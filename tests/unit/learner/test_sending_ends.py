@@ -23,9 +23,11 @@ def test_each_backend_gets_one_end_made_on_first_use_and_closed_with_the_others(
     ends.close()
 
 
-def test_a_server_naming_no_backend_gets_the_default_and_auto_is_resolved_here():
-    ends = SendingEnds("ipc", lambda name: GLOO.sending_end())
-    assert [ends.backend_of(announced) for announced in ("", "ipc", "nccl", "gloo")] == ["ipc", "ipc", "nccl", "gloo"]
-    assert ends.backend_of("auto") == ("nccl" if torch.cuda.is_available() else "gloo")  # as each process resolves it
+def test_a_server_naming_no_backend_or_auto_gets_the_default_and_auto_is_resolved_here():
+    colocated = SendingEnds("ipc", lambda name: GLOO.sending_end())
+    assert [colocated.backend_of(announced) for announced in ("", "auto", "ipc", "nccl", "gloo")] == [
+        "ipc", "ipc", "ipc", "nccl", "gloo"]
+    ends = SendingEnds("auto", lambda name: GLOO.sending_end())
+    assert ends.backend_of("") == ("nccl" if torch.cuda.is_available() else "gloo")  # as this process resolves auto
     with pytest.raises(ValueError, match="unknown weight-sync backend 'mpi'"):
-        ends.backend_of("mpi")
+        colocated.backend_of("mpi")
