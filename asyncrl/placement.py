@@ -5,23 +5,30 @@ the config and the visible GPUs; the commands print the plan, refuse an impossib
 starts, and pin each process to its GPUs through CUDA_VISIBLE_DEVICES. `asyncrl run` hands its plan to the
 two commands it starts as explicit lists; a command started alone without lists uses the GPUs it sees.
 
-Automatic split: one visible GPU is shared by the learner and every server (colocated); with more, the
-servers take the first `num_servers` × tensor-parallel GPUs and the learner's ranks the next `learner.nproc`.
-A colocated plan syncs weights through CUDA IPC (`weight_sync.backend: auto` means ipc there). A backend that does
-not work where the plan puts the roles is refused before anything starts: `nccl` on a shared GPU (NCCL refuses two
-ranks on one GPU), `ipc` for roles apart (`asyncrl.weight_transfer.backends`).
+Automatic split: servers take GPUs of their own first, `num_servers` × tensor-parallel of them, the learner's ranks
+the next `learner.nproc`, and the servers that GPUs of their own cannot hold run beside the learner, on its first
+rank's GPU (`rollout.placement`: auto shares only those; shared puts at least one there; apart none). One visible
+GPU is thus shared by the learner and every server (colocated); two GPUs and two servers give each GPU a server, the
+second also running the learner (a mixed plan).
+
+Each server receives the weights on the backend that works where it is (`server_places`): a server beside the
+learner by CUDA IPC (`weight_sync.backend: auto` means ipc there), a server on GPUs of its own by NCCL. A backend that
+does not work where the plan puts a server is refused before anything starts: `nccl` beside the learner (NCCL refuses
+two ranks on one GPU), `ipc` apart (`asyncrl.weight_transfer.backends`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Collection
 
 from asyncrl.config import AsyncRLConfig, ConfigError
-from asyncrl.weight_transfer.backends import alternatives, named, placed
+from asyncrl.weight_transfer.backends import AUTO, IPC, NCCL, alternatives, named, placed
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory the servers take together; the learner gets the rest
+APART, SHARED = "apart", "shared"  # rollout.placement: no server beside the learner; at least one
 
 
 class PlacementError(ConfigError):
@@ -36,16 +43,50 @@ class Plan:
     @property
     def colocated(self) -> bool:
         """The learner shares a GPU with a server."""
-        return bool(set(self.learner) & {gpu for server in self.servers for gpu in server})
+        return self.sharing > 0
+
+    @property
+    def sharing(self) -> int:
+        """How many servers run on the learner's GPUs."""
+        return sum(self.shares(index) for index in range(len(self.servers)))
+
+    def shares(self, index: int) -> bool:
+        """Server `index` runs on (some of) the learner's GPUs."""
+        return bool(set(self.servers[index]) & set(self.learner))
+
+    def beside_learner(self, index: int) -> bool:
+        """Server `index` runs on the first learner rank's GPU alone, where CUDA IPC reaches it."""
+        return self.servers[index] == self.learner[:1]
 
     def unused(self, visible: list[int]) -> list[int]:
         used = set(self.learner) | {gpu for server in self.servers for gpu in server}
         return [gpu for gpu in visible if gpu not in used]
 
     def describe(self) -> str:
-        servers = ", ".join(f"server-{i} → {_ids(gpus)}" for i, gpus in enumerate(self.servers))
-        shared = " (colocated)" if self.colocated else ""
-        return f"GPU plan: learner → {_ids(self.learner)}; {servers}{shared}"
+        servers = ", ".join(f"server-{i} → {_ids(gpus)}" + (" (with the learner)" if self.shares(i) else "")
+                            for i, gpus in enumerate(self.servers))
+        kind = " (colocated)" if self.sharing == len(self.servers) else " (mixed)" if self.colocated else ""
+        return f"GPU plan: learner → {_ids(self.learner)}; {servers}{kind}"
+
+
+@dataclass(frozen=True)
+class ServerPlace:
+    """Where one server runs and what follows from it."""
+
+    gpus: tuple[int, ...]  # its GPUs (physical ids)
+    backend: str  # how it receives the weights: ipc beside the learner, else gloo or nccl
+    gpu_memory_utilization: float  # its engine's share of each GPU's memory (lowered beside the learner)
+    with_learner: bool  # it runs on the learner's GPU
+
+    def describe(self, index: int) -> str:
+        where = "beside the learner" if self.with_learner else "on GPUs of its own"
+        return (f"server-{index} {where}: weights by {self.backend}, "
+                f"gpu_memory_utilization {self.gpu_memory_utilization:g}")
+
+    def apply(self, config: AsyncRLConfig) -> None:
+        """Make `config` (a server process's own) say what this place decided for it."""
+        config.rollout.weight_sync.backend = self.backend
+        config.rollout.engine.gpu_memory_utilization = self.gpu_memory_utilization
 
 
 def plan_placement(config: AsyncRLConfig, visible: list[int], automatic: bool = True) -> Plan | None:
@@ -63,24 +104,65 @@ def plan_placement(config: AsyncRLConfig, visible: list[int], automatic: bool = 
     wanted_learner = _checked(learner.gpus, learner.nproc, "learner.gpus", "learner.nproc", visible, 1, may_share=False)
     wanted_rollout = _checked(rollout.gpus, rollout.num_servers * tp, "rollout.gpus",
                               "rollout.num_servers × rollout.engine.tensor_parallel_size", visible, tp, may_share=True)
-    if not wanted_learner and not wanted_rollout:
-        if len(visible) == 1:
-            return _colocated(visible[0], learner.nproc, rollout.num_servers, tp)
-        need = learner.nproc + rollout.num_servers * tp
-        if need > len(visible):
-            raise PlacementError(f"learner.nproc={learner.nproc} + rollout.num_servers={rollout.num_servers} × "
-                                 f"rollout.engine.tensor_parallel_size={tp} need {need} GPUs and {len(visible)} are "
-                                 "visible: lower them, or share GPUs by listing the same ones in learner.gpus and rollout.gpus")
-    server_gpus = wanted_rollout or _take(visible, exclude=wanted_learner, count=rollout.num_servers * tp,
-                                          role="rollout servers", need_keys="rollout.num_servers, rollout.engine.tensor_parallel_size")
-    learner_gpus = wanted_learner or _take(visible, exclude=server_gpus, count=learner.nproc, role="learner ranks",
+    if wanted_rollout:
+        learner_gpus = wanted_learner or _take(visible, exclude=wanted_rollout, count=learner.nproc,
+                                               role="learner ranks", need_keys="learner.nproc")
+        servers = tuple(tuple(wanted_rollout[i * tp:(i + 1) * tp]) for i in range(rollout.num_servers))
+    else:
+        learner_gpus, servers = _split(config, visible, wanted_learner)
+    plan = Plan(learner=tuple(learner_gpus), servers=servers)
+    _check_sharing(plan, rollout.placement)
+    return plan
+
+
+def _split(config: AsyncRLConfig, visible: list[int], wanted_learner: list[int]) -> tuple[list[int], tuple]:
+    """The automatic split where `rollout.gpus` is empty: the servers that fit on GPUs of their own take them first,
+    the learner the next ones (or `wanted_learner`), and the rest of the servers go beside it."""
+    learner, rollout = config.learner, config.rollout
+    tp, count = rollout.engine.tensor_parallel_size, rollout.num_servers
+    if not wanted_learner and learner.nproc > len(visible):
+        raise PlacementError(f"learner.nproc={learner.nproc}: {len(visible)} GPUs are visible, a learner rank needs "
+                             "one of its own")
+    room = (len(visible) - len(wanted_learner or range(learner.nproc))) // tp  # servers GPUs of their own could hold
+    beside = _servers_beside_learner(rollout.placement, count, room)
+    if beside and tp > 1:
+        raise PlacementError(f"rollout.engine.tensor_parallel_size={tp}: {beside} server(s) would run beside the "
+                             f"learner, and such a server runs on the learner's one GPU (tensor_parallel_size 1); "
+                             f"with rollout.placement={rollout.placement} lower rollout.num_servers or give it GPUs")
+    if count - beside > room:
+        raise PlacementError(f"learner.nproc={learner.nproc} + rollout.num_servers={count} × "
+                             f"rollout.engine.tensor_parallel_size={tp} need {learner.nproc + count * tp} GPUs and "
+                             f"{len(visible)} are visible: lower them, set rollout.placement=shared or auto (servers "
+                             "beside the learner), or list the same GPUs in learner.gpus and rollout.gpus")
+    apart_gpus = _take(visible, exclude=wanted_learner, count=(count - beside) * tp, role="rollout servers",
+                       need_keys="rollout.num_servers, rollout.engine.tensor_parallel_size")
+    learner_gpus = wanted_learner or _take(visible, exclude=apart_gpus, count=learner.nproc, role="learner ranks",
                                            need_keys="learner.nproc")
-    shared = set(learner_gpus) & set(server_gpus)
-    if shared and set(learner_gpus) != set(server_gpus):
-        raise PlacementError(f"learner.gpus {_ids(learner_gpus)} and rollout.gpus {_ids(server_gpus)} share "
-                             f"{_ids(sorted(shared))} but not all their GPUs: give them the same list (colocated) or none in common")
-    servers = tuple(tuple(server_gpus[i * tp:(i + 1) * tp]) for i in range(rollout.num_servers))
-    return Plan(learner=tuple(learner_gpus), servers=servers)
+    apart = [tuple(apart_gpus[i * tp:(i + 1) * tp]) for i in range(count - beside)]
+    return learner_gpus, tuple(apart + [(learner_gpus[0],)] * beside)
+
+
+def _servers_beside_learner(mode: str, servers: int, room: int) -> int:
+    """How many of `servers` run beside the learner when GPUs of their own could hold `room` of them."""
+    if mode == APART:
+        return 0
+    overflow = max(servers - room, 0)
+    return max(overflow, 1) if mode == SHARED else overflow
+
+
+def _check_sharing(plan: Plan, mode: str) -> None:
+    """A server shares all of its GPUs with the learner or none (memory is split per GPU), and the plan keeps
+    `rollout.placement`."""
+    for index, gpus in enumerate(plan.servers):
+        if plan.shares(index) and not set(gpus) <= set(plan.learner):
+            raise PlacementError(f"rollout.gpus: server-{index} on {_ids(gpus)} shares some of learner.gpus "
+                                 f"{_ids(plan.learner)} but not all its GPUs: give it the learner's GPUs or none of them")
+    if mode == APART and plan.colocated:
+        raise PlacementError(f"rollout.placement=apart: {plan.describe()} puts a server on the learner's GPU; "
+                             "list GPUs apart in learner.gpus and rollout.gpus, or set rollout.placement=auto")
+    if mode == SHARED and not plan.colocated:
+        raise PlacementError(f"rollout.placement=shared: {plan.describe()} puts no server on the learner's GPU; "
+                             "list one of learner.gpus in rollout.gpus, or set rollout.placement=auto")
 
 
 def visible_gpus() -> list[int]:
@@ -95,22 +177,45 @@ def visible_gpus() -> list[int]:
     return ids[:count]
 
 
+def server_places(config: AsyncRLConfig, plan: Plan) -> tuple[ServerPlace, ...]:
+    """Each server's place in `plan`: its GPUs, the backend it receives the weights on (PlacementError, naming the
+    server and the key, where `rollout.weight_sync.backend` does not work there) and its engine's memory share."""
+    share = share_beside_learner(config, plan.sharing)
+    return tuple(ServerPlace(gpus, _server_backend(config.rollout.weight_sync.backend, plan, index),
+                             share if plan.shares(index) else config.rollout.engine.gpu_memory_utilization,
+                             plan.shares(index))
+                 for index, gpus in enumerate(plan.servers))
+
+
+def _server_backend(name: str, plan: Plan, index: int) -> str:
+    """The backend server `index` receives on: `name`, or for `auto` ipc beside the learner and nccl apart (a plan
+    exists only where GPUs are visible)."""
+    shares = plan.shares(index)
+    where = (f"server-{index} on {_ids(plan.servers[index])} " +
+             ("shares the learner's GPU" if shares else "has GPUs of its own") + f" ({plan.describe()})")
+    _refuse_where_it_fails(name, shares, where, [plan.shares(other) for other in range(len(plan.servers))])
+    chosen = placed(name, shares)
+    if chosen == IPC.name and not plan.beside_learner(index):
+        raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and CUDA IPC reaches a server only on the "
+                             f"first learner rank's GPU {_ids(plan.learner[:1])} alone; use gloo, or move the server")
+    return NCCL.name if chosen == AUTO else chosen
+
+
 def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
-    """The weight-sync backend the plan allows: `auto` is ipc when colocated; a backend that does not work where the
-    plan puts the roles (nccl on a shared GPU, ipc apart) is refused."""
+    """The job's weight-sync backend, what a server not told its own receives on: `auto` is ipc when every server
+    shares the learner's GPU; a backend that does not work where the plan puts a server (nccl on a shared GPU, ipc
+    apart) is refused (`server_places` gives each server its own)."""
     name = config.rollout.weight_sync.backend
     if plan is None:
         return name
-    where = ("the learner and a rollout server share a GPU" if plan.colocated
-             else "the plan puts the learner and the servers on GPUs of their own")
-    _refuse_where_it_fails(name, plan.colocated, f"{where} ({plan.describe()})")
-    return placed(name, plan.colocated)
+    server_places(config, plan)  # refuses a backend that some server cannot receive on
+    return placed(name, plan.sharing == len(plan.servers))
 
 
 def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan | None:
-    """The plan of a job on this machine (split `automatic`ally where the lists are empty), logged, with
-    `rollout.weight_sync.backend` set to what it allows (changes `config` in place); PlacementError before
-    anything starts when it cannot be given."""
+    """The plan of a job on this machine (split `automatic`ally where the lists are empty), logged with each server's
+    place, and `rollout.weight_sync.backend` set to what it allows (changes `config` in place; `server_places` says
+    what each server receives on); PlacementError before anything starts when it cannot be given."""
     visible = visible_gpus()
     if not visible:
         _check_backend_without_gpu(config.rollout.weight_sync.backend)
@@ -120,19 +225,21 @@ def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan
         unused = plan.unused(visible)
         if unused:
             log.info("GPUs %s are visible and unused (rollout.num_servers, learner.nproc)", _ids(unused))
+        for index, place in enumerate(server_places(config, plan)):
+            log.info("%s", place.describe(index))
+        leave_room_for_the_learner(config, plan, log)
         config.rollout.weight_sync.backend = weight_sync_backend(config, plan)
-        if plan.colocated:
-            leave_room_for_the_learner(config, log)
     return plan
 
 
-def _refuse_where_it_fails(name: str, shared_gpu: bool, where: str) -> None:
+def _refuse_where_it_fails(name: str, shared_gpu: bool, where: str, elsewhere: Collection[bool] = ()) -> None:
     """PlacementError when backend `name` does not work where a server does (`shared_gpu`) or does not share the
-    learner's GPU; `where` says how the roles are placed. `auto` always works (placement decides it)."""
+    learner's GPU; `where` says how the roles are placed, `elsewhere` where the plan's other servers are (the advice
+    fits them all). `auto` always works (placement decides it)."""
     backend = named(name)
     if backend is not None and not backend.works(shared_gpu):
         raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and {backend.limit}; "
-                             f"use {alternatives(shared_gpu)}")
+                             f"use {alternatives(shared_gpu, elsewhere)}")
 
 
 def _check_backend_without_gpu(name: str) -> None:
@@ -143,26 +250,38 @@ def _check_backend_without_gpu(name: str) -> None:
                              f"use {alternatives(None)}")
 
 
-def leave_room_for_the_learner(config: AsyncRLConfig, log) -> None:
-    """On a shared GPU the servers together take at most COLOCATED_SERVERS_SHARE of its memory (each server's
-    `rollout.engine.gpu_memory_utilization` is lowered to fit, with a warning); the learner's
-    `micro_batch_tokens: auto` leaves that share free, started or not (`servers_share_of_learner_gpu`)."""
-    engine, servers = config.rollout.engine, config.rollout.num_servers
-    if engine.gpu_memory_utilization * servers <= COLOCATED_SERVERS_SHARE:
-        return
-    lowered = round(COLOCATED_SERVERS_SHARE / servers, 3)
-    log.warning("rollout.engine.gpu_memory_utilization=%g × %d server(s) would leave the learner too little of the "
-                "shared GPU: using %g per server (set it to at most %g to choose)", engine.gpu_memory_utilization,
-                servers, lowered, lowered)
-    engine.gpu_memory_utilization = lowered
+def share_beside_learner(config: AsyncRLConfig, servers: int) -> float:
+    """The `gpu_memory_utilization` of each of `servers` servers on the learner's GPU: together they take at most
+    COLOCATED_SERVERS_SHARE of its memory, so a larger `rollout.engine.gpu_memory_utilization` is lowered to fit.
+    Servers on GPUs of their own keep the configured share."""
+    wanted = config.rollout.engine.gpu_memory_utilization
+    if not servers or wanted * servers <= COLOCATED_SERVERS_SHARE:
+        return wanted
+    return round(COLOCATED_SERVERS_SHARE / servers, 3)
+
+
+def leave_room_for_the_learner(config: AsyncRLConfig, plan: Plan, log) -> None:
+    """Warn when the servers on the learner's GPU get less than `rollout.engine.gpu_memory_utilization`
+    (`share_beside_learner`); the learner's `micro_batch_tokens: auto` leaves their share free, started or not
+    (`servers_share_of_learner_gpu`)."""
+    engine = config.rollout.engine
+    beside = plan.sharing
+    lowered = share_beside_learner(config, beside)
+    if lowered < engine.gpu_memory_utilization:
+        log.warning("rollout.engine.gpu_memory_utilization=%g × %d server(s) on the learner's GPU would leave the "
+                    "learner too little of it: using %g for each of them (set it to at most %g to choose; servers on "
+                    "GPUs of their own keep %g)", engine.gpu_memory_utilization, beside, lowered, lowered,
+                    engine.gpu_memory_utilization)
 
 
 def servers_share_of_learner_gpu(config: AsyncRLConfig) -> float:
     """The share of the learner's GPU memory that rollout servers on that GPU take (0 when the roles have GPUs of
-    their own): what a colocated learner must leave free, also before the servers have started."""
-    if not set(config.learner.gpus) & set(config.rollout.gpus):
-        return 0.0
-    return config.rollout.engine.gpu_memory_utilization * config.rollout.num_servers
+    their own), from the lists `asyncrl run` hands the learner: what it must leave free, also before the servers
+    have started."""
+    tp = config.rollout.engine.tensor_parallel_size
+    listed = config.rollout.gpus
+    plan = Plan(tuple(config.learner.gpus), tuple(tuple(listed[i:i + tp]) for i in range(0, len(listed), tp)))
+    return plan.sharing * share_beside_learner(config, plan.sharing)
 
 
 def check_ray_placement(config: AsyncRLConfig) -> None:
@@ -180,6 +299,9 @@ def check_ray_placement(config: AsyncRLConfig) -> None:
     if config.learner.device == "cuda" and not learner_gpus:
         raise PlacementError("learner.device=cuda with ray.learner.num_gpus=0: the learner ranks' actors would see no "
                              "GPU; set ray.learner.num_gpus=1")
+    if config.rollout.placement == SHARED:
+        raise PlacementError("rollout.placement=shared: under asyncrl launch every actor has GPUs of its own; "
+                             "set it to auto or apart")
     _refuse_where_it_fails(config.rollout.weight_sync.backend, shared_gpu=False,
                            where="under asyncrl launch every actor has GPUs of its own")
 
@@ -193,14 +315,6 @@ def as_overrides(plan: Plan) -> list[str]:
 def pin(gpus: tuple[int, ...] | list[int]) -> None:
     """Make only `gpus` visible to this process and its children (before CUDA is first used)."""
     os.environ[VISIBLE_DEVICES] = ",".join(str(gpu) for gpu in gpus)
-
-
-def _colocated(gpu: int, nproc: int, servers: int, tp: int) -> Plan:
-    if nproc > 1 or tp > 1:
-        key = "learner.nproc" if nproc > 1 else "rollout.engine.tensor_parallel_size"
-        raise PlacementError(f"{key}: one GPU is visible, and a colocated job runs one learner rank and servers of "
-                             "tensor_parallel_size 1 on it")
-    return Plan(learner=(gpu,), servers=tuple((gpu,) for _ in range(servers)))
 
 
 def _checked(gpus: list[int], count: int, key: str, count_key: str, visible: list[int], group: int,

@@ -21,6 +21,7 @@ from asyncrl.weight_transfer.control_messages import ValidateVersion
 from learner.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
 from learner.generated_work import generated_work_metrics
 from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
+from learner.weight_sync.sending_ends import SendingEnds
 from asyncrl.weight_transfer.backends import weight_backend
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ def _start_coordinator(config: AsyncRLConfig, remembered_port: int | None) -> Sy
     sync = config.rollout.weight_sync
     host, port = split_tcp_endpoint(sync.control_bind)
     port = port_to_bind("weight-sync coordinator", host, port, remembered_port)
-    weights = weight_backend(sync.backend).sending_end(sync.staging_bytes)
+    weights = SendingEnds(sync.backend, lambda name: weight_backend(name).sending_end(sync.staging_bytes))
     return SyncCoordinator(f"tcp://{host}:{port}", sync.host, sync.port, weights, sync.timeout_s, sync.liveness_s,
                            sync.max_failures, config.buffer.curve_dir)
 

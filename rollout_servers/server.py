@@ -107,7 +107,8 @@ class RolloutServer:
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
                           rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir,
                           on_validate=self.validator.request if self.validator else lambda version: None,
-                          on_finished=self.leave, on_task_weights=self.prompts.set_weights)
+                          on_finished=self.leave, on_task_weights=self.prompts.set_weights,
+                          backend=rollout.weight_sync.backend)
         telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._reports(engine),
                                     curve_dir=buffer.curve_dir)
         background = [asyncio.create_task(sync.run()), asyncio.create_task(telemetry.run())]

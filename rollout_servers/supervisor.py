@@ -26,7 +26,7 @@ from asyncrl.exit_codes import CANNOT_START, LEARNER_MOVED
 from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_once
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
-from asyncrl.placement import pin
+from asyncrl.placement import ServerPlace, pin
 from asyncrl.restarts import QuickDeaths
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 from rollout_servers.learner_wait import Endpoints, LearnerFinished, LearnerMoved
@@ -80,11 +80,12 @@ def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> En
 
 
 def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path,
-              server_gpus: Sequence[Sequence[int]] | None = None) -> int | None:
+              places: Sequence[ServerPlace] | None = None) -> int | None:
     """Run `rollout.num_servers` servers until SIGINT/SIGTERM (None) or the end of the learner's job (its final
     step); restart the ones that die (`SupervisorGaveUp` when one cannot start or keeps dying). Endpoints are
     looked up at every (re)start, so servers follow a learner that restarted on new addresses.
-    `server_gpus[i]`: the GPUs server i may see (None: all)."""
+    `places[i]`: where server i runs: its GPUs, weight backend and memory share (None: as the config says, on
+    every GPU it sees)."""
     context = multiprocessing.get_context("spawn")
     stop = StopSignal()
     job_end = context.Value("q", NOT_FINISHED)  # a server writes the final step the learner announced
@@ -102,8 +103,8 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path,
                     schedule_restart(slot, index, run_dir, time.monotonic())
                 if time.monotonic() >= slot.next_start:
                     endpoints = find_endpoints(config, endpoints_dir, config.rollout.connect_timeout_s)
-                    gpus = list(server_gpus[index]) if server_gpus is not None else None
-                    slot.process = context.Process(target=serve_one, args=(config, index, endpoints, str(run_dir), gpus,
+                    place = places[index] if places is not None else None
+                    slot.process = context.Process(target=serve_one, args=(config, index, endpoints, str(run_dir), place,
                                                                            job_end), daemon=False)
                     slot.process.start()
                     slot.started_at = time.monotonic()
@@ -135,18 +136,20 @@ def server_log(run_dir: Path | str, index: int) -> Path:
     return Path(run_dir) / "logs" / f"rollout{index}.log"
 
 
-def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, gpus: list[int] | None = None,
+def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, place: ServerPlace | None = None,
               job_end: Synchronized | None = None) -> None:
     """Server `index` in this process until a stop signal or the end of the job, whose final step goes to
     `job_end`. Exits CANNOT_START if it cannot be built, LEARNER_MOVED when the learner came back on other
-    addresses, 1 (the error and its traceback in the server's log) on any other failure. `gpus`: the GPUs it may
-    see (None: as the process found them)."""
+    addresses, 1 (the error and its traceback in the server's log) on any other failure. `place`: its GPUs, weight
+    backend and memory share (None: the GPUs the process found, and the config's settings)."""
     die_with_spawning_parent()  # a supervisor killed outright takes its servers along
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
     interrupt_once()  # a second stop (the run's, then the supervisor's) must not break the server's teardown
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if gpus is not None:
-        pin(gpus)  # before vLLM first touches CUDA
+    if place is not None:
+        pin(place.gpus)  # before vLLM first touches CUDA
+        place.apply(config)  # this process's own copy: the other servers keep theirs
+        log.info("%s", place.describe(index))
     prepare_nccl_environment(config.rollout.weight_sync.host)  # before vLLM's workers start: they inherit it
     # Imported here, in the server's own process: vLLM takes seconds of CPU to import, and the supervisor (and
     # every other process that imports this module) never runs an engine.

@@ -34,14 +34,17 @@ class SyncClient:
     def __init__(self, address: str, server_id: str, engine: RolloutEngine, ranks: int, heartbeat_s: float,
                  curve_dir: str = "", on_validate: Callable[[int], None] = _ignore,
                  on_finished: Callable[[int], Awaitable[None]] = _leave_at_once,
-                 on_task_weights: Callable[[list[float]], None] = _keep_weights) -> None:
+                 on_task_weights: Callable[[list[float]], None] = _keep_weights, backend: str = "") -> None:
         """`curve_dir`: the job's CURVE keys (buffer.curve_dir), needed when the coordinator has them.
+        `backend`: the weight backend this server receives on, announced in every heartbeat (placement decides it
+        from where the server runs; "" leaves it to the learner).
         `on_validate(version)`: the learner asks for a validation of `version`; `await on_finished(version)`: the
         job ended at `version`, and once it returns the client tells the learner that the server leaves (the
         learner then closes the buffer), and stops. `on_task_weights(weights)`: draw prompts with these weights."""
         self.server_id, self.engine, self.ranks, self.heartbeat_s = server_id, engine, ranks, heartbeat_s
         self.socket = connect_control(address, curve_dir)
         self.on_validate, self.on_finished, self.on_task_weights = on_validate, on_finished, on_task_weights
+        self.backend = backend
         self.last_pause_s = 0.0  # pause-to-resume time of the last successful update
         self.updates = 0  # successful updates
         self.finished = False  # the learner ended the job: no more heartbeats
@@ -57,7 +60,8 @@ class SyncClient:
         self.socket.close(0)
 
     def _heartbeat(self) -> ServerHeartbeat:
-        return ServerHeartbeat(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up)
+        return ServerHeartbeat(self.server_id, self.ranks, self.engine.current_version, self.engine.needs_catch_up,
+                               self.backend)
 
     async def _handle(self, frame: bytes) -> None:
         try:

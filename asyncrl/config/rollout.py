@@ -78,6 +78,10 @@ class ChatEndpointConfig:
 @dataclass
 class RolloutConfig:
     num_servers: int = bounded(1, 1)  # rollout server processes, one vLLM engine each
+    # which servers run on the learner's GPU, where `asyncrl run` splits the GPUs: shared = those that GPUs of their own
+    # cannot hold (at least one); apart = none; auto = shared when the servers outnumber the GPUs left to them (one GPU:
+    # all of them), else apart (docs/placement.md)
+    placement: str = one_of("auto", "apart", "shared")
     gpus: list[int] = field(default_factory=list)  # GPU ids of the servers, tensor_parallel_size consecutive ones each (servers may share one); empty = `asyncrl run` splits the visible GPUs, a lone `asyncrl rollout` uses what it sees (docs/placement.md)
     max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings

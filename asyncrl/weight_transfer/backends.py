@@ -4,11 +4,14 @@
 - nccl: the same group over GPUs; NCCL joins no two ranks on one GPU, so not where a server shares the learner's.
 - ipc: no group, one CUDA IPC buffer on the learner's GPU that the servers there map.
 
-`rollout.weight_sync.backend: auto` is decided in two steps: a plan that puts a server on the learner's GPU makes it
-ipc (`placed`); otherwise each process takes nccl where it sees CUDA, else gloo (`weight_backend`).
+`rollout.weight_sync.backend: auto` is decided per server in two steps: a plan that puts the server on the learner's
+GPU makes it ipc (`placed`); otherwise nccl where CUDA is seen, else gloo (`weight_backend`). One job may use two:
+ipc for a server beside the learner, nccl for servers on GPUs of their own.
 """
 
 from __future__ import annotations
+
+from typing import Collection
 
 import torch
 
@@ -54,11 +57,13 @@ def group_backend(receiver_has_own_gpus: bool) -> GroupBackend:
     return NCCL if receiver_has_own_gpus else GLOO
 
 
-def alternatives(shared_gpu: bool | None) -> str:
+def alternatives(shared_gpu: bool | None, elsewhere: Collection[bool] = ()) -> str:
     """What a refused backend's error advises: the names that work where a server does (`shared_gpu`) or does not
-    share the learner's GPU; `None`: on a machine without a GPU."""
+    share the learner's GPU, and where each other server of the plan is (`elsewhere`, the same for each);
+    `None`: on a machine without a GPU."""
     if shared_gpu is None:
         fitting = [backend.name for backend in BACKENDS.values() if backend.device_type == "cpu"]
     else:
-        fitting = [backend.name for backend in BACKENDS.values() if backend.works(shared_gpu)]
+        places = {shared_gpu, *elsewhere}
+        fitting = [backend.name for backend in BACKENDS.values() if all(backend.works(place) for place in places)]
     return ", ".join(fitting) + f" or {AUTO}"

@@ -36,6 +36,7 @@ class ServerHeartbeat:
     ranks: Ranks  # group ranks the server needs (its tensor-parallel workers)
     version: Version  # policy version its engine holds now
     needs_catch_up: bool = False  # its last update failed: it must not sample until the next one
+    backend: Identifier = ""  # the weight backend it receives on, as its place decided ("" = the learner's default)
 
 
 @message("server_leaving")

@@ -20,7 +20,7 @@ def main(args: argparse.Namespace) -> int:
     if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
         log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
         return 2
-    from asyncrl.placement import place_local_job  # imports torch: after parsing
+    from asyncrl.placement import place_local_job, server_places  # imports torch: after parsing
     from rollout_servers.learner_wait import LearnerFinished
     from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
 
@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
         log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
                  endpoints.sync)
         final_step = supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."),
-                               plan.servers if plan is not None else None)
+                               server_places(config, plan) if plan is not None else None)
     except LearnerFinished as finished:
         final_step = finished.version
     except SupervisorGaveUp as error:

@@ -6,8 +6,11 @@ so a server that died since its last heartbeat costs that wait, not a rendezvous
 invites the servers that answered, (re)builds the transfer group when membership changed or the last
 round failed, broadcasts, and waits for each server's `SyncDone` until the deadline. A server that fails
 or stays silent is left out of the round; it rejoins with its next heartbeat and catches up in the next
-round. How the weights travel is the backend's (`asyncrl.weight_transfer.backends`): the coordinator drives
-its `SendingEnd` (stage before the invitations, connect after them, send). Every wait is bounded, so the
+round. How the weights travel is the backend's (`asyncrl.weight_transfer.backends`), and each server names the
+one it receives on in its heartbeats (ipc beside the learner, nccl on GPUs of its own, in one job): a round has a
+leg per backend in use, each driving that backend's `SendingEnd` (`SendingEnds`) for its servers alone (stage
+before the invitations, connect after them, send), so a failure on one backend fails its servers only and
+leaves the other backends' groups standing. Every wait is bounded, so the
 learner never hangs on a server. Servers also send their counters (`ServerTelemetry`) and their latest
 validation pass (`ValidationResult`) on the same channel, apart from the heartbeats; the latest of each
 server's are kept for `rollout_metrics`.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, TypeVar
+from typing import Collection, Iterator, TypeVar
 
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import bind_control
@@ -27,9 +30,10 @@ from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry,
                                                       SyncDone, SyncInvite, SyncPrepare, SyncReady, ValidationResult)
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
-from asyncrl.weight_transfer.interface import SendingEnd
+from asyncrl.weight_transfer.interface import SendingEnd, Staged
 from asyncrl.weight_transfer.ipc import OTHER_GPU
 from asyncrl.weight_transfer.protocol import NamedTensors, update_info_for
+from learner.weight_sync.sending_ends import SendingEnds
 from learner.weight_sync.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class Member:
     last_seen: float  # monotonic time of its last heartbeat
     version: int  # version it holds (reported, or loaded in a successful round)
     needs_catch_up: bool = False  # its last update failed: it holds no complete weights
+    backend: str = ""  # the weight backend it announced ("" = the job's default)
 
 
 @dataclass
@@ -65,11 +70,24 @@ class RoundReport:
     max_server_pause_s: float = 0.0  # longest pause-to-resume reported by a server
 
 
+@dataclass
+class _Leg:
+    """One backend's part of a round: its invited servers and the weights staged for them."""
+
+    backend: str  # the backend's name
+    end: SendingEnd  # the learner's end of it
+    members: list[str]  # the invited servers that receive on it
+    identities: tuple[bytes, ...]  # their socket identities: the group's membership
+    staged: Staged  # the round's weights, ready to send on it
+    address: GroupAddress | None = None  # where a new group meets; None: the servers keep the one they joined
+    init_infos: dict[str, dict] = field(default_factory=dict)  # each server's init request of a new group
+
+
 class SyncCoordinator:
-    def __init__(self, bind: str, group_host: str, group_port: int, weights: SendingEnd, timeout_s: float,
+    def __init__(self, bind: str, group_host: str, group_port: int, weights: SendingEnds, timeout_s: float,
                  liveness_s: float, max_failures: int = 3, curve_dir: str = "") -> None:
-        """`weights`: the learner's end of the job's weight backend (`WeightBackend.sending_end`), closed with the
-        coordinator. `group_port`: where each new group meets (0: a free port). `max_failures`: rounds in a row a
+        """`weights`: the learner's end of each backend the servers receive on, closed with the coordinator.
+        `group_port`: where each new group meets (0: a free port). `max_failures`: rounds in a row a
         server may fail before it is given up on (left out of rounds until it restarts). `curve_dir`: the job's
         CURVE keys (buffer.curve_dir); required when `bind` is not loopback, and then only servers holding the
         authorised client key can join."""
@@ -78,8 +96,8 @@ class SyncCoordinator:
         self.group_host, self.group_port = group_host, group_port
         self.timeout_s, self.liveness_s = timeout_s, liveness_s
         self.members: dict[str, Member] = {}
-        self._weights = weights
-        self._group_members: tuple[bytes, ...] = ()  # socket identities of the group's servers: a restarted one is new
+        self._ends = weights
+        self._group_members: dict[str, tuple[bytes, ...]] = {}  # backend -> its group's socket identities (a restarted server is new)
         self._round = 0
         self._server_metrics = ServerMetrics()
         self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
@@ -185,36 +203,66 @@ class SyncCoordinator:
             return report
         self._round += 1
         invited = self._confirm_present(report, candidates)
-        if not invited:
-            report.seconds = time.perf_counter() - started
-            return report
+        legs = self._legs(report, invited, named_tensors)
         update_info = update_info_for(named_tensors)
-        staged = self._weights.stage(named_tensors)
-        if staged.moved:  # every server must learn where the weights are now
-            self._group_members = ()
-        identities = tuple(self.members[name].identity for name in invited)
-        rebuild = identities != self._group_members
-        address, init_infos = self._plan_group(invited) if rebuild else (None, {})
-        for name in invited:
-            invite = SyncInvite(self._round, version, update_info, init_infos.get(name, {}))
-            self.socket.send_multipart([self.members[name].identity, encode(invite)])
-        try:
-            if address is not None:
-                self._weights.connect(address)
-            self._group_members = identities
-            report.transfer_seconds = self._weights.send(staged)
-        except WeightTransferError as error:
-            log.warning("weight sync round %d (version %d) failed: %s", self._round, version, error)
-            self._close_group()
-            report.failed |= {name: f"transfer: {error}" for name in invited}
-            self._collect(report, invited, time.monotonic() + self.liveness_s)
-            report.seconds = time.perf_counter() - started
-            return report
-        self._collect(report, invited, time.monotonic() + self.timeout_s)
-        if any(name in report.failed for name in invited):
-            self._close_group()  # a member may be stuck mid-broadcast: never reuse this group
+        for leg in legs:
+            for name in leg.members:
+                invite = SyncInvite(self._round, version, update_info, leg.init_infos.get(name, {}))
+                self.socket.send_multipart([self.members[name].identity, encode(invite)])
+        deadlines: dict[str, float] = {}
+        for leg in legs:
+            deadlines |= self._send(report, leg)
+        self._collect(report, deadlines)
+        for leg in legs:
+            if any(name in report.failed for name in leg.members):
+                self._close_group(leg.backend)  # a member may be stuck mid-broadcast: never reuse this group
         report.seconds = time.perf_counter() - started
         return report
+
+    def _legs(self, report: RoundReport, invited: list[str], named_tensors: NamedTensors) -> list[_Leg]:
+        """The round's part on each backend the `invited` servers receive on: the weights staged on it before any
+        server is invited (and pauses), and a new group where its membership changed or the weights moved."""
+        legs = []
+        for backend, members in self._by_backend(report, invited).items():
+            end = self._ends.end(backend)
+            staged = end.stage(named_tensors)
+            if staged.moved:  # every server on it must learn where the weights are now
+                self._group_members[backend] = ()
+            identities = tuple(self.members[name].identity for name in members)
+            leg = _Leg(backend, end, members, identities, staged)
+            if identities != self._group_members.get(backend, ()):
+                leg.address, leg.init_infos = self._plan_group(leg)
+            legs.append(leg)
+        return legs
+
+    def _by_backend(self, report: RoundReport, invited: list[str]) -> dict[str, list[str]]:
+        """The `invited` servers by the backend each receives on; one naming no backend there is is reported failed."""
+        by_backend: dict[str, list[str]] = {}
+        for name in invited:
+            try:
+                backend = self._ends.backend_of(self.members[name].backend)
+            except ValueError as error:
+                report.failed[name] = f"weight backend: {error}"
+                continue
+            by_backend.setdefault(backend, []).append(name)
+        return by_backend
+
+    def _send(self, report: RoundReport, leg: _Leg) -> dict[str, float]:
+        """Connect `leg`'s end where its group is new, and send; the deadline of each of its servers' reply: the
+        round's `timeout_s`, or `liveness_s` when the transfer failed (its servers are reported failed, and a reply
+        that one loaded after all still counts)."""
+        try:
+            if leg.address is not None:
+                leg.end.connect(leg.address)
+            self._group_members[leg.backend] = leg.identities
+            report.transfer_seconds += leg.end.send(leg.staged)
+        except WeightTransferError as error:
+            log.warning("weight sync round %d (version %d) failed on %s: %s", self._round, report.version,
+                        leg.backend, error)
+            self._close_group(leg.backend)
+            report.failed |= {name: f"transfer: {error}" for name in leg.members}
+            return dict.fromkeys(leg.members, time.monotonic() + self.liveness_s)
+        return dict.fromkeys(leg.members, time.monotonic() + self.timeout_s)
 
     def tell_servers(self, notice: object) -> list[str]:
         """Send `notice` (a control message) to every live server; the servers it went to."""
@@ -236,17 +284,18 @@ class SyncCoordinator:
         self.socket.poll(int(min(self.liveness_s, max(deadline - time.monotonic(), 0)) * MS_PER_S))
 
     def close(self) -> None:
-        self._close_group()
-        self._weights.close()
+        for backend in self._ends.in_use():
+            self._close_group(backend)
+        self._ends.close()
         self._router.close()
 
-    def _plan_group(self, invited: list[str]) -> tuple[GroupAddress, dict[str, dict]]:
-        """A fresh group for `invited` (on a free port unless `group_port` is set), and each server's init request
+    def _plan_group(self, leg: _Leg) -> tuple[GroupAddress, dict[str, dict]]:
+        """A fresh group for `leg`'s servers (on a free port unless `group_port` is set), and each one's init request
         (its first rank)."""
-        self._close_group()
-        offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in invited])
-        address = self._weights.address(self.group_host, self.group_port, world_size, self.timeout_s)
-        return address, {name: self._weights.init_info(address, offsets[name]) for name in invited}
+        self._close_group(leg.backend)
+        offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in leg.members])
+        address = leg.end.address(self.group_host, self.group_port, world_size, self.timeout_s)
+        return address, {name: leg.end.init_info(address, offsets[name]) for name in leg.members}
 
     def _confirm_present(self, report: RoundReport, candidates: list[str]) -> list[str]:
         """The candidates that answer this round's `SyncPrepare` within `liveness_s` (at most `timeout_s`,
@@ -267,24 +316,33 @@ class SyncCoordinator:
             report.failed.setdefault(name, reason)
             self.members.pop(name, None)  # silent: it must announce itself again
 
-    def _collect(self, report: RoundReport, invited: list[str], deadline: float) -> None:
-        """Gather SyncDone replies for this round until all arrived or the deadline."""
-        waiting = set(invited)
-        for reply in self._messages_until(deadline, waiting):
-            if isinstance(reply, SyncDone) and reply.round_id == self._round and reply.server_id in waiting:
-                waiting.discard(reply.server_id)
-                if reply.ok:
-                    member = self.members.get(reply.server_id)
-                    if member is not None:
-                        member.version, member.needs_catch_up = report.version, False
-                    report.succeeded.append(reply.server_id)
-                    report.failed.pop(reply.server_id, None)
-                    report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
-                else:
-                    report.failed[reply.server_id] = reply.error
-        self._forget_silent(report, waiting, "no reply before the deadline")
+    def _collect(self, report: RoundReport, deadlines: dict[str, float]) -> None:
+        """Gather SyncDone replies for this round until each server's arrived or its deadline passed (the servers
+        silent until then are forgotten)."""
+        waiting = dict(deadlines)
+        while waiting:
+            for reply in self._messages_until(min(waiting.values()), waiting):
+                if isinstance(reply, SyncDone) and reply.round_id == self._round and reply.server_id in waiting:
+                    del waiting[reply.server_id]
+                    self._take_reply(report, reply)
+            now = time.monotonic()
+            silent = {name for name, deadline in waiting.items() if deadline <= now}
+            self._forget_silent(report, silent, "no reply before the deadline")
+            waiting = {name: deadline for name, deadline in waiting.items() if name not in silent}
 
-    def _messages_until(self, deadline: float, waiting: set[str]) -> Iterator[object]:
+    def _take_reply(self, report: RoundReport, reply: SyncDone) -> None:
+        """A server's answer to this round's invite, into `report` (and its member's version when it loaded)."""
+        if reply.ok:
+            member = self.members.get(reply.server_id)
+            if member is not None:
+                member.version, member.needs_catch_up = report.version, False
+            report.succeeded.append(reply.server_id)
+            report.failed.pop(reply.server_id, None)
+            report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
+        else:
+            report.failed[reply.server_id] = reply.error
+
+    def _messages_until(self, deadline: float, waiting: Collection[str]) -> Iterator[object]:
         """Messages as they arrive (heartbeats and telemetry are taken in on the way) while `waiting`, which the caller
         empties, still names a server and the deadline has not passed."""
         while waiting and time.monotonic() < deadline:
@@ -306,12 +364,14 @@ class SyncCoordinator:
         if isinstance(msg, ServerHeartbeat):
             known = self.members.get(msg.server_id)
             if known is None:
-                log.info("rollout server %s joined weight sync (version %d)", msg.server_id, msg.version)
+                log.info("rollout server %s joined weight sync (version %d, weights by %s)", msg.server_id, msg.version,
+                         msg.backend or self._ends.default)
             version = msg.version
             if known is not None and known.identity == identity:
                 # same process: a heartbeat queued before the last round must not undo what it loaded
                 version = max(version, known.version)
-            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up)
+            self.members[msg.server_id] = Member(identity, msg.ranks, time.monotonic(), version, msg.needs_catch_up,
+                                                 msg.backend)
             self._identities[msg.server_id] = identity
         elif isinstance(msg, ServerTelemetry):
             self._telemetry[msg.server_id] = (time.monotonic(), msg)
@@ -321,9 +381,9 @@ class SyncCoordinator:
             log.info("rollout server %s left: the job is finished", msg.server_id)
         return msg
 
-    def _close_group(self) -> None:
-        self._weights.disconnect()
-        self._group_members = ()
+    def _close_group(self, backend: str) -> None:
+        self._ends.disconnect(backend)
+        self._group_members[backend] = ()
 
 
 def _heard_within(latest: dict[str, tuple[float, _Report]], seconds: float) -> list[_Report]:

@@ -36,7 +36,7 @@ def test_a_ray_layout_asks_ray_for_as_many_roles_and_gpus_and_passes_the_launch_
 
 
 def layout_args(**given) -> argparse.Namespace:
-    return argparse.Namespace(**({"colocated": False, "servers": 1, "learner_ranks": 1, "tensor_parallel": 1} | given))
+    return argparse.Namespace(**({"colocated": False, "mixed": False, "servers": 1, "learner_ranks": 1, "tensor_parallel": 1} | given))
 
 
 def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
@@ -51,6 +51,11 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
         "rollout.num_servers=2", "learner.nproc=2", "rollout.engine.tensor_parallel_size=2",
         "rollout.gpus=[0,1,2,3]", "learner.gpus=[4,5]"]  # each server takes two GPUs
     assert bench_async_vs_sync.gpu_layout(layout_args(colocated=True)) == ["learner.gpus=[0]", "rollout.gpus=[0]"]
+    assert bench_async_vs_sync.gpu_layout(layout_args(mixed=True, servers=2)) == [
+        "rollout.num_servers=2", "learner.nproc=1", "rollout.engine.tensor_parallel_size=1",
+        "rollout.gpus=[0,1]", "learner.gpus=[1]"]  # a server on each GPU, the learner beside the second
+    assert bench_async_vs_sync.gpu_layout(layout_args(mixed=True, servers=2), "sync")[-2:] == [
+        "rollout.gpus=[0]", "learner.gpus=[1]"]  # the reference keeps its two GPUs
     with pytest.raises(SystemExit, match="need 9 GPUs; 8 are visible"):
         bench_async_vs_sync.gpu_layout(layout_args(servers=8))
     monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 0)

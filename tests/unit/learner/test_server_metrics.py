@@ -62,8 +62,10 @@ def test_coordinator_reports_telemetry_counters_per_server():
     from asyncrl.messages import encode
     from asyncrl.weight_transfer.backends import GLOO
     from learner.weight_sync.coordinator import SyncCoordinator
+    from learner.weight_sync.sending_ends import SendingEnds
 
-    coordinator = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, GLOO.sending_end(), timeout_s=5.0, liveness_s=5.0)
+    coordinator = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, SendingEnds("gloo", lambda name: GLOO.sending_end()),
+                                  timeout_s=5.0, liveness_s=5.0)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coordinator.address)
     try:

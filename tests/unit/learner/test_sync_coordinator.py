@@ -21,9 +21,11 @@ from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry, SyncDone,
                                                       SyncPrepare, SyncReady, ValidationResult)
 from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
+from learner.weight_sync.sending_ends import SendingEnds
 from asyncrl.weight_transfer.ipc import SharedWeightsReader
-from asyncrl.weight_transfer.interface import SendingEnd
-from asyncrl.weight_transfer.protocol import InitInfo
+from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
+from asyncrl.weight_transfer.interface import SendingEnd, Staged
+from asyncrl.weight_transfer.protocol import InitInfo, init_info_for
 from tests.unit.asyncrl.test_weight_backends import CpuSharedWeights
 from waiting import wait_until
 
@@ -38,10 +40,12 @@ class FakeServer(threading.Thread):
     tensor, reports. A server with `answer=False` heartbeats and ignores everything else; one with `fail_with`
     receives and then reports that error."""
 
-    def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "", curve_dir: str = "") -> None:
+    def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "", curve_dir: str = "",
+                 backend: str = "") -> None:
         super().__init__(daemon=True)
         self.name_, self.address, self.answer, self.fail_with = name, address, answer, fail_with
         self.curve_dir = curve_dir  # CURVE client keys to connect with ("" = none)
+        self.backend = backend  # the weight backend its heartbeats announce ("" = the learner's default)
         self.received: dict[int, dict[str, torch.Tensor]] = {}
         self.stop = threading.Event()
         self.version = 0
@@ -52,7 +56,7 @@ class FakeServer(threading.Thread):
         sock = connect_dealer(zmq.Context.instance(), self.address, self.curve_dir)
         weights = None  # the receiving end of the latest init request
         while not self.stop.is_set():
-            sock.send(encode(ServerHeartbeat(self.name_, 1, self.version)))
+            sock.send(encode(ServerHeartbeat(self.name_, 1, self.version, backend=self.backend)))
             if not sock.poll(int(HEARTBEAT_S * 1000)):
                 continue
             message = decode(sock.recv())
@@ -83,10 +87,19 @@ class FakeServer(threading.Thread):
         sock.close(0)
 
 
-def coordinator(staging_bytes: int = 0, max_failures: int = 3, weights: SendingEnd | None = None) -> SyncCoordinator:
-    """A coordinator sending through `weights` (default: gloo's sending end with `staging_bytes`)."""
-    return SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, weights or GLOO.sending_end(staging_bytes), TIMEOUT_S,
-                           liveness_s=LIVENESS_S, max_failures=max_failures)
+def sending_ends(default: str = "gloo", staging_bytes: int = 0, ipc: SendingEnd | None = None) -> SendingEnds:
+    """The learner's ends: gloo's real one (with `staging_bytes`) and, for servers on ipc, `ipc` (default: the ipc
+    end over the CPU stand-in of its buffer); a server announcing no backend gets `default`'s."""
+    made = {"gloo": lambda: GLOO.sending_end(staging_bytes), "ipc": lambda: ipc or IpcSendingEnd(CpuSharedWeights())}
+    return SendingEnds(default, lambda name: made[name]())
+
+
+def coordinator(staging_bytes: int = 0, max_failures: int = 3, ends: SendingEnds | None = None,
+                timeout_s: float = TIMEOUT_S, liveness_s: float = LIVENESS_S, bind: str = "tcp://127.0.0.1:0",
+                curve_dir: str = "") -> SyncCoordinator:
+    """A coordinator sending through `ends` (default: gloo's sending end with `staging_bytes`)."""
+    return SyncCoordinator(bind, "127.0.0.1", 0, ends or sending_ends(staging_bytes=staging_bytes), timeout_s,
+                           liveness_s=liveness_s, max_failures=max_failures, curve_dir=curve_dir)
 
 
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
@@ -169,7 +182,7 @@ def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
 def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
     """Backend ipc: each server maps the buffer at its first round only, reads each round's weights from it (so they
     were written before the invitation), and maps it again when the weights outgrow it."""
-    coord = coordinator(weights=IpcSendingEnd(CpuSharedWeights()))
+    coord = coordinator(ends=sending_ends(default="ipc"))
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
     for server in servers:
         server.start()
@@ -190,6 +203,77 @@ def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
         for server in servers:
             server.stop.set()
         coord.close()
+
+
+class LostBuffer(SendingEnd):
+    """An ipc end whose buffer is gone: its init requests name a handle no server can map, and connecting fails."""
+
+    def stage(self, named_tensors) -> Staged:
+        return Staged([])
+
+    def address(self, host: str, port: int, world_size: int, timeout_s: float) -> GroupAddress:
+        return GroupAddress(host, 0, world_size, "ipc", timeout_s)
+
+    def init_info(self, address: GroupAddress, rank_offset: int) -> dict:
+        return init_info_for(address, rank_offset, {"handle": "lost"})
+
+    def connect(self, address: GroupAddress) -> None:
+        raise WeightTransferError("the shared buffer is gone")
+
+    def send(self, staged: Staged) -> float:
+        raise AssertionError("never sent: connecting failed")
+
+
+def test_one_round_reaches_servers_on_two_backends_each_through_its_own_end():
+    """A server beside the learner announces ipc, two on GPUs of their own gloo (NCCL's CPU stand-in): every round
+    each gets the exact weights and version, the ipc write counts in the transfer time, and each end keeps its
+    servers across rounds (one init request each)."""
+    coord = coordinator()
+    beside = FakeServer("beside", coord.address, backend="ipc")
+    apart = [FakeServer(f"apart{i}", coord.address, backend="gloo") for i in range(2)]
+    with serving(coord, beside, *apart):
+        coord.wait_for_members(3, timeout_s=10)
+        for version, scale in ((1, 1.0), (2, -3.0)):
+            report = coord.broadcast(version, weights(scale))
+            assert sorted(report.succeeded) == ["apart0", "apart1", "beside"] and not report.failed
+            assert report.transfer_seconds >= CpuSharedWeights.WRITE_S  # the ipc leg's write, plus gloo's broadcast
+            for server in (beside, *apart):
+                got = server.received[version]
+                assert list(got) == [name for name, _ in weights(scale)]
+                assert all(torch.equal(got[name], tensor) for name, tensor in weights(scale))
+                assert server.version == version
+        assert [server.joins for server in (beside, *apart)] == [1, 1, 1]
+        assert coord.lagging_members(2) == []
+
+
+def test_a_failure_on_one_backend_fails_its_servers_only():
+    coord = coordinator(ends=sending_ends(ipc=LostBuffer()))
+    beside = FakeServer("beside", coord.address, backend="ipc")
+    apart = [FakeServer(f"apart{i}", coord.address, backend="gloo") for i in range(2)]
+    with serving(coord, beside, *apart):
+        coord.wait_for_members(3, timeout_s=10)
+        for version in (1, 2):
+            report = coord.broadcast(version, weights(float(version)))
+            assert sorted(report.succeeded) == ["apart0", "apart1"] and list(report.failed) == ["beside"]
+            for server in apart:
+                assert torch.equal(server.received[version]["a.weight"], torch.full((3, 2), float(version)))
+            assert version not in beside.received
+            wait_until(lambda: "beside" in coord.live_members(), TIMEOUT_S, "the failed server heard again",
+                       poll_s=HEARTBEAT_S)
+        assert [server.joins for server in apart] == [1, 1], "the gloo group outlived the ipc leg's failures"
+        assert coord.lagging_members(2) == ["beside"]
+        assert (coord.members["apart0"].version, coord.members["beside"].version) == (2, 0)
+
+
+def test_a_server_announcing_an_unknown_backend_is_failed_and_the_others_served():
+    coord = coordinator()
+    good, odd = FakeServer("good", coord.address), FakeServer("odd", coord.address, backend="carrier-pigeon")
+    with serving(coord, good, odd):
+        coord.wait_for_members(2, timeout_s=10)
+        report = coord.broadcast(1, weights(1.0))
+        assert report.succeeded == ["good"]
+        assert report.failed == {"odd": "weight backend: unknown weight-sync backend 'carrier-pigeon': choose one of "
+                                        "gloo, nccl, ipc, auto"}
 
 
 def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped():
@@ -223,7 +307,7 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
 
 
 def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
-    coord = SyncCoordinator("tcp://127.0.0.1:0", "127.0.0.1", 0, GLOO.sending_end(), timeout_s=1.0, liveness_s=60.0)
+    coord = coordinator(timeout_s=1.0, liveness_s=60.0)
     silent = FakeServer("silent", coord.address, answer=False)
     silent.start()
     try:
@@ -342,15 +426,14 @@ NON_LOOPBACK_LOOKING_BIND = "tcp://lo:0"
 
 def test_a_non_loopback_bind_without_keys_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"non-loopback.*buffer\.curve_dir"):
-        SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, GLOO.sending_end(), TIMEOUT_S, LIVENESS_S)
+        coordinator(bind=NON_LOOPBACK_LOOKING_BIND)
 
 
 def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sync(tmp_path):
     keys, other_keys = generate_curve_keys(tmp_path / "keys"), generate_curve_keys(tmp_path / "other")
     # the impostor knows the coordinator's public key; its own client key is a valid one nobody authorised
     shutil.copy(keys / "server.key", other_keys / "server.key")
-    coord = SyncCoordinator(NON_LOOPBACK_LOOKING_BIND, "127.0.0.1", 0, GLOO.sending_end(), TIMEOUT_S, LIVENESS_S,
-                            curve_dir=str(keys))
+    coord = coordinator(bind=NON_LOOPBACK_LOOKING_BIND, curve_dir=str(keys))
     member = FakeServer("member", coord.address, curve_dir=str(keys))
     keyless = FakeServer("keyless", coord.address)
     impostor = FakeServer("impostor", coord.address, curve_dir=str(other_keys))

@@ -59,12 +59,12 @@ async def first_heartbeat(router: zmq.asyncio.Socket) -> tuple[bytes, ServerHear
             return identity, message
 
 
-async def talk_to_a_client(scenario) -> FakeEngine:
+async def talk_to_a_client(scenario, backend: str = "") -> FakeEngine:
     router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:0")
     engine = FakeEngine()
-    client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", engine, 1, HEARTBEAT_S)
+    client = SyncClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "s0", engine, 1, HEARTBEAT_S, backend=backend)
     task = asyncio.ensure_future(client.run())
     try:
         await scenario(router, engine)
@@ -86,6 +86,15 @@ def test_a_prepare_is_answered_at_once_without_touching_the_engine():
         assert engine.joined == [] and engine.updates == []
 
     asyncio.run(talk_to_a_client(scenario))
+
+
+def test_every_heartbeat_names_the_backend_the_servers_place_gave_it():
+    async def scenario(router, engine):
+        for _ in range(2):
+            _, heartbeat = await first_heartbeat(router)
+            assert (heartbeat.server_id, heartbeat.backend) == ("s0", "ipc")
+
+    asyncio.run(talk_to_a_client(scenario, backend="ipc"))
 
 
 def test_an_invite_joins_the_new_group_then_updates_and_reports():
