@@ -194,8 +194,10 @@ def measure_floor(args: argparse.Namespace, where: Placement, servers: int, lora
 
 def engine_server(gpus: list[int], args: argparse.Namespace, commands, results) -> None:
     """One rollout engine, streaming --inflight requests; joins groups and takes updates as it is told."""
-    if gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # before CUDA starts in this process
+    if gpus:  # before CUDA starts in this process; `gpus` count within what this benchmark was let see
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = [part.strip() for part in listed.split(",")] if listed else None
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[gpu] if physical else str(gpu) for gpu in gpus)
     # lets the benchmark run `weight_load_paths` in the engine's worker (vLLM sends a function only when allowed)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     asyncio.run(_serve_engine(args, commands, results))

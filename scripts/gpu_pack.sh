@@ -28,7 +28,7 @@ PLATFORMS=(--only-binary=:all: --python-version 3.12 --implementation cp)
 for tag in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
     PLATFORMS+=(--platform "${tag}_x86_64")
 done
-# vLLM 0.24's imports for a dense decoder beyond the CUDA image, then asyncrl's (config, messages, rewards).
+# vLLM 0.24's imports for a dense decoder beyond the CUDA image, then asyncrl's (config, messages, rewards, LoRA).
 WHEELS=(vllm==0.24.0 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typing-inspection msgspec pyzmq
     blake3 cbor2 pybase64 setproctitle cachetools partial-json-parser lark==1.2.2 diskcache==5.6.3 openai==2.8.1
     jiter distro sniffio fastapi==0.136.3 starlette python-json-logger depyf==0.20.0 astor dill gguf interegular
@@ -36,7 +36,8 @@ WHEELS=(vllm==0.24.0 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typi
     rpds-py openai-harmony mistral_common pycountry pydantic-extra-types llguidance==1.7.6 xgrammar==0.2.8
     outlines_core==0.2.14 apache-tvm-ffi==0.1.15.post2 uvicorn watchfiles prometheus-fastapi-instrumentator
     model-hosting-container-standards flashinfer-python==0.6.12
-    hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 math-verify==0.9.0 latex2sympy2_extended==1.11.0)
+    hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 math-verify==0.9.0 latex2sympy2_extended==1.11.0
+    peft==0.21.2)
 if [ "${PACK:-vllm}" = ray ]; then
     WHEELS=(ray==2.60.0 msgpack protobuf click pyyaml requests filelock packaging jsonschema)
     DROP=(ray/jars ray/rllib ray/llm ray/data ray/serve ray/tune ray/train)
