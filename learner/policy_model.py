@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
@@ -28,10 +29,22 @@ def load_policy(model_path: str, dtype: str, settings: LearnerConfig, world: Wor
                 lora: LoraConfig | None = None) -> torch.nn.Module:
     """The HF causal LM at `model_path` in `dtype`, sharded with fully_shard per decoder layer and at the root. With
     `lora` enabled, only its adapters are in `dtype` and train; the base is frozen in `frozen_base_dtype`."""
+    def pretrained(weights_dtype: torch.dtype) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=weights_dtype,
+                                                    attn_implementation=attention.register())
+
+    return build_policy(pretrained, dtype, settings, world, lora)
+
+
+def build_policy(weights: Callable[[torch.dtype], torch.nn.Module], dtype: str, settings: LearnerConfig, world: World,
+                 lora: LoraConfig | None = None) -> torch.nn.Module:
+    """The policy from the model that `weights` builds in a given dtype (loaded with `attention.register()`'s
+    implementation): in `dtype`, or with `lora` enabled a base frozen in `frozen_base_dtype` carrying `lora`'s
+    adapters in `dtype`; then sharded (`shard_policy`). Separate from `load_policy` so that a benchmark's random
+    weights become a policy exactly as a checkpoint's do."""
     with_adapters = lora is not None and lora.enabled
     weights_dtype = frozen_base_dtype(dtype, settings, world) if with_adapters else dtype
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[weights_dtype],
-                                                 attn_implementation=attention.register())
+    model = weights(DTYPES[weights_dtype])
     if with_adapters:
         add_adapters(model, _decoder_layers(model), lora, DTYPES[dtype])
     return shard_policy(model, settings, world)

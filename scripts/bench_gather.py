@@ -48,7 +48,7 @@ def timed_gathers(model: torch.nn.Module, dtype: torch.dtype, rounds: int, pinne
 def main() -> None:
     args = parse_args()
     world = join_single_rank_world("cuda")
-    model = shard_policy(build_model(model_shape(args), args, world), LearnerConfig(), world)
+    model = shard_policy(build_model(model_shape(args), args, world, DTYPES[args.dtype]), LearnerConfig(), world)
     dtype = DTYPES[args.sync_dtype]
     measured = {"pageable (fresh copies, baseline)": timed_gathers(model, dtype, args.rounds, None),
                 "pinned (reused)": timed_gathers(model, dtype, args.rounds, PinnedWeights())}

@@ -10,6 +10,12 @@ The batch holds `--batch` samples in groups of `--group-size` (GRPO) with random
 rewards. Every step runs the whole path: advantages, the proximal pass (decoupled PPO), the micro-batched
 loss and backward, clipping, AdamW.
 
+`--lora` trains LoRA adapters instead, the policy built as the learner builds it with `model.lora.enabled=true`
+(`learner.policy_model.build_policy`): adapters of rank `--lora-rank` on `model.lora`'s default target modules, in
+the master dtype, on a base frozen in bf16 on CUDA (in the master dtype on CPU), sharded alike; only the adapters
+go to AdamW, and `--reference` scores the base with the adapters off (no second model), as the learner's reference
+does. Run the same command with and without `--lora` to set LoRA's throughput and MFU beside full fine-tuning's.
+
 Each variant in `--variants` (packed, padded) trains the same model for `--warmup` + `--steps` steps with
 its own optimizer; the table gives each variant's median step and the ratio to the last variant (padded:
 what the learner did before packing). `--micro-batch-tokens auto` sizes each variant's micro-batches as
@@ -19,13 +25,18 @@ FLOPs per step (model FLOPs, as MFU counts them: recomputation from activation c
     forward  F = 2 · P · N + 2 · layers · d_attn · Σ L_i²
     step     = 3 · F (forward and backward) + F (the proximal forward, for losses that need it)
                + F (the reference model's forward, with --reference)
-with P the parameters that multiply a vector per token (the output head included, an untied input
+               - 2 · P · N with --lora (the frozen base's weight gradients, never computed)
+with P the base model's parameters that multiply a vector per token (the output head included, an untied input
 embedding left out: a lookup), N = Σ L_i the tokens of the step (prompt and completion, padding left out),
-d_attn = heads · head_dim, and causal attention taking half of the L² scores. MFU = FLOPs / step time /
-`--peak-tflops`.
+d_attn = heads · head_dim, and causal attention taking half of the L² scores. With --lora the backward computes
+input gradients only, 2 · P · N for the weights plus attention's 2 · (2 · layers · d_attn · Σ L_i²) (both operands
+of its products are activations): about 2 · F, not 3 · F. The adapters' FLOPs are left out in every pass (rank 16 on
+the 7b shape: 0.6 % of P), so F is the same model's with and without --lora, and MFU = FLOPs / step time /
+`--peak-tflops` counts, for both, only the work the step needs of that model.
 Last line: RESULT {json} with learner_tok_s, mfu, peak_memory_gib, micro_batch_tokens, checkpointing (the mode it
-trained with: auto's choice), params (the first variant's, with every variant's figures under "variants"); mfu
-and peak memory are null on CPU.
+trained with: auto's choice), params (the first variant's, with every variant's figures under "variants"),
+trained_params (those AdamW steps: the adapters' with --lora) and lora (the rank, or null in full fine-tuning);
+mfu and peak memory are null on CPU.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
-from asyncrl.config.sections import TinyModelConfig
+from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.logs import setup_logging
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK, free_port
@@ -56,7 +67,8 @@ from learner.batching import TrainBatch, collate
 from learner.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
 from learner.distributed import World, init_world
 from learner.memory import resolve_micro_batch_tokens
-from learner.policy_model import DTYPES, shard_policy
+from learner.lora import AdaptersOff, is_adapter_weight
+from learner.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
 from learner.train_step import NEEDS_PROXIMAL, Passes, train_step
 
 GIB = 2**30
@@ -107,6 +119,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loss", default=AlgorithmConfig().loss, help="policy loss (algorithm.loss)")
     parser.add_argument("--reference", action="store_true",
                         help="a frozen reference model and the KL penalty (algorithm.use_reference): one more forward per step")
+    parser.add_argument("--lora", action="store_true",
+                        help="train LoRA adapters on a frozen base (model.lora.enabled=true; its default targets)")
+    parser.add_argument("--lora-rank", type=int, default=LoraConfig().rank, help="model.lora.rank (with --lora)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="master weights' dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto = cuda when available")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, per variant")
@@ -134,8 +149,8 @@ def model_shape(args: argparse.Namespace) -> Shape:
     return Shape(shape.hidden, args.layers or shape.layers, shape.heads, shape.kv_heads, shape.intermediate, vocab, shape.tied)
 
 
-def build_model(shape: Shape, args: argparse.Namespace, world: World) -> torch.nn.Module:
-    """Random weights, initialised straight on the rank's device (a 3B model takes minutes on a CPU)."""
+def build_model(shape: Shape, args: argparse.Namespace, world: World, dtype: torch.dtype) -> torch.nn.Module:
+    """Random weights in `dtype`, initialised straight on the rank's device (a 3B model takes minutes on a CPU)."""
     config = Qwen2Config(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
@@ -143,15 +158,18 @@ def build_model(shape: Shape, args: argparse.Namespace, world: World) -> torch.n
     )
     torch.manual_seed(args.seed)
     with world.device:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention.register(), dtype=DTYPES[args.dtype])
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention.register(), dtype=dtype)
     return model
 
 
-def frozen_reference(shape: Shape, args: argparse.Namespace, world: World) -> torch.nn.Module:
-    """The policy's starting weights again, frozen in bf16 on CUDA (model.dtype of the GPU preset), sharded
-    as the learner's `load_reference` does."""
+def frozen_reference(shape: Shape, args: argparse.Namespace, world: World, policy: torch.nn.Module) -> torch.nn.Module:
+    """The reference model as the learner's `load_reference` makes it: with --lora the policy's base with its
+    adapters off; else the policy's starting weights again, frozen in bf16 on CUDA (model.dtype of the GPU preset),
+    sharded."""
+    if args.lora:
+        return AdaptersOff(policy)
     dtype = "bfloat16" if world.device.type == "cuda" else args.dtype
-    model = build_model(shape, argparse.Namespace(**{**vars(args), "dtype": dtype}), world).requires_grad_(False)
+    model = build_model(shape, args, world, DTYPES[dtype]).requires_grad_(False)
     return shard_policy(model, LearnerConfig(activation_checkpointing=NONE, compile=args.compile), world)
 
 
@@ -183,18 +201,21 @@ def synthetic_batch(args: argparse.Namespace, vocab: int) -> TrainBatch:
     return collate(groups, pad_id=0)
 
 
-def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: str, reference: bool) -> float:
+def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: str, reference: bool, lora: bool) -> float:
     """Model FLOPs of one step (the formula in the module docstring)."""
     lengths = batch.attention_mask.sum(dim=1).double()  # [B]
     config = model.config
     attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
-    forward = 2 * matmul_parameters(model, shape) * float(lengths.sum()) + 2 * shape.layers * attention_width * float(lengths.square().sum())
-    return (3 + (1 if loss in NEEDS_PROXIMAL else 0) + (1 if reference else 0)) * forward
+    weights = 2 * matmul_parameters(model, shape) * float(lengths.sum())  # per pass
+    forward = weights + 2 * shape.layers * attention_width * float(lengths.square().sum())
+    passes = 3 + (1 if loss in NEEDS_PROXIMAL else 0) + (1 if reference else 0)
+    return passes * forward - (weights if lora else 0)  # a frozen base's backward has no weight gradients
 
 
 def matmul_parameters(model: torch.nn.Module, shape: Shape) -> int:
-    """Parameters a token is multiplied with: all of them, less an untied input embedding (a lookup)."""
-    total = sum(p.numel() for p in model.parameters())  # a tied head counts once
+    """Parameters of the base model a token is multiplied with: all of them, less an untied input embedding (a
+    lookup) and LoRA's adapters (left out of the count, see the module docstring)."""
+    total = sum(p.numel() for name, p in model.named_parameters() if not is_adapter_weight(name))  # tied: once
     return total if shape.tied else total - model.get_input_embeddings().weight.numel()
 
 
@@ -216,7 +237,8 @@ def run_variant(name: str, model: torch.nn.Module, reference: torch.nn.Module | 
     tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed)
     switch = checkpointing_switch(model)
     checkpointing = switch.mode if switch else checkpointing_for_device(args.activation_checkpointing, world.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LearnerConfig().lr)
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # --lora: the adapters
+    optimizer = torch.optim.AdamW(trained, lr=LearnerConfig().lr)
     passes = Passes(micro_batch_tokens=tokens, packed=packed)
     algorithm = AlgorithmConfig(loss=args.loss, use_reference=reference is not None)
     if world.device.type == "cuda":
@@ -244,20 +266,27 @@ def _synchronize(world: World) -> None:
         torch.cuda.synchronize(world.device)
 
 
-def report(args: argparse.Namespace, world: World, shape: Shape, params: int, batch: TrainBatch, flops: float,
-           results: list[VariantResult]) -> dict:
+def trains(args: argparse.Namespace) -> str:
+    """What the optimizer steps, for the table: every weight, or LoRA adapters of a rank."""
+    return f"LoRA r{args.lora_rank}" if args.lora else "full"
+
+
+def report(args: argparse.Namespace, world: World, shape: Shape, params: tuple[int, int], batch: TrainBatch,
+           flops: float, results: list[VariantResult]) -> dict:
+    """Print the model, the batch and the table; return RESULT's figures. `params`: (all, trained)."""
     on_cuda = world.device.type == "cuda"
     tokens = batch.num_tokens()
     lengths = batch.attention_mask.sum(dim=1).tolist()
     device_name = torch.cuda.get_device_name(world.device) if on_cuda else f"cpu ({torch.get_num_threads()} threads)"
     print(f"model: {args.shape} shape (hidden {shape.hidden}, layers {shape.layers}, heads {shape.heads}/{shape.kv_heads}, "
-          f"intermediate {shape.intermediate}, vocab {shape.vocab}), {params / 1e6:.1f}M params, master {args.dtype}, "
+          f"intermediate {shape.intermediate}, vocab {shape.vocab}), {params[0] / 1e6:.1f}M params, "
+          f"{_adapters(args, params[1], world)}master {args.dtype}, "
           f"activation checkpointing {args.activation_checkpointing}{', compiled' if args.compile else ''}"
           f"{', cpu offload' if args.cpu_offload else ''}{', reference model' if args.reference else ''}, {device_name}")
     print(f"batch: {len(lengths)} samples, {tokens} tokens (lengths median {int(statistics.median(lengths))}, "
           f"max {max(lengths)}), groups of {args.group_size}, loss {args.loss}, {flops / TERA:.1f} TFLOP per step")
     baseline = statistics.median(results[-1].seconds)
-    print(f"{'variant':>8} {'checkpoint':>10} {'mb tokens':>10} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs ' + results[-1].name:>10}")
+    print(f"{'variant':>8} {'trains':>9} {'checkpoint':>10} {'mb tokens':>10} {'step s':>8} {'tokens/s':>10} {'MFU':>7} {'peak GiB':>9} {'vs ' + results[-1].name:>10}")
     figures = {}
     for result in results:
         step_s = statistics.median(result.seconds)
@@ -270,13 +299,25 @@ def report(args: argparse.Namespace, world: World, shape: Shape, params: int, ba
         }
         shown_mfu = f"{mfu:.1%}" if mfu is not None else "-"
         shown_peak = f"{result.peak_gib:.1f}" if result.peak_gib is not None else "-"
-        print(f"{result.name:>8} {result.checkpointing:>10} {result.micro_batch_tokens:>10} {step_s:>8.3f} "
+        print(f"{result.name:>8} {trains(args):>9} {result.checkpointing:>10} {result.micro_batch_tokens:>10} {step_s:>8.3f} "
               f"{tokens / step_s:>10.0f} {shown_mfu:>7} {shown_peak:>9} {baseline / step_s:>9.2f}x")
     first = figures[results[0].name]
-    return {**first, "variant": results[0].name, "params": params, "shape": args.shape, "tokens_per_step": tokens,
-            "tflop_per_step": round(flops / TERA, 2), "device": device_name, "loss": args.loss,
+    return {**first, "variant": results[0].name, "params": params[0], "trained_params": params[1],
+            "lora": args.lora_rank if args.lora else None, "shape": args.shape, "tokens_per_step": tokens,
+            "tflop_per_step": float(f"{flops / TERA:.6g}"),  # significant digits, not decimals: a tiny shape's too
+            "device": device_name, "loss": args.loss,
             "activation_checkpointing": args.activation_checkpointing, "compile": args.compile,
             "cpu_offload": args.cpu_offload, "reference": args.reference, "variants": figures}
+
+
+def _adapters(args: argparse.Namespace, trained: int, world: World) -> str:
+    """The model line's words on LoRA: its rank, targets, trained parameters and the frozen base's dtype (nothing
+    in full fine-tuning)."""
+    if not args.lora:
+        return ""
+    base = frozen_base_dtype(args.dtype, LearnerConfig(), world)
+    return (f"LoRA rank {args.lora_rank} on {','.join(LoraConfig().target_modules)} ({trained / 1e6:.2f}M trained, "
+            f"base frozen in {base}), ")
 
 
 def main() -> None:
@@ -287,14 +328,16 @@ def main() -> None:
     world = join_single_rank_world(args.device)
     try:
         shape = model_shape(args)
-        model = build_model(shape, args, world)
-        params = sum(p.numel() for p in model.parameters())  # a tied head counts once
-        batch = synthetic_batch(args, shape.vocab)
-        flops = step_flops(model, shape, batch, args.loss, args.reference)
         settings = LearnerConfig(activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                                  cpu_offload=args.cpu_offload)
-        model = shard_policy(model, settings, world)
-        reference = frozen_reference(shape, args, world) if args.reference else None
+        lora = LoraConfig(enabled=args.lora, rank=args.lora_rank)
+        model = build_policy(lambda dtype: build_model(shape, args, world, dtype), args.dtype, settings, world, lora)
+        # (all, trained): a sharded parameter's numel is its whole tensor's, and a tied head counts once
+        params = (sum(p.numel() for p in model.parameters()),
+                  sum(p.numel() for p in model.parameters() if p.requires_grad))
+        batch = synthetic_batch(args, shape.vocab)
+        flops = step_flops(model, shape, batch, args.loss, args.reference, args.lora)
+        reference = frozen_reference(shape, args, world, model) if args.reference else None
         results = [run_variant(name, model, reference, batch, args, world, shape) for name in args.variants.split(",")]
         result = report(args, world, shape, params, batch, flops, results)
     finally:

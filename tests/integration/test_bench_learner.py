@@ -1,5 +1,5 @@
-"""scripts/bench_learner.py runs the learner's real train step, packed and padded, on a small shape and ends
-with its RESULT line."""
+"""scripts/bench_learner.py runs the learner's real train step, packed and padded, in full fine-tuning and with
+LoRA, on a small shape and ends with its RESULT line."""
 
 import json
 import subprocess
@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from asyncrl.config.sections import LoraConfig
 
 pytestmark = pytest.mark.slow
 
@@ -39,3 +41,13 @@ def test_long_tailed_lengths_leave_padding_out_of_the_token_count_and_a_referenc
     result = bench("--median-tokens", "6", "--sigma", "1.0", "--variants", "packed", "--reference")
     assert SAMPLES * (8 + 1) <= result["tokens_per_step"] < SAMPLES * SEQ_LEN
     assert set(result["variants"]) == {"packed"} and result["reference"] is True
+
+
+def test_lora_trains_the_adapters_alone_for_fewer_flops_than_full_fine_tuning():
+    one_step = ("--variants", "packed", "--steps", "1")  # the same batch both times (the seed's)
+    full, lora = bench(*one_step), bench(*one_step, "--lora")
+    assert full["lora"] is None and full["trained_params"] == full["params"]
+    assert lora["lora"] == LoraConfig().rank and lora["tokens_per_step"] == full["tokens_per_step"]
+    # the base is the full model's, all frozen: what trains is exactly what the adapters added
+    assert 0 < lora["trained_params"] == lora["params"] - full["params"]
+    assert lora["tflop_per_step"] < full["tflop_per_step"]  # no weight gradients of the base (by hand: the unit test)
