@@ -3,7 +3,7 @@
 The async mode runs the product's two commands, as a user would in two terminals:
   `asyncrl learner` (GPU 1 on a two-GPU host) and `asyncrl rollout --num-servers 1` (GPU 0); on a larger host
   --servers S and --learner-ranks L place S servers on GPUs 0..S-1 and L learner ranks on the next L GPUs
-  (`rollout.gpus` / `learner.gpus`); with --colocated, one server and one learner rank share GPU 0
+  (`rollout.gpus` / `learner.gpus`, counted within CUDA_VISIBLE_DEVICES); with --colocated, one server and one learner rank share GPU 0
   (`learner.gpus=[0] rollout.gpus=[0]`: weights through CUDA IPC, the servers' memory share lowered to leave
   the learner room, as docs/placement.md says); with --mixed, the async mode's --servers servers take GPUs 0..S-1
   and its one learner rank runs beside the last of them (a mixed plan: that server receives by CUDA IPC, the
@@ -62,6 +62,7 @@ from pathlib import Path
 
 from asyncrl.config import load_config
 from asyncrl.data import load_prompt_file
+from asyncrl.placement import visible_gpus
 
 JOB_TIMEOUT_S = 900  # one mode's learner run, engine start included
 STOP_TIMEOUT_S = 60  # the rollout command gets this long to stop after SIGTERM
@@ -208,38 +209,34 @@ def _metrics(root: Path, run: Run) -> list[dict]:
 
 def gpu_layout(args: argparse.Namespace, mode: str = "async") -> list[str]:
     """The roles' GPUs as the commands' overrides (each command pins itself to its list); none without GPUs. The
-    synchronous reference runs one engine and one learner rank: GPUs 0 and 1 (or GPU 0 for both, colocated)."""
-    gpus = gpu_count()
-    if not gpus:
+    synchronous reference runs one engine and one learner rank: the first two visible GPUs (or the first for both,
+    colocated). The lists name physical ids, as the commands read them, whatever CUDA_VISIBLE_DEVICES lets us see."""
+    visible = visible_gpus()
+    if not visible:
         return []
     if args.colocated:
-        return ["learner.gpus=[0]", "rollout.gpus=[0]"]
+        return [f"learner.gpus=[{visible[0]}]", f"rollout.gpus=[{visible[0]}]"]
     server_count, rank_count = (1, 1) if mode == "sync" else (args.servers, args.learner_ranks)
     server_gpus = server_count * args.tensor_parallel
     servers, ranks = list(range(server_gpus)), list(range(server_gpus, server_gpus + rank_count))
     if args.mixed and mode != "sync":  # one learner rank, beside the last server
         ranks = servers[-1:]
     needed = len(set(servers) | set(ranks))
-    if needed > gpus:
+    if needed > len(visible):
         raise SystemExit(f"--servers {args.servers} --tensor-parallel {args.tensor_parallel} --learner-ranks "
-                         f"{args.learner_ranks} need {needed} GPUs; {gpus} are visible")
+                         f"{args.learner_ranks} need {needed} GPUs; {len(visible)} are visible")
     return [f"rollout.num_servers={server_count}", f"learner.nproc={rank_count}",
             f"rollout.engine.tensor_parallel_size={args.tensor_parallel}",
-            f"rollout.gpus=[{','.join(map(str, servers))}]", f"learner.gpus=[{','.join(map(str, ranks))}]"]
+            f"rollout.gpus=[{','.join(str(visible[i]) for i in servers)}]",
+            f"learner.gpus=[{','.join(str(visible[i]) for i in ranks)}]"]
 
 
 def ray_layout(args: argparse.Namespace) -> list[str]:
     """The async layout under `asyncrl launch`: as many servers and ranks as `gpu_layout`, GPUs picked by Ray."""
-    gpus_per_role = 1 if gpu_count() else 0
+    gpus_per_role = 1 if visible_gpus() else 0
     return [f"rollout.num_servers={args.servers}", f"learner.nproc={args.learner_ranks}",
             f"rollout.engine.tensor_parallel_size={args.tensor_parallel}",
             f"ray.learner.num_gpus={gpus_per_role}", f"ray.rollout.num_gpus={gpus_per_role * args.tensor_parallel}"]
-
-
-def gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count()
 
 
 def _stop(process: subprocess.Popen) -> None:

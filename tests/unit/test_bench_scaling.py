@@ -28,7 +28,7 @@ def test_layouts_parse_to_servers_and_learner_ranks():
 
 
 def test_a_ray_layout_asks_ray_for_as_many_roles_and_gpus_and_passes_the_launch_placement_check(monkeypatch):
-    monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 4)
+    monkeypatch.setattr(bench_async_vs_sync, "visible_gpus", lambda: [0, 1, 2, 3])
     overrides = bench_async_vs_sync.ray_layout(layout_args(servers=1, learner_ranks=2, tensor_parallel=2))
     assert overrides == ["rollout.num_servers=1", "learner.nproc=2", "rollout.engine.tensor_parallel_size=2",
                          "ray.learner.num_gpus=1", "ray.rollout.num_gpus=2"]
@@ -40,7 +40,7 @@ def layout_args(**given) -> argparse.Namespace:
 
 
 def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
-    monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 8)
+    monkeypatch.setattr(bench_async_vs_sync, "visible_gpus", lambda: list(range(8)))
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=6, learner_ranks=2)) == [
         "rollout.num_servers=6", "learner.nproc=2", "rollout.engine.tensor_parallel_size=1",
         "rollout.gpus=[0,1,2,3,4,5]", "learner.gpus=[6,7]"]
@@ -58,8 +58,16 @@ def test_each_role_gets_its_own_gpus_after_the_servers(monkeypatch):
         "rollout.gpus=[0]", "learner.gpus=[1]"]  # the reference keeps its two GPUs
     with pytest.raises(SystemExit, match="need 9 GPUs; 8 are visible"):
         bench_async_vs_sync.gpu_layout(layout_args(servers=8))
-    monkeypatch.setattr(bench_async_vs_sync, "gpu_count", lambda: 0)
+    monkeypatch.setattr(bench_async_vs_sync, "visible_gpus", lambda: [])
     assert bench_async_vs_sync.gpu_layout(layout_args(servers=3)) == []  # CPU: the commands place nothing
+
+
+def test_the_lists_name_the_physical_gpus_the_benchmark_may_see(monkeypatch):
+    monkeypatch.setattr(bench_async_vs_sync, "visible_gpus", lambda: [2, 3])  # CUDA_VISIBLE_DEVICES=2,3
+    assert bench_async_vs_sync.gpu_layout(layout_args(colocated=True)) == ["learner.gpus=[2]", "rollout.gpus=[2]"]
+    assert bench_async_vs_sync.gpu_layout(layout_args())[-2:] == ["rollout.gpus=[2]", "learner.gpus=[3]"]
+    with pytest.raises(SystemExit, match="need 3 GPUs; 2 are visible"):
+        bench_async_vs_sync.gpu_layout(layout_args(servers=2))
 
 
 def test_async_figures_stand_without_the_sync_run_and_its_ratios_stay_empty(capsys):
