@@ -51,7 +51,7 @@ LEARNER_MODE = {"sync": "synchronous", "async": "async"}
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
-LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time)
+LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
 JOB_TIMEOUT_S = 7200  # one mode's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 
@@ -117,7 +117,7 @@ def run_mode(mode: Mode, args: argparse.Namespace, steps: int, val_every: int, r
     overrides = [f"run.root_dir={root}", f"run.name={mode.run_name}", f"learner.mode={LEARNER_MODE[mode.name]}",
                  f"learner.total_steps={steps}", f"buffer.max_staleness={mode.k}", f"validation.every={val_every}",
                  "metrics.wandb_mode=disabled", *args.overrides]
-    launch_file(root, mode).write_text(json.dumps({"time": time.time()}))
+    launch_file(root, mode).write_text(json.dumps({"time": time.time(), "gpus": visible_gpus()}))
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label}: asyncrl run exited with {done.returncode}")
@@ -319,9 +319,10 @@ def main() -> None:
     for mode in modes:
         if mode.name in wanted:
             run_mode(mode, args, steps, val_every, root)
-    summaries = {mode.label: summarise(read_metrics(root / mode.run_name),
-                                       json.loads(launch_file(root, mode).read_text())["time"], mode, args.warmup_steps)
-                 for mode in modes if (root / mode.run_name / METRICS_FILE).is_file()}
+    ran = [mode for mode in modes if (root / mode.run_name / METRICS_FILE).is_file()]
+    launches = {mode.label: json.loads(launch_file(root, mode).read_text()) for mode in ran}
+    summaries = {mode.label: summarise(read_metrics(root / mode.run_name), launches[mode.label]["time"], mode,
+                                       args.warmup_steps) for mode in ran}
     target = pick_target(list(summaries.values()), args.target, args.target_fraction)
     figures = {label: mode_figures(summary, target) for label, summary in summaries.items()}
     sync, async_ = (summaries.get(mode.label) for mode in modes)
@@ -331,7 +332,8 @@ def main() -> None:
         print(f"run the other mode (--modes) with --out-dir {root} to compare them")
         return
     result = {key: comparison[key] for key in ("time_to_score_speedup", "trained_tokens_speedup")}
-    result |= {"length_ratio": figures[modes[1].label]["length_ratio"], "gpus": visible_gpus(),
+    gpus = launches[modes[1].label].get("gpus", visible_gpus())  # where the runs ran: a report may run elsewhere
+    result |= {"length_ratio": figures[modes[1].label]["length_ratio"], "gpus": gpus,
                "target": _round(target, 3), "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
                "sync": figures[modes[0].label], "async": figures[modes[1].label]}
     result |= {key: comparison[key] for key in ("length_vs_sync", "equal_step_version", "buckets", "every_bucket_at_least_sync")}
