@@ -16,7 +16,7 @@ from asyncrl.wire_limits import MAX_VERSION
 
 @dataclass
 class AlgorithmConfig:
-    loss: str = "decoupled_ppo"  # policy loss: decoupled_ppo, tis, seq_mask, naive_ppo, dppo_tv, dppo_kl, m2po, decoupled_ppo_kl, or 'file.py:fn' / 'pkg.mod:fn'
+    loss: str = "decoupled_ppo_kl"  # policy loss: decoupled_ppo_kl, decoupled_ppo, tis, seq_mask, naive_ppo, dppo_tv, dppo_kl, m2po, or 'file.py:fn' / 'pkg.mod:fn'
     advantage: str = "grpo"  # advantage estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, or 'file.py:fn'
     aggregation: str = one_of("token_mean", "seq_mean_token_sum")  # how per-token losses become one number
     clip_eps_low: float = bounded(0.2, 0.0, 1.0)  # PPO clip: the ratio's floor is 1 - clip_eps_low

@@ -103,8 +103,8 @@ def test_a_run_without_metrics_or_steps_fails_clearly(tmp_path, capsys):
 def test_low_drift_says_the_loss_holds_k(tmp_path, capsys):
     write_run(tmp_path, ["buffer.max_staleness=2"], steady(0.0, 1.0))  # mismatch_kl 0.004, default bound 0.02
     drift = tune(tmp_path, capsys)[4]
-    assert drift == ("drift: mismatch_kl 0.0040 at K=2 is within buffer.pacing.max_mismatch_kl=0.02: decoupled_ppo "
-                     "holds this K")
+    assert drift == ("drift: mismatch_kl 0.0040 at K=2 is within buffer.pacing.max_mismatch_kl=0.02: "
+                     "decoupled_ppo_kl holds this K")  # the default loss
 
 
 def test_high_drift_under_a_proximal_loss_suggests_a_smaller_k_or_a_behaviour_anchored_loss(tmp_path, capsys):
