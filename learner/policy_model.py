@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Callable
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from transformers import AutoModelForCausalLM
 
@@ -73,7 +74,8 @@ def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) 
     """`model` (loaded with `attention.register()`'s implementation) on this rank's device: activation
     checkpointing and `torch.compile` per decoder layer as configured, then sharded with fully_shard per
     decoder layer and at the root, with `score_targets` run under FSDP like `forward`. Checkpointing `auto`
-    is chosen later, by `learner.memory` (none until then)."""
+    is chosen later, by `learner.memory` (none until then). The shards live on the world's device: FSDP's own default
+    mesh follows the machine's accelerator instead, which put a CPU world's model on the GPU of a CUDA host."""
     attach_scoring(model)
     model.to(world.device)
     layers = _decoder_layers(model)
@@ -85,7 +87,8 @@ def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) 
     if settings.compile:
         for layer in layers:
             layer.compile(dynamic=True)
-    sharding = {"mp_policy": _mixed_precision(settings, world), "offload_policy": _offload(settings, world)}
+    sharding = {"mesh": init_device_mesh(world.device.type, (world.size,)),
+                "mp_policy": _mixed_precision(settings, world), "offload_policy": _offload(settings, world)}
     for layer in layers:
         fully_shard(layer, **sharding)
     fully_shard(model, **sharding)

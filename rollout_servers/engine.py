@@ -38,15 +38,14 @@ def _prefix_cache_salt(version: int) -> str:
 
 
 @contextlib.contextmanager
-def _naming_lora_when_start_fails(adapter: ServedAdapter | None) -> Iterator[None]:
+def _naming_lora_when_start_fails(lora_on: bool) -> Iterator[None]:
     """vLLM refuses adapters for a model it cannot serve them with only deep inside its engine's start; say which
     key asked for them."""
     try:
         yield
     except Exception as error:
-        if adapter is None:
+        if not lora_on:
             raise
-        adapter.close()
         raise RuntimeError(f"vLLM failed to start with model.lora.enabled=true ({error}); check above whether it "
                            "serves LoRA adapters for this model and model.lora.target_modules") from error
 
@@ -75,8 +74,8 @@ class RolloutEngine:
         """Start vLLM on `model_path`, whose weights are policy `version`; with `lora` enabled, the policy is served as
         an adapter on that base, which each update replaces. Call from the serving event loop."""
         started = time.perf_counter()
-        adapter = ServedAdapter(lora, model_path) if lora is not None and lora.enabled else None
-        with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter):
+        adapter = ServedAdapter(lora) if lora is not None and lora.enabled else None
+        with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
             llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight, lora))
         await vllm_compat.label_weights(llm, version)
         log.info("vLLM engine on %s started in %.1fs (version %d%s)", model_path, time.perf_counter() - started, version,
@@ -216,8 +215,6 @@ class RolloutEngine:
         """Stop vLLM's processes. The AsyncLLM object is kept: collecting it early can block in zmq's
         context teardown (seen here as a hang at the end of the test session)."""
         self._llm.shutdown()
-        if self._adapter is not None:
-            self._adapter.close()
 
     def _mark_version_change(self, version: int) -> None:
         """While paused: tokens sampled so far by each request in flight belong to the old weights."""

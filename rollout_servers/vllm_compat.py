@@ -36,11 +36,16 @@ Differences handled here:
   passes the device, calls the engine's `start/finish_weight_update` hooks and `receive_weights(info)`.
   On 0.24 a round that fails mid-transfer leaves the reload unfinished (its worker resets the update
   state without finalising), so such a server stays paused until it is restarted.
+- Building a LoRA adapter from tensors (`rollout_servers.adapter.swap_adapter`), as the worker's `_load_adapter`
+  does from a file: 0.32 renames tensor names with only the renames of the model's `hf_to_vllm_mapper`
+  (`get_rename_mapper`), checks the loaded adapter (MoE layout, classification heads) and allows GPU syncs
+  around the swap (`gpu_sync_allowed`, for its sync checker); 0.24 uses the whole mapper and has neither.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NoReturn
@@ -104,6 +109,8 @@ __all__ = [
     "ToolCall",
     "UsageInfo",
     "LegacyTrainerHooks",
+    "adapter_swap_syncs",
+    "check_loaded_adapter",
     "WeightLoader",
     "WeightTransferEngine",
     "engine_device",
@@ -113,6 +120,7 @@ __all__ = [
     "layerwise_reload_finish",
     "layerwise_reload_start",
     "loads_in_place",
+    "lora_weights_mapper",
     "pause_keeping_requests",
     "sampled_logprobs",
     "start_update",
@@ -193,6 +201,32 @@ def worker_index(parallel_config: Any) -> int:
     if dp_index is None:
         dp_index = parallel_config.data_parallel_rank
     return dp_index * parallel_config.world_size + parallel_config.rank
+
+
+def lora_weights_mapper(model: torch.nn.Module) -> Any:
+    """How vLLM's LoRA loading renames an adapter's tensors for `model`: the model's `hf_to_vllm_mapper` (None for
+    most), on 0.32 its renames alone."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None and hasattr(mapper, "get_rename_mapper"):
+        mapper = mapper.get_rename_mapper()
+    return mapper
+
+
+def check_loaded_adapter(manager: Any, lora: Any) -> None:
+    """The checks 0.32's worker runs on an adapter it loaded (`LoRAModelManager`'s MoE layout and classification
+    heads); 0.24 runs none."""
+    for check in ("_validate_moe_lora_format", "_validate_modules_to_save", "_validate_token_classification_lora"):
+        if hasattr(manager, check):
+            getattr(manager, check)(lora)
+
+
+def adapter_swap_syncs() -> contextlib.AbstractContextManager[Any]:
+    """Where vLLM swaps an adapter: 0.32 allows GPU syncs there (`gpu_sync_allowed`, for its sync checker)."""
+    try:
+        from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+    except ModuleNotFoundError:  # 0.24
+        return contextlib.nullcontext()
+    return gpu_sync_allowed()
 
 
 def init_request(init_info: dict[str, Any]) -> WeightTransferInitRequest:

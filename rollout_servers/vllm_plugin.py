@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
+
+import torch
 
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, ReceivingEnd, weight_backend
 from asyncrl.weight_transfer.protocol import InitInfo, TensorMeta, UpdateInfo
 from rollout_servers import vllm_compat
-from rollout_servers.adapter import write_adapter_weights
 from rollout_servers.vllm_log_filters import drop_expected_warnings
 from rollout_servers.weight_load_plan import (
     Layout,
@@ -145,16 +145,18 @@ class AsyncRLWeightTransferEngine(vllm_compat.LegacyTrainerHooks, vllm_compat.We
         finally:
             self._weights.synchronize()
 
-    def receive_adapter(self, update_info: UpdateInfo, directory: Path, write: bool) -> None:
-        """Receive a round's LoRA adapter (the policy served as an adapter, `rollout_servers.adapter`) and, with
-        `write`, write it into `directory` as PEFT's adapter file, from which vLLM's own LoRA loading reloads it.
-        Nothing is loaded into the model here, so no reload session is opened."""
+    def receive_adapter(self, update_info: UpdateInfo) -> dict[str, torch.Tensor]:
+        """Receive a round's LoRA adapter (the policy served as an adapter, `rollout_servers.adapter`): the announced
+        tensors, copied on the receiving end's device (this worker's): a backend may hand out views of a buffer that
+        the next round rewrites, and vLLM's LoRA loading scales some tensors in place. Nothing is loaded into the
+        model here, so no reload session is opened."""
         if self._weights is None:
             raise RuntimeError("adapter update before init_weight_transfer_engine: no weights to receive from")
         received = list(self._weights.tensors(update_info.tensors()))
-        self._weights.synchronize()
-        if write:  # copies: a backend may hand out views of a buffer that the next round rewrites
-            write_adapter_weights({name: tensor.to("cpu", copy=True) for name, tensor in received}, directory)
+        copies = [torch.empty_like(tensor) for _, tensor in received]
+        torch._foreach_copy_(copies, [tensor for _, tensor in received])  # a few kernels, not one per tensor
+        self._weights.synchronize()  # the copies too: the learner rewrites a shared buffer once this server answers
+        return {name: copy for (name, _), copy in zip(received, copies)}
 
     def shutdown(self) -> None:
         if self._weights is not None:

@@ -26,8 +26,10 @@ worker loaded the last timed round (`rollout_servers.vllm_plugin.weight_load_pat
 through vLLM's load_weights, skipped as tied aliases; None for LoRA rounds).
 With `model.lora.enabled=true` among the overrides the engines serve the policy as a LoRA adapter and every round
 sends an adapter of `model.lora`'s shape for the model (B random) and swaps it in (docs/weight_sync.md, "LoRA
-adapters"); its phases are adapter_receive (the workers' RPC: receive and write the adapter file) and adapter_load
-(vLLM's add_lora), and RESULT adds lora_sync_ms (the same median pause as weight_sync_ms).
+adapters"); its phases are adapter_swap (the workers' one RPC, round trip included) and, inside it, as the slowest
+worker reports them, adapter_receive (the adapter received and copied on the device) and adapter_load (vLLM's
+LoRAModel built from it and swapped in; the device copies it queues run after), and RESULT adds lora_sync_ms (the
+same median pause as weight_sync_ms).
 Rounds are timed after one untimed warm-up round per size. Last line: RESULT {json} with weight_sync_ms
 (median pause-to-resume of the first size), nccl_floor_ms (median per-tensor floor), flat_floor_ms, the bytes
 sent and, per size, broadcast_ms_by_servers (median round), pause_ms_by_servers and floor_ms_by_servers;
@@ -240,22 +242,24 @@ async def _keep_generating(engine, sampling) -> None:
         await engine.generate([1, 2, 3, 4], sampling)
 
 
-PHASES = ("pause", "start", "load", "finish", "adapter_receive", "adapter_load", "resume", "rpc_floor")
+PHASES = ("pause", "start", "load", "finish", "adapter_swap", "adapter_receive", "adapter_load", "resume", "rpc_floor")
 
 
 def time_update_phases(engine, lora: bool) -> dict[str, float]:
     """Wrap the steps `RolloutEngine.update_weights` awaits so that each records its seconds of the latest update
     in the returned dict (the vLLM helpers through the module the engine calls them by, the RPCs on its AsyncLLM).
-    The adapter's RPCs are wrapped only with `lora`: vLLM's own update calls `collective_rpc` too."""
+    With `lora` the adapter's one RPC is timed too (`_adapter_swap_recording`): adapter_swap, and inside it
+    adapter_receive and adapter_load as its workers report them."""
     from rollout_servers import engine as engine_module
 
     phases: dict[str, float] = {}
     compat = engine_module.vllm_compat
     for phase, name in (("pause", "pause_keeping_requests"), ("start", "start_update"), ("finish", "finish_update")):
         setattr(compat, name, _recording(getattr(compat, name), phase, phases))
-    adapter_calls = (("adapter_receive", "collective_rpc"), ("adapter_load", "add_lora")) if lora else ()
-    for phase, name in (("load", "update_weights"), *adapter_calls, ("resume", "resume_generation")):
+    for phase, name in (("load", "update_weights"), ("resume", "resume_generation")):
         setattr(engine.llm, name, _recording(getattr(engine.llm, name), phase, phases))
+    if lora:
+        engine.llm.collective_rpc = _adapter_swap_recording(engine.llm.collective_rpc, phases)
     return phases
 
 
@@ -267,6 +271,26 @@ def _recording(call, phase: str, phases: dict[str, float]):
             return await call(*args, **kwargs)
         finally:
             phases[phase] = time.perf_counter() - started
+
+    return run
+
+
+def _adapter_swap_recording(collective_rpc, phases: dict[str, float]):
+    """`collective_rpc`, recording the adapter's RPC (`rollout_servers.adapter.RECEIVE_METHOD`; vLLM's own calls, the
+    join's among them, go through untimed): its seconds as adapter_swap, and the phases the workers' answers (one
+    dict of seconds each) name, the slowest worker's."""
+    from rollout_servers.adapter import RECEIVE_METHOD
+
+    @functools.wraps(collective_rpc)
+    async def run(method, *args, **kwargs):
+        if method != RECEIVE_METHOD:
+            return await collective_rpc(method, *args, **kwargs)
+        started = time.perf_counter()
+        answers = await collective_rpc(method, *args, **kwargs)
+        phases["adapter_swap"] = time.perf_counter() - started
+        for worker_phase in answers[0]:
+            phases[worker_phase] = max(answer[worker_phase] for answer in answers)
+        return answers
 
     return run
 

@@ -1,81 +1,128 @@
 """The policy served as a LoRA adapter, without an engine: the workers' receive (the plugin's `receive_adapter`),
-the server's adapter directory and requests, and the engine arguments that turn LoRA on."""
+the swap into vLLM's LoRA manager (`swap_adapter`, with vLLM's own `LoRAModel`), the server's requests, and the
+engine arguments that turn LoRA on."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from vllm.lora.lora_model import LoRAModel
 
 from asyncrl.config.rollout import EngineConfig
 from asyncrl.config.sections import LoraConfig
-from rollout_servers.adapter import (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, POLICY_ADAPTER_ID, RECEIVE_METHOD,
-                                     ServedAdapter, served_rank)
+from rollout_servers.adapter import (ADAPTER_PATH, POLICY_ADAPTER_ID, RECEIVE_METHOD, ServedAdapter, served_rank,
+                                     swap_adapter)
 from rollout_servers.engine import _naming_lora_when_start_fails
 from rollout_servers.engine_args import engine_args
-from test_vllm_plugin import SENT, ScriptedGroup, announced, plugin_with
+from test_vllm_plugin import SENT, ScriptedGroup, announced, one_worker, plugin_with
+from tests.unit.rollout_servers.plugin_helpers import SharedBuffer, plugin_on_buffer
 
 LORA = LoraConfig(enabled=True, rank=12, alpha=24.0, target_modules=["q_proj", "v_proj"])
 
 
-@pytest.mark.parametrize("write", [True, False])
-def test_every_worker_receives_the_adapter_and_the_first_writes_it(tmp_path, write):
+def test_a_worker_receives_the_whole_adapter_as_tensors_of_its_own():
     group = ScriptedGroup(SENT)
-    plugin_with(group).receive_adapter(announced(), tmp_path, write=write)
-    assert group.log == ["broadcast"] * len(SENT) + ["synchronize"]  # the whole round, written or not
-    if write:
-        written = load_file(tmp_path / ADAPTER_WEIGHTS_FILE)
-        assert list(written) == sorted(name for name, _ in SENT)
-        assert all(torch.equal(written[name], tensor) for name, tensor in SENT)
-    assert [path.name for path in tmp_path.iterdir()] == ([ADAPTER_WEIGHTS_FILE] if write else [])
+    received = plugin_with(group).receive_adapter(announced())
+    assert group.log == ["broadcast"] * len(SENT) + ["synchronize"]  # the whole round, then the copies are done
+    assert list(received) == [name for name, _ in SENT]
+    assert all(torch.equal(received[name], tensor) for name, tensor in SENT)
+
+
+def test_an_adapter_received_from_a_shared_buffer_outlives_the_next_round():
+    buffer = SharedBuffer(SENT)
+    plugin = plugin_on_buffer(buffer, torch.nn.Module(), one_worker())
+    received = plugin.receive_adapter(buffer.write(SENT))
+    buffer.write([(name, torch.zeros_like(tensor)) for name, tensor in SENT])  # the learner's next round
+    assert buffer.log == ["synchronize"]
+    assert all(torch.equal(received[name], tensor) for name, tensor in SENT)
+
+
+def peft_names(module: str, layer: int = 0) -> tuple[str, str]:
+    prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+    return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
+
+
+class LoRAManager:
+    """Stands in for vLLM's worker LoRA manager (`WorkerLoRAManager`) and its model manager, serving LoRA on a
+    packed qkv_proj and on o_proj, with vLLM's own `LoRAModel`; records the swap."""
+
+    def __init__(self, max_rank: int = 16) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self.added: list[LoRAModel] = []
+        self._adapter_manager = SimpleNamespace(
+            model=torch.nn.Module(), supported_lora_modules=["qkv_proj", "o_proj"],
+            packed_modules_mapping={"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+            remove_adapter=lambda adapter_id: self.calls.append(("remove", adapter_id)),
+            add_adapter=lambda lora: self.calls.append(("add", lora.id)) or self.added.append(lora),
+            activate_adapter=lambda adapter_id: self.calls.append(("activate", adapter_id)))
+        self.lora_config = SimpleNamespace(max_lora_rank=max_rank, lora_dtype=torch.float32)
+        self.max_position_embeddings, self.vocab_size, self.device = 64, 100, torch.device("cpu")
+        self._lora_model_cls = LoRAModel
+
+
+def adapter(*modules: str, rank: int = 12) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for module in modules:
+        a, b = peft_names(module)
+        tensors[a], tensors[b] = torch.randn(rank, 8), torch.randn(8, rank)
+    return tensors
+
+
+def test_the_swap_builds_vllms_adapter_of_the_tensors_and_replaces_the_served_one_in_place():
+    manager, tensors = LoRAManager(), adapter("q_proj", "v_proj")
+    lora_a = tensors[peft_names("q_proj")[0]].clone()
+    swap_adapter(manager, tensors, LORA.peft_fields())
+    assert manager.calls == [("remove", POLICY_ADAPTER_ID), ("add", POLICY_ADAPTER_ID), ("activate", POLICY_ADAPTER_ID)]
+    built = manager.added[0].get_lora("model.layers.0.self_attn.q_proj")
+    assert (built.rank, built.scaling) == (12, 2.0)  # alpha / rank, from the adapter's settings
+    assert torch.equal(built.lora_a, lora_a) and not built.lora_a.is_pinned()
+
+
+@pytest.mark.parametrize("modules, rank, refusal", [(("q_proj", "gate_proj"), 12, "gate_proj"),
+                                                    (("q_proj",), 32, "max_lora_rank")])
+def test_an_adapter_vllm_cannot_serve_fails_before_the_served_one_is_removed(modules, rank, refusal):
+    manager = LoRAManager()
+    settings = LORA.peft_fields() | {"r": rank}
+    with pytest.raises(ValueError, match=refusal):
+        swap_adapter(manager, adapter(*modules, rank=rank), settings)
+    assert manager.calls == []
 
 
 class AdapterLLM:
-    """Stands in for AsyncLLM's worker call and LoRA loading: records both."""
+    """Stands in for AsyncLLM's worker call: records it, or fails it."""
 
-    def __init__(self, loads: bool = True) -> None:
+    def __init__(self, fails: bool = False) -> None:
         self.calls: list[tuple] = []
-        self._loads = loads
+        self._fails = fails
 
-    async def collective_rpc(self, method: str, args: tuple = ()) -> None:
-        self.calls.append(("rpc", method, *args))
-
-    async def add_lora(self, request) -> bool:
-        self.calls.append(("add_lora", request.lora_path, request.lora_int_id, request.load_inplace))
-        return self._loads
-
-
-def test_the_server_samples_the_base_until_an_adapter_is_swapped_in_place():
-    adapter = ServedAdapter(LORA, "/models/base")
-    try:
-        settings = json.loads((adapter.directory / ADAPTER_CONFIG_FILE).read_text())
-        assert settings == {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "/models/base",
-                            "r": 12, "lora_alpha": 24.0, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
-                            "bias": "none"}
-        assert adapter.request is None
-        llm = AdapterLLM()
-        asyncio.run(adapter.load(llm, {"names": ["x"]}))
-        directory = str(adapter.directory)
-        assert llm.calls == [("rpc", RECEIVE_METHOD, {"names": ["x"]}, directory),
-                             ("add_lora", directory, POLICY_ADAPTER_ID, True)]
-        # requests name the adapter without reloading it each step
-        assert (adapter.request.lora_path, adapter.request.load_inplace) == (directory, False)
-    finally:
-        adapter.close()
-    assert not adapter.directory.exists()
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict[str, float]]:
+        self.calls.append((method, *args))
+        if self._fails:
+            raise RuntimeError("worker failed")
+        return [{"adapter_receive": 0.0, "adapter_load": 0.0}]
 
 
-def test_an_adapter_vllm_does_not_load_fails_the_round():
-    adapter = ServedAdapter(LORA, "/models/base")
-    try:
-        with pytest.raises(RuntimeError, match="did not load the adapter"):
-            asyncio.run(adapter.load(AdapterLLM(loads=False), {}))
-        assert adapter.request is None
-    finally:
-        adapter.close()
+def test_the_server_samples_the_base_until_every_worker_swapped_an_adapter_in():
+    served = ServedAdapter(LORA)
+    assert served.request is None
+    llm = AdapterLLM()
+    asyncio.run(served.load(llm, {"names": ["x"]}))
+    settings = {"r": 12, "lora_alpha": 24.0, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+                "bias": "none"}
+    assert llm.calls == [(RECEIVE_METHOD, {"names": ["x"]}, settings)]
+    # requests name the adapter the workers hold, without reloading it: vLLM never reads its path
+    assert (served.request.lora_int_id, served.request.lora_path, served.request.load_inplace) == \
+        (POLICY_ADAPTER_ID, ADAPTER_PATH, False)
+
+
+def test_a_failed_swap_leaves_the_server_on_the_base():
+    served = ServedAdapter(LORA)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        asyncio.run(served.load(AdapterLLM(fails=True), {}))
+    assert served.request is None
 
 
 @pytest.mark.parametrize("rank, served", [(1, 1), (2, 8), (16, 16), (17, 32), (300, 320), (512, 512)])
@@ -92,12 +139,11 @@ def test_engine_arguments_serve_one_adapter_only_with_lora_on(tmp_path):
         assert not lora_off.enable_lora and not lora_off.worker_extension_cls
 
 
-def test_an_engine_that_fails_to_start_with_lora_names_the_key_and_leaves_no_directory():
-    adapter = ServedAdapter(LORA, "/models/base")
+def test_an_engine_that_fails_to_start_with_lora_names_the_key():
     with pytest.raises(RuntimeError, match="model.lora.enabled=true") as failed:
-        with _naming_lora_when_start_fails(adapter):
+        with _naming_lora_when_start_fails(True):
             raise ValueError("Qwen3NextForCausalLM does not support LoRA yet.")
-    assert "does not support LoRA yet" in str(failed.value) and not adapter.directory.exists()
+    assert "does not support LoRA yet" in str(failed.value)
     with pytest.raises(ValueError, match="^no adapter$"):  # without LoRA the engine's own error goes through
-        with _naming_lora_when_start_fails(None):
+        with _naming_lora_when_start_fails(False):
             raise ValueError("no adapter")
