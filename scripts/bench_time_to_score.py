@@ -44,6 +44,7 @@ from typing import Any
 
 from asyncrl.config import load_config
 from asyncrl.metrics import METRICS_FILE, read_metrics
+from asyncrl.placement import visible_gpus
 from asyncrl.validation_scores import VERSION_KEY
 
 MODES = ("sync", "async")
@@ -117,7 +118,7 @@ def run_mode(mode: Mode, args: argparse.Namespace, steps: int, val_every: int, r
     overrides = [f"run.root_dir={root}", f"run.name={mode.run_name}", f"learner.mode={LEARNER_MODE[mode.name]}",
                  f"learner.total_steps={steps}", f"buffer.max_staleness={mode.k}", f"validation.every={val_every}",
                  "metrics.wandb_mode=disabled", *args.overrides]
-    launch_file(root, mode).write_text(json.dumps({"time": time.time(), "gpus": visible_gpus()}))
+    launch_file(root, mode).write_text(json.dumps({"time": time.time(), "gpus": len(visible_gpus())}))
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label}: asyncrl run exited with {done.returncode}")
@@ -293,12 +294,6 @@ def _cell(value: Any, unit: str = "") -> str:
     return f"{value:.3f}{unit}" if isinstance(value, float) and unit else str(value)
 
 
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
 def main() -> None:
     args = parse_args()
     config = load_config(args.config, args.overrides)
@@ -332,7 +327,7 @@ def main() -> None:
         print(f"run the other mode (--modes) with --out-dir {root} to compare them")
         return
     result = {key: comparison[key] for key in ("time_to_score_speedup", "trained_tokens_speedup")}
-    gpus = launches[modes[1].label].get("gpus", visible_gpus())  # where the runs ran: a report may run elsewhere
+    gpus = launches[modes[1].label].get("gpus", len(visible_gpus()))  # where the runs ran: a report may run elsewhere
     result |= {"length_ratio": figures[modes[1].label]["length_ratio"], "gpus": gpus,
                "target": _round(target, 3), "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
                "sync": figures[modes[0].label], "async": figures[modes[1].label]}
