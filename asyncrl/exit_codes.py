@@ -1,6 +1,7 @@
 """Exit codes a role process ends with for its launcher (the local supervisor, the Ray launcher) to read."""
 
-# The role could not be built from its inputs (model path, data files, environments, validation prompts):
+# The role could not be built from its inputs (model path, data files, environments, validation prompts) or its
+# code could not be imported (a broken install):
 # the same inputs would fail again, so a launcher reports it and does not restart the role.
 CANNOT_START = 3
 

@@ -30,51 +30,34 @@ class IngestRate:
 
 @dataclass
 class GeneratedByStart:
-    """Samples and response tokens of the groups stored, by the version each started under, so that what the
-    learner was handed can be compared with as many generated samples taken in the order the buffer hands them
-    out (oldest start first, then as stored): it reads the same lengths unless groups were dropped, or an old
-    group is still waiting while younger ones went out. Groups still generating count on neither side.
+    """Samples and response tokens generated, counted in the order the buffer hands groups out (oldest start
+    version first, then as stored), as many as the learner was handed: the generated side of
+    `response_length/trained_vs_generated`. At each hand-out the groups stored and not yet counted are taken in
+    that order until the count reaches the samples handed out so far, so it reads the learner's own lengths
+    unless the buffer dropped groups (they count here in the place they held) or something cut what was
+    trained. Groups still generating count on neither side; a group stored late, under an old version, counts
+    at the next hand-out, as the buffer hands it out then.
 
-    Memory stays bounded in a job of days: a start version whose groups were all taken, with every older one, is
-    folded into one running total (`settled`) and forgets its groups. The count asked for only grows (samples
-    handed out), so a later answer takes a folded version whole again; a group stored late under a folded version
-    joins the total, ahead of every open version, as the buffer would hand it out."""
+    Only the groups not yet counted are kept, so memory stays bounded in a job of days."""
 
-    groups: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # open start version -> (samples, response tokens) per group, as stored
-    settled: tuple[int, int] = (0, 0)  # samples and response tokens of the folded versions' groups
-    settled_through: int | None = None  # newest folded start version; None: none folded yet
+    pending: dict[int, deque[tuple[int, int]]] = field(default_factory=dict)  # start version -> (samples, response tokens) per group not yet counted, as stored
+    taken: tuple[int, int] = (0, 0)  # samples and response tokens of the groups counted so far
 
     def add(self, start_version: int, samples: int, response_tokens: int) -> None:
         """A group stored (start version -1: it has no trained token)."""
-        if self.settled_through is not None and start_version <= self.settled_through:
-            self.settled = (self.settled[0] + samples, self.settled[1] + response_tokens)
-        else:
-            self.groups.setdefault(start_version, []).append((samples, response_tokens))
+        self.pending.setdefault(start_version, deque()).append((samples, response_tokens))
 
-    def first(self, samples: int) -> tuple[int, int]:
-        """(samples, response tokens) of the first whole groups in hand-out order that hold at least `samples`
-        samples (all of them while fewer were stored; all folded ones when late groups made those more than
-        `samples`). `samples` must not shrink from one call to the next: versions taken whole are folded."""
-        taken, tokens = self.settled
-        for version in sorted(self.groups):
-            if taken >= samples:
-                break
-            version_samples = sum(group_samples for group_samples, _ in self.groups[version])
-            if taken + version_samples > samples:  # the count ends inside this version: its groups one by one
-                return _first_groups(self.groups[version], samples, taken, tokens)
-            taken += version_samples
-            tokens += sum(group_tokens for _, group_tokens in self.groups.pop(version))
-            self.settled, self.settled_through = (taken, tokens), version
-        return taken, tokens
-
-
-def _first_groups(groups: list[tuple[int, int]], samples: int, taken: int, tokens: int) -> tuple[int, int]:
-    """`taken` samples and `tokens` so far, plus `groups` in order until at least `samples` samples are taken."""
-    for group_samples, group_tokens in groups:
-        if taken >= samples:
-            break
-        taken, tokens = taken + group_samples, tokens + group_tokens
-    return taken, tokens
+    def hand_out(self, handed_out_samples: int) -> None:
+        """Count whole groups, oldest start first, until the count holds `handed_out_samples` samples (the
+        running total handed out) or none is left."""
+        samples, tokens = self.taken
+        while samples < handed_out_samples and self.pending:
+            version = min(self.pending)
+            group_samples, group_tokens = self.pending[version].popleft()
+            samples, tokens = samples + group_samples, tokens + group_tokens
+            if not self.pending[version]:
+                del self.pending[version]
+        self.taken = (samples, tokens)
 
 
 @dataclass

@@ -60,6 +60,8 @@ class BufferService:
                                    config.max_leases)
         self.counters = Counters()
         self.generated = GeneratedByStart()
+        for entry in self.store.window.entries.values():  # the groups a restart read back from the log, in log order
+            self.generated.add(entry.oldest_version, entry.num_samples, entry.response_tokens)
         self.rate = IngestRate(config.stats_window_s)
         self.policy_version = self.store.committed.policy_version
         self.parked = ParkedRequests(ParkingCaps(config.max_parked_per_client, config.max_parked,
@@ -326,6 +328,7 @@ class BufferService:
         counters.handed_out += len(selection.taken)
         counters.handed_out_samples += sum(entry.num_samples for entry in selection.taken)
         counters.handed_out_response_tokens += sum(entry.response_tokens for entry in selection.taken)
+        self.generated.hand_out(counters.handed_out_samples)
         counters.dropped_stale += len(selection.dropped)
         counters.dropped_stale_response_tokens += sum(entry.response_tokens for entry in selection.dropped)
         counters.staleness.update(selection.staleness)
@@ -384,7 +387,7 @@ class BufferService:
     def stats(self) -> BufferStats:
         groups_per_s, bytes_per_s = self.rate.rates(time.monotonic())
         counters, window = self.counters, self.store.consumers.learner
-        first_samples, first_tokens = self.generated.first(counters.handed_out_samples)
+        first_samples, first_tokens = self.generated.taken
         return BufferStats(
             size=len(window), size_bytes=window.bytes, log_bytes=self.store.log.disk_bytes,
             read_offset=window.read_offset, committed_offset=self.store.committed.offset,

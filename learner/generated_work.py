@@ -1,7 +1,7 @@
 """How much of the servers' generated training work the learner trains, read from the buffer's counters (since
 the buffer started): the mean response length trained against that of as many generated samples, taken in the
-order the buffer hands them out (oldest start first), 1 without length bias; and the work thrown away, 0 in a
-normal run (docs/metrics.md).
+order the buffer hands them out (oldest start first, the groups it dropped as stale counted in their place), 1
+without length bias; and the work thrown away, 0 in a normal run (docs/metrics.md).
 
 The generated side is not every sample stored: at any moment the buffer holds up to K + 1 batches not yet
 trained, the recent groups whose short responses finished first while their long ones still generate, and

@@ -120,7 +120,7 @@ def schedule_restart(slot: ServerSlot, index: int, run_dir: Path, now: float) ->
     """Book the restart of the dead process in `slot` after its back-off, or raise `SupervisorGaveUp`."""
     code = slot.process.exitcode
     if code == CANNOT_START:
-        raise ServerCannotStart(f"server-{index} cannot start from this config (not restarted): see {server_log(run_dir, index)}")
+        raise ServerCannotStart(f"server-{index} cannot start from this config or install (not restarted): see {server_log(run_dir, index)}")
     ran_s = now - slot.started_at
     delay = slot.deaths.restart_delay(ran_s)
     if delay is None:
@@ -151,10 +151,11 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
         place.apply(config)  # this process's own copy: the other servers keep theirs
         log.info("%s", place.describe(index))
     prepare_nccl_environment(config.rollout.weight_sync.host)  # before vLLM's workers start: they inherit it
-    # Imported here, in the server's own process: vLLM takes seconds of CPU to import, and the supervisor (and
-    # every other process that imports this module) never runs an engine.
-    from rollout_servers.server import RolloutServer
     try:
+        # Imported here, in the server's own process: vLLM takes seconds of CPU to import, and the supervisor (and
+        # every other process that imports this module) never runs an engine. An install that cannot import
+        # (a broken or missing vLLM) is no more fixed by a restart than a bad config.
+        from rollout_servers.server import RolloutServer
         server = RolloutServer(config, index, endpoints, Path(run_dir) / STATE_DIR)
     except Exception as error:
         log.exception("server-%d cannot start: %s: %s", index, type(error).__name__, error)

@@ -10,8 +10,11 @@
 # from for other architectures.
 #
 # On the host, after copying every piece into /tmp/chunks/:
-#   cat /tmp/chunks/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp/site")'
+#   cat /tmp/chunks/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp/site")' \
+#       && touch /tmp/site/.unpacked
 #   export PYTHONPATH=/tmp/site
+# Skip the unpack in a later call only where /tmp/site/.unpacked exists: an extraction cut short by a missing
+# piece leaves a partial /tmp/site (vLLM failing at import), so it must be unpacked again.
 #
 # PACK=ray packs Ray instead, for `asyncrl launch` on the host (docs/ray.md): ray and the wheels it needs beyond
 # such an image, without its Java jars and its training, tuning, serving, data and RL libraries (the launcher
@@ -57,7 +60,6 @@ done
 rm -rf "$WORK/site" && mkdir -p "$WORK/site"
 for wheel in "$WORK"/wheels/*.whl; do unzip -q -o "$wheel" -d "$WORK/site"; done
 for path in "${DROP[@]}"; do rm -rf "$WORK"/site/$path; done
-touch "$WORK/site/.asyncrl-gpu-pack"
 
 rm -rf .device/"$PIECES"* "$WORK/parts" && mkdir -p "$WORK/parts"
 tar -C "$WORK/site" -cf - . | xz -6 -T0 | split -b "${PIECE_MIB}M" -d -a 2 - "$WORK/parts/part."

@@ -189,7 +189,7 @@ class Launch:
             if outcome is None or outcome.code == 0:  # running, or done: a server leaves once the learner ends the job
                 return
             if outcome.code == CANNOT_START:
-                raise LaunchError(f"{handle.name} cannot start from this config (not restarted): see "
+                raise LaunchError(f"{handle.name} cannot start from this config or install (not restarted): see "
                                   f"{handle.spec.log_path(self.run.run_dir)}")
             handle.deaths = handle.deaths or QuickDeaths.of(self.config.rollout, self.settings.max_restarts)
             delay = handle.deaths.restart_delay(time.monotonic() - handle.started_at)

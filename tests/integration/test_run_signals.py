@@ -158,7 +158,7 @@ def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(
     assert "DataError: malformed rows" in run.stderr and f"{malformed}, row 0:" in run.stderr  # the row, on the console
     assert "stopped by a signal: the ranks closed their services" in run.stderr  # the learner unwound in order
     assert "leaked" not in run.stderr
-    assert "cannot start from this config (not restarted)" in run.stderr
+    assert "cannot start from this config or install (not restarted)" in run.stderr
     supervisor_log = (run_dir / "logs" / "rollout.log").read_text()
     assert "restart" not in supervisor_log.replace("not restarted", "")
     assert run.stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"

@@ -1,40 +1,56 @@
-"""The generated work in hand-out order (oldest start first, then as stored): as many samples as the learner was
-handed, by hand; and the versions taken whole folded away, so that a job of days keeps no record per group."""
+"""The generated work counted in hand-out order (oldest start first, then as stored), as many samples as the
+learner was handed, by hand; a group stored late counts at the next hand-out, never retroactively; only the
+groups not yet counted are kept."""
 
 from buffer.metrics import GeneratedByStart
 
 
-def test_the_first_groups_in_hand_out_order_that_hold_the_samples_asked_for():
+def test_each_hand_out_counts_whole_groups_oldest_start_first_then_as_stored():
     generated = GeneratedByStart()
-    generated.add(3, samples=2, response_tokens=10)
     generated.add(4, samples=2, response_tokens=4)  # version 4: a short group stored first, then a long one
     generated.add(4, samples=2, response_tokens=40)
-    assert generated.first(0) == (0, 0)
-    assert generated.first(2) == (2, 10)
-    assert generated.first(3) == (4, 14), "whole groups, in the order stored within a version"
-    generated.add(1, samples=2, response_tokens=200)  # a long group that started first is stored last
-    assert generated.first(4) == (4, 210), "it comes first, as the buffer hands it out"
-    assert generated.first(6) == (6, 214), "and pushes the last group taken before out"
-    assert generated.first(50) == (8, 254), "fewer stored than asked for: all of them"
+    generated.add(3, samples=2, response_tokens=10)
+    generated.hand_out(0)
+    assert generated.taken == (0, 0)
+    generated.hand_out(2)
+    assert generated.taken == (2, 10), "the oldest start version first, though stored last"
+    generated.hand_out(3)
+    assert generated.taken == (4, 14), "whole groups, in the order stored within a version"
+    generated.hand_out(50)
+    assert generated.taken == (6, 54), "fewer stored than handed out: all of them"
 
 
-def test_a_late_group_under_a_folded_version_comes_before_every_open_one():
+def test_a_group_stored_late_under_an_old_version_counts_at_the_next_hand_out_only():
     generated = GeneratedByStart()
     for version, tokens in ((0, 5), (1, 7), (2, 9)):
         generated.add(version, samples=2, response_tokens=tokens)
-    assert generated.first(4) == (4, 12)  # versions 0 and 1 taken whole: folded
-    assert generated.settled_through == 1 and sorted(generated.groups) == [2]
+    generated.hand_out(4)
+    assert generated.taken == (4, 12)
     generated.add(0, samples=2, response_tokens=100)  # stored late, started under version 0
-    assert generated.first(4) == (6, 112), "more folded samples than asked for: all of them, never a split"
-    assert generated.first(6) == (6, 112)
-    assert generated.first(8) == (8, 121), "version 2 after the late group, as the buffer would hand them out"
+    assert generated.taken == (4, 12), "nothing more was handed out: the late group waits, as in the buffer"
+    generated.hand_out(6)
+    assert generated.taken == (6, 112), "handed out next, before the younger version 2"
+    generated.hand_out(8)
+    assert generated.taken == (8, 121)
 
 
-def test_a_long_job_keeps_only_the_versions_not_yet_taken_whole():
+def test_a_dropped_group_counts_in_the_place_it_held():
+    """The buffer drops a group that started outside the bound and hands out the next one: the learner trains
+    the short group, the generated side counts the long dropped one in its place, and the ratio shows it."""
+    generated = GeneratedByStart()
+    generated.add(0, samples=2, response_tokens=200)  # dropped as stale at the hand-out
+    generated.add(5, samples=2, response_tokens=10)  # handed out
+    generated.hand_out(2)
+    assert generated.taken == (2, 200)
+
+
+def test_a_long_job_keeps_only_the_groups_not_yet_counted():
     generated = GeneratedByStart()
     for version in range(10_000):
         generated.add(version, samples=2, response_tokens=version % 7)
-        generated.first(2 * version)  # the learner has taken every group of the older versions
-    assert sorted(generated.groups) == [9_999]
-    assert generated.first(20_000) == (20_000, sum(version % 7 for version in range(10_000)))
-    assert generated.groups == {}
+        generated.add(version, samples=2, response_tokens=1)
+        generated.hand_out(4 * version + 2)  # the learner has taken every group but the newest
+    assert list(generated.pending) == [9_999] and len(generated.pending[9_999]) == 1
+    generated.hand_out(40_000)
+    assert generated.taken == (40_000, sum(version % 7 + 1 for version in range(10_000)))
+    assert generated.pending == {}

@@ -100,6 +100,9 @@ def test_the_oldest_groups_go_out_first_and_a_restart_from_the_commit_resumes_wi
     fresh = BufferConsumer(restarted.endpoint, "learner")  # no checkpoint: pins the buffer's position
     resumed = BufferConsumer(restarted.endpoint, "learner-from-checkpoint", start_offset=1, start_ahead=[2])
     assert [g.record_id for g in fresh.next_batch(policy_version=2).groups] == ["g1", "g3"]
+    stats = fresh.stats()  # the groups read back from the log count on the generated side as they go out
+    assert (stats.first_generated_samples, stats.first_generated_response_tokens) == (
+        stats.handed_out_samples, stats.handed_out_response_tokens) != (0, 0)
     assert [g.record_id for g in resumed.next_batch(policy_version=2).groups] == ["g1", "g3"]
     assert (resumed.position, resumed.ahead) == (4, [])
 

@@ -132,7 +132,7 @@ def server_handle() -> RoleHandle:
 
 def test_a_server_that_cannot_start_from_its_config_ends_the_launch_instead_of_restarting():
     launch, handle = EndedRoles(CANNOT_START), server_handle()
-    with pytest.raises(LaunchError, match="rollout-0 cannot start from this config .*rollout-0.out"):
+    with pytest.raises(LaunchError, match="rollout-0 cannot start from this config or install .*rollout-0.out"):
         launch.keep_alive(handle)
     assert (launch.discarded, handle.restart_at) == (0, None)
 

@@ -1,8 +1,11 @@
 """The local supervisor's restart policy: back-off per quick death in a row, a fresh count after a healthy
-run, and giving up with the reason (`schedule_restart`; the processes are stand-ins with an exit code)."""
+run, and giving up with the reason (`schedule_restart`; the processes are stand-ins with an exit code); a server
+that cannot import its code exits as one that cannot start."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -53,7 +56,7 @@ def test_a_server_that_ran_healthy_starts_its_count_afresh():
 
 def test_a_server_that_cannot_start_is_not_restarted():
     slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
-    with pytest.raises(ServerCannotStart, match="cannot start from this config"):
+    with pytest.raises(ServerCannotStart, match="cannot start from this config or install"):
         die(slot, after_s=1.0, code=CANNOT_START)
 
 
@@ -61,3 +64,23 @@ def test_no_restarts_allowed_gives_up_at_the_first_quick_death():
     slot = ServerSlot(QuickDeaths.of(RolloutConfig(), max_restarts=0), process=DeadProcess(1))
     with pytest.raises(ServerKeepsFailing, match="death 1 in a row"):
         schedule_restart(slot, 0, ".", now=1.0)
+
+
+SERVE_ONE_WITHOUT_ITS_SERVER_MODULE = """
+import sys
+from asyncrl.config import load_config
+from rollout_servers import supervisor
+from rollout_servers.learner_wait import Endpoints
+
+sys.modules["rollout_servers.server"] = None  # importing it raises ImportError, as a broken vLLM install does
+supervisor.serve_one(load_config(None, []), 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
+"""
+
+
+def test_a_server_whose_code_cannot_import_exits_cannot_start_and_logs_why(tmp_path):
+    """A broken install fails every restart alike: the server exits CANNOT_START (the supervisor gives up at once)
+    instead of 1 (restarted with back-off, ten times over minutes, while the learner waits for it)."""
+    done = subprocess.run([sys.executable, "-c", SERVE_ONE_WITHOUT_ITS_SERVER_MODULE, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == CANNOT_START, done.stderr[-2000:]
+    assert "server-0 cannot start: ModuleNotFoundError" in (tmp_path / "logs" / "rollout0.log").read_text()
