@@ -159,7 +159,9 @@ def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> t
 # Tools without `strict`: a forced call's arguments still follow their schema (the endpoint pins them), so a model
 # never taught to call them (this job's) closes its call within a few tokens. Their keys are in the order of vLLM's
 # request model, which the server's prompt renders.
-CALL_TRIES = 8  # forced calls cut short by their token cap (about 1 in 4 here) are retried in a new session
+# Forced calls cut short by their token cap (about 1 in 4 here, more once the job has trained a while: the grammar
+# lets JSON whitespace run on) are retried in a new session.
+CALL_TRIES = 16
 CALL_MAX_TOKENS = 64  # the prompt with the calculator is 144 tokens: a call, the tool's message and an answer fit
 CALCULATOR = {"type": "function", "function": {"name": "calc", "parameters": {
     "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}}}
