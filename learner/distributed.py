@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.net import LOOPBACK
+
 
 @dataclass(frozen=True)
 class World:
@@ -18,6 +20,20 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def spawner_store(size: int) -> dist.TCPStore:
+    """The rendezvous store of `size` local ranks, held by the process that spawns them (as torchrun's agent holds
+    it), on a port the OS assigns as it binds. A port found free first and bound later by rank 0 can be taken in
+    between by another job on the host: one run in about a hundred, twenty at a time on one host, died of it."""
+    return dist.TCPStore(LOOPBACK, 0, world_size=size, is_master=True, wait_for_workers=False)
+
+
+def local_rank_environment(rank: int, size: int, store_port: int) -> dict[str, str]:
+    """The torchrun-style variables of local rank `rank` of `size`, whose spawner holds their store on
+    `store_port` (`spawner_store`): with TORCHELASTIC_USE_AGENT_STORE every rank connects to it, rank 0 too."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "MASTER_ADDR": LOOPBACK,
+            "MASTER_PORT": str(store_port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def init_world(device_choice: str, cpu_collectives: bool = False) -> World:
@@ -32,10 +48,12 @@ def init_world(device_choice: str, cpu_collectives: bool = False) -> World:
     if use_cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
         backend = ("cuda:nccl,cpu:gloo" if cpu_collectives else "nccl") if use_cuda else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=size, device_id=device if use_cuda else None)
+        # one rank meets no one: an in-process store, no port to collide with another job's; more ranks meet at
+        # MASTER_ADDR:MASTER_PORT (their spawner's store, torchrun's, or the Ray launcher's)
+        store = dist.HashStore() if size == 1 else None
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                                device_id=device if use_cuda else None)
     return World(rank=rank, size=size, device=device)
 
 

@@ -17,7 +17,7 @@ from asyncrl.heap import freeze_startup_heap
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.stop_signal import interrupt_once
-from learner.distributed import World, init_world
+from learner.distributed import World, init_world, local_rank_environment
 from learner.loop import run_loop
 from learner.loop_state import LoopState, resume_state
 from learner.policy_model import DTYPES
@@ -71,7 +71,7 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     (once), so that a stopped rank unwinds through `train`'s cleanup (torch's spawn wrapper ends it quietly)."""
     die_with_spawning_parent()  # `asyncrl learner` killed outright takes its ranks (and their buffer) along
     interrupt_once()  # the group's signal and the one `asyncrl learner` forwards: the second must not cut the cleanup
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_environment(rank, size, port))
     try:
         train(config, Path(run_dir))
     except Exception as error:  # its reason and traceback into the rank's log (the console gets one line)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
-from asyncrl.net import LOOPBACK, free_port
 from learner.distributed import World, init_world
 from learner.lr_schedule import learning_rate
 from learner.policy_model import DTYPES, full_weights
@@ -49,9 +48,9 @@ class ReferenceTrainer:
 
 
 def open_world(config: AsyncRLConfig) -> World:
-    """A world of one rank on a free port (a fixed default port would collide with another job on the host), on
-    the first visible GPU or the CPU (`learner.device`)."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))
+    """A world of one rank (its store in this process: no port), on the first visible GPU or the CPU
+    (`learner.device`)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     return init_world(config.learner.device)
 
 

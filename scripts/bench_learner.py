@@ -60,7 +60,6 @@ from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.logs import setup_logging
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from asyncrl.net import LOOPBACK, free_port
 from demo.tiny.tokenizer import build_char_tokenizer
 from learner import attention
 from learner.batching import TrainBatch, collate
@@ -139,7 +138,7 @@ def parse_args() -> argparse.Namespace:
 
 def join_single_rank_world(device: str) -> World:
     """A one-rank world (gloo on CPU, NCCL on CUDA): FSDP2 needs a process group even alone."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     return init_world(device)
 
 

@@ -12,7 +12,6 @@ from launch.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
-from asyncrl.net import free_port
 from asyncrl.stop_signal import interrupt_on_stop_signals
 
 
@@ -59,11 +58,13 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
+    from learner.distributed import spawner_store
     from learner.main import spawned_rank
 
     interrupt_on_stop_signals()
     size = config.learner.nproc
-    context = mp.start_processes(spawned_rank, args=(size, free_port(), config, run_dir), nprocs=size,
+    store = spawner_store(size) if size > 1 else None  # held here until the ranks end
+    context = mp.start_processes(spawned_rank, args=(size, store.port if store else 0, config, run_dir), nprocs=size,
                                  start_method="spawn", join=False)
     try:
         while not context.join():

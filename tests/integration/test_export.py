@@ -22,7 +22,8 @@ from learner.batching import collate
 from learner.checkpoint import CHECKPOINTS_DIR, save_checkpoint
 from learner.policy_model import load_policy
 from learner.train_step import Passes, train_step
-from learner_helpers import free_port, gathered_weights, gloo_world, random_groups, save_tiny_model
+from learner.distributed import spawner_store
+from learner_helpers import gathered_weights, gloo_world, random_groups, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,8 @@ def trained_run(tmp_path_factory) -> TrainedRun:
     run_dir = tmp / "run"
     save_config(load_config(overrides=[f"model.path={model_dir}", "learner.device=cpu"]), run_dir)
     reference_file = tmp / "reference.pt"
-    mp.start_processes(trainer_rank, args=(TRAINER_RANKS, free_port(), str(model_dir), str(run_dir), str(reference_file)),
+    store = spawner_store(TRAINER_RANKS)
+    mp.start_processes(trainer_rank, args=(TRAINER_RANKS, store.port, str(model_dir), str(run_dir), str(reference_file)),
                        nprocs=TRAINER_RANKS, start_method="spawn")
     reference = torch.load(reference_file)
     done = export(str(run_dir))

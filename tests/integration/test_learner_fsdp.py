@@ -2,7 +2,6 @@
 
 import os
 import random
-import socket
 
 import pytest
 import torch
@@ -16,19 +15,13 @@ from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
 from learner.batching import collate
-from learner.distributed import init_world
+from learner.distributed import init_world, local_rank_environment, spawner_store
 from learner.policy_model import load_policy
 from learner_helpers import gathered_weights
 from learner.train_step import Passes, train_step
 
 pytestmark = pytest.mark.slow
 BF16_UPDATE_TOLERANCE = 0.05  # relative norm of the update difference allowed between 1 and 2 bf16 ranks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_groups() -> list[TrajectoryGroup]:
@@ -49,7 +42,7 @@ def make_groups() -> list[TrajectoryGroup]:
 
 def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu", packed: bool = False,
            lora: LoraConfig | None = None) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_environment(rank, size, port))
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the adapters' A matrices start random
     world = init_world(device)
@@ -69,7 +62,8 @@ def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str,
 
 def run(size: int, model_dir, out, loss: str, device: str = "cpu", packed: bool = False,
         lora: LoraConfig | None = None) -> dict:
-    mp.start_processes(worker, args=(size, free_port(), str(model_dir), str(out), loss, device, packed, lora),
+    store = spawner_store(size)
+    mp.start_processes(worker, args=(size, store.port, str(model_dir), str(out), loss, device, packed, lora),
                        nprocs=size, start_method="spawn")
     return torch.load(out)
 

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
-from asyncrl.net import free_port
+from learner.distributed import spawner_store
 from learner_helpers import gloo_world, random_groups
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,8 @@ def rank_main(rank: int, port: int, run_dir: str) -> None:
 def test_a_peer_takes_rank_zeros_batch_and_guard_decision(tmp_path):
     (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000002" / "meta.json").write_text(json.dumps({"step": 2}))
-    mp.start_processes(rank_main, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    store = spawner_store(2)
+    mp.start_processes(rank_main, args=(store.port, str(tmp_path)), nprocs=2, start_method="spawn")
     zero, one = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
     assert one["groups"] == zero["groups"] == [group.group_id for group in random_groups(3)]
     assert one["offsets"] == zero["offsets"] == [7, 8]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.net import free_port
+from learner.distributed import local_rank_environment, spawner_store
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def rank_main(rank: int, port: int, out: str, busy_rank: int, fails: bool) -> No
     Writes when its work ended and when it had left the group."""
     from learner.main import learner_world
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_environment(rank, 2, port))
     times = {}
     try:
         with learner_world(load_config(None, ["learner.device=cpu"])):
@@ -42,8 +42,8 @@ def rank_main(rank: int, port: int, out: str, busy_rank: int, fails: bool) -> No
 
 def run_two_ranks(tmp_path: Path, busy_rank: int, fails: bool) -> dict[int, dict[str, float]]:
     context = multiprocessing.get_context("spawn")
-    port = free_port()
-    ranks = [context.Process(target=rank_main, args=(rank, port, str(tmp_path), busy_rank, fails)) for rank in (0, 1)]
+    store = spawner_store(2)
+    ranks = [context.Process(target=rank_main, args=(rank, store.port, str(tmp_path), busy_rank, fails)) for rank in (0, 1)]
     for process in ranks:
         process.start()
     for process in ranks:

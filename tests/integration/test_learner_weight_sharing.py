@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
-from learner.distributed import init_world
+from learner.distributed import init_world, local_rank_environment, spawner_store
 from learner.main import warn_if_updates_round_away
 from learner.weight_sharing import WeightSharing
 from learner.policy_model import full_weights, full_weights_bytes, load_policy
-from learner_helpers import free_port, gathered_weights, save_tiny_model, single_rank_world
+from learner_helpers import gathered_weights, save_tiny_model, single_rank_world
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -138,7 +138,7 @@ def test_on_a_gpu_the_weights_are_gathered_onto_it_when_they_fit(tmp_path, stagi
 
 def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
     """Spawned CUDA rank: share the weights once; rank 0 saves what it sent and the master weights."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_environment(rank, size, port))
     world = init_world("cuda")
     config = load_config(None, [f"model.path={model_dir}", "model.dtype=bfloat16", "rollout.weight_sync.backend=nccl"])
     model = load_policy(model_dir, "float32", config.learner, world)
@@ -160,7 +160,8 @@ def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> N
 def test_two_gpu_ranks_gather_onto_rank_0s_gpu_in_model_dtype(tmp_path):
     path = saved_model(tmp_path)
     out = tmp_path / "sent.pt"
-    mp.start_processes(sharing_rank, args=(2, free_port(), str(path), str(out)), nprocs=2, start_method="spawn")
+    store = spawner_store(2)
+    mp.start_processes(sharing_rank, args=(2, store.port, str(path), str(out)), nprocs=2, start_method="spawn")
     result = torch.load(out)
     assert result["devices"] == {("cuda:0", torch.bfloat16)}
     assert result["sent"].keys() == result["master"].keys()

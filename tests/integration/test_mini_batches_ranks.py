@@ -14,11 +14,11 @@ from asyncrl.config.sections import TinyModelConfig
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
 from learner.batching import collate
-from learner.distributed import init_world
+from learner.distributed import init_world, local_rank_environment, spawner_store
 from learner.policy_model import load_policy
 from learner.train_step import Passes, train_step
 from learner_helpers import gathered_weights
-from test_learner_fsdp import free_port, make_groups
+from test_learner_fsdp import make_groups
 
 pytestmark = pytest.mark.slow
 # 3 groups of 2, 2 and 1 samples: mini-batches of 4 rows and 1 row, so rank 1 has no row of the second one.
@@ -27,7 +27,7 @@ ALGORITHM = AlgorithmConfig(loss="m2po", m2_threshold=2.0, mini_batches=2, epoch
 
 
 def worker(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(local_rank_environment(rank, size, port))
     torch.set_num_threads(1)
     world = init_world("cpu")
     model = load_policy(model_dir, "float32", LearnerConfig(), world)
@@ -41,7 +41,8 @@ def worker(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
 
 
 def run(size: int, model_dir, out) -> dict:
-    mp.start_processes(worker, args=(size, free_port(), str(model_dir), str(out)), nprocs=size, start_method="spawn")
+    store = spawner_store(size)
+    mp.start_processes(worker, args=(size, store.port, str(model_dir), str(out)), nprocs=size, start_method="spawn")
     return torch.load(out)
 
 
