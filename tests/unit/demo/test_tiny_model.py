@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import load_config
 from demo.tasks import arithmetic
-from demo.tiny.build import REPORT_FILE, init_model
+from demo.tiny.build import REPORT_FILE, at_most_threads, init_model
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
@@ -61,3 +61,16 @@ def test_warm_start_lowers_the_answer_loss():
     schedule = WarmStartConfig(steps=40, batch_size=16, lr=3e-3, warmup_steps=5)
     warm_start(model, tokenizer, TaskConfig(max_digits=1, operators="+"), schedule, seed=0, held_out=frozenset())
     assert loss() < 0.6 * before  # random init ≈ ln(100) ≈ 4.6 nats; 40 steps learn the format at least
+
+
+def test_the_warm_starts_thread_cap_lowers_and_then_restores_torchs_threads():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with at_most_threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 3
+        with at_most_threads(8):  # fewer cores than the cap: as many as there are
+            assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
