@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import os
 import socket
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,24 @@ def tiny_job_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 RealJob = Callable[[Path, Path], Any]  # (the shared tiny job inputs, a directory of its own) -> what its tests read
+_JOB_SECONDS: dict[str, float] = {}  # each finished real job's wall time, for the report's summary
+
+
+def _timed(job: RealJob, inputs: Path, own_dir: Path) -> Any:
+    started = time.monotonic()
+    try:
+        return job(inputs, own_dir)
+    finally:
+        _JOB_SECONDS[job.__name__] = time.monotonic() - started
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The real jobs' wall times, longest first: where the side-by-side phase goes (it sets up the first module
+    that asks, so --durations shows it as one setup)."""
+    if _JOB_SECONDS:
+        terminalreporter.write_sep("=", f"real jobs, {JOBS_AT_ONCE} at a time")
+        for name, seconds in sorted(_JOB_SECONDS.items(), key=lambda item: -item[1]):
+            terminalreporter.write_line(f"{seconds:7.1f}s  {name}")
 
 
 @pytest.fixture(scope="session")
@@ -174,4 +193,5 @@ def real_jobs(request: pytest.FixtureRequest, tiny_job_inputs: Path,
     for module in dict.fromkeys(getattr(item, "module", None) for item in request.session.items):
         declared += [job for job in getattr(module, "REAL_JOBS", ()) if job not in declared]
     with ThreadPoolExecutor(JOBS_AT_ONCE) as pool:  # subprocess waits release the GIL
-        return {job: pool.submit(job, tiny_job_inputs, tmp_path_factory.mktemp(job.__name__)) for job in declared}
+        return {job: pool.submit(_timed, job, tiny_job_inputs, tmp_path_factory.mktemp(job.__name__))
+                for job in declared}
