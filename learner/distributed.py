@@ -57,6 +57,13 @@ def init_world(device_choice: str, cpu_collectives: bool = False) -> World:
     return World(rank=rank, size=size, device=device)
 
 
+def init_single_rank_world(device_choice: str) -> World:
+    """A world of one rank (its store in this process: no port), on `device_choice` as `init_world` reads it:
+    FSDP2 needs a process group even alone (the synchronous reference, the learner benchmarks)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    return init_world(device_choice)
+
+
 def broadcast_bytes(payload: bytes | None, world: World) -> bytes:
     """Rank 0's bytes on every rank (a msgpack frame; no pickle between ranks either)."""
     length = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.long, device=world.device)

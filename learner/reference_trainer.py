@@ -7,14 +7,13 @@ One rank, no buffer, no weight broadcast: the caller hands in a batch and takes 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
-from learner.distributed import World, init_world
+from learner.distributed import World, init_single_rank_world
 from learner.lr_schedule import learning_rate
 from learner.policy_model import DTYPES, full_weights
 from learner.policy_trainer import PolicyTrainer
@@ -48,10 +47,8 @@ class ReferenceTrainer:
 
 
 def open_world(config: AsyncRLConfig) -> World:
-    """A world of one rank (its store in this process: no port), on the first visible GPU or the CPU
-    (`learner.device`)."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    return init_world(config.learner.device)
+    """A world of one rank on the first visible GPU or the CPU (`learner.device`)."""
+    return init_single_rank_world(config.learner.device)
 
 
 def close_world() -> None:

@@ -20,8 +20,9 @@ import time
 
 import torch
 
-from bench_learner import SHAPES, build_model, join_single_rank_world, model_shape
+from bench_learner import SHAPES, build_model, model_shape
 from asyncrl.config.learner import LearnerConfig
+from learner.distributed import init_single_rank_world
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, shard_policy
 
 
@@ -47,7 +48,7 @@ def timed_gathers(model: torch.nn.Module, dtype: torch.dtype, rounds: int, pinne
 
 def main() -> None:
     args = parse_args()
-    world = join_single_rank_world("cuda")
+    world = init_single_rank_world("cuda")
     model = shard_policy(build_model(model_shape(args), args, world, DTYPES[args.dtype]), LearnerConfig(), world)
     dtype = DTYPES[args.sync_dtype]
     measured = {"pageable (fresh copies, baseline)": timed_gathers(model, dtype, args.rounds, None),

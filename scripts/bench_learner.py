@@ -45,7 +45,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import random
 import statistics
 import time
@@ -64,7 +63,7 @@ from demo.tiny.tokenizer import build_char_tokenizer
 from learner import attention
 from learner.batching import TrainBatch, collate
 from learner.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
-from learner.distributed import World, init_world
+from learner.distributed import World, init_single_rank_world
 from learner.memory import resolve_micro_batch_tokens
 from learner.lora import AdaptersOff, is_adapter_weight
 from learner.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
@@ -134,12 +133,6 @@ def parse_args() -> argparse.Namespace:
     if set(args.variants.split(",")) - {"packed", "padded"}:
         parser.error("--variants takes packed and/or padded")
     return args
-
-
-def join_single_rank_world(device: str) -> World:
-    """A one-rank world (gloo on CPU, NCCL on CUDA): FSDP2 needs a process group even alone."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    return init_world(device)
 
 
 def model_shape(args: argparse.Namespace) -> Shape:
@@ -324,7 +317,7 @@ def main() -> None:
     setup_logging("bench-learner")  # the learner's own lines: auto's micro-batch and checkpointing choices
     if args.threads:
         torch.set_num_threads(args.threads)
-    world = join_single_rank_world(args.device)
+    world = init_single_rank_world(args.device)
     try:
         shape = model_shape(args)
         settings = LearnerConfig(activation_checkpointing=args.activation_checkpointing, compile=args.compile,
