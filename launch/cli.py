@@ -30,6 +30,7 @@ class Argument:
     name: str  # positional ("run_dir") or option ("--out") of one command, beside --config and the overrides
     metavar: str  # shown in the usage line, e.g. "RUN_DIR"; empty: an option that takes no value (a switch)
     help: str
+    many: bool = False  # a positional that takes one or more values
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,21 @@ COMMANDS = (
         ),
     ),
     Command(
+        "evaluate",
+        "score the weight snapshots of finished jobs (validation.after_run) on their held-out prompts",
+        "Scores every snapshot under RUN_DIR/snapshots (the versions validation was due on, kept by a job run with "
+        "validation.after_run=true) on the run's held-out prompts, with the run's validation settings and seeds, "
+        "on one vLLM engine of its own, after the job: the passes are on no job's clock and take no engine from "
+        "generation. Several RUN_DIRs (the same model and engine settings) share the engine: one evaluator for "
+        "the runs compared. Writes RUN_DIR/evaluation.jsonl, one line per version: its val/* metrics and "
+        "made_at, the Unix time the learner made that version. Versions already scored are skipped, so a run "
+        "still going can be evaluated again. See docs/metrics.md.",
+        "launch.commands.evaluate:main",
+        arguments=(Argument("run_dirs", "RUN_DIR", "run directories written with validation.after_run=true",
+                            many=True),),
+        takes_config=False,
+    ),
+    Command(
         "plot",
         "render a run's metrics as PNG plots under RUN_DIR/plots/",
         "Reads RUN_DIR/metrics.jsonl and writes reward.png (train and validation reward, pass@k), "
@@ -190,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subcommands.add_parser(command.name, help=command.summary, description=command.description)
         for argument in command.arguments:
             if argument.metavar:
-                sub.add_argument(argument.name, metavar=argument.metavar, help=argument.help)
+                sub.add_argument(argument.name, metavar=argument.metavar, help=argument.help,
+                                 nargs="+" if argument.many else None)
             else:
                 sub.add_argument(argument.name, action="store_true", help=argument.help)
         if command.takes_config:

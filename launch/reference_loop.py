@@ -7,6 +7,9 @@
         load the new weights into the engine                   (Sampler.load_weights)
         validate them when due                                 (Sampler.validate)
 
+With `validation.after_run` the passes do not run here: the weights of each due version are kept instead
+(`learner.snapshots`), as the async learner keeps them, and `asyncrl evaluate` scores both jobs' the same way.
+
 It runs the async job's own generation and training code (engine, sampling, rewards, collate, advantages,
 losses, learning-rate schedule, optimizer step) without its plumbing: no buffer, no admission, no weight-sync
 coordinator, no staleness bound, one learner rank (docs/architecture.md lists what is shared). It is the
@@ -33,6 +36,7 @@ from asyncrl.messages import TrajectoryGroup, decode, encode
 from asyncrl.metrics import MetricsLogger
 from asyncrl.staleness import staleness
 from learner.bad_steps import note_bad_step
+from learner.snapshots import SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,13 @@ class Trainer(Protocol):
     def weights(self, device: Any) -> Sequence[tuple[str, Any]]: ...
 
 
-def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger) -> int:
-    """Train to `learner.total_steps`; returns the final policy version."""
+def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger,
+        snapshots: SnapshotWriter | None = None) -> int:
+    """Train to `learner.total_steps`; returns the final policy version. With `snapshots` (`validation.after_run`)
+    the weights of each version due for validation are kept as the async learner keeps them."""
     version, bad_steps = 0, 0
+    if snapshots is not None:
+        snapshots.keep(version, trainer.weights(sampler.weights_device))
     if first := sampler.validate():
         metrics.log(version, first)
     started = time.perf_counter()
@@ -78,7 +86,11 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
             note_bad_step(bad_steps, version + 1, config.learner.max_bad_steps)
             continue
         bad_steps, version = 0, version + 1
-        paused_s = sampler.load_weights(version, trainer.weights(sampler.weights_device))
+        weights = trainer.weights(sampler.weights_device)
+        if snapshots is not None:
+            snapshots.keep(version, weights)
+        paused_s = sampler.load_weights(version, weights)
+        del weights  # the engine holds the version now; this copy must not outlive the step
         synced = time.perf_counter()
         write_trained(run_dir, version, groups)
         record = outcome.metrics | batch_metrics(groups, version - 1) | {

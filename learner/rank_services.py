@@ -25,6 +25,7 @@ from learner.guard import Drained, GuardDecision, GuardFollower, NoGuard, RollBa
 from learner.loop_state import LoopState
 from learner.pacing import FixedStaleness, Pacer
 from learner.services import LearnerServices
+from learner.snapshots import SnapshotWriter
 from learner.task_weight_publisher import FixedTaskWeights, TaskWeightsPublisher
 from learner.weight_sharing import WeightSharing
 
@@ -92,7 +93,10 @@ class RankZeroServices:
         guard = SafetyGuard.of_run(config, run_dir / CHECKPOINTS_DIR, resumed.guard) if config.guard.enabled else NoGuard()
         pacer = (Pacer(config.buffer.pacing, resumed.max_staleness) if config.buffer.paced
                  else FixedStaleness(resumed.max_staleness))
-        return cls(config, world, connections, WeightSharing(config, model, world, connections), tasks, guard, pacer)
+        snapshots = (SnapshotWriter(run_dir, config.validation.every, config.learner.total_steps)
+                     if config.validation.after_run else None)
+        return cls(config, world, connections, WeightSharing(config, model, world, connections, snapshots), tasks, guard,
+                   pacer)
 
     @property
     def max_staleness(self) -> int:
@@ -153,6 +157,8 @@ class RankZeroServices:
         self.connections.commit(version, buffer_offset, buffer_ahead)
 
     def finish(self, version: int) -> None:
+        if self.sharing.snapshots is not None:
+            self.sharing.snapshots.close()  # the last snapshot on disk before the job reports its end
         self.connections.finish(version)
 
 

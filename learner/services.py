@@ -119,9 +119,9 @@ class LearnerServices:
 
     def final_validation(self, version: int) -> dict[str, float]:
         """The servers' `val/*` of the final `version`, waited for up to validation.final_wait_s so that
-        the run's last record holds its held-out reward ({} when validation is off or none arrived)."""
+        the run's last record holds its held-out reward ({} when no pass runs during the job or none arrived)."""
         settings = self.config.validation
-        if not settings.every or not settings.final_wait_s:
+        if not settings.during_run or not settings.final_wait_s:
             return {}
         latest: dict[str, float] = {}
         deadline = time.monotonic() + settings.final_wait_s

@@ -13,6 +13,7 @@ from learner.distributed import World
 from learner.lagged_weights import LaggedWeights
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes
 from learner.services import LearnerServices
+from learner.snapshots import SnapshotWriter
 
 
 class WeightSharing:
@@ -21,10 +22,12 @@ class WeightSharing:
     there and they fit in `rollout.weight_sync.staging_bytes`; otherwise into CPU memory, from where the
     coordinator stages what fits before the servers pause. With `buffer.study_lag_versions` = L, rank 0 keeps
     the last L + 1 versions in CPU memory and sends the one L versions back, except the final version, which
-    goes out as itself so that its validation (and anything served after the job) sees the trained policy."""
+    goes out as itself so that its validation (and anything served after the job) sees the trained policy. With
+    `snapshots` (rank 0, `validation.after_run`) the weights of each version due for validation are kept as well."""
 
-    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerServices | None) -> None:
-        self.model, self.services = model, services
+    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerServices | None,
+                 snapshots: SnapshotWriter | None = None) -> None:
+        self.model, self.services, self.snapshots = model, services, snapshots
         self.dtype = DTYPES[config.model.dtype]
         self.final_version = config.learner.total_steps
         lag = config.buffer.study_lag_versions
@@ -47,6 +50,8 @@ class WeightSharing:
         gathered_s = time.perf_counter() - started
         if self.services is None:
             return {}
+        if self.snapshots is not None:
+            self.snapshots.keep(version, weights)  # the version itself, also where a lagged one is sent
         sent = version
         if self.lagged is not None and version < self.final_version:
             sent, weights = self.lagged.lagged(version, weights)

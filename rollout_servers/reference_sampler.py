@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import AutoTokenizer
@@ -56,6 +56,7 @@ class ReferenceSampler:
         self._engine = engine
         self._backend = backend  # how the weights reach the engine
         self._sender = sender  # this process's end of it
+        self._joined = False  # the engine knows where the weights come from (ipc: where the current buffer is)
         self._scorer = scorer
         self._tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self._agent = AgentLoop(engine, self._tokenizer, EnvironmentRegistry.from_config(config.environment.by_source),
@@ -63,21 +64,25 @@ class ReferenceSampler:
         self._mixture = PromptMixture(config.data.train_files, config.data.weights, seed=config.run.seed,
                                       shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows)
         self._drawn = 0  # prompts taken from the stream so far
-        held_out = load_validation_prompts(config, self._tokenizer) if config.validation.every else []
+        held_out = load_validation_prompts(config, self._tokenizer) if config.validation.during_run else []
         self._validator = Validator(config.validation, config.rollout.sampling, held_out, self._tokenizer, config.run.seed)
         self._validator.request(config.learner.total_steps)  # the final version, as the async learner asks for it
 
     @classmethod
     def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: WeightBackend) -> ReferenceSampler:
         """Start the engine on `model.path` (policy version 0), on `gpus` (physical ids; None: those this process
-        sees), and join it to a weight-transfer group of its own over `backend` (gloo, or NCCL when the engine
-        has GPUs of its own: NCCL cannot join two ranks on one GPU)."""
+        sees); the weights reach it over `backend` (`group_backend`: CUDA IPC on a GPU it shares with this process,
+        NCCL to GPUs of its own, gloo without a GPU), joined at the first load."""
         loop = asyncio.new_event_loop()
         with _visible_to_children(gpus):
             engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0,
                                                                  lora=config.model.lora))
-        sender = loop.run_until_complete(_join_transfer_group(engine, config, backend))
-        return cls(config, loop, engine, backend, sender, RewardScorer(config.reward))
+        return cls(config, loop, engine, backend, backend.sending_end(), RewardScorer(config.reward))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (held-out prompts are encoded with it)."""
+        return self._tokenizer
 
     @property
     def weights_device(self) -> torch.device:
@@ -96,7 +101,10 @@ class ReferenceSampler:
     def load_weights(self, version: int, weights: list[tuple[str, torch.Tensor]]) -> float:
         """Load `weights` into the engine as policy `version`; returns the seconds the engine was paused."""
         async def transfer() -> float:
-            _, paused_s = await asyncio.gather(asyncio.to_thread(self._sender.send, self._sender.stage(weights)),
+            staged = self._sender.stage(weights)  # ipc: the copy into the buffer the engine maps
+            if staged.moved or not self._joined:
+                await self._join()
+            _, paused_s = await asyncio.gather(asyncio.to_thread(self._sender.send, staged),
                                                self._engine.update_weights(update_info_for(weights), version))
             return paused_s
 
@@ -108,8 +116,20 @@ class ReferenceSampler:
         version = self._engine.current_version
         if not self._validator.is_due(version):
             return {}
-        metrics = self._loop.run_until_complete(self._validator.run_pass(self._engine, self._scorer, self._agent))
-        return metrics | {VERSION_KEY: float(version)}
+        return self.score(self._validator) | {VERSION_KEY: float(version)}
+
+    def score(self, validator: Validator) -> dict[str, float]:
+        """A pass of `validator` (its held-out prompts and seeds) on the engine's weights: its `val/*` metrics."""
+        return self._loop.run_until_complete(validator.run_pass(self._engine, self._scorer, self._agent))
+
+    async def _join(self) -> None:
+        """Tell the engine's workers where the weights come from: a loopback group with this process as rank 0 (ipc:
+        the buffer they map), as a rollout server is told, through vLLM's weight-transfer API, with no coordinator."""
+        workers = self.config.rollout.engine.tensor_parallel_size
+        address = self._sender.address(LOOPBACK, 0, 1 + workers, self.config.rollout.weight_sync.timeout_s)
+        await asyncio.gather(asyncio.to_thread(self._sender.connect, address),
+                             self._engine.join_weight_sync(self._sender.init_info(address, rank_offset=1)))
+        self._joined = True
 
     def close(self) -> None:
         self._scorer.close()
@@ -154,15 +174,6 @@ class ReferenceSampler:
         ]
 
 
-async def _join_transfer_group(engine: RolloutEngine, config: AsyncRLConfig, backend: WeightBackend) -> SendingEnd:
-    """A loopback group between this process (rank 0) and the engine's workers: the weights travel as they do to
-    a rollout server, through vLLM's weight-transfer API, without a coordinator."""
-    workers = config.rollout.engine.tensor_parallel_size
-    sender = backend.sending_end()
-    address = sender.address(LOOPBACK, 0, 1 + workers, config.rollout.weight_sync.timeout_s)
-    await asyncio.gather(asyncio.to_thread(sender.connect, address),
-                         engine.join_weight_sync(sender.init_info(address, rank_offset=1)))
-    return sender
 
 
 @contextlib.contextmanager

@@ -162,7 +162,7 @@ class RolloutServer:
         check_reward_setup(self.config.reward, {source for source in sources if not self.environments.handles(source)})
 
     def _validator(self, server_index: int) -> Validator | None:
-        if server_index != VALIDATING_SERVER or not self.config.validation.every:
+        if server_index != VALIDATING_SERVER or not self.config.validation.during_run:
             return None
         prompts = load_validation_prompts(self.config, self.tokenizer)
         log.info("validating every %d versions on %d held-out prompts", self.config.validation.every, len(prompts))

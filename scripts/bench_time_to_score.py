@@ -1,31 +1,30 @@
-"""Time to a held-out score: the same job run synchronously and asynchronously from the same warm-started model.
+"""The race to a held-out score: the synchronous run and the async job from the same warm-started model, over
+several seeds, each scored by one evaluator off both clocks.
 
-The synchronous reference (`asyncrl run learner.mode=synchronous`: one process generates a batch, trains one step
-on it, loads the new weights, validates when due) is the baseline; the async job is `asyncrl run` with
-K = --max-staleness. Both run --steps steps on the GPUs this process sees (`asyncrl run` places them: one GPU
-shared by the learner and the server, or the server on GPU 0 and the learner on GPU 1; docs/placement.md) and
-validate every --val-every versions on the same held-out prompts with the same seeds. Before them the task's
-files and the model are made (`asyncrl data`, `asyncrl init-model`: cached), outside the clock.
+Per seed, `asyncrl run` runs the synchronous reference (`learner.mode=synchronous`: generate a batch, train one step
+on it, load the new weights, on the GPUs this process sees) and then the async job (K = --max-staleness), both with
+`validation.after_run=true`: neither validates during its run; each keeps the weights of every due version
+(every --val-every versions, and the last) with the time it made them. After all runs, one `asyncrl evaluate` call
+scores every snapshot of every run on one engine of its own, with each run's held-out prompts and seeds. So no
+pass is on either clock, none takes generation's engine, and none is skipped (`validations_skipped` counts any
+missing). The task's files and the model are made first (`asyncrl data`, `asyncrl init-model`: cached).
 
-Per mode, from its metrics.jsonl (`asyncrl.metrics.read_metrics`):
-  time to target   seconds from the job's launch to the end of the first step whose version validated at
-                   least the target; the end of step v is the record of step v - 1 plus step v's own
-                   `timing_s/step` (the async learner's last record waits for the final validation pass). The
-                   reference's passes stop its loop: their `val/seconds` are taken off its clock. The async
-                   job's passes run beside generation on server 0 and stay on its clock (they slow it a little).
-  target           --target, or --target-fraction of the way from the start score (version 0's, the lower of
-                   the two runs') to the best score both runs reached (the lower of their bests)
+Per run, from metrics.jsonl and evaluation.jsonl:
+  curve            (version, seconds since the job's launch when the learner made that version, held-out score)
   trained tokens/s trained response tokens (`batch/samples` x `response_length/mean`) per second of its clock,
                    from the end of the warm-up steps (--warmup-steps, at least K + 1 for the async job, whose first
-                   steps drain a backlog) to the step before the last
-  length ratio     mean trained response length / mean generated: the reference trains all it generates (1 by
-                   construction); the async job's generated mean is its buffer's `response_length/generated_mean`
-  buckets          held-out reward per response-length bucket (`val/score/bucket/*`, validation.length_buckets)
-                   at the last version both runs validated: equal steps
-The table puts the two modes side by side with async / sync; the last line is RESULT {json} with
-time_to_score_speedup, trained_tokens_speedup, length_ratio (the async job's), gpus and each mode's figures.
---modes runs a subset; with a fixed --out-dir a mode run before is read back, so the modes can run in separate
-calls (each under a host's time limit) and still be compared; --modes '' only reports.
+                   steps drain a backlog) to the last step
+  length ratio     mean trained response length / mean generated (the async job's generated mean is its buffer's
+                   `response_length/generated_mean`; the synchronous run trains all it generates: 1)
+  learner share    the synchronous step's share spent training (`timing_s/train` / `timing_s/step`)
+Per mode, the seeds' mean curve (score and made-at time averaged per version). The target is --target-fraction of
+the way from the start score (version 0's, the same model in both modes) to the lower of the two modes' best mean
+score (or --target); a mode's time to score is the mean made-at time of the first version whose mean score reaches
+it. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against wall-clock time.
+The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
+--modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
+completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
+--modes '' only evaluates what is missing and reports.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,7 +45,7 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.placement import visible_gpus
-from asyncrl.validation_scores import VERSION_KEY
+from asyncrl.snapshots import due_versions, made_times, read_evaluation
 
 MODES = ("sync", "async")
 LEARNER_MODE = {"sync": "synchronous", "async": "async"}
@@ -53,31 +53,26 @@ SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
 LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
-JOB_TIMEOUT_S = 7200  # one mode's whole job, engine start included
+JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 
 Record = dict[str, Any]
+Curve = list[tuple[int, float, float]]  # (version, seconds since launch it was made, held-out score)
 
 
 @dataclass(frozen=True)
 class Mode:
-    """One of the two runs."""
+    """One of the two jobs."""
 
     name: str  # "sync" or "async"
     k: int  # buffer.max_staleness of the async job
 
-    @property
-    def run_name(self) -> str:
-        return "tts-sync" if self.name == "sync" else f"tts-async-k{self.k}"
+    def run_name(self, seed: int) -> str:
+        return f"tts-sync-s{seed}" if self.name == "sync" else f"tts-async-k{self.k}-s{seed}"
 
     @property
     def label(self) -> str:
         return "sync" if self.name == "sync" else f"async K={self.k}"
-
-    @property
-    def validation_stops_clock(self) -> bool:
-        """The reference validates between steps; the async job's server 0 validates beside its generation."""
-        return self.name == "sync"
 
     def warmup(self, warmup_steps: int) -> int:
         """Steps left out of the token rate: the async job's first step lets the server fill the buffer K + 1
@@ -88,17 +83,18 @@ class Mode:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/gpu_longtail.yaml", help="asyncrl config of the job")
-    parser.add_argument("--steps", type=int, default=0, help="learner steps per mode (0: the config's learner.total_steps)")
+    parser.add_argument("--steps", type=int, default=0, help="learner steps per run (0: the config's learner.total_steps)")
     parser.add_argument("--max-staleness", type=int, default=2, help="K of the async job")
+    parser.add_argument("--seeds", default="0", help="run.seed of each pair of runs, comma-separated")
     parser.add_argument("--val-every", type=int, default=0, help="versions between validations (0: the config's)")
     parser.add_argument("--target", type=float, default=None, help="held-out score to reach (default: --target-fraction)")
-    parser.add_argument("--target-fraction", type=float, default=0.8,
-                        help="target = start + this x (the lower best - start), when --target is not given")
+    parser.add_argument("--target-fraction", type=float, default=0.9,
+                        help="target = start + this x (the lower of the modes' best mean score - start)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the token rate")
     parser.add_argument("--modes", default=",".join(MODES), help="modes to run now, comma-separated ('' = only report)")
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both modes")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
     return parser.parse_args()
 
 
@@ -107,81 +103,49 @@ def asyncrl_command(*args: str) -> list[str]:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """The task's files and the warm-started model both modes start from (init-model is cached by its settings)."""
+    """The task's files and the warm-started model every run starts from (init-model is cached by its settings)."""
     for command in ("data", "init-model"):
         subprocess.run(asyncrl_command(command, "--config", args.config, *args.overrides), check=True)
 
 
-def run_mode(mode: Mode, args: argparse.Namespace, steps: int, val_every: int, root: Path) -> None:
-    """Run the mode from scratch with `asyncrl run` (a run of the same name in `root` is replaced)."""
-    shutil.rmtree(root / mode.run_name, ignore_errors=True)
-    overrides = [f"run.root_dir={root}", f"run.name={mode.run_name}", f"learner.mode={LEARNER_MODE[mode.name]}",
-                 f"learner.total_steps={steps}", f"buffer.max_staleness={mode.k}", f"validation.every={val_every}",
+def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path) -> None:
+    """Run the mode's job for `seed` from scratch with `asyncrl run` (a run of the same name in `root` is replaced)."""
+    name = mode.run_name(seed)
+    shutil.rmtree(root / name, ignore_errors=True)
+    overrides = [f"run.root_dir={root}", f"run.name={name}", f"run.seed={seed}",
+                 f"learner.mode={LEARNER_MODE[mode.name]}", f"learner.total_steps={steps}",
+                 f"buffer.max_staleness={mode.k}", f"validation.every={val_every}", "validation.after_run=true",
                  "metrics.wandb_mode=disabled", *args.overrides]
-    launch_file(root, mode).write_text(json.dumps({"time": time.time(), "gpus": len(visible_gpus())}))
+    (root / (name + LAUNCH_SUFFIX)).write_text(json.dumps({"time": time.time(), "gpus": len(visible_gpus())}))
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
-        raise SystemExit(f"{mode.label}: asyncrl run exited with {done.returncode}")
+        raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
 
 
-def launch_file(root: Path, mode: Mode) -> Path:
-    return root / (mode.run_name + LAUNCH_SUFFIX)
+def evaluate(run_dirs: list[Path]) -> None:
+    """Score every run's snapshots not scored yet, all on one engine (`asyncrl evaluate`)."""
+    if run_dirs:
+        subprocess.run(asyncrl_command("evaluate", *map(str, run_dirs)), check=True, timeout=JOB_TIMEOUT_S)
 
 
-def training_records(records: list[Record]) -> dict[int, Record]:
-    """Each step's training record by step (the reference also logs version 0's validation as a step-0 record)."""
-    return {r["step"]: r for r in records if "batch/samples" in r}
-
-
-def passes(records: list[Record]) -> dict[int, Record]:
-    """Each validated version's pass (its first report), by version."""
-    found: dict[int, Record] = {}
-    for record in records:
-        if record.get(SCORE_KEY) is not None and VERSION_KEY in record:
-            found.setdefault(int(record[VERSION_KEY]), record)
-    return found
-
-
-def step_clock(records: list[Record], launched: float, validation_stops_clock: bool) -> dict[int, float]:
-    """Seconds since launch at each step's record, less the validation passes logged up to it when they stop
-    the clock."""
-    clock, paused = {}, 0.0
-    for record in records:
-        if validation_stops_clock:
-            paused += record.get("val/seconds") or 0.0
-        if "batch/samples" in record:
-            clock[record["step"]] = record["time"] - launched - paused
-    return clock
-
-
-def version_made_at(clock: dict[int, float], steps: dict[int, Record], version: int) -> float:
-    """Seconds since launch when step `version` ended: the previous step's record plus its own seconds (its own
-    record may come later). Version 0 is the starting model: 0."""
-    if version == 0:
-        return 0.0
-    if version - 1 not in clock:
-        return clock[version]
-    return clock[version - 1] + steps[version]["timing_s/step"]
-
-
-def summarise(records: list[Record], launched: float, mode: Mode, warmup_steps: int) -> dict[str, Any]:
-    """One mode's figures that need no target: scores, throughput, lengths and its validated versions."""
-    steps, clock = training_records(records), step_clock(records, launched, mode.validation_stops_clock)
+def summarise(records: list[Record], made: dict[int, float], evaluation: dict[int, Record], launched: float,
+              mode: Mode, warmup_steps: int) -> dict[str, Any]:
+    """One run's figures: its curve, throughput, lengths and learner share."""
+    steps = {r["step"]: r for r in records if "batch/samples" in r}
     numbers = sorted(steps)
-    start, last = mode.warmup(warmup_steps), numbers[-2]  # the last step waits for the final validation
+    clock = {n: steps[n]["time"] - launched for n in numbers}
+    start, last = mode.warmup(warmup_steps), numbers[-1]
     timed = [steps[n] for n in numbers if start < n <= last]
     trained_mean = sum(map(trained_tokens, steps.values())) / sum(r["batch/samples"] for r in steps.values())
-    generated_mean = trained_mean if mode.name == "sync" else steps[numbers[-1]].get(GENERATED_MEAN_KEY)
-    validated = passes(records)
-    scores = {version: record[SCORE_KEY] for version, record in sorted(validated.items())}
+    generated_mean = trained_mean if mode.name == "sync" else steps[last].get(GENERATED_MEAN_KEY)
+    curve = [(v, made[v] - launched, evaluation[v][SCORE_KEY]) for v in sorted(evaluation) if v in made]
     return {
-        "steps": numbers[-1], "first_record_s": clock[numbers[0]], "last_record_s": clock[numbers[-1]],
+        "steps": last, "first_record_s": clock[numbers[0]], "last_record_s": clock[last],
         "trained_tokens_per_s": sum(map(trained_tokens, timed)) / (clock[last] - clock[start]),
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
-        "start_score": scores.get(0), "best_score": max(scores.values(), default=None),
-        "scores": scores, "made_at": {v: version_made_at(clock, steps, v) for v in scores if v == 0 or v in steps},
-        "buckets": {version: bucket_scores(record) for version, record in validated.items()},
+        "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
+        "curve": curve, "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }
 
 
@@ -193,37 +157,49 @@ def bucket_scores(record: Record) -> dict[str, float]:
     return {key[len(BUCKET_PREFIX):]: value for key, value in record.items() if key.startswith(BUCKET_PREFIX)}
 
 
-def pick_target(summaries: list[dict[str, Any]], target: float | None, fraction: float) -> float | None:
-    """`target`, or `fraction` of the way from the lower start score to the lower best score; None when no run
-    improved on that start (no target to reach)."""
+def skipped(evaluation: dict[int, Record], every: int, steps: int) -> int:
+    """Due versions of a run that have no score."""
+    return sum(1 for version in due_versions(every, steps) if version not in evaluation)
+
+
+def mean_curve(curves: list[Curve]) -> Curve:
+    """Per version every seed scored: the seeds' mean made-at time and mean score."""
+    by_seed = [{version: (made, score) for version, made, score in curve} for curve in curves]
+    common = sorted(set.intersection(*(set(points) for points in by_seed))) if by_seed else []
+    return [(v, statistics.fmean(p[v][0] for p in by_seed), statistics.fmean(p[v][1] for p in by_seed)) for v in common]
+
+
+def pick_target(curves: list[Curve], target: float | None, fraction: float) -> float | None:
+    """`target`, or `fraction` of the way from the start score (version 0's, the lower) to the lower of the modes'
+    best mean scores; None when a mode never rose above the start (nothing to race to)."""
     if target is not None:
         return target
-    starts = [s["start_score"] for s in summaries if s["start_score"] is not None]
-    bests = [s["best_score"] for s in summaries if s["best_score"] is not None]
-    if not starts or not bests or min(bests) <= min(starts):
+    starts = [curve[0][2] for curve in curves if curve and curve[0][0] == 0]
+    bests = [max(score for _, _, score in curve) for curve in curves if curve]
+    if len(bests) < len(curves) or not starts or min(bests) <= min(starts):
         return None
     return min(starts) + fraction * (min(bests) - min(starts))
 
 
-def time_to_target(summary: dict[str, Any], target: float | None) -> tuple[int, float] | tuple[None, None]:
-    """(version, seconds) of the first validated version at or above `target`; (None, None) if none."""
-    if target is None:
-        return None, None
-    for version, score in sorted(summary["scores"].items()):
-        if score >= target and version in summary["made_at"]:
-            return version, summary["made_at"][version]
+def time_to_target(curve: Curve, target: float | None) -> tuple[int, float] | tuple[None, None]:
+    """(version, seconds) of the first version at or above `target`; (None, None) if none."""
+    if target is not None:
+        for version, made, score in curve:
+            if score >= target:
+                return version, made
     return None, None
 
 
-def equal_step_buckets(sync: dict[str, Any], async_: dict[str, Any]) -> tuple[int | None, dict[str, dict[str, float]]]:
-    """The last version both runs validated, and each length bucket's held-out score there in both."""
-    common = sorted(set(sync["buckets"]) & set(async_["buckets"]))
+def equal_step_buckets(sync: list[dict[str, Any]], async_: list[dict[str, Any]]) -> tuple[int | None, dict[str, dict[str, float]]]:
+    """The last version every run validated, and each length bucket's mean held-out score there per mode."""
+    runs = sync + async_
+    common = sorted(set.intersection(*(set(run["buckets"]) for run in runs)))
     if not common:
         return None, {}
     version = common[-1]
-    names = sorted(set(sync["buckets"][version]) & set(async_["buckets"][version]), key=bucket_low)
-    return version, {name: {"sync": sync["buckets"][version][name], "async": async_["buckets"][version][name]}
-                     for name in names}
+    names = sorted(set.intersection(*(set(run["buckets"][version]) for run in runs)), key=bucket_low)
+    return version, {name: {label: statistics.fmean(run["buckets"][version][name] for run in group)
+                            for label, group in (("sync", sync), ("async", async_))} for name in names}
 
 
 def bucket_low(name: str) -> int:
@@ -236,45 +212,43 @@ def ratio(value: float | None, reference: float | None) -> float | None:
     return round(value / reference, 3) if value is not None and reference else None
 
 
-def compare(sync: dict[str, Any], async_: dict[str, Any], target: float | None) -> dict[str, Any]:
-    """Async against sync: time to the target (sync's seconds / async's), trained tokens/s, bucket scores."""
-    version, buckets = equal_step_buckets(sync, async_)
-    sync_time, async_time = time_to_target(sync, target)[1], time_to_target(async_, target)[1]
-    return {
-        "time_to_score_speedup": ratio(sync_time, async_time),
-        "trained_tokens_speedup": ratio(async_["trained_tokens_per_s"], sync["trained_tokens_per_s"]),
-        "length_vs_sync": ratio(async_["trained_length_mean"], sync["trained_length_mean"]),
-        "equal_step_version": version, "buckets": buckets,
-        "every_bucket_at_least_sync": all(b["async"] >= b["sync"] for b in buckets.values()) if buckets else None,
-    }
+def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None) -> dict[str, Any]:
+    """The per-mode part of RESULT: the seeds' means (and the final score's spread), the mean curve's time to the
+    target, each seed's curve."""
+    version, seconds = time_to_target(curve, target)
+    finals = [run["curve"][-1][2] for run in runs if run["curve"]]
 
+    def mean(key: str, digits: int = 1) -> float | None:
+        values = [run[key] for run in runs if run[key] is not None]
+        return _round(statistics.fmean(values), digits) if values else None
 
-def mode_figures(summary: dict[str, Any], target: float | None) -> dict[str, Any]:
-    """The per-mode part of RESULT."""
-    version, seconds = time_to_target(summary, target)
     return {"time_to_target_s": _round(seconds), "version_at_target": version,
-            "trained_tokens_per_s": _round(summary["trained_tokens_per_s"]),
-            "trained_length_mean": _round(summary["trained_length_mean"]),
-            "generated_length_mean": _round(summary["generated_length_mean"]),
-            "length_ratio": _round(summary["length_ratio"], 3), "start_score": _round(summary["start_score"], 3),
-            "best_score": _round(summary["best_score"], 3), "first_record_s": _round(summary["first_record_s"]),
-            "last_record_s": _round(summary["last_record_s"]), "steps": summary["steps"]}
+            "seed_times_to_target_s": [_round(time_to_target(run["curve"], target)[1]) for run in runs],
+            "trained_tokens_per_s": mean("trained_tokens_per_s"), "trained_length_mean": mean("trained_length_mean"),
+            "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),
+            "learner_share": mean("learner_share", 3), "start_score": _round(curve[0][2], 3) if curve else None,
+            "best_score": _round(max((s for _, _, s in curve), default=None), 3),
+            "final_score": _round(statistics.fmean(finals), 3) if finals else None,
+            "final_score_sd": _round(statistics.stdev(finals), 3) if len(finals) > 1 else None,
+            "last_record_s": mean("last_record_s"), "steps": runs[0]["steps"],
+            "curves": [[[v, _round(t), _round(s, 4)] for v, t, s in run["curve"]] for run in runs]}
 
 
 def _round(value: float | None, digits: int = 1) -> float | None:
     return None if value is None or math.isnan(value) else round(value, digits)
 
 
-def print_table(figures: dict[str, dict[str, Any]], comparison: dict[str, Any] | None, target: float | None) -> None:
+def print_table(figures: dict[str, dict[str, Any]], target: float | None, buckets: tuple[int | None, dict]) -> None:
     """The modes side by side, async / sync where both ran, then the buckets at equal steps."""
     labels = list(figures)
-    print(f"target held-out score: {'none (no run improved)' if target is None else f'{target:.3f}'}")
+    print(f"target held-out score: {'none (a mode did not improve)' if target is None else f'{target:.3f}'}")
     print(f"{'':34}" + "".join(f"{label:>14}" for label in labels) + ("    async/sync" if len(labels) == 2 else ""))
     rows = [("time to target (s)", "time_to_target_s", True), ("version at target", "version_at_target", False),
             ("trained tokens/s", "trained_tokens_per_s", True), ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
-            ("start score", "start_score", False), ("best score", "best_score", False),
-            ("first step's record (s)", "first_record_s", False), ("last step's record (s)", "last_record_s", False)]
+            ("learner share of a step", "learner_share", False), ("start score", "start_score", False),
+            ("best score (seeds' mean)", "best_score", False), ("final score", "final_score", False),
+            ("final score sd", "final_score_sd", False), ("last step's record (s)", "last_record_s", False)]
     for title, key, compared in rows:
         values = [figures[label][key] for label in labels]
         line = f"{title:34}" + "".join(f"{_cell(value):>14}" for value in values)
@@ -282,9 +256,10 @@ def print_table(figures: dict[str, dict[str, Any]], comparison: dict[str, Any] |
             speedup = ratio(values[0], values[1]) if key == "time_to_target_s" else ratio(values[1], values[0])
             line += f"{_cell(speedup, 'x'):>14}"
         print(line)
-    if comparison and comparison["buckets"]:
-        print(f"held-out score per response-length bucket at version {comparison['equal_step_version']}:")
-        for name, pair in comparison["buckets"].items():
+    version, pairs = buckets
+    if pairs:
+        print(f"held-out score per response-length bucket at version {version} (seeds' mean):")
+        for name, pair in pairs.items():
             print(f"  {name + ' tokens':32}{pair['sync']:>14.3f}{pair['async']:>14.3f}{_cell(ratio(pair['async'], pair['sync']), 'x'):>14}")
 
 
@@ -294,16 +269,40 @@ def _cell(value: Any, unit: str = "") -> str:
     return f"{value:.3f}{unit}" if isinstance(value, float) and unit else str(value)
 
 
+def plot(curves: dict[str, list[Curve]], means: dict[str, Curve], target: float | None, path: Path) -> None:
+    """Held-out score against wall-clock time: every seed thin, each mode's mean thick, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for (label, runs), color in zip(curves.items(), ("tab:blue", "tab:orange")):
+        for curve in runs:
+            axes.plot([t for _, t, _ in curve], [s for _, _, s in curve], color=color, alpha=0.35, linewidth=1)
+        axes.plot([t for _, t, _ in means[label]], [s for _, _, s in means[label]], color=color, linewidth=2.5,
+                  marker="o", label=f"{label} (mean of {len(runs)} seed{'s' * (len(runs) > 1)})")
+    if target is not None:
+        axes.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+    axes.set(xlabel="wall-clock seconds since launch (version made)", ylabel="held-out score (val/score/mean)",
+             title="Time to a held-out score")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main() -> None:
     args = parse_args()
     config = load_config(args.config, args.overrides)
     steps, val_every = args.steps or config.learner.total_steps, args.val_every or config.validation.every
+    seeds = [int(seed) for seed in args.seeds.split(",") if seed]
     if not val_every:
         raise SystemExit("time to score needs validation: set --val-every or validation.every in the config")
     modes = [Mode("sync", args.max_staleness), Mode("async", args.max_staleness)]
-    if short := [mode.label for mode in modes if steps - 1 - mode.warmup(args.warmup_steps) < MIN_TIMED_STEPS]:
+    if short := [mode.label for mode in modes if steps - mode.warmup(args.warmup_steps) < MIN_TIMED_STEPS]:
         raise SystemExit(f"{steps} steps leave fewer than {MIN_TIMED_STEPS} timed steps for {', '.join(short)} "
-                         "(the warm-up steps, at least K + 1 for the async job, and the last step are not timed)")
+                         "(the warm-up steps, at least K + 1 for the async job, are not timed)")
     wanted = [name for name in args.modes.split(",") if name]
     if unknown := set(wanted) - set(MODES):
         raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES)})")
@@ -311,27 +310,51 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     if wanted:
         prepare(args)
+    for seed in seeds:
+        for mode in modes:
+            if mode.name in wanted:
+                run_job(mode, seed, args, steps, val_every, root)
+    ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}
+    evaluate([root / mode.run_name(seed) for mode in modes for seed in ran[mode]])
+    report(args, root, modes, ran, steps, val_every)
+
+
+def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
+           val_every: int) -> None:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    skipped_total, gpus = 0, len(visible_gpus())
     for mode in modes:
-        if mode.name in wanted:
-            run_mode(mode, args, steps, val_every, root)
-    ran = [mode for mode in modes if (root / mode.run_name / METRICS_FILE).is_file()]
-    launches = {mode.label: json.loads(launch_file(root, mode).read_text()) for mode in ran}
-    summaries = {mode.label: summarise(read_metrics(root / mode.run_name), launches[mode.label]["time"], mode,
-                                       args.warmup_steps) for mode in ran}
-    target = pick_target(list(summaries.values()), args.target, args.target_fraction)
-    figures = {label: mode_figures(summary, target) for label, summary in summaries.items()}
-    sync, async_ = (summaries.get(mode.label) for mode in modes)
-    comparison = compare(sync, async_, target) if sync and async_ else None
-    print_table(figures, comparison, target)
-    if comparison is None:
+        for seed in ran[mode]:
+            directory = root / mode.run_name(seed)
+            launch = json.loads((root / (mode.run_name(seed) + LAUNCH_SUFFIX)).read_text())
+            evaluation = read_evaluation(directory)
+            skipped_total += skipped(evaluation, val_every, steps)
+            gpus = launch.get("gpus", gpus)  # where the runs ran: a report may run elsewhere
+            runs.setdefault(mode.label, []).append(summarise(read_metrics(directory), made_times(directory), evaluation,
+                                                             launch["time"], mode, args.warmup_steps))
+    means = {label: mean_curve([run["curve"] for run in group]) for label, group in runs.items()}
+    target = pick_target(list(means.values()), args.target, args.target_fraction)
+    figures = {label: mode_figures(group, means[label], target) for label, group in runs.items()}
+    sync, async_ = (runs.get(mode.label) for mode in modes)
+    buckets = equal_step_buckets(sync, async_) if sync and async_ else (None, {})
+    print_table(figures, target, buckets)
+    if not (sync and async_):
         print(f"run the other mode (--modes) with --out-dir {root} to compare them")
         return
-    result = {key: comparison[key] for key in ("time_to_score_speedup", "trained_tokens_speedup")}
-    gpus = launches[modes[1].label].get("gpus", len(visible_gpus()))  # where the runs ran: a report may run elsewhere
-    result |= {"length_ratio": figures[modes[1].label]["length_ratio"], "gpus": gpus,
-               "target": _round(target, 3), "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
-               "sync": figures[modes[0].label], "async": figures[modes[1].label]}
-    result |= {key: comparison[key] for key in ("length_vs_sync", "equal_step_version", "buckets", "every_bucket_at_least_sync")}
+    plot({label: [run["curve"] for run in group] for label, group in runs.items()}, means, target,
+         root / "time_to_score.png")
+    print(f"plot: {root / 'time_to_score.png'}")
+    sync_figures, async_figures = figures[modes[0].label], figures[modes[1].label]
+    result = {
+        "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
+        "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
+        "validations_skipped": skipped_total, "learner_share_of_sync_step": sync_figures["learner_share"],
+        "sync_baseline": "colocated_one_gpu" if gpus == 1 else "engine_and_learner_on_gpus_apart",
+        "gpus": gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
+        "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
+        "equal_step_version": buckets[0], "buckets": buckets[1],
+        "sync": sync_figures, "async": async_figures,
+    }
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -57,6 +57,10 @@ class AsyncRLConfig:
             problems.append(("validation.k", f"must not exceed validation.n={self.validation.n} (samples per prompt)"))
         if self.validation.every and not self.data.val_files:
             problems.append(("data.val_files", "needs at least one file when validation.every > 0"))
+        if self.validation.after_run and self.learner.mode != "synchronous" and self.validation.every % self.learner.sync_every:
+            problems.append(("validation.after_run", f"needs validation.every={self.validation.every} to be a multiple "
+                             f"of learner.sync_every={self.learner.sync_every}: the learner gathers whole weights "
+                             "only when it sends them"))
         chat = self.rollout.chat
         if chat.enabled and chat.session_idle_s >= self.learner.batch_timeout_s:
             problems.append(("rollout.chat.session_idle_s",

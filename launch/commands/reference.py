@@ -60,6 +60,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     interrupt_on_stop_signals()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as a rollout server: the engine shares the cores
     from learner.reference_trainer import ReferenceTrainer, close_world, open_world  # imports the roles: after parsing
+    from learner.snapshots import SnapshotWriter
     from rollout_servers.reference_sampler import ReferenceSampler
 
     with contextlib.ExitStack() as opened:  # closed in reverse order, whatever fails
@@ -69,8 +70,11 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
         opened.callback(sampler.close)
         trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches sized from the memory it left
         metrics = opened.enter_context(contextlib.closing(MetricsLogger(run_dir, config.metrics, dataclasses.asdict(config))))
+        snapshots = (opened.enter_context(contextlib.closing(
+            SnapshotWriter(run_dir, config.validation.every, config.learner.total_steps)))
+            if config.validation.after_run else None)
         try:
-            version = run(config, run_dir, sampler, trainer, metrics)
+            version = run(config, run_dir, sampler, trainer, metrics, snapshots)
         except KeyboardInterrupt:
             log.warning("stopped by a signal")
             return INTERRUPTED

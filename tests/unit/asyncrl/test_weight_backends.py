@@ -48,7 +48,15 @@ def test_where_each_backend_works_and_what_a_refusal_advises():
     assert alternatives(shared_gpu=True) == "gloo, ipc or auto"
     assert alternatives(shared_gpu=False) == "gloo, nccl or auto"
     assert alternatives(shared_gpu=None) == "gloo or auto"
-    assert group_backend(receiver_has_own_gpus=True) is NCCL and group_backend(receiver_has_own_gpus=False) is GLOO
+
+
+
+def test_the_synchronous_reference_reaches_its_engine_by_nccl_apart_ipc_on_its_gpu_and_gloo_without_one(monkeypatch):
+    assert group_backend(receiver_has_own_gpus=True) is NCCL
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert group_backend(receiver_has_own_gpus=False) is IPC  # loads in place, as the async job's colocated server
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert group_backend(receiver_has_own_gpus=False) is GLOO
 
 
 def free_address(world_size: int = 2) -> GroupAddress:

@@ -1,0 +1,47 @@
+"""The run directory's weight snapshots (`validation.after_run`): the policy of every version that validation is due
+on, kept while the job runs and scored after it by `asyncrl evaluate` on an engine of its own, off the job's clock.
+
+Layout under RUN_DIR/snapshots/: `v<version>.pt` (the served weights as torch.save's list of (name, tensor): a
+tied weight is stored once) and `made.jsonl`, one line per snapshot written, {"version", "made_at"}: the Unix
+time at which the learner held that version, the moment the race to a score reads. A line is appended only once its
+file is complete, so a line always names a whole snapshot. `asyncrl evaluate` writes RUN_DIR/evaluation.jsonl,
+one line per version scored: {"version", "made_at", "evaluated_at", val/* metrics}."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SNAPSHOTS_DIR = "snapshots"  # under the run directory
+INDEX_FILE = "made.jsonl"  # in SNAPSHOTS_DIR
+EVALUATION_FILE = "evaluation.jsonl"  # in the run directory
+
+
+def snapshot_due(version: int, every: int, final_version: int) -> bool:
+    """Validation is due on `version`: a multiple of `every` (version 0 included) or the job's final version."""
+    return bool(every) and (version % every == 0 or version == final_version)
+
+
+def due_versions(every: int, final_version: int) -> list[int]:
+    """Every version a job of `final_version` steps validates, in order."""
+    return [v for v in range(final_version + 1) if snapshot_due(v, every, final_version)]
+
+
+def snapshot_path(run_dir: Path, version: int) -> Path:
+    return run_dir / SNAPSHOTS_DIR / f"v{version}.pt"
+
+
+def made_times(run_dir: Path) -> dict[int, float]:
+    """Each snapshot's version and the Unix time it was made, from the index; a version made twice (a resumed job
+    made it again) counts by its latest line, whose weights its file holds."""
+    index = run_dir / SNAPSHOTS_DIR / INDEX_FILE
+    lines = index.read_text().splitlines() if index.is_file() else []
+    return {record["version"]: record["made_at"] for record in map(json.loads, lines)}
+
+
+def read_evaluation(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """`asyncrl evaluate`'s record of each scored version (the latest, where one was scored twice)."""
+    path = run_dir / EVALUATION_FILE
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {record["version"]: record for record in map(json.loads, lines)}
