@@ -81,11 +81,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     from asyncrl.config import load_config
     from demo.tiny.build import init_model
     from demo.tiny.model import build_tiny_model
+    from rollout_servers.rewards.builtin import scorer_for
 
     served_dir = tmp_path_factory.mktemp("tiny_served")
     shape = [f"model.tiny.{key}={value}" for key, value in dataclasses.asdict(TINY_SHAPE).items()]
     init_model(load_config(None, [*shape, f"model.path={served_dir}", f"run.seed={SERVED_SEED}",
-                                  "model.warm_start.steps=3", "model.warm_start.eval_samples=2"]))
+                                  "model.warm_start.steps=3", "model.warm_start.eval_samples=2"]), scorer_for)
     tokenizer = AutoTokenizer.from_pretrained(served_dir)
     served = AutoModelForCausalLM.from_pretrained(served_dir).eval()
     update = build_tiny_model(TINY_SHAPE, tokenizer, UPDATE_SEED).eval()

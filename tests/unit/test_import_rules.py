@@ -13,15 +13,16 @@ LAUNCH, DEMO = "launch", "demo"
 OURS = ("asyncrl", *ROLES, LAUNCH, DEMO)
 # Which of our packages each package's modules may import. `asyncrl` is the floor every role stands on (the
 # contracts: messages, config, transport, weight-transfer protocol, staleness, data, placement, process
-# plumbing); each role owns its room; the demo's tasks write rows for the rollout servers' built-in
-# environments and scorers; `launch` (the CLI, its commands, the Ray launcher) is the one place that
-# puts the roles together.
+# plumbing, the row keys and texts of the built-in tasks); each role owns its room; the demo writes rows for
+# the rollout servers' built-in environments and scorers through those shared words, and is handed the
+# scorers it measures with; `launch` (the CLI, its commands, the Ray launcher) is the one place that puts
+# the roles together.
 MAY_IMPORT = {
     "asyncrl": {"asyncrl"},
     "rollout_servers": {"asyncrl", "rollout_servers"},
     "buffer": {"asyncrl", "buffer"},
     "learner": {"asyncrl", "learner"},
-    DEMO: {"asyncrl", "rollout_servers", DEMO},
+    DEMO: {"asyncrl", DEMO},
     LAUNCH: set(OURS),
 }
 HEAVY = ("torch", "vllm", "transformers", "zmq", "numpy", "msgspec", "pyarrow", "aiohttp")
