@@ -12,7 +12,7 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -210,13 +210,13 @@ class PeerServices:
 
 @contextmanager
 def rank_services(config: AsyncRLConfig, run_dir: Path, world: World, model: torch.nn.Module,
-                  resumed: LoopState) -> Iterator[RankServices]:
-    """This rank's services, closed on the way out: rank 0's connect to the buffer (starting it unless
-    buffer.address names one) and open the weight-sync coordinator and the metrics sink."""
+                  resumed: LoopState, buffer_command: Sequence[str]) -> Iterator[RankServices]:
+    """This rank's services, closed on the way out: rank 0's connect to the buffer (starting it with
+    `buffer_command` unless buffer.address names one) and open the weight-sync coordinator and the metrics sink."""
     if not world.is_main:
         yield PeerServices.build(config, world, model, resumed)
         return
-    connections = LearnerServices.start(config, run_dir, resumed.buffer_offset, resumed.buffer_ahead)
+    connections = LearnerServices.start(config, run_dir, resumed.buffer_offset, resumed.buffer_ahead, buffer_command)
     try:
         yield RankZeroServices.build(connections, config, run_dir, world, model, resumed)
     finally:

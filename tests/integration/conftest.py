@@ -20,6 +20,7 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 import pytest
 
 from asyncrl.buffer_process import BufferProcess, start_buffer
+from launch.commands.buffer import COMMAND_LINE
 from learner_helpers import TINY_SHAPE
 from run_helpers import prepare, tiny_job
 
@@ -142,7 +143,7 @@ def buffer_process(tmp_path) -> Callable[..., BufferProcess]:
     started: list[BufferProcess] = []
 
     def start(*overrides: str, directory=None) -> BufferProcess:
-        process = start_buffer(directory or tmp_path / "buffer", overrides=overrides,
+        process = start_buffer(COMMAND_LINE, directory or tmp_path / "buffer", overrides=overrides,
                                log_path=tmp_path / "buffer.log", timeout_s=60)
         started.append(process)
         return process
