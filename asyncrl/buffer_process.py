@@ -49,7 +49,8 @@ class BufferProcess:
 
 
 def start_buffer(command: Sequence[str], directory: str | Path, config_path: str | Path | None = None,
-                 overrides: Sequence[str] = (), timeout_s: float = 30.0, log_path: str | Path | None = None) -> BufferProcess:
+                 overrides: Sequence[str] = (), timeout_s: float = 30.0,
+                 log_path: str | Path | None = None) -> BufferProcess:
     """Run `command` (the command line of `asyncrl buffer`) on `directory` and return once it accepts connections."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from asyncrl.weight_transfer.backends import weight_backend
 from learner.distributed import World
 from learner.lagged_weights import LaggedWeights
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes
-from learner.services import LearnerServices
+from learner.connections import LearnerConnections
 
 
 class WeightSharing:
@@ -23,7 +23,7 @@ class WeightSharing:
     the last L + 1 versions in CPU memory and sends the one L versions back, except the final version, which
     goes out as itself so that its validation (and anything served after the job) sees the trained policy."""
 
-    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerServices | None) -> None:
+    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerConnections | None) -> None:
         self.model, self.services = model, services
         self.dtype = DTYPES[config.model.dtype]
         self.final_version = config.learner.total_steps
