@@ -184,15 +184,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{seconds:7.1f}s  {name}")
 
 
+def uses_real_jobs(item: pytest.Item) -> bool:
+    """Whether a selected test reads a real job: `real_jobs` is among the fixtures it needs, however indirectly."""
+    return "real_jobs" in getattr(item, "fixturenames", ())
+
+
 @pytest.fixture(scope="session")
 def real_jobs(request: pytest.FixtureRequest, tiny_job_inputs: Path,
               tmp_path_factory: pytest.TempPathFactory) -> dict[RealJob, Future]:
-    """Every real job that a collected module declares in its `REAL_JOBS` list, run side by side
-    (`JOBS_AT_ONCE`) the first time a module asks, and all finished before its tests go on: no other test
-    runs beside them. A module's fixture takes `real_jobs[its_job].result()`, which raises that job's own
-    failure only."""
+    """Every real job declared in the `REAL_JOBS` list of a module with a selected test that uses them (this
+    fixture, directly or through the module's own), run side by side (`JOBS_AT_ONCE`) the first time a module
+    asks, and all finished before its tests go on: no other test runs beside them. A module whose tests are
+    deselected, or whose selected tests use no real job, starts none. A module's fixture takes
+    `real_jobs[its_job].result()`, which raises that job's own failure only."""
     declared: list[RealJob] = []
-    for module in dict.fromkeys(getattr(item, "module", None) for item in request.session.items):
+    for module in dict.fromkeys(item.module for item in request.session.items if uses_real_jobs(item)):
         declared += [job for job in getattr(module, "REAL_JOBS", ()) if job not in declared]
     with ThreadPoolExecutor(JOBS_AT_ONCE) as pool:  # subprocess waits release the GIL
         return {job: pool.submit(_timed, job, tiny_job_inputs, tmp_path_factory.mktemp(job.__name__))
