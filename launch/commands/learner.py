@@ -66,8 +66,7 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
     size = config.learner.nproc
     store = spawner_store(size) if size > 1 else None  # held here until the ranks end
     context = mp.start_processes(spawned_rank, args=(size, store.port if store else 0, config, run_dir, COMMAND_LINE),
-                                 nprocs=size,
-                                 start_method="spawn", join=False)
+                                 nprocs=size, start_method="spawn", join=False)
     try:
         while not context.join():
             pass
