@@ -1,15 +1,16 @@
-"""Start the buffer service as a child process (`asyncrl buffer`) and wait until it serves.
+"""Start the buffer service as a child process and wait until it serves.
 
 The learner uses this when buffer.address is empty; roles never import each other, so the buffer
-runs as its own process either way. Readiness is the endpoint file the service writes after binding.
-`BufferLaunch` keeps how the learner's buffer was started, so that a restart starts the same one.
+runs as its own process either way. Whoever starts a buffer passes the command line that runs the
+`asyncrl buffer` command (`launch.commands.buffer.COMMAND_LINE`): `launch` owns the commands, this module
+only adds the config and the directory to it. Readiness is the endpoint file the service writes after
+binding. `BufferLaunch` keeps how the learner's buffer was started, so that a restart starts the same one.
 """
 
 from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,16 +48,16 @@ class BufferProcess:
         self.process.wait()
 
 
-def start_buffer(directory: str | Path, config_path: str | Path | None = None, overrides: Sequence[str] = (),
-                 timeout_s: float = 30.0, log_path: str | Path | None = None) -> BufferProcess:
-    """Run `asyncrl buffer` on `directory` and return once it accepts connections."""
+def start_buffer(command: Sequence[str], directory: str | Path, config_path: str | Path | None = None,
+                 overrides: Sequence[str] = (), timeout_s: float = 30.0,
+                 log_path: str | Path | None = None) -> BufferProcess:
+    """Run `command` (the command line of `asyncrl buffer`) on `directory` and return once it accepts connections."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     endpoint = directory / ENDPOINT_FILE
     endpoint.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "launch.cli", "buffer", f"buffer.dir={directory}", *overrides]
-    if config_path is not None:
-        command[4:4] = ["--config", str(config_path)]
+    config = ["--config", str(config_path)] if config_path is not None else []
+    command = [*command, *config, f"buffer.dir={directory}", *overrides]
     environment = launched_environment()  # the buffer dies with the process that started it
     if log_path is None:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=environment)
@@ -79,6 +80,7 @@ def start_buffer(directory: str | Path, config_path: str | Path | None = None, o
 class BufferLaunch:
     """How the learner starts its own buffer: the run's config on one directory, output appended to one log."""
 
+    command: tuple[str, ...]  # the command line of `asyncrl buffer`, given by whoever started the learner
     directory: Path  # the buffer directory: log segments, commit, endpoint file
     config_path: Path  # the run's resolved config
     log_path: Path  # the child's output; each restart appends to it
@@ -87,17 +89,21 @@ class BufferLaunch:
 
     def start(self) -> BufferProcess:
         overrides = [f"buffer.port={self.port}"] if self.port else []
-        return start_buffer(self.directory, self.config_path, overrides, timeout_s=self.timeout_s, log_path=self.log_path)
+        return start_buffer(self.command, self.directory, self.config_path, overrides, timeout_s=self.timeout_s,
+                            log_path=self.log_path)
 
     def at(self, address: str) -> BufferLaunch:
         """This launch bound to the port of `address`: a restart serves where the clients look."""
         return replace(self, port=split_tcp_endpoint(address)[1])
 
 
-def own_buffer_launch(config: AsyncRLConfig, run_dir: str | Path, timeout_s: float = 30.0, port: int = 0) -> BufferLaunch:
-    """How to run a buffer for this run: with the run's resolved config (saved in run_dir) on buffer.dir, or on
-    <run_dir>/buffer, on `port` when buffer.port is 0 (the port chosen by `port_to_bind`)."""
+def own_buffer_launch(config: AsyncRLConfig, run_dir: str | Path, command: Sequence[str], timeout_s: float = 30.0,
+                      port: int = 0) -> BufferLaunch:
+    """How to run a buffer for this run with `command` (the command line of `asyncrl buffer`): with the run's
+    resolved config (saved in run_dir) on buffer.dir, or on <run_dir>/buffer, on `port` when buffer.port is 0
+    (the port chosen by `port_to_bind`)."""
     run_dir = Path(run_dir)
     config_path = save_config(config, run_dir)
     directory = Path(config.buffer.dir) if config.buffer.dir else run_dir / BUFFER_SUBDIR
-    return BufferLaunch(directory, config_path, run_dir / BUFFER_LOG, 0 if config.buffer.port else port, timeout_s)
+    return BufferLaunch(tuple(command), directory, config_path, run_dir / BUFFER_LOG, 0 if config.buffer.port else port,
+                        timeout_s)

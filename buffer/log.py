@@ -87,11 +87,11 @@ class SegmentLog:
     # ------------------------------------------------------------------------------------------
     # Writing
 
-    def append(self, payloads: list[Payload], sync: bool = True) -> int:
+    def append(self, payloads: list[Payload], defer_fsync: bool = False) -> int:
         """Append records durably per the fsync policy; return the offset of the first.
 
-        With sync=False the "batch" policy's closing fsync is left to the caller (`sync_fd`, e.g. on a
-        background thread); segments closed on the way are still synced. All or nothing: on a write or
+        With defer_fsync=True the "batch" policy's closing fsync is left to the caller (`fsync_fd`, e.g. on a
+        background thread); segments closed on the way are still fsynced. All or nothing: on a write or
         fsync error the log is cut back to where it was, and the error raised."""
         first = self.end_offset
         mark = self.mark()
@@ -102,7 +102,7 @@ class SegmentLog:
                     os.fsync(self._writer)
             else:
                 self._write(payloads)
-                if self.fsync == "batch" and sync:
+                if self.fsync == "batch" and not defer_fsync:
                     os.fsync(self._writer)
         except OSError:
             self.cut_back(mark)
@@ -113,10 +113,10 @@ class SegmentLog:
         """The log's current end, for `cut_back`: (segments, bytes in the last one)."""
         return len(self.segments), self.segments[-1].size
 
-    def sync_fd(self) -> int:
+    def fsync_fd(self) -> int:
         """A duplicate of the segment being written, to fsync from another thread (the caller closes it).
 
-        A segment that closes meanwhile is synced when it closes; the duplicate keeps its file open."""
+        A segment that closes meanwhile is fsynced when it closes; the duplicate keeps its file open."""
         return os.dup(self._writer)
 
     def cut_back(self, mark: tuple[int, int]) -> None:

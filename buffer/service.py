@@ -195,7 +195,7 @@ class BufferService:
         """Write the groups; acknowledge them once durable (at once, or when their background fsync ends)."""
         try:
             results, unsynced = self.store.write([(summary, frame) for _, summary, frame in groups],
-                                                 sync=self.syncer is None)
+                                                 defer_fsync=self.syncer is not None)
         except OSError as error:
             log.error("log write failed, nothing of this batch stored: %s", error)
             self._refuse_write([(identity, summary.record_id) for identity, summary, _ in groups], error)
@@ -217,7 +217,7 @@ class BufferService:
         """Sync everything written so far, unless a sync is running (the next one will cover it)."""
         if self.syncer is not None and not self.syncer.busy and self.store.unsynced:
             self._syncing = len(self.store.unsynced)
-            self.syncer.start(self.store.log.sync_fd())
+            self.syncer.start(self.store.log.fsync_fd())
 
     def _on_synced(self, error: OSError | None) -> None:
         if error is None:

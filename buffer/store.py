@@ -106,12 +106,12 @@ class TrajectoryStore:
         """Append the new records in one log write (and one fsync under the batch policy) and publish them.
 
         Raises OSError when the log cannot be written; nothing of the call is stored then."""
-        results, _ = self.write(records, sync=True)
+        results, _ = self.write(records, defer_fsync=False)
         self.publish(len(self.unsynced))
         return results
 
-    def write(self, records: list[tuple[GroupSummary, Payload]], sync: bool) -> tuple[list[Stored], Unsynced]:
-        """Append the new records in one log write; with sync=False the batch policy's fsync is the caller's.
+    def write(self, records: list[tuple[GroupSummary, Payload]], defer_fsync: bool) -> tuple[list[Stored], Unsynced]:
+        """Append the new records in one log write; with defer_fsync=True the batch policy's fsync is the caller's.
 
         The records stay invisible to consumers (but known as duplicates) until `publish`. Raises OSError
         when the log cannot be written; nothing of the call is stored then."""
@@ -138,7 +138,7 @@ class TrajectoryStore:
             results.append(Stored(offset))
         unsynced = Unsynced(self.log.mark(), entries, staged)
         if frames:
-            self.log.append(frames, sync=sync)
+            self.log.append(frames, defer_fsync=defer_fsync)
         self.unsynced.append(unsynced)
         self._unsynced_ids.update(staged)
         return results, unsynced

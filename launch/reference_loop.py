@@ -34,9 +34,9 @@ from typing import Any, Protocol, Sequence
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup, decode, encode
 from asyncrl.metrics import MetricsLogger
-from asyncrl.staleness import staleness
 from learner.bad_steps import note_bad_step
 from learner.snapshots import SnapshotWriter
+from learner.step_metrics import batch_metrics
 
 log = logging.getLogger(__name__)
 
@@ -107,23 +107,6 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         log.info("step %d/%d reward %.3f pg_loss %.3f step_s %.3f", version, config.learner.total_steps,
                  record["critic/score/mean"], record["actor/pg_loss"], record["timing_s/step"])
     return version
-
-
-def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
-    """Reward, lengths and staleness of the batch trained at policy `version` (staleness is 0 by construction
-    here, and measured all the same: it is what the async job is compared on)."""
-    samples = [t for group in groups for t in group.trajectories]
-    tokens = sum(sum(t.loss_mask) for t in samples)
-    ages = [staleness(version, group.oldest_version()) for group in groups if group.oldest_version() >= 0]
-    return {
-        "critic/score/mean": sum(t.reward for t in samples) / len(samples),
-        "response_length/mean": tokens / len(samples),
-        "batch/samples": float(len(samples)),
-        "batch/tokens": float(tokens),
-        "reward/failures": float(sum(1 for t in samples if t.reward_error)),
-        "staleness/mean": sum(ages) / len(ages) if ages else 0.0,
-        "staleness/max": float(max(ages, default=0)),
-    }
 
 
 def write_trained(run_dir: Path, step: int, groups: list[TrajectoryGroup]) -> None:

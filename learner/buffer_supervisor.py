@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 from asyncrl.buffer_process import BufferLaunch, own_buffer_launch
 from asyncrl.config import AsyncRLConfig
@@ -31,13 +32,14 @@ class BufferNotRestarted(RuntimeError):
     (buffer.max_restarts)."""
 
 
-def connect_or_supervise_buffer(config: AsyncRLConfig, run_dir: str | Path,
+def connect_or_supervise_buffer(config: AsyncRLConfig, run_dir: str | Path, command: Sequence[str],
                                 port: int = 0) -> tuple[str, BufferSupervisor | None]:
     """The buffer address to use: buffer.address if set (not watched: it is not this learner's child), else that
-    of a buffer started and kept running for this run (on `port` when buffer.port is 0). The caller stops it."""
+    of a buffer started with `command` (the command line of `asyncrl buffer`) and kept running for this run (on
+    `port` when buffer.port is 0). The caller stops it."""
     if config.buffer.address:
         return config.buffer.address, None
-    launch = own_buffer_launch(config, run_dir, port=port)
+    launch = own_buffer_launch(config, run_dir, command, port=port)
     supervisor = BufferSupervisor(launch, QuickDeaths.of(config.rollout, config.buffer.max_restarts))
     return supervisor.address, supervisor
 

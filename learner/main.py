@@ -7,7 +7,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,14 +27,15 @@ from learner.rank_services import rank_services
 log = logging.getLogger(__name__)
 
 
-def train(config: AsyncRLConfig, run_dir: Path) -> LoopState:
-    """Run this rank to learner.total_steps (torchrun-style environment variables give the world)."""
+def train(config: AsyncRLConfig, run_dir: Path, buffer_command: Sequence[str]) -> LoopState:
+    """Run this rank to learner.total_steps (torchrun-style environment variables give the world); rank 0 starts
+    its own buffer with `buffer_command` (the command line of `asyncrl buffer`) unless buffer.address names one."""
     with learner_world(config) as world:
         setup_logging(f"learner{world.rank}", config.run.log_level, run_dir / "logs" / f"learner{world.rank}.log")
         warn_if_updates_round_away(config)
         trainer = PolicyTrainer.load(config, world)
         state = resume_state(config, run_dir, trainer.model, trainer.optimizer, world)
-        with rank_services(config, run_dir, world, trainer.model, state) as services:
+        with rank_services(config, run_dir, world, trainer.model, state, buffer_command) as services:
             freeze_startup_heap()  # torch, the model and the services live as long as this rank
             state = run_loop(config, run_dir, state, trainer, services)
             services.finish(state.step)
@@ -66,14 +67,15 @@ def warn_if_updates_round_away(config: AsyncRLConfig) -> None:
                 config.learner.master_dtype, resolution, config.learner.lr)
 
 
-def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str) -> None:
+def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str,
+                 buffer_command: Sequence[str]) -> None:
     """Target of the local spawner: set the torchrun-style variables, then train. SIGTERM is taken like Ctrl-C
     (once), so that a stopped rank unwinds through `train`'s cleanup (torch's spawn wrapper ends it quietly)."""
     die_with_spawning_parent()  # `asyncrl learner` killed outright takes its ranks (and their buffer) along
     interrupt_once()  # the group's signal and the one `asyncrl learner` forwards: the second must not cut the cleanup
     os.environ.update(local_rank_environment(rank, size, port))
     try:
-        train(config, Path(run_dir))
+        train(config, Path(run_dir), buffer_command)
     except Exception as error:  # its reason and traceback into the rank's log (the console gets one line)
         log.exception("learner rank %d failed: %s: %s", rank, type(error).__name__, error)
         raise

@@ -12,7 +12,7 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from learner.distributed import World, broadcast_bytes
 from learner.guard import Drained, GuardDecision, GuardFollower, NoGuard, RollBack, SafetyGuard
 from learner.loop_state import LoopState
 from learner.pacing import FixedStaleness, Pacer
-from learner.services import LearnerServices
+from learner.connections import LearnerConnections
 from learner.snapshots import SnapshotWriter
 from learner.task_weight_publisher import FixedTaskWeights, TaskWeightsPublisher
 from learner.weight_sharing import WeightSharing
@@ -76,7 +76,7 @@ class RankServices(Protocol):
 class RankZeroServices:
     """Rank 0's side: the learner's only link to the buffer, the rollout servers and the metrics sink."""
 
-    def __init__(self, config: AsyncRLConfig, world: World, connections: LearnerServices, sharing: WeightSharing,
+    def __init__(self, config: AsyncRLConfig, world: World, connections: LearnerConnections, sharing: WeightSharing,
                  tasks: TaskWeightsPublisher | FixedTaskWeights, guard: SafetyGuard | NoGuard,
                  pacer: Pacer | FixedStaleness) -> None:
         """`connections`: the buffer, the weight-sync coordinator and the metrics sink."""
@@ -85,7 +85,7 @@ class RankZeroServices:
         self.started = time.perf_counter()  # when training started: `begin` sets it again after the servers joined
 
     @classmethod
-    def build(cls, connections: LearnerServices, config: AsyncRLConfig, run_dir: Path, world: World,
+    def build(cls, connections: LearnerConnections, config: AsyncRLConfig, run_dir: Path, world: World,
               model: torch.nn.Module, resumed: LoopState) -> RankZeroServices:
         """Rank 0's services over `connections`, continuing from the checkpoint's task weights, guard and K."""
         tasks = (TaskWeightsPublisher.start(config, resumed.task_weights, connections.coordinator)
@@ -216,13 +216,13 @@ class PeerServices:
 
 @contextmanager
 def rank_services(config: AsyncRLConfig, run_dir: Path, world: World, model: torch.nn.Module,
-                  resumed: LoopState) -> Iterator[RankServices]:
-    """This rank's services, closed on the way out: rank 0's connect to the buffer (starting it unless
-    buffer.address names one) and open the weight-sync coordinator and the metrics sink."""
+                  resumed: LoopState, buffer_command: Sequence[str]) -> Iterator[RankServices]:
+    """This rank's services, closed on the way out: rank 0's connect to the buffer (starting it with
+    `buffer_command` unless buffer.address names one) and open the weight-sync coordinator and the metrics sink."""
     if not world.is_main:
         yield PeerServices.build(config, world, model, resumed)
         return
-    connections = LearnerServices.start(config, run_dir, resumed.buffer_offset, resumed.buffer_ahead)
+    connections = LearnerConnections.start(config, run_dir, resumed.buffer_offset, resumed.buffer_ahead, buffer_command)
     try:
         yield RankZeroServices.build(connections, config, run_dir, world, model, resumed)
     finally:

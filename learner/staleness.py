@@ -16,10 +16,10 @@ from asyncrl.messages import Batch, Trajectory, TrajectoryGroup
 from asyncrl.staleness import oldest_trained_token_version, staleness
 
 
-def staleness_metrics(batch: Batch, version: int) -> dict[str, float]:
-    """`staleness/*` of the batch trained at `version`: over its groups, over its trained tokens, and the largest
-    start lag; each left out when nothing in the batch has it (no trained token, no known start)."""
-    return _group_staleness(batch, version) | _token_staleness(batch, version) | _start_lag(batch)
+def staleness_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
+    """`staleness/*` of the batch's groups trained at `version`: over the groups, over their trained tokens, and the
+    largest start lag; each left out when nothing in the batch has it (no trained token, no known start)."""
+    return _group_staleness(groups, version) | _token_staleness(groups, version) | _start_lag(groups)
 
 
 def mask_stale_tokens(batch: Batch, version: int, max_token_staleness: int) -> tuple[Batch, dict[str, float]]:
@@ -50,9 +50,9 @@ def _mask_older_than(trajectory: Trajectory, oldest: int) -> tuple[Trajectory, i
     return kept, int(stale.sum())
 
 
-def _group_staleness(batch: Batch, version: int) -> dict[str, float]:
+def _group_staleness(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
     """Mean, min and max over the groups; groups with no trained token (oldest version -1) are left out."""
-    oldest = [group.oldest_version() for group in batch.groups]
+    oldest = [group.oldest_version() for group in groups]
     values = [staleness(version, group_oldest) for group_oldest in oldest if group_oldest >= 0]
     if not values:
         return {}
@@ -60,10 +60,10 @@ def _group_staleness(batch: Batch, version: int) -> dict[str, float]:
             "staleness/max": float(max(values))}
 
 
-def _token_staleness(batch: Batch, version: int) -> dict[str, float]:
+def _token_staleness(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
     """Mean and max over the batch's trained tokens (loss mask 1, versioned)."""
-    lags = np.concatenate([np.empty(0, np.int64), *(_trained_token_lags(t, version) for group in batch.groups
-                                                       for t in group.trajectories)])  # [trained tokens of the batch]
+    lags = np.concatenate([np.empty(0, np.int64), *(_trained_token_lags(t, version) for group in groups
+                                                   for t in group.trajectories)])  # [trained tokens of the batch]
     if not lags.size:
         return {}
     return {"staleness/token_mean": float(lags.mean()), "staleness/token_max": float(lags.max())}
@@ -74,10 +74,10 @@ def _trained_token_lags(trajectory: Trajectory, version: int) -> np.ndarray:
     return version - versions[mask & (versions >= 0)]  # [trained tokens]
 
 
-def _start_lag(batch: Batch) -> dict[str, float]:
+def _start_lag(groups: list[TrajectoryGroup]) -> dict[str, float]:
     """The largest learner version at a group's start minus the version it started from (its first token's,
     whatever the loss mask says of it) over the groups whose start the server recorded."""
-    lags = [staleness(group.learner_version_at_start, start) for group in batch.groups
+    lags = [staleness(group.learner_version_at_start, start) for group in groups
             if group.learner_version_at_start >= 0 and (start := _start_version(group)) >= 0]
     return {"staleness/start_lag_max": float(max(lags))} if lags else {}
 

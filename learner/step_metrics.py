@@ -1,5 +1,6 @@
 """The record of one learner step as the loop measures it: the loss's numbers, the batch's rewards, lengths and
-staleness, the learning rate and the step's timings (docs/metrics.md)."""
+staleness, where in the buffer it came from, the learning rate and the step's timings (docs/metrics.md). The
+synchronous reference (`launch/reference_loop.py`) measures its batches with the same `batch_metrics`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.messages import Batch
+from asyncrl.messages import Batch, TrajectoryGroup
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
 from learner.staleness import staleness_metrics
 
@@ -22,29 +23,35 @@ class StepTimes:
 def step_metrics(loss_metrics: dict[str, float], batch: Batch, version: int, rate: float, max_staleness: int,
                  times: StepTimes) -> dict[str, Any]:
     """The record of the step that made `version` from `batch` at learning rate `rate` under the bound `max_staleness`."""
-    metrics = loss_metrics | staleness_metrics(batch, version - 1) | batch_metrics(batch) | {"actor/lr": rate}
+    metrics = loss_metrics | batch_metrics(batch.groups, version - 1) | buffer_metrics(batch) | {"actor/lr": rate}
     return metrics | {"timing_s/wait_batch": times.waited, "timing_s/train": times.trained,
                       "timing_s/step": time.perf_counter() - times.started,
-                      "learner/tokens_per_s": trained_tokens(batch) / times.trained, "staleness/max_staleness": max_staleness}
+                      "learner/tokens_per_s": metrics["batch/tokens"] / times.trained, "staleness/max_staleness": max_staleness}
 
 
-def trained_tokens(batch: Batch) -> int:
-    """Completion tokens the loss covers (loss-mask ones), comparable to the servers' generated tokens."""
-    return sum(sum(t.loss_mask) for group in batch.groups for t in group.trajectories)
-
-
-def batch_metrics(batch: Batch) -> dict[str, Any]:
-    samples = [t for group in batch.groups for t in group.trajectories]
+def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, Any]:
+    """Rewards (per task too), lengths, turns, failures and staleness of the groups trained at policy `version`.
+    `batch/tokens` counts the completion tokens the loss covers (loss mask 1), comparable to the servers' generated
+    tokens. The synchronous reference logs the same; its staleness is 0 by construction, and measured all the
+    same: it is what the async job is compared on."""
+    samples = [t for group in groups for t in group.trajectories]
     lengths = [sum(t.loss_mask) for t in samples]
     rewards = [t.reward for t in samples]
-    return {
+    return staleness_metrics(groups, version) | {
         "critic/score/mean": sum(rewards) / len(rewards),
         "response_length/mean": sum(lengths) / len(lengths),
-        "buffer/dropped_stale_in_batch": float(batch.dropped_stale),
         "batch/samples": float(len(samples)),
+        "batch/tokens": float(sum(lengths)),
         "reward/failures": float(sum(1 for t in samples if t.reward_error)),
         "multi_turn/num_turns/mean": sum(t.num_turns for t in samples) / len(samples),
-        "batch/offset_min": float(min(batch.offsets)),
-        "batch/offset_max": float(max(batch.offsets)),
     } | task_reward_metrics((ScoredSample(t.data_source, t.reward, t.reward_info) for t in samples), "critic") | \
         task_sample_counts(t.data_source for t in samples)
+
+
+def buffer_metrics(batch: Batch) -> dict[str, float]:
+    """Where in the buffer's log the batch came from, and what was dropped while it was gathered."""
+    return {
+        "buffer/dropped_stale_in_batch": float(batch.dropped_stale),
+        "batch/offset_min": float(min(batch.offsets)),
+        "batch/offset_max": float(max(batch.offsets)),
+    }

@@ -12,7 +12,7 @@ from asyncrl.weight_transfer.backends import weight_backend
 from learner.distributed import World
 from learner.lagged_weights import LaggedWeights
 from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes
-from learner.services import LearnerServices
+from learner.connections import LearnerConnections
 from learner.snapshots import SnapshotWriter
 
 
@@ -25,7 +25,7 @@ class WeightSharing:
     goes out as itself so that its validation (and anything served after the job) sees the trained policy. With
     `snapshots` (rank 0, `validation.after_run`) the weights of each version due for validation are kept as well."""
 
-    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerServices | None,
+    def __init__(self, config: AsyncRLConfig, model: torch.nn.Module, world: World, services: LearnerConnections | None,
                  snapshots: SnapshotWriter | None = None) -> None:
         self.model, self.services, self.snapshots = model, services, snapshots
         self.dtype = DTYPES[config.model.dtype]

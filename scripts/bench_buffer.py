@@ -35,6 +35,7 @@ import msgpack
 import zmq
 
 from asyncrl.buffer_process import BufferProcess, start_buffer
+from launch.commands.buffer import COMMAND_LINE
 from asyncrl.messages import encode
 from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
@@ -154,7 +155,7 @@ def cpu_seconds(pid: int) -> float:
 
 def run_buffer(directory: Path, fsync: str, template: tuple[bytes, bytes], count: int, window: int):
     """Ingest `count` groups into a fresh buffer; return (buffer process, seconds, ack latencies, its CPU s)."""
-    buffer = start_buffer(directory, overrides=[f"buffer.fsync={fsync}"], log_path=directory / "buffer.log")
+    buffer = start_buffer(COMMAND_LINE, directory, overrides=[f"buffer.fsync={fsync}"], log_path=directory / "buffer.log")
     try:
         results = SPAWN.Queue()
         child = SPAWN.Process(target=buffer_producer, args=(buffer.address, template, count, window, results))

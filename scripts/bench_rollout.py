@@ -143,9 +143,10 @@ def ensure_model(config: AsyncRLConfig) -> None:
     if Path(config.model.path).is_dir():
         return
     from demo.tiny.build import init_model
+    from rollout_servers.rewards.builtin import scorer_for
 
     print(f"no model at {config.model.path}: building the tiny model", flush=True)
-    init_model(config)
+    init_model(config, scorer_for)
 
 
 def workload_prompts(config: AsyncRLConfig, count: int) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """The learner's loop for tests that run no buffer and no rollout server: rank 0's real services over
-`OfflineConnections`, which stand in for its connections (`learner.services.LearnerServices`): the batches come
+`OfflineConnections`, which stand in for its connections (`learner.connections.LearnerConnections`): the batches come
 from a script, and what rank 0 would send out is kept for the test to read."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ class GuardConfig:
     lr_scale: float = bounded(1.0, 0.0, 1.0)  # the learning rate is multiplied by this at every rollback (1 = unchanged)
     max_rollbacks: int = bounded(3, 0)  # rollbacks in a run; the collapse after the last one stops the run with the reason
 
-    def cross_checks(self, checkpoint_every: int, keep_checkpoints: int, sync_mode: bool) -> list[tuple[str, str]]:
+    def cross_checks(self, checkpoint_every: int, keep_checkpoints: int, synchronous: bool) -> list[tuple[str, str]]:
         if not self.enabled:
             return []
         problems = [(f"guard.watch[{index}].name", "must name a logged metric")
@@ -34,6 +34,6 @@ class GuardConfig:
         if reach < self.rollback_steps:
             problems.append(("guard.rollback_steps", f"{self.rollback_steps} steps back needs kept checkpoints that reach that far: "
                              f"learner.checkpoint_every × (learner.keep_checkpoints − 1) = {reach}"))
-        if sync_mode:
+        if synchronous:
             problems.append(("guard.enabled", "the synchronous reference (learner.mode=synchronous) has no guard"))
         return problems

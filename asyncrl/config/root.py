@@ -69,9 +69,9 @@ class AsyncRLConfig:
                              "those places that long"))
         if self.learner.mode == "synchronous" and self.rollout.num_servers != 1:
             problems.append(("rollout.num_servers", "learner.mode=synchronous runs one engine: must be 1"))
-        sync_mode = self.learner.mode == "synchronous"
-        problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, sync_mode) + self.reward.cross_checks()
-        problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, sync_mode)
+        synchronous = self.learner.mode == "synchronous"
+        problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, synchronous) + self.reward.cross_checks()
+        problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, synchronous)
         problems += self._study_lag_problems() + self.algorithm.cross_checks(self.buffer.batch_groups)
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
         problems += (self._control_channel_problems() + self._scratchpad_fit_problems() + self.validation.cross_checks()

@@ -18,7 +18,7 @@ class TaskWeightsConfig:
     factor: float = bounded(0.5, 0.0, 1.0)  # a stalled task's share is multiplied by this, at most once every `patience` steps
     min_weight: float = bounded(0.05, 0.0, 1.0)  # floor of every task's share of the mixture (shares sum to 1)
 
-    def cross_checks(self, tasks: int, weights: list[float], sync_mode: bool) -> list[tuple[str, str]]:
+    def cross_checks(self, tasks: int, weights: list[float], synchronous: bool) -> list[tuple[str, str]]:
         """`tasks`: the training files; `weights`: data.weights (empty = uniform)."""
         if not self.enabled:
             return []
@@ -33,6 +33,6 @@ class TaskWeightsConfig:
             problems.append(("data.task_weights.min_weight", f"{tasks} tasks cannot each keep {self.min_weight:g} of a total of 1"))
         if tasks < 2:
             problems.append(("data.task_weights.enabled", "needs at least two data.train_files to move weight between"))
-        if sync_mode:
+        if synchronous:
             problems.append(("data.task_weights.enabled", "the synchronous reference (learner.mode=synchronous) keeps fixed weights"))
         return problems

@@ -6,7 +6,9 @@ import random
 import string
 from typing import Any
 
-DATA_SOURCE = "arithmetic"  # scored by the rollout servers' built-in exact match
+from asyncrl.data.builtin_sources import EXACT_MATCH_SOURCE
+
+DATA_SOURCE = EXACT_MATCH_SOURCE  # scored by the rollout servers' built-in exact match
 _APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 

@@ -1,5 +1,5 @@
 """The `calculator` task: multiplication questions ("123*45=") too hard for the tiny model to answer
-unaided, and a calculator tool it can call (`rollout_servers.environments.calculator`): as `<calc>123*45</calc>`,
+unaided, and a calculator tool it can call (`asyncrl.environments.calculator_tool`): as `<calc>123*45</calc>`,
 or with `task.calculator.tool_format=hermes` as a function tool listed by the chat template and called
 in vLLM's hermes format, the way an OpenAI agent's model calls functions.
 
@@ -14,7 +14,7 @@ import random
 from typing import Any
 
 from asyncrl.config.sections import TaskConfig
-from rollout_servers.environments.calculator import (
+from asyncrl.environments.calculator_tool import (
     CALCULATOR_TOOL,
     HERMES,
     TOOL_FORMAT_KEY,

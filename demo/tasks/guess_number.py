@@ -1,5 +1,5 @@
 """The `guess_number` task: find a hidden number in 1..max_number from "higher"/"lower" feedback
-(`rollout_servers.environments.guess_number`); fewer guesses earn more.
+(`asyncrl.environments.guess_number_game`); fewer guesses earn more.
 
 The warm-start teacher always guesses inside the range still possible, at its middle in
 `task.guess_number.bisect_rate` of its guesses and anywhere in it otherwise: the model learns the
@@ -12,7 +12,7 @@ import random
 from typing import Any
 
 from asyncrl.config.sections import TaskConfig
-from rollout_servers.environments.guess_number import (
+from asyncrl.environments.guess_number_game import (
     FEEDBACK_KEY,
     MAX_GUESSES_KEY,
     MAX_NUMBER_KEY,

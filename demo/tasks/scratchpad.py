@@ -29,7 +29,7 @@ import random
 from typing import Any
 
 from asyncrl.config.sections import ScratchpadTaskConfig, TaskConfig
-from rollout_servers.rewards.builtin import FINAL_ANSWER_MARK, SCRATCHPAD_SOURCE
+from asyncrl.data.builtin_sources import FINAL_ANSWER_MARK, SCRATCHPAD_SOURCE
 from demo.tasks import arithmetic
 from demo.tasks.arithmetic import noisy_answer
 from demo.tasks.splits import Problem, ProblemMaker, TaskSplit, split_problems

@@ -10,7 +10,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -18,7 +18,7 @@ from asyncrl.config import AsyncRLConfig
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from demo.tiny.warm_start import greedy_accuracy, warm_start
+from demo.tiny.warm_start import AnswerScorer, greedy_accuracy, warm_start
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,10 @@ REPORT_FILE = "init_report.json"  # written into the model directory; holds the 
 WARM_START_THREADS = 8
 
 
-def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
-    """Make sure a warm-started tiny model for `config` exists at `config.model.path`; return its report."""
+def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer], force: bool = False) -> dict[str, Any]:
+    """Make sure a warm-started tiny model for `config` exists at `config.model.path`; return its report.
+    `scorer_for` gives the scorer of a data source (the rollout servers' built-in scorers, handed in by the caller),
+    with which the greedy accuracy before and after the warm start is measured."""
     target = Path(config.model.path)
     key = cache_key(config)
     cached = read_report(target)
@@ -45,7 +47,9 @@ def init_model(config: AsyncRLConfig, force: bool = False) -> dict[str, Any]:
 
     def accuracy() -> float | None:
         """Single-turn greedy accuracy only: a multi-turn task's starting reward is validation's version 0."""
-        return greedy_accuracy(model, tokenizer, held_out, kind.teacher) if isinstance(kind.teacher, SingleTurn) else None
+        if not isinstance(kind.teacher, SingleTurn):
+            return None
+        return greedy_accuracy(model, tokenizer, held_out, kind.teacher, scorer_for(kind.teacher.data_source))
 
     with at_most_threads(WARM_START_THREADS):
         before = accuracy()

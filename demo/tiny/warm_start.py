@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,11 +18,11 @@ from asyncrl.environments import ChatDelta
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tasks.dialogue import IGNORE_INDEX, dialogue_example
 from demo.tasks.splits import Problem, draw_problems
-from rollout_servers.rewards.builtin import scorer_for
 
 log = logging.getLogger(__name__)
 
 Example = tuple[list[int], list[int]]  # input ids, labels
+AnswerScorer = Callable[[str, Any], float]  # (completion, ground truth) -> reward, as the rollout servers score
 
 LOG_EVERY = 50  # supervised steps between progress lines
 WARM_START_STREAM = 7919  # seed offset: the split's own stream (seed) would start with the held-out questions
@@ -95,9 +95,9 @@ def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedu
 
 @torch.no_grad()
 def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                    teacher: SingleTurn) -> float:
-    """Share of `problems` the model answers right with greedy decoding, scored as the rollout servers score
-    the task's data source, with room for the longest response the teacher writes without a slip."""
+                    teacher: SingleTurn, score: AnswerScorer) -> float:
+    """Share of `problems` the model answers right with greedy decoding, scored by `score` (the rollout servers'
+    scorer of the task's data source), with room for the longest response the teacher writes without a slip."""
     prompts = [prompt_ids(tokenizer, question) for question, _ in problems]
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
@@ -107,7 +107,6 @@ def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
                             max_new_tokens=budget, do_sample=False)
     completions = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
-    score = scorer_for(teacher.data_source)
     return sum(score(text, answer) for text, (_, answer) in zip(completions, problems)) / len(problems)
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from launch.commands.common import make_run_dir, start
 from asyncrl.buffer_process import BUFFER_SUBDIR
+
+COMMAND_LINE = (sys.executable, "-m", "launch.cli", "buffer")  # how another process runs this command
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+from launch.commands.buffer import COMMAND_LINE
 from launch.commands.common import make_run_dir, start
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
@@ -34,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
     if torchrun:  # this process is one rank of the given world
         from learner.main import train
 
-        train(config, run_dir)
+        train(config, run_dir, COMMAND_LINE)
         print(f"RUN_DIR {run_dir}", flush=True)
         return 0
     if plan is not None:
@@ -64,8 +65,8 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
     interrupt_on_stop_signals()
     size = config.learner.nproc
     store = spawner_store(size) if size > 1 else None  # held here until the ranks end
-    context = mp.start_processes(spawned_rank, args=(size, store.port if store else 0, config, run_dir), nprocs=size,
-                                 start_method="spawn", join=False)
+    context = mp.start_processes(spawned_rank, args=(size, store.port if store else 0, config, run_dir, COMMAND_LINE),
+                                 nprocs=size, start_method="spawn", join=False)
     try:
         while not context.join():
             pass

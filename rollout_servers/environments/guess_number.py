@@ -14,45 +14,32 @@ Two kinds of feedback, chosen per row by `extra_info.feedback`:
   must rebuild it from every earlier turn, which a tiny model does poorly: its guesses stray outside the
   range. With `range` the last message holds the whole state, and the task left is to pick its middle.
 
-A row's `reward_model.ground_truth` is the hidden number; `extra_info.max_guesses` caps the guesses.
+A row's `reward_model.ground_truth` is the hidden number; `extra_info.max_guesses` caps the guesses. The row keys,
+their values and the feedback are shared with the demo's task that writes the rows:
+`asyncrl.environments.guess_number_game`.
 """
 
 from __future__ import annotations
 
 from asyncrl.data import PromptRow
 from asyncrl.environments.base import Environment, Message, ModelTurn, StepResult
+from asyncrl.environments.guess_number_game import (
+    DIRECTION,
+    FEEDBACK_KEY,
+    FEEDBACK_STYLES,
+    FEWER_GUESSES,
+    MAX_GUESSES_KEY,
+    MAX_NUMBER_KEY,
+    RANGE,
+    REWARD_KEY,
+    REWARD_RULES,
+    SOLVED,
+    feedback,
+    narrow,
+    observation_text,
+)
 
-MAX_GUESSES_KEY = "max_guesses"  # extra_info field: guesses allowed in the episode
 DEFAULT_MAX_GUESSES = 6  # when the row does not say
-REWARD_KEY = "reward"  # extra_info field: the reward rule, one of REWARD_RULES
-FEWER_GUESSES, SOLVED = "fewer_guesses", "solved"
-REWARD_RULES = (FEWER_GUESSES, SOLVED)  # the first is the default: rows written before the rule existed
-FEEDBACK_KEY = "feedback"  # extra_info field: the kind of feedback, one of FEEDBACK_STYLES
-DIRECTION, RANGE = "direction", "range"
-FEEDBACK_STYLES = (DIRECTION, RANGE)  # the first is the default, as for REWARD_RULES
-MAX_NUMBER_KEY = "max_number"  # extra_info field: the largest possible number (needed by range feedback)
-HIGHER, LOWER, INVALID = "higher", "lower", "invalid"  # feedback: the number is higher / lower / not a number
-
-
-def feedback(guess: int | None, target: int) -> str:
-    """What the game answers to a wrong or unreadable guess."""
-    if guess is None:
-        return INVALID
-    return HIGHER if target > guess else LOWER
-
-
-def narrow(low: int, high: int, guess: int | None, answer: str) -> tuple[int, int]:
-    """The numbers still possible after `answer` to `guess`; a guess outside the range narrows nothing."""
-    if answer == HIGHER:
-        return max(low, guess + 1), high
-    if answer == LOWER:
-        return low, min(high, guess - 1)
-    return low, high
-
-
-def observation_text(answer: str, low: int, high: int, style: str) -> str:
-    """The user message after a wrong guess: the answer, and with `range` feedback what is still possible."""
-    return f"{answer}: {low}-{high}" if style == RANGE else answer
 
 
 def solved_reward(guesses: int, max_guesses: int, rule: str = FEWER_GUESSES) -> float:

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from asyncrl.data.builtin_sources import EXACT_MATCH_SOURCE, FINAL_ANSWER_MARK, SCRATCHPAD_SOURCE
 from rollout_servers.rewards.math_answers import score_math_answer
 
 AnswerScorer = Callable[[str, Any], float]  # (solution_str, ground_truth) -> reward
-
-EXACT_MATCH_SOURCE = "arithmetic"  # the synthetic arithmetic task's data source (demo.tasks.arithmetic)
-SCRATCHPAD_SOURCE = "scratchpad"  # the worked-addition task's data source (demo.tasks.scratchpad)
-FINAL_ANSWER_MARK = "="  # a worked solution's last line: this mark, then the answer
 
 
 def exact_match(solution_str: str, ground_truth: str) -> float:

@@ -20,6 +20,7 @@ from typing import Any, Callable, Coroutine, Iterator, TypeVar
 import pytest
 
 from asyncrl.buffer_process import BufferProcess, start_buffer
+from launch.commands.buffer import COMMAND_LINE
 from learner_helpers import TINY_SHAPE
 from run_helpers import prepare, tiny_job
 
@@ -81,11 +82,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
     from asyncrl.config import load_config
     from demo.tiny.build import init_model
     from demo.tiny.model import build_tiny_model
+    from rollout_servers.rewards.builtin import scorer_for
 
     served_dir = tmp_path_factory.mktemp("tiny_served")
     shape = [f"model.tiny.{key}={value}" for key, value in dataclasses.asdict(TINY_SHAPE).items()]
     init_model(load_config(None, [*shape, f"model.path={served_dir}", f"run.seed={SERVED_SEED}",
-                                  "model.warm_start.steps=3", "model.warm_start.eval_samples=2"]))
+                                  "model.warm_start.steps=3", "model.warm_start.eval_samples=2"]), scorer_for)
     tokenizer = AutoTokenizer.from_pretrained(served_dir)
     served = AutoModelForCausalLM.from_pretrained(served_dir).eval()
     update = build_tiny_model(TINY_SHAPE, tokenizer, UPDATE_SEED).eval()
@@ -141,7 +143,7 @@ def buffer_process(tmp_path) -> Callable[..., BufferProcess]:
     started: list[BufferProcess] = []
 
     def start(*overrides: str, directory=None) -> BufferProcess:
-        process = start_buffer(directory or tmp_path / "buffer", overrides=overrides,
+        process = start_buffer(COMMAND_LINE, directory or tmp_path / "buffer", overrides=overrides,
                                log_path=tmp_path / "buffer.log", timeout_s=60)
         started.append(process)
         return process
@@ -182,15 +184,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(f"{seconds:7.1f}s  {name}")
 
 
+def uses_real_jobs(item: pytest.Item) -> bool:
+    """Whether a selected test reads a real job: `real_jobs` is among the fixtures it needs, however indirectly."""
+    return "real_jobs" in getattr(item, "fixturenames", ())
+
+
 @pytest.fixture(scope="session")
 def real_jobs(request: pytest.FixtureRequest, tiny_job_inputs: Path,
               tmp_path_factory: pytest.TempPathFactory) -> dict[RealJob, Future]:
-    """Every real job that a collected module declares in its `REAL_JOBS` list, run side by side
-    (`JOBS_AT_ONCE`) the first time a module asks, and all finished before its tests go on: no other test
-    runs beside them. A module's fixture takes `real_jobs[its_job].result()`, which raises that job's own
-    failure only."""
+    """Every real job declared in the `REAL_JOBS` list of a module with a selected test that uses them (this
+    fixture, directly or through the module's own), run side by side (`JOBS_AT_ONCE`) the first time a module
+    asks, and all finished before its tests go on: no other test runs beside them. A module whose tests are
+    deselected, or whose selected tests use no real job, starts none. A module's fixture takes
+    `real_jobs[its_job].result()`, which raises that job's own failure only."""
     declared: list[RealJob] = []
-    for module in dict.fromkeys(getattr(item, "module", None) for item in request.session.items):
+    for module in dict.fromkeys(item.module for item in request.session.items if uses_real_jobs(item)):
         declared += [job for job in getattr(module, "REAL_JOBS", ()) if job not in declared]
     with ThreadPoolExecutor(JOBS_AT_ONCE) as pool:  # subprocess waits release the GIL
         return {job: pool.submit(_timed, job, tiny_job_inputs, tmp_path_factory.mktemp(job.__name__))

@@ -23,7 +23,7 @@ import pytest
 
 from asyncrl.config.buffer import BufferConfig
 from asyncrl.environments import ChatDelta
-from rollout_servers.environments.calculator import evaluate
+from asyncrl.environments.calculator_tool import evaluate
 from asyncrl.messages import TrajectoryGroup, decode
 from buffer.log import SegmentLog
 from run_helpers import RUN_TIMEOUT_S, kill_tree, tiny_job

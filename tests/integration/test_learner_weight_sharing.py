@@ -23,7 +23,7 @@ TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 class RecordingServices:
-    """Stands in for rank 0's `LearnerServices`: keeps what each round would broadcast."""
+    """Stands in for rank 0's `LearnerConnections`: keeps what each round would broadcast."""
 
     def __init__(self) -> None:
         self.rounds: list[tuple[int, list[tuple[str, torch.Tensor]]]] = []

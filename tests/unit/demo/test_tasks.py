@@ -9,7 +9,8 @@ from asyncrl.config.sections import GuessNumberTaskConfig, TaskConfig, WarmStart
 from asyncrl.data import PromptRow, load_prompt_file
 from asyncrl.environments import ModelTurn
 from rollout_servers.environments.guess_number import GuessNumberEnvironment
-from rollout_servers.environments.calculator import CALCULATOR_TOOL, CalculatorEnvironment
+from asyncrl.environments.calculator_tool import CALCULATOR_TOOL
+from rollout_servers.environments.calculator import CalculatorEnvironment
 from demo.tasks import calculator, guess_number
 from demo.tasks.arithmetic import noisy_answer
 from demo.tasks.splits import split_task

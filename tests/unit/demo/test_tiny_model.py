@@ -13,6 +13,7 @@ from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
 from demo.tiny.warm_start import pad_examples, supervised_example, warm_start
+from rollout_servers.rewards.builtin import scorer_for
 
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
          "model.warm_start.steps=3", "model.warm_start.batch_size=4", "model.warm_start.eval_samples=4"]
@@ -20,7 +21,7 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.int
 
 def test_init_model_writes_loadable_hf_directory_and_caches(tmp_path):
     config = load_config(None, [*SMALL, f"model.path={tmp_path / 'm'}"])
-    report = init_model(config)
+    report = init_model(config, scorer_for)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
     assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
@@ -30,16 +31,16 @@ def test_init_model_writes_loadable_hf_directory_and_caches(tmp_path):
     assert json.loads((tmp_path / "m" / REPORT_FILE).read_text()) == report
     weights = tmp_path / "m" / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert init_model(config) == report and weights.stat().st_mtime_ns == stamp  # cached: nothing rewritten
+    assert init_model(config, scorer_for) == report and weights.stat().st_mtime_ns == stamp  # cached: nothing rewritten
     changed = load_config(None, [*SMALL, f"model.path={tmp_path / 'm'}", "model.warm_start.steps=4"])
-    assert init_model(changed)["warm_start_steps"] == 4 and weights.stat().st_mtime_ns != stamp
+    assert init_model(changed, scorer_for)["warm_start_steps"] == 4 and weights.stat().st_mtime_ns != stamp
 
 
 def test_same_seed_same_weights(tmp_path):
     states = []
     for name in ("a", "b"):
         config = load_config(None, [*SMALL, f"model.path={tmp_path / name}", "run.seed=4"])
-        init_model(config)
+        init_model(config, scorer_for)
         states.append(AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict())
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])

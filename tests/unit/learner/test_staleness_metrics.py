@@ -30,18 +30,18 @@ def long_and_short_batch() -> Batch:
 
 
 def test_mean_min_and_max_over_the_groups():
-    metrics = staleness_metrics(batch_of(7, 5, 4), version=8)
+    metrics = staleness_metrics(batch_of(7, 5, 4).groups, version=8)
     assert {key: metrics[key] for key in ("staleness/mean", "staleness/min", "staleness/max")} == {
         "staleness/mean": 8 / 3, "staleness/min": 1.0, "staleness/max": 4.0}
 
 
 def test_a_batch_trained_exactly_k_versions_old_has_min_equal_to_max():
-    metrics = staleness_metrics(batch_of(6, 6, 6), version=10)
+    metrics = staleness_metrics(batch_of(6, 6, 6).groups, version=10)
     assert metrics["staleness/min"] == metrics["staleness/max"] == metrics["staleness/mean"] == 4.0
 
 
 def test_token_staleness_weighs_every_trained_token_and_the_start_lag_is_what_k_bounds():
-    metrics = staleness_metrics(long_and_short_batch(), version=9)
+    metrics = staleness_metrics(long_and_short_batch().groups, version=9)
     # trained tokens: 5 5 4 3 2 1 (long) and 1 1 (short; the mask-0 token is left out): 22 over 8 tokens
     assert metrics["staleness/token_mean"] == pytest.approx(22 / 8) and metrics["staleness/token_max"] == 5.0
     assert (metrics["staleness/mean"], metrics["staleness/max"]) == (3.0, 5.0)  # groups: 9 - 4 and 9 - 8
@@ -49,7 +49,7 @@ def test_token_staleness_weighs_every_trained_token_and_the_start_lag_is_what_k_
 
 
 def test_a_group_without_a_recorded_start_has_no_start_lag():
-    assert "staleness/start_lag_max" not in staleness_metrics(batch_of(3), version=4)
+    assert "staleness/start_lag_max" not in staleness_metrics(batch_of(3).groups, version=4)
 
 
 def test_the_token_bound_masks_the_old_tokens_keeps_the_sample_and_counts_what_it_masked():
@@ -60,8 +60,8 @@ def test_the_token_bound_masks_the_old_tokens_keeps_the_sample_and_counts_what_i
     assert long.completion_ids == batch.groups[0].trajectories[0].completion_ids, "the sample is kept whole"
     assert short.loss_mask == [1, 0, 1], "fresh tokens and the environment token untouched"
     assert metrics == {"staleness/masked_token_frac": 3 / 8}
-    assert staleness_metrics(bounded, version=9)["staleness/token_max"] == 3.0, "no trained token past the bound"
-    assert staleness_metrics(bounded, version=9)["staleness/start_lag_max"] == 1.0, "the start is still the start"
+    assert staleness_metrics(bounded.groups, version=9)["staleness/token_max"] == 3.0, "no trained token past the bound"
+    assert staleness_metrics(bounded.groups, version=9)["staleness/start_lag_max"] == 1.0, "the start is still the start"
     assert batch.groups[0].trajectories[0].loss_mask == [1] * 6, "the batch handed in is not changed"
 
 

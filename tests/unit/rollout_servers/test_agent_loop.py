@@ -14,7 +14,7 @@ from asyncrl.config.rollout import SamplingConfig
 from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta
 from rollout_servers.environments import EnvironmentRegistry
-from rollout_servers.environments.calculator import CALCULATOR_TOOL
+from asyncrl.environments.calculator_tool import CALCULATOR_TOOL
 from demo.tiny.tokenizer import build_char_tokenizer
 from rollout_servers.agent_loop import TURN_SEED_STRIDE, AgentLoop
 from rollout_servers.completion import Completion

@@ -12,7 +12,8 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, ModelTurn, StepResult, Transcript
 from rollout_servers.environments import ENV_ERROR, ENV_TIMEOUT, EnvironmentConfigError, EnvironmentFailure, EnvironmentRegistry
-from rollout_servers.environments.calculator import CALCULATOR_TOOL, CalculatorEnvironment, evaluate
+from asyncrl.environments.calculator_tool import CALCULATOR_TOOL, evaluate
+from rollout_servers.environments.calculator import CalculatorEnvironment
 from rollout_servers.environments.guarded import GuardedEnvironment
 from rollout_servers.environments.guess_number import GuessNumberEnvironment
 from demo.tiny.tokenizer import build_char_tokenizer

@@ -1,5 +1,6 @@
-"""What rank 0 runs beside training: the buffer (its own or a given one), the weight-sync coordinator,
-the metrics sink, and the endpoints file through which rollout servers find them."""
+"""Rank 0's connections to the job outside the learner: the buffer (its own or a given one), the weight-sync
+coordinator the rollout servers join, the metrics sink, and the endpoints file through which the servers find
+them. What each rank does with them beside training is `learner/rank_services.py`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -33,7 +35,7 @@ class BatchTimeout(TimeoutError):
 
 
 @dataclass
-class LearnerServices:
+class LearnerConnections:
     config: AsyncRLConfig
     run_dir: Path
     consumer: BufferConsumer
@@ -44,10 +46,13 @@ class LearnerServices:
     latest_version: int = 0
 
     @classmethod
-    def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int, start_ahead: list[int]) -> "LearnerServices":
+    def start(cls, config: AsyncRLConfig, run_dir: Path, start_offset: int, start_ahead: list[int],
+              buffer_command: Sequence[str]) -> "LearnerConnections":
+        """Connect to the buffer (started with `buffer_command`, the command line of `asyncrl buffer`, unless
+        buffer.address names one), open the weight-sync coordinator and the metrics sink, write the endpoints."""
         before = remembered_ports(run_dir)  # a restart binds the ports of the run's first start: servers stay
         buffer_port = port_to_bind("buffer", config.buffer.bind_host, config.buffer.port, before.get("buffer"))
-        address, buffer_process = connect_or_supervise_buffer(config, run_dir, port=buffer_port)
+        address, buffer_process = connect_or_supervise_buffer(config, run_dir, buffer_command, port=buffer_port)
         coordinator = _start_coordinator(config, before.get("sync"))
         consumer = BufferConsumer(address, "learner", start_offset=start_offset, start_ahead=start_ahead,
                                   curve_dir=config.buffer.curve_dir,
