@@ -56,6 +56,9 @@ LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench laun
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 
+# What the synchronous run is, by the GPUs it ran on (docs/placement.md): one process, its engine beside its policy.
+SYNC_BASELINES = {0: "cpu", 1: "colocated_one_gpu"}
+
 Record = dict[str, Any]
 Curve = list[tuple[int, float, float]]  # (version, seconds since launch it was made, held-out score)
 
@@ -92,6 +95,8 @@ def parse_args() -> argparse.Namespace:
                         help="target = start + this x (the lower of the modes' best mean score - start)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the token rate")
     parser.add_argument("--modes", default=",".join(MODES), help="modes to run now, comma-separated ('' = only report)")
+    parser.add_argument("--skip-prepare", action="store_true",
+                        help="the task's files and the model exist already: do not run asyncrl data and init-model")
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
@@ -308,7 +313,7 @@ def main() -> None:
         raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES)})")
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-tts-"))
     root.mkdir(parents=True, exist_ok=True)
-    if wanted:
+    if wanted and not args.skip_prepare:
         prepare(args)
     for seed in seeds:
         for mode in modes:
@@ -349,7 +354,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         "validations_skipped": skipped_total, "learner_share_of_sync_step": sync_figures["learner_share"],
-        "sync_baseline": "colocated_one_gpu" if gpus == 1 else "engine_and_learner_on_gpus_apart",
+        "sync_baseline": SYNC_BASELINES.get(gpus, "engine_and_learner_on_gpus_apart"),
         "gpus": gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
         "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
         "equal_step_version": buckets[0], "buckets": buckets[1],

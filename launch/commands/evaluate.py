@@ -87,6 +87,8 @@ def _section(config: AsyncRLConfig, key: str) -> Any:
     value: Any = config
     for part in key.split("."):
         value = getattr(value, part)
+    if key == "rollout.engine":  # the memory share a plan lowered beside a learner: the evaluator runs alone
+        value = dataclasses.replace(value, gpu_memory_utilization=0.0)
     return value
 
 

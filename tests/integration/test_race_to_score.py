@@ -1,0 +1,70 @@
+"""The race to a held-out score at CPU size (scripts/bench_time_to_score.py, the benchmark itself): the synchronous
+run and the async job from one warm start, each keeping the weights of every due version (validation.after_run),
+then one `asyncrl evaluate` scoring them all. Every due version is scored, both modes learn, and the one evaluator
+scores the shared starting model the same in both.
+
+The reward is the response's length (tests/fixtures/length_reward.py): a barely trained model learns it in a few
+steps, so "learns" is a held-out rise that a handful of steps can show."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncrl.snapshots import made_times, read_evaluation
+from run_helpers import RUN_TIMEOUT_S, tiny_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+STEPS, VAL_EVERY = 6, 3
+DUE = [0, 3, 6]
+LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
+BENCH = Path(__file__).parents[2] / "scripts" / "bench_time_to_score.py"
+RUNS = ("tts-sync-s0", "tts-async-k2-s0")
+
+
+def race_job(inputs: Path, own_dir: Path) -> tuple[Path, dict]:
+    """The benchmark over the shared tiny model (its files made already), in `own_dir`; its RESULT."""
+    import subprocess
+    import sys
+
+    overrides = [item for item in tiny_job(inputs, STEPS) if not item.startswith("run.root_dir=")]
+    overrides += ["task.min_digits=1", "learner.lr=0.01", "validation.n=2", "validation.k=2", f"reward.custom_fn.path={LENGTH_REWARD}",
+                  "reward.custom_fn.name=compute_score", "buffer.batch_groups=4", "rollout.sampling.n=4"]
+    done = subprocess.run([sys.executable, str(BENCH), "--config", "configs/quickstart.yaml", "--steps", str(STEPS),
+                           "--val-every", str(VAL_EVERY), "--warmup-steps", "1", "--skip-prepare",
+                           "--out-dir", str(own_dir), *overrides], capture_output=True, text=True,
+                          timeout=3 * RUN_TIMEOUT_S, cwd=BENCH.parents[1])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
+    return own_dir, json.loads(result[len("RESULT "):])
+
+
+REAL_JOBS = [race_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def race(real_jobs) -> tuple[Path, dict]:
+    return real_jobs[race_job].result()
+
+
+def test_every_due_version_of_both_modes_is_kept_and_scored_in_the_order_it_was_made(race):
+    root, result = race
+    assert result["validations_skipped"] == 0
+    for name in RUNS:
+        made, scored = made_times(root / name), read_evaluation(root / name)
+        assert sorted(made) == DUE and sorted(scored) == DUE
+        assert [made[v] for v in DUE] == sorted(made[v] for v in DUE)  # each version after the one before
+        assert all(scored[v]["made_at"] == made[v] for v in DUE)
+
+
+def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_learn(race):
+    _, result = race
+    sync, async_ = result["sync"]["curves"][0], result["async"]["curves"][0]
+    assert [v for v, _, _ in sync] == DUE and [v for v, _, _ in async_] == DUE
+    assert sync[0][2] == async_[0][2]  # version 0: the same model, prompts and seeds
+    for curve in (sync, async_):
+        assert curve[-1][2] > curve[0][2]  # the held-out score rose
+    assert result["target"] is not None and result["sync_baseline"] == "cpu" and result["seeds"] == [0]
+    assert result["sync"]["version_at_target"] in DUE and result["async"]["version_at_target"] in DUE
+    assert 0 < result["learner_share_of_sync_step"] < 1
