@@ -65,7 +65,8 @@ class GroupSampler:
         finally:
             slots.release()
         group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
-                                trajectories=trajectories, learner_version_at_start=job.learner_version)
+                                trajectories=trajectories)
+        group.learner_version_at_start = learner_version_at_start(job.learner_version, group)
         ack = await send(group)
         self.prompts.acknowledge(number)
         self.stats.groups_duplicate += ack.duplicate
@@ -97,6 +98,14 @@ class GroupSampler:
             self.stats.prompts_skipped += 1
             log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
                         row.row_index, len(prompt_ids))
+
+
+def learner_version_at_start(admitted_under: int, group: TrajectoryGroup) -> int:
+    """The learner version a group started under: that of the admission answer it was started with, or the version of
+    its first token where that is newer. The learner sends weights before the buffer hears their version, and a server
+    reads the buffer only once a poll, so its engine may sample a group's first token with weights newer than its last
+    answer named; the learner had reached them, and a start stamped with the older answer read as a negative lag."""
+    return max(admitted_under, group.start_version())
 
 
 def _trajectory(completion: Completion, score: float, info: dict[str, float], error: str, group_id: str,

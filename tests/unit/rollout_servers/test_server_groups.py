@@ -17,6 +17,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.data import write_rows
 from asyncrl.messages import Ack, AdmissionGrant, Trajectory, TrajectoryGroup
+from learner.staleness import staleness_metrics
 from rollout_servers.rewards import RewardFunctionError, RewardResult
 from rollout_servers.rewards.builtin import UnknownDataSourceError
 from demo.tiny.tokenizer import build_char_tokenizer
@@ -130,6 +131,20 @@ def test_a_long_group_runs_to_its_end_through_updates_and_is_sent_once_with_its_
     assert len(engine.seeds) == 1 and server.stats.groups_sent == 1, "sampled once"
     assert engine.slots_held == [N] and slots.in_use == 0
     assert server.prompts.owed == 0, "the prompt is acknowledged: a restart does not regenerate it"
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_a_group_started_with_weights_newer_than_its_admission_answer_starts_under_them(server, multi_turn):
+    # the learner sent version 3 before the buffer heard of it: the server's last answer still named 2
+    slots = SampleSlots(CAPACITY)
+    engine, producer = LongEngine(slots), RecordingProducer()
+    agent = LongAgent(engine) if multi_turn else SingleTurn()
+
+    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send, learner_version=2))
+
+    (group,) = producer.sent
+    assert group.learner_version_at_start == SPANNED[0] == 3
+    assert staleness_metrics([group], version=8)["staleness/start_lag_max"] == 0.0, "no group starts ahead of the learner"
 
 
 def grant(learner_version: int, k: int, granted: int = 0) -> AdmissionGrant:
