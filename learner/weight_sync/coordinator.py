@@ -290,8 +290,8 @@ class SyncCoordinator:
         self._router.close()
 
     def _plan_group(self, leg: _Leg) -> tuple[GroupAddress, dict[str, dict]]:
-        """A fresh group for `leg`'s servers (on a free port unless `group_port` is set), and each one's init request
-        (its first rank)."""
+        """A fresh group for `leg`'s servers (on a port the OS picks unless `group_port` is set, held from now on), and
+        each one's init request (its first rank)."""
         self._close_group(leg.backend)
         offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in leg.members])
         address = leg.end.address(self.group_host, self.group_port, world_size, self.timeout_s)
