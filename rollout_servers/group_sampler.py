@@ -4,6 +4,7 @@ loop; however long it runs, nothing stops it for staleness), send it and acknowl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator
@@ -18,6 +19,7 @@ from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
 from rollout_servers.sample_slots import Claim
+from rollout_servers.work_tally import start_tally
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ class ServerStats:
     groups_sent: int = 0
     prompts_skipped: int = 0
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
+    tokens_cut: int = 0  # completion tokens of groups cut short when the server stopped: sampled, never sent
     idle_seconds: float = 0.0
 
 
@@ -58,10 +61,14 @@ class GroupSampler:
                      send: SendGroup, learner_version: int) -> None:
         """Sample the next prompt's group, started now while the learner is at `learner_version`, send it and
         acknowledge the prompt; `slots` is released on the way."""
+        tally = start_tally()
         try:
             number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
             job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots, learner_version)
             trajectories = await self._sample_group(engine, agent, scorer, job)
+        except asyncio.CancelledError:  # the server stops: its next process samples the prompt again
+            self.stats.tokens_cut += tally.tokens
+            raise
         finally:
             slots.release()
         group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,

@@ -161,6 +161,8 @@ class SyncCoordinator:
             "rollout/chat_waiting": float(sum(b.chat_waiting for b in beats)),
             "rollout/chat_dropped_idle": float(sum(b.chat_dropped_idle for b in beats)),
             "rollout/chat_lost": float(sum(b.chat_lost for b in beats)),
+            "rollout/thrown_away_tokens": float(self._server_metrics.thrown_away_tokens(
+                [report for _, report in self._telemetry.values()])),
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
