@@ -145,7 +145,7 @@ class TrajectoryGroup:
     group_id: str  # shared by the trajectories; equals each trajectory's group_id
     server_id: str  # rollout server that produced it
     trajectories: list[Trajectory]  # the group's samples
-    learner_version_at_start: Annotated[int, msgspec.Meta(ge=-1, le=MAX_VERSION)] = -1  # learner version of the server's last admission answer when the group started (-1: not started under one, e.g. a chat session)
+    learner_version_at_start: Annotated[int, msgspec.Meta(ge=-1, le=MAX_VERSION)] = -1  # learner version when the group started: the server's last admission answer, or its first token's version where newer (-1: not started under one, e.g. a chat session)
 
     def validate(self) -> None:
         check_group_ids(self.group_id, [trajectory.group_id for trajectory in self.trajectories])
@@ -160,6 +160,12 @@ class TrajectoryGroup:
         versions = np.concatenate([np.asarray(t.token_versions, np.int64) for t in self.trajectories])
         trained = np.concatenate([np.asarray(t.loss_mask, np.uint8) for t in self.trajectories])
         return oldest_trained_version(versions, trained)
+
+    def start_version(self) -> int:
+        """The version of the group's first sampled token, whatever the loss mask says of it (-1 when none has one)."""
+        versions = np.concatenate([np.asarray(t.token_versions, np.int64) for t in self.trajectories])  # [tokens]
+        versioned = versions[versions >= 0]
+        return int(versioned.min()) if versioned.size else -1
 
     def num_samples(self) -> int:
         return len(self.trajectories)

@@ -34,6 +34,7 @@ class GroupSummary:
     response_tokens: int  # trained completion tokens (loss mask 1) over the group
     oldest_version: int  # oldest trained token version, the version the group started under (-1 if none is trained)
     learner_version_at_start: int  # learner version when the group started (-1: unknown)
+    token_versions: tuple[int, int] = (0, 0)  # lowest and highest version of any token, whatever its mask ((0, 0): no token)
 
 
 def _twin(cls: type, name: str, replaced: dict[str, Any]) -> type:
@@ -89,6 +90,7 @@ def summarize_group(frame: bytes | memoryview) -> GroupSummary:
         response_tokens=int(masks.sum()),
         oldest_version=oldest_trained_version(versions, masks),
         learner_version_at_start=group.learner_version_at_start,
+        token_versions=(int(versions.min()), int(versions.max())) if versions.size else (0, 0),
     )
 
 

@@ -8,7 +8,9 @@ following fsync covers. Control messages are answered after the turn's write (a 
 the groups that are durable by then). Batch requests that want to wait for data are parked until
 they can be filled or their wait runs out, within caps (buffer.parking). Anything that does not
 decode (numbers out of range included), or is too large, gets an ErrorReply, is counted and logged; so
-does a well-formed request the buffer refuses (a bad position, a client over its caps). The loop carries
+does a well-formed request the buffer refuses (a bad position, a client over its caps). A group whose token
+versions no server could have sampled with (`buffer/versions.py`) is refused the same way, in an Ack with the
+error that names its record, so its producer stops sending it. The loop carries
 on, and nothing a client sends reaches the state the other clients are served from.
 """
 
@@ -38,6 +40,7 @@ from buffer.log import Payload
 from buffer.metrics import Counters, GeneratedByStart, IngestRate
 from buffer.parking import OverClientCap, ParkedRequest, ParkedRequests, ParkingCaps
 from buffer.store import OffsetError, TrajectoryStore
+from buffer.versions import HeardVersion
 from buffer.window import BatchLimits, Selection
 
 log = logging.getLogger(__name__)
@@ -64,6 +67,7 @@ class BufferService:
             self.generated.add(entry.oldest_version, entry.num_samples, entry.response_tokens)
         self.rate = IngestRate(config.stats_window_s)
         self.policy_version = self.store.committed.policy_version
+        self.heard = HeardVersion(self.directory)
         self.parked = ParkedRequests(ParkingCaps(config.max_parked_per_client, config.max_parked,
                                                  config.max_parked_ahead))
         self.running = True
@@ -154,13 +158,26 @@ class BufferService:
         if len(frame) > self.config.max_message_bytes:
             return self._reject(identity, f"message of {len(frame)} bytes exceeds {self.config.max_message_bytes}")
         try:
-            return summarize_group(frame)
+            summary = summarize_group(frame)
         except DecodeError:
-            pass  # not a (valid) group: decode tells which, with the precise reason
+            summary = None  # not a (valid) group: decode tells which, with the precise reason
+        if summary is not None:
+            return self._with_sound_versions(identity, summary)
         try:
             return decode(frame, self.config.max_message_bytes)
         except DecodeError as error:
             return self._reject(identity, str(error))
+
+    def _with_sound_versions(self, identity: bytes, summary: GroupSummary) -> GroupSummary | None:
+        """The group, unless a token version is one no server could have sampled with (`buffer/versions.py`): then its
+        producer is told why, in a final refusal of the record (an Ack with the error), and it is counted as rejected."""
+        reason = self.heard.refusal(*summary.token_versions)
+        if not reason:
+            return summary
+        self.counters.rejected_frames += 1
+        self._log_refusal("rejected a group", identity, self.counters.rejected_frames, reason)
+        self._reply(identity, Ack(summary.record_id, -1, error=reason))
+        return None
 
     def _reject(self, identity: bytes, reason: str) -> None:
         """A frame that is no request the buffer takes."""
@@ -370,6 +387,7 @@ class BufferService:
 
     def _hear_version(self, version: int) -> None:
         self.policy_version = max(self.policy_version, version)
+        self.heard.hear(version)
 
     def _hear_bound(self, max_staleness: int) -> None:
         """The learner's K (-1: it sent none): admission, selection and the servers' grants follow it."""

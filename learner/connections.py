@@ -150,7 +150,8 @@ class LearnerConnections:
         """The buffer's counters, what they say of the generated work trained, and the rollout servers' telemetry,
         for step `version`'s record."""
         stats = self.consumer.stats()
-        return stats.metrics() | generated_work_metrics(stats) | self.coordinator.rollout_metrics(version)
+        rollout = self.coordinator.rollout_metrics(version)
+        return stats.metrics() | generated_work_metrics(stats, int(rollout["rollout/thrown_away_tokens"])) | rollout
 
     def log_metrics(self, version: int, metrics: dict[str, float]) -> None:
         self.metrics.log(version, metrics)

@@ -78,12 +78,5 @@ def _start_lag(groups: list[TrajectoryGroup]) -> dict[str, float]:
     """The largest learner version at a group's start minus the version it started from (its first token's,
     whatever the loss mask says of it) over the groups whose start the server recorded."""
     lags = [staleness(group.learner_version_at_start, start) for group in groups
-            if group.learner_version_at_start >= 0 and (start := _start_version(group)) >= 0]
+            if group.learner_version_at_start >= 0 and (start := group.start_version()) >= 0]
     return {"staleness/start_lag_max": float(max(lags))} if lags else {}
-
-
-def _start_version(group: TrajectoryGroup) -> int:
-    """The version of the group's first sampled token (-1 when none has one)."""
-    versions = np.concatenate([np.asarray(t.token_versions, dtype=np.int64) for t in group.trajectories])  # [tokens]
-    versioned = versions[versions >= 0]
-    return int(versioned.min()) if versioned.size else -1

@@ -22,6 +22,7 @@ from rollout_servers.completion import Completion, TokenStream, TokensSoFar
 from rollout_servers.engine_args import engine_args, engine_process_env, sampling_params
 from rollout_servers.row_sampling import sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
+from rollout_servers.work_tally import count_tokens
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +151,16 @@ class RolloutEngine:
         lora_request = self._adapter.request if self._adapter is not None else None
         async with contextlib.aclosing(self._llm.generate(prompt, params, stream.request_id,
                                                           lora_request=lora_request)) as outputs:
-            async for output in outputs:
-                stream.absorb(output)
-                if on_tokens is not None:
-                    await on_tokens(stream.token_ids, stream.logprobs)
+            try:
+                async for output in outputs:
+                    stream.absorb(output)
+                    if on_tokens is not None:
+                        await on_tokens(stream.token_ids, stream.logprobs)
+            except asyncio.CancelledError:  # cut (its server stops): read what it sampled before vLLM forgets it
+                count_tokens(vllm_compat.tokens_sampled(self._llm, stream.request_id) or len(stream.token_ids))
+                raise
         self._tokens_sampled += len(stream.token_ids)
+        count_tokens(len(stream.token_ids))
 
     async def generate_group(
         self, prompt_ids: list[int], sampling: SamplingConfig | None = None, *, seed: int | None = None,

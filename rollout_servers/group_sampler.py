@@ -4,6 +4,7 @@ loop; however long it runs, nothing stops it for staleness), send it and acknowl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator
@@ -18,6 +19,7 @@ from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
 from rollout_servers.sample_slots import Claim
+from rollout_servers.work_tally import start_tally
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ class ServerStats:
     groups_sent: int = 0
     prompts_skipped: int = 0
     groups_duplicate: int = 0  # regenerated groups the buffer already held (acknowledged just before a crash)
+    tokens_cut: int = 0  # completion tokens of groups cut short when the server stopped: sampled, never sent
     idle_seconds: float = 0.0
 
 
@@ -58,14 +61,19 @@ class GroupSampler:
                      send: SendGroup, learner_version: int) -> None:
         """Sample the next prompt's group, started now while the learner is at `learner_version`, send it and
         acknowledge the prompt; `slots` is released on the way."""
+        tally = start_tally()
         try:
             number, (row, prompt_ids) = self.prompts.take(self._fitting_prompt)
             job = GroupJob(row, prompt_ids, number, f"{self.server_id}-prompt-{number}", slots, learner_version)
             trajectories = await self._sample_group(engine, agent, scorer, job)
+        except asyncio.CancelledError:  # the server stops: its next process samples the prompt again
+            self.stats.tokens_cut += tally.tokens
+            raise
         finally:
             slots.release()
         group = TrajectoryGroup(record_id=job.group_id, group_id=job.group_id, server_id=self.server_id,
-                                trajectories=trajectories, learner_version_at_start=job.learner_version)
+                                trajectories=trajectories)
+        group.learner_version_at_start = learner_version_at_start(job.learner_version, group)
         ack = await send(group)
         self.prompts.acknowledge(number)
         self.stats.groups_duplicate += ack.duplicate
@@ -97,6 +105,14 @@ class GroupSampler:
             self.stats.prompts_skipped += 1
             log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
                         row.row_index, len(prompt_ids))
+
+
+def learner_version_at_start(admitted_under: int, group: TrajectoryGroup) -> int:
+    """The learner version a group started under: that of the admission answer it was started with, or the version of
+    its first token where that is newer. The learner sends weights before the buffer hears their version, and a server
+    reads the buffer only once a poll, so its engine may sample a group's first token with weights newer than its last
+    answer named; the learner had reached them, and a start stamped with the older answer read as a negative lag."""
+    return max(admitted_under, group.start_version())
 
 
 def _trajectory(completion: Completion, score: float, info: dict[str, float], error: str, group_id: str,

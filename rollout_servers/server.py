@@ -132,6 +132,7 @@ class RolloutServer:
                 await chat.stop()
             for task in background:
                 await cancel(task)
+            await telemetry.send_last()
             for closable in (sync, telemetry, admission, producer):
                 closable.close()
             self._buffer.close()
@@ -192,6 +193,7 @@ class RolloutServer:
             chat_waiting=self._chat_places.waiting,
             chat_dropped_idle=self._chat_sessions.dropped_idle if self._chat_sessions else 0,
             chat_lost=self._chat_sessions.lost.refused if self._chat_sessions else 0,
+            thrown_away_tokens=self.stats.tokens_cut + (self._chat_sessions.tokens_dropped if self._chat_sessions else 0),
         )
 
     def stop(self) -> None:

@@ -6,6 +6,7 @@ just when the learner's metrics should show the servers' pause."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Callable, Sequence
 
 from asyncrl.messages import encode
@@ -13,6 +14,7 @@ from asyncrl.transport.control import connect_control
 from asyncrl.weight_transfer.control_messages import ServerTelemetry, ValidationResult
 
 Report = ServerTelemetry | ValidationResult
+LAST_REPORT_S = 1.0  # how long a stopping server tries to send its last reports
 
 
 class TelemetrySender:
@@ -25,9 +27,18 @@ class TelemetrySender:
     async def run(self) -> None:
         """Send until cancelled."""
         while True:
-            for report in self.read():
-                await self.socket.send(encode(report))
+            await self.send()
             await asyncio.sleep(self.period_s)
+
+    async def send(self) -> None:
+        for report in self.read():
+            await self.socket.send(encode(report))
+
+    async def send_last(self) -> None:
+        """Send the reports once more, as a server stops (its counters now hold the work its stop threw away); given up
+        after `LAST_REPORT_S` when the learner is away (a send with no one to take it waits)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.send(), LAST_REPORT_S)
 
     def close(self) -> None:
         self.socket.close()

@@ -111,6 +111,7 @@ class ServerTelemetry:
     chat_waiting: int = 0  # chat sessions waiting now for a place within the staleness bound
     chat_dropped_idle: int = 0  # chat sessions dropped unsent as idle (rollout.chat.session_idle_s) since the server started
     chat_lost: int = 0  # chat requests refused (HTTP 410) for sessions the server lost (idle drop, restart) since it started
+    thrown_away_tokens: int = 0  # model tokens it sampled for training and will never send, since it started: groups cut short by its stop, chat sessions dropped as idle
 
 
 @message("validation_result")

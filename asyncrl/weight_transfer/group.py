@@ -67,11 +67,12 @@ class TransferGroup:
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, collectives: Collectives,
-             device: torch.device | None = None) -> TransferGroup:
+             device: torch.device | None = None, listener: socket.socket | None = None) -> TransferGroup:
         """Meet the other members over `collectives`; raise `WeightTransferError` if they are not all there in
-        time. Without a `device`, a member of a CUDA backend uses the current CUDA device, else the CPU."""
+        time. Without a `device`, a member of a CUDA backend uses the current CUDA device, else the CPU. The
+        trainer's store takes over `listener` (`listen_on`, bound when the address was chosen), else binds now."""
         started = time.perf_counter()
-        store = _open_store(address, rank)
+        store = _open_store(address, rank, listener)
         process_group = _connect(address, rank, store, collectives)
         device = device or default_device(collectives.device_type)
         group = cls(address, rank, store, process_group, device, collectives)
@@ -160,8 +161,9 @@ class TransferGroup:
             raise WeightTransferError(f"handshake in {self.address.describe()} returned {int(probe.item())}")
 
 
-def _open_store(address: GroupAddress, rank: int) -> dist.Store:
-    """Rank 0 listens; the others connect. Returns once all members are in, within one deadline."""
+def _open_store(address: GroupAddress, rank: int, listener: socket.socket | None) -> dist.Store:
+    """Rank 0 listens (on `listener` if given); the others connect. Returns once all members are in, within one
+    deadline."""
     is_trainer = rank == TRAINER_RANK
     deadline = time.monotonic() + address.timeout_s
     try:
@@ -174,7 +176,7 @@ def _open_store(address: GroupAddress, rank: int) -> dist.Store:
             is_master=is_trainer,
             timeout=address.timeout,
             wait_for_workers=False,  # torch's own wait overshoots by a second; _await_members keeps the deadline
-            master_listen_fd=_listen_on_host(address) if is_trainer else None,
+            master_listen_fd=(listener or listen_on(address.host, address.port)).detach() if is_trainer else None,
         )
         prefixed = dist.PrefixStore(_STORE_PREFIX, store)
         _await_members(prefixed, address, deadline)
@@ -187,11 +189,12 @@ def _open_store(address: GroupAddress, rank: int) -> dist.Store:
     return prefixed
 
 
-def _listen_on_host(address: GroupAddress) -> int:
-    """A socket listening on the group's host alone, handed to the trainer's store (which then owns it): torch's
-    store server listens on every interface, so a group meeting on 127.0.0.1 was reachable from the network."""
-    family = socket.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((address.host, address.port), family=family).detach()
+def listen_on(host: str, port: int) -> socket.socket:
+    """A socket listening on `host` alone (`port` 0: one the OS picks as it binds), for the trainer's store to take
+    over: torch's store server listens on every interface, so a group meeting on 127.0.0.1 was reachable from the
+    network. Listening, the port is held: no other process can bind it until the store closes it."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family)
 
 
 def _wait_for_listener(address: GroupAddress, deadline: float) -> None:

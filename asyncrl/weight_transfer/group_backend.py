@@ -8,13 +8,13 @@ into a fresh buffer.
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Iterator, Sequence
 
 import torch
 
-from asyncrl.net import free_port
 from asyncrl.weight_transfer.collectives import Collectives
-from asyncrl.weight_transfer.group import TRAINER_RANK, GroupAddress, TransferGroup
+from asyncrl.weight_transfer.group import TRAINER_RANK, GroupAddress, TransferGroup, listen_on
 from asyncrl.weight_transfer.interface import ReceivingEnd, SendingEnd, Staged, WeightBackend
 from asyncrl.weight_transfer.protocol import InitInfo, NamedTensors, TensorMeta, init_info_for
 from asyncrl.weight_transfer.sender import send_weights, stage_for_transfer
@@ -26,9 +26,10 @@ class GroupBackend(WeightBackend):
         self.device_type = collectives.device_type
         self.on_a_shared_gpu, self.on_gpus_apart, self.limit = on_a_shared_gpu, True, limit
 
-    def join(self, address: GroupAddress, rank: int, device: torch.device | None = None) -> TransferGroup:
-        """Join the group at `address` as `rank` (the trainer is rank 0)."""
-        return TransferGroup.join(address, rank, self.collectives, device)
+    def join(self, address: GroupAddress, rank: int, device: torch.device | None = None,
+             listener: socket.socket | None = None) -> TransferGroup:
+        """Join the group at `address` as `rank` (the trainer is rank 0, its store on `listener` if given)."""
+        return TransferGroup.join(address, rank, self.collectives, device, listener)
 
     def sending_end(self, staging_bytes: int = 0) -> SendingEnd:
         return GroupSendingEnd(self, staging_bytes)
@@ -42,19 +43,28 @@ class GroupSendingEnd(SendingEnd):
     def __init__(self, backend: GroupBackend, staging_bytes: int) -> None:
         self.backend, self.staging_bytes = backend, staging_bytes
         self._group: TransferGroup | None = None  # its rank 0 (the trainer's), once connected
+        # The port of the address planned last, held from the moment it is chosen until the store takes it over in
+        # `connect`: a port found free and bound later could be taken in between by another process on the host.
+        self._listener: socket.socket | None = None
 
     def stage(self, named_tensors: NamedTensors) -> Staged:
         return Staged(stage_for_transfer(named_tensors, self.backend.device(), self.staging_bytes))
 
     def address(self, host: str, port: int, world_size: int, timeout_s: float) -> GroupAddress:
-        return GroupAddress(host, port or free_port(host), world_size, self.backend.name, timeout_s)
+        self._release_listener()
+        self._listener = listen_on(host, port)
+        return GroupAddress(host, self._listener.getsockname()[1], world_size, self.backend.name, timeout_s)
 
     def init_info(self, address: GroupAddress, rank_offset: int) -> dict[str, Any]:
         return init_info_for(address, rank_offset)
 
     def connect(self, address: GroupAddress) -> None:
         self.disconnect()
-        self._group = self.backend.join(address, TRAINER_RANK)
+        listener, self._listener = self._listener, None
+        if listener is not None and listener.getsockname()[1] != address.port:  # not the address planned last
+            listener.close()
+            listener = None
+        self._group = self.backend.join(address, TRAINER_RANK, listener=listener)
 
     def send(self, staged: Staged) -> float:
         if self._group is None:
@@ -65,6 +75,15 @@ class GroupSendingEnd(SendingEnd):
         if self._group is not None:
             self._group.close()
         self._group = None
+
+    def close(self) -> None:
+        self._release_listener()
+        super().close()
+
+    def _release_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = None
 
 
 class GroupReceivingEnd:

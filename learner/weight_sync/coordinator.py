@@ -161,6 +161,8 @@ class SyncCoordinator:
             "rollout/chat_waiting": float(sum(b.chat_waiting for b in beats)),
             "rollout/chat_dropped_idle": float(sum(b.chat_dropped_idle for b in beats)),
             "rollout/chat_lost": float(sum(b.chat_lost for b in beats)),
+            "rollout/thrown_away_tokens": float(self._server_metrics.thrown_away_tokens(
+                [report for _, report in self._telemetry.values()])),
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
@@ -290,8 +292,8 @@ class SyncCoordinator:
         self._router.close()
 
     def _plan_group(self, leg: _Leg) -> tuple[GroupAddress, dict[str, dict]]:
-        """A fresh group for `leg`'s servers (on a free port unless `group_port` is set), and each one's init request
-        (its first rank)."""
+        """A fresh group for `leg`'s servers (on a port the OS picks unless `group_port` is set, held from now on), and
+        each one's init request (its first rank)."""
         self._close_group(leg.backend)
         offsets, world_size = rank_layout([(name, self.members[name].ranks) for name in leg.members])
         address = leg.end.address(self.group_host, self.group_port, world_size, self.timeout_s)

@@ -19,6 +19,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         self._previous: dict[str, _Reading] = {}
         self._rates_seen: dict[str, tuple[float, float]] = {}  # each server's rates at its latest new report
+        self._thrown_away: dict[str, tuple[float, int]] = {}  # each server's latest (uptime, thrown_away_tokens)
+        self._thrown_away_before = 0  # the last counts of server processes that restarted since
 
     def metrics(self, beats: list[ServerTelemetry], versions: dict[str, int], learner_version: int) -> dict[str, float]:
         """`rollout/<server_id>/{tokens_per_s,idle_ratio,inflight,version_lag}` for each server's telemetry, plus
@@ -38,6 +40,17 @@ class ServerMetrics:
                        "rollout/inflight": float(sum(b.inflight for b in beats)),
                        "rollout/version_lag/mean": sum(lags) / len(lags), "rollout/version_lag/max": float(max(lags))}
         return values
+
+    def thrown_away_tokens(self, beats: list[ServerTelemetry]) -> int:
+        """Tokens the servers sampled for training and threw away, since the learner started: each server's latest
+        count, heard however long ago (a server that stopped reported its last), plus the last count of each of its
+        processes that restarted since (a restarted server counts from 0 again)."""
+        for beat in beats:
+            before = self._thrown_away.get(beat.server_id)
+            if before is not None and beat.uptime_seconds < before[0]:
+                self._thrown_away_before += before[1]
+            self._thrown_away[beat.server_id] = (beat.uptime_seconds, beat.thrown_away_tokens)
+        return self._thrown_away_before + sum(count for _, count in self._thrown_away.values())
 
     def _rates(self, beat: ServerTelemetry) -> tuple[float, float]:
         """Tokens/s and idle share between this server's last two reports (since its start after a restart).

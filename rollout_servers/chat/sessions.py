@@ -103,6 +103,7 @@ class ChatSessions:
         self._sessions: dict[str, ChatSession] = {}
         self._closed: dict[str, list[Trajectory]] = {}  # group id → closed sessions waiting for their group
         self.dropped_idle = 0  # sessions dropped unsent as idle since the server started
+        self.tokens_dropped = 0  # model tokens of those sessions: sampled, never sent
         self.lost = lost or LostSessions(None)  # sessions dropped or open before a restart: their requests get 410
 
     def __len__(self) -> int:
@@ -257,6 +258,7 @@ class ChatSessions:
         cutoff = time.monotonic() - self._settings.session_idle_s
         idle = [s for s, session in self._sessions.items() if session.last_used < cutoff and not session.lock.locked()]
         for session_id in idle:
+            self.tokens_dropped += sum(self._sessions[session_id].transcript.loss_mask)
             self._forget(session_id, f"dropped after {self._settings.session_idle_s:g}s without a request "
                                      "(rollout.chat.session_idle_s), unsent")
         self.dropped_idle += len(idle)

@@ -22,6 +22,7 @@ from asyncrl.weight_transfer import (
     update_info_for,
     weights_for_transfer,
 )
+from asyncrl.net import port_is_free
 from asyncrl.weight_transfer.backends import GLOO
 from asyncrl.weight_transfer.ipc import ALIGN_BYTES, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.sender import stage_for_transfer
@@ -93,6 +94,31 @@ def test_the_trainers_store_listens_on_the_groups_host_alone():
         joining.result().close()
     sender.close()
     assert listening == {("127.0.0.1", where.port)}  # not every interface ("::" or "0.0.0.0")
+
+
+def test_the_port_of_a_planned_group_is_held_from_the_moment_it_is_named():
+    sender = GLOO.sending_end()
+    where = sender.address("127.0.0.1", 0, world_size=2, timeout_s=30.0)
+    assert where.port > 0 and not port_is_free("127.0.0.1", where.port), "another process could take it"
+    named = [("a.weight", torch.randn(3, 5))]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        receiving = pool.submit(receive_all, where, update_info_for(named))
+        sender.connect(where)  # the store serves on the port held since, not on one bound anew
+        sender.send(sender.stage(named))
+        (received,) = receiving.result()
+    assert torch.equal(received, named[0][1])
+    sender.close()
+    assert port_is_free("127.0.0.1", where.port), "closed, the end gives the port back"
+
+
+def test_a_planned_group_that_never_meets_gives_its_port_back():
+    sender = GLOO.sending_end()
+    first = sender.address("127.0.0.1", 0, world_size=2, timeout_s=30.0)
+    second = sender.address("127.0.0.1", 0, world_size=3, timeout_s=30.0)
+    assert not port_is_free("127.0.0.1", second.port)
+    assert second.port == first.port or port_is_free("127.0.0.1", first.port), "the OS may pick the same port again"
+    sender.close()
+    assert port_is_free("127.0.0.1", second.port)
 
 
 def test_update_info_round_trip_and_validation():

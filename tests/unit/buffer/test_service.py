@@ -113,6 +113,7 @@ def test_a_long_group_that_arrives_versions_late_is_handed_out(serve, small_conf
     producer.send(group("short", version=0, started_at=0))
     learner = BufferConsumer(service.endpoint, "learner")
     assert [g.record_id for g in learner.next_batch(policy_version=0, max_samples=1).groups] == ["short"]
+    learner.publish_version(6)  # the learner tells the buffer every version it reaches
     producer.send(group("long", version=0, started_at=0))  # its last token came long after, at version 6
     producer.send(group("fresh", version=6, started_at=6))
     batch = learner.next_batch(policy_version=6)
@@ -135,6 +136,28 @@ def test_bad_frames_are_rejected_counted_and_service_keeps_serving(serve, small_
     producer = TrajectoryProducer(service.endpoint)
     assert producer.send(group("ok")).offset == 0
     assert BufferConsumer(service.endpoint, "learner").stats().rejected_frames == len(bad_frames)
+
+
+def test_a_group_with_token_versions_no_server_could_sample_is_refused_at_ingest(serve, small_config, tmp_path):
+    service = serve(small_config, tmp_path / "log")
+    producer, learner = TrajectoryProducer(service.endpoint), BufferConsumer(service.endpoint, "learner")
+    with pytest.raises(BufferRequestError, match=r"rejected record garbage: token_versions holds -2147483648"):
+        producer.send(group("garbage", version=-2**31))
+    assert producer.send(group("unknown-learner", version=40)).offset == 0, "no version heard yet: no upper bound"
+    learner.publish_version(5)
+    assert producer.send(group("unversioned", version=-1)).offset == 1, "-1 marks a token without a version"
+    assert producer.send(group("just-sent", version=6)).offset == 2, "weights go out before the buffer hears them"
+    with pytest.raises(BufferRequestError, match=r"token_versions holds 7, past the learner's newest version 5 \+ 1"):
+        producer.send(group("future", version=7))
+    stats = learner.stats()
+    assert (stats.ingested, stats.rejected_frames) == (3, 2) and not producer.in_flight
+    service.stop()
+
+    restarted = serve(small_config, tmp_path / "log")  # still knows version 5: the servers may hold 6
+    producer = TrajectoryProducer(restarted.endpoint)
+    assert producer.send(group("after-restart", version=6)).offset == 3
+    with pytest.raises(BufferRequestError, match="token_versions holds 7"):
+        producer.send(group("future-again", version=7))
 
 
 def test_a_waiting_batch_request_is_answered_when_enough_data_arrives(serve, small_config):

@@ -27,6 +27,13 @@ def test_length_bias_reads_as_the_trained_mean_length_over_that_of_as_many_sampl
     assert (metrics["work/thrown_away_tokens"], metrics["work/thrown_away_frac"]) == (600.0, 0.05)
 
 
+def test_work_the_servers_threw_away_counts_beside_the_groups_the_buffer_dropped():
+    # 9,000 response tokens stored, 600 of them dropped as stale; 1,000 sampled by the servers and never sent
+    metrics = generated_work_metrics(stats(ingested_response_tokens=9_000, dropped_stale_response_tokens=600),
+                                     thrown_away_by_servers=1_000)
+    assert (metrics["work/thrown_away_tokens"], metrics["work/thrown_away_frac"]) == (1_600.0, 0.16)
+
+
 def test_before_anything_is_handed_out_only_the_thrown_away_work_is_reported():
     assert generated_work_metrics(stats()) == {"work/thrown_away_tokens": 0.0, "work/thrown_away_frac": 0.0}
     stored_only = generated_work_metrics(stats(ingested_samples=4, ingested_response_tokens=100))

@@ -52,6 +52,19 @@ def test_version_lag_and_inflight_per_server_and_over_servers():
     assert values["rollout/server-0/inflight"] == 8.0 and values["rollout/inflight"] == 10.0
 
 
+def test_work_the_servers_threw_away_adds_up_over_their_restarts_and_departures():
+    metrics = ServerMetrics()
+
+    def thrown(server: str, tokens: int, uptime_s: float) -> ServerTelemetry:
+        return ServerTelemetry(server, 0, uptime_seconds=uptime_s, thrown_away_tokens=tokens)
+
+    assert metrics.thrown_away_tokens([thrown("server-0", 100, 10.0), thrown("server-1", 7, 3.0)]) == 107
+    # server-0 stopped with 150 cut and came back counting from 0; server-1 stopped (its last report stays)
+    assert metrics.thrown_away_tokens([thrown("server-0", 150, 11.0), thrown("server-1", 7, 3.0)]) == 157
+    assert metrics.thrown_away_tokens([thrown("server-0", 20, 1.0), thrown("server-1", 7, 3.0)]) == 150 + 20 + 7
+    assert metrics.thrown_away_tokens([thrown("server-0", 20, 1.0)]) == 177, "a report read again counts once"
+
+
 def test_no_servers_no_aggregates():
     assert ServerMetrics().metrics([], {}, learner_version=3) == {}
 

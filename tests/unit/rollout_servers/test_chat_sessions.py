@@ -205,6 +205,7 @@ def test_a_session_dropped_as_idle_answers_410_naming_why_and_is_counted():
     asyncio.run(sessions.reply("s", [USER], SAMPLING))
     settings.session_idle_s = 0.0  # idle as soon as no request is in flight
     assert sessions.drop_idle() == 1
+    assert sessions.tokens_dropped == len(turn("ab", -0.5)[0]), "its model tokens (EOS too) are work thrown away"
     history = [USER, {"role": "assistant", "content": "ab"}, USER]
     with pytest.raises(SessionError, match=r"session 's' is lost: dropped after 0s without a request "
                                            r"\(rollout.chat.session_idle_s\)") as error:

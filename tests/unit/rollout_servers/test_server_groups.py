@@ -15,8 +15,10 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.config.rollout import RolloutConfig
 from asyncrl.data import write_rows
 from asyncrl.messages import Ack, AdmissionGrant, Trajectory, TrajectoryGroup
+from learner.staleness import staleness_metrics
 from rollout_servers.rewards import RewardFunctionError, RewardResult
 from rollout_servers.rewards.builtin import UnknownDataSourceError
 from demo.tiny.tokenizer import build_char_tokenizer
@@ -24,6 +26,7 @@ from buffer.admission import Admission
 from rollout_servers.admission_asks import AdmissionAsks
 from rollout_servers.chat.admission import ChatAdmission
 from rollout_servers.completion import Completion
+from rollout_servers.engine import RolloutEngine
 from rollout_servers.sample_slots import SampleSlots
 from rollout_servers.learner_wait import Endpoints
 from rollout_servers.server import RolloutServer
@@ -130,6 +133,66 @@ def test_a_long_group_runs_to_its_end_through_updates_and_is_sent_once_with_its_
     assert len(engine.seeds) == 1 and server.stats.groups_sent == 1, "sampled once"
     assert engine.slots_held == [N] and slots.in_use == 0
     assert server.prompts.owed == 0, "the prompt is acknowledged: a restart does not regenerate it"
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_a_group_started_with_weights_newer_than_its_admission_answer_starts_under_them(server, multi_turn):
+    # the learner sent version 3 before the buffer heard of it: the server's last answer still named 2
+    slots = SampleSlots(CAPACITY)
+    engine, producer = LongEngine(slots), RecordingProducer()
+    agent = LongAgent(engine) if multi_turn else SingleTurn()
+
+    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send, learner_version=2))
+
+    (group,) = producer.sent
+    assert group.learner_version_at_start == SPANNED[0] == 3
+    assert staleness_metrics([group], version=8)["staleness/start_lag_max"] == 0.0, "no group starts ahead of the learner"
+
+
+FINISHED_TOKENS, PARTIAL_TOKENS = 3, 7  # the cut group's sample that finished, and what the other had sampled
+
+
+class CutLLM:
+    """Stands in for AsyncLLM: the first request samples FINISHED_TOKENS and ends; the others have sampled
+    PARTIAL_TOKENS (as vLLM's output processor counts them) and wait until their reader is cancelled."""
+
+    model_config = SimpleNamespace(quantization=None)
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self.output_processor = SimpleNamespace(request_states={}, external_req_ids={})
+
+    async def generate(self, prompt: dict, params, request_id: str, lora_request=None):
+        self.requests.append(request_id)
+        if len(self.requests) == 1:
+            tokens = list(range(5, 5 + FINISHED_TOKENS))
+            logprobs = [{token: SimpleNamespace(logprob=-0.5)} for token in tokens]
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs, finish_reason="stop")])
+            return
+        sampled = SimpleNamespace(num_output_tokens=lambda: PARTIAL_TOKENS)
+        self.output_processor.request_states[request_id] = SimpleNamespace(detokenizer=sampled)
+        await asyncio.Event().wait()
+        yield  # never reached: an async generator, like AsyncLLM.generate
+
+
+def test_a_group_cut_short_by_the_servers_stop_counts_every_token_it_had_sampled_as_thrown_away(server):
+    llm = CutLLM()
+    engine = RolloutEngine(llm, RolloutConfig(), version=0)
+    slots, producer = SampleSlots(CAPACITY), RecordingProducer()
+
+    async def stop_mid_group() -> None:
+        sampling = asyncio.create_task(server.groups.sample(engine, SingleTurn(), FixedScorer(), slots.claim(N),
+                                                            producer.send, learner_version=0))
+        await wait_until_async(lambda: engine.inflight_requests == 1 and len(llm.requests) == N, WAIT_S,
+                               "one sample finished, the other sampling")
+        sampling.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sampling
+
+    asyncio.run(stop_mid_group())
+    assert producer.sent == [] and server.stats.tokens_cut == FINISHED_TOKENS + PARTIAL_TOKENS
+    assert server._telemetry(engine).thrown_away_tokens == FINISHED_TOKENS + PARTIAL_TOKENS, "reported to the learner"
+    assert slots.in_use == 0
 
 
 def grant(learner_version: int, k: int, granted: int = 0) -> AdmissionGrant:

@@ -48,7 +48,7 @@ def plugin_with(group: ScriptedGroup, in_place: bool = False, model: object = No
     """The plugin of worker 0 of a one-worker engine, joined to `group` as vLLM's init request would join it."""
     plugin = AsyncRLWeightTransferEngine(None, one_worker(), group.device, model)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TransferGroup, "join", lambda address, rank, collectives, device: group)
+        patch.setattr(TransferGroup, "join", lambda address, rank, collectives, device, listener=None: group)
         plugin.init_transfer_engine(InitInfo("127.0.0.1", 1, 2, "gloo", 1.0, rank_offset=1, load_in_place=in_place))
     return plugin
 
