@@ -41,14 +41,18 @@ def sampling_temperature(rollout: RolloutConfig) -> float:
 
 def target_logprobs(
     model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0,
-    with_entropy: bool = True, packed: bool = False,
+    with_entropy: bool = True, packed: bool = False, wanted: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """log π(token_{t+1} | tokens_≤t) with π = softmax(logits / temperature), and the entropy of π at t
     (detached; None without `with_entropy`), both [b, T-1] in float32 (float64 for a float64 model), 0 where
     the row has no token at t + 1. `packed` runs the rows' real tokens as one sequence (no padding FLOPs);
-    the values are the same either way, up to float rounding."""
+    the values are the same either way, up to float rounding. `wanted` ([b, T-1], a loss mask): only those
+    positions are scored, the others hold 0; the output head never runs for prompt positions, so with a
+    large vocabulary a step costs what its completion tokens need (None: every position is scored)."""
     inputs = packed_inputs(input_ids, attention_mask) if packed else padded_inputs(input_ids, attention_mask)
-    chosen, entropy = getattr(model, SCORING_METHOD)(inputs, temperature, with_entropy)  # [rows] each
+    if wanted is not None:
+        inputs = inputs.only(wanted.bool())
+    chosen, entropy = getattr(model, SCORING_METHOD)(inputs, temperature, with_entropy)  # [M] each
     return inputs.to_target_positions(chosen), None if entropy is None else inputs.to_target_positions(entropy)
 
 
@@ -76,9 +80,10 @@ def _score_targets(self: torch.nn.Module, inputs: ModelInputs, temperature: floa
         input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
         use_cache=False, **inputs.attention_kwargs,
     ).last_hidden_state  # [B, T, H]
+    scored = hidden.reshape(-1, hidden.shape[-1])[inputs.scored]  # [M, H]: the head runs for these rows only
     weight = self.get_output_embeddings().weight  # [V, H]
-    return LinearTargetLogprob.apply(hidden.reshape(-1, hidden.shape[-1]), weight, inputs.targets, temperature,
-                                     CHUNK_ELEMENTS, with_entropy)
+    return LinearTargetLogprob.apply(scored, weight, inputs.targets[inputs.scored], temperature, CHUNK_ELEMENTS,
+                                     with_entropy)
 
 
 class LinearTargetLogprob(torch.autograd.Function):

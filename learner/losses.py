@@ -53,7 +53,8 @@ from learner.registry import Registry
 
 @dataclass
 class LossInputs:
-    """Per-token tensors of one (micro-)batch. Only `logprobs` carries a gradient."""
+    """Per-token tensors of one (micro-)batch. Only `logprobs` carries a gradient. The learner's log-probs and
+    entropies are computed where `loss_mask` is 1 only, and hold 0 elsewhere (`learner.logprobs.target_logprobs`)."""
 
     logprobs: Tensor  # [B, T] log π_θ(token) under the weights being trained
     behaviour_logprobs: Tensor  # [B, T] log π_behav(token) reported by the rollout engine

@@ -2,14 +2,16 @@
 real tokens back to back in one [1, N] sequence, positions restarting at each sample, sample boundaries
 as `cu_seq_lens` for the variable-length attention of `learner.attention`).
 
-Either way the model scores one flat list of rows (`targets`), and `to_target_positions` puts the scores
-back into the [b, T-1] target-position layout of `learner.batching`, where the losses work: entry t of a row
-scores the token at t + 1. Positions without a target there (padding) hold 0.
+Either way the model runs over one flat list of rows and scores those marked `scored` against their `targets`;
+`to_target_positions` puts the scores back into the [b, T-1] target-position layout of `learner.batching`, where
+the losses work: entry t of a row scores the token at t + 1. `only` narrows the scored rows to the positions a
+loss reads (completion tokens): with a 151,936-token vocabulary the output head over every prompt position was
+most of a step. Positions not scored hold 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -23,14 +25,19 @@ class ModelInputs:
     position_ids: Tensor | None  # [1, N] restarting at 0 per sample (packed); None: transformers counts 0..T-1
     attention_mask: Tensor | None  # [b, T] (padded); None when packed
     targets: Tensor  # [rows] token id each flat row of hidden states predicts (a dummy where none)
-    scored: Tensor  # [rows] bool: the flat row has a real target
-    target_mask: Tensor  # [b, T-1] bool: target positions with a real target (row order = `scored`)
+    scored: Tensor  # [rows] bool: the flat row is scored (it has a real target, and one that is asked for)
+    target_mask: Tensor  # [b, T-1] bool: the scored target positions (row-major order = `scored`'s rows)
     attention_kwargs: dict = field(default_factory=dict)  # cu_seq_lens_q/k, max_length_q/k (packed)
 
-    def to_target_positions(self, flat: Tensor) -> Tensor:
-        """[rows] per-row values → [b, T-1], 0 where there is no target (differentiable in `flat`)."""
-        values = flat[self.scored]  # [M] the rows with a target, in row-major target order
-        return torch.zeros(self.target_mask.shape, dtype=flat.dtype, device=flat.device).masked_scatter(self.target_mask, values)
+    def only(self, wanted: Tensor) -> ModelInputs:
+        """The same inputs scoring only the target positions where `wanted` ([b, T-1] bool) is true."""
+        scored = self.scored.clone()  # [rows]
+        scored[self.scored] = wanted[self.target_mask]  # both list the scored positions in row-major order
+        return replace(self, scored=scored, target_mask=self.target_mask & wanted)
+
+    def to_target_positions(self, values: Tensor) -> Tensor:
+        """[M] values of the scored rows, in row order → [b, T-1], 0 where nothing is scored (differentiable)."""
+        return torch.zeros(self.target_mask.shape, dtype=values.dtype, device=values.device).masked_scatter(self.target_mask, values)
 
 
 def padded_inputs(input_ids: Tensor, attention_mask: Tensor) -> ModelInputs:

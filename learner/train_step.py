@@ -111,7 +111,7 @@ def _train_passes(
     for index, chunk in enumerate(mini.chunks):
         part = mini.part.select(chunk.rows)
         logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature,
-                                            packed=passes.packed)  # [b, T-1] each
+                                            packed=passes.packed, wanted=part.loss_mask)  # [b, T-1] each
         inputs = LossInputs(
             logprobs=logprobs,
             behaviour_logprobs=part.behaviour_logprobs,
@@ -242,7 +242,7 @@ def _anchor_logprobs(policy: torch.nn.Module | None, reference: torch.nn.Module 
         for model, into in ((policy, proximal), (reference, referenced)):
             if model is not None:
                 into.append(target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature,
-                                            with_entropy=False, packed=passes.packed)[0])
+                                            with_entropy=False, packed=passes.packed, wanted=part.loss_mask)[0])
     return Anchors(proximal=proximal, reference=referenced)
 
 

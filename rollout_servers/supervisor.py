@@ -1,10 +1,11 @@
 """`asyncrl rollout`: start N rollout server processes and keep them running.
 
 A server that exits is restarted with exponential back-off; one that keeps dying soon after it starts is
-given up on after `rollout.max_restarts` such restarts in a row. It resumes its numbered prompt stream from
-the state it keeps in the run dir: the prompts its previous process drew and never got acknowledged
-are regenerated first (under the grants the buffer still counts for it), each group under the same
-record id, so every prompt reaches the buffer exactly once (see `rollout_servers.prompt_stream`).
+given up on after `rollout.max_restarts` such restarts in a row, or as soon as the same error ended two of them in
+a row (`asyncrl.restarts`): an engine that cannot run the model fails alike at every start. A restarted server
+resumes its numbered prompt stream from the state it keeps in the run dir: the prompts its previous process drew
+and never got acknowledged are regenerated first (under the grants the buffer still counts for it), each group
+under the same record id, so every prompt reaches the buffer exactly once (see `rollout_servers.prompt_stream`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from asyncrl.placement import ServerPlace, pin
 from asyncrl.restarts import QuickDeaths
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 from rollout_servers.learner_wait import Endpoints, LearnerFinished, LearnerMoved
+from rollout_servers.server_logs import expect_errors, read_error, record_server_error, server_error_file, server_log
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +41,16 @@ STATE_DIR = "rollout"  # under the run dir: each server's prompt-stream position
 
 
 class SupervisorGaveUp(RuntimeError):
-    """A server is not restarted again; the supervisor stops with the reason."""
+    """A server is not restarted again; the supervisor stops with the reason and `exit_code`."""
+
+    exit_code = 1
 
 
 class ServerCannotStart(SupervisorGaveUp):
-    """A server could not be built from the config's inputs; its log holds the reason."""
+    """A server could not be built from the config's inputs, or failed alike at its starts in a row (its engine
+    cannot run the model): the same config or install would fail again."""
+
+    exit_code = CANNOT_START
 
 
 class ServerKeepsFailing(SupervisorGaveUp):
@@ -122,28 +129,29 @@ def schedule_restart(slot: ServerSlot, index: int, run_dir: Path, now: float) ->
     if code == CANNOT_START:
         raise ServerCannotStart(f"server-{index} cannot start from this config or install (not restarted): see {server_log(run_dir, index)}")
     ran_s = now - slot.started_at
-    delay = slot.deaths.restart_delay(ran_s)
+    error = read_error(server_error_file(run_dir, index))
+    delay = slot.deaths.restart_delay(ran_s, error)
+    if slot.deaths.error_repeats:
+        raise ServerCannotStart(f"server-{index} cannot run this config or install (not restarted again): "
+                                f"{slot.deaths.describe()}; see {server_log(run_dir, index)}")
     if delay is None:
         raise ServerKeepsFailing(f"server-{index} keeps dying: {slot.deaths.describe()} (last exit code {code}; "
                                  f"rollout.max_restarts={slot.deaths.max_restarts}): see {server_log(run_dir, index)}")
-    log.warning("server-%d exited with code %s after %.0fs; restart in %.1fs (%s)", index, code, ran_s, delay,
-                slot.deaths.describe())
+    log.warning("server-%d exited with code %s after %.0fs%s; restart in %.1fs (%s)", index, code, ran_s,
+                f" ({error})" if error else "", delay, slot.deaths.describe())
     slot.process, slot.next_start = None, now + delay
-
-
-def server_log(run_dir: Path | str, index: int) -> Path:
-    """Where server `index` of the run in `run_dir` logs."""
-    return Path(run_dir) / "logs" / f"rollout{index}.log"
 
 
 def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: str, place: ServerPlace | None = None,
               job_end: Synchronized | None = None) -> None:
     """Server `index` in this process until a stop signal or the end of the job, whose final step goes to
     `job_end`. Exits CANNOT_START if it cannot be built, LEARNER_MOVED when the learner came back on other
-    addresses, 1 (the error and its traceback in the server's log) on any other failure. `place`: its GPUs, weight
-    backend and memory share (None: the GPUs the process found, and the config's settings)."""
+    addresses, 1 (the error and its traceback in the server's log, the error alone in its error file, or its
+    engine's there) on any other failure. `place`: its GPUs, weight backend and memory share (None: the GPUs the
+    process found, and the config's settings)."""
     die_with_spawning_parent()  # a supervisor killed outright takes its servers along
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
+    expect_errors(server_error_file(run_dir, index))  # before vLLM's processes start: they inherit where to record
     interrupt_once()  # a second stop (the run's, then the supervisor's) must not break the server's teardown
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if place is not None:
@@ -171,6 +179,7 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
         sys.exit(LEARNER_MOVED)
     except Exception as error:
         log.exception("server-%d failed: %s: %s", index, type(error).__name__, error)
+        record_server_error(error)
         sys.exit(1)
     finally:
         ignore_stop_signals()  # whatever ended it, its exit path (multiprocessing's, vLLM's atexit) runs to its end

@@ -23,6 +23,7 @@ from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.weight_transfer import BACKEND_NAME, ReceivingEnd, weight_backend
 from asyncrl.weight_transfer.protocol import InitInfo, TensorMeta, UpdateInfo
 from rollout_servers import vllm_compat
+from rollout_servers.server_logs import record_engine_errors
 from rollout_servers.vllm_log_filters import drop_expected_warnings
 from rollout_servers.weight_load_plan import (
     Layout,
@@ -43,6 +44,7 @@ def register() -> None:
     """Entry point named in pyproject.toml; vLLM calls it in its engine and worker processes."""
     die_with_spawning_parent()  # vLLM's engine core and workers: gone with the server that started them
     drop_expected_warnings()
+    record_engine_errors()  # the engine core's fatal error reaches the server's supervisor, not only its stderr
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     try:

@@ -2,7 +2,8 @@
 (`learner.train_step`) on a synthetic RL batch, packed against padded micro-batches side by side.
 
 The model is a randomly initialised Qwen2-architecture causal LM of a named shape (`--shape`, Qwen2.5's
-dimensions; `tiny` is the quickstart's), sharded with FSDP2 exactly as the learner does it (one rank; bf16
+dimensions; `tiny` is the quickstart's; `--layers`, `--hidden` and `--vocab` change one of them, e.g. a 20 M-parameter
+tiny shape with Qwen's 151,936-token vocabulary: `--hidden 128 --vocab 151936`), sharded with FSDP2 exactly as the learner does it (one rank; bf16
 mixed precision on CUDA; `--activation-checkpointing`, `--compile`, `--cpu-offload` as the learner's keys).
 The batch holds `--batch` samples in groups of `--group-size` (GRPO) with random token ids: a
 `--prompt-len` prompt and a trained completion whose length is log-normal (median `--median-tokens`,
@@ -102,6 +103,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="model dimensions (Qwen2.5's)")
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0 = the shape's)")
+    parser.add_argument("--hidden", type=int, default=0, help="hidden size (0 = the shape's; a multiple of its heads)")
+    parser.add_argument("--vocab", type=int, default=0,
+                        help=f"vocabulary (0 = the shape's; {QWEN_VOCAB} gives a small shape a real model's output head)")
     parser.add_argument("--seq-len", type=int, default=_TINY.max_position, help="longest sample, prompt included")
     parser.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sample (not trained)")
     parser.add_argument("--median-tokens", type=int, default=0, help="median completion length (0 = the longest)")
@@ -130,6 +134,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.batch % args.group_size or args.prompt_len >= args.seq_len:
         parser.error("--batch must be a multiple of --group-size, and --prompt-len below --seq-len")
+    if args.hidden % SHAPES[args.shape].heads:
+        parser.error(f"--hidden must be a multiple of the {args.shape} shape's {SHAPES[args.shape].heads} heads")
     if set(args.variants.split(",")) - {"packed", "padded"}:
         parser.error("--variants takes packed and/or padded")
     return args
@@ -137,8 +143,9 @@ def parse_args() -> argparse.Namespace:
 
 def model_shape(args: argparse.Namespace) -> Shape:
     shape = SHAPES[args.shape]
-    vocab = shape.vocab or len(build_char_tokenizer())
-    return Shape(shape.hidden, args.layers or shape.layers, shape.heads, shape.kv_heads, shape.intermediate, vocab, shape.tied)
+    vocab = args.vocab or shape.vocab or len(build_char_tokenizer())
+    return Shape(args.hidden or shape.hidden, args.layers or shape.layers, shape.heads, shape.kv_heads, shape.intermediate,
+                 vocab, shape.tied)
 
 
 def build_model(shape: Shape, args: argparse.Namespace, world: World, dtype: torch.dtype) -> torch.nn.Module:

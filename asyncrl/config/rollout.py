@@ -97,6 +97,6 @@ class RolloutConfig:
     restart_backoff_s: float = bounded(2.0, 0.0)  # first delay before restarting a dead server, or the learner's own buffer (doubles with each quick death in a row)
     restart_backoff_max_s: float = bounded(60.0, 0.0)  # longest delay between restarts
     healthy_after_s: float = bounded(300.0, 0.0)  # a server (or the learner's own buffer) that dies after running this long starts its restart count and back-off afresh
-    max_restarts: int = bounded(10, 0)  # restarts in a row of a server that dies within healthy_after_s of its start; its next such death stops `asyncrl rollout`
+    max_restarts: int = bounded(10, 0)  # restarts in a row of a server that dies within healthy_after_s of its start; its next such death stops `asyncrl rollout` (the same error at two such deaths in a row stops it at once)
     stop_timeout_s: float = bounded(30.0, 0.1)  # grace period for servers to stop on SIGTERM before SIGKILL
     chat: ChatEndpointConfig = field(default_factory=ChatEndpointConfig)  # OpenAI-compatible endpoint recording sessions as trajectories

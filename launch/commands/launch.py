@@ -33,6 +33,6 @@ def main(args: argparse.Namespace) -> int:
         code = launch(config, args.config, args.overrides, run_dir)
     except LaunchError as error:
         print(f"asyncrl launch: {error}", file=sys.stderr)
-        code = 1
+        code = error.exit_code
     print(f"RUN_DIR {run_dir}", flush=True)
     return code

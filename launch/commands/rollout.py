@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
         final_step = finished.version
     except SupervisorGaveUp as error:
         log.error("%s", error)
-        return 1
+        return error.exit_code
     if final_step is None:
         log.info("stopped by a signal: the rollout servers are stopped")
         return INTERRUPTED

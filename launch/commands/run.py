@@ -51,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
                 log.error("rollout supervisor exited with code %s (see %s)", rollout.returncode, run_dir / "logs")
                 for line in last_errors(run_dir / "logs" / "rollout.log"):
                     log.error("  %s", line)
-                code = 1
+                code = rollout.returncode  # CANNOT_START: the servers cannot start or run from this config or install
                 break
             time.sleep(_POLL_S)
         if stop.requested:

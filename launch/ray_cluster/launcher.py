@@ -36,6 +36,14 @@ _STOP_MARGIN_S = 5.0  # beyond ray.stop_timeout_s for the actors to answer a sto
 class LaunchError(RuntimeError):
     """The run cannot go on: a role failed where it is not restarted, or the cluster refused it."""
 
+    exit_code = 1  # of `asyncrl launch`
+
+
+class RoleCannotStart(LaunchError):
+    """A role cannot start, or run, from this config or install: a restart would fail alike."""
+
+    exit_code = CANNOT_START
+
 
 class Stopped(Exception):
     """Ctrl-C or SIGTERM arrived while the launcher waited."""
@@ -189,10 +197,13 @@ class Launch:
             if outcome is None or outcome.code == 0:  # running, or done: a server leaves once the learner ends the job
                 return
             if outcome.code == CANNOT_START:
-                raise LaunchError(f"{handle.name} cannot start from this config or install (not restarted): see "
-                                  f"{handle.spec.log_path(self.run.run_dir)}")
+                raise RoleCannotStart(f"{handle.name} cannot start from this config or install (not restarted): see "
+                                      f"{handle.spec.log_path(self.run.run_dir)}")
             handle.deaths = handle.deaths or QuickDeaths.of(self.config.rollout, self.settings.max_restarts)
-            delay = handle.deaths.restart_delay(time.monotonic() - handle.started_at)
+            delay = handle.deaths.restart_delay(time.monotonic() - handle.started_at, self.last_error(handle, outcome))
+            if handle.deaths.error_repeats:
+                raise RoleCannotStart(f"{handle.name} cannot run this config or install (not restarted again): "
+                                      f"{handle.deaths.describe()}; see {handle.spec.log_path(self.run.run_dir)}")
             if delay is None:
                 raise LaunchError(f"{handle.name} {outcome.reason}: {handle.deaths.describe()} "
                                   f"(ray.max_restarts={self.settings.max_restarts}); see {handle.spec.log_path(self.run.run_dir)}")
@@ -205,6 +216,13 @@ class Launch:
             handle.restart_at = None
             self.spawn(handle)
             self.start(handle, wait_ready=bool(handle.spec.ready_file))
+
+    def last_error(self, handle: RoleHandle, outcome: Outcome) -> str | None:
+        """The error the handle's role recorded as it died (None: it records none, or its actor is gone with it)."""
+        if not handle.spec.error_file or outcome.code is None:
+            return None
+        text = self.call(handle.actor.read_file.remote(handle.spec.error_file))  # on the role's node
+        return (text or "").strip() or None
 
     def outcome(self, handle: RoleHandle) -> Outcome | None:
         """None while the role runs; how it ended otherwise."""

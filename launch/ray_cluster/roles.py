@@ -9,6 +9,7 @@ from pathlib import Path
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.buffer_process import BUFFER_SUBDIR, ENDPOINT_FILE
+from rollout_servers.server_logs import server_error_file
 
 CLI_MODULE = "launch.cli"  # buffer and learner ranks run their own `asyncrl` commands
 SERVER_MODULE = "launch.ray_cluster.serve_rollout"  # one rollout server with a fixed index
@@ -22,6 +23,7 @@ class RoleSpec:
     args: list[str]  # its arguments
     env: dict[str, str] = field(default_factory=dict)  # added to the actor's environment
     ready_file: str = ""  # the file it writes once it serves (removed before it starts)
+    error_file: str = ""  # where it leaves the error it died of (rollout servers: `rollout_servers.server_logs`)
 
     def log_path(self, run_dir: Path) -> str:
         return str(run_dir / LOGS_DIR / f"{self.name}.out")
@@ -65,4 +67,4 @@ def learner_role(run: RunArgs, config: AsyncRLConfig, rank: int, master: tuple[s
 def rollout_role(run: RunArgs, index: int, buffer_address: str, sync_address: str) -> RoleSpec:
     args = ["--index", str(index), *run.common(), f"buffer.address={buffer_address}",
             f"rollout.weight_sync.control_address={sync_address}"]
-    return RoleSpec(f"rollout-{index}", SERVER_MODULE, args)
+    return RoleSpec(f"rollout-{index}", SERVER_MODULE, args, error_file=str(server_error_file(run.run_dir, index)))

@@ -10,13 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.ray_launch import RayRoleConfig
 from asyncrl.exit_codes import CANNOT_START
-from launch.ray_cluster.launcher import Launch, LaunchError, Outcome, RoleHandle
+from launch.ray_cluster.launcher import Launch, LaunchError, Outcome, RoleCannotStart, RoleHandle
 from launch.ray_cluster.reaper import POLL_S as REAPER_POLL_S, group_alive, process_alive
 from launch.ray_cluster.roles import RunArgs, buffer_role, learner_role, rollout_role
 from waiting import wait_until
@@ -38,6 +39,7 @@ def test_every_role_gets_the_config_overrides_and_run_directory():
     assert server.name == "rollout-3" and server.module == "launch.ray_cluster.serve_rollout"
     assert server.args == ["--index", "3", *common, "buffer.address=tcp://10.0.0.1:5000",
                            "rollout.weight_sync.control_address=tcp://10.0.0.2:6000"]
+    assert server.error_file == str(RUN_DIR / "logs" / "rollout3.error")  # where `serve_one` leaves what it died of
 
 
 def test_learner_ranks_form_one_world_and_rank_0_serves_on_its_node():
@@ -120,13 +122,19 @@ class EndedRoles(Launch):
     def outcome(self, handle: RoleHandle) -> Outcome:
         return Outcome(self.code, f"exited with code {self.code}")
 
+    def call(self, ref):
+        return ref  # what the stand-in actor's `.remote` answered
+
     def discard(self, actor) -> None:
         self.discarded += 1
 
 
-def server_handle() -> RoleHandle:
+def server_handle(error: str | None = None) -> RoleHandle:
+    """Server 0's handle, its actor a stand-in whose node holds `error` in the server's error file (None: no file)."""
     handle = RoleHandle("rollout-0", group=None, bundle=0, resources=RayRoleConfig())
     handle.spec = rollout_role(run_args(), 0, "tcp://10.0.0.1:5000", "tcp://10.0.0.2:6000")
+    files = {} if error is None else {handle.spec.error_file: error + "\n"}
+    handle.actor = SimpleNamespace(read_file=SimpleNamespace(remote=files.get))
     return handle
 
 
@@ -149,6 +157,17 @@ def die_after(launch: EndedRoles, handle: RoleHandle, ran_s: float) -> None:
     """The handle's role, (re)started `ran_s` ago, is found dead."""
     handle.started_at, handle.restart_at = time.monotonic() - ran_s, None
     launch.keep_alive(handle)
+
+
+def test_a_server_that_dies_of_the_same_error_twice_in_a_row_ends_the_launch_naming_it():
+    launch, handle = EndedRoles(1), server_handle(error="RuntimeError: Unsupported CPU attention configuration: head_dim=16")
+    die_after(launch, handle, ran_s=1.0)
+    assert launch.discarded == 1
+    with pytest.raises(RoleCannotStart, match=r"rollout-0 cannot run this config or install \(not restarted again\): "
+                       r"the same error ended 2 starts in a row, .*: RuntimeError: Unsupported CPU attention "
+                       r"configuration: head_dim=16; see .*rollout-0.out") as raised:
+        die_after(launch, handle, ran_s=1.0)
+    assert raised.value.exit_code == CANNOT_START
 
 
 def test_a_server_that_keeps_dying_soon_after_its_start_fails_the_launch_naming_its_log():

@@ -153,3 +153,44 @@ def test_models_whose_logits_are_not_a_plain_projection_are_refused():
 def test_learner_temperature_follows_the_servers_log_prob_mode(mode, temperature, expected):
     rollout = RolloutConfig(engine=EngineConfig(logprobs_mode=mode), sampling=SamplingConfig(temperature=temperature))
     assert sampling_temperature(rollout) == expected
+
+
+def completion_mask(attention_mask: torch.Tensor, prompt: int = 3) -> torch.Tensor:
+    """[b, T-1] the target positions of each row's completion (the tokens after its first `prompt`), as
+    `learner.batching` marks them in the loss mask; a row of `prompt` tokens or fewer has none."""
+    positions = torch.arange(attention_mask.shape[1] - 1)  # [T-1]
+    return (positions >= prompt - 1) & attention_mask[:, 1:].bool()  # [b, T-1]
+
+
+@pytest.mark.parametrize("packed", [False, True])  # packed: three samples back to back in one sequence
+def test_scoring_only_the_trained_positions_equals_the_full_computation(packed, monkeypatch):
+    model = tiny_policy()
+    input_ids, attention_mask = padded_rows(model.config.vocab_size)  # rows of 9, 5 and 2 tokens
+    wanted = completion_mask(attention_mask)  # 6 + 2 + 0 positions
+    full, full_entropy = target_logprobs(model, input_ids, attention_mask, 0.8, packed=packed)  # every position
+    weights = torch.linspace(-1, 1, full.numel(), dtype=full.dtype).view_as(full) * wanted
+    (full * weights).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    head_rows = []
+    apply = LinearTargetLogprob.apply
+    monkeypatch.setattr(LinearTargetLogprob, "apply", lambda hidden, *rest: head_rows.append(len(hidden)) or apply(hidden, *rest))
+    chosen, entropy = target_logprobs(model, input_ids, attention_mask, 0.8, packed=packed, wanted=wanted.float())
+    (chosen * weights).sum().backward()
+
+    assert head_rows == [int(wanted.sum())]  # the output head ran for the completion positions only
+    assert torch.allclose(chosen, full * wanted, atol=1e-12, rtol=0)  # equal where wanted, 0 elsewhere
+    assert torch.allclose(entropy, full_entropy * wanted, atol=1e-12, rtol=0)
+    for name, parameter in model.named_parameters():
+        assert torch.allclose(parameter.grad, expected_grads[name], atol=1e-12, rtol=0), name
+
+
+def test_no_wanted_position_scores_nothing_and_still_backpropagates():
+    # a micro-batch whose samples have no trained token (all tool output, say) still runs backward on every rank
+    model = tiny_policy()
+    input_ids, attention_mask = padded_rows(model.config.vocab_size)
+    chosen, _ = target_logprobs(model, input_ids, attention_mask, wanted=torch.zeros(3, 8, dtype=torch.bool))
+    assert torch.equal(chosen, torch.zeros(3, 8, dtype=chosen.dtype))
+    chosen.sum().backward()
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())

@@ -112,16 +112,18 @@ def test_proximal_policy_is_the_one_that_started_the_batch():
 
 def step_as_before(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: TrainBatch, algorithm: AlgorithmConfig) -> None:
     """One optimizer step on the whole batch, written out from the pieces as the learner took it before
-    mini-batches: advantages, π_prox scored up front per micro-batch, accumulated backward, clip, update."""
+    mini-batches: advantages, π_prox scored up front per micro-batch (trained positions only, as the learner scores
+    them), accumulated backward, clip, update."""
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     chunks = rank_chunks(batch, PASSES.micro_batch_tokens, CPU_WORLD)
     parts = [batch.select(chunk.rows) for chunk in chunks]
     with torch.no_grad():
-        proximal = [target_logprobs(model, p.input_ids, p.attention_mask, PASSES.temperature, with_entropy=False)[0]
-                    for p in parts]
+        proximal = [target_logprobs(model, p.input_ids, p.attention_mask, PASSES.temperature, with_entropy=False,
+                                    wanted=p.loss_mask)[0] for p in parts]
     optimizer.zero_grad(set_to_none=True)
     for chunk, part, anchor in zip(chunks, parts, proximal):
-        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, PASSES.temperature)
+        logprobs, entropy = target_logprobs(model, part.input_ids, part.attention_mask, PASSES.temperature,
+                                            wanted=part.loss_mask)
         inputs = LossInputs(logprobs, part.behaviour_logprobs, advantages[chunk.rows, : part.target_width], part.loss_mask,
                             anchor if algorithm.loss in NEEDS_PROXIMAL else None, None, entropy,
                             float(batch.loss_mask.sum()))

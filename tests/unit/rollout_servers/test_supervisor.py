@@ -13,6 +13,7 @@ import pytest
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.exit_codes import CANNOT_START
 from asyncrl.restarts import QuickDeaths
+from rollout_servers.server_logs import server_error_file
 from rollout_servers.supervisor import ServerCannotStart, ServerKeepsFailing, ServerSlot, schedule_restart
 
 SETTINGS = RolloutConfig(restart_backoff_s=2.0, restart_backoff_max_s=10.0, healthy_after_s=300.0, max_restarts=4)
@@ -23,10 +24,16 @@ class DeadProcess:
     exitcode: int
 
 
-def die(slot: ServerSlot, after_s: float, code: int = 1, run_dir=".") -> float:
-    """The slot's process dies `after_s` after it started; returns the delay booked before the next start."""
+def die(slot: ServerSlot, after_s: float, code: int = 1, run_dir=".", error: str | None = None) -> float:
+    """The slot's process dies `after_s` after it started, leaving `error` in its error file (None: nothing); returns
+    the delay booked before the next start."""
     now = slot.started_at + after_s
     slot.process = DeadProcess(code)
+    recorded = server_error_file(run_dir, 0)
+    recorded.unlink(missing_ok=True)  # what each server process does as it starts
+    if error is not None:
+        recorded.parent.mkdir(parents=True, exist_ok=True)
+        recorded.write_text(error + "\n")
     schedule_restart(slot, 0, run_dir, now)
     assert slot.process is None
     delay = slot.next_start - now
@@ -58,6 +65,36 @@ def test_a_server_that_cannot_start_is_not_restarted():
     slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
     with pytest.raises(ServerCannotStart, match="cannot start from this config or install"):
         die(slot, after_s=1.0, code=CANNOT_START)
+
+
+ENGINE_ERROR = "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+
+
+def test_the_same_error_at_two_quick_deaths_in_a_row_gives_up_at_once_naming_it(tmp_path):
+    # an engine that cannot run the model fails alike at every start: no back-off for minutes while the learner waits
+    slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
+    assert die(slot, after_s=60.0, run_dir=tmp_path, error=ENGINE_ERROR) == 2.0
+    with pytest.raises(ServerCannotStart) as raised:
+        die(slot, after_s=60.0, run_dir=tmp_path, error=ENGINE_ERROR)
+    message = str(raised.value)
+    assert message.startswith("server-0 cannot run this config or install (not restarted again): the same error "
+                              "ended 2 starts in a row, each within rollout.healthy_after_s=300s: " + ENGINE_ERROR)
+    assert str(tmp_path / "logs" / "rollout0.log") in message
+    assert raised.value.exit_code == CANNOT_START
+
+
+def test_different_errors_or_unknown_ones_or_a_healthy_run_between_them_keep_the_back_off(tmp_path):
+    slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
+    assert die(slot, after_s=5.0, run_dir=tmp_path, error="ValueError: one") == 2.0
+    assert die(slot, after_s=5.0, run_dir=tmp_path, error="ValueError: another") == 4.0
+    assert die(slot, after_s=5.0, run_dir=tmp_path) == 8.0  # killed by a signal, say: no error recorded
+    assert die(slot, after_s=5.0, run_dir=tmp_path) == 10.0  # twice unknown is not the same error
+    slot = ServerSlot(QuickDeaths.of(SETTINGS, SETTINGS.max_restarts))
+    assert die(slot, after_s=5.0, run_dir=tmp_path, error="ValueError: one") == 2.0
+    assert die(slot, after_s=300.0, run_dir=tmp_path, error="ValueError: one") == 2.0  # ran healthy in between
+    assert die(slot, after_s=5.0, run_dir=tmp_path, error="ValueError: one") == 4.0  # the first quick one of a row
+    with pytest.raises(ServerCannotStart, match="the same error ended 2 starts in a row"):
+        die(slot, after_s=5.0, run_dir=tmp_path, error="ValueError: one")
 
 
 def test_no_restarts_allowed_gives_up_at_the_first_quick_death():
