@@ -117,15 +117,20 @@ def test_a_server_with_data_no_scorer_handles_or_a_missing_reward_function_fails
         build_server(tmp_path, "trivia", f"reward.custom_fn.path={missing}")
 
 
-@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
-def test_a_long_group_runs_to_its_end_through_updates_and_is_sent_once_with_its_start(server, multi_turn):
+def sample_long_group(server, multi_turn: bool, learner_version: int) -> tuple:
+    """One long group sampled through weight updates, by one agent or the other: (the group sent, engine, slots)."""
     slots = SampleSlots(CAPACITY)
     engine, producer = LongEngine(slots), RecordingProducer()
     agent = LongAgent(engine) if multi_turn else SingleTurn()
-
-    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send, learner_version=3))
-
+    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send,
+                                     learner_version=learner_version))
     (group,) = producer.sent
+    return group, engine, slots
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
+def test_a_long_group_runs_to_its_end_through_updates_and_is_sent_once_with_its_start(server, multi_turn):
+    group, engine, slots = sample_long_group(server, multi_turn, learner_version=3)
     assert group.record_id == group.group_id == "server-0-prompt-0"
     assert group.learner_version_at_start == 3 and group.oldest_version() == 3
     assert [t.token_versions for t in group.trajectories] == [SPANNED] * N, "every token, each with its own version"
@@ -138,13 +143,7 @@ def test_a_long_group_runs_to_its_end_through_updates_and_is_sent_once_with_its_
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single-turn", "multi-turn"])
 def test_a_group_started_with_weights_newer_than_its_admission_answer_starts_under_them(server, multi_turn):
     # the learner sent version 3 before the buffer heard of it: the server's last answer still named 2
-    slots = SampleSlots(CAPACITY)
-    engine, producer = LongEngine(slots), RecordingProducer()
-    agent = LongAgent(engine) if multi_turn else SingleTurn()
-
-    asyncio.run(server.groups.sample(engine, agent, FixedScorer(), slots.claim(N), producer.send, learner_version=2))
-
-    (group,) = producer.sent
+    group, _, _ = sample_long_group(server, multi_turn, learner_version=2)
     assert group.learner_version_at_start == SPANNED[0] == 3
     assert staleness_metrics([group], version=8)["staleness/start_lag_max"] == 0.0, "no group starts ahead of the learner"
 
