@@ -13,8 +13,7 @@ import torch
 from asyncrl.config.fields import CHOICES_KEY
 from asyncrl.config.rollout import WeightSyncConfig
 from asyncrl.weight_transfer import GroupAddress, parse_update_info, update_info_for
-from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, placed,
-                                              weight_backend)
+from asyncrl.weight_transfer.backends import AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, weight_backend
 from asyncrl.weight_transfer import ipc
 from asyncrl.weight_transfer.collectives import GlooCollectives, NcclCollectives
 from asyncrl.weight_transfer.group import WeightTransferError, retry_helps
@@ -37,8 +36,8 @@ def test_auto_is_nccl_with_cuda_else_gloo_and_a_plan_with_a_shared_gpu_makes_it_
     assert weight_backend(AUTO) is NCCL
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert weight_backend(AUTO) is GLOO
-    assert placed(AUTO, shared_gpu=True) == "ipc" and placed(AUTO, shared_gpu=False) == AUTO
-    assert placed("gloo", shared_gpu=True) == "gloo", "a name chosen by the user stays"
+    assert weight_backend(AUTO, shared_gpu=True) is IPC and weight_backend(AUTO, shared_gpu=False) is NCCL
+    assert weight_backend("gloo", shared_gpu=True) is GLOO, "a name chosen by the user stays"
     assert [weight_backend(name) for name in ("gloo", "nccl", "ipc")] == [GLOO, NCCL, IPC]
     with pytest.raises(ValueError, match="unknown weight-sync backend 'mpi': choose one of gloo, nccl, ipc, auto"):
         weight_backend("mpi")
