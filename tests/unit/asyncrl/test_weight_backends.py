@@ -13,7 +13,8 @@ import torch
 from asyncrl.config.fields import CHOICES_KEY
 from asyncrl.config.rollout import WeightSyncConfig
 from asyncrl.weight_transfer import GroupAddress, parse_update_info, update_info_for
-from asyncrl.weight_transfer.backends import AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, weight_backend
+from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend,
+                                              weight_backend)
 from asyncrl.weight_transfer import ipc
 from asyncrl.weight_transfer.collectives import GlooCollectives, NcclCollectives
 from asyncrl.weight_transfer.group import WeightTransferError, retry_helps

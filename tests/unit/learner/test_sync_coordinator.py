@@ -273,7 +273,8 @@ def test_a_failure_on_one_backend_fails_its_servers_only():
 
 def test_a_transfer_that_no_retry_can_fix_gives_up_on_its_servers_at_once_and_serves_the_others(caplog):
     coord = coordinator(max_failures=100, ends=sending_ends(ipc=LostBuffer(retry_helps=False)))
-    beside, apart = FakeServer("beside", coord.address, backend="ipc"), FakeServer("apart", coord.address, backend="gloo")
+    beside = FakeServer("beside", coord.address, backend="ipc")
+    apart = FakeServer("apart", coord.address, backend="gloo")
     with serving(coord, beside, apart):
         coord.wait_for_members(2, timeout_s=10)
         report = coord.broadcast(1, weights(1.0))
