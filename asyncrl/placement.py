@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Collection
 
 from asyncrl.config import AsyncRLConfig, ConfigError
-from asyncrl.weight_transfer.backends import AUTO, IPC, NCCL, alternatives, named, placed
+from asyncrl.weight_transfer.backends import IPC, alternatives, named, weight_backend
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory the servers take together; the learner gets the rest
@@ -194,11 +194,11 @@ def _server_backend(name: str, plan: Plan, index: int) -> str:
     where = (f"server-{index} on {_ids(plan.servers[index])} " +
              ("shares the learner's GPU" if shares else "has GPUs of its own") + f" ({plan.describe()})")
     _refuse_where_it_fails(name, shares, where, [plan.shares(other) for other in range(len(plan.servers))])
-    chosen = placed(name, shares)
+    chosen = weight_backend(name, shares).name
     if chosen == IPC.name and not plan.beside_learner(index):
         raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and CUDA IPC reaches a server only on the "
                              f"first learner rank's GPU {_ids(plan.learner[:1])} alone; use gloo, or move the server")
-    return NCCL.name if chosen == AUTO else chosen
+    return chosen
 
 
 def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
@@ -209,7 +209,9 @@ def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
     if plan is None:
         return name
     server_places(config, plan)  # refuses a backend that some server cannot receive on
-    return placed(name, plan.sharing == len(plan.servers))
+    if plan.sharing < len(plan.servers):
+        return name  # `auto` stays: each process decides it where it runs (`weight_backend`)
+    return weight_backend(name, shared_gpu=True).name
 
 
 def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan | None:

@@ -13,6 +13,7 @@ from asyncrl.transport.control import connect_control
 from asyncrl.units import MS_PER_S
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, SyncDone,
                                                       SyncInvite, SyncPrepare, SyncReady, TaskWeights, ValidateVersion)
+from asyncrl.weight_transfer.group import retry_helps
 from rollout_servers.engine import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class SyncClient:
             done.ok = True
             self.last_pause_s, self.updates = done.seconds, self.updates + 1
         except Exception as error:  # a failed round must not end the server: it catches up next round
-            done.error = f"{type(error).__name__}: {error}"
+            done.error, done.retry_helps = f"{type(error).__name__}: {error}", retry_helps(error)
             log.warning("weight sync round %d failed: %s", invite.round_id, done.error)
         await self.socket.send(encode(done))
 

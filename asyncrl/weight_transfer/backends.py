@@ -4,9 +4,9 @@
 - nccl: the same group over GPUs; NCCL joins no two ranks on one GPU, so not where a server shares the learner's.
 - ipc: no group, one CUDA IPC buffer on the learner's GPU that the servers there map.
 
-`rollout.weight_sync.backend: auto` is decided per server in two steps: a plan that puts the server on the learner's
-GPU makes it ipc (`placed`); otherwise nccl where CUDA is seen, else gloo (`weight_backend`). One job may use two:
-ipc for a server beside the learner, nccl for servers on GPUs of their own.
+`rollout.weight_sync.backend: auto` is decided per server, by `weight_backend` alone: ipc where a plan puts the server
+on the learner's GPU, nccl where it has GPUs of its own; without a plan, nccl where CUDA is seen, else gloo. One job
+may use two: ipc for a server beside the learner, nccl for servers on GPUs of their own.
 """
 
 from __future__ import annotations
@@ -28,14 +28,20 @@ IPC = IpcBackend()
 BACKENDS: dict[str, WeightBackend] = {backend.name: backend for backend in (GLOO, NCCL, IPC)}
 
 
-def weight_backend(name: str) -> WeightBackend:
-    """The backend `name` names; `auto` (what placement left it: no server on the learner's GPU) is nccl where this
-    process sees CUDA, else gloo. A ValueError names the choices."""
-    return named(name) or (NCCL if torch.cuda.is_available() else GLOO)
+def weight_backend(name: str, shared_gpu: bool | None = None) -> WeightBackend:
+    """The backend `name` names, and the only place `auto` becomes one: ipc for a server a plan puts on the learner's
+    GPU (`shared_gpu`), nccl for one it gives GPUs of their own; with no plan to say (`None`), nccl where this process
+    sees CUDA, else gloo. A ValueError names the choices."""
+    backend = named(name)
+    if backend is not None:
+        return backend
+    if shared_gpu is None:
+        return NCCL if torch.cuda.is_available() else GLOO
+    return IPC if shared_gpu else NCCL
 
 
 def named(name: str) -> WeightBackend | None:
-    """The backend `name` names; None for `auto`, which is decided later (`placed`, then `weight_backend`)."""
+    """The backend `name` names; None for `auto`, which `weight_backend` decides."""
     if name == AUTO:
         return None
     try:
@@ -43,12 +49,6 @@ def named(name: str) -> WeightBackend | None:
     except KeyError:
         choices = ", ".join([*BACKENDS, AUTO])
         raise ValueError(f"unknown weight-sync backend '{name}': choose one of {choices}") from None
-
-
-def placed(name: str, shared_gpu: bool) -> str:
-    """`name` once a plan says whether a server shares the learner's GPU: there `auto` is ipc, elsewhere it stays
-    `auto` (each process resolves it, `weight_backend`); the other names stay as they are."""
-    return IPC.name if name == AUTO and shared_gpu else name
 
 
 def group_backend(receiver_has_own_gpus: bool) -> WeightBackend:

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _EVENT_POLL_S = 1e-4  # how often an NCCL round's completion event is re-checked
 _WATCHDOG_FACTOR = 10  # NCCL's watchdog timeout, in deadlines: ours fires first and aborts cleanly
+# NCCL's words for a group it will never form, however often asked (e.g. two ranks on one GPU: "Duplicate GPU")
+_INVALID_USAGE = ("Duplicate GPU", "invalid usage", "ncclInvalidUsage")
 
 
 class Collectives(ABC):
@@ -44,6 +46,10 @@ class Collectives(ABC):
 
     def abort(self, process_group: dist.Backend) -> None:
         """Abort the backend's pending work, so that nothing stays blocked on a missing peer."""
+
+    def retry_helps(self, error: RuntimeError) -> bool:
+        """Whether connecting or broadcasting again may succeed after it raised `error` (a deadline, a peer gone)."""
+        return True
 
 
 class GlooCollectives(Collectives):
@@ -79,6 +85,10 @@ class NcclCollectives(Collectives):
                 return False
             time.sleep(_EVENT_POLL_S)
         return True
+
+    def retry_helps(self, error: RuntimeError) -> bool:
+        # torch hands NCCL's result code on as text alone (DistBackendError): its words are all there is to read
+        return not any(word in str(error) for word in _INVALID_USAGE)
 
     def abort(self, process_group: dist.Backend) -> None:
         try:

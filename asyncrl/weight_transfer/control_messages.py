@@ -87,6 +87,7 @@ class SyncDone:
     ok: bool  # the weights were received and loaded
     seconds: float = 0.0  # its pause-to-resume time
     error: str = ""  # why it failed, when it did
+    retry_helps: bool = True  # False: it failed in a way no later round can fix (the learner gives up on it at once)
 
 
 # ----------------------------------------------------------------------------------------------

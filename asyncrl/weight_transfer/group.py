@@ -29,10 +29,24 @@ _STORE_PREFIX = "asyncrl/weight_transfer"  # namespaces our keys should the stor
 _HANDSHAKE_VALUE = 20261122  # broadcast once at join: proves the data path works end to end
 _POLL_S = 0.2  # how often a member re-checks, while waiting, for the trainer's port or the other members
 _JOINED_KEY = "joined"  # store counter: members that have arrived
+# how the text of a WeightTransferError says that no retry can fix it: a server's error reaches its sync client as text
+# alone (vLLM's engine core re-raises a worker's error as a plain Exception of its message)
+NO_RETRY = "(no retry can fix this)"
 
 
 class WeightTransferError(RuntimeError):
-    """A rendezvous or transfer of the weight-transfer group failed or passed its deadline."""
+    """A rendezvous or transfer of the weight-transfer group failed or passed its deadline. `retry_helps` is False
+    where the raiser knows that no later round can succeed as the roles are placed (NCCL ranks on one GPU, a CUDA IPC
+    buffer on another GPU): the coordinator then gives up on the servers at once instead of after `max_failures`."""
+
+    def __init__(self, message: str, retry_helps: bool = True) -> None:
+        super().__init__(message if retry_helps else f"{message} {NO_RETRY}")
+        self.retry_helps = retry_helps
+
+
+def retry_helps(error: BaseException) -> bool:
+    """Whether a retry may fix `error`: False for a WeightTransferError raised so, also once only its text is left."""
+    return NO_RETRY not in str(error)
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,8 @@ class TransferGroup:
         except RuntimeError as error:
             raise WeightTransferError(
                 f"broadcast of a {tuple(tensor.shape)} {tensor.dtype} tensor in {self.address.describe()} "
-                f"failed or passed its {self.address.timeout_s}s deadline (rank {self.rank}): {error}"
+                f"failed or passed its {self.address.timeout_s}s deadline (rank {self.rank}): {error}",
+                retry_helps=self._collectives.retry_helps(error),
             ) from error
 
     def synchronize(self) -> None:
@@ -228,7 +243,8 @@ def _connect(address: GroupAddress, rank: int, store: dist.Store, collectives: C
     try:
         return collectives.connect(store, rank, address.world_size, address.timeout)
     except RuntimeError as error:
-        raise WeightTransferError(f"rank {rank} could not connect the {address.describe()}: {error}") from error
+        raise WeightTransferError(f"rank {rank} could not connect the {address.describe()}: {error}",
+                                  retry_helps=collectives.retry_helps(error)) from error
 
 
 def default_device(device_type: str) -> torch.device:

@@ -30,7 +30,7 @@ from asyncrl.weight_transfer.group import WeightTransferError
 log = logging.getLogger(__name__)
 
 ALIGN_BYTES = 256  # every tensor starts at a multiple of this in the buffer (aligned vector loads on both sides)
-OTHER_GPU = "ipc: the server is not on the learner's GPU"  # an error no retry fixes (coordinator gives up at once)
+OTHER_GPU = "ipc: the server is not on the learner's GPU"  # what a server elsewhere answers (no retry fixes it)
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,8 @@ class SharedWeightsReader:
         local = gpu_uuid(device)
         if handle.gpu_uuid != local:
             raise WeightTransferError(f"{OTHER_GPU} (buffer on GPU {handle.gpu_uuid}, server on {local}); "
-                                      "rollout.weight_sync.backend=ipc needs them colocated: use nccl")
+                                      "rollout.weight_sync.backend=ipc needs them colocated: use nccl",
+                                      retry_helps=False)
         return cls(_import(handle, device), handle)
 
     def tensors(self, metas: Sequence[Any]) -> Iterator[tuple[str, torch.Tensor]]:

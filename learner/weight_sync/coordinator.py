@@ -31,7 +31,6 @@ from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbe
                                                       SyncDone, SyncInvite, SyncPrepare, SyncReady, ValidationResult)
 from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
 from asyncrl.weight_transfer.interface import SendingEnd, Staged
-from asyncrl.weight_transfer.ipc import OTHER_GPU
 from asyncrl.weight_transfer.protocol import NamedTensors, update_info_for
 from learner.weight_sync.sending_ends import SendingEnds
 from learner.weight_sync.server_metrics import ServerMetrics
@@ -41,8 +40,6 @@ log = logging.getLogger(__name__)
 _Report = TypeVar("_Report", ServerTelemetry, ValidationResult)
 
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
-# errors no retry can fix: the group itself is invalid (e.g. NCCL ranks sharing one GPU)
-UNRECOVERABLE_MARKERS = ("Duplicate GPU", "invalid usage", "ncclInvalidUsage", OTHER_GPU)
 
 
 class WeightSyncFailed(RuntimeError):
@@ -65,6 +62,7 @@ class RoundReport:
     servers: int  # servers live when the round began (asked to take part)
     succeeded: list[str] = field(default_factory=list)  # servers that loaded the weights
     failed: dict[str, str] = field(default_factory=dict)  # server -> reason
+    hopeless: set[str] = field(default_factory=set)  # failed servers whose error no retry can fix (its raiser said so)
     seconds: float = 0.0  # coordinator wall time of the round
     transfer_seconds: float = 0.0  # broadcast time alone
     max_server_pause_s: float = 0.0  # longest pause-to-resume reported by a server
@@ -131,7 +129,7 @@ class SyncCoordinator:
         for name, reason in report.failed.items():
             count = self._failures.get(name, (0, ""))[0] + 1
             self._failures[name] = (count, reason)
-            hopeless = any(marker in reason for marker in UNRECOVERABLE_MARKERS)
+            hopeless = name in report.hopeless
             identity = self._identities.get(name)
             if (count >= self.max_failures or hopeless) and identity is not None and self._given_up.get(name) != identity:
                 self._given_up[name] = identity
@@ -263,6 +261,8 @@ class SyncCoordinator:
                         leg.backend, error)
             self._close_group(leg.backend)
             report.failed |= {name: f"transfer: {error}" for name in leg.members}
+            if not error.retry_helps:
+                report.hopeless.update(leg.members)
             return dict.fromkeys(leg.members, time.monotonic() + self.liveness_s)
         return dict.fromkeys(leg.members, time.monotonic() + self.timeout_s)
 
@@ -340,9 +340,12 @@ class SyncCoordinator:
                 member.version, member.needs_catch_up = report.version, False
             report.succeeded.append(reply.server_id)
             report.failed.pop(reply.server_id, None)
+            report.hopeless.discard(reply.server_id)
             report.max_server_pause_s = max(report.max_server_pause_s, reply.seconds)
         else:
             report.failed[reply.server_id] = reply.error
+            if not reply.retry_helps:
+                report.hopeless.add(reply.server_id)
 
     def _messages_until(self, deadline: float, waiting: Collection[str]) -> Iterator[object]:
         """Messages as they arrive (heartbeats and telemetry are taken in on the way) while `waiting`, which the caller

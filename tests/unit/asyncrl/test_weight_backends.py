@@ -13,9 +13,12 @@ import torch
 from asyncrl.config.fields import CHOICES_KEY
 from asyncrl.config.rollout import WeightSyncConfig
 from asyncrl.weight_transfer import GroupAddress, parse_update_info, update_info_for
-from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend, placed,
+from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend,
                                               weight_backend)
-from asyncrl.weight_transfer.ipc import IpcHandle, SharedWeightsReader, byte_layout, pack_into
+from asyncrl.weight_transfer import ipc
+from asyncrl.weight_transfer.collectives import GlooCollectives, NcclCollectives
+from asyncrl.weight_transfer.group import WeightTransferError, retry_helps
+from asyncrl.weight_transfer.ipc import OTHER_GPU, IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
 from asyncrl.weight_transfer.protocol import InitInfo
 
@@ -34,11 +37,29 @@ def test_auto_is_nccl_with_cuda_else_gloo_and_a_plan_with_a_shared_gpu_makes_it_
     assert weight_backend(AUTO) is NCCL
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert weight_backend(AUTO) is GLOO
-    assert placed(AUTO, shared_gpu=True) == "ipc" and placed(AUTO, shared_gpu=False) == AUTO
-    assert placed("gloo", shared_gpu=True) == "gloo", "a name chosen by the user stays"
+    assert weight_backend(AUTO, shared_gpu=True) is IPC and weight_backend(AUTO, shared_gpu=False) is NCCL
+    assert weight_backend("gloo", shared_gpu=True) is GLOO, "a name chosen by the user stays"
     assert [weight_backend(name) for name in ("gloo", "nccl", "ipc")] == [GLOO, NCCL, IPC]
     with pytest.raises(ValueError, match="unknown weight-sync backend 'mpi': choose one of gloo, nccl, ipc, auto"):
         weight_backend("mpi")
+
+
+def test_only_the_raiser_says_that_no_retry_can_fix_a_failure_and_its_text_keeps_saying_so():
+    duplicate = RuntimeError("NCCL error: invalid usage, ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
+    assert not NcclCollectives().retry_helps(duplicate) and GlooCollectives().retry_helps(duplicate)
+    assert NcclCollectives().retry_helps(RuntimeError("NCCL error: remote process exited"))
+    hopeless, transient = WeightTransferError("two ranks on one GPU", retry_helps=False), WeightTransferError("late")
+    assert (hopeless.retry_helps, transient.retry_helps) == (False, True)
+    assert not retry_helps(Exception(f"Call to init_weight_transfer_engine method failed: {hopeless}"))
+    assert retry_helps(transient) and str(transient) == "late"
+
+
+def test_a_server_on_another_gpu_refuses_the_learners_buffer_as_no_retry_can_fix(monkeypatch):
+    monkeypatch.setattr(ipc, "gpu_uuid", lambda device: "GPU-server")
+    handle = IpcHandle("GPU-learner", "", 0, 0, "", 0, "", False)
+    with pytest.raises(WeightTransferError, match=OTHER_GPU) as refused:
+        SharedWeightsReader.open(handle.as_dict(), CPU)
+    assert not refused.value.retry_helps
 
 
 def test_where_each_backend_works_and_what_a_refusal_advises():

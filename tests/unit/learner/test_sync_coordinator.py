@@ -23,7 +23,7 @@ from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbe
 from learner.weight_sync.coordinator import SyncCoordinator, WeightSyncFailed, rank_layout
 from learner.weight_sync.sending_ends import SendingEnds
 from asyncrl.weight_transfer.ipc import SharedWeightsReader
-from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError
+from asyncrl.weight_transfer.group import GroupAddress, WeightTransferError, retry_helps
 from asyncrl.weight_transfer.interface import SendingEnd, Staged
 from asyncrl.weight_transfer.protocol import InitInfo, init_info_for
 from tests.unit.asyncrl.test_weight_backends import CpuSharedWeights
@@ -38,12 +38,13 @@ HEARTBEAT_S = 0.05
 class FakeServer(threading.Thread):
     """Heartbeats; answers each prepare; on each invite (re)joins the group if asked, receives every
     tensor, reports. A server with `answer=False` heartbeats and ignores everything else; one with `fail_with`
-    receives and then reports that error."""
+    receives and then reports that error (one no retry can fix where `hopeless`)."""
 
     def __init__(self, name: str, address: str, answer: bool = True, fail_with: str = "", curve_dir: str = "",
-                 backend: str = "") -> None:
+                 backend: str = "", hopeless: bool = False) -> None:
         super().__init__(daemon=True)
         self.name_, self.address, self.answer, self.fail_with = name, address, answer, fail_with
+        self.hopeless = hopeless
         self.curve_dir = curve_dir  # CURVE client keys to connect with ("" = none)
         self.backend = backend  # the weight backend its heartbeats announce ("" = the learner's default)
         self.received: dict[int, dict[str, torch.Tensor]] = {}
@@ -78,9 +79,10 @@ class FakeServer(threading.Thread):
                                else weight_backend(info.backend).receiving_end(info, info.rank_offset, CPU))
                 tensors = {name: tensor.clone() for name, tensor in weights.tensors(parse_update_info(invite.update_info))}
                 if self.fail_with:  # a server that takes part in the transfer but fails to load, every time
-                    raise RuntimeError(self.fail_with)
+                    raise WeightTransferError(self.fail_with, retry_helps=not self.hopeless)
             except Exception as error:  # as a real server does: report, stay, catch up next round
-                sock.send(encode(SyncDone(self.name_, invite.round_id, ok=False, error=str(error))))
+                sock.send(encode(SyncDone(self.name_, invite.round_id, ok=False, error=str(error),
+                                          retry_helps=retry_helps(error))))
                 continue
             self.received[invite.version], self.version = tensors, invite.version
             sock.send(encode(SyncDone(self.name_, invite.round_id, ok=True, seconds=0.01)))
@@ -206,7 +208,11 @@ def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
 
 
 class LostBuffer(SendingEnd):
-    """An ipc end whose buffer is gone: its init requests name a handle no server can map, and connecting fails."""
+    """An ipc end whose buffer is gone: its init requests name a handle no server can map, and connecting fails (in a
+    way no retry can fix unless `retry_helps`)."""
+
+    def __init__(self, retry_helps: bool = True) -> None:
+        self.retry_helps = retry_helps
 
     def stage(self, named_tensors) -> Staged:
         return Staged([])
@@ -218,7 +224,7 @@ class LostBuffer(SendingEnd):
         return init_info_for(address, rank_offset, {"handle": "lost"})
 
     def connect(self, address: GroupAddress) -> None:
-        raise WeightTransferError("the shared buffer is gone")
+        raise WeightTransferError("the shared buffer is gone", self.retry_helps)
 
     def send(self, staged: Staged) -> float:
         raise AssertionError("never sent: connecting failed")
@@ -263,6 +269,19 @@ def test_a_failure_on_one_backend_fails_its_servers_only():
         assert [server.joins for server in apart] == [1, 1], "the gloo group outlived the ipc leg's failures"
         assert coord.lagging_members(2) == ["beside"]
         assert (coord.members["apart0"].version, coord.members["beside"].version) == (2, 0)
+
+
+def test_a_transfer_that_no_retry_can_fix_gives_up_on_its_servers_at_once_and_serves_the_others(caplog):
+    coord = coordinator(max_failures=100, ends=sending_ends(ipc=LostBuffer(retry_helps=False)))
+    beside = FakeServer("beside", coord.address, backend="ipc")
+    apart = FakeServer("apart", coord.address, backend="gloo")
+    with serving(coord, beside, apart):
+        coord.wait_for_members(2, timeout_s=10)
+        report = coord.broadcast(1, weights(1.0))
+        assert report.hopeless == {"beside"}
+        assert "giving up on beside" in caplog.text and "an error no retry can fix" in caplog.text
+        report = coord.broadcast(2, weights(2.0))
+        assert report.succeeded == ["apart"] and not report.failed  # the first failure was its last round
 
 
 def test_a_server_announcing_an_unknown_backend_is_failed_and_the_others_served():
@@ -392,9 +411,20 @@ def test_a_server_that_keeps_failing_is_given_up_on_and_the_others_go_on(caplog)
         assert coord.lagging_members(4) == ["good"]  # nor caught up
 
 
+def test_a_failure_that_says_a_retry_may_help_is_retried_whatever_its_text():
+    coord = coordinator(max_failures=2)
+    broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
+    with serving(coord, broken):
+        coord.wait_for_members(1, timeout_s=10)
+        assert not coord.broadcast(1, weights(1.0)).hopeless  # the flag decides, not NCCL's words in the error
+        with pytest.raises(WeightSyncFailed, match="Duplicate GPU"):  # max_failures rounds in a row
+            coord.broadcast(2, weights(2.0))
+
+
 def test_an_error_no_retry_can_fix_ends_the_sync_at_once_when_no_server_is_left():
     coord = coordinator(max_failures=100)
-    broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
+    broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0",
+                        hopeless=True)
     with serving(coord, broken):
         coord.wait_for_members(1, timeout_s=10)
         started = time.monotonic()

@@ -13,6 +13,7 @@ from asyncrl.messages import decode, encode
 from asyncrl.weight_transfer.control_messages import (JobFinished, ServerHeartbeat, ServerLeaving, ServerTelemetry,
                                                       SyncDone, SyncInvite, SyncPrepare, SyncReady, TaskWeights,
                                                       ValidateVersion, ValidationResult)
+from asyncrl.weight_transfer.group import WeightTransferError
 from rollout_servers.sync_client import SyncClient, cancel
 from rollout_servers.telemetry import TelemetrySender
 
@@ -21,20 +22,20 @@ REPLY_TIMEOUT_S = 10.0  # bound on every wait for the client's answer
 
 
 class FakeEngine:
-    """Records the joins and updates it is asked for; an update fails while `fail_updates` is set."""
+    """Records the joins and updates it is asked for; an update raises `failure` while it is set."""
 
     def __init__(self) -> None:
         self.current_version, self.needs_catch_up, self.inflight_requests = 0, False, 0
         self.joined: list[dict] = []
         self.updates: list[int] = []
-        self.fail_updates = False
+        self.failure: Exception | None = None
 
     async def join_weight_sync(self, init_info: dict) -> None:
         self.joined.append(init_info)
 
     async def update_weights(self, update_info: dict, version: int) -> float:
-        if self.fail_updates:
-            raise RuntimeError("receive timed out")
+        if self.failure is not None:
+            raise self.failure
         self.updates.append(version)
         self.current_version = version
         return 0.25
@@ -112,13 +113,25 @@ def test_an_invite_joins_the_new_group_then_updates_and_reports():
 def test_a_failed_update_is_reported_and_the_client_still_answers_the_next_round():
     async def scenario(router, engine):
         identity, _ = await first_heartbeat(router)
-        engine.fail_updates = True
+        engine.failure = RuntimeError("receive timed out")
         await router.send_multipart([identity, encode(SyncInvite(round_id=1, version=1, update_info={}))])
         _, reply = await next_reply(router)
-        assert isinstance(reply, SyncDone) and not reply.ok and "receive timed out" in reply.error
+        assert isinstance(reply, SyncDone) and not reply.ok and "receive timed out" in reply.error and reply.retry_helps
         await router.send_multipart([identity, encode(SyncPrepare(round_id=2))])
         _, reply = await next_reply(router)
         assert reply == SyncReady("s0", 2)
+
+    asyncio.run(talk_to_a_client(scenario))
+
+
+def test_a_failure_no_retry_can_fix_is_reported_so_after_crossing_vllms_process_boundary_as_text():
+    async def scenario(router, engine):
+        identity, _ = await first_heartbeat(router)
+        refused = WeightTransferError("ipc: the server is not on the learner's GPU", retry_helps=False)
+        engine.failure = Exception(f"Call to init_weight_transfer_engine method failed: {refused}")  # as vLLM raises
+        await router.send_multipart([identity, encode(SyncInvite(round_id=1, version=1, update_info={}))])
+        _, reply = await next_reply(router)
+        assert isinstance(reply, SyncDone) and not reply.ok and not reply.retry_helps
 
     asyncio.run(talk_to_a_client(scenario))
 
