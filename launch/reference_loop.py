@@ -8,7 +8,7 @@
         validate them when due                                 (Sampler.validate)
 
 With `validation.after_run` the passes do not run here: the weights of each due version are kept instead
-(`learner.snapshots`), as the async learner keeps them, and `asyncrl evaluate` scores both jobs' the same way.
+(`learner.services.snapshots`), as the async learner keeps them, and `asyncrl evaluate` scores both jobs' the same way.
 
 It runs the async job's own generation and training code (engine, sampling, rewards, collate, advantages,
 losses, learning-rate schedule, optimizer step) without its plumbing: no buffer, no admission, no weight-sync
@@ -35,8 +35,8 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup, decode, encode
 from asyncrl.metrics import MetricsLogger
 from learner.bad_steps import note_bad_step
-from learner.snapshots import SnapshotWriter
-from learner.step_metrics import batch_metrics
+from learner.services.snapshots import SnapshotWriter
+from learner.maths.step_metrics import batch_metrics
 
 log = logging.getLogger(__name__)
 

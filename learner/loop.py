@@ -1,6 +1,6 @@
 """The learner's main loop, the same on every rank: take rank 0's batch, train on it, log the step, apply the
 safety guard's decision, checkpoint when due. What only rank 0 does (the buffer, the rollout servers, the
-metrics, the guard's judgement) sits behind `RankServices` (learner/rank_services.py)."""
+metrics, the guard's judgement) sits behind `RankServices` (learner/services/rank_services.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from pathlib import Path
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from learner.bad_steps import note_bad_step
-from learner.checkpoint import CHECKPOINTS_DIR
-from learner.guard import GuardDecision, GuardStopped, RollBack, Stop
+from learner.policy.checkpoint import CHECKPOINTS_DIR
+from learner.services.guard import GuardDecision, GuardStopped, RollBack, Stop
 from learner.loop_state import LoopState
-from learner.lr_schedule import learning_rate
-from learner.policy_trainer import PolicyTrainer
-from learner.rank_services import RankServices
-from learner.staleness import mask_stale_tokens
-from learner.step_metrics import StepTimes, step_metrics
+from learner.maths.lr_schedule import learning_rate
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.services.rank_services import RankServices
+from learner.maths.staleness import mask_stale_tokens
+from learner.maths.step_metrics import StepTimes, step_metrics
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def apply_guard(decision: GuardDecision, state: LoopState, trainer: PolicyTraine
 
 
 def roll_back(rollback: RollBack, state: LoopState, trainer: PolicyTrainer, services: RankServices) -> None:
-    """Restore the checkpoint `rollback` names and go on as its version (learner/guard.py says why those)."""
+    """Restore the checkpoint `rollback` names and go on as its version (learner/services/guard.py says why those)."""
     drained = services.drain(rollback, state.buffer_offset, state.buffer_ahead)
     state.buffer_offset, state.buffer_ahead = drained.next_offset, drained.next_ahead
     restored = trainer.restore(Path(rollback.checkpoint))

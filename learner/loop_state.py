@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch
-from learner.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint
+from learner.policy.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint
 from learner.distributed import World
 
 

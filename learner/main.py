@@ -20,9 +20,9 @@ from asyncrl.stop_signal import interrupt_once
 from learner.distributed import World, init_world, local_rank_environment
 from learner.loop import run_loop
 from learner.loop_state import LoopState, resume_state
-from learner.policy_model import DTYPES
-from learner.policy_trainer import PolicyTrainer
-from learner.rank_services import rank_services
+from learner.policy.policy_model import DTYPES
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.services.rank_services import rank_services
 
 log = logging.getLogger(__name__)
 

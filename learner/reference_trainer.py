@@ -14,10 +14,10 @@ import torch.distributed as dist
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
 from learner.distributed import World, init_single_rank_world
-from learner.lr_schedule import learning_rate
-from learner.policy_model import DTYPES, full_weights
-from learner.policy_trainer import PolicyTrainer
-from learner.train_step import StepOutcome
+from learner.maths.lr_schedule import learning_rate
+from learner.policy.policy_model import DTYPES, full_weights
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.policy.train_step import StepOutcome
 
 
 @dataclasses.dataclass

@@ -1,11 +1,11 @@
 """The learner's weight gather for a sync when the weights go to CPU memory (models past
 `rollout.weight_sync.staging_bytes`, e.g. 7B in bf16 against the 8 GiB default): fresh pageable copies
-(the learner before, the baseline) against reused page-locked ones (`learner.policy_model.PinnedWeights`),
+(the learner before, the baseline) against reused page-locked ones (`learner.policy.policy_model.PinnedWeights`),
 side by side on the same sharded model.
 
 The model is a randomly initialised Qwen2-architecture LM of a named shape (`--shape`, Qwen2.5's dimensions),
 float32 master weights sharded with FSDP2 on one rank as the learner does; each round gathers every weight,
-casts it to `--sync-dtype` (model.dtype) and copies it into CPU memory, as `learner.weight_sharing.WeightSharing` does
+casts it to `--sync-dtype` (model.dtype) and copies it into CPU memory, as `learner.services.weight_sharing.WeightSharing` does
 on rank 0 (a multi-rank learner adds the all-gather, which both variants share). The first round of each
 variant is a warm-up (the pinned variant allocates its tensors there). Table: median, min and max seconds
 per round; last line: RESULT {json} with gather_pageable_s, gather_pinned_s, pinned_speedup, bytes.
@@ -23,7 +23,7 @@ import torch
 from bench_learner import SHAPES, build_model, model_shape
 from asyncrl.config.learner import LearnerConfig
 from learner.distributed import init_single_rank_world
-from learner.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, shard_policy
+from learner.policy.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes, shard_policy
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,5 +1,5 @@
 """Learner throughput: tokens/s, MFU and peak memory of the learner's real optimizer step
-(`learner.train_step`) on a synthetic RL batch, packed against padded micro-batches side by side.
+(`learner.policy.train_step`) on a synthetic RL batch, packed against padded micro-batches side by side.
 
 The model is a randomly initialised Qwen2-architecture causal LM of a named shape (`--shape`, Qwen2.5's
 dimensions; `tiny` is the quickstart's; `--layers`, `--hidden` and `--vocab` change one of them, e.g. a 20 M-parameter
@@ -12,7 +12,7 @@ rewards. Every step runs the whole path: advantages, the proximal pass (decouple
 loss and backward, clipping, AdamW.
 
 `--lora` trains LoRA adapters instead, the policy built as the learner builds it with `model.lora.enabled=true`
-(`learner.policy_model.build_policy`): adapters of rank `--lora-rank` on `model.lora`'s default target modules, in
+(`learner.policy.policy_model.build_policy`): adapters of rank `--lora-rank` on `model.lora`'s default target modules, in
 the master dtype, on a base frozen in bf16 on CUDA (in the master dtype on CPU), sharded alike; only the adapters
 go to AdamW, and `--reference` scores the base with the adapters off (no second model), as the learner's reference
 does. Run the same command with and without `--lora` to set LoRA's throughput and MFU beside full fine-tuning's.
@@ -20,7 +20,7 @@ does. Run the same command with and without `--lora` to set LoRA's throughput an
 Each variant in `--variants` (packed, padded) trains the same model for `--warmup` + `--steps` steps with
 its own optimizer; the table gives each variant's median step and the ratio to the last variant (padded:
 what the learner did before packing). `--micro-batch-tokens auto` sizes each variant's micro-batches as
-the learner does (`learner.memory`).
+the learner does (`learner.policy.memory`).
 
 FLOPs per step (model FLOPs, as MFU counts them: recomputation from activation checkpointing is not counted):
     forward  F = 2 · P · N + 2 · layers · d_attn · Σ L_i²
@@ -61,14 +61,14 @@ from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.logs import setup_logging
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner import attention
-from learner.batching import TrainBatch, collate
-from learner.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
+from learner.maths import attention
+from learner.maths.batching import TrainBatch, collate
+from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
 from learner.distributed import World, init_single_rank_world
-from learner.memory import resolve_micro_batch_tokens
-from learner.lora import AdaptersOff, is_adapter_weight
-from learner.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
-from learner.train_step import NEEDS_PROXIMAL, Passes, train_step
+from learner.policy.memory import resolve_micro_batch_tokens
+from learner.policy.lora import AdaptersOff, is_adapter_weight
+from learner.policy.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
+from learner.policy.train_step import NEEDS_PROXIMAL, Passes, train_step
 
 GIB = 2**30
 TERA = 1e12

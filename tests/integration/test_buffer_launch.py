@@ -11,7 +11,7 @@ from asyncrl.config import load_config
 from demo.synthetic import synthetic_group
 from asyncrl.transport import BufferConsumer, TrajectoryProducer
 from launch.commands.buffer import COMMAND_LINE
-from learner.buffer_supervisor import connect_or_supervise_buffer
+from learner.services.buffer_supervisor import connect_or_supervise_buffer
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ and served as a LoRA adapter (`model.lora`).
 
 What makes it exact: both draw server 0's prompt stream with run.seed and seed each group from its place in it
 (rollout.seeded_sampling); both give the engine the batch's requests together, with the same weights; both
-train the rows in content order (learner/policy_trainer.py `canonical_order`) with the learner's model and loss.
+train the rows in content order (learner/policy/policy_trainer.py `canonical_order`) with the learner's model and loss.
 Validation is off: its requests would share the engine's batches with the rollouts, a case not compared.
 
 Both runs train with the same learner code (advantages, losses, optimizer step) and sample with the same engine

@@ -11,7 +11,7 @@ from asyncrl.config import load_config
 from asyncrl.messages import Batch
 from learner.bad_steps import TooManyBadSteps
 from learner.loop_state import LoopState
-from learner.policy_model import load_policy
+from learner.policy.policy_model import load_policy
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 from offline_learner import OfflineConnections, run_offline
 

@@ -11,13 +11,13 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
-from learner import attention
-from learner.activation_checkpointing import MODES, apply_activation_checkpointing
-from learner.batching import collate
-from learner.checkpoint import load_checkpoint, save_checkpoint
-from learner.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
-from learner.policy_model import PinnedWeights, full_weights, shard_policy
-from learner.train_step import Passes, train_step
+from learner.maths import attention
+from learner.policy.activation_checkpointing import MODES, apply_activation_checkpointing
+from learner.maths.batching import collate
+from learner.policy.checkpoint import load_checkpoint, save_checkpoint
+from learner.maths.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
+from learner.policy.policy_model import PinnedWeights, full_weights, shard_policy
+from learner.policy.train_step import Passes, train_step
 from learner_helpers import random_groups, single_rank_world
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -8,7 +8,7 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
 from learner.loop_state import resume_state
-from learner.policy_model import load_policy
+from learner.policy.policy_model import load_policy
 from learner_helpers import random_groups, save_tiny_model, single_rank_world
 from offline_learner import OfflineConnections, run_offline
 

@@ -22,7 +22,7 @@ GUARD = ["guard.enabled=true", f"guard.watch=[{{name: {SCORE}, max_drop: 0.5}}]"
 
 def rank_main(rank: int, port: int, run_dir: str) -> None:
     from learner.loop_state import LoopState
-    from learner.rank_services import PeerServices, RankZeroServices
+    from learner.services.rank_services import PeerServices, RankZeroServices
     from offline_learner import OfflineConnections
 
     config, model, state = load_config(None, GUARD), torch.nn.Linear(2, 1), LoopState(max_staleness=1)

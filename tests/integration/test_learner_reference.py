@@ -8,8 +8,8 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
 from learner.loop_state import LoopState
-from learner.lora import AdaptersOff
-from learner.policy_model import load_policy, load_reference
+from learner.policy.lora import AdaptersOff
+from learner.policy.policy_model import load_policy, load_reference
 from learner_helpers import random_groups, save_tiny_model, single_rank_world
 from offline_learner import OfflineConnections, run_offline
 

@@ -21,15 +21,15 @@ from asyncrl.config.sections import LoraConfig
 from asyncrl.messages import TrajectoryGroup
 from launch import cli
 from launch.commands import export as export_command
-from learner import attention
-from learner.batching import collate
-from learner.checkpoint import CHECKPOINTS_DIR
-from learner.export import MERGED_DIR
-from learner.logprobs import target_logprobs
-from learner.lora import add_adapters, is_adapter_weight
-from learner.policy_model import shard_policy
-from learner.policy_trainer import PolicyTrainer
-from learner.train_step import Passes, train_step
+from learner.maths import attention
+from learner.maths.batching import collate
+from learner.policy.checkpoint import CHECKPOINTS_DIR
+from learner.policy.export import MERGED_DIR
+from learner.maths.logprobs import target_logprobs
+from learner.policy.lora import add_adapters, is_adapter_weight
+from learner.policy.policy_model import shard_policy
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.policy.train_step import Passes, train_step
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world
 
 pytestmark = pytest.mark.slow

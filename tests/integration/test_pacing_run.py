@@ -17,7 +17,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.metrics import read_metrics
-from learner.pacing import Pacer
+from learner.services.pacing import Pacer
 from run_helpers import asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.config.sections import LoraConfig
-from learner.lora import add_adapters
+from learner.policy.lora import add_adapters
 from scripts.bench_learner import Shape, step_flops
 
 # hidden 8, 2 heads of 4 (one key/value head), MLP 16, one layer, vocabulary 10. The parameters counted (every

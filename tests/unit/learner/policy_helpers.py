@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from learner import attention
-from learner.logprobs import attach_scoring
+from learner.maths import attention
+from learner.maths.logprobs import attach_scoring
 
 
 def tiny_policy(layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float64) -> Qwen2ForCausalLM:

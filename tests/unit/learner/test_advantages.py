@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.advantages import ADVANTAGES, as_group_index, compute_advantages, get_advantage, grpo
-from learner.registry import RegistryError
+from learner.maths.advantages import ADVANTAGES, as_group_index, compute_advantages, get_advantage, grpo
+from learner.maths.registry import RegistryError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 CUSTOM_FILE = FIXTURES / "custom_losses.py"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from learner import attention
+from learner.maths import attention
 
 
 def test_per_sample_attention_equals_one_masked_sdpa_over_the_packed_rows():

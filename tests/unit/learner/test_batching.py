@@ -3,7 +3,7 @@
 import torch
 
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from learner.batching import collate, micro_batches
+from learner.maths.batching import collate, micro_batches
 
 
 def trajectory(prompt, completion, logprobs, versions, mask, reward=1.0, group="g"):

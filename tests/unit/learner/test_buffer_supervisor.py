@@ -16,7 +16,7 @@ import pytest
 from asyncrl.buffer_process import BufferProcess
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.restarts import QuickDeaths
-from learner.buffer_supervisor import BufferNotRestarted, BufferSupervisor, exit_reason, restart_delay
+from learner.services.buffer_supervisor import BufferNotRestarted, BufferSupervisor, exit_reason, restart_delay
 from waiting import wait_until
 
 SETTINGS = RolloutConfig(restart_backoff_s=2.0, restart_backoff_max_s=10.0, healthy_after_s=300.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.messages import BufferStats
-from learner.generated_work import generated_work_metrics
+from learner.services.generated_work import generated_work_metrics
 
 
 def stats(**counts: int) -> BufferStats:

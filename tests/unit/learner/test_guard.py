@@ -18,15 +18,15 @@ from asyncrl.config.loader import ConfigError
 from asyncrl.messages import Batch
 from learner.distributed import World
 from asyncrl.staleness import drained_version
-from learner.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop
+from learner.services.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop
 from learner.loop import roll_back
 from learner.loop_state import LoopState
-from learner.pacing import FixedStaleness
-from learner.policy_trainer import PolicyTrainer
-from learner.rank_services import RankZeroServices
-from learner.task_weight_publisher import FixedTaskWeights
-from learner.train_step import Passes
-from learner.weight_sharing import WeightSharing
+from learner.services.pacing import FixedStaleness
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.services.rank_services import RankZeroServices
+from learner.services.task_weight_publisher import FixedTaskWeights
+from learner.policy.train_step import Passes
+from learner.services.weight_sharing import WeightSharing
 from offline_learner import OfflineConnections
 
 SCORE, KL = "val/a/score/mean", "actor/kl"
@@ -174,7 +174,7 @@ def alone_in_a_group(tmp_path):
 
 
 def test_a_rollback_restores_the_checkpoint_drops_the_newer_ones_and_goes_on_past_the_bound(tmp_path, alone_in_a_group):
-    from learner.checkpoint import save_checkpoint
+    from learner.policy.checkpoint import save_checkpoint
 
     root = tmp_path / "checkpoints"
     model = torch.nn.Linear(2, 1, bias=False)

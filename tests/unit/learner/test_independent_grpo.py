@@ -26,11 +26,11 @@ from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner import attention, policy_trainer, reference_trainer
-from learner.advantages import compute_advantages
+from learner.maths import attention, policy_trainer, reference_trainer
+from learner.maths.advantages import compute_advantages
 from learner.distributed import World
-from learner.logprobs import attach_scoring
-from learner.losses import LossInputs, compute_policy_loss
+from learner.maths.logprobs import attach_scoring
+from learner.maths.losses import LossInputs, compute_policy_loss
 from plain_grpo import PlainStep, Sample, completion_logprobs, group_advantages, grpo_step, policy_loss
 
 MODEL_SEED = 11
@@ -77,7 +77,7 @@ def plain_policy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def learner_policy(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` prepared as learner.policy_model.load_policy prepares it (the learner's attention and scoring
+    """`model` prepared as learner.policy.policy_model.load_policy prepares it (the learner's attention and scoring
     head), without FSDP: this test checks the maths, not the sharding."""
     policy = copy.deepcopy(model)
     policy.set_attn_implementation(attention.register())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.lagged_weights import LaggedWeights
+from learner.services.lagged_weights import LaggedWeights
 
 
 def weights_of(version: int) -> list[tuple[str, torch.Tensor]]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.config.rollout import EngineConfig, RolloutConfig, SamplingConfig
-from learner.logprobs import LinearTargetLogprob, attach_scoring, sampling_temperature, target_logprobs
+from learner.maths.logprobs import LinearTargetLogprob, attach_scoring, sampling_temperature, target_logprobs
 from policy_helpers import tiny_policy
 
 VOCAB, HIDDEN = 11, 5
@@ -157,7 +157,7 @@ def test_learner_temperature_follows_the_servers_log_prob_mode(mode, temperature
 
 def completion_mask(attention_mask: torch.Tensor, prompt: int = 3) -> torch.Tensor:
     """[b, T-1] the target positions of each row's completion (the tokens after its first `prompt`), as
-    `learner.batching` marks them in the loss mask; a row of `prompt` tokens or fewer has none."""
+    `learner.maths.batching` marks them in the loss mask; a row of `prompt` tokens or fewer has none."""
     positions = torch.arange(attention_mask.shape[1] - 1)  # [T-1]
     return (positions >= prompt - 1) & attention_mask[:, 1:].bool()  # [b, T-1]
 

@@ -1,4 +1,4 @@
-"""LoRA adapters on the learner's policy (learner/lora.py), without FSDP: what trains, what the adapters' names are
+"""LoRA adapters on the learner's policy (learner/policy/lora.py), without FSDP: what trains, what the adapters' names are
 in PEFT's files, the base with the adapters off, dropout in training passes only, and the errors at start that
 name the key."""
 
@@ -11,10 +11,10 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig
 from learner.distributed import World
-from learner.logprobs import target_logprobs
-from learner.lora import (AdaptersOff, adapter_dropout, adapter_tensors, add_adapters, adapters_disabled,
+from learner.maths.logprobs import target_logprobs
+from learner.policy.lora import (AdaptersOff, adapter_dropout, adapter_tensors, add_adapters, adapters_disabled,
                           is_adapter_weight, lora_layers, peft_config)
-from learner.policy_model import frozen_base_dtype
+from learner.policy.policy_model import frozen_base_dtype
 from policy_helpers import tiny_policy
 
 TOKENS = torch.tensor([[3, 9, 14, 27, 5, 41, 8, 19]])  # [1, T]

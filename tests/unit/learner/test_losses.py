@@ -13,9 +13,9 @@ import torch
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.fields import CHOICES_KEY
-from learner.advantages import get_advantage
-from learner.loss_terms import AGGREGATIONS, KL_ESTIMATORS, clipped_surrogate, token_entropy
-from learner.losses import (
+from learner.maths.advantages import get_advantage
+from learner.maths.loss_terms import AGGREGATIONS, KL_ESTIMATORS, clipped_surrogate, token_entropy
+from learner.maths.losses import (
     LOSSES,
     SEQ_MASK_STATISTICS,
     LossInputs,
@@ -24,7 +24,7 @@ from learner.losses import (
     naive_ppo,
     register_loss,
 )
-from learner.registry import RegistryError
+from learner.maths.registry import RegistryError
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 CUSTOM_FILE = FIXTURES / "custom_losses.py"
@@ -414,7 +414,7 @@ def test_loss_from_a_user_file_and_from_a_module_path():
     loss, metrics = compute_policy_loss(decoupled_batch(), AlgorithmConfig(loss=f"{CUSTOM_FILE}:sign_only_loss"))
     assert loss.item() == pytest.approx(-(math.log(0.6) + math.log(0.9) - math.log(0.45)))
     assert metrics["actor/pg_loss"] == pytest.approx(loss.item())
-    assert get_loss("learner.losses:naive_ppo") is naive_ppo
+    assert get_loss("learner.maths.losses:naive_ppo") is naive_ppo
     assert get_loss(f"{CUSTOM_FILE}:sign_only_loss") is get_loss(f"{CUSTOM_FILE}:sign_only_loss")  # imported once
 
 
@@ -436,7 +436,7 @@ def test_register_loss_adds_a_name_and_refuses_a_second_function_under_it():
         (f"{CUSTOM_FILE}:no_such_loss", r"defines no 'no_such_loss' \(functions there: constant_advantage, sign_only"),
         (f"{CUSTOM_FILE}:NOT_A_FUNCTION", r"'NOT_A_FUNCTION' .* is a int, not a function"),
         ("asyncrl.no_such_module:loss", r"importing module 'asyncrl.no_such_module' failed: ModuleNotFoundError"),
-        ("learner.losses:", r"expected 'path/to/file.py:function'"),
+        ("learner.maths.losses:", r"expected 'path/to/file.py:function'"),
     ],
 )
 def test_unresolvable_losses_are_named_in_the_error(value, message):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.config.learner import LearnerConfig
-from learner.lr_schedule import learning_rate, set_learning_rate
+from learner.maths.lr_schedule import learning_rate, set_learning_rate
 
 
 def test_linear_warm_up_then_constant():

@@ -10,14 +10,14 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.loader import ConfigError
-from learner.advantages import compute_advantages
-from learner.batching import TrainBatch, collate
+from learner.maths.advantages import compute_advantages
+from learner.maths.batching import TrainBatch, collate
 from learner.distributed import World
-from learner.logprobs import target_logprobs
-from learner.loss_terms import binary_kl, leaves_trust_region, ratio_from_log, second_moment_cutoff, truncated_weight
-from learner.losses import LossInputs, compute_policy_loss
-from learner.mini_batches import mini_batch_rows
-from learner.train_step import NEEDS_PROXIMAL, Passes, rank_chunks, train_step
+from learner.maths.logprobs import target_logprobs
+from learner.maths.loss_terms import binary_kl, leaves_trust_region, ratio_from_log, second_moment_cutoff, truncated_weight
+from learner.maths.losses import LossInputs, compute_policy_loss
+from learner.maths.mini_batches import mini_batch_rows
+from learner.policy.train_step import NEEDS_PROXIMAL, Passes, rank_chunks, train_step
 from policy_helpers import tiny_policy
 from test_packed_training import groups
 

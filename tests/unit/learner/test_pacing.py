@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from asyncrl.config.buffer import PacingConfig
-from learner.pacing import Pacer, StepSignals, WindowSummary, next_staleness
+from learner.services.pacing import Pacer, StepSignals, WindowSummary, next_staleness
 
 SETTINGS = PacingConfig(k_min=1, k_max=4, window=3, raise_wait_share=0.1, max_mismatch_kl=0.02, max_is_clip_frac=0.05,
                         raise_headroom=0.5)
@@ -68,7 +68,7 @@ def metrics(wait_s: float, kl: float = 0.0) -> dict[str, float]:
 def test_pacer_reads_metric_records_and_starts_a_new_window_after_a_change(caplog):
     pacer = Pacer(SETTINGS, k=1)
     assert StepSignals.from_metrics(metrics(0.5, kl=0.01)) == StepSignals(0.5, 1.0, 0.01, 0.0)
-    with caplog.at_level(logging.INFO, logger="learner.pacing"):
+    with caplog.at_level(logging.INFO, logger="learner.services.pacing"):
         ks = [pacer.observe(version, metrics(0.5)).k for version in range(1, 8)]
     # a change after each full window of 3 steps at the new K: 1, 1, 2 | 2, 2, 3 | 3
     assert ks == [1, 1, 2, 2, 2, 3, 3]

@@ -12,11 +12,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from learner.activation_checkpointing import AUTO, FULL, MODES, NONE, SELECTIVE, apply_activation_checkpointing
-from learner.batching import collate
+from learner.policy.activation_checkpointing import AUTO, FULL, MODES, NONE, SELECTIVE, apply_activation_checkpointing
+from learner.maths.batching import collate
 from learner.distributed import World
-from learner.logprobs import target_logprobs
-from learner.train_step import Passes, train_step
+from learner.maths.logprobs import target_logprobs
+from learner.policy.train_step import Passes, train_step
 from policy_helpers import tiny_policy
 
 CPU_WORLD = World(rank=0, size=1, device=torch.device("cpu"))

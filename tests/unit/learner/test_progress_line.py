@@ -1,6 +1,6 @@
 """The learner's progress line: one field per metric present, in a fixed order, so a user sees which side waits."""
 
-from learner.rank_services import progress_line
+from learner.services.rank_services import progress_line
 
 
 def test_shows_the_step_and_the_metrics_present_with_the_wait_beside_the_step_time():

@@ -13,12 +13,12 @@ from asyncrl.config import load_config
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.messages import Batch
 from learner.distributed import World
-from learner.guard import GO_ON, Drained, NoGuard, RollBack, SafetyGuard
+from learner.services.guard import GO_ON, Drained, NoGuard, RollBack, SafetyGuard
 from learner.loop_state import LoopState
-from learner.pacing import FixedStaleness
-from learner.rank_services import PeerServices, RankZeroServices
-from learner.task_weight_publisher import FixedTaskWeights
-from learner.weight_sharing import WeightSharing
+from learner.services.pacing import FixedStaleness
+from learner.services.rank_services import PeerServices, RankZeroServices
+from learner.services.task_weight_publisher import FixedTaskWeights
+from learner.services.weight_sharing import WeightSharing
 from offline_learner import OfflineConnections
 
 CPU = torch.device("cpu")
@@ -69,7 +69,7 @@ def test_rank_zero_shares_the_weights_when_due_publishes_each_version_and_logs_e
     services, connections = rank_zero(NoGuard(), ServingConnections(lambda version, max_staleness: batch(0)))
     services.begin(0)
     assert connections.rounds == [(0, 6.0)] and connections.published == []  # the first weights, before any step
-    with caplog.at_level(logging.INFO, logger="learner.rank_services"):
+    with caplog.at_level(logging.INFO, logger="learner.services.rank_services"):
         for version in range(1, 5):
             services.after_step(version, {"critic/score/mean": 0.5, "timing_s/step": 1.0})
     assert connections.rounds == [(0, 6.0), (2, 6.0), (4, 6.0)]  # learner.sync_every=2

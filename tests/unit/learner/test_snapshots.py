@@ -9,7 +9,7 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.snapshots import INDEX_FILE, SNAPSHOTS_DIR, due_versions, made_times, snapshot_path
-from learner.snapshots import SnapshotWriter
+from learner.services.snapshots import SnapshotWriter
 
 
 def test_the_due_versions_are_the_multiples_of_every_and_the_last():

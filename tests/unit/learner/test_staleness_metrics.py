@@ -8,7 +8,7 @@ import pytest
 from asyncrl.messages import Batch, Trajectory, TrajectoryGroup
 from asyncrl.staleness import TOKEN_BOUND_OFF
 from demo.synthetic import synthetic_group
-from learner.staleness import mask_stale_tokens, staleness_metrics
+from learner.maths.staleness import mask_stale_tokens, staleness_metrics
 
 
 def batch_of(*versions: int) -> Batch:

@@ -18,9 +18,9 @@ import torch
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from learner.batching import collate
+from learner.maths.batching import collate
 from learner.distributed import World
-from learner.train_step import Passes, train_step
+from learner.policy.train_step import Passes, train_step
 from policy_helpers import tiny_policy
 
 FAR_OFF_POLICY = -100.0  # log π_behav: every importance weight is truncated at C

@@ -12,7 +12,7 @@ from asyncrl.config import load_config
 from asyncrl.config.loader import ConfigError
 from asyncrl.config.task_weights import TaskWeightsConfig
 from asyncrl.data import PromptMixture, load_prompt_file, write_rows
-from learner.task_weight_scheduler import TaskNameError, TaskWeightScheduler, file_tasks
+from learner.services.task_weight_scheduler import TaskNameError, TaskWeightScheduler, file_tasks
 
 SETTINGS = TaskWeightsConfig(enabled=True, metric="critic/{task}/score/mean", patience=2, min_delta=0.05, factor=0.5,
                              min_weight=0.1)

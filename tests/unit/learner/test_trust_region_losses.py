@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.loss_terms import binary_kl, second_moment_cutoff
-from learner.losses import LossInputs, compute_policy_loss
+from learner.maths.loss_terms import binary_kl, second_moment_cutoff
+from learner.maths.losses import LossInputs, compute_policy_loss
 
 TOLERANCE = 1e-5  # float32 arithmetic on values of order 1
 

@@ -162,7 +162,7 @@ def test_episode_time_budget_drops_the_cut_turn_and_keeps_the_rest():
 
 def test_episode_reaches_the_learner_through_the_wire_unchanged():
     from asyncrl.messages import TrajectoryGroup, decode, encode
-    from learner.batching import collate
+    from learner.maths.batching import collate
 
     engine = ScriptedEngine([turn("ab", -0.5), turn("c", -1.5)], updates={0: 4})
     trajectory = asyncio.run(loop_for(engine).run(countdown_row(2), SAMPLING)).trajectory("g", "src")

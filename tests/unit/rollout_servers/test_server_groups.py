@@ -18,7 +18,7 @@ from asyncrl.config import load_config
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.data import write_rows
 from asyncrl.messages import Ack, AdmissionGrant, Trajectory, TrajectoryGroup
-from learner.staleness import staleness_metrics
+from learner.maths.staleness import staleness_metrics
 from rollout_servers.rewards import RewardFunctionError, RewardResult
 from rollout_servers.rewards.builtin import UnknownDataSourceError
 from demo.tiny.tokenizer import build_char_tokenizer

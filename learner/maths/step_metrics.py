@@ -10,7 +10,7 @@ from typing import Any
 
 from asyncrl.messages import Batch, TrajectoryGroup
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics, task_sample_counts
-from learner.staleness import staleness_metrics
+from learner.maths.staleness import staleness_metrics
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import load_prompt_file
-from learner.task_weight_scheduler import TaskWeightScheduler, file_tasks
+from learner.services.task_weight_scheduler import TaskWeightScheduler, file_tasks
 from asyncrl.weight_transfer.control_messages import TaskWeights
 from learner.weight_sync.coordinator import SyncCoordinator
 

@@ -15,11 +15,11 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig
 from asyncrl.weight_transfer.sender import materialised
-from learner import attention
-from learner.activation_checkpointing import AUTO, apply_activation_checkpointing, attach_switch, checkpointing_for_device
+from learner.maths import attention
+from learner.policy.activation_checkpointing import AUTO, apply_activation_checkpointing, attach_switch, checkpointing_for_device
 from learner.distributed import World
-from learner.logprobs import SCORING_METHOD, attach_scoring
-from learner.lora import AdaptersOff, adapter_tensors, add_adapters, has_adapters
+from learner.maths.logprobs import SCORING_METHOD, attach_scoring
+from learner.policy.lora import AdaptersOff, adapter_tensors, add_adapters, has_adapters
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def shard_policy(model: torch.nn.Module, settings: LearnerConfig, world: World) 
     """`model` (loaded with `attention.register()`'s implementation) on this rank's device: activation
     checkpointing and `torch.compile` per decoder layer as configured, then sharded with fully_shard per
     decoder layer and at the root, with `score_targets` run under FSDP like `forward`. Checkpointing `auto`
-    is chosen later, by `learner.memory` (none until then). The shards live on the world's device: FSDP's own default
+    is chosen later, by `learner.policy.memory` (none until then). The shards live on the world's device: FSDP's own default
     mesh follows the machine's accelerator instead, which put a CPU world's model on the GPU of a CUDA host."""
     attach_scoring(model)
     model.to(world.device)

@@ -19,7 +19,7 @@ from peft.tuners.lora import LoraLayer
 
 from asyncrl.config.loader import ConfigError
 from asyncrl.config.sections import LoraConfig
-from learner.logprobs import SCORING_METHOD
+from learner.maths.logprobs import SCORING_METHOD
 
 ADAPTER_NAME = "default"  # PEFT's name of the one adapter; part of every adapter parameter's name
 PEFT_FILE_PREFIX = "base_model.model."  # what PEFT's adapter files put before the model's own parameter names
@@ -130,7 +130,7 @@ class AdaptersOff(torch.nn.Module):
         self.policy = policy
 
     def score_targets(self, *args, **kwargs):
-        """The policy's `SCORING_METHOD` (`learner.logprobs` scores through it) with the adapters off."""
+        """The policy's `SCORING_METHOD` (`learner.maths.logprobs` scores through it) with the adapters off."""
         with adapters_disabled(self.policy):
             return getattr(self.policy, SCORING_METHOD)(*args, **kwargs)
 

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.loss_terms import masked_mean, masked_std
-from learner.registry import Registry
+from learner.maths.loss_terms import masked_mean, masked_std
+from learner.maths.registry import Registry
 
 AdvantageEstimator = Callable[[Tensor, Tensor, Tensor, AlgorithmConfig], Tensor]  # (rewards, groups, mask, config)
 

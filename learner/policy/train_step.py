@@ -15,15 +15,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.advantages import compute_advantages
-from learner.batching import TrainBatch, micro_batches
+from learner.maths.advantages import compute_advantages
+from learner.maths.batching import TrainBatch, micro_batches
 from learner.distributed import World, sum_across_ranks
-from learner.logprobs import target_logprobs
-from learner.lora import adapter_dropout
-from learner.loss_terms import second_moment_cutoff
-from learner.losses import LossInputs, compute_policy_loss, second_moment_summary
-from learner.memory import out_of_memory_names_keys
-from learner.mini_batches import mini_batch_rows
+from learner.maths.logprobs import target_logprobs
+from learner.policy.lora import adapter_dropout
+from learner.maths.loss_terms import second_moment_cutoff
+from learner.maths.losses import LossInputs, compute_policy_loss, second_moment_summary
+from learner.policy.memory import out_of_memory_names_keys
+from learner.maths.mini_batches import mini_batch_rows
 
 NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask", "m2po", "decoupled_ppo_kl")  # losses that read π_prox, the batch's starting policy
 NEEDS_SECOND_MOMENT_CUTOFF = ("m2po",)  # losses whose mask needs a statistic of the whole optimizer step's tokens
@@ -35,7 +35,7 @@ class Passes:
 
     micro_batch_tokens: int  # tokens per forward/backward pass (packed: real tokens; padded: rows x longest row)
     packed: bool = False  # each micro-batch's samples back to back in one sequence (learner.packing)
-    temperature: float = 1.0  # divides the logits (learner.logprobs.sampling_temperature)
+    temperature: float = 1.0  # divides the logits (learner.maths.logprobs.sampling_temperature)
 
 
 @dataclass
@@ -56,7 +56,7 @@ def train_step(
 ) -> StepOutcome:
     """`passes.temperature` makes π the distribution the rollout servers' behaviour log-probs were taken from;
     `reference` is the frozen model of `algorithm.use_reference` (with LoRA and no `algorithm.reference_path`, the
-    policy with its adapters off, `learner.lora.AdaptersOff`). Every optimizer step runs at the learning rate
+    policy with its adapters off, `learner.policy.lora.AdaptersOff`). Every optimizer step runs at the learning rate
     the caller set for the batch."""
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
@@ -215,7 +215,7 @@ def _gathered(values: Tensor, world: World) -> Tensor:
 
 
 def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
-    """The whole batch's count that `learner.loss_terms.aggregate` divides by: trained tokens (token_mean), or
+    """The whole batch's count that `learner.maths.loss_terms.aggregate` divides by: trained tokens (token_mean), or
     sequences with at least one trained token (seq_mean_token_sum)."""
     trained = batch.loss_mask.bool()  # [B, T-1]
     if algorithm.aggregation == "token_mean":

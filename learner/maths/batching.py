@@ -1,6 +1,6 @@
 """Turning trajectory groups into padded training tensors, and cutting them into micro-batches by a
 token budget so that memory stays flat as response lengths vary (a packed micro-batch's rows go to the
-model back to back: `learner.packing`).
+model back to back: `learner.maths.packing`).
 
 Positions are "target" positions: entry t of every [B, T-1] tensor describes the token at t + 1, which
 the logits at position t predict. Completion token j of a sample sits at target position P + j - 1,

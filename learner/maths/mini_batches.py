@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from learner.advantages import as_group_index
+from learner.maths.advantages import as_group_index
 
 
 def mini_batch_rows(group_index: Tensor, count: int) -> list[list[int]]:

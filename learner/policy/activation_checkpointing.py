@@ -6,7 +6,7 @@
   intermediates are not kept;
 - full: only each layer's input is kept and the whole layer runs again in backward (least memory, about a
   third more compute);
-- auto: the cheapest of those three that fits the GPU memory free, chosen by `learner.memory` once it has
+- auto: the cheapest of those three that fits the GPU memory free, chosen by `learner.policy.memory` once it has
   measured the model (none on CPU). Each layer then reads its mode from a `CheckpointingSwitch` at every
   call, so the probe passes can try one mode after another on the model as it will train.
 
@@ -57,7 +57,7 @@ def apply_activation_checkpointing(layers: list[torch.nn.Module], mode: str) -> 
 
 
 def attach_switch(model: torch.nn.Module, switch: CheckpointingSwitch | None) -> None:
-    """Keep `auto`'s switch on the model, where `learner.memory` finds it (nothing for a fixed mode)."""
+    """Keep `auto`'s switch on the model, where `learner.policy.memory` finds it (nothing for a fixed mode)."""
     if switch is not None:
         setattr(model, _SWITCH_ATTRIBUTE, switch)
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config.learner import LearnerConfig
-from learner.activation_checkpointing import MODES, CheckpointingSwitch, checkpointing_switch
+from learner.policy.activation_checkpointing import MODES, CheckpointingSwitch, checkpointing_switch
 from learner.distributed import World
-from learner.logprobs import target_logprobs
+from learner.maths.logprobs import target_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ load) and, on request, the base with the adapter merged in.
 
 One plain process, no process group: `dcp.load` reads the sharded checkpoint straight into the state
 dict of an unsharded model built from the run's `model.path`, whose config and tokenizer the export
-keeps. The checkpoint stores the model under the top-level key "model" (see learner/checkpoint.py), so
+keeps. The checkpoint stores the model under the top-level key "model" (see learner/policy/checkpoint.py), so
 its entries are named `model.<parameter name>`.
 """
 
@@ -22,9 +22,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config.sections import LoraConfig
-from learner.checkpoint import META_FILE
-from learner.lora import ADAPTER_NAME, is_adapter_weight, peft_config
-from learner.policy_model import DTYPES
+from learner.policy.checkpoint import META_FILE
+from learner.policy.lora import ADAPTER_NAME, is_adapter_weight, peft_config
+from learner.policy.policy_model import DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.config.rollout import RolloutConfig
-from learner.packing import ModelInputs, packed_inputs, padded_inputs
+from learner.maths.packing import ModelInputs, packed_inputs, padded_inputs
 
 CHUNK_ELEMENTS = 2**28  # logits per working chunk (0.5 GB in bf16): bounds the temporaries, not the result
 PROCESSED = "processed_logprobs"  # vLLM reports log-probs of the tempered distribution it samples from

@@ -14,14 +14,14 @@ from transformers import AutoTokenizer
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
 from asyncrl.placement import servers_share_of_learner_gpu
-from learner.batching import collate
-from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.maths.batching import collate
+from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.distributed import World
-from learner.logprobs import sampling_temperature
-from learner.lr_schedule import set_learning_rate
-from learner.memory import resolve_micro_batch_tokens
-from learner.policy_model import load_policy, load_reference
-from learner.train_step import Passes, StepOutcome, train_step
+from learner.maths.logprobs import sampling_temperature
+from learner.maths.lr_schedule import set_learning_rate
+from learner.policy.memory import resolve_micro_batch_tokens
+from learner.policy.policy_model import load_policy, load_reference
+from learner.policy.train_step import Passes, StepOutcome, train_step
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """How a micro-batch's rows reach the model: padded ([b, T] with an attention mask) or packed (the rows'
 real tokens back to back in one [1, N] sequence, positions restarting at each sample, sample boundaries
-as `cu_seq_lens` for the variable-length attention of `learner.attention`).
+as `cu_seq_lens` for the variable-length attention of `learner.maths.attention`).
 
 Either way the model runs over one flat list of rows and scores those marked `scored` against their `targets`;
-`to_target_positions` puts the scores back into the [b, T-1] target-position layout of `learner.batching`, where
+`to_target_positions` puts the scores back into the [b, T-1] target-position layout of `learner.maths.batching`, where
 the losses work: entry t of a row scores the token at t + 1. `only` narrows the scored rows to the positions a
 loss reads (completion tokens): with a 151,936-token vocabulary the output head over every prompt position was
 most of a step. Positions not scored hold 0.

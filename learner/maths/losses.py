@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.loss_terms import (
+from learner.maths.loss_terms import (
     Correction,
     aggregate,
     binary_kl,
@@ -48,13 +48,13 @@ from learner.loss_terms import (
     second_moment_cutoff,
     truncated_weight,
 )
-from learner.registry import Registry
+from learner.maths.registry import Registry
 
 
 @dataclass
 class LossInputs:
     """Per-token tensors of one (micro-)batch. Only `logprobs` carries a gradient. The learner's log-probs and
-    entropies are computed where `loss_mask` is 1 only, and hold 0 elsewhere (`learner.logprobs.target_logprobs`)."""
+    entropies are computed where `loss_mask` is 1 only, and hold 0 elsewhere (`learner.maths.logprobs.target_logprobs`)."""
 
     logprobs: Tensor  # [B, T] log π_θ(token) under the weights being trained
     behaviour_logprobs: Tensor  # [B, T] log π_behav(token) reported by the rollout engine

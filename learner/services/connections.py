@@ -1,6 +1,6 @@
 """Rank 0's connections to the job outside the learner: the buffer (its own or a given one), the weight-sync
 coordinator the rollout servers join, the metrics sink, and the endpoints file through which the servers find
-them. What each rank does with them beside training is `learner/rank_services.py`."""
+them. What each rank does with them beside training is `learner/services/rank_services.py`."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
 from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
-from learner.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
-from learner.generated_work import generated_work_metrics
+from learner.services.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
+from learner.services.generated_work import generated_work_metrics
 from learner.weight_sync.coordinator import RoundReport, SyncCoordinator
 from learner.weight_sync.sending_ends import SendingEnds
 from asyncrl.weight_transfer.backends import weight_backend
