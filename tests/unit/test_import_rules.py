@@ -123,6 +123,35 @@ def test_package_rule_catches_a_role_importing_another(tmp_path, monkeypatch):
         test_each_package_imports_only_what_it_stands_on("buffer")
 
 
+# The learner's rooms stand on one another in one order: the step's maths (pure tensor code) imports no other part
+# of the learner, the policy only the maths and the process group; the rank-0 services and the loop above them may
+# import what is below. So the maths never reaches the plumbing that faces the job, nor the plumbing the maths.
+LEARNER_ROOMS_MAY_IMPORT = {
+    "learner/maths": ("learner.maths",),
+    "learner/policy": ("learner.maths", "learner.policy", "learner.distributed"),
+}
+
+
+def room_breaches(room: str) -> list[str]:
+    allowed = LEARNER_ROOMS_MAY_IMPORT[room]
+    return [f"{path.relative_to(ROOT)} imports {module}" for path in sorted((ROOT / room).rglob("*.py"))
+            for module, _ in imports(path)
+            if top(module) == "learner" and not (module + ".").startswith(tuple(a + "." for a in allowed))]
+
+
+@pytest.mark.parametrize("room", LEARNER_ROOMS_MAY_IMPORT)
+def test_each_learner_room_imports_only_the_rooms_below_it(room):
+    assert (ROOT / room).is_dir()
+    assert room_breaches(room) == []
+
+
+def test_room_rule_catches_the_maths_importing_the_services(tmp_path, monkeypatch):
+    (tmp_path / "learner" / "maths").mkdir(parents=True)
+    (tmp_path / "learner" / "maths" / "bad.py").write_text("def f():\n    from learner.services.pacing import Pacer\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert room_breaches("learner/maths") == ["learner/maths/bad.py imports learner.services.pacing.Pacer"]
+
+
 PRODUCT_PACKAGES = OURS
 TRANSPORT = "asyncrl/transport/"  # the one home of ZeroMQ sockets: binding, connecting, the CURVE rule
 ZMQ_SOCKET_TYPES = {"ROUTER", "DEALER", "REQ", "REP", "PUB", "SUB", "XPUB", "XSUB", "PUSH", "PULL", "PAIR", "STREAM"}
