@@ -35,8 +35,8 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup, decode, encode
 from asyncrl.metrics import MetricsLogger
 from learner.bad_steps import note_bad_step
-from learner.services.snapshots import SnapshotWriter
 from learner.maths.step_metrics import batch_metrics
+from learner.services.snapshots import SnapshotWriter
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,14 @@ from pathlib import Path
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from learner.bad_steps import note_bad_step
-from learner.policy.checkpoint import CHECKPOINTS_DIR
-from learner.services.guard import GuardDecision, GuardStopped, RollBack, Stop
 from learner.loop_state import LoopState
 from learner.maths.lr_schedule import learning_rate
-from learner.policy.policy_trainer import PolicyTrainer
-from learner.services.rank_services import RankServices
 from learner.maths.staleness import mask_stale_tokens
 from learner.maths.step_metrics import StepTimes, step_metrics
+from learner.policy.checkpoint import CHECKPOINTS_DIR
+from learner.policy.policy_trainer import PolicyTrainer
+from learner.services.guard import GuardDecision, GuardStopped, RollBack, Stop
+from learner.services.rank_services import RankServices
 
 log = logging.getLogger(__name__)
 

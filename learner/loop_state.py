@@ -11,8 +11,8 @@ import torch
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import Batch
-from learner.policy.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint
 from learner.distributed import World
+from learner.policy.checkpoint import CHECKPOINTS_DIR, latest_checkpoint, load_checkpoint
 
 
 @dataclass

@@ -61,12 +61,12 @@ from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.logs import setup_logging
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.tokenizer import build_char_tokenizer
+from learner.distributed import World, init_single_rank_world
 from learner.maths import attention
 from learner.maths.batching import TrainBatch, collate
 from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
-from learner.distributed import World, init_single_rank_world
-from learner.policy.memory import resolve_micro_batch_tokens
 from learner.policy.lora import AdaptersOff, is_adapter_weight
+from learner.policy.memory import resolve_micro_batch_tokens
 from learner.policy.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
 from learner.policy.train_step import NEEDS_PROXIMAL, Passes, train_step
 

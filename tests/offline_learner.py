@@ -15,8 +15,8 @@ from learner.distributed import World
 from learner.loop import run_loop
 from learner.loop_state import LoopState
 from learner.policy.policy_trainer import PolicyTrainer
-from learner.services.rank_services import RankZeroServices
 from learner.policy.train_step import Passes
+from learner.services.rank_services import RankZeroServices
 from learner.weight_sync.coordinator import RoundReport
 
 

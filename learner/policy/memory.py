@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config.learner import LearnerConfig
-from learner.policy.activation_checkpointing import MODES, CheckpointingSwitch, checkpointing_switch
 from learner.distributed import World
 from learner.maths.logprobs import target_logprobs
+from learner.policy.activation_checkpointing import MODES, CheckpointingSwitch, checkpointing_switch
 
 log = logging.getLogger(__name__)
 

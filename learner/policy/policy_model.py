@@ -15,10 +15,10 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig
 from asyncrl.weight_transfer.sender import materialised
-from learner.maths import attention
-from learner.policy.activation_checkpointing import AUTO, apply_activation_checkpointing, attach_switch, checkpointing_for_device
 from learner.distributed import World
+from learner.maths import attention
 from learner.maths.logprobs import SCORING_METHOD, attach_scoring
+from learner.policy.activation_checkpointing import AUTO, apply_activation_checkpointing, attach_switch, checkpointing_for_device
 from learner.policy.lora import AdaptersOff, adapter_tensors, add_adapters, has_adapters
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
 from asyncrl.placement import servers_share_of_learner_gpu
-from learner.maths.batching import collate
-from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.distributed import World
+from learner.maths.batching import collate
 from learner.maths.logprobs import sampling_temperature
 from learner.maths.lr_schedule import set_learning_rate
+from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.policy.memory import resolve_micro_batch_tokens
 from learner.policy.policy_model import load_policy, load_reference
 from learner.policy.train_step import Passes, StepOutcome, train_step

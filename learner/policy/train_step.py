@@ -15,15 +15,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.config.algorithm import AlgorithmConfig
+from learner.distributed import World, sum_across_ranks
 from learner.maths.advantages import compute_advantages
 from learner.maths.batching import TrainBatch, micro_batches
-from learner.distributed import World, sum_across_ranks
 from learner.maths.logprobs import target_logprobs
-from learner.policy.lora import adapter_dropout
 from learner.maths.loss_terms import second_moment_cutoff
 from learner.maths.losses import LossInputs, compute_policy_loss, second_moment_summary
-from learner.policy.memory import out_of_memory_names_keys
 from learner.maths.mini_batches import mini_batch_rows
+from learner.policy.lora import adapter_dropout
+from learner.policy.memory import out_of_memory_names_keys
 
 NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask", "m2po", "decoupled_ppo_kl")  # losses that read π_prox, the batch's starting policy
 NEEDS_SECOND_MOMENT_CUTOFF = ("m2po",)  # losses whose mask needs a statistic of the whole optimizer step's tokens

@@ -28,8 +28,8 @@ from typing import Any, Mapping
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.staleness import drained_version
-from learner.policy.checkpoint import META_FILE, checkpoint_at_or_before, remove_checkpoints_after
 from learner.distributed import World, broadcast_bytes
+from learner.policy.checkpoint import META_FILE, checkpoint_at_or_before, remove_checkpoints_after
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ import torch
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.messages import Batch, decode, encode
-from learner.policy.checkpoint import CHECKPOINTS_DIR
 from learner.distributed import World, broadcast_bytes
-from learner.services.guard import Drained, GuardDecision, GuardFollower, NoGuard, RollBack, SafetyGuard
 from learner.loop_state import LoopState
-from learner.services.pacing import FixedStaleness, Pacer
+from learner.policy.checkpoint import CHECKPOINTS_DIR
 from learner.services.connections import LearnerConnections
+from learner.services.guard import Drained, GuardDecision, GuardFollower, NoGuard, RollBack, SafetyGuard
+from learner.services.pacing import FixedStaleness, Pacer
 from learner.services.snapshots import SnapshotWriter
 from learner.services.task_weight_publisher import FixedTaskWeights, TaskWeightsPublisher
 from learner.services.weight_sharing import WeightSharing

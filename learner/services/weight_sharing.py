@@ -10,9 +10,9 @@ import torch
 from asyncrl.config import AsyncRLConfig
 from asyncrl.weight_transfer.backends import weight_backend
 from learner.distributed import World
-from learner.services.lagged_weights import LaggedWeights
 from learner.policy.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes
 from learner.services.connections import LearnerConnections
+from learner.services.lagged_weights import LaggedWeights
 from learner.services.snapshots import SnapshotWriter
 
 

@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 
 from asyncrl.config import load_config
 from asyncrl.config.algorithm import AlgorithmConfig
+from learner.loop_state import resume_state
 from learner.maths.batching import collate
 from learner.policy.checkpoint import CHECKPOINTS_DIR, META_FILE, latest_checkpoint, save_checkpoint
-from learner.loop_state import resume_state
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
 from learner_helpers import gathered_weights, random_groups, save_tiny_model, single_rank_world

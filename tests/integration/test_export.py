@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM
 from launch import cli
 from asyncrl.config import load_config, save_config
 from asyncrl.config.algorithm import AlgorithmConfig
+from learner.distributed import spawner_store
 from learner.maths.batching import collate
 from learner.policy.checkpoint import CHECKPOINTS_DIR, save_checkpoint
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
-from learner.distributed import spawner_store
 from learner_helpers import gathered_weights, gloo_world, random_groups, save_tiny_model
 
 pytestmark = pytest.mark.slow

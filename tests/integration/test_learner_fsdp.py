@@ -14,11 +14,11 @@ from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner.maths.batching import collate
 from learner.distributed import init_world, local_rank_environment, spawner_store
+from learner.maths.batching import collate
 from learner.policy.policy_model import load_policy
-from learner_helpers import gathered_weights
 from learner.policy.train_step import Passes, train_step
+from learner_helpers import gathered_weights
 
 pytestmark = pytest.mark.slow
 BF16_UPDATE_TOLERANCE = 0.05  # relative norm of the update difference allowed between 1 and 2 bf16 ranks

@@ -12,10 +12,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
 from learner.maths import attention
-from learner.policy.activation_checkpointing import MODES, apply_activation_checkpointing
 from learner.maths.batching import collate
-from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.maths.logprobs import LinearTargetLogprob, attach_scoring, target_logprobs
+from learner.policy.activation_checkpointing import MODES, apply_activation_checkpointing
+from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.policy.policy_model import PinnedWeights, full_weights, shard_policy
 from learner.policy.train_step import Passes, train_step
 from learner_helpers import random_groups, single_rank_world

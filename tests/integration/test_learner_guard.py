@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from asyncrl.config import load_config
-from learner.policy.checkpoint import CHECKPOINTS_DIR
-from learner.services.guard import GuardStopped
 from learner.loop_state import LoopState
+from learner.policy.checkpoint import CHECKPOINTS_DIR
 from learner.policy.policy_model import load_policy
+from learner.services.guard import GuardStopped
 from learner_helpers import random_groups, save_tiny_model, single_rank_world
 from offline_learner import OfflineConnections, run_offline
 from test_learner_bad_steps import ScriptedBuffer, batch_of

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import load_config
 from learner.distributed import init_world, local_rank_environment, spawner_store
 from learner.main import warn_if_updates_round_away
-from learner.services.weight_sharing import WeightSharing
 from learner.policy.policy_model import full_weights, full_weights_bytes, load_policy
+from learner.services.weight_sharing import WeightSharing
 from learner_helpers import gathered_weights, save_tiny_model, single_rank_world
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")

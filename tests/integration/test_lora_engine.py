@@ -19,8 +19,8 @@ from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.rollout import EngineConfig, RolloutConfig, SamplingConfig
 from asyncrl.config.sections import LoraConfig
 from asyncrl.weight_transfer import update_info_for
-from learner.maths.batching import collate
 from learner.distributed import World
+from learner.maths.batching import collate
 from learner.maths.logprobs import target_logprobs
 from learner.policy.lora import AdaptersOff, peft_config
 from learner.policy.policy_model import full_weights, load_policy

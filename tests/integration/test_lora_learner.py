@@ -23,9 +23,9 @@ from launch import cli
 from launch.commands import export as export_command
 from learner.maths import attention
 from learner.maths.batching import collate
+from learner.maths.logprobs import target_logprobs
 from learner.policy.checkpoint import CHECKPOINTS_DIR
 from learner.policy.export import MERGED_DIR
-from learner.maths.logprobs import target_logprobs
 from learner.policy.lora import add_adapters, is_adapter_weight
 from learner.policy.policy_model import shard_policy
 from learner.policy.policy_trainer import PolicyTrainer

@@ -13,8 +13,8 @@ from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner.maths.batching import collate
 from learner.distributed import init_world, local_rank_environment, spawner_store
+from learner.maths.batching import collate
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
 from learner_helpers import gathered_weights

@@ -18,14 +18,14 @@ from asyncrl.config.loader import ConfigError
 from asyncrl.messages import Batch
 from learner.distributed import World
 from asyncrl.staleness import drained_version
-from learner.services.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop
 from learner.loop import roll_back
 from learner.loop_state import LoopState
-from learner.services.pacing import FixedStaleness
 from learner.policy.policy_trainer import PolicyTrainer
+from learner.policy.train_step import Passes
+from learner.services.guard import GO_ON, CollapseDetector, Drained, RollBack, SafetyGuard, Stop
+from learner.services.pacing import FixedStaleness
 from learner.services.rank_services import RankZeroServices
 from learner.services.task_weight_publisher import FixedTaskWeights
-from learner.policy.train_step import Passes
 from learner.services.weight_sharing import WeightSharing
 from offline_learner import OfflineConnections
 

@@ -26,11 +26,13 @@ from asyncrl.config.sections import TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner.maths import attention, policy_trainer, reference_trainer
-from learner.maths.advantages import compute_advantages
+from learner import reference_trainer
 from learner.distributed import World
+from learner.maths import attention
+from learner.maths.advantages import compute_advantages
 from learner.maths.logprobs import attach_scoring
 from learner.maths.losses import LossInputs, compute_policy_loss
+from learner.policy import policy_trainer
 from plain_grpo import PlainStep, Sample, completion_logprobs, group_advantages, grpo_step, policy_loss
 
 MODEL_SEED = 11

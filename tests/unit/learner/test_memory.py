@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from asyncrl.config.learner import LearnerConfig
-from learner.policy.activation_checkpointing import AUTO, FULL, NONE, SELECTIVE, checkpointing_for_device
 from learner.distributed import World
+from learner.policy.activation_checkpointing import AUTO, FULL, NONE, SELECTIVE, checkpointing_for_device
 from learner.policy.memory import (
     CPU_MICRO_BATCH_TOKENS, MAX_AUTO_TOKENS, SHARED_GPU_USABLE_SHARE, USABLE_SHARE, LearnerOutOfMemory, PassMemory,
     choose_checkpointing, out_of_memory_names_keys, pass_memory, resolve_micro_batch_tokens, room_for_passes,

@@ -10,9 +10,9 @@ import torch
 from asyncrl.config import load_config
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.loader import ConfigError
+from learner.distributed import World
 from learner.maths.advantages import compute_advantages
 from learner.maths.batching import TrainBatch, collate
-from learner.distributed import World
 from learner.maths.logprobs import target_logprobs
 from learner.maths.loss_terms import binary_kl, leaves_trust_region, ratio_from_log, second_moment_cutoff, truncated_weight
 from learner.maths.losses import LossInputs, compute_policy_loss

@@ -12,10 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from learner.policy.activation_checkpointing import AUTO, FULL, MODES, NONE, SELECTIVE, apply_activation_checkpointing
-from learner.maths.batching import collate
 from learner.distributed import World
+from learner.maths.batching import collate
 from learner.maths.logprobs import target_logprobs
+from learner.policy.activation_checkpointing import AUTO, FULL, MODES, NONE, SELECTIVE, apply_activation_checkpointing
 from learner.policy.train_step import Passes, train_step
 from policy_helpers import tiny_policy
 

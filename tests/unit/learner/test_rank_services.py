@@ -13,8 +13,8 @@ from asyncrl.config import load_config
 from asyncrl.config.guard import GuardConfig, WatchedMetricConfig
 from asyncrl.messages import Batch
 from learner.distributed import World
-from learner.services.guard import GO_ON, Drained, NoGuard, RollBack, SafetyGuard
 from learner.loop_state import LoopState
+from learner.services.guard import GO_ON, Drained, NoGuard, RollBack, SafetyGuard
 from learner.services.pacing import FixedStaleness
 from learner.services.rank_services import PeerServices, RankZeroServices
 from learner.services.task_weight_publisher import FixedTaskWeights

@@ -18,8 +18,8 @@ import torch
 
 from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
-from learner.maths.batching import collate
 from learner.distributed import World
+from learner.maths.batching import collate
 from learner.policy.train_step import Passes, train_step
 from policy_helpers import tiny_policy
 
