@@ -174,8 +174,6 @@ class ReferenceSampler:
         ]
 
 
-
-
 @contextlib.contextmanager
 def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
     """Processes started inside (vLLM's engine core and workers) see only `gpus`; this one keeps its own view
