@@ -119,17 +119,17 @@ def test_engine_logprobs_under_the_synced_adapter_are_the_learners(lora_engine, 
     sampling = SamplingConfig(temperature=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True, n=1)
     before = loop_runner.run(lora_engine.generate(prompt, sampling, seed=3))
     assert before.versions == [0] * SAMPLED_TOKENS  # the base: PEFT starts the adapter as a no-op
-    assert mismatch_kl(torch.tensor(before.logprobs), learner.maths.logprobs(prompt, before.token_ids)) < MISMATCH_KL
+    assert mismatch_kl(torch.tensor(before.logprobs), learner.logprobs(prompt, before.token_ids)) < MISMATCH_KL
 
     learner.train(seed=1)
     learner.train(seed=2)
     send(lora_engine, lora_sender, learner.served(), 1, loop_runner)
     after = loop_runner.run(lora_engine.generate(prompt, sampling, seed=3))
     assert after.versions == [1] * SAMPLED_TOKENS
-    behaviour, trained = torch.tensor(after.logprobs), learner.maths.logprobs(prompt, after.token_ids)
+    behaviour, trained = torch.tensor(after.logprobs), learner.logprobs(prompt, after.token_ids)
     assert (behaviour - trained).abs().max().item() < LOGPROB_TOLERANCE
     assert mismatch_kl(behaviour, trained) < MISMATCH_KL
-    assert (behaviour - learner.maths.logprobs(prompt, after.token_ids, adapters=False)).abs().max().item() > ADAPTER_GAP
+    assert (behaviour - learner.logprobs(prompt, after.token_ids, adapters=False)).abs().max().item() > ADAPTER_GAP
 
 
 def test_a_request_spanning_an_adapter_swap_carries_both_versions(lora_engine, lora_sender, learner, loop_runner,
