@@ -35,13 +35,15 @@ def snapshot_path(run_dir: Path, version: int) -> Path:
 def made_times(run_dir: Path) -> dict[int, float]:
     """Each snapshot's version and the Unix time it was made, from the index; a version made twice (a resumed job
     made it again) counts by its latest line, whose weights its file holds."""
-    index = run_dir / SNAPSHOTS_DIR / INDEX_FILE
-    lines = index.read_text().splitlines() if index.is_file() else []
-    return {record["version"]: record["made_at"] for record in map(json.loads, lines)}
+    return {version: record["made_at"] for version, record in _by_version(run_dir / SNAPSHOTS_DIR / INDEX_FILE).items()}
 
 
 def read_evaluation(run_dir: Path) -> dict[int, dict[str, Any]]:
     """`asyncrl evaluate`'s record of each scored version (the latest, where one was scored twice)."""
-    path = run_dir / EVALUATION_FILE
+    return _by_version(run_dir / EVALUATION_FILE)
+
+
+def _by_version(path: Path) -> dict[int, dict[str, Any]]:
+    """A JSON-lines file's records by their "version", the latest line of a version winning; {} without the file."""
     lines = path.read_text().splitlines() if path.is_file() else []
     return {record["version"]: record for record in map(json.loads, lines)}

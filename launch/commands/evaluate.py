@@ -31,6 +31,7 @@ ENGINE_KEYS = ("model", "rollout.engine", "reward", "environment")
 class Run:
     directory: Path
     config: AsyncRLConfig
+    made: dict[int, float]  # each snapshot's version and the Unix time the learner made it
     pending: list[int]  # versions with a snapshot and no score yet, in order
 
 
@@ -69,7 +70,7 @@ def read_run(directory: Path) -> Run:
         raise SystemExit(f"asyncrl evaluate: {directory} has no weight snapshots: run the job with "
                          "validation.after_run=true (and validation.every > 0)")
     scored = read_evaluation(directory)
-    return Run(directory, config, [version for version in sorted(made) if version not in scored])
+    return Run(directory, config, made, [version for version in sorted(made) if version not in scored])
 
 
 def engine_mismatch(runs: list[Run]) -> str | None:
@@ -106,7 +107,7 @@ def score_all(runs: list[Run]) -> None:
         loads = 0  # the engine's version for each load: never one it held, so no prompt's cache is reused
         total = sum(len(run.pending) for run in runs)
         for run in runs:
-            settings, made = run.config.validation, made_times(run.directory)
+            settings = run.config.validation
             prompts = load_validation_prompts(run.config, sampler.tokenizer)
             validator = Validator(settings, run.config.rollout.sampling, prompts, sampler.tokenizer, run.config.run.seed)
             for version in run.pending:
@@ -116,7 +117,7 @@ def score_all(runs: list[Run]) -> None:
                 sampler.load_weights(loads, weights)
                 del weights
                 metrics = sampler.score(validator)
-                record_score(run.directory, version, made[version], metrics)
+                record_score(run.directory, version, run.made[version], metrics)
                 log.info("%s version %d: val/score/mean %.3f (%d of %d)", run.directory.name, version,
                          metrics["val/score/mean"], loads, total)
     finally:
