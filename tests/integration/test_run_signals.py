@@ -181,8 +181,8 @@ def test_an_engine_that_cannot_run_the_model_ends_the_run_at_its_second_death_wi
     run, run_dir, seconds = real_jobs[engine_refused_job].result()
     assert run.returncode == CANNOT_START, run.stderr[-3000:]
     assert ("server-0 cannot run this config or install (not restarted again): the same error ended 2 starts in a "
-            "row, each within rollout.healthy_after_s=300s: RuntimeError: Worker failed with error 'Unsupported CPU "
-            "attention configuration: head_dim=16") in run.stderr  # on the console, from the engine core
+            "row, each within rollout.healthy_after_s=300s: RuntimeError: Unsupported CPU attention configuration: "
+            "head_dim=16") in run.stderr  # on the console, from the engine core
     supervisor_log = (run_dir / "logs" / "rollout.log").read_text()
     assert supervisor_log.count("restart in") == 1  # one restart, whatever rollout.max_restarts allows
     assert "Unsupported CPU attention configuration: head_dim=16" in (run_dir / "logs" / "rollout0.error").read_text()

