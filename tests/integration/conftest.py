@@ -1,5 +1,5 @@
 """Shared fixtures of the integration tests: buffer processes; for the vLLM tests two tiny tied models,
-one event loop and ONE engine per session; the real jobs that whole modules read, run side by side.
+one event loop and ONE engine per session; the real jobs that whole modules read, run beside the other tests.
 
 An engine takes ~45 s to start and ~30 s to warm up on 2 CPU cores, so every test shares it; the tests
 in `test_rollout_engine.py` run in file order and the weight version they expect follows that order.
@@ -39,12 +39,9 @@ for _key, _value in {
 SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
 ENGINE_CPU_THREADS = 1  # OpenMP threads of the shared engine's processes (rollout.engine.cpu_threads)
-# Real jobs run at once by `real_jobs`: a job keeps less than one core busy (its roles start one after
-# another, then the learner and the engine take turns: those modules, three jobs at a time, kept two cores
-# 62 % busy), and the longest job (two runs back to back) sets the end: on the 2-core box four at a time took
-# the nine jobs 394 s, three at a time 459 s (measured before the rollout supervisor stopped importing vLLM,
-# which saves some of the difference).
-JOBS_AT_ONCE = 4
+# Real jobs at once beside the other tests (`side_work`): a job keeps less than one core busy (its roles start one
+# after another, then the learner and the engine take turns), and so does a test that runs a job of its own.
+JOBS_AT_ONCE = 3
 
 _T = TypeVar("_T")
 _KEPT_ALIVE: list[Any] = []  # objects that must never be garbage-collected (see rollout_engine)
@@ -153,33 +150,23 @@ def buffer_process(tmp_path) -> Callable[..., BufferProcess]:
         process.stop()
 
 
-@pytest.fixture(scope="session")
-def tiny_job_inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The task files and warm-started model of `tiny_job(dir, ...)`, built once for the jobs that share them
-    (init-model alone takes ~25 s on the loaded box). A job passes this dir to `tiny_job` and its own
-    `run.root_dir=...` after it, and changes no task.* or model.* key."""
-    inputs = tmp_path_factory.mktemp("tiny_job_inputs")
-    prepare(inputs, tiny_job(inputs, 1))
-    return inputs
-
-
 RealJob = Callable[[Path, Path], Any]  # (the shared tiny job inputs, a directory of its own) -> what its tests read
 _JOB_SECONDS: dict[str, float] = {}  # each finished real job's wall time, for the report's summary
 
 
-def _timed(job: RealJob, inputs: Path, own_dir: Path) -> Any:
+def _timed(job: RealJob, inputs: Future, own_dir: Path) -> Any:
     started = time.monotonic()
     try:
-        return job(inputs, own_dir)
+        return job(inputs.result(), own_dir)
     finally:
         _JOB_SECONDS[job.__name__] = time.monotonic() - started
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """The real jobs' wall times, longest first: where the side-by-side phase goes (it sets up the first module
-    that asks, so --durations shows it as one setup)."""
+    """The real jobs' wall times, longest first: where the side work goes (a module that reads one waits for it in
+    its first test's setup, so --durations shows only what was left of it by then)."""
     if _JOB_SECONDS:
-        terminalreporter.write_sep("=", f"real jobs, {JOBS_AT_ONCE} at a time")
+        terminalreporter.write_sep("=", f"real jobs, {JOBS_AT_ONCE} at a time beside the other tests")
         for name, seconds in sorted(_JOB_SECONDS.items(), key=lambda item: -item[1]):
             terminalreporter.write_line(f"{seconds:7.1f}s  {name}")
 
@@ -189,17 +176,58 @@ def uses_real_jobs(item: pytest.Item) -> bool:
     return "real_jobs" in getattr(item, "fixturenames", ())
 
 
-@pytest.fixture(scope="session")
-def real_jobs(request: pytest.FixtureRequest, tiny_job_inputs: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> dict[RealJob, Future]:
-    """Every real job declared in the `REAL_JOBS` list of a module with a selected test that uses them (this
-    fixture, directly or through the module's own), run side by side (`JOBS_AT_ONCE`) the first time a module
-    asks, and all finished before its tests go on: no other test runs beside them. A module whose tests are
-    deselected, or whose selected tests use no real job, starts none. A module's fixture takes
-    `real_jobs[its_job].result()`, which raises that job's own failure only."""
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a test that reads a real job go last, in their order: the other tests run while the jobs do,
+    instead of waiting behind the first module that needs one."""
+    readers = {item.module for item in items if uses_real_jobs(item)}
+    items.sort(key=lambda item: getattr(item, "module", None) in readers)  # stable: each side keeps its order
+
+
+@dataclass
+class SideWork:
+    """What the session runs beside its tests: the shared tiny job inputs, then the real jobs."""
+    inputs: Future | None  # -> Path of the task files and warm-started model; None when no selected test needs them
+    jobs: dict[RealJob, Future]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def side_work(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SideWork]:
+    """Started by the session's first integration test: the inputs of `tiny_job(dir, ...)` (init-model alone takes
+    ~25 s on the loaded box), then every real job declared in the `REAL_JOBS` list of a module with a selected test
+    that uses them (`real_jobs`, directly or through the module's own fixture), `JOBS_AT_ONCE` at a time, while the
+    other tests go on: a test alone keeps about one of the two cores busy (processes start one after another, then
+    wait for each other), so the jobs fill the other. A module whose tests are deselected, or whose selected tests
+    use no real job, starts none."""
+    items = request.session.items
     declared: list[RealJob] = []
-    for module in dict.fromkeys(item.module for item in request.session.items if uses_real_jobs(item)):
+    for module in dict.fromkeys(item.module for item in items if uses_real_jobs(item)):
         declared += [job for job in getattr(module, "REAL_JOBS", ()) if job not in declared]
-    with ThreadPoolExecutor(JOBS_AT_ONCE) as pool:  # subprocess waits release the GIL
-        return {job: pool.submit(_timed, job, tiny_job_inputs, tmp_path_factory.mktemp(job.__name__))
-                for job in declared}
+    if not declared and not any("tiny_job_inputs" in getattr(item, "fixturenames", ()) for item in items):
+        yield SideWork(None, {})
+        return
+    inputs_dir = tmp_path_factory.mktemp("tiny_job_inputs")
+    pool = ThreadPoolExecutor(JOBS_AT_ONCE)  # subprocess waits release the GIL
+    inputs = pool.submit(_prepared, inputs_dir)  # first in the queue: every job waits for it
+    jobs = {job: pool.submit(_timed, job, inputs, tmp_path_factory.mktemp(job.__name__)) for job in declared}
+    yield SideWork(inputs, jobs)
+    pool.shutdown(wait=True, cancel_futures=True)  # a run stopped early (-x) waits for the jobs already running
+
+
+def _prepared(inputs_dir: Path) -> Path:
+    prepare(inputs_dir, tiny_job(inputs_dir, 1))
+    return inputs_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_job_inputs(side_work: SideWork) -> Path:
+    """The task files and warm-started model of `tiny_job(dir, ...)`, built once for the jobs that share them. A job
+    passes this dir to `tiny_job` and its own `run.root_dir=...` after it, and changes no task.* or model.* key."""
+    assert side_work.inputs is not None
+    return side_work.inputs.result()
+
+
+@pytest.fixture(scope="session")
+def real_jobs(side_work: SideWork) -> dict[RealJob, Future]:
+    """The real jobs, running or done: a module's fixture takes `real_jobs[its_job].result()`, which waits for that
+    job alone and raises its own failure only."""
+    return side_work.jobs
