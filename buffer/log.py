@@ -120,7 +120,7 @@ class SegmentLog:
         return os.dup(self._writer)
 
     def cut_back(self, mark: tuple[int, int]) -> None:
-        """Remove every record appended since `mark` was taken (unsynced ones, after a failed fsync)."""
+        """Remove every record appended since `mark` was taken (those awaiting their fsync, after it failed)."""
         segment_count, size = mark
         while len(self.segments) > segment_count:
             os.close(self._writer)

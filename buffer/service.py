@@ -74,12 +74,12 @@ class BufferService:
         self._next_reject_log = 0.0
         self.router = ServingRouter(config.bind_host, config.port, config.max_message_bytes, config.curve_dir)
         self.socket, self.endpoint = self.router.socket, self.router.endpoint
-        self.syncer = BackgroundFsync() if config.fsync == "batch" else None
-        self._syncing = 0  # writes (oldest unsynced first) that the running background fsync covers
+        self.background_fsync = BackgroundFsync() if config.fsync == "batch" else None
+        self._fsync_covers = 0  # writes (oldest first) that the running background fsync covers
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
-        if self.syncer is not None:
-            self.poller.register(self.syncer.fileno(), zmq.POLLIN)
+        if self.background_fsync is not None:
+            self.poller.register(self.background_fsync.fileno(), zmq.POLLIN)
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {
             AdmissionRequest: self._on_admission,
             BatchRequest: self._on_batch_request,
@@ -98,8 +98,8 @@ class BufferService:
         try:
             while self.running:
                 ready = dict(self.poller.poll(self._poll_timeout_ms()))
-                if self.syncer is not None and self.syncer.fileno() in ready:
-                    self._on_synced(self.syncer.finish())
+                if self.background_fsync is not None and self.background_fsync.fileno() in ready:
+                    self._on_fsync_done(self.background_fsync.finish())
                 if self.socket in ready:
                     self.handle(self._drain())
                 now = time.monotonic()
@@ -211,12 +211,12 @@ class BufferService:
     def _ingest(self, groups: list[tuple[bytes, GroupSummary, Payload]]) -> None:
         """Write the groups; acknowledge them once durable (at once, or when their background fsync ends)."""
         try:
-            results, unsynced = self.store.write([(summary, frame) for _, summary, frame in groups],
-                                                 defer_fsync=self.syncer is not None)
+            results, written = self.store.write([(summary, frame) for _, summary, frame in groups],
+                                                defer_fsync=self.background_fsync is not None)
         except OSError as error:
             log.error("log write failed, nothing of this batch stored: %s", error)
             self._refuse_write([(identity, summary.record_id) for identity, summary, _ in groups], error)
-            self._discard_unsynced(error)  # a failing disk: what is not yet synced cannot be trusted either
+            self._discard_awaiting_fsync(error)  # a failing disk: what is not yet fsynced cannot be trusted either
             return
         for (identity, summary, _), stored in zip(groups, results):
             if stored.full:
@@ -224,35 +224,35 @@ class BufferService:
                 self._reply(identity, Ack(summary.record_id, -1, error="buffer full",
                                           retry_after_ms=self.config.retry_after_ms))
             else:
-                unsynced.acks.append((identity, Ack(summary.record_id, stored.offset, duplicate=stored.duplicate)))
-        if self.syncer is None or (not unsynced.entries and len(self.store.unsynced) == 1):
+                written.acks.append((identity, Ack(summary.record_id, stored.offset, duplicate=stored.duplicate)))
+        if self.background_fsync is None or (not written.entries and len(self.store.awaiting_fsync) == 1):
             self._publish(1)  # durable already (or only duplicates of durable records)
         else:
-            self._start_sync()
+            self._start_fsync()
 
-    def _start_sync(self) -> None:
-        """Sync everything written so far, unless a sync is running (the next one will cover it)."""
-        if self.syncer is not None and not self.syncer.busy and self.store.unsynced:
-            self._syncing = len(self.store.unsynced)
-            self.syncer.start(self.store.log.fsync_fd())
+    def _start_fsync(self) -> None:
+        """fsync everything written so far, unless an fsync is running (the next one will cover it)."""
+        if self.background_fsync is not None and not self.background_fsync.busy and self.store.awaiting_fsync:
+            self._fsync_covers = len(self.store.awaiting_fsync)
+            self.background_fsync.start(self.store.log.fsync_fd())
 
-    def _on_synced(self, error: OSError | None) -> None:
+    def _on_fsync_done(self, error: OSError | None) -> None:
         if error is None:
-            self._publish(self._syncing)
-            self._syncing = 0
+            self._publish(self._fsync_covers)
+            self._fsync_covers = 0
         else:
             log.error("log fsync failed: %s", error)
-            self._discard_unsynced(error)
-        self._start_sync()
+            self._discard_awaiting_fsync(error)
+        self._start_fsync()
 
-    def _discard_unsynced(self, error: OSError) -> None:
-        """Cut every record not yet synced out of the log and tell its producer to resend."""
-        dropped = self.store.discard_unsynced()
+    def _discard_awaiting_fsync(self, error: OSError) -> None:
+        """Cut every record not yet fsynced out of the log and tell its producer to resend."""
+        dropped = self.store.discard_awaiting_fsync()
         if dropped:
-            log.error("cut %d unsynced write(s) from the log; their producers will resend", len(dropped))
-        for unsynced in dropped:
-            self._refuse_write([(identity, ack.record_id) for identity, ack in unsynced.acks], error)
-        self._syncing = 0  # a sync still running covers none of what remains
+            log.error("cut %d write(s) awaiting fsync from the log; their producers will resend", len(dropped))
+        for written in dropped:
+            self._refuse_write([(identity, ack.record_id) for identity, ack in written.acks], error)
+        self._fsync_covers = 0  # an fsync still running covers none of what remains
 
     def _publish(self, count: int) -> None:
         """The oldest `count` writes are durable: consumers may have them, producers get their acks.
@@ -261,16 +261,16 @@ class BufferService:
         thread (~15 µs of CPU per ack here, and often a reschedule on 2 cores), and a producer reads
         frames one at a time, so it sees the same complete Ack messages as before."""
         acks: dict[bytes, list[bytes]] = {}
-        for unsynced in self.store.publish(count):
-            for identity, ack in unsynced.acks:
+        for written in self.store.publish(count):
+            for identity, ack in written.acks:
                 self.counters.duplicates += ack.duplicate
                 acks.setdefault(identity, []).append(encode(ack))
-            self.counters.ingested += len(unsynced.entries)
-            self.counters.ingested_samples += sum(entry.num_samples for entry in unsynced.entries)
-            self.counters.ingested_response_tokens += sum(entry.response_tokens for entry in unsynced.entries)
-            for entry in unsynced.entries:
+            self.counters.ingested += len(written.entries)
+            self.counters.ingested_samples += sum(entry.num_samples for entry in written.entries)
+            self.counters.ingested_response_tokens += sum(entry.response_tokens for entry in written.entries)
+            for entry in written.entries:
                 self.generated.add(entry.oldest_version, entry.num_samples, entry.response_tokens)
-            self.rate.add(time.monotonic(), len(unsynced.entries), unsynced.nbytes)
+            self.rate.add(time.monotonic(), len(written.entries), written.nbytes)
         for identity, frames in acks.items():
             self.socket.send_multipart([identity, *frames])
 
@@ -431,8 +431,8 @@ class BufferService:
         self._reject(identity, f"the buffer does not take '{type(message).kind}' messages")
 
     def close(self) -> None:
-        if self.syncer is not None:
-            self.syncer.close()
+        if self.background_fsync is not None:
+            self.background_fsync.close()
         self.router.close()
         self.store.close()
 

@@ -1,7 +1,7 @@
 """The buffer's state without the network: log, record-id index, pending window, commit point.
 
 Every operation here is what the service does for one message; tests drive it directly. Appended
-records reach consumers only once they are durable: `ingest` appends and syncs in one call; `write`
+records reach consumers only once they are durable: `ingest` appends and fsyncs in one call; `write`
 leaves the fsync to the caller (the service runs it on a thread) and `publish` makes them visible after.
 """
 
@@ -39,10 +39,10 @@ class Stored:
 
 
 @dataclass
-class Unsynced:
-    """One `write` call's records: in the log, not yet synced, not yet visible to consumers."""
+class WriteAwaitingFsync:
+    """One `write` call's records: in the log, not yet fsynced, not yet visible to consumers."""
 
-    mark: tuple[int, int]  # log end before them: where a failed sync cuts the log back to
+    mark: tuple[int, int]  # log end before them: where a failed fsync cuts the log back to
     entries: list[Entry]  # the new records
     ids: dict[str, int]  # their record ids -> offsets
     acks: list[Any] = field(default_factory=list)  # the caller's replies, sent once the records are durable
@@ -67,8 +67,8 @@ class TrajectoryStore:
         self._ids_in_order: deque[tuple[int, str]] = deque()
         # offsets at or past the commit dropped as stale
         self._drops_since_commit: set[int] = set(self.committed.dropped_ahead)
-        self.unsynced: deque[Unsynced] = deque()  # written, waiting for their fsync, oldest first
-        self._unsynced_ids: dict[str, int] = {}
+        self.awaiting_fsync: deque[WriteAwaitingFsync] = deque()  # written, waiting for their fsync, oldest first
+        self._awaiting_fsync_ids: dict[str, int] = {}
         self.consumers = ConsumerWindows(PendingWindow(self.committed.offset, self.committed.ahead), config.max_consumers)
         self.position_rereads = 0  # pending windows read back from the log for a consumer that moved its position
         self._rebuild_from_log()
@@ -107,10 +107,11 @@ class TrajectoryStore:
 
         Raises OSError when the log cannot be written; nothing of the call is stored then."""
         results, _ = self.write(records, defer_fsync=False)
-        self.publish(len(self.unsynced))
+        self.publish(len(self.awaiting_fsync))
         return results
 
-    def write(self, records: list[tuple[GroupSummary, Payload]], defer_fsync: bool) -> tuple[list[Stored], Unsynced]:
+    def write(self, records: list[tuple[GroupSummary, Payload]],
+              defer_fsync: bool) -> tuple[list[Stored], WriteAwaitingFsync]:
         """Append the new records in one log write; with defer_fsync=True the batch policy's fsync is the caller's.
 
         The records stay invisible to consumers (but known as duplicates) until `publish`. Raises OSError
@@ -120,7 +121,7 @@ class TrajectoryStore:
         frames: list[Payload] = []
         entries: list[Entry] = []
         staged_bytes = 0
-        memory_used = self.consumers.learner.bytes + sum(unsynced.nbytes for unsynced in self.unsynced)
+        memory_used = self.consumers.learner.bytes + sum(written.nbytes for written in self.awaiting_fsync)
         disk_used = self.log.disk_bytes
         for summary, frame in records:
             known = self._offset_of(summary.record_id, staged)
@@ -136,37 +137,37 @@ class TrajectoryStore:
             entries.append(_entry(offset, summary, frame))
             staged_bytes += len(frame)
             results.append(Stored(offset))
-        unsynced = Unsynced(self.log.mark(), entries, staged)
+        written = WriteAwaitingFsync(self.log.mark(), entries, staged)
         if frames:
             self.log.append(frames, defer_fsync=defer_fsync)
-        self.unsynced.append(unsynced)
-        self._unsynced_ids.update(staged)
-        return results, unsynced
+        self.awaiting_fsync.append(written)
+        self._awaiting_fsync_ids.update(staged)
+        return results, written
 
-    def publish(self, count: int) -> list[Unsynced]:
+    def publish(self, count: int) -> list[WriteAwaitingFsync]:
         """The oldest `count` writes are durable: hand their records to consumers; return them."""
-        published = [self.unsynced.popleft() for _ in range(count)]
-        for unsynced in published:
-            for record_id, offset in unsynced.ids.items():
-                del self._unsynced_ids[record_id]
+        published = [self.awaiting_fsync.popleft() for _ in range(count)]
+        for written in published:
+            for record_id, offset in written.ids.items():
+                del self._awaiting_fsync_ids[record_id]
                 self._remember(record_id, offset)
-            for entry in unsynced.entries:
+            for entry in written.entries:
                 for window in self.consumers:
                     window.append(entry)
         return published
 
-    def discard_unsynced(self) -> list[Unsynced]:
-        """Their fsync failed: cut every unsynced record out of the log; return the writes dropped."""
-        dropped = list(self.unsynced)
+    def discard_awaiting_fsync(self) -> list[WriteAwaitingFsync]:
+        """Their fsync failed: cut every record awaiting it out of the log; return the writes dropped."""
+        dropped = list(self.awaiting_fsync)
         if dropped:
             self.log.cut_back(dropped[0].mark)
-        self.unsynced.clear()
-        self._unsynced_ids.clear()
+        self.awaiting_fsync.clear()
+        self._awaiting_fsync_ids.clear()
         return dropped
 
     def _offset_of(self, record_id: str, staged: dict[str, int]) -> int | None:
         """Offset of a record already in the log (durable or not) or staged in this write; None if new."""
-        for known in (self.ids, self._unsynced_ids, staged):
+        for known in (self.ids, self._awaiting_fsync_ids, staged):
             if record_id in known:
                 return known[record_id]
         return None

@@ -24,11 +24,6 @@ Differences handled here:
   on 0.32; the chat endpoint imports them from here.
 - The tool-call types (`FunctionDefinition`, which a forced call's JSON is read into, `FunctionCall`,
   `ToolCall`) moved with the delta types.
-- Forcing a tool call (`tool_choice: required`, a named function, `parallel_tool_calls: false`) is the same
-  on both: the server composes the tool parser into a `vllm.parser` parser whose `adjust_request` sets a
-  structural tag in the parser's own format (`<tool_call>{"name": ..., "arguments": ...}</tool_call>` for
-  hermes) when the parser has one, else the tool parser constrains the reply to JSON (a list of
-  {"name", "parameters"}, or the named function's arguments). `tool_call_constraint` returns the grammar.
 - Loading in place (no layerwise reload) is chosen with `start_weight_update(is_checkpoint_format=False)`
   on 0.24 (its worker then skips the reload); 0.32 leaves the reload to our engine's hooks.
 - 0.24's worker-side engine is built as `(config, parallel_config, model)`: it has no `device` attribute,
@@ -57,8 +52,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitRequest,
     WeightTransferUpdateRequest,
 )
-from vllm.parser.parser_manager import ParserManager
-from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.weight_transfer.protocol import UpdateInfo
@@ -125,7 +118,6 @@ __all__ = [
     "sampled_logprobs",
     "start_update",
     "tokens_sampled",
-    "tool_call_constraint",
     "update_request",
     "version_spans",
     "weight_checksums",
@@ -315,10 +307,3 @@ async def weight_checksums(engine: AsyncLLM) -> list[dict[str, str]] | None:
         return None
     return await engine.compute_weight_checksums()
 
-
-def tool_call_constraint(tool_parser: str, tokenizer: Any, request: Any) -> StructuredOutputsParams | None:
-    """The structured-outputs grammar vLLM's own server puts on a chat request's reply for its `tool_choice`
-    and `parallel_tool_calls` with tool parser `tool_parser` (None: the reply is not constrained).
-    `structural_tag` set: the parser's own format; `json` set: the reply is JSON (a parser without a tag)."""
-    parser = ParserManager.get_parser(tool_parser_name=tool_parser, enable_auto_tools=True)(tokenizer, request.tools)
-    return parser.adjust_request(request.model_copy()).structured_outputs

@@ -32,7 +32,8 @@ from rollout_servers.chat.auth import refuse_open_bind, require_key
 from rollout_servers.chat.request import SESSION_HEADER, parse_request
 from rollout_servers.chat.sessions import CHAT_DATA_SOURCE, ChatSessions, FieldError, SessionError
 from rollout_servers.chat.stream import ReplyFormat, ReplyShape, StreamedReply
-from rollout_servers.chat.tools import ToolCallReader, forces_a_call
+from rollout_servers.chat.call_grammar import CallGrammarError
+from rollout_servers.chat.tools import ToolCallReader
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,7 @@ class ChatEndpoint:
             read_tool_calls, constraint = None, None
             if chat.reads_tool_calls:
                 constraint = self._forced_call(chat.parsed)
-                read_tool_calls = functools.partial(self._tool_calls.read, request=chat.parsed,
-                                                    json_reply=constraint is not None and constraint.json is not None)
+                read_tool_calls = functools.partial(self._tool_calls.read, request=chat.parsed)
             reply = await self.sessions.reply(chat.session_id, chat.messages, chat.sampling, chat.seed, listener,
                                               chat.tools, read_tool_calls, constraint)
         except SessionError as error:
@@ -114,13 +114,12 @@ class ChatEndpoint:
         return web.json_response(reply_format.completion(reply))
 
     def _forced_call(self, parsed: Any) -> Any:
-        """The grammar that forces the call `tool_choice` asks for ("required" or a named function) or allows one
-        call at most (`parallel_tool_calls: false`); None when the reply is free."""
-        constraint = self._tool_calls.constraint(parsed)
-        if constraint is None and forces_a_call(parsed):
-            raise FieldError("tool_choice", "the configured parser (rollout.chat.tool_parser) cannot force a call; "
-                                            "use 'auto'")
-        return constraint
+        """The grammar that forces the call `tool_choice` asks for ("required" or a named function); None when the
+        reply is free. A tool whose parameters cannot be a grammar gets a 400 naming them."""
+        try:
+            return self._tool_calls.constraint(parsed)
+        except CallGrammarError as error:
+            raise FieldError(error.field, str(error)) from error
 
     async def _close(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]

@@ -5,13 +5,12 @@ The parser reads the reply's text; the session keeps the sampled ids as they are
 parsed view (`content` and `tool_calls` with ids) and sends it back next turn, where only the new
 messages after it are rendered: what is trained is always the exact ids sampled.
 
-`tool_choice: "required"`, a named function and `parallel_tool_calls: false` are served as vLLM's own server
-serves them (`vllm_compat.tool_call_constraint`): a structured-outputs grammar on the reply forces the call
-(in the parser's own format where it has a structural tag, as hermes does; else as JSON, read as vLLM's
-server reads it) and allows at most one with `parallel_tool_calls: false`. A forced call's arguments follow
-its tool's `parameters` schema: its tools are given to vLLM's grammar builder as `strict` unless the client
-set `strict: false`. The constrained tokens are the tokens sampled, and their
-behaviour log-probs are vLLM's after the grammar's mask, those of the distribution that drew them.
+`tool_choice: "required"` and a named function force a call: a structured-outputs grammar of the server's own
+(`call_grammar.py`) constrains the reply to calls in the parser's format (hermes'; JSON for other parsers, read
+here as vLLM's server reads it), one with `parallel_tool_calls: false`, each call's arguments of its tool's
+`parameters` schema, with no free whitespace. The constrained tokens are the tokens sampled, and their behaviour
+log-probs are vLLM's after the grammar's mask, those of the distribution that drew them. With `auto` the reply is
+free; `parallel_tool_calls: false` then shows the client its first call only.
 """
 
 from __future__ import annotations
@@ -21,11 +20,12 @@ import logging
 from typing import Any, Sequence
 
 from pydantic import TypeAdapter, ValidationError
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionNamedToolChoiceParam, ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.tool_parsers import ToolParserManager
 
-from rollout_servers.vllm_compat import FunctionCall, FunctionDefinition, ToolCall, tool_call_constraint
+from rollout_servers.chat.call_grammar import forced_call_grammar, layout_for, named_function
+from rollout_servers.vllm_compat import FunctionCall, FunctionDefinition, ToolCall
 
 REQUIRED = "required"
 _FORCED_CALLS = TypeAdapter(list[FunctionDefinition])  # the JSON a "required" reply is constrained to
@@ -56,31 +56,27 @@ class ToolCallReader:
         except KeyError:
             known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
             raise ToolParserError(f"{key}: '{name}' is not one of vLLM's tool parsers ({', '.join(known)})") from None
-        self._name = name
+        self._layout = layout_for(name)
         self._tokenizer = tokenizer
         parser_log = logging.getLogger(self._parser.__module__)
         if not any(isinstance(f, OneLineParseErrors) for f in parser_log.filters):
             parser_log.addFilter(OneLineParseErrors())
 
     def constraint(self, request: ChatCompletionRequest) -> StructuredOutputsParams | None:
-        """The grammar that forces the call `request.tool_choice` asks for ("required" or a named function) or
-        allows one call at most (`parallel_tool_calls: false`), as vLLM's server sets it; None when unconstrained."""
-        if forces_a_call(request):
-            return tool_call_constraint(self._name, self._tokenizer, _arguments_pinned(request))
-        if request.parallel_tool_calls is False:
-            return tool_call_constraint(self._name, self._tokenizer, request)
+        """The grammar that forces the call `request.tool_choice` asks for ("required" or a named function); None
+        when the reply is free. Raises `CallGrammarError` for a tool whose parameters cannot be a grammar."""
+        if _forces_a_call(request):
+            return StructuredOutputsParams(grammar=forced_call_grammar(self._layout, request))
         return None
 
-    def read(self, token_ids: Sequence[int], request: ChatCompletionRequest,
-             json_reply: bool = False) -> tuple[str | None, list[Any]]:
-        """The reply's content and its vLLM `ToolCall`s ([] when it calls no tool); `json_reply`: the reply was
-        constrained to JSON (a forced call with a parser that has no structural tag), read as vLLM's server reads it."""
+    def read(self, token_ids: Sequence[int], request: ChatCompletionRequest) -> tuple[str | None, list[Any]]:
+        """The reply's content and its vLLM `ToolCall`s ([] when it calls no tool)."""
         ids = list(token_ids)
         if ids and ids[-1] == self._tokenizer.eos_token_id:
             ids = ids[:-1]  # vLLM's own text never holds the token that ended the turn
         # Special tokens kept: some templates mark their tool-call tags special (vLLM's hermes parser asks the same)
         text = self._tokenizer.decode(ids, skip_special_tokens=False)
-        if json_reply:
+        if _forces_a_call(request) and not self._layout.parsed_by_tool_parser:
             content, calls = None, _json_calls(text, request)
         else:
             parsed = self._parser(self._tokenizer, request.tools).extract_tool_calls(text, request)
@@ -97,25 +93,15 @@ class ToolCallReader:
         return [call.model_dump(exclude_none=True) for call in calls]
 
 
-def forces_a_call(request: ChatCompletionRequest) -> bool:
-    return request.tool_choice == REQUIRED or isinstance(request.tool_choice, ChatCompletionNamedToolChoiceParam)
-
-
-def _arguments_pinned(request: ChatCompletionRequest) -> ChatCompletionRequest:
-    """A copy of `request` whose tools are `strict` unless the client said `strict: false`: vLLM 0.32's grammar
-    leaves a non-strict tool's arguments free (any JSON value, even a bare number) unless the tool is strict,
-    so a forced call would follow no schema; 0.24's pins them already, and strict tools are pinned by both."""
-    tools = [tool if tool.function.strict is not None
-             else tool.model_copy(update={"function": tool.function.model_copy(update={"strict": True})})
-             for tool in request.tools or []]
-    return request.model_copy(update={"tools": tools})
+def _forces_a_call(request: ChatCompletionRequest) -> bool:
+    return request.tool_choice == REQUIRED or named_function(request) is not None
 
 
 def _json_calls(text: str, request: ChatCompletionRequest) -> list[ToolCall]:
-    """The calls in a constrained reply: the named function with the whole reply as its arguments, or the
-    list of {"name", "parameters"} that "required" asks for ([] when a token cap cut the JSON short)."""
-    if isinstance(request.tool_choice, ChatCompletionNamedToolChoiceParam):
-        name = request.tool_choice.function.name
+    """The calls in a reply forced in the JSON layout: the named function with the whole reply as its arguments, or
+    the list of {"name", "parameters"} that "required" asks for ([] when a token cap cut the JSON short)."""
+    name = named_function(request)
+    if name is not None:
         return [ToolCall(function=FunctionCall(name=name, arguments=text))] if text.strip() else []
     try:
         definitions = _FORCED_CALLS.validate_json(text)

@@ -1,10 +1,11 @@
 """An agent written with the official `openai` SDK drives a running job (`asyncrl run`, chat endpoint on,
-an API key from a file): streamed and plain replies are recorded exactly as the client saw them, a tool
-call round trip (a call forced by `tool_choice` through vLLM's structured outputs, the `tool` reply, the
-final answer) is one trajectory with the tool's tokens masked, a client that leaves mid-stream can resend
-and go on, refused fields get a 400 naming them, a missing or wrong key gets 401 and stores nothing, and
-the example agent (`examples/openai_agent.py`) runs end to end. One job serves the module; the last test stops it and reads the buffer's log
-(only safe to open once the buffer has stopped writing it)."""
+an API key from a file): streamed and plain replies are recorded exactly as the client saw them, forced calls
+(the server's grammar through vLLM's structured outputs) end as calls of their tool's schema within a few tokens,
+a tool call round trip (a forced call, the `tool` reply, the final answer) is one trajectory with the tool's
+tokens masked, a client that leaves mid-stream can resend and go on, refused fields get a 400 naming them, a
+missing or wrong key gets 401 and stores nothing, and the example agent (`examples/openai_agent.py`) runs end to
+end. One job serves the module; the last test stops it and reads the buffer's log (only safe to open once the
+buffer has stopped writing it)."""
 
 from __future__ import annotations
 
@@ -156,17 +157,14 @@ def seen_turn_plain(client: openai.OpenAI, messages: list, session_id: str) -> t
     return reply.choices[0].message.content, seen
 
 
-# Tools without `strict`: a forced call's arguments still follow their schema (the endpoint pins them), so a model
-# never taught to call them (this job's) closes its call within a few tokens. Their keys are in the order of vLLM's
-# request model, which the server's prompt renders.
-# Forced calls cut short by their token cap (about 1 in 4 here, more once the job has trained a while: the grammar
-# lets JSON whitespace run on) are retried in a new session.
-CALL_TRIES = 16
-CALL_MAX_TOKENS = 64  # the prompt with the calculator is 144 tokens: a call, the tool's message and an answer fit
+# Tools without `strict`: a forced call's arguments still follow their schema (only `"strict": false` frees them), so
+# a model never taught to call them (this job's) closes its call within a few tokens. Their keys are in the order of
+# vLLM's request model, which the server's prompt renders.
+CALL_MAX_TOKENS = 96  # each tool's prompt is about 145 tokens: a call fits, then the tool's message and an answer
 CALCULATOR = {"type": "function", "function": {"name": "calc", "parameters": {
     "type": "object", "properties": {"expr": {"type": "string", "maxLength": 3}}}}}
-SWITCH_ARGUMENTS = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
-SWITCH = {"type": "function", "function": {"name": "set", "parameters": SWITCH_ARGUMENTS}}  # a required field
+SWITCH = {"type": "function", "function": {"name": "set", "parameters": {  # a required field
+    "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}}
 
 
 @dataclass
@@ -181,25 +179,17 @@ def named(tool: dict) -> dict:
     return {"type": "function", "function": {"name": tool["function"]["name"]}}
 
 
-def forced_call(client: openai.OpenAI, tool: dict, tool_choice, name: str,
-                max_tokens: int) -> tuple[str, openai.types.chat.ChatCompletion]:
-    """A first turn offered `tool` and forced by `tool_choice` to make one call of it, in session `<name>-<try>`
-    (seeded by the try); a try cut short by `max_tokens` is closed unsent and retried in a new session. Returns the
-    session and the reply. One call: with parallel calls allowed, `required`'s grammar takes call after call until
-    the model samples its end, which the tiny model almost never does, so every try ran to its cap."""
-    for attempt in range(CALL_TRIES):
-        session_id = f"{name}-{attempt}"
-        reply = client.chat.completions.create(model="m", messages=[USER], tools=[tool], tool_choice=tool_choice,
-                                               parallel_tool_calls=False, logprobs=True, max_tokens=max_tokens,
-                                               seed=attempt, **session(session_id))
-        choice = reply.choices[0]
-        if choice.message.tool_calls:
-            assert choice.finish_reason == "tool_calls", choice
-            return session_id, reply
-        # the grammar lets JSON whitespace run on; only a reply cut by its token cap may lack the forced call
-        assert choice.finish_reason == "length", choice
-        client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
-    pytest.fail(f"no forced call completed within {max_tokens} tokens in {CALL_TRIES} tries")
+def forced_call(client: openai.OpenAI, tool: dict, tool_choice, session_id: str,
+                seed: int = 0) -> openai.types.chat.ChatCompletion:
+    """A first turn of session `session_id` offered `tool` and forced by `tool_choice` to make one call of it, within
+    CALL_MAX_TOKENS. One call: with parallel calls allowed, `required`'s grammar takes call after call until the model
+    samples its end, which the tiny model almost never does, so every try ran to its cap."""
+    reply = client.chat.completions.create(model="m", messages=[USER], tools=[tool], tool_choice=tool_choice,
+                                           parallel_tool_calls=False, logprobs=True, max_tokens=CALL_MAX_TOKENS,
+                                           seed=seed, **session(session_id))
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+    return reply
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +198,8 @@ def tool_round_trip(job) -> ToolRoundTrip:
     tiny model of this job was never taught to call it), the agent answers with a `tool` message, the model
     answers, and the session is closed as a group of one."""
     client = job.client()
-    session_id, first = forced_call(client, CALCULATOR, named(CALCULATOR), "tools", CALL_MAX_TOKENS)
+    session_id = "tools"
+    first = forced_call(client, CALCULATOR, named(CALCULATOR), session_id)
     choice = first.choices[0]
     (call,) = choice.message.tool_calls
     assert call.function.name == "calc"
@@ -224,16 +215,25 @@ def tool_round_trip(job) -> ToolRoundTrip:
     return ToolRoundTrip(closed["offset"], seen, tool_reply, closed["record_id"])
 
 
-@pytest.mark.parametrize("label, tool_choice", [("required", "required"), ("named", named(SWITCH))])
-def test_a_forced_calls_arguments_follow_the_tools_schema(job, label, tool_choice):
-    """The tiny model's free JSON is junk (`true`, a bare number); forced, the call's arguments are an object of
-    the tool's schema, its required field of its type. A one-turn session: the endpoint caps it at the room left."""
+FORCED_TRIES = 4  # per tool and choice: 16 forced calls
+
+
+@pytest.mark.parametrize("tool", [CALCULATOR, SWITCH], ids=["calc", "set"])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_every_forced_call_ends_in_a_call_of_the_tools_schema(job, tool, choice):
+    """The tiny model's free JSON is junk (`true`, a bare number), and a grammar that let free whitespace stand
+    between JSON tokens let it fill its token cap with newlines inside the arguments. Forced, every call ends within
+    a few tokens of its arguments, and its arguments are an object of the tool's schema (a required field of its
+    type, a string within its length)."""
     client = job.client()
-    session_id, reply = forced_call(client, SWITCH, tool_choice, f"schema-{label}", MAX_MODEL_LEN)
-    (call,) = reply.choices[0].message.tool_calls  # parallel calls off: the grammar ends the reply after one
-    assert call.function.name == "set"
-    jsonschema.validate(json.loads(call.function.arguments), SWITCH_ARGUMENTS)
-    client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
+    tool_choice = "required" if choice == "required" else named(tool)
+    for attempt in range(FORCED_TRIES):
+        session_id = f"forced-{choice}-{tool['function']['name']}-{attempt}"
+        reply = forced_call(client, tool, tool_choice, session_id, seed=attempt)
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == tool["function"]["name"]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        client.post(f"/sessions/{session_id}/close", body={"reward": 0.0}, cast_to=object)
 
 
 def read_group(job: Job, offset: int) -> TrajectoryGroup:
@@ -303,7 +303,7 @@ def test_a_tool_call_round_trip_is_one_trajectory_with_the_tool_masked(job, tool
     assert tool_ids == chat.observation_ids([tool_message], ids[:first_turn], [CALCULATOR])
     assert f"<|im_start|>tool\n{tool_round_trip.tool_reply}<|im_end|>" in tokenizer.decode(tool_ids)
     assert mask == [1] * first_turn + [0] * len(tool_ids) + [1] * (len(ids) - first_turn - len(tool_ids))
-    # the first turn is the call itself; the grammar lets JSON whitespace stand between the tag and the object
+    # the first turn is the call itself, in hermes' layout
     call_text = tokenizer.decode(ids[:first_turn])
     assert call_text.startswith("<tool_call>") and "</tool_call>" in call_text, call_text
     call_json = json.loads(call_text.removeprefix("<tool_call>").split("</tool_call>")[0])

@@ -301,7 +301,7 @@ def test_a_failing_request_is_answered_and_the_service_goes_on(serve, small_conf
 
 
 def test_a_failed_background_fsync_is_retried_by_the_producer_and_stored_once(serve, small_config, monkeypatch):
-    service = serve(small_config)  # fsync=batch: the helper thread syncs
+    service = serve(small_config)  # fsync=batch: the helper thread runs the fsync
     real_fsync, failures = os.fsync, []
 
     def fail_once(fd):

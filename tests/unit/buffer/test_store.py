@@ -113,7 +113,7 @@ def test_accepted_excludes_stale_drops_across_restarts(tmp_path, small_config):
 def test_records_waiting_for_their_fsync_are_known_but_not_handed_out(tmp_path, small_config):
     store = TrajectoryStore(small_config, tmp_path)
     results, first = store.write(records(range(2)), defer_fsync=True)
-    again, second = store.write(records([1, 2]), defer_fsync=True)  # a resend of an unsynced record, and a new one
+    again, second = store.write(records([1, 2]), defer_fsync=True)  # a resend of a record awaiting fsync, and a new one
     assert [(r.offset, r.duplicate) for r in results + again] == [(0, False), (1, False), (1, True), (2, False)]
     assert store.end_offset == 0 and store.take(BatchLimits(0, 1)).taken == []
     assert store.publish(1) == [first]
@@ -121,12 +121,12 @@ def test_records_waiting_for_their_fsync_are_known_but_not_handed_out(tmp_path, 
     assert store.publish(1) == [second] and store.end_offset == 3
 
 
-def test_a_failed_fsync_cuts_every_unsynced_record_out_of_the_log(tmp_path, small_config):
+def test_a_failed_fsync_cuts_every_record_awaiting_it_out_of_the_log(tmp_path, small_config):
     store = TrajectoryStore(small_config, tmp_path)
     store.ingest(records([0]))
     store.write(records(range(1, 20)), defer_fsync=True)  # crosses segments (4 kB each)
     store.write(records([20]), defer_fsync=True)
-    assert len(store.discard_unsynced()) == 2
+    assert len(store.discard_awaiting_fsync()) == 2
     assert (store.end_offset, store.log.end_offset) == (1, 1)
     assert [(r.offset, r.duplicate) for r in store.ingest(records([5, 0]))] == [(1, False), (0, True)]
     store.close()

@@ -17,7 +17,6 @@ import httpx
 import openai
 import psutil
 import pytest
-import vllm
 
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta
@@ -29,6 +28,7 @@ from rollout_servers.chat.sessions import ChatSessions, SessionError
 from rollout_servers.chat.stream import TextSteps
 from rollout_servers.chat.tools import ToolCallReader
 from tests.unit.rollout_servers.test_agent_loop import EOS, TOKENIZER, ScriptedEngine, ids, turn
+from tests.unit.rollout_servers.test_call_grammar import follows
 from tests.unit.rollout_servers.test_chat_sessions import USER, OpenPlaces
 from waiting import wait_until, wait_until_async
 
@@ -346,18 +346,10 @@ def forced_turn(served: Served, session: str = "s", **fields) -> openai.types.ch
                                                   extra_body={"session_id": session}, **fields)
 
 
-def grammar(constraint) -> dict:
-    """vLLM's structural tag: which calls the reply may hold (vLLM 0.32 writes them in the parser's format)."""
-    form = json.loads(constraint.structural_tag)["format"]
-    return {"kind": form["type"], "names": [tag["begin"] for tag in form["tags"] if "\n" not in tag["begin"]],
-            "at_least_one": form["at_least_one"], "stop_after_first": form["stop_after_first"]}
+MUL = '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
 
 
-def begin(name: str) -> str:
-    return '<tool_call>{"name": "%s", "arguments": ' % name
-
-
-def test_required_and_a_named_function_force_a_call_in_the_parsers_format_as_vllms_server_does():
+def test_required_and_a_named_function_force_a_call_under_the_servers_grammar():
     with serving(ScriptedEngine([turn(CALL, -0.5)]), tool_parser="hermes") as served:
         required = forced_turn(served, tool_choice="required").choices[0]
         named = forced_turn(served, tool_choice={"type": "function", "function": {"name": "add"}},
@@ -365,31 +357,33 @@ def test_required_and_a_named_function_force_a_call_in_the_parsers_format_as_vll
         for choice in (required, named):
             (call,) = choice.message.tool_calls
             assert (choice.finish_reason, choice.message.content, call.function.name) == ("tool_calls", None, "add")
-        assert [grammar(c) for c in served.engine.constraints] == [
-            {"kind": "tags_with_separator", "names": [begin("add"), begin("mul")], "at_least_one": True,
-             "stop_after_first": False},
-            {"kind": "tags_with_separator", "names": [begin("add")], "at_least_one": True, "stop_after_first": True}]
+        required_grammar, named_grammar = (constraint.grammar for constraint in served.engine.constraints)
+        assert follows(required_grammar, CALL) and follows(required_grammar, MUL)
+        assert follows(named_grammar, CALL) and not follows(named_grammar, MUL)
         client(served).post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
     (trajectory,) = served.groups[0].trajectories
     assert trajectory.completion_ids == ids(CALL) + [EOS]  # the constrained ids as sampled, trained as they are
 
 
-# vLLM 0.32's parser limits a reply to one call when parallel calls are off; 0.24's (the GPU image) does not
-VLLM_LIMITS_PARALLEL_CALLS = not vllm.__version__.startswith("0.24.")
-TWO_CALLS = '<tool_call>{"name": "mul", "arguments": {}}</tool_call>\n<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+def test_a_forced_call_of_a_tool_whose_parameters_cannot_be_a_grammar_gets_a_400_naming_them():
+    broken = {"type": "function", "function": {"name": "when", "parameters": {"type": "moment"}}}
+    with serving(ScriptedEngine([turn(CALL, -0.5)]), tool_parser="hermes") as served:
+        with pytest.raises(openai.BadRequestError, match="tool 'when'") as error:
+            client(served).chat.completions.create(model="tiny", messages=[USER], tools=[*TOOLS, broken],
+                                                   tool_choice="required", extra_body={"session_id": "s"})
+        assert error.value.param == "tools[1].function.parameters"
+        assert len(served.sessions) == 0 and not served.engine.requests
 
 
-def test_parallel_calls_false_allows_one_call_and_keeps_the_sampled_ids_whole():
+TWO_CALLS = MUL + "\n" + CALL
+
+
+def test_auto_is_free_and_parallel_calls_false_shows_the_first_call_keeping_the_sampled_ids_whole():
     with serving(ScriptedEngine([turn(TWO_CALLS, -0.5)]), tool_parser="hermes") as served:
         first = forced_turn(served, parallel_tool_calls=False).choices[0]
-        assert [c.function.name for c in first.message.tool_calls] == ["mul"]  # as vLLM's server shows it, had the grammar let two through
-        if VLLM_LIMITS_PARALLEL_CALLS:
-            assert grammar(served.engine.constraints[0]) == {"kind": "triggered_tags", "names": [begin("add"), begin("mul")],
-                                                             "at_least_one": False, "stop_after_first": True}
-        else:  # vLLM 0.24's parser puts no grammar on auto with parallel calls off: the client sees the first call
-            assert served.engine.constraints[0] is None
+        assert [c.function.name for c in first.message.tool_calls] == ["mul"]  # as vLLM's server shows it
         forced_turn(served, session="free")
-        assert served.engine.constraints[1] is None  # auto with parallel calls: the reply is free
+        assert served.engine.constraints == [None, None]  # the model chose to call: no grammar either way
         client(served).post("/sessions/s/close", body={"reward": 1.0}, cast_to=object)
     assert served.groups[0].trajectories[0].completion_ids == ids(TWO_CALLS) + [EOS]
 

@@ -1,7 +1,5 @@
 """vLLM's tool parsers read a reply's ids; a parser name that vLLM does not know is named with the config key;
-a forced call's arguments are constrained to its tool's schema."""
-
-import json
+a forced call is constrained by the server's own grammar (`test_call_grammar.py`), read as vLLM's server reads it."""
 
 import pytest
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -29,37 +27,19 @@ def test_an_unknown_parser_is_refused_naming_the_config_key():
         ToolCallReader("hermez", TOKENIZER)
 
 
-def test_a_reply_constrained_to_json_is_read_as_vllms_server_reads_it():
-    reader = ToolCallReader("hermes", TOKENIZER)
+def test_a_forced_reply_in_the_json_layout_is_read_as_vllms_server_reads_it():
+    reader = ToolCallReader("llama3_json", TOKENIZER)  # a parser whose call format the server's grammar does not write
     required = ChatCompletionRequest.model_validate({**REQUEST.model_dump(include={"messages", "tools"}),
                                                      "tool_choice": "required"})
+    assert reader.constraint(required).grammar
     _, calls = reader.read(ids('[{"name": "add", "parameters": {"a": 2}}, {"name": "add", "parameters": {}}]') + [EOS],
-                           required, json_reply=True)
+                           required)
     assert [(c.function.name, c.function.arguments) for c in calls] == [("add", '{"a": 2}'), ("add", "{}")]
-    assert reader.read(ids('[{"name": "add", "param') + [EOS], required, json_reply=True) == (None, [])  # cut short
+    assert reader.read(ids('[{"name": "add", "param') + [EOS], required) == (None, [])  # cut short
     named = ChatCompletionRequest.model_validate({**REQUEST.model_dump(include={"messages", "tools"}),
                                                   "tool_choice": {"type": "function", "function": {"name": "add"}}})
-    _, (call,) = reader.read(ids('{"a": 2}') + [EOS], named, json_reply=True)
+    _, (call,) = reader.read(ids('{"a": 2}') + [EOS], named)
     assert (call.function.name, call.function.arguments) == ("add", '{"a": 2}')
-
-
-ARGUMENTS = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-
-
-def argument_schemas(tool_choice, **strict) -> list:
-    """The JSON schema each call layout of the hermes grammar puts on a forced call's arguments."""
-    function = {"name": "add", "parameters": ARGUMENTS, **strict}
-    request = ChatCompletionRequest.model_validate({"messages": REQUEST.messages, "tool_choice": tool_choice,
-                                                    "tools": [{"type": "function", "function": function}]})
-    tags = json.loads(ToolCallReader("hermes", TOKENIZER).constraint(request).structural_tag)["format"]["tags"]
-    return [tag["content"]["json_schema"] for tag in tags]
-
-
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_a_forced_calls_arguments_are_constrained_to_the_tools_schema(tool_choice):
-    # hermes writes a call on one line or over three: one tag for each
-    assert argument_schemas(tool_choice) == argument_schemas(tool_choice, strict=True) == [ARGUMENTS, ARGUMENTS]
-    assert argument_schemas(tool_choice, strict=False) == [True, True]  # the client asked for free arguments
 
 
 def test_an_unreadable_call_is_logged_on_one_line_and_read_as_no_call(caplog):
