@@ -12,20 +12,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import load_config
 from asyncrl.config.rollout import EngineConfig, RolloutConfig
+from asyncrl.metrics import read_metrics
 from demo.tiny.build import init_model
 from rollout_servers.rewards.builtin import scorer_for
 from tests.integration.conftest import _KEPT_ALIVE, ENGINE_CPU_THREADS
 from tests.integration.test_k0_matches_reference import consumed_groups
 from tests.integration.test_rollout_multi_turn import (LOGPROB_TOLERANCE, MAX_MODEL_LEN, RecordingEngine,
                                                        check_episode_tokens, recomputed_logprobs, run_episode)
-from asyncrl.metrics import read_metrics
 from run_helpers import asyncrl, prepare, tiny_job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 EPISODES = 3
 # Small and random (no warm start): what is tested is how ids travel, not what the model says.
-SHAPE = ["model.tiny.tokenizer=qwen3", "model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+QWEN3 = "model.tiny.tokenizer=qwen3"
+SHAPE = [QWEN3, "model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
          "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=128", "model.warm_start.steps=0",
          "model.warm_start.eval_samples=2"]
 
@@ -81,7 +82,7 @@ def test_a_job_on_the_real_tokenizer_trains_the_ids_its_engine_sampled(tmp_path)
     """guess_number (multi-turn whatever the model says: a random policy never calls the calculator's tool), K = 0,
     so step 1 trains samples of version 0, the model on disk: at every trained position the behaviour log-prob, which
     the engine reported for the id it sampled, is that model's log-prob of the trained id."""
-    overrides = tiny_job(tmp_path, 2, *SHAPE[:1], "model.warm_start.steps=0", "task.name=guess_number",
+    overrides = tiny_job(tmp_path, 2, QWEN3, "model.warm_start.steps=0", "task.name=guess_number",
                          "task.guess_number.max_guesses=3", "environment.max_turns=3", "buffer.max_staleness=0",
                          "buffer.batch_groups=2", "rollout.sampling.n=2", "validation.every=0",
                          f"rollout.engine.max_model_len={MAX_MODEL_LEN}", f"model.tiny.max_position={MAX_MODEL_LEN}")
