@@ -59,7 +59,8 @@ COMMANDS = (
         "init-model",
         "build the tiny default model and tokenizer locally, then warm-start it",
         "Builds a Qwen2-architecture causal LM (shape under model.tiny) with a character-level "
-        "tokenizer and chat template, with nothing downloaded, and warm-starts it with a short "
+        "tokenizer and chat template, or Qwen3's real tokenizer fetched at setup (model.tiny.tokenizer=qwen3), "
+        "with nothing downloaded, and warm-starts it with a short "
         "supervised phase (model.warm_start) on the synthetic task (teacher episodes for multi-turn "
         "tasks). Saves a Hugging Face directory at "
         "model.path that transformers and vLLM load, and records the starting accuracy in "

@@ -16,6 +16,11 @@
 # Skip the unpack in a later call only where /tmp/site/.unpacked exists: an extraction cut short by a missing
 # piece leaves a partial /tmp/site (vLLM failing at import), so it must be unpacked again.
 #
+# The pinned real-model tokenizers (model.tiny.tokenizer=qwen3; scripts/fetch_tokenizer.py, checksum-verified)
+# are copied as they are into .device/tokenizers; on the host, where nothing can be downloaded, put them where
+# the product looks for them:
+#   mkdir -p .cache && cp -r .device/tokenizers .cache/
+#
 # PACK=ray packs Ray instead, for `asyncrl launch` on the host (docs/ray.md): ray and the wheels it needs beyond
 # such an image, without its Java jars and its training, tuning, serving, data and RL libraries (the launcher
 # uses only Ray Core), into .device/ray-pieceNN; unpack it into the same /tmp/site.
@@ -68,4 +73,8 @@ for part in "$WORK"/parts/part.*; do
     mkdir -p ".device/$PIECES$number"
     mv "$part" ".device/$PIECES$number/part.$number"
 done
+if [ "${PACK:-vllm}" != ray ]; then
+    python3 scripts/fetch_tokenizer.py
+    rm -rf .device/tokenizers && cp -r .cache/tokenizers .device/tokenizers
+fi
 echo "pieces: $(ls -d .device/"$PIECES"* | wc -l) ($(du -shc .device/"$PIECES"* | tail -1 | cut -f1)) from $(du -sh "$WORK/site" | cut -f1) unpacked"

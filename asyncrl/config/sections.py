@@ -31,6 +31,7 @@ class TinyModelConfig:
     max_position: int = bounded(256, 16)  # longest sequence the model supports, in tokens
     tie_word_embeddings: bool = True  # share input embedding and output head, as small Qwen2 models do
     vocab_size: int = bounded(0, 0)  # embedding rows; 0 = the tokenizer's size (more mimics a real model's head)
+    tokenizer: str = one_of("char", "qwen3")  # vocabulary: char (~100 tokens, one per character; fast on CPU) or qwen3 (Qwen3's 151,669-token BPE, special tokens and chat template, fetched at setup; its output head makes CPU steps several times slower)
 
 
 @dataclass

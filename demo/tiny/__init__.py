@@ -1,1 +1,2 @@
-"""The tiny default policy: a Qwen2-architecture model with a character-level tokenizer, built locally."""
+"""The tiny default policy: a Qwen2-architecture model built locally, on a character-level tokenizer or Qwen3's
+real tokenizer fetched at setup (`model.tiny.tokenizer`)."""

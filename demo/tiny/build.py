@@ -17,7 +17,7 @@ import torch
 from asyncrl.config import AsyncRLConfig
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tiny.model import build_tiny_model
-from demo.tiny.tokenizer import build_char_tokenizer
+from demo.tiny.vocabulary import build_tokenizer
 from demo.tiny.warm_start import AnswerScorer, greedy_accuracy, warm_start
 
 log = logging.getLogger(__name__)
@@ -33,13 +33,13 @@ def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer],
     `scorer_for` gives the scorer of a data source (the rollout servers' built-in scorers, handed in by the caller),
     with which the greedy accuracy before and after the warm start is measured."""
     target = Path(config.model.path)
-    key = cache_key(config)
+    tokenizer = build_tokenizer(config.model.tiny.tokenizer)
+    key = cache_key(config, tokenizer)
     cached = read_report(target)
     if not force and cached.get("cache_key") == key:
         log.info("tiny model at %s is up to date (cache key %s)", target, key[:12])
         return cached
     started = time.perf_counter()
-    tokenizer = build_char_tokenizer()
     model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed).to(_device(config.model.warm_start.device))
     kind = task_kind(config.task)
     split = kind.split(config.task, config.run.seed)
@@ -85,14 +85,14 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cache_key(config: AsyncRLConfig) -> str:
-    """Hash of every setting that changes the saved model."""
+def cache_key(config: AsyncRLConfig, tokenizer: Any) -> str:
+    """Hash of every setting that changes the saved model, `tokenizer`'s vocabulary and merges among them."""
     shaping = {
         "tiny": dataclasses.asdict(config.model.tiny),
         "warm_start": dataclasses.asdict(config.model.warm_start),
         "task": dataclasses.asdict(config.task) | {"out_dir": None, "format": None, "num_train": None},
         "seed": config.run.seed,
-        "tokenizer": hashlib.sha256(build_char_tokenizer().backend_tokenizer.to_str().encode()).hexdigest(),
+        "tokenizer": hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
         "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()

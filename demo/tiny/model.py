@@ -9,6 +9,9 @@ from asyncrl.config.sections import TinyModelConfig
 
 _INIT_STD = 0.02  # initializer range, as in the Qwen2 release configs
 _ROPE_THETA = 10000.0  # rotary base; sequences here are short
+# Qwen's document separator: the model's bos and, beside the chat end-of-turn token, a second stop token (as
+# Qwen3's generation config lists it); the character tokenizer has it too.
+DOCUMENT_END = "<|endoftext|>"
 
 
 def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen2ForCausalLM:
@@ -24,13 +27,13 @@ def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase,
         tie_word_embeddings=shape.tie_word_embeddings,
         initializer_range=_INIT_STD,
         rope_theta=_ROPE_THETA,
-        bos_token_id=tokenizer.bos_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids(DOCUMENT_END),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(DOCUMENT_END)]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

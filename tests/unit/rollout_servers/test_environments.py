@@ -197,6 +197,13 @@ def test_chat_delta_closes_the_turn_and_cues_the_next_one():
     assert joined == delta.prompt_ids(messages)
 
 
+def test_chat_delta_refuses_a_template_that_rewrites_the_models_content():
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ':' + m['content'] | lower + '\\n' }}{% endfor %}"
+    with pytest.raises(ValueError, match="does not write an assistant message's content as it is"):
+        ChatDelta(tokenizer).observation_ids([{"role": "user", "content": "1"}], [tokenizer.eos_token_id])
+
+
 def test_transcript_masks_and_versions_token_by_token():
     transcript = Transcript(prompt_ids=[1, 2, 3], start_version=4)
     transcript.add_observation([9])  # before any model token: the start version
