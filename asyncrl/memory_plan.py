@@ -137,7 +137,8 @@ def training_state(trained: int, master_itemsize: int, ranks: int, cpu_offload: 
 
 
 def room_for_passes(available: float, optimizer_state: float, usable_share: float = USABLE_SHARE) -> float:
-    """Bytes left for a pass: `usable_share` of the `available` device memory, less the optimizer state to come."""
+    """Bytes left for a pass: `usable_share` of the `available` memory (the learner's part less what it holds), less
+    the optimizer state to come."""
     return available * usable_share - optimizer_state
 
 
@@ -186,7 +187,7 @@ class PassMemory:
 
 
 def pass_memory(probe_tokens: tuple[int, int], peaks: list[float], resident: float,
-              saved: list[float] | None = None) -> PassMemory:
+                saved: list[float] | None = None) -> PassMemory:
     """The line through two probes. per_token is the steeper of two slopes between them: of their peaks, and of
     what their forward passes left `saved` for the backward (the peak of a small probe may not grow with its
     tokens at all); fixed is what the peaks need beyond that line and the `resident` weights."""

@@ -73,22 +73,24 @@ def card_bytes(device: torch.device) -> int:
 def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, world: World, vocab: int,
                                context: int, packed: bool, split: GpuSplit | None, kept_for_servers: int = 0) -> int:
     """`learner.micro_batch_tokens` as a number: the configured one, or planned in this rank's part of the GPU
-    (`split`; None on CPU); every rank must call. A model sharded with checkpointing `auto` on a GPU gets its mode
-    here too, from the same passes. `kept_for_servers`: bytes of weights this rank will keep on its GPU for the
-    rollout servers between syncs (held like the weights)."""
+    (`split`; None on CPU); every rank must call. On a GPU a part that cannot hold the training state is refused
+    first, whatever is configured. A model sharded with checkpointing `auto` on a GPU gets its mode here too, from
+    the same passes. `kept_for_servers`: bytes of weights this rank will keep on its GPU for the rollout servers
+    between syncs (held like the weights)."""
     configured = settings.micro_batch_budget()
-    switch = checkpointing_switch(model)
-    if configured is not None and switch is None:
-        return configured
     if split is None:
-        log.info("learner.micro_batch_tokens=auto on CPU: %d tokens", CPU_MICRO_BATCH_TOKENS)
-        return CPU_MICRO_BATCH_TOKENS
+        if configured is None:
+            log.info("learner.micro_batch_tokens=auto on CPU: %d tokens", CPU_MICRO_BATCH_TOKENS)
+        return configured or CPU_MICRO_BATCH_TOKENS
     allocated = torch.cuda.memory_allocated(world.device)  # weights (and anything else already held)
     trained, itemsize = _trained_weights(model)
     state = training_state(trained, itemsize, world.size, settings.cpu_offload)
     (held,) = _across_ranks([allocated + kept_for_servers], world, dist.ReduceOp.MAX)
     room = LearnerRoom(split, resident=held, optimizer=state.optimizer)
     refuse_unless_state_fits(room, state)
+    switch = checkpointing_switch(model)
+    if configured is not None and switch is None:
+        return configured
     probes = ModelProbes(model, world, vocab, min(PROBE_SAMPLE_TOKENS, context), packed, allocated, switch)
     plan = plan_learner_passes(room, probes, configured, MODES if switch else None)
     if plan.checkpointing is not None:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig
-from asyncrl.weight_transfer.backends import weight_backend
+from asyncrl.weight_transfer.backends import IPC, weight_backend
 from asyncrl.weight_transfer.sender import materialised
 from learner.distributed import World
 from learner.maths import attention
@@ -119,6 +119,17 @@ def served_weights_device(config: AsyncRLConfig, model: torch.nn.Module, world: 
         if full_weights_bytes(model, DTYPES[config.model.dtype]) <= sync.staging_bytes:
             return world.device
     return torch.device("cpu")
+
+
+def weights_held_for_servers(config: AsyncRLConfig, model: torch.nn.Module, world: World, servers_beside: int) -> int:
+    """Bytes of served weights this rank holds on its GPU between syncs: on rank 0, the gathered copy where
+    `served_weights_device` keeps it there, and the CUDA IPC buffer that `servers_beside` servers on its GPU map
+    (docs/weight_sync.md); nothing on the other ranks."""
+    if not world.is_main or world.device.type != "cuda":
+        return 0
+    gathered = served_weights_device(config, model, world).type == "cuda"
+    shared = servers_beside > 0 and weight_backend(config.rollout.weight_sync.backend, shared_gpu=True) is IPC
+    return (gathered + shared) * full_weights_bytes(model, DTYPES[config.model.dtype])
 
 
 def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool,

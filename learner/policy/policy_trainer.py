@@ -21,7 +21,7 @@ from learner.maths.logprobs import sampling_temperature
 from learner.maths.lr_schedule import set_learning_rate
 from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.policy.memory import hold_to_part, peak_memory_metrics, resolve_micro_batch_tokens
-from learner.policy.policy_model import DTYPES, full_weights_bytes, load_policy, load_reference, served_weights_device
+from learner.policy.policy_model import load_policy, load_reference, weights_held_for_servers
 from learner.policy.train_step import Passes, StepOutcome, train_step
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,8 @@ def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World, spl
     """Micro-batch size (planned in this rank's part of the GPU, `split`, when auto), packing, and the servers'
     sampling temperature; every rank calls."""
     packed = config.learner.packs(world.device.type == "cuda")
-    kept = served_weights_device(config, model, world).type == "cuda" and world.is_main  # rank 0 keeps them there
-    kept_bytes = full_weights_bytes(model, DTYPES[config.model.dtype]) if kept else 0
+    held = weights_held_for_servers(config, model, world, split.servers if split else 0)
     tokens = resolve_micro_batch_tokens(model, config.learner, world, model.config.vocab_size,
-                                        model.config.max_position_embeddings, packed, split, kept_bytes)
+                                        model.config.max_position_embeddings, packed, split, held)
     log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
     return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout))

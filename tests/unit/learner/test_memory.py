@@ -1,14 +1,16 @@
-"""A learner rank's memory off a GPU (no budget applies: the CPU's auto values, no allocator to hold, no peaks to log),
-the checkpointing mode auto means per device, and an out-of-memory error that names the keys to change. The plan
-itself, with its figures, is `tests/unit/asyncrl/test_memory_plan.py`."""
+"""A learner rank's memory: off a GPU no budget applies (the CPU's auto values, no allocator to hold, no peaks to log);
+on one (its calls stood in for) the allocator held to the learner's part, the plan wired to what the rank holds, the
+weights it holds for the servers; the checkpointing mode auto means per device, and an out-of-memory error that
+names the keys to change. The plan itself, with its figures, is `tests/unit/asyncrl/test_memory_plan.py`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
-from asyncrl.memory_plan import PassMemory, split_learner_gpu
+from asyncrl.memory_plan import MemoryPlanRefused, PassMemory, split_learner_gpu
 from learner.distributed import World
 from learner.policy.activation_checkpointing import (
     AUTO, FULL, NONE, CheckpointingSwitch, attach_switch, checkpointing_for_device, checkpointing_switch,
@@ -17,6 +19,7 @@ from learner.policy.memory import (
     CPU_MICRO_BATCH_TOKENS, LearnerOutOfMemory, hold_to_part, out_of_memory_names_keys, peak_memory_metrics,
     resolve_micro_batch_tokens,
 )
+from learner.policy.policy_model import weights_held_for_servers
 
 GIB, MIB = 2**30, 2**20
 CPU_WORLD = World(rank=0, size=1, device=torch.device("cpu"))
@@ -93,3 +96,27 @@ def test_on_a_gpu_auto_plans_in_the_part_less_the_weights_held_and_the_copy_for_
     assert checkpointing_switch(model).mode == NONE
     assert made[0].resident == 10 * GIB  # passes are measured beyond what the weights hold
     assert made[0].passes == [("none", 16384), ("none", 22528)]
+
+
+def test_on_a_gpu_a_configured_micro_batch_still_needs_room_for_the_training_state(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 46 * GIB)  # more than the learner's part
+    split = split_learner_gpu(80 * GIB, 0, servers=1, server_share=0.4)
+    configured = LearnerConfig(micro_batch_tokens="8192", activation_checkpointing=FULL)
+    with pytest.raises(MemoryPlanRefused, match=r"45.5 GiB holds 46.0 GiB of weights"):
+        resolve_micro_batch_tokens(torch.nn.Linear(2, 2), configured, CUDA_WORLD, 10, 64, packed=True, split=split)
+
+
+@pytest.mark.parametrize(("backend", "servers_beside", "rank", "copies"), [
+    ("ipc", 1, 0, 2),  # the gathered weights and the CUDA IPC buffer the server beside maps
+    ("auto", 1, 0, 2),  # auto: nccl sends from the GPU, ipc beside the learner
+    ("nccl", 0, 0, 1),  # servers apart: the gathered weights alone, sent from the GPU
+    ("gloo", 1, 0, 0),  # through CPU memory
+    ("ipc", 1, 1, 0),  # only rank 0 holds them
+])
+def test_the_weights_held_for_the_servers(backend, servers_beside, rank, copies, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what `auto` asks of a GPU learner's process
+    config = AsyncRLConfig()
+    config.rollout.weight_sync.backend = backend
+    model = torch.nn.Linear(4, 4)  # 20 weights, served in model.dtype (float32): 80 bytes
+    world = World(rank=rank, size=2, device=torch.device("cuda", 0))
+    assert weights_held_for_servers(config, model, world, servers_beside) == copies * 80
