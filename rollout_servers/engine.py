@@ -77,12 +77,9 @@ class RolloutEngine:
         job's budget, `run.gpu_memory_gib`; 0: the whole card). Call from the serving event loop."""
         started = time.perf_counter()
         adapter = ServedAdapter(lora) if lora is not None and lora.enabled else None
-        args = engine_args(model_path, config.engine, config.max_inflight, lora, gpu_memory_gib)
-        if args.gpu_memory_utilization != config.engine.gpu_memory_utilization:
-            log.info("run.gpu_memory_gib=%g: the engine's share %g of it is vLLM's gpu_memory_utilization %.3f of the "
-                     "whole card", gpu_memory_gib, config.engine.gpu_memory_utilization, args.gpu_memory_utilization)
         with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
-            llm = AsyncLLM.from_engine_args(args)
+            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight, lora,
+                                                        gpu_memory_gib))
         await vllm_compat.label_weights(llm, version)
         log.info("vLLM engine on %s started in %.1fs (version %d%s)", model_path, time.perf_counter() - started, version,
                  ", serving the policy as a LoRA adapter" if adapter else "")

