@@ -71,12 +71,12 @@ def card_bytes(device: torch.device) -> int:
 
 
 def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, world: World, vocab: int,
-                               context: int, packed: bool, split: GpuSplit | None, kept_for_servers: int = 0) -> int:
+                               context: int, packed: bool, split: GpuSplit | None, held_for_servers: int = 0) -> int:
     """`learner.micro_batch_tokens` as a number: the configured one, or planned in this rank's part of the GPU
     (`split`; None on CPU); every rank must call. On a GPU a part that cannot hold the training state is refused
     first, whatever is configured. A model sharded with checkpointing `auto` on a GPU gets its mode here too, from
-    the same passes. `kept_for_servers`: bytes of weights this rank will keep on its GPU for the rollout servers
-    between syncs (held like the weights)."""
+    the same passes. `held_for_servers`: bytes of weights this rank holds on its GPU for the rollout servers between
+    syncs (`weights_held_for_servers`), counted with the weights."""
     configured = settings.micro_batch_budget()
     if split is None:
         if configured is None:
@@ -85,8 +85,8 @@ def resolve_micro_batch_tokens(model: torch.nn.Module, settings: LearnerConfig, 
     allocated = torch.cuda.memory_allocated(world.device)  # weights (and anything else already held)
     trained, itemsize = _trained_weights(model)
     state = training_state(trained, itemsize, world.size, settings.cpu_offload)
-    (held,) = _across_ranks([allocated + kept_for_servers], world, dist.ReduceOp.MAX)
-    room = LearnerRoom(split, resident=held, optimizer=state.optimizer)
+    (resident,) = _across_ranks([allocated + held_for_servers], world, dist.ReduceOp.MAX)
+    room = LearnerRoom(split, resident=resident, optimizer=state.optimizer)
     refuse_unless_state_fits(room, state)
     switch = checkpointing_switch(model)
     if configured is not None and switch is None:

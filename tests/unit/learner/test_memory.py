@@ -89,7 +89,7 @@ def test_on_a_gpu_auto_plans_in_the_part_less_the_weights_held_and_the_copy_for_
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
     split = split_learner_gpu(80 * GIB, 0, servers=1, server_share=0.4)  # the learner's 45.5 GiB
     tokens = resolve_micro_batch_tokens(model, LearnerConfig(), CUDA_WORLD, 10, 4096, packed=True, split=split,
-                                        kept_for_servers=GIB)
+                                        held_for_servers=GIB)
     # (45.5 - 10 - 1) × 0.7 - 8.0 MiB = 24.142 GiB; none's pass of 16,384 tokens (18 GiB) fits and is run; then
     # (24.142 - 2) GiB / 1 MiB = 22,673 tokens, rounded down to 22,528, and a pass of them
     assert tokens == 22528
