@@ -27,7 +27,7 @@ from asyncrl.config import AsyncRLConfig, ConfigError
 from asyncrl.weight_transfer.backends import IPC, alternatives, named, weight_backend
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory the servers take together; the learner gets the rest
+COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory budget the servers take together; the learner gets the rest
 APART, SHARED = "apart", "shared"  # rollout.placement: no server beside the learner; at least one
 
 
@@ -58,8 +58,13 @@ class Plan:
         """Server `index` runs on the first learner rank's GPU alone, where CUDA IPC reaches it."""
         return self.servers[index] == self.learner[:1]
 
+    @property
+    def server_gpus(self) -> list[int]:
+        """Every server's GPUs, server after server (as `rollout.gpus` lists them)."""
+        return [gpu for server in self.servers for gpu in server]
+
     def unused(self, visible: list[int]) -> list[int]:
-        used = set(self.learner) | {gpu for server in self.servers for gpu in server}
+        used = set(self.learner) | set(self.server_gpus)
         return [gpu for gpu in visible if gpu not in used]
 
     def describe(self) -> str:
@@ -75,7 +80,7 @@ class ServerPlace:
 
     gpus: tuple[int, ...]  # its GPUs (physical ids)
     backend: str  # how it receives the weights: ipc beside the learner, else gloo or nccl
-    gpu_memory_utilization: float  # its engine's share of each GPU's memory (lowered beside the learner)
+    gpu_memory_utilization: float  # its engine's share of each GPU's memory budget (lowered beside the learner)
     with_learner: bool  # it runs on the learner's GPU
 
     def describe(self, index: int) -> str:
@@ -254,8 +259,8 @@ def _check_backend_without_gpu(name: str) -> None:
 
 def share_beside_learner(config: AsyncRLConfig, servers: int) -> float:
     """The `gpu_memory_utilization` of each of `servers` servers on the learner's GPU: together they take at most
-    COLOCATED_SERVERS_SHARE of its memory, so a larger `rollout.engine.gpu_memory_utilization` is lowered to fit.
-    Servers on GPUs of their own keep the configured share."""
+    COLOCATED_SERVERS_SHARE of its memory budget (`run.gpu_memory_gib`, `asyncrl.memory_plan`), so a larger
+    `rollout.engine.gpu_memory_utilization` is lowered to fit. Servers on GPUs of their own keep the configured share."""
     wanted = config.rollout.engine.gpu_memory_utilization
     if not servers or wanted * servers <= COLOCATED_SERVERS_SHARE:
         return wanted
@@ -264,8 +269,8 @@ def share_beside_learner(config: AsyncRLConfig, servers: int) -> float:
 
 def leave_room_for_the_learner(config: AsyncRLConfig, plan: Plan, log) -> None:
     """Warn when the servers on the learner's GPU get less than `rollout.engine.gpu_memory_utilization`
-    (`share_beside_learner`); the learner's `micro_batch_tokens: auto` leaves their share free, started or not
-    (`servers_share_of_learner_gpu`)."""
+    (`share_beside_learner`); the learner's part of that GPU leaves their share free, started or not
+    (`servers_on_learner_gpu`)."""
     engine = config.rollout.engine
     beside = plan.sharing
     lowered = share_beside_learner(config, beside)
@@ -276,14 +281,14 @@ def leave_room_for_the_learner(config: AsyncRLConfig, plan: Plan, log) -> None:
                     engine.gpu_memory_utilization)
 
 
-def servers_share_of_learner_gpu(config: AsyncRLConfig) -> float:
-    """The share of the learner's GPU memory that rollout servers on that GPU take (0 when the roles have GPUs of
-    their own), from the lists `asyncrl run` hands the learner: what it must leave free, also before the servers
-    have started."""
+def servers_on_learner_gpu(config: AsyncRLConfig) -> tuple[int, float]:
+    """How many rollout servers run on the learner's GPU and each one's share of its memory budget (none when the
+    roles have GPUs of their own), from the lists `asyncrl run` hands the learner: what the learner leaves them,
+    also before they have started."""
     tp = config.rollout.engine.tensor_parallel_size
     listed = config.rollout.gpus
     plan = Plan(tuple(config.learner.gpus), tuple(tuple(listed[i:i + tp]) for i in range(0, len(listed), tp)))
-    return plan.sharing * share_beside_learner(config, plan.sharing)
+    return plan.sharing, share_beside_learner(config, plan.sharing)
 
 
 def check_ray_placement(config: AsyncRLConfig) -> None:
@@ -310,8 +315,13 @@ def check_ray_placement(config: AsyncRLConfig) -> None:
 
 def as_overrides(plan: Plan) -> list[str]:
     """The plan as the two commands' overrides: explicit lists, which they apply as given."""
-    servers = [gpu for server in plan.servers for gpu in server]
-    return [f"learner.gpus={_ids(plan.learner)}", f"rollout.gpus={_ids(servers)}"]
+    return [f"learner.gpus={_ids(plan.learner)}", f"rollout.gpus={_ids(plan.server_gpus)}"]
+
+
+def write_lists(config: AsyncRLConfig, plan: Plan) -> None:
+    """Make `config` name the plan's GPUs as explicit lists (`as_overrides` in place): what the roles read to know
+    which of them share a GPU."""
+    config.learner.gpus, config.rollout.gpus = list(plan.learner), plan.server_gpus
 
 
 def pin(gpus: tuple[int, ...] | list[int]) -> None:

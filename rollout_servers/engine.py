@@ -71,13 +71,15 @@ class RolloutEngine:
 
     @classmethod
     async def start(cls, model_path: str, config: RolloutConfig, version: int = 0,
-                    lora: LoraConfig | None = None) -> RolloutEngine:
+                    lora: LoraConfig | None = None, gpu_memory_gib: float = 0.0) -> RolloutEngine:
         """Start vLLM on `model_path`, whose weights are policy `version`; with `lora` enabled, the policy is served as
-        an adapter on that base, which each update replaces. Call from the serving event loop."""
+        an adapter on that base, which each update replaces; its memory is its share of `gpu_memory_gib` per GPU (the
+        job's budget, `run.gpu_memory_gib`; 0: the whole card). Call from the serving event loop."""
         started = time.perf_counter()
         adapter = ServedAdapter(lora) if lora is not None and lora.enabled else None
         with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
-            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight, lora))
+            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight, lora,
+                                                        gpu_memory_gib))
         await vllm_compat.label_weights(llm, version)
         log.info("vLLM engine on %s started in %.1fs (version %d%s)", model_path, time.perf_counter() - started, version,
                  ", serving the policy as a LoRA adapter" if adapter else "")

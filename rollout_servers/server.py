@@ -92,7 +92,8 @@ class RolloutServer:
             # start ends, before the server reaches the learner or the buffer.
             with stop_signals_held():
                 engine = await RolloutEngine.start(self.config.model.path, self.config.rollout, version=0,
-                                                   lora=self.config.model.lora)
+                                                   lora=self.config.model.lora,
+                                                   gpu_memory_gib=self.config.run.gpu_memory_gib)
             await self._serve_with(engine)
         finally:
             if engine is not None:

@@ -59,6 +59,7 @@ from asyncrl.config.algorithm import AlgorithmConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.logs import setup_logging
+from asyncrl.memory_plan import GpuSplit
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.tokenizer import build_char_tokenizer
 from learner.distributed import World, init_single_rank_world
@@ -66,7 +67,7 @@ from learner.maths import attention
 from learner.maths.batching import TrainBatch, collate
 from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
 from learner.policy.lora import AdaptersOff, is_adapter_weight
-from learner.policy.memory import resolve_micro_batch_tokens
+from learner.policy.memory import hold_to_part, resolve_micro_batch_tokens
 from learner.policy.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
 from learner.policy.train_step import NEEDS_PROXIMAL, Passes, train_step
 
@@ -228,12 +229,12 @@ class VariantResult:
 
 
 def run_variant(name: str, model: torch.nn.Module, reference: torch.nn.Module | None, batch: TrainBatch,
-                args: argparse.Namespace, world: World, shape: Shape) -> VariantResult:
+                args: argparse.Namespace, world: World, shape: Shape, split: GpuSplit | None) -> VariantResult:
     """`--warmup` then `--steps` timed train steps of one variant, with a fresh AdamW."""
     packed = name == "packed"
     settings = LearnerConfig(micro_batch_tokens=args.micro_batch_tokens, cpu_offload=args.cpu_offload,
                              activation_checkpointing=args.activation_checkpointing)
-    tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed)
+    tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed, split)
     switch = checkpointing_switch(model)
     checkpointing = switch.mode if switch else checkpointing_for_device(args.activation_checkpointing, world.device)
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # --lora: the adapters
@@ -325,6 +326,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     world = init_single_rank_world(args.device)
+    split = hold_to_part(world, 0.0, servers=0, server_share=0.0)  # the whole GPU, as a learner without servers has it
     try:
         shape = model_shape(args)
         settings = LearnerConfig(activation_checkpointing=args.activation_checkpointing, compile=args.compile,
@@ -337,7 +339,8 @@ def main() -> None:
         batch = synthetic_batch(args, shape.vocab)
         flops = step_flops(model, shape, batch, args.loss, args.reference, args.lora)
         reference = frozen_reference(shape, args, world, model) if args.reference else None
-        results = [run_variant(name, model, reference, batch, args, world, shape) for name in args.variants.split(",")]
+        results = [run_variant(name, model, reference, batch, args, world, shape, split)
+                   for name in args.variants.split(",")]
         result = report(args, world, shape, params, batch, flops, results)
     finally:
         dist.destroy_process_group()

@@ -20,6 +20,11 @@
 #   lora       LoRA (model.lora): the LoRA engine tests on CUDA vLLM, then bench_weight_sync.py --colocated with
 #              model.lora.enabled=true on the Qwen2.5-7B shape (rank 16 adapters on every linear layer swapped into
 #              one engine on the trainer's GPU: lora_sync_ms, against gloo); LORA_ARGS adds overrides
+#   budget     the Qwen2.5-7B-shaped model with LoRA (rank 16) as one job on one GPU (BUDGET_GPU, default 0), learner
+#              and server sharing it, within BUDGET_GIB of it (run.gpu_memory_gib, default 80: an 80 GB card's job on
+#              an H200) for BUDGET_STEPS steps (default 20) of `asyncrl run`, kept in runs/budget-lora7b; then the plan
+#              its roles logged, the learner's largest memory/peak_gib (scripts/memory_report.py) and the most memory
+#              nvidia-smi saw used on that GPU; BUDGET_ARGS adds overrides
 #   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
 #              (LEARNER_SHAPE=0.5b by default; 1.5b, 3b, 7b; LEARNER_ARGS adds options)
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
@@ -142,6 +147,23 @@ stage_lora() {
     "$PYTHON" scripts/bench_weight_sync.py --colocated --config "$CONFIG" --model .cache/models/qwen7b_shape --rounds 5 \
         "${BIG_MODEL[@]}" model.lora.enabled=true rollout.engine.enforce_eager=true \
         rollout.engine.gpu_memory_utilization=0.5 ${LORA_ARGS:-} || status=1
+    return $status
+}
+
+stage_budget() {
+    local status=0 gpu="${BUDGET_GPU:-0}" sampler
+    register_plugin
+    "$PYTHON" -m launch init-model --config "$CONFIG" "${BIG_MODEL[@]}" || return 1
+    rm -rf runs/budget-lora7b  # a fresh run, not a resumed one
+    # the whole GPU's use, every process on it, as the driver sees it (every 2 s)
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$gpu" -lms 2000 > "$OUT/budget_gpu_used.csv" &
+    sampler=$!
+    CUDA_VISIBLE_DEVICES="$gpu" "$PYTHON" -m launch run --config "$CONFIG" "${BIG_MODEL[@]}" \
+        model.lora.enabled=true run.gpu_memory_gib="${BUDGET_GIB:-80}" learner.total_steps="${BUDGET_STEPS:-20}" \
+        run.name=budget-lora7b metrics.wandb_mode=disabled ${BUDGET_ARGS:-} || status=1
+    kill "$sampler"
+    "$PYTHON" scripts/memory_report.py runs/budget-lora7b || status=1
+    echo "GPU $gpu used at most $(sort -n "$OUT/budget_gpu_used.csv" | tail -1) MiB (nvidia-smi, every 2 s)"
     return $status
 }
 

@@ -24,9 +24,9 @@ class LearnerConfig:
     beta1: float = bounded(0.9, 0.0, 1.0)  # AdamW first-moment decay
     beta2: float = bounded(0.999, 0.0, 1.0)  # AdamW second-moment decay
     grad_clip: float = bounded(1.0, 0.0)  # max global gradient norm (0 = no clipping)
-    micro_batch_tokens: str = AUTO  # tokens per forward/backward pass (packed: real tokens; padded: rows x longest row); auto = sized from the GPU memory free at start (8192 on CPU)
+    micro_batch_tokens: str = AUTO  # tokens per forward/backward pass (packed: real tokens; padded: rows x longest row); auto = the largest that fits the learner's part of the GPU (run.gpu_memory_gib), measured at start (8192 on CPU)
     packing: str = one_of(AUTO, "always", "never")  # samples back to back in one sequence (no padding FLOPs); auto = on GPU, padded on CPU
-    activation_checkpointing: str = one_of(AUTO, "none", "selective", "full")  # recompute in backward: selective = elementwise ops only, full = whole layers (least memory, ~1/3 more compute); auto = the cheapest of none < selective < full whose passes fit the GPU memory free at start (none on CPU)
+    activation_checkpointing: str = one_of(AUTO, "none", "selective", "full")  # recompute in backward: selective = elementwise ops only, full = whole layers (least memory, ~1/3 more compute); auto = the cheapest of none < selective < full whose passes fit the learner's part of the GPU, measured at start (none on CPU)
     compile: bool = False  # torch.compile each decoder layer (first steps slower while it compiles)
     cpu_offload: bool = False  # GPU: keep sharded weights, gradients and optimizer state in CPU memory (largest models; slower steps)
     mixed_precision: bool = True  # GPU: forward/backward in bf16 (weights cast per pass), gradients reduced in fp32 (ignored on CPU)

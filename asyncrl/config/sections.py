@@ -19,6 +19,7 @@ class RunConfig:
     name: str = ""  # run name; empty = "<command>-<timestamp>"
     seed: int = bounded(0, 0)  # global seed: data order, sampling, initialisation
     log_level: str = one_of("INFO", "DEBUG", "WARNING", "ERROR")  # logging level of every role
+    gpu_memory_gib: float = bounded(0.0, 0.0)  # GiB of each GPU the job may use, its roles together (0 = the whole card): rollout servers take their rollout.engine.gpu_memory_utilization of it, a learner beside them the rest, its allocator held there (docs/placement.md); no effect on CPU
 
 
 @dataclass

@@ -41,7 +41,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     if "WORLD_SIZE" in os.environ:
         log.error("learner.mode=synchronous runs in one process, not under torchrun or Ray")
         return 2
-    from asyncrl.placement import pin, place_local_job, server_places  # imports torch: after parsing
+    from asyncrl.placement import pin, place_local_job, server_places, write_lists  # imports torch: after parsing
     from asyncrl.weight_transfer.backends import group_backend
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
@@ -50,6 +50,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     if plan is not None:
         pin([*plan.learner, *(engine_gpus or ())])  # the policy's GPU first: it is cuda:0 here
         server_places(config, plan)[0].apply(config)  # the engine's memory share: lowered beside the policy
+        write_lists(config, plan)  # the policy's part of a shared GPU leaves the engine its share
     prepare_nccl_environment(config.rollout.weight_sync.host)
     named = Path(config.run.root_dir) / config.run.name
     if config.run.name and (named / METRICS_FILE).exists():

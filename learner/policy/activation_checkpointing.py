@@ -6,8 +6,8 @@
   intermediates are not kept;
 - full: only each layer's input is kept and the whole layer runs again in backward (least memory, about a
   third more compute);
-- auto: the cheapest of those three that fits the GPU memory free, chosen by `learner.policy.memory` once it has
-  measured the model (none on CPU). Each layer then reads its mode from a `CheckpointingSwitch` at every
+- auto: the cheapest of those three that fits the learner's part of the GPU, chosen by `learner.policy.memory` once
+  it has measured the model (none on CPU). Each layer then reads its mode from a `CheckpointingSwitch` at every
   call, so the probe passes can try one mode after another on the model as it will train.
 
 Each layer's `forward` is wrapped in place (no wrapper module), so parameter and checkpoint names stay

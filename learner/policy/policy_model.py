@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import LoraConfig
+from asyncrl.weight_transfer.backends import IPC, weight_backend
 from asyncrl.weight_transfer.sender import materialised
 from learner.distributed import World
 from learner.maths import attention
@@ -106,6 +107,29 @@ def full_weights_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of the unsharded served weights in `dtype`, a tied weight counted once (what `full_weights` holds)."""
     unique = {id(tensor): tensor for _, tensor in served_tensors(model)}
     return sum(tensor.numel() for tensor in unique.values()) * dtype.itemsize
+
+
+def served_weights_device(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> torch.device:
+    """Where the served weights are gathered for the rollout servers, and kept between rounds on rank 0: the
+    learner's GPU when they are sent from there (NCCL, CUDA IPC), fit `rollout.weight_sync.staging_bytes` and no
+    older versions are kept beside them (`buffer.study_lag_versions`); else CPU memory."""
+    sync = config.rollout.weight_sync
+    sends_from_gpu = world.device.type == "cuda" and weight_backend(sync.backend).device_type == "cuda"
+    if sends_from_gpu and not config.buffer.study_lag_versions:
+        if full_weights_bytes(model, DTYPES[config.model.dtype]) <= sync.staging_bytes:
+            return world.device
+    return torch.device("cpu")
+
+
+def weights_held_for_servers(config: AsyncRLConfig, model: torch.nn.Module, world: World, servers_beside: int) -> int:
+    """Bytes of served weights this rank holds on its GPU between syncs: on rank 0, the gathered copy where
+    `served_weights_device` keeps it there, and the CUDA IPC buffer that `servers_beside` servers on its GPU map
+    (docs/weight_sync.md); nothing on the other ranks."""
+    if not world.is_main or world.device.type != "cuda":
+        return 0
+    gathered = served_weights_device(config, model, world).type == "cuda"
+    shared = servers_beside > 0 and weight_backend(config.rollout.weight_sync.backend, shared_gpu=True) is IPC
+    return (gathered + shared) * full_weights_bytes(model, DTYPES[config.model.dtype])
 
 
 def full_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, keep: bool,

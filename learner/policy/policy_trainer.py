@@ -13,14 +13,15 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
-from asyncrl.placement import servers_share_of_learner_gpu
+from asyncrl.memory_plan import GpuSplit
+from asyncrl.placement import servers_on_learner_gpu
 from learner.distributed import World
 from learner.maths.batching import collate
 from learner.maths.logprobs import sampling_temperature
 from learner.maths.lr_schedule import set_learning_rate
 from learner.policy.checkpoint import load_checkpoint, save_checkpoint
-from learner.policy.memory import resolve_micro_batch_tokens
-from learner.policy.policy_model import load_policy, load_reference
+from learner.policy.memory import hold_to_part, peak_memory_metrics, resolve_micro_batch_tokens
+from learner.policy.policy_model import load_policy, load_reference, weights_held_for_servers
 from learner.policy.train_step import Passes, StepOutcome, train_step
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,10 @@ class PolicyTrainer:
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(config.run.seed)
+        split = hold_to_part(world, config.run.gpu_memory_gib, *servers_on_learner_gpu(config))  # before any allocation
         model = load_policy(config.model.path, settings.master_dtype, settings, world, config.model.lora)
         reference = load_reference(config, world, model)  # before sizing the micro-batches: its weights take memory too
-        passes = plan_passes(config, model, world)  # before the optimizer state exists: auto sizing leaves room for it
+        passes = plan_passes(config, model, world, split)  # before the optimizer state exists: the plan leaves it room
         trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # with LoRA: the adapters
         optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(settings.beta1, settings.beta2),
                                       weight_decay=settings.weight_decay)
@@ -58,8 +60,10 @@ class PolicyTrainer:
         gradient is not finite)."""
         set_learning_rate(self.optimizer, rate)
         batch = collate(canonical_order(groups), self.pad_id)
-        return train_step(self.model, self.optimizer, batch, self.config.algorithm, self.passes,
-                          self.config.learner.grad_clip, self.world, self.reference)
+        outcome = train_step(self.model, self.optimizer, batch, self.config.algorithm, self.passes,
+                             self.config.learner.grad_clip, self.world, self.reference)
+        outcome.metrics |= peak_memory_metrics(self.world)
+        return outcome
 
     def save(self, root: Path, step: int, meta: dict[str, Any]) -> Path:
         """Checkpoint `step` under `root` with `meta` (rank 0's is written), keeping learner.keep_checkpoints."""
@@ -76,10 +80,12 @@ def canonical_order(groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
     return sorted(groups, key=lambda group: [(t.prompt_ids, t.completion_ids) for t in group.trajectories])
 
 
-def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World) -> Passes:
-    """Micro-batch size (measured when auto), packing, and the servers' sampling temperature; every rank calls."""
+def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World, split: GpuSplit | None) -> Passes:
+    """Micro-batch size (planned in this rank's part of the GPU, `split`, when auto), packing, and the servers'
+    sampling temperature; every rank calls."""
     packed = config.learner.packs(world.device.type == "cuda")
+    held = weights_held_for_servers(config, model, world, split.servers if split else 0)
     tokens = resolve_micro_batch_tokens(model, config.learner, world, model.config.vocab_size,
-                                        model.config.max_position_embeddings, packed, servers_share_of_learner_gpu(config))
+                                        model.config.max_position_embeddings, packed, split, held)
     log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
     return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout))

@@ -8,9 +8,8 @@ import time
 import torch
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.weight_transfer.backends import weight_backend
 from learner.distributed import World
-from learner.policy.policy_model import DTYPES, PinnedWeights, full_weights, full_weights_bytes
+from learner.policy.policy_model import DTYPES, PinnedWeights, full_weights, served_weights_device
 from learner.services.connections import LearnerConnections
 from learner.services.lagged_weights import LaggedWeights
 from learner.services.snapshots import SnapshotWriter
@@ -32,10 +31,7 @@ class WeightSharing:
         self.final_version = config.learner.total_steps
         lag = config.buffer.study_lag_versions
         self.lagged = LaggedWeights(lag) if lag and services is not None else None
-        sync = config.rollout.weight_sync
-        sends_from_gpu = world.device.type == "cuda" and weight_backend(sync.backend).device_type == "cuda"
-        fits = full_weights_bytes(model, self.dtype) <= sync.staging_bytes
-        self.device = world.device if sends_from_gpu and fits and not lag else torch.device("cpu")
+        self.device = served_weights_device(config, model, world)
         gathers_off_gpu = world.device.type == "cuda" and self.device.type == "cpu"
         # reused page-locked buffers would leave every kept lagged version holding the newest weights
         self.pinned = PinnedWeights() if gathers_off_gpu and services is not None and not lag else None

@@ -38,6 +38,7 @@ def test_yaml_file_then_overrides(tmp_path):
         ("run.seed=abc", "run.seed"),
         ("model.tiny.hidden_size=1.5", "model.tiny.hidden_size"),
         ("run.seed=-1", "run.seed"),
+        ("run.gpu_memory_gib=-1", "run.gpu_memory_gib"),
         ("reward.timeout_s=0", "reward.timeout_s"),
         ("model.dtype=int8", "model.dtype"),
         ("task.operators=/", "task.operators"),

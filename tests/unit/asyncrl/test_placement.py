@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.placement import (PlacementError, Plan, as_overrides, check_ray_placement, pin, place_local_job,
-                               plan_placement, server_places, servers_share_of_learner_gpu, weight_sync_backend)
+                               plan_placement, server_places, servers_on_learner_gpu, weight_sync_backend, write_lists)
 
 
 def config(*overrides: str):
@@ -197,15 +197,24 @@ def test_a_server_takes_its_place_in_its_own_process():
     assert (mixed.rollout.weight_sync.backend, mixed.rollout.engine.gpu_memory_utilization) == ("ipc", 0.4)
 
 
-def test_a_colocated_learner_knows_the_servers_share_of_its_gpu():
+def test_a_colocated_learner_knows_the_servers_on_its_gpu():
     shared = config("rollout.num_servers=2", "rollout.engine.gpu_memory_utilization=0.2", "learner.gpus=[1]",
                     "rollout.gpus=[1,1]")
-    assert servers_share_of_learner_gpu(shared) == pytest.approx(0.4)
+    assert servers_on_learner_gpu(shared) == (2, pytest.approx(0.2))
     apart = config("rollout.engine.gpu_memory_utilization=0.9", "learner.gpus=[1]", "rollout.gpus=[0]")
-    assert servers_share_of_learner_gpu(apart) == 0.0
+    assert servers_on_learner_gpu(apart)[0] == 0
     mixed = config("rollout.num_servers=3", "rollout.engine.gpu_memory_utilization=0.85", "learner.gpus=[1]",
                    "rollout.gpus=[0,1,1]")
-    assert servers_share_of_learner_gpu(mixed) == pytest.approx(0.4)  # the two beside it, lowered; not the third
+    assert servers_on_learner_gpu(mixed) == (2, pytest.approx(0.2))  # the two beside it, lowered; not the third
+
+
+def test_a_plan_written_into_the_config_names_the_servers_beside_the_learner():
+    one_gpu = config("rollout.num_servers=1", "rollout.engine.gpu_memory_utilization=0.85")
+    plan = plan_placement(one_gpu, [3])
+    assert servers_on_learner_gpu(one_gpu)[0] == 0  # no lists: the learner cannot know
+    write_lists(one_gpu, plan)
+    assert (one_gpu.learner.gpus, one_gpu.rollout.gpus) == ([3], [3])
+    assert servers_on_learner_gpu(one_gpu) == (1, pytest.approx(0.4))
 
 
 @pytest.mark.parametrize(("overrides", "named"), [

@@ -13,7 +13,8 @@ log = logging.getLogger("test")
 
 @pytest.fixture
 def run_dir(tmp_path):
-    learner = load_config(None, ["learner.total_steps=40", "data.train_files=[a.parquet]", "validation.every=5"])
+    learner = load_config(None, ["learner.total_steps=40", "data.train_files=[a.parquet]", "validation.every=5",
+                                 "run.gpu_memory_gib=80"])
     save_config(learner, tmp_path)
     return tmp_path
 
@@ -25,6 +26,7 @@ def test_shared_settings_come_from_the_learner_and_rollout_settings_stay(run_dir
         adopted = adopt_learner_settings(mine, run_dir, overrides, log)
     assert adopted.learner.total_steps == 40 and adopted.data.train_files == ["a.parquet"]
     assert adopted.validation.every == 5
+    assert adopted.run.gpu_memory_gib == 80  # both sides plan in the same GPU budget
     assert adopted.rollout.num_servers == 2 and adopted.rollout.engine.cpu_threads == 1  # its own
     assert adopted.learner.lr == mine.learner.lr  # not a shared setting: untouched
     assert "learner.total_steps=40" in caplog.text
