@@ -162,6 +162,7 @@ stage_budget() {
         model.lora.enabled=true run.gpu_memory_gib="${BUDGET_GIB:-80}" learner.total_steps="${BUDGET_STEPS:-20}" \
         run.name=budget-lora7b metrics.wandb_mode=disabled ${BUDGET_ARGS:-} || status=1
     kill "$sampler"
+    mkdir -p "$OUT/budget-logs" && cp runs/budget-lora7b/logs/*.log "$OUT/budget-logs/" 2>/dev/null  # the roles' own logs
     "$PYTHON" scripts/memory_report.py runs/budget-lora7b || status=1
     echo "GPU $gpu used at most $(sort -n "$OUT/budget_gpu_used.csv" | tail -1) MiB (nvidia-smi, every 2 s)"
     return $status

@@ -5,8 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import pytest
+
+from keyword_filter import keyword_words, mentions_any
 
 
 @pytest.hookimpl(trylast=True)
@@ -26,6 +29,23 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under `-k WORDS`, skip test files, and folders of them, whose path and text contain none of the words: they
+    hold no test `-k` could select, and importing them (torch, transformers, vLLM) made `pytest -k <one test>` take
+    30 s. Any expression this cannot read safely (`not`, short or numeric words, which generated ids may match) skips
+    nothing."""
+    words = keyword_words(config.option.keyword)
+    if not words:
+        return None
+    if collection_path.is_dir():
+        files = list(collection_path.rglob("test_*.py"))
+    elif collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        files = [collection_path]
+    else:
+        return None
+    return None if any(mentions_any(path, words) for path in files) else True
 
 
 @pytest.fixture(autouse=True)

@@ -114,14 +114,17 @@ class LinearTargetLogprob(torch.autograd.Function):
     def backward(ctx, grad_chosen: Tensor, _grad_entropy: Tensor):
         hidden, weight, targets, normaliser = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)  # [N, H]
-        grad_weight = torch.zeros_like(weight, dtype=normaliser.dtype)  # [V, H] accumulated over chunks
+        # a frozen head (LoRA) gets no gradient: neither its [V, H] buffers nor its matmuls
+        trains_head = ctx.needs_input_grad[1]
+        grad_weight = torch.zeros_like(weight, dtype=normaliser.dtype) if trains_head else None  # [V, H] over chunks
         gradient = _kernel(_chunk_logit_gradient, hidden.device)
         for part in _row_chunks(hidden.shape[0], weight.shape[0], ctx.chunk_elements):
             logits = hidden[part] @ weight.T  # [n, V] recomputed
             grad_logits = gradient(logits, targets[part], normaliser[part], grad_chosen[part], ctx.temperature)  # [n, V]
             grad_hidden[part] = grad_logits @ weight  # [n, H]
-            grad_weight += grad_logits.T @ hidden[part]  # [V, H]
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ hidden[part]  # [V, H]
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
 
 def _chunk_scores(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):

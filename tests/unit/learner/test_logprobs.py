@@ -62,6 +62,21 @@ def test_gradcheck_and_entropy_carries_no_gradient():
     assert not entropy.requires_grad
 
 
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_the_same_one(monkeypatch):
+    """LoRA freezes the output head: its [V, H] gradient is neither allocated nor computed."""
+    hidden, weight, targets = random_head(6)
+    trained_hidden, trained_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    LinearTargetLogprob.apply(trained_hidden, trained_weight, targets, 0.9, 2 * VOCAB)[0].sum().backward()
+    head_buffers = []
+    zeros_like = torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda *a, **k: head_buffers.append(a[0].shape) or zeros_like(*a, **k))
+    frozen_hidden, frozen_weight = hidden.clone().requires_grad_(), weight.clone()
+    LinearTargetLogprob.apply(frozen_hidden, frozen_weight, targets, 0.9, 2 * VOCAB)[0].sum().backward()
+
+    assert frozen_weight.grad is None and head_buffers == []
+    assert torch.allclose(frozen_hidden.grad, trained_hidden.grad, atol=TOLERANCE)
+
+
 def test_hand_computed_values_at_temperature_two():
     # hidden [1] · W = logits [0, ln 4] at T = 2 → tempered [0, ln 2] → p = [1/3, 2/3]
     hidden = torch.tensor([[1.0]], dtype=torch.float64)
