@@ -63,9 +63,9 @@ def test_warm_start_lowers_the_answer_loss(vocabulary):
             return model(input_ids=input_ids, attention_mask=attention, labels=labels).loss.item()
 
     before = loss()
-    schedule = WarmStartConfig(steps=40, batch_size=16, lr=3e-3, warmup_steps=5)
+    schedule = WarmStartConfig(steps=12, batch_size=8, lr=2e-2, warmup_steps=5)  # a step over Qwen3's 151,669 ids: ~0.4 s
     warm_start(model, tokenizer, TaskConfig(max_digits=1, operators="+"), schedule, seed=0, held_out=frozenset())
-    assert loss() < 0.6 * before  # random init ≈ ln(vocabulary): 4.6 (char), 11.9 nats (qwen3); 40 steps learn the format at least
+    assert loss() < 0.6 * before  # random init ≈ ln(vocabulary): 4.6 (char), 11.9 nats (qwen3); 12 steps learn the format at least
 
 
 def test_the_warm_starts_thread_cap_lowers_and_then_restores_torchs_threads():
