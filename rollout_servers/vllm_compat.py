@@ -56,26 +56,18 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.weight_transfer.protocol import UpdateInfo
 
-try:  # 0.32
-    from vllm.entrypoints.generate.base.protocol import (
-        DeltaFunctionCall,
-        DeltaMessage,
-        DeltaToolCall,
-        FunctionCall,
-        FunctionDefinition,
-        ToolCall,
-    )
+try:  # 0.32: the chat messages and the usage record live in two modules
+    from vllm.entrypoints.generate.base import protocol as _chat_protocol
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
-except ModuleNotFoundError:  # 0.24
-    from vllm.entrypoints.openai.engine.protocol import (
-        DeltaFunctionCall,
-        DeltaMessage,
-        DeltaToolCall,
-        FunctionCall,
-        FunctionDefinition,
-        ToolCall,
-        UsageInfo,
-    )
+except ModuleNotFoundError:  # 0.24: both in one
+    from vllm.entrypoints.openai.engine import protocol as _chat_protocol
+    UsageInfo = _chat_protocol.UsageInfo
+DeltaFunctionCall = _chat_protocol.DeltaFunctionCall
+DeltaMessage = _chat_protocol.DeltaMessage
+DeltaToolCall = _chat_protocol.DeltaToolCall
+FunctionCall = _chat_protocol.FunctionCall
+FunctionDefinition = _chat_protocol.FunctionDefinition
+ToolCall = _chat_protocol.ToolCall
 
 # Draining vLLM's output queue after a pause: at most this many yields while outputs are queued (each lets the
 # handler take one), then this many more for the handler to finish the last one's chunks (a paused core sends
