@@ -20,6 +20,7 @@ the plan (vLLM's `gpu_memory_utilization`, the learner's allocator fraction, its
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
 
@@ -55,7 +56,7 @@ class MemoryPlanRefused(ConfigError):
 
 
 def gib(nbytes: float) -> str:
-    return f"{nbytes / BYTES_PER_GIB:.1f} GiB"
+    return f"{nbytes / BYTES_PER_GIB:.1f} GiB" if math.isfinite(nbytes) else "more than the GPU had (out of memory)"
 
 
 def job_budget(card: int, budget_gib: float) -> int:
@@ -183,7 +184,17 @@ class PassMemory:
 
     def through(self, tokens: int, needed: float) -> PassMemory:
         """This line made steep enough to reach a measured pass of `tokens` tokens that needed `needed` bytes."""
+        if not math.isfinite(needed):
+            return RAN_OUT
         return PassMemory(max(self.per_token, (needed - self.fixed) / tokens), self.fixed)
+
+    @property
+    def ran_out(self) -> bool:
+        return not (math.isfinite(self.per_token) and math.isfinite(self.fixed))
+
+
+# The line of passes that ran out of GPU memory while measured (needed: infinite bytes): no pass of it fits.
+RAN_OUT = PassMemory(per_token=math.inf, fixed=math.inf)
 
 
 def pass_memory(probe_tokens: tuple[int, int], peaks: list[float], resident: float,
@@ -191,6 +202,8 @@ def pass_memory(probe_tokens: tuple[int, int], peaks: list[float], resident: flo
     """The line through two probes. per_token is the steeper of two slopes between them: of their peaks, and of
     what their forward passes left `saved` for the backward (the peak of a small probe may not grow with its
     tokens at all); fixed is what the peaks need beyond that line and the `resident` weights."""
+    if not all(map(math.isfinite, [*peaks, *(saved or [])])):
+        return RAN_OUT  # a probe ran out of memory: this mode fits no pass
     slopes = [(later - first) / (probe_tokens[1] - probe_tokens[0]) for first, later in (peaks, saved or peaks)]
     per_token = max(*slopes, 1.0)
     fixed = max(max(peak - resident - per_token * tokens for peak, tokens in zip(peaks, probe_tokens)), 0.0)
@@ -200,6 +213,8 @@ def pass_memory(probe_tokens: tuple[int, int], peaks: list[float], resident: flo
 def tokens_that_fit(line: PassMemory, room: float) -> int:
     """The largest token count whose pass fits in `room`, rounded down to ROUND_TO, capped at MAX_AUTO_TOKENS (0
     when not even ROUND_TO fits)."""
+    if line.ran_out:
+        return 0
     tokens = (room - line.fixed) / line.per_token
     return int(max(min(tokens, MAX_AUTO_TOKENS), 0)) // ROUND_TO * ROUND_TO
 
@@ -260,10 +275,11 @@ def confirmed_tokens(line: PassMemory, room: LearnerRoom, needed: Callable[[int]
         line = line.through(tokens, need)
         tokens = tokens_that_fit(line, room.for_passes)
     measured = f"; passes of {', '.join(tried)}" if tried else ""
+    slope = ("its probe passes ran out of memory" if line.ran_out else
+             f"{line.per_token / 2**20:.2f} MiB per token and {gib(line.fixed)} whatever the size")
     raise MemoryPlanRefused(
         f"learner.micro_batch_tokens=auto: no pass of {ROUND_TO} tokens or more fits the learner's part of the GPU "
-        f"({room.describe()}; {line.per_token / 2**20:.2f} MiB per token and {gib(line.fixed)} whatever the size"
-        f"{measured}); {room.split.describe()}. To fit, set {SMALLER_PASSES}, or {MORE_ROOM}")
+        f"({room.describe()}; {slope}{measured}); {room.split.describe()}. To fit, set {SMALLER_PASSES}, or {MORE_ROOM}")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Iterator
 
 import torch
@@ -137,7 +138,9 @@ class ModelProbes:
         """One forward and backward of `tokens` random tokens, gradients dropped after: (peak bytes allocated, bytes
         the forward left allocated for the backward). The second grows with the tokens even where the first does
         not: a large model's peak comes at the end of the backward, when its gradients are complete and a small
-        probe's activations are gone (a 3B model peaked equally at 2,048 and 4,096 tokens)."""
+        probe's activations are gone (a 3B model peaked equally at 2,048 and 4,096 tokens). A pass that runs out of
+        memory needed more than there is: (inf, inf), and the plan tries a cheaper mode or refuses (the 7B shape
+        with LoRA ran out in the 4,096-token probe without checkpointing in a 45.5 GiB part)."""
         device = self.world.device
         rows = max(1, tokens // self.sample)
         generator = torch.Generator(device="cpu").manual_seed(0)
@@ -146,12 +149,19 @@ class ModelProbes:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        with out_of_memory_names_keys(tokens):
+        peak = saved = math.inf
+        try:
             logprobs, _ = target_logprobs(self.model, input_ids, attention_mask, packed=self.packed)  # [rows, sample-1]
             saved = torch.cuda.memory_allocated(device) - before
             logprobs.mean().backward()
-        peak = torch.cuda.max_memory_allocated(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        except torch.OutOfMemoryError:
+            log.info("a probe pass of %d tokens (checkpointing %s) ran out of GPU memory: it does not fit", tokens,
+                     self.switch.mode if self.switch else "as the model has it")
+        logprobs = None  # the failed pass's tensors go with the frame's last references
         self.model.zero_grad(set_to_none=True)
+        if not math.isfinite(peak):
+            torch.cuda.empty_cache()  # hand the pass's blocks back before the next probe
         return float(peak), float(saved)
 
 

@@ -4,11 +4,13 @@ fine-tuning, its passes sized beside a server and alone, and refusals that give 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from asyncrl.memory_plan import (
     AUTO_CHECKPOINTING_TOKENS, MAX_AUTO_TOKENS, SHARED_GPU_USABLE_SHARE, USABLE_SHARE, LearnerRoom, MemoryPlanRefused,
-    PassMemory, choose_checkpointing, engine_fraction, pass_memory, plan_learner_passes, refuse_unless_state_fits,
+    RAN_OUT, PassMemory, choose_checkpointing, confirmed_tokens, engine_fraction, pass_memory, plan_learner_passes, refuse_unless_state_fits,
     room_for_passes, split_learner_gpu, tokens_that_fit, training_state,
 )
 
@@ -295,3 +297,18 @@ def test_a_mode_whose_pass_needs_more_than_its_line_says_does_not_fit():
                                   confirm=lambda mode, tokens: 21 * GIB if mode == "none" else LINES[mode].bytes_for(tokens))
     assert choice.mode == "selective"
     assert choice.needed == [("none", 21 * GIB), ("selective", 12 * GIB)]
+
+
+def test_a_mode_whose_probe_ran_out_of_memory_fits_no_pass_and_the_next_mode_is_tried():
+    # the 7B shape with LoRA ran out of memory in its 4,096-token probe without checkpointing: a measure, not a crash
+    assert pass_memory((2048, 4096), [10 * GIB, math.inf], resident=0, saved=[GIB, 2 * GIB]) == RAN_OUT
+    assert tokens_that_fit(RAN_OUT, 80 * GIB) == 0
+    lines = iter([("none", RAN_OUT), ("selective", LINES["selective"])])
+    choice = choose_checkpointing(lines, 20 * GIB, 16384, confirm=lambda mode, tokens: LINES[mode].bytes_for(tokens))
+    assert choice.mode == "selective" and choice.needed == [("none", math.inf), ("selective", 12 * GIB)]
+
+
+def test_a_confirming_pass_that_runs_out_of_memory_ends_in_a_refusal_that_says_so():
+    room = LearnerRoom(split_learner_gpu(80 * GIB, 0, servers=0, server_share=0.0), resident=0, optimizer=0)
+    with pytest.raises(MemoryPlanRefused, match=r"tokens needed more than the GPU had \(out of memory\)"):
+        confirmed_tokens(LINES["full"], room, needed=lambda tokens: math.inf)

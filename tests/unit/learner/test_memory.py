@@ -120,3 +120,23 @@ def test_the_weights_held_for_the_servers(backend, servers_beside, rank, copies,
     model = torch.nn.Linear(4, 4)  # 20 weights, served in model.dtype (float32): 80 bytes
     world = World(rank=rank, size=2, device=torch.device("cuda", 0))
     assert weights_held_for_servers(config, model, world, servers_beside) == copies * 80
+
+
+def test_a_probe_pass_that_runs_out_of_gpu_memory_is_measured_as_needing_more_than_there_is(monkeypatch):
+    from learner.policy.memory import ModelProbes
+
+    emptied = []
+    for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "memory_allocated": 0}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda device, value=value: value)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.02 GiB")
+
+    monkeypatch.setattr("learner.policy.memory.target_logprobs", out_of_memory)
+    model = torch.nn.Linear(4, 4)
+    probes = ModelProbes(model, CPU_WORLD, vocab=10, sample=8, packed=True, resident=0, switch=CheckpointingSwitch())
+
+    assert probes.line("none").ran_out  # the plan then tries the next mode
+    assert probes.needed("full", 4096) == float("inf")
+    assert emptied  # the failed pass's blocks were handed back before the next probe
