@@ -1,8 +1,11 @@
 """An external agent trains the policy through the chat endpoint of a running job (`asyncrl run` with
 `rollout.chat.enabled=true`): its sessions get places from the buffer's admission through the server's
 loop, beside the server's own prompt groups, their groups reach the learner, every prompt group starts within
-K and nothing is dropped. An agent that abandons its sessions does not stall the job: they are dropped once idle."""
+K and nothing is dropped. An agent that abandons its sessions does not stall the job: they are dropped once idle.
 
+Both jobs are real jobs (conftest.py): they run beside the other tests, and these tests read what they left."""
+
+import functools
 import json
 import re
 import subprocess
@@ -10,7 +13,9 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -68,27 +73,39 @@ def drive_sessions(chat_file: Path, run: subprocess.Popen, closes: list[dict]) -
         group += 1
 
 
-def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(tmp_path, tiny_job_inputs):
-    run_dir = tmp_path / "runs" / "chat"
-    run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", *overrides(tiny_job_inputs, tmp_path)],
+@dataclass
+class ChatRun:
+    """A finished `asyncrl run` that agents played against, and what the agents saw."""
+    returncode: int
+    stderr: str
+    run_dir: Path
+    seen: list  # the agents' replies: the closes' replies (playing agent), or the answered sessions (abandoning)
+
+
+def run_with_agents(overrides: list[str], run_dir: Path, agents: list[Callable[[Path, subprocess.Popen], None]]
+                    ) -> tuple[int, str]:
+    """`asyncrl run` to its end, each agent playing against its chat endpoint in a thread of its own."""
+    run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", *overrides],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    closes: list[dict] = []
-    agent = threading.Thread(target=drive_sessions, args=(run_dir / "rollout" / "server-0.chat.json", run, closes))
-    agent.start()
+    chat_file = run_dir / "rollout" / "server-0.chat.json"
+    threads = [threading.Thread(target=agent, args=(chat_file, run)) for agent in agents]
+    for thread in threads:
+        thread.start()
     try:
         _, stderr = run.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         kill_tree(run.pid)
-        agent.join(timeout=REQUEST_TIMEOUT_S)
+        for thread in threads:
+            thread.join(timeout=REQUEST_TIMEOUT_S)
+    return run.returncode, stderr
 
-    assert run.returncode == 0, stderr[-3000:]
-    sent = [close for close in closes if close["sent"]]
-    assert sent and all(close["record_id"].startswith("server-0-chat-g") for close in sent), closes
-    records = read_metrics(run_dir)
-    assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
-    assert any(r["critic/score/mean"] > 1 for r in records), "no batch held a chat group"
-    assert all(r.get("staleness/start_lag_max", 0) <= MAX_STALENESS and r["buffer/dropped_stale"] == 0 for r in records)
-    assert all({"rollout/chat_sessions", "rollout/chat_waiting"} <= set(r) for r in records)
+
+def playing_job(inputs: Path, tmp: Path) -> ChatRun:
+    """A chat job whose agent plays groups of sessions until the job ends."""
+    closes: list[dict] = []
+    run_dir = tmp / "runs" / "chat"
+    agent = functools.partial(drive_sessions, closes=closes)
+    return ChatRun(*run_with_agents(overrides(inputs, tmp), run_dir, [agent]), run_dir, closes)
 
 
 def abandon_session(chat_file: Path, run: subprocess.Popen, name: str, answered: list[str]) -> None:
@@ -103,27 +120,44 @@ def abandon_session(chat_file: Path, run: subprocess.Popen, name: str, answered:
         return
 
 
-def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(tmp_path, tiny_job_inputs):
-    job = overrides(tiny_job_inputs, tmp_path, f"rollout.chat.session_idle_s={IDLE_S}",
-                    f"learner.batch_timeout_s={BATCH_TIMEOUT_S}")
-    run_dir = tmp_path / "runs" / "chat"
-    run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", *job],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def abandoning_job(inputs: Path, tmp: Path) -> ChatRun:
+    """A chat job whose sessions idle out soon, against agents that each abandon a session after its first turn."""
+    job = overrides(inputs, tmp, f"rollout.chat.session_idle_s={IDLE_S}", f"learner.batch_timeout_s={BATCH_TIMEOUT_S}")
     answered: list[str] = []
-    agents = [threading.Thread(target=abandon_session, args=(run_dir / "rollout" / "server-0.chat.json", run,
-                                                             f"lost-{index}", answered))
+    run_dir = tmp / "runs" / "chat"
+    agents = [functools.partial(abandon_session, name=f"lost-{index}", answered=answered)
               for index in range(ABANDONED_SESSIONS)]
-    for agent in agents:
-        agent.start()
-    try:
-        _, stderr = run.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        kill_tree(run.pid)
-        for agent in agents:
-            agent.join(timeout=REQUEST_TIMEOUT_S)
+    return ChatRun(*run_with_agents(job, run_dir, agents), run_dir, answered)
 
-    assert run.returncode == 0, stderr[-3000:]
-    assert len(answered) == ABANDONED_SESSIONS, "every abandoned session held a place"
+
+REAL_JOBS = [playing_job, abandoning_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def played(real_jobs) -> ChatRun:
+    return real_jobs[playing_job].result()
+
+
+@pytest.fixture(scope="module")
+def abandoned(real_jobs) -> ChatRun:
+    return real_jobs[abandoning_job].result()
+
+
+def test_chat_sessions_are_admitted_and_trained_on_in_a_running_job(played):
+    assert played.returncode == 0, played.stderr[-3000:]
+    sent = [close for close in played.seen if close["sent"]]
+    assert sent and all(close["record_id"].startswith("server-0-chat-g") for close in sent), played.seen
+    records = read_metrics(played.run_dir)
+    assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
+    assert any(r["critic/score/mean"] > 1 for r in records), "no batch held a chat group"
+    assert all(r.get("staleness/start_lag_max", 0) <= MAX_STALENESS and r["buffer/dropped_stale"] == 0 for r in records)
+    assert all({"rollout/chat_sessions", "rollout/chat_waiting"} <= set(r) for r in records)
+
+
+def test_sessions_an_agent_abandons_are_dropped_and_the_job_goes_on(abandoned):
+    run_dir = abandoned.run_dir
+    assert abandoned.returncode == 0, abandoned.stderr[-3000:]
+    assert len(abandoned.seen) == ABANDONED_SESSIONS, "every abandoned session held a place"
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, TOTAL_STEPS + 1))
     # heartbeats come once a second and the steps after the drop may all fall within one: the log counts exactly

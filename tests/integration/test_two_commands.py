@@ -137,14 +137,18 @@ def test_a_stop_signal_to_asyncrl_learner_alone_stops_its_ranks_and_buffer(job_d
         kill_tree(learner.pid)
 
 
-def test_two_commands_restart_stop_and_end_together(job_dir):
-    job = tiny_job(job_dir, TOTAL_STEPS, "run.name=two", f"learner.checkpoint_every={CHECKPOINT_EVERY}")
+def two_commands_job(inputs: Path, tmp: Path) -> None:
+    """The two commands' whole story on the shared task files and model, in a run directory under `tmp`; each
+    check is made when its moment comes (a process is started, signalled or restarted on what the last one saw),
+    so a failed one raises here and fails the test that reads this job."""
+    job = tiny_job(inputs, TOTAL_STEPS, f"run.root_dir={tmp / 'runs'}", "run.name=two",
+                   f"learner.checkpoint_every={CHECKPOINT_EVERY}")
     # the learner's first server comes after two engine starts (the stopped server's, then the second rollout's):
     # it waits for it through both however slow the box, rather than going on alone after the default 300 s
     learner_only = [f"validation.every={VALIDATE_EVERY}", "validation.n=2", "validation.k=2",
                     f"rollout.connect_timeout_s={2 * WAIT_BOUND_S}"]
     rollout_args = [arg for arg in job if not arg.startswith("learner.total_steps=")]
-    run_dir, started = job_dir / "runs" / "two", []
+    run_dir, started = tmp / "runs" / "two", []
     try:
         learner = _start("learner", [*job, *learner_only])
         started.append(learner)
@@ -196,3 +200,10 @@ def test_two_commands_restart_stop_and_end_together(job_dir):
     finally:
         for process in started:
             kill_tree(process.pid)
+
+
+REAL_JOBS = [two_commands_job]  # run side by side with other modules' jobs (conftest.py)
+
+
+def test_two_commands_restart_stop_and_end_together(real_jobs):
+    real_jobs[two_commands_job].result()  # raises the job's first failed check
