@@ -59,9 +59,12 @@ def main(args: argparse.Namespace) -> int:
         elif code == 0:
             code = learner.returncode or 0
     finally:
+        # A job that ended well has told the servers so, and they are stopping on their own: a signal now would reach
+        # engine cores mid-shutdown (an EngineDeadError traceback in rollout.log at every clean end).
+        finished = code == 0 and not stop.requested
         for process in (rollout, learner):
             if process is not None:
-                _stop(process)
+                _stop(process, own_stop_s=config.rollout.stop_timeout_s if finished else 0.0)
     print(f"RUN_DIR {run_dir}", flush=True)
     return code
 
@@ -92,7 +95,12 @@ def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False)
     return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=launched_environment())
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: subprocess.Popen, own_stop_s: float = 0.0) -> None:
+    """Wait up to `own_stop_s` for `process` to end by itself, then SIGTERM its group, then SIGKILL what is left."""
+    try:
+        process.wait(own_stop_s)
+    except subprocess.TimeoutExpired:
+        pass
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:

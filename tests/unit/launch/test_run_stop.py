@@ -1,0 +1,33 @@
+"""How `asyncrl run` ends its children: a job that finished lets the rollout supervisor stop by itself (a signal
+would reach its engine cores mid-shutdown); any other end signals the group at once."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from launch.commands.run import _stop
+
+
+def child(seconds: float) -> subprocess.Popen:
+    """A process of its own session that exits 0 after `seconds`, as the supervisor does once told the job is done."""
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"], start_new_session=True)
+
+
+def test_a_child_stopping_by_itself_is_waited_for_not_signalled():
+    process = child(0.5)
+    _stop(process, own_stop_s=30.0)
+    assert process.returncode == 0
+
+
+def test_without_a_wait_the_group_gets_sigterm_at_once():
+    process = child(60)
+    _stop(process)
+    assert process.returncode == -signal.SIGTERM
+
+
+def test_a_child_that_outlasts_its_wait_is_signalled():
+    process = child(60)
+    _stop(process, own_stop_s=0.2)
+    assert process.returncode == -signal.SIGTERM
