@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         # A job that ended well has told the servers so, and they are stopping on their own: a signal now would reach
         # engine cores mid-shutdown (an EngineDeadError traceback in rollout.log at every clean end).
-        finished = code == 0 and not stop.requested
+        finished = learner.poll() == 0 and code == 0 and not stop.requested
         for process in (rollout, learner):
             if process is not None:
                 _stop(process, own_stop_s=config.rollout.stop_timeout_s if finished else 0.0)
