@@ -163,7 +163,9 @@ COMMANDS = (
         "still going can be evaluated again. See docs/metrics.md.",
         "launch.commands.evaluate:main",
         arguments=(Argument("run_dirs", "RUN_DIR", "run directories written with validation.after_run=true",
-                            many=True),),
+                            many=True),
+                   Argument("--engines", "N", "engines scoring side by side, each on its part of the GPU memory "
+                                              "(rollout.engine.gpu_memory_utilization / N; default 1)")),
         takes_config=False,
     ),
     Command(
