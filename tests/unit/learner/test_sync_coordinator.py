@@ -104,6 +104,19 @@ def coordinator(staging_bytes: int = 0, max_failures: int = 3, ends: SendingEnds
                            liveness_s=liveness_s, max_failures=max_failures, curve_dir=curve_dir)
 
 
+@contextmanager
+def serving(coord: SyncCoordinator, *servers: FakeServer) -> Iterator[None]:
+    """The servers running against `coord` for the block; all stopped and the coordinator closed after."""
+    for server in servers:
+        server.start()
+    try:
+        yield
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
     # the middle one is a transposed view, as some state-dict entries are: it must arrive laid out as its shape says
     return [("a.weight", torch.full((3, 2), scale)), ("b.weight", (torch.arange(6.0).reshape(2, 3) * scale).t()),
@@ -118,9 +131,7 @@ def test_rank_layout_gives_each_server_consecutive_ranks_after_the_trainer():
 def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(staging_bytes):
     coord = coordinator(staging_bytes)
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
-    for server in servers:
-        server.start()
-    try:
+    with serving(coord, *servers):
         assert coord.wait_for_members(2, timeout_s=10) == ["s0", "s1"]
         for version, scale in ((1, 1.0), (2, -3.0)):
             report = coord.broadcast(version, weights(scale))
@@ -130,10 +141,6 @@ def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(stagi
                 assert all(torch.equal(got[name], tensor) for name, tensor in weights(scale))
         assert coord.lagging_members(2) == []
         assert coord.lagging_members(3) == ["s0", "s1"]
-    finally:
-        for server in servers:
-            server.stop.set()
-        coord.close()
 
 
 def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
@@ -166,19 +173,13 @@ def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
 def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
     coord = coordinator()
     leaving, silent = FakeServer("leaving", coord.address), FakeServer("silent", coord.address, answer=False)
-    leaving.start()
-    silent.start()
-    try:
+    with serving(coord, leaving, silent):
         coord.wait_for_members(2, timeout_s=10)
         started = time.monotonic()
         assert coord.finish_job(7, timeout_s=2 * LIVENESS_S) == ["silent"]  # it keeps heartbeating, never answers
         assert time.monotonic() - started < TIMEOUT_S
         leaving.join(TIMEOUT_S)
         assert leaving.finished_at == 7 and "leaving" not in coord.members
-    finally:
-        leaving.stop.set()
-        silent.stop.set()
-        coord.close()
 
 
 def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
@@ -186,9 +187,7 @@ def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
     were written before the invitation), and maps it again when the weights outgrow it."""
     coord = coordinator(ends=sending_ends(default="ipc"))
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
-    for server in servers:
-        server.start()
-    try:
+    with serving(coord, *servers):
         coord.wait_for_members(2, timeout_s=10)
         for version, scale in ((1, 1.0), (2, -3.0)):
             report = coord.broadcast(version, weights(scale))
@@ -201,10 +200,6 @@ def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
         assert sorted(report.succeeded) == ["s0", "s1"]
         assert [server.joins for server in servers] == [2, 2]
         assert torch.equal(servers[0].received[3]["extra.weight"], torch.ones(1000))
-    finally:
-        for server in servers:
-            server.stop.set()
-        coord.close()
 
 
 class LostBuffer(SendingEnd):
@@ -298,9 +293,7 @@ def test_a_server_announcing_an_unknown_backend_is_failed_and_the_others_served(
 def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped():
     coord = coordinator()
     good, silent = FakeServer("good", coord.address), FakeServer("silent", coord.address, answer=False)
-    good.start()
-    silent.start()
-    try:
+    with serving(coord, good, silent):
         coord.wait_for_members(2, timeout_s=10)
         started = time.monotonic()
         report = coord.broadcast(1, weights(1.0))
@@ -319,25 +312,17 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
         report = coord.broadcast(2, weights(2.0))
         assert report.succeeded == ["good"] and not report.failed
         assert torch.equal(good.received[2]["a.weight"], torch.full((3, 2), 2.0))
-    finally:
-        good.stop.set()
-        silent.stop.set()
-        coord.close()
 
 
 def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
     coord = coordinator(timeout_s=1.0, liveness_s=60.0)
     silent = FakeServer("silent", coord.address, answer=False)
-    silent.start()
-    try:
+    with serving(coord, silent):
         coord.wait_for_members(1, timeout_s=10)
         started = time.monotonic()
         report = coord.broadcast(1, weights(1.0))
         assert "silent" in report.failed and not report.succeeded
         assert time.monotonic() - started < 30.0  # bounded by timeout_s (1 s), not liveness_s (60 s)
-    finally:
-        silent.stop.set()
-        coord.close()
 
 
 def test_no_servers_means_an_empty_round_not_a_wait():
@@ -382,19 +367,6 @@ def test_a_validation_pass_is_returned_once():
         assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
     finally:
         sock.close(0)
-        coord.close()
-
-
-@contextmanager
-def serving(coord: SyncCoordinator, *servers: FakeServer) -> Iterator[None]:
-    """The servers running against `coord` for the block; all stopped and the coordinator closed after."""
-    for server in servers:
-        server.start()
-    try:
-        yield
-    finally:
-        for server in servers:
-            server.stop.set()
         coord.close()
 
 
