@@ -68,11 +68,17 @@ class Rates:
     delivered: float  # tokens/s a server on GPUs of its own generated, idle time included
     idle: float  # share of its time such a server had nothing in its engine
     trained: float  # tokens/s the whole learner trained per second of training
+    ranks: int  # the learner ranks that trained them
 
     @property
     def generation(self) -> float:
         """Tokens/s one server generates while it has work."""
         return self.delivered / (1 - self.idle)
+
+    @property
+    def training(self) -> float:
+        """Tokens/s one learner rank trains while it trains."""
+        return self.trained / self.ranks
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ def split_advice(steps: Sequence[Mapping[str, Any]], config: AsyncRLConfig, gpus
         return [f"split: {reason}"]
     run = _run_split(candidates, placement, host)
     best = max(candidates, key=lambda split: (split.job, split == run))  # a tie keeps the run's split
-    return [_headline(best, run, host, placement.beside), _read_line(rates, placement), _model_line(rates, placement),
+    return [_headline(best, run, host, placement.beside), _read_line(rates, placement), _model_line(rates),
             *_table(candidates, best, run)]
 
 
@@ -130,22 +136,25 @@ def read_rates(steps: Sequence[Mapping[str, Any]], placement: RunPlacement) -> R
         raise NoSplit(f"the run logged no {', '.join(missing)}: it lacks the rates a split is predicted from")
     read = [step for step in steps if all(step.get(key) is not None for key in keys)]
     if len(read) < MIN_STEPS:
-        raise NoSplit(f"{_count(len(read), 'step')} after the warm-up logged both sides' rates, and a split needs {MIN_STEPS}: "
-                      "the run is too short to tell")
+        raise NoSplit(f"{_count(len(read), 'step')} after the warm-up logged both sides' rates, and a split needs "
+                      f"{MIN_STEPS}: the run is too short to tell")
     idle = sum(mean_of(read, f"rollout/server-{index}/idle_ratio") for index in placement.apart) / len(placement.apart)
     if 1 - idle < MIN_BUSY:
         raise NoSplit(f"the servers on GPUs of their own were idle {idle:.0%} of their time: too little work to show "
                       "what one generates when busy")
     delivered = sum(mean_of(read, f"rollout/server-{index}/tokens_per_s") for index in placement.apart)
-    trained = sum(step[LEARNER_RATE] * step[TRAIN_S] for step in read) / sum(step[TRAIN_S] for step in read)
-    return Rates(len(read), delivered / len(placement.apart), idle, trained)
+    trained = sum(step[LEARNER_RATE] * step[TRAIN_S] for step in read) / max(sum(step[TRAIN_S] for step in read), 1e-9)
+    if min(delivered, trained) <= 0:
+        raise NoSplit(f"the servers generated {delivered:,.0f} tokens/s and the learner trained {trained:,.0f}: a side "
+                      "that made no tokens gives no rate to scale")
+    return Rates(len(read), delivered / len(placement.apart), idle, trained, placement.ranks)
 
 
 def splits(rates: Rates, placement: RunPlacement, gpus: int) -> list[Split]:
     """Every split of `gpus` into servers (tensor-parallel size GPUs each) and learner ranks, at least one of each."""
     tp = placement.tensor_parallel
-    per_rank = rates.trained / placement.ranks  # linear data-parallel scaling, assumed
-    candidates = [Split(servers, gpus - servers * tp, servers * rates.generation, (gpus - servers * tp) * per_rank)
+    # linear data-parallel scaling, assumed: l ranks train l × what one did
+    candidates = [Split(servers, gpus - servers * tp, servers * rates.generation, (gpus - servers * tp) * rates.training)
                   for servers in range(1, (gpus - 1) // tp + 1)]
     if not candidates:
         raise NoSplit(f"{_count(gpus, 'GPU')} cannot hold a server of {_count(tp, 'GPU')} and a learner rank on a GPU "
@@ -177,18 +186,17 @@ def _slower_side(split: Split) -> str:
 
 
 def _read_line(rates: Rates, placement: RunPlacement) -> str:
-    shared = (f"; its learner shared a GPU with {_count(placement.beside, 'server')}, so a rank of its own may train "
-              "faster"
-              if placement.beside else "")
+    beside = _count(placement.beside, "server")
+    shared = f"; its learner shared a GPU with {beside}, so a rank of its own may train faster" if placement.beside else ""
     return (f"  read over {rates.steps} steps: {placement.describe()}; a server generated {rates.generation:,.0f} "
             f"tokens/s while busy ({rates.delivered:,.0f} delivered, idle {rates.idle:.0%}: rollout/server-N/"
-            f"tokens_per_s and idle_ratio), a learner rank trained {rates.trained / placement.ranks:,.0f} tokens/s "
+            f"tokens_per_s and idle_ratio), a learner rank trained {rates.training:,.0f} tokens/s "
             f"while training ({LEARNER_RATE} {rates.trained:,.0f} over {_count(placement.ranks, 'rank')}){shared}")
 
 
-def _model_line(rates: Rates, placement: RunPlacement) -> str:
+def _model_line(rates: Rates) -> str:
     return (f"  model: s servers generate s × {rates.generation:,.0f} tokens/s, l learner ranks train l × "
-            f"{rates.trained / placement.ranks:,.0f} (linear data-parallel scaling, assumed: one run shows one learner "
+            f"{rates.training:,.0f} (linear data-parallel scaling, assumed: one run shows one learner "
             "size), and the job runs at the smaller")
 
 

@@ -116,6 +116,9 @@ def test_the_learners_rate_is_weighted_by_its_training_time():
     (FOUR_GPUS, step(1000.0, 0.97, 8000.0), STEPS,
      "split: the servers on GPUs of their own were idle 97% of their time: too little work to show what one generates "
      "when busy"),
+    (FOUR_GPUS, step(0.0, 0.0, 8000.0), STEPS,
+     "split: the servers generated 0 tokens/s and the learner trained 8,000: a side that made no tokens gives no rate "
+     "to scale"),
     ([], {"learner/tokens_per_s": 500.0, "timing_s/train": 1.0}, STEPS,
      "split: the learner ran on the CPU: no GPU split applies"),
     ([], step(1000.0, 0.0, 8000.0), STEPS,
@@ -124,7 +127,7 @@ def test_the_learners_rate_is_weighted_by_its_training_time():
     (["rollout.gpus=[0]", "learner.gpus=[0]"], step(1000.0, 0.0, 8000.0, servers=1), STEPS,
      "split: the learner shared its GPU with every server (GPU plan: learner → [0]; server-0 → [0] (with the learner) "
      "(colocated)): the two sides took turns on it, so no split between them applies"),
-], ids=["no-server-rates", "too-short", "idle-servers", "cpu", "no-gpu-lists", "one-shared-gpu"])
+], ids=["no-server-rates", "too-short", "idle-servers", "no-tokens", "cpu", "no-gpu-lists", "one-shared-gpu"])
 def test_a_run_that_cannot_tell_says_why_in_one_line(overrides, record, steps, expected):
     assert advice(overrides, record, steps=steps) == [expected]
 
