@@ -36,6 +36,10 @@ class FakeHalves:
     calls: list[tuple] = field(default_factory=list)
     version: int = 0  # of the weights the fake engine holds
     weights_device: str = "cpu"
+    is_main: bool = True  # a one-rank run's only rank
+
+    def gathered(self, payload: bytes) -> bytes:
+        return payload  # one rank: its share is the batch
 
     def sample(self) -> list[TrajectoryGroup]:
         self.calls.append(("sample", self.version))
