@@ -99,3 +99,16 @@ def test_the_buckets_at_the_last_version_every_run_scored():
 def test_modes_name_their_runs_by_seed():
     assert [Mode("sync", 4).run_name(0), Mode("async", 4).run_name(2)] == ["tts-sync-s0", "tts-async-k4-s2"]
     assert [Mode("sync", 4).warmup(3), Mode("async", 4).warmup(3), Mode("async", 1).warmup(3)] == [3, 5, 3]
+
+
+@pytest.mark.parametrize(("gpus", "sync_ranks", "expected"), [
+    (0, 1, "cpu"), (1, 1, "colocated_one_gpu"), (2, 1, "engine_and_learner_on_gpus_apart"),
+    (2, 2, "colocated_all_gpus"), (4, 4, "colocated_all_gpus"), (4, 2, "colocated_some_gpus"),
+])
+def test_the_synchronous_baseline_is_named_by_the_gpus_and_the_ranks_it_ran(tmp_path, gpus, sync_ranks, expected):
+    from asyncrl.config import load_config, save_config
+    from scripts.bench_time_to_score import sync_baseline
+
+    save_config(load_config(None, ["learner.mode=synchronous", f"learner.nproc={sync_ranks}", "buffer.batch_groups=4"]),
+                tmp_path)
+    assert sync_baseline(gpus, tmp_path) == expected
