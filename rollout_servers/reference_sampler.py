@@ -63,7 +63,8 @@ def rank_share(count: int, rank: int, ranks: int) -> range:
 
 class ReferenceSampler:
     def __init__(self, config: AsyncRLConfig, loop: asyncio.AbstractEventLoop, engine: RolloutEngine,
-                 backend: WeightBackend, sender: SendingEnd, scorer: RewardScorer, rank: int = 0, ranks: int = 1) -> None:
+                 backend: WeightBackend, sender: SendingEnd, scorer: RewardScorer, rank: int = 0,
+                 ranks: int = 1) -> None:
         self.config = config
         self._share = rank_share(config.buffer.batch_groups, rank, ranks)  # of each step's prompts
         self._loop = loop  # every engine call runs on it: vLLM's AsyncLLM stays bound to the loop that first used it

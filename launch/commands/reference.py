@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import multiprocessing.util
 import os
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
 
     plan = place_local_job(config, log, automatic=True)  # None on a machine without GPUs
     ranks = config.learner.nproc
-    apart = plan is not None and not plan.colocated  # one rank, its engine on the server's GPU (one rank only)
+    apart = plan is not None and not plan.colocated  # one rank, its engine on a GPU of its own
     if plan is None:
         engines: list[EngineGpus] = [None] * ranks
     else:
@@ -91,6 +92,10 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     interrupt_once()
     os.environ.update(local_rank_environment(rank, size, port))
     code = _run_rank(config, Path(run_dir), engines[rank], False, f"{ROLE}{rank}")
+    # What a multiprocessing child runs as it ends, short of the interpreter's teardown (`main` says why not that): its
+    # finalizers, which release the semaphores it made (tqdm's lock); left to the spawner's resource tracker, they
+    # were reported as leaked on the console at every clean end.
+    multiprocessing.util._exit_function()
     _leave(0 if code == INTERRUPTED else code)
 
 
@@ -114,7 +119,7 @@ def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apa
             sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=apart),
                                              world.rank, world.size)
             opened.callback(sampler.close)
-            trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches sized from the memory it left
+            trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches fit the memory it left
             metrics = (opened.enter_context(contextlib.closing(
                 MetricsLogger(run_dir, config.metrics, dataclasses.asdict(config)))) if world.is_main else None)
             snapshots = (opened.enter_context(contextlib.closing(
