@@ -293,10 +293,16 @@ def servers_on_learner_gpu(config: AsyncRLConfig) -> tuple[int, float]:
     """How many rollout servers run on the learner's GPU and each one's share of its memory budget (none when the
     roles have GPUs of their own), from the lists `asyncrl run` hands the learner: what the learner leaves them,
     also before they have started."""
+    plan = listed_plan(config)
+    return plan.sharing, share_beside_learner(config, plan.sharing)
+
+
+def listed_plan(config: AsyncRLConfig) -> Plan:
+    """The plan `learner.gpus` and `rollout.gpus` name as they are (empty where a list is): what `asyncrl run` hands
+    its roles and what a run directory's config.yaml keeps."""
     tp = config.rollout.engine.tensor_parallel_size
     listed = config.rollout.gpus
-    plan = Plan(tuple(config.learner.gpus), tuple(tuple(listed[i:i + tp]) for i in range(0, len(listed), tp)))
-    return plan.sharing, share_beside_learner(config, plan.sharing)
+    return Plan(tuple(config.learner.gpus), tuple(tuple(listed[i:i + tp]) for i in range(0, len(listed), tp)))
 
 
 def check_ray_placement(config: AsyncRLConfig) -> None:

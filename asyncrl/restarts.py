@@ -3,16 +3,30 @@ watch over its own buffer and the Ray launcher: back-off doubling with each deat
 a fresh count once a process has run `rollout.healthy_after_s`, and giving up past a restart limit (each caller
 names its own: `rollout.max_restarts`, `buffer.max_restarts`, `ray.max_restarts`), or at once when the same error
 ended `SAME_ERROR_DEATHS` quick deaths in a row: a process that fails alike at each start (an engine that cannot
-run the model) would fail alike at every restart, and the back-off would only hide the reason for minutes."""
+run the model) would fail alike at every restart, and the back-off would only hide the reason for minutes.
+`QuickDeaths.next_restart` is the verdict the rollout supervisor and the Ray launcher share: the delay, or their
+own exception saying why the process is not restarted again."""
 
 from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 from asyncrl.config.rollout import RolloutConfig
 
 SAME_ERROR_DEATHS = 2  # quick deaths in a row ended by the same error that end the restarts (the first may be a fluke)
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """How a supervisor names a process it stops restarting: the exceptions it raises and what their messages cite."""
+
+    who: str  # the process, e.g. "server-0"
+    limit_key: str  # the config key of its restart limit, e.g. "rollout.max_restarts"
+    log: str | Path  # where the process logged why it died
+    cannot_run: type[Exception]  # raised when the same error ended its last quick deaths: every start would meet it
+    keeps_dying: type[Exception]  # raised past the restart limit
 
 
 @dataclass
@@ -40,6 +54,19 @@ class QuickDeaths:
         if self.in_a_row > self.max_restarts or self.error_repeats:
             return None
         return min(self.backoff_s * 2 ** (self.in_a_row - 1), self.backoff_max_s)
+
+    def next_restart(self, ran_s: float, error: str | None, ended: str, give_up: GiveUp) -> float:
+        """Count a death (`restart_delay`) and return the delay before the restart, or raise `give_up`'s exception:
+        `cannot_run` when the same error repeats, `keeps_dying` past the limit. `ended` says how the process ended
+        (e.g. "last exit code 1")."""
+        delay = self.restart_delay(ran_s, error)
+        if self.error_repeats:
+            raise give_up.cannot_run(f"{give_up.who} cannot run this config or install (not restarted again): "
+                                     f"{self.describe()}; see {give_up.log}")
+        if delay is None:
+            raise give_up.keeps_dying(f"{give_up.who} keeps dying: {self.describe()} ({ended}; "
+                                      f"{give_up.limit_key}={self.max_restarts}); see {give_up.log}")
+        return delay
 
     @property
     def error_repeats(self) -> bool:

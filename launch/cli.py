@@ -163,7 +163,9 @@ COMMANDS = (
         "still going can be evaluated again. See docs/metrics.md.",
         "launch.commands.evaluate:main",
         arguments=(Argument("run_dirs", "RUN_DIR", "run directories written with validation.after_run=true",
-                            many=True),),
+                            many=True),
+                   Argument("--engines", "N", "engines scoring side by side, each on its part of the GPU memory "
+                                              "(rollout.engine.gpu_memory_utilization / N; default 1)")),
         takes_config=False,
     ),
     Command(
@@ -179,16 +181,20 @@ COMMANDS = (
     ),
     Command(
         "tune",
-        "read a finished run's metrics: generation-, learner- or sync-bound, and what K, servers, micro-batch to try",
+        "read a finished run's metrics: generation-, learner- or sync-bound, what K, servers, micro-batch and GPU split to try",
         "Reads RUN_DIR/metrics.jsonl and RUN_DIR/config.yaml and prints, over the steps after the first tenth "
         "(warm-up), the share of the learner's time per step spent waiting for batches, in weight sync and "
         "training. Its first line is the verdict: generation-bound (the learner waited more than 10% of the "
         "time), sync-bound (weight sync took more than 25% and more than the waiting) or learner-bound, with the "
         "staleness trained, the bound K and the drift (rollout_corr/mismatch_kl, is_clip_frac). Then one line "
         "each for buffer.max_staleness (or learner.sync_every when sync-bound), rollout.num_servers and "
-        "learner.micro_batch_tokens, with the numbers behind the advice. See docs/tuning.md.",
+        "learner.micro_batch_tokens, with the numbers behind the advice. On GPUs it then predicts, from the rate a "
+        "rollout server generated while busy and the rate a learner rank trained, which split of the run's GPUs (or "
+        "--gpus G) between servers and learner ranks keeps both busy, with a table of every split. See "
+        "docs/tuning.md.",
         "launch.commands.tune:main",
-        arguments=(Argument("run_dir", "RUN_DIR", "run directory of a finished (or running) job: metrics.jsonl and config.yaml"),),
+        arguments=(Argument("run_dir", "RUN_DIR", "run directory of a finished (or running) job: metrics.jsonl and config.yaml"),
+                   Argument("--gpus", "G", "predict the GPU split for a host of G GPUs (default: the GPUs the run used)")),
         takes_config=False,
     ),
 )

@@ -77,22 +77,27 @@ class RunReading:
         return "generation-bound" if self.wait_share > WAIT_BOUND else "learner-bound"
 
 
-def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
-    """The reading of a run's metrics records (one per learner step)."""
+def read_steps(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The learner-step records read: every one after the warm-up (NotEnoughSteps with fewer than 2 steps)."""
     steps = [record for record in records if record.get("timing_s/step") is not None]
     if len(steps) < 2:
         raise NotEnoughSteps(f"the run logged {len(steps)} learner step(s); `asyncrl tune` needs at least 2")
-    read = steps[max(1, int(len(steps) * WARMUP_SHARE)):]
+    return steps[max(1, int(len(steps) * WARMUP_SHARE)):]
+
+
+def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
+    """The reading of a run's metrics records (one per learner step)."""
+    read = read_steps(records)
     sync_s = sum(record.get("weight_sync/seconds") or 0.0 for record in read) / len(read)  # rounds every sync_every steps
-    step_s = _mean(read, "timing_s/step") + sync_s  # a step's round comes after its timing_s/step
-    idle = [record["rollout/idle_ratio"] for record in steps if record.get("rollout/idle_ratio") is not None]
+    step_s = mean_of(read, "timing_s/step") + sync_s  # a step's round comes after its timing_s/step
+    idle = [record["rollout/idle_ratio"] for record in records if record.get("rollout/idle_ratio") is not None]
     ks = [record["staleness/max_staleness"] for record in read if record.get("staleness/max_staleness") is not None]
     return RunReading(
-        steps=len(read), step_s=step_s, wait_share=_mean(read, "timing_s/wait_batch") / step_s,
+        steps=len(read), step_s=step_s, wait_share=mean_of(read, "timing_s/wait_batch") / step_s,
         sync_share=sync_s / step_s, k_mean=sum(ks) / len(ks) if ks else None, k_last=int(ks[-1]) if ks else None,
-        staleness_mean=_mean(read, "staleness/mean"),
-        mismatch_kl=_mean(read, DRIFT_KEYS[0]), is_clip_frac=_mean(read, DRIFT_KEYS[1]),
-        masked_frac=_mean(read, MASKED_KEY) if any(r.get(MASKED_KEY) is not None for r in read) else None,
+        staleness_mean=mean_of(read, "staleness/mean"),
+        mismatch_kl=mean_of(read, DRIFT_KEYS[0]), is_clip_frac=mean_of(read, DRIFT_KEYS[1]),
+        masked_frac=mean_of(read, MASKED_KEY) if any(r.get(MASKED_KEY) is not None for r in read) else None,
         rollout_idle=idle[-1] if idle else 0.0,
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
     )
@@ -199,6 +204,7 @@ def _lower_k(s: RunSettings) -> str:
     return f"lower K (buffer.max_staleness={fixed - 1})" if fixed > 0 else "K is 0 already: the drift is the engine's own"
 
 
-def _mean(records: Sequence[Mapping[str, Any]], key: str) -> float:
+def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float:
+    """The mean of `key` over the records that logged it (0 where none did)."""
     values = [record[key] for record in records if record.get(key) is not None]
     return sum(values) / len(values) if values else 0.0

@@ -28,7 +28,7 @@ from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_once
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import ServerPlace, pin
-from asyncrl.restarts import QuickDeaths
+from asyncrl.restarts import GiveUp, QuickDeaths
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 from rollout_servers.learner_wait import Endpoints, LearnerFinished, LearnerMoved
 from rollout_servers.server_logs import expect_errors, read_error, record_server_error, server_error_file, server_log
@@ -130,13 +130,9 @@ def schedule_restart(slot: ServerSlot, index: int, run_dir: Path, now: float) ->
         raise ServerCannotStart(f"server-{index} cannot start from this config or install (not restarted): see {server_log(run_dir, index)}")
     ran_s = now - slot.started_at
     error = read_error(server_error_file(run_dir, index))
-    delay = slot.deaths.restart_delay(ran_s, error)
-    if slot.deaths.error_repeats:
-        raise ServerCannotStart(f"server-{index} cannot run this config or install (not restarted again): "
-                                f"{slot.deaths.describe()}; see {server_log(run_dir, index)}")
-    if delay is None:
-        raise ServerKeepsFailing(f"server-{index} keeps dying: {slot.deaths.describe()} (last exit code {code}; "
-                                 f"rollout.max_restarts={slot.deaths.max_restarts}): see {server_log(run_dir, index)}")
+    give_up = GiveUp(f"server-{index}", "rollout.max_restarts", server_log(run_dir, index), ServerCannotStart,
+                     ServerKeepsFailing)
+    delay = slot.deaths.next_restart(ran_s, error, f"last exit code {code}", give_up)
     log.warning("server-%d exited with code %s after %.0fs%s; restart in %.1fs (%s)", index, code, ran_s,
                 f" ({error})" if error else "", delay, slot.deaths.describe())
     slot.process, slot.next_start = None, now + delay

@@ -5,9 +5,10 @@ Per seed, `asyncrl run` runs the synchronous reference (`learner.mode=synchronou
 on it, load the new weights, on the GPUs this process sees) and then the async job (K = --max-staleness), both with
 `validation.after_run=true`: neither validates during its run; each keeps the weights of every due version
 (every --val-every versions, and the last) with the time it made them. After all runs, one `asyncrl evaluate` call
-scores every snapshot of every run on one engine of its own, with each run's held-out prompts and seeds. So no
-pass is on either clock, none takes generation's engine, and none is skipped (`validations_skipped` counts any
-missing). The task's files and the model are made first (`asyncrl data`, `asyncrl init-model`: cached).
+scores every snapshot of every run on one engine of its own (--eval-engines: that many engines of the same settings
+side by side), with each run's held-out prompts and seeds. So no pass is on either clock, none takes generation's
+engine, and none is skipped (`validations_skipped` counts any missing). The task's files and the model are made
+first (`asyncrl data`, `asyncrl init-model`: cached).
 
 Per run, from metrics.jsonl and evaluation.jsonl:
   curve            (version, seconds since the job's launch when the learner made that version, held-out score)
@@ -24,7 +25,13 @@ it. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mo
 The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
---modes '' only evaluates what is missing and reports.
+--modes '' only evaluates what is missing and reports; --prepare-only makes the task's files and the model and stops.
+--modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
+ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
+trained tokens/s, the most any one-GPU async job could gain) and `async_share_of_ceiling`.
+--archive FILE writes every run's records (config, metrics, snapshot made-times, scores; no weights) and the ceiling
+into one .tar.gz; --restore FILE... puts such records back into --out-dir first, so seeds raced in separate sessions
+are reported together (list their seeds in --seeds).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,9 +53,15 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.placement import visible_gpus
-from asyncrl.snapshots import due_versions, made_times, read_evaluation
+from asyncrl.snapshots import (EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, due_versions, made_times,
+                              read_evaluation)
 
 MODES = ("sync", "async")
+CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
+CEILING_FILE = "ceiling.json"  # in --out-dir
+CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")
+RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
+RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
 LEARNER_MODE = {"sync": "synchronous", "async": "async"}
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
@@ -71,7 +85,7 @@ class Mode:
     k: int  # buffer.max_staleness of the async job
 
     def run_name(self, seed: int) -> str:
-        return f"tts-sync-s{seed}" if self.name == "sync" else f"tts-async-k{self.k}-s{seed}"
+        return f"{RUN_PREFIX}sync-s{seed}" if self.name == "sync" else f"{RUN_PREFIX}async-k{self.k}-s{seed}"
 
     @property
     def label(self) -> str:
@@ -94,9 +108,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--target-fraction", type=float, default=0.9,
                         help="target = start + this x (the lower of the modes' best mean score - start)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the token rate")
-    parser.add_argument("--modes", default=",".join(MODES), help="modes to run now, comma-separated ('' = only report)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"what to run now, comma-separated, of {', '.join(MODES + (CEILING,))} ('' = only report)")
     parser.add_argument("--skip-prepare", action="store_true",
                         help="the task's files and the model exist already: do not run asyncrl data and init-model")
+    parser.add_argument("--prepare-only", action="store_true", help="only make the task's files and the model")
+    parser.add_argument("--no-evaluate", action="store_true",
+                        help="leave the scoring of the snapshots to a later call (--modes '' scores and reports)")
+    parser.add_argument("--eval-engines", type=int, default=1, help="engines scoring the snapshots side by side")
+    parser.add_argument("--ceiling-seconds", type=float, default=60.0, help="the ceiling's timed window")
+    parser.add_argument("--archive", default="", help="write the runs' records and the ceiling into this .tar.gz")
+    parser.add_argument("--restore", nargs="*", default=[], metavar="FILE",
+                        help="records written by --archive to put into --out-dir before anything runs")
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
@@ -136,10 +159,46 @@ def sync_baseline(gpus: int, sync_run: Path) -> str:
     return SYNC_BASELINES.get(gpus, "engine_and_learner_on_gpus_apart")
 
 
-def evaluate(run_dirs: list[Path]) -> None:
-    """Score every run's snapshots not scored yet, all on one engine (`asyncrl evaluate`)."""
+def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
+    """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json. Its table
+    is shown; its RESULT line is not, so that this benchmark's own stays the only one."""
+    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), "--config", args.config, "--seconds",
+                           str(args.ceiling_seconds), "--out", str(root / CEILING_FILE), *args.overrides],
+                          stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT_S)
+    print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the engine's ceiling: {CEILING_SCRIPT.name} exited with {done.returncode}")
+
+
+def read_ceiling(root: Path) -> float | None:
+    """The measured ceiling's output tokens/s, if one was measured into `root`."""
+    path = root / CEILING_FILE
+    return json.loads(path.read_text())["ceiling_tokens_per_s"] if path.is_file() else None
+
+
+def archive_records(root: Path, archive: Path) -> None:
+    """Every run's records (RECORDS and its launch file, no weights) and the ceiling, into one .tar.gz."""
+    names = [path.name for path in sorted(root.glob(RUN_PREFIX + "*")) if path.is_dir()]
+    members = [root / name / record for name in names for record in RECORDS]
+    members += [root / (name + LAUNCH_SUFFIX) for name in names] + [root / CEILING_FILE]
+    with tarfile.open(archive, "w:gz") as tar:
+        for member in members:
+            if member.is_file():
+                tar.add(member, arcname=str(member.relative_to(root)))
+
+
+def restore_records(archives: list[str], root: Path) -> None:
+    """Put archived records back into `root` (a run of the same name there is overwritten file by file)."""
+    for archive in archives:
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(root, filter="data")
+
+
+def evaluate(run_dirs: list[Path], engines: int) -> None:
+    """Score every run's snapshots not scored yet (`asyncrl evaluate`), on `engines` engines of the same settings."""
     if run_dirs:
-        subprocess.run(asyncrl_command("evaluate", *map(str, run_dirs)), check=True, timeout=JOB_TIMEOUT_S)
+        subprocess.run(asyncrl_command("evaluate", "--engines", str(engines), *map(str, run_dirs)), check=True,
+                       timeout=JOB_TIMEOUT_S)
 
 
 def summarise(records: list[Record], made: dict[int, float], evaluation: dict[int, Record], launched: float,
@@ -277,6 +336,22 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
             print(f"  {name + ' tokens':32}{pair['sync']:>14.3f}{pair['async']:>14.3f}{_cell(ratio(pair['async'], pair['sync']), 'x'):>14}")
 
 
+def ceiling_figures(ceiling: float | None, sync_rate: float | None, async_rate: float | None) -> dict[str, Any]:
+    """The engine kept full against the two modes' trained tokens/s: how much any async job on these GPUs could
+    gain over sync (`ceiling_speedup`), and how much of it this one reached (`async_share_of_ceiling`)."""
+    return {"ceiling_tokens_per_s": ceiling, "ceiling_speedup": ratio(ceiling, sync_rate),
+            "async_share_of_ceiling": ratio(async_rate, ceiling)}
+
+
+def print_ceiling(ceiling: dict[str, Any]) -> None:
+    if ceiling["ceiling_tokens_per_s"] is None:
+        print(f"ceiling: not measured (--modes {CEILING})")
+        return
+    print(f"ceiling, the engine kept full: {ceiling['ceiling_tokens_per_s']:.0f} tokens/s = "
+          f"{ceiling['ceiling_speedup']:.3f}x sync's trained tokens/s; async reached "
+          f"{ceiling['async_share_of_ceiling']:.3f} of it")
+
+
 def _cell(value: Any, unit: str = "") -> str:
     if value is None:
         return "-"
@@ -318,18 +393,26 @@ def main() -> None:
         raise SystemExit(f"{steps} steps leave fewer than {MIN_TIMED_STEPS} timed steps for {', '.join(short)} "
                          "(the warm-up steps, at least K + 1 for the async job, are not timed)")
     wanted = [name for name in args.modes.split(",") if name]
-    if unknown := set(wanted) - set(MODES):
-        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES)})")
+    if unknown := set(wanted) - set(MODES + (CEILING,)):
+        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES + (CEILING,))})")
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-tts-"))
     root.mkdir(parents=True, exist_ok=True)
-    if wanted and not args.skip_prepare:
+    restore_records(args.restore, root)
+    if (wanted or args.prepare_only) and not args.skip_prepare:
         prepare(args)
+    if args.prepare_only:
+        return
     for seed in seeds:
         for mode in modes:
             if mode.name in wanted:
                 run_job(mode, seed, args, steps, val_every, root)
+    if CEILING in wanted:
+        measure_ceiling(args, root)
     ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}
-    evaluate([root / mode.run_name(seed) for mode in modes for seed in ran[mode]])
+    if not args.no_evaluate:
+        evaluate([root / mode.run_name(seed) for mode in modes for seed in ran[mode]], args.eval_engines)
+    if args.archive:
+        archive_records(root, Path(args.archive))
     report(args, root, modes, ran, steps, val_every)
 
 
@@ -359,9 +442,13 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
          root / "time_to_score.png")
     print(f"plot: {root / 'time_to_score.png'}")
     sync_figures, async_figures = figures[modes[0].label], figures[modes[1].label]
+    ceiling = ceiling_figures(read_ceiling(root), sync_figures["trained_tokens_per_s"],
+                              async_figures["trained_tokens_per_s"])
+    print_ceiling(ceiling)
     result = {
         "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
+        **ceiling,
         "validations_skipped": skipped_total, "learner_share_of_sync_step": sync_figures["learner_share"],
         "sync_baseline": sync_baseline(gpus, root / modes[0].run_name(ran[modes[0]][0])),
         "gpus": gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),

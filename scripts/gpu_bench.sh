@@ -35,9 +35,11 @@
 #              E2E_ARGS="--max-staleness 1,2,4,8" (one async run per K: the staleness sweep); E2E_MODES=''
 #              runs nothing and reports the runs already in /tmp/asyncrl-e2e; E2E_ARGS="--mixed --servers 2"
 #              runs the async job as a mixed plan (a server on each GPU, the learner beside the second)
-#   race       scripts/bench_time_to_score.py on configs/gpu_longtail.yaml: the synchronous run and the async job,
-#              each validated after the run (RACE_MODES=sync or async runs one mode per call, both kept in
-#              /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2"); the plot goes to $OUT
+#   race       scripts/bench_time_to_score.py on configs/gpu_longtail.yaml: the synchronous run, the async job (each
+#              validated after the run) and the engine's ceiling (RACE_MODES=sync, async or ceiling runs a part per
+#              call, all kept in /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
+#              "--prepare-only" to only make the data and the model); the plot and the runs' records
+#              (race-records.tar.gz, for --restore) go to $OUT
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
 #              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
 #   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
@@ -191,7 +193,8 @@ stage_race() {
     # RACE_MODES: the modes to run in this call (a host's per-command limit fits one); runs kept in /tmp/asyncrl-race
     register_plugin
     "$PYTHON" scripts/bench_time_to_score.py --config configs/gpu_longtail.yaml --out-dir /tmp/asyncrl-race \
-        --modes "${RACE_MODES-sync,async}" ${RACE_ARGS:-} metrics.wandb_mode=disabled
+        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" ${RACE_ARGS:-} \
+        metrics.wandb_mode=disabled
     local status=$?
     cp /tmp/asyncrl-race/time_to_score.png "$OUT/" 2>/dev/null
     return $status

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -22,5 +23,11 @@ def keyword_words(expression: str) -> list[str] | None:
 def mentions_any(path: Path, words: list[str]) -> bool:
     """Whether the file's path or text contains one of `words` (lower-case), as every name `-k` matches must: its
     tests, classes, markers, module and folders."""
-    text = f"{path}\n{path.read_text(errors='replace')}".lower()
+    text = _searchable_text(path)
     return any(word in text for word in words)
+
+
+@functools.lru_cache(maxsize=None)
+def _searchable_text(path: Path) -> str:
+    """The file's path and text, lower-cased. Cached: collection asks again for each folder above the file."""
+    return f"{path}\n{path.read_text(errors='replace')}".lower()

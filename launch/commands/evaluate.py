@@ -11,11 +11,12 @@ import argparse
 import dataclasses
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.logs import setup_logging
@@ -25,6 +26,7 @@ log = logging.getLogger("evaluate")
 
 # What the one engine is built from: runs that differ in any of these need an engine each (separate calls).
 ENGINE_KEYS = ("model", "rollout.engine", "reward", "environment")
+ENGINE_START_POLL_S = 1.0  # how often --engines checks whether the engine starting now has started or died
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +47,72 @@ def main(args: argparse.Namespace) -> NoReturn:
 
 
 def evaluate(args: argparse.Namespace) -> int:
+    engines = engine_count(args.engines or "1")
     runs = [read_run(Path(directory)) for directory in args.run_dirs]
     if problem := engine_mismatch(runs):
         print(f"asyncrl evaluate: {problem}", file=sys.stderr)
         return 2
     setup_logging("evaluate", runs[0].config.run.log_level)
-    todo = [run for run in runs if run.pending]
     for run in runs:
         log.info("%s: %d snapshot(s) to score%s", run.directory, len(run.pending),
                  "" if run.pending else " (every one is scored already)")
-    if todo:
-        score_all(todo)
+    shares = deal(runs, engines)
+    if len(shares) > 1:
+        return score_on_engines(shares)
+    if shares:
+        score_all(shares[0])
     return 0
+
+
+def engine_count(text: str) -> int:
+    """--engines as a number of engines, at least 1; SystemExit naming the option otherwise."""
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"asyncrl evaluate: --engines must be a whole number >= 1, not {text!r}")
+    return int(text)
+
+
+def deal(runs: list[Run], engines: int) -> list[list[Run]]:
+    """The pending snapshots dealt out in turn to at most `engines` engines (as many as there are snapshots), each
+    share the runs with the versions it scores; no share is empty."""
+    pending = [(index, version) for index, run in enumerate(runs) for version in run.pending]
+    shares = []
+    for number in range(min(engines, len(pending))):
+        mine = pending[number::engines]
+        shares.append([dataclasses.replace(run, pending=[v for i, v in mine if i == index])
+                       for index, run in enumerate(runs) if any(i == index for i, _ in mine)])
+    return shares
+
+
+def score_on_engines(shares: list[list[Run]]) -> int:
+    """Score each share on an engine of its own, in a process of its own, side by side on the GPUs this process
+    sees, each engine taking its part of `rollout.engine.gpu_memory_utilization`; 1 if any failed.
+
+    The engines start one after the other, each once the one before has started (or died): vLLM sizes its KV cache
+    from the memory it sees used while it starts, which another engine starting beside it would distort."""
+    context = multiprocessing.get_context("spawn")  # vLLM starts processes of its own: a forked child would break them
+    workers = []
+    for number, share in enumerate(shares):
+        started = context.Event()
+        worker = context.Process(target=score_share, name=f"evaluate-engine-{number}",
+                                 args=([(run.directory, run.pending) for run in share], len(shares), started))
+        worker.start()
+        while worker.is_alive() and not started.wait(ENGINE_START_POLL_S):
+            pass
+        workers.append(worker)
+    for worker in workers:
+        worker.join()
+    failed = [worker.name for worker in workers if worker.exitcode != 0]
+    for name in failed:
+        log.error("%s failed: the versions it had not scored yet stay unscored (run asyncrl evaluate again)", name)
+    return 1 if failed else 0
+
+
+def score_share(share: list[tuple[Path, list[int]]], engines: int, started: Any) -> None:
+    """One engine's share (each run directory with the versions it scores), in a process of its own; `started` (a
+    multiprocessing Event) is set once its engine has started."""
+    runs = [dataclasses.replace(read_run(directory), pending=versions) for directory, versions in share]
+    setup_logging("evaluate", runs[0].config.run.log_level)
+    score_all(runs, engines, on_started=started.set)
 
 
 def read_run(directory: Path) -> Run:
@@ -93,8 +149,9 @@ def _section(config: AsyncRLConfig, key: str) -> Any:
     return value
 
 
-def score_all(runs: list[Run]) -> None:
-    """Start the engine once, then load and score each pending snapshot of each run."""
+def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] | None = None) -> None:
+    """Start the engine (with its part of the GPU's memory when `engines` share it) once, tell `on_started`, then
+    load and score each pending snapshot of each run."""
     import torch  # after parsing: `asyncrl --help` stays instant
 
     from asyncrl.weight_transfer.backends import group_backend
@@ -102,7 +159,10 @@ def score_all(runs: list[Run]) -> None:
     from rollout_servers.validation import Validator, load_validation_prompts
 
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    sampler = ReferenceSampler.start(runs[0].config, None, group_backend(receiver_has_own_gpus=False))
+    sampler = ReferenceSampler.start(memory_part(runs[0].config, engines), None,
+                                     group_backend(receiver_has_own_gpus=False))
+    if on_started is not None:
+        on_started()
     try:
         loads = 0  # the engine's version for each load: never one it held, so no prompt's cache is reused
         total = sum(len(run.pending) for run in runs)
@@ -122,6 +182,13 @@ def score_all(runs: list[Run]) -> None:
                          metrics["val/score/mean"], loads, total)
     finally:
         sampler.close()
+
+
+def memory_part(config: AsyncRLConfig, engines: int) -> AsyncRLConfig:
+    """`config` with its engine's share of GPU memory split between `engines` engines on the same GPUs."""
+    engine = config.rollout.engine
+    part = dataclasses.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization / engines)
+    return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=part))
 
 
 def record_score(run_dir: Path, version: int, made_at: float, metrics: dict[str, float]) -> None:

@@ -23,7 +23,7 @@ from asyncrl.exit_codes import CANNOT_START
 from launch.ray_cluster.actor import RoleActor, read_keys
 from launch.ray_cluster.placement import actor_options, release, reserve
 from launch.ray_cluster.roles import RoleSpec, RunArgs, buffer_dir, buffer_role, learner_role, rollout_role
-from asyncrl.restarts import QuickDeaths
+from asyncrl.restarts import GiveUp, QuickDeaths
 from asyncrl.stop_signal import StopSignal
 
 log = logging.getLogger("asyncrl.launch")
@@ -200,13 +200,10 @@ class Launch:
                 raise RoleCannotStart(f"{handle.name} cannot start from this config or install (not restarted): see "
                                       f"{handle.spec.log_path(self.run.run_dir)}")
             handle.deaths = handle.deaths or QuickDeaths.of(self.config.rollout, self.settings.max_restarts)
-            delay = handle.deaths.restart_delay(time.monotonic() - handle.started_at, self.last_error(handle, outcome))
-            if handle.deaths.error_repeats:
-                raise RoleCannotStart(f"{handle.name} cannot run this config or install (not restarted again): "
-                                      f"{handle.deaths.describe()}; see {handle.spec.log_path(self.run.run_dir)}")
-            if delay is None:
-                raise LaunchError(f"{handle.name} {outcome.reason}: {handle.deaths.describe()} "
-                                  f"(ray.max_restarts={self.settings.max_restarts}); see {handle.spec.log_path(self.run.run_dir)}")
+            give_up = GiveUp(handle.name, "ray.max_restarts", handle.spec.log_path(self.run.run_dir), RoleCannotStart,
+                             LaunchError)
+            delay = handle.deaths.next_restart(time.monotonic() - handle.started_at, self.last_error(handle, outcome),
+                                               outcome.reason, give_up)
             log.warning("%s %s; restart %d in %.1fs (%s)", handle.name, outcome.reason, handle.restarts + 1, delay,
                         handle.deaths.describe())
             self.discard(handle.actor)

@@ -1,7 +1,8 @@
 """The race to a held-out score at CPU size (scripts/bench_time_to_score.py, the benchmark itself): the synchronous
 run and the async job from one warm start, each keeping the weights of every due version (validation.after_run),
-then one `asyncrl evaluate` scoring them all. Every due version is scored, both modes learn, and the one evaluator
-scores the shared starting model the same in both.
+then `asyncrl evaluate` scoring them all on two engines of the same settings, and the engine's ceiling kept full.
+Every due version is scored, both modes learn, the two engines score the shared starting model the same (its two
+snapshots are dealt to different engines), and the ceiling is measured with the engine kept full.
 
 The reward is the response's length (tests/fixtures/length_reward.py): a barely trained model learns it in a few
 steps, so "learns" is a held-out rise that a handful of steps can show."""
@@ -33,7 +34,9 @@ def race_job(inputs: Path, own_dir: Path) -> tuple[Path, dict]:
                   "reward.custom_fn.name=compute_score", "buffer.batch_groups=4", "rollout.sampling.n=4"]
     done = subprocess.run([sys.executable, str(BENCH), "--config", "configs/quickstart.yaml", "--steps", str(STEPS),
                            "--val-every", str(VAL_EVERY), "--warmup-steps", "1", "--skip-prepare",
-                           "--out-dir", str(own_dir), *overrides], capture_output=True, text=True,
+                           "--modes", "sync,async,ceiling", "--eval-engines", "2", "--ceiling-seconds", "4",
+                           "--archive", str(own_dir / "records.tar.gz"), "--out-dir", str(own_dir), *overrides],
+                          capture_output=True, text=True,
                           timeout=3 * RUN_TIMEOUT_S, cwd=BENCH.parents[1])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -58,7 +61,7 @@ def test_every_due_version_of_both_modes_is_kept_and_scored_in_the_order_it_was_
         assert all(scored[v]["made_at"] == made[v] for v in DUE)
 
 
-def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_learn(race):
+def test_two_engines_score_the_shared_start_the_same_in_both_modes_and_both_learn(race):
     _, result = race
     sync, async_ = result["sync"]["curves"][0], result["async"]["curves"][0]
     assert [v for v, _, _ in sync] == DUE and [v for v, _, _ in async_] == DUE
@@ -68,3 +71,25 @@ def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_l
     assert result["target"] is not None and result["sync_baseline"] == "cpu" and result["seeds"] == [0]
     assert result["sync"]["version_at_target"] in DUE and result["async"]["version_at_target"] in DUE
     assert 0 < result["learner_share_of_sync_step"] < 1
+
+
+def test_the_ceiling_kept_the_engine_full_and_is_compared_with_both_modes(race):
+    root, result = race
+    ceiling = json.loads((root / "ceiling.json").read_text())
+    assert ceiling["in_flight_at_end"] == ceiling["max_inflight"]  # every finished request was replaced at once
+    assert ceiling["tokens"] > 0 and result["ceiling_tokens_per_s"] == ceiling["ceiling_tokens_per_s"]
+    assert result["ceiling_speedup"] == round(ceiling["ceiling_tokens_per_s"] / result["sync"]["trained_tokens_per_s"], 3)
+    assert result["async_share_of_ceiling"] == round(result["async"]["trained_tokens_per_s"] /
+                                                     ceiling["ceiling_tokens_per_s"], 3)
+
+
+def test_the_archive_holds_every_run_s_records_and_no_weights(race):
+    import tarfile
+
+    root, _ = race
+    with tarfile.open(root / "records.tar.gz") as archive:
+        names = set(archive.getnames())
+    for run in RUNS:
+        assert {f"{run}/config.yaml", f"{run}/metrics.jsonl", f"{run}/evaluation.jsonl",
+                f"{run}/snapshots/made.jsonl", f"{run}.launch.json"} <= names
+    assert "ceiling.json" in names and not any(name.endswith(".pt") for name in names)

@@ -83,27 +83,32 @@ def _described(pids: set[int]) -> list[str]:
 # comes (the signal is sent on what the run showed), so a failed one raises from the job and fails its test.
 
 
-def sigint_job(inputs: Path, tmp: Path) -> None:
-    run_dir = tmp / "runs" / "sigint"
-    run = _start_run(inputs, tmp, "sigint")
+def _trained_a_step(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def _server_starting(run_dir: Path) -> bool:
+    return (run_dir / "logs" / "rollout0.log").is_file()
+
+
+def _signalled_job(inputs: Path, tmp: Path, name: str, signum: int, ready, what: str, whole_group: bool) -> None:
+    """A run sent `signum` once `ready(run_dir)` (`what` names that moment), checked by `_stop_and_check`."""
+    run_dir = tmp / "runs" / name
+    run = _start_run(inputs, tmp, name)
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step",
-                  _console(tmp, "sigint"))
-        _stop_and_check(run, signal.SIGINT, run_dir, whole_group=True)
+        _wait_for(lambda: ready(run_dir), run, what, _console(tmp, name))
+        _stop_and_check(run, signum, run_dir, whole_group)
     finally:
         kill_tree(run.pid)
+
+
+def sigint_job(inputs: Path, tmp: Path) -> None:
+    _signalled_job(inputs, tmp, "sigint", signal.SIGINT, _trained_a_step, "first training step", whole_group=True)
 
 
 def sigterm_job(inputs: Path, tmp: Path) -> None:
-    run_dir = tmp / "runs" / "sigterm"
-    run = _start_run(inputs, tmp, "sigterm")
-    try:
-        _wait_for(lambda: (run_dir / "logs" / "rollout0.log").is_file(), run, "rollout server start",
-                  _console(tmp, "sigterm"))
-        _stop_and_check(run, signal.SIGTERM, run_dir, whole_group=False)
-    finally:
-        kill_tree(run.pid)
+    _signalled_job(inputs, tmp, "sigterm", signal.SIGTERM, _server_starting, "rollout server start", whole_group=False)
 
 
 def sigkill_job(inputs: Path, tmp: Path) -> None:
@@ -111,9 +116,7 @@ def sigkill_job(inputs: Path, tmp: Path) -> None:
     run = _start_run(inputs, tmp, "sigkill")
     tree: set[int] = set()
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.is_file() and metrics.stat().st_size > 0, run, "first training step",
-                  _console(tmp, "sigkill"))
+        _wait_for(lambda: _trained_a_step(run_dir), run, "first training step", _console(tmp, "sigkill"))
         tree = descendants(run.pid)
         names = _described(tree)
         # the ends of the chains: the learner's buffer; the server's engine core; spawned processes: the learner

@@ -2,10 +2,15 @@
 tokens/s and learner share, the seeds' mean curve, the target, the time to it, skipped validations and the buckets
 at equal steps, on hand-written records."""
 
+import json
+
 import pytest
 
-from scripts.bench_time_to_score import (Mode, equal_step_buckets, mean_curve, mode_figures, pick_target, skipped,
-                                         summarise, time_to_target)
+from asyncrl.config import load_config, save_config
+from asyncrl.snapshots import made_times, read_evaluation
+from scripts.bench_time_to_score import (Mode, archive_records, ceiling_figures, equal_step_buckets, mean_curve,
+                                         mode_figures, pick_target, read_ceiling, restore_records, skipped, summarise,
+                                         sync_baseline, time_to_target)
 
 LAUNCHED = 100.0
 
@@ -101,14 +106,45 @@ def test_modes_name_their_runs_by_seed():
     assert [Mode("sync", 4).warmup(3), Mode("async", 4).warmup(3), Mode("async", 1).warmup(3)] == [3, 5, 3]
 
 
+def test_the_ceiling_compares_the_engine_kept_full_with_both_modes_trained_tokens():
+    assert ceiling_figures(30_000.0, 7_500.0, 21_000.0) == {
+        "ceiling_tokens_per_s": 30_000.0, "ceiling_speedup": 4.0, "async_share_of_ceiling": 0.7}
+    assert ceiling_figures(None, 7_500.0, 21_000.0) == {
+        "ceiling_tokens_per_s": None, "ceiling_speedup": None, "async_share_of_ceiling": None}
+
+
+def test_archived_records_come_back_into_another_directory_without_the_weights(tmp_path):
+    made = tmp_path / "made"
+    run = made / "tts-sync-s2"
+    (run / "snapshots").mkdir(parents=True)
+    (run / "config.yaml").write_text("run:\n  seed: 2\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "time": 5.0}) + "\n")
+    (run / "snapshots" / "made.jsonl").write_text(json.dumps({"version": 0, "made_at": 3.5}) + "\n")
+    (run / "snapshots" / "v0.pt").write_bytes(b"weights")
+    (run / "evaluation.jsonl").write_text(json.dumps({"version": 0, "val/score/mean": 0.4}) + "\n")
+    (made / "tts-sync-s2.launch.json").write_text(json.dumps({"time": 1.0, "gpus": 1}))
+    (made / "ceiling.json").write_text(json.dumps({"ceiling_tokens_per_s": 25_000.0}))
+    (made / "unrelated.log").write_text("left out")
+    archive = tmp_path / "records.tar.gz"
+    archive_records(made, archive)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    restore_records([str(archive)], elsewhere)
+    back = elsewhere / "tts-sync-s2"
+    assert made_times(back) == {0: 3.5} and read_evaluation(back)[0]["val/score/mean"] == 0.4
+    assert (back / "config.yaml").read_text() == "run:\n  seed: 2\n"
+    assert (back / "metrics.jsonl").is_file() and (elsewhere / "tts-sync-s2.launch.json").is_file()
+    assert read_ceiling(elsewhere) == 25_000.0
+    assert not (back / "snapshots" / "v0.pt").exists() and not (elsewhere / "unrelated.log").exists()
+    assert read_ceiling(tmp_path) is None
+
+
 @pytest.mark.parametrize(("gpus", "sync_ranks", "expected"), [
     (0, 1, "cpu"), (1, 1, "colocated_one_gpu"), (2, 1, "engine_and_learner_on_gpus_apart"),
     (2, 2, "colocated_all_gpus"), (4, 4, "colocated_all_gpus"), (4, 2, "colocated_some_gpus"),
 ])
 def test_the_synchronous_baseline_is_named_by_the_gpus_and_the_ranks_it_ran(tmp_path, gpus, sync_ranks, expected):
-    from asyncrl.config import load_config, save_config
-    from scripts.bench_time_to_score import sync_baseline
-
     save_config(load_config(None, ["learner.mode=synchronous", f"learner.nproc={sync_ranks}", "buffer.batch_groups=4"]),
                 tmp_path)
     assert sync_baseline(gpus, tmp_path) == expected

@@ -31,3 +31,16 @@ def test_a_file_is_kept_when_its_path_or_text_names_a_word(tmp_path):
     assert mentions_any(module, ["buffer"])  # a folder's name is one of its tests' keywords
     assert mentions_any(module, ["nothing", "expiry"])
     assert not mentions_any(module, ["learner", "frozen"])
+
+
+def test_a_file_is_read_once_however_many_folders_ask(tmp_path, monkeypatch):
+    module = tmp_path / "test_reads.py"
+    module.write_text("def test_once(): ...\n")
+    reads = []
+    read_text = type(module).read_text
+    monkeypatch.setattr(type(module), "read_text", lambda self, **kw: reads.append(self) or read_text(self, **kw))
+
+    # the file, its folder and the folder above it ask in turn, as collection does
+    assert [mentions_any(module, ["once"]), mentions_any(module, ["other"]), mentions_any(module, ["once"])] == [
+        True, False, True]
+    assert reads == [module]

@@ -25,6 +25,16 @@ def group(record_id: str, version: int = 0):
     return synthetic_group(record_id, samples=1, completion_tokens=16, version=version)
 
 
+def holding_groups(serve, config, count: int) -> tuple:
+    """A buffer served with `config` that acknowledged groups g0 … g{count-1}, and the learner reading it from offset 0."""
+    service = serve(config)
+    producer = TrajectoryProducer(service.endpoint)
+    for i in range(count):
+        producer.submit(group(f"g{i}"))
+    producer.flush()
+    return service, BufferConsumer(service.endpoint, "learner", start_offset=0, timeout_s=5)
+
+
 def raw_request(address: str, message) -> object:
     socket = connect_dealer(zmq.Context.instance(), address)
     try:
@@ -120,12 +130,7 @@ def _latencies_ms(consumer: BufferConsumer) -> tuple[float, float]:
 def test_a_client_over_its_caps_is_refused_while_the_learner_is_served_at_normal_latency(serve, small_config):
     config = dataclasses.replace(small_config, max_parked_per_client=2, max_parked=16, segment_bytes=2**20,
                                  max_message_bytes=2**20)
-    service = serve(config)
-    producer = TrajectoryProducer(service.endpoint)
-    for i in range(200):
-        producer.submit(group(f"g{i}"))
-    producer.flush()
-    learner = BufferConsumer(service.endpoint, "learner", start_offset=0, timeout_s=5)
+    service, learner = holding_groups(serve, config, 200)
     quiet = _latencies_ms(learner)
 
     hostile = connect_dealer(zmq.Context.instance(), service.endpoint)
@@ -152,12 +157,7 @@ def test_another_consumer_reading_costs_the_learner_no_log_reread_and_no_records
     """A second client reads batches at its own position: the learner's next request finds its own window where
     it left it (before, the buffer had one read cursor: the learner's next request re-read every pending record
     from the log), and the learner still gets every group exactly once."""
-    service = serve(small_config)
-    producer = TrajectoryProducer(service.endpoint)
-    for i in range(12):
-        producer.submit(group(f"g{i}"))
-    producer.flush()
-    learner = BufferConsumer(service.endpoint, "learner", start_offset=0, timeout_s=5)
+    service, learner = holding_groups(serve, small_config, 12)
     trained = [g.record_id for g in learner.next_batch(0, max_samples=4).groups]
     learner.commit(0)
     other = BufferConsumer(service.endpoint, "other", timeout_s=5)  # no position: the buffer's cursor for it

@@ -1,5 +1,6 @@
-"""`asyncrl evaluate` before it starts an engine: which snapshots of a run are left to score, and the runs it refuses
-to score together, each refusal naming what is wrong."""
+"""`asyncrl evaluate` before it starts an engine: which snapshots of a run are left to score, how they are dealt out to
+several engines, each engine's part of the GPU memory, and the runs it refuses to score together, each refusal naming
+what is wrong."""
 
 import json
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
-from launch.commands.evaluate import engine_mismatch, read_run
+from launch.commands.evaluate import deal, engine_count, engine_mismatch, memory_part, read_run
 
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
              "learner.mode=synchronous"]
@@ -43,3 +44,26 @@ def test_runs_share_one_engine_unless_an_engine_setting_differs(tmp_path):
     assert engine_mismatch([first, lowered]) is None  # a memory share a plan lowered: the evaluator runs alone
     problem = engine_mismatch([first, lowered, other_model])
     assert "differ in model" in problem and "other" in problem
+
+
+def test_snapshots_are_dealt_out_in_turn_and_no_engine_gets_nothing(tmp_path):
+    sync = read_run(run_dir(tmp_path, "sync", made=[0, 2, 4, 6], scored=[0]))  # pending 2, 4, 6
+    async_ = read_run(run_dir(tmp_path, "async", made=[0, 2, 4]))  # pending 0, 2, 4
+    shares = deal([sync, async_], 4)  # in order: sync 2, 4, 6, async 0, 2, 4
+    assert [[(run.directory.name, run.pending) for run in share] for share in shares] == [
+        [("sync", [2]), ("async", [2])], [("sync", [4]), ("async", [4])], [("sync", [6])], [("async", [0])]]
+    assert [[run.pending for run in share] for share in deal([sync, async_], 1)] == [[[2, 4, 6], [0, 2, 4]]]
+    two_left = read_run(run_dir(tmp_path, "short", made=[0, 2], scored=[0]))
+    assert len(deal([two_left], 4)) == 1  # one snapshot: one engine, not four
+    assert deal([read_run(run_dir(tmp_path, "done", made=[0], scored=[0]))], 3) == []
+
+
+def test_engines_sharing_a_gpu_split_its_memory_share_and_a_bad_count_is_refused(tmp_path):
+    config = load_config(None, ["rollout.engine.gpu_memory_utilization=0.8"])
+    assert memory_part(config, 4).rollout.engine.gpu_memory_utilization == pytest.approx(0.2)
+    assert memory_part(config, 4).rollout.engine.max_model_len == config.rollout.engine.max_model_len
+    assert config.rollout.engine.gpu_memory_utilization == 0.8  # the run's own config is left as it was
+    assert engine_count("3") == 3
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(SystemExit, match="--engines"):
+            engine_count(bad)

@@ -175,7 +175,8 @@ def test_a_server_that_keeps_dying_soon_after_its_start_fails_the_launch_naming_
     launch.settings.max_restarts = 2
     die_after(launch, handle, ran_s=1.0)
     die_after(launch, handle, ran_s=1.0)
-    with pytest.raises(LaunchError, match=r"rollout-0 exited with code 1: death 3 in a row .*ray.max_restarts=2.*rollout-0.out"):
+    with pytest.raises(LaunchError, match=r"rollout-0 keeps dying: death 3 in a row .*\(exited with code 1; "
+                                          r"ray.max_restarts=2\); see .*rollout-0.out"):
         die_after(launch, handle, ran_s=1.0)
 
 

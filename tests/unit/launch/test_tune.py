@@ -35,19 +35,20 @@ def test_generation_bound(tmp_path, capsys):
     # waits 0.6 of a 1.6 s step (sync 0.4 s after it): 30 % of 2.0 s; warm-up steps that waited 50 s are left out
     write_run(tmp_path, ["buffer.max_staleness=2", "rollout.num_servers=2"], steady(0.6, 1.0, 0.4),
               warmup=steady(50.0, 1.0, 0.4))
-    verdict, k, servers, micro, _ = tune(tmp_path, capsys)
+    verdict, k, servers, micro, _, *split = tune(tmp_path, capsys)
     assert verdict.startswith("generation-bound over 18 steps of 2.000 s: the learner waited for batches 30%")
     assert "weight sync took 20%" in verdict and "training the rest (50%)" in verdict
     assert k.startswith("K: buffer.max_staleness=3 or auto")
     # 2 servers / (1 - 0.3) = 2.86 -> 3; 1 / 0.7 = 1.43x the generation rate
     assert servers.startswith("servers: rollout.num_servers=3") and "1.43x" in servers
     assert micro.startswith("micro-batch: keep")
+    assert split == ["split: the learner ran on the CPU: no GPU split applies"]
 
 
 def test_learner_bound_with_a_small_micro_batch(tmp_path, capsys):
     write_run(tmp_path, ["buffer.max_staleness=4", "rollout.num_servers=4", "learner.micro_batch_tokens=1024"],
               steady(0.01, 0.99, **{"rollout/idle_ratio": 0.5}))
-    verdict, k, servers, micro, _ = tune(tmp_path, capsys)
+    verdict, k, servers, micro, *_ = tune(tmp_path, capsys)
     assert verdict.startswith("learner-bound over 18 steps of 1.000 s: the learner waited for batches 1%")
     assert k.startswith("K: buffer.max_staleness=3 or auto") and "1.50 versions old" in k
     assert servers.startswith("servers: 2 of the 4 would do") and "idle 50%" in servers
@@ -58,14 +59,14 @@ def test_learner_bound_with_a_small_micro_batch(tmp_path, capsys):
 def test_sync_bound(tmp_path, capsys):
     # sync 0.5 s after a 0.5 s step: 50 % of the time; at sync_every=1 -> ceil(1 · 0.5 / 0.1) = 5
     write_run(tmp_path, ["buffer.max_staleness=1"], steady(0.05, 0.45, 0.5))
-    verdict, k, _, _, _ = tune(tmp_path, capsys)
+    verdict, k, *_ = tune(tmp_path, capsys)
     assert verdict.startswith("sync-bound") and "weight sync took 50%" in verdict
     assert k.startswith("sync: learner.sync_every=5") and "K ≥ 5" in k
 
 
 def test_a_paced_run_reports_where_the_controller_settled(tmp_path, capsys):
     write_run(tmp_path, ["buffer.max_staleness=auto"], steady(0.02, 0.98, **{"staleness/max_staleness": 3.0}))
-    _, k, _, _, _ = tune(tmp_path, capsys)
+    _, k, *_ = tune(tmp_path, capsys)
     assert k.startswith("K: the controller settled at K=3 (mean 3.00)")
 
 
@@ -76,7 +77,7 @@ def test_a_paced_run_reports_where_the_controller_settled(tmp_path, capsys):
 def test_a_paced_generation_bound_run_says_what_stopped_k(tmp_path, capsys, last_k, expected):
     write_run(tmp_path, ["buffer.max_staleness=auto"],
               steady(0.3, 0.7, **{"staleness/max_staleness": last_k, "rollout_corr/mismatch_kl": 0.03}))
-    _, k, _, _, _ = tune(tmp_path, capsys)
+    _, k, *_ = tune(tmp_path, capsys)
     assert k.startswith(expected)
 
 
@@ -85,6 +86,21 @@ def test_a_run_from_before_k_was_logged_names_the_configured_k(tmp_path, capsys)
     del step["staleness/max_staleness"]
     write_run(tmp_path, ["buffer.max_staleness=2"], step)
     assert "staleness trained 1.50 under K 2;" in tune(tmp_path, capsys)[0]
+
+
+def test_a_gpu_run_gets_the_split_of_its_gpus_or_of_another_hosts(tmp_path, capsys):
+    # a server 1,000 tokens/s, never idle; a rank 8,000 / 2 = 4,000 (launch/gpu_split.py; tests/unit/launch/test_gpu_split.py)
+    rates = {"rollout/server-0/tokens_per_s": 1000.0, "rollout/server-0/idle_ratio": 0.0, "memory/peak_gib": 40.0,
+             "rollout/server-1/tokens_per_s": 1000.0, "rollout/server-1/idle_ratio": 0.0,
+             "learner/tokens_per_s": 8000.0, "timing_s/train": 0.7}
+    write_run(tmp_path, ["rollout.num_servers=2", "rollout.gpus=[0,1]", "learner.nproc=2", "learner.gpus=[2,3]"],
+              steady(0.3, 0.7, **rates))
+    assert tune(tmp_path, capsys)[5].startswith("split: 3 servers + 1 learner rank (rollout.num_servers=3 "
+                                                "learner.nproc=1) on the 4 GPUs instead of the run's 2 + 2")
+    assert main(["tune", str(tmp_path), "--gpus", "8"]) == 0
+    assert capsys.readouterr().out.splitlines()[5].startswith("split: on 8 GPUs, 6 servers + 2 learner ranks")
+    assert main(["tune", str(tmp_path), "--gpus", "eight"]) == 1
+    assert "--gpus eight: give the host's number of GPUs, a whole number above 0" in capsys.readouterr().err
 
 
 def test_a_run_without_metrics_or_steps_fails_clearly(tmp_path, capsys):
@@ -100,11 +116,25 @@ def test_a_run_without_metrics_or_steps_fails_clearly(tmp_path, capsys):
 # ------------------------------------------------------------------------------------ drift at the chosen K
 
 
-def test_low_drift_says_the_loss_holds_k(tmp_path, capsys):
-    write_run(tmp_path, ["buffer.max_staleness=2"], steady(0.0, 1.0))  # mismatch_kl 0.004, default bound 0.02
-    drift = tune(tmp_path, capsys)[4]
-    assert drift == ("drift: mismatch_kl 0.0040 at K=2 is within buffer.pacing.max_mismatch_kl=0.02: "
-                     "decoupled_ppo_kl holds this K")  # the default loss
+@pytest.mark.parametrize("overrides, extra, expected", [
+    (["buffer.max_staleness=2"], {},  # mismatch_kl 0.004, default bound 0.02, the default loss
+     "drift: mismatch_kl 0.0040 at K=2 is within buffer.pacing.max_mismatch_kl=0.02: decoupled_ppo_kl holds this K"),
+    # m2po masked 12 % of the tokens at K = 4 (above buffer.pacing.max_is_clip_frac = 0.05)
+    (["buffer.max_staleness=4", "algorithm.loss=m2po"],
+     {"trust_region/masked_frac": 0.12, "rollout_corr/mismatch_kl": 0.09, "staleness/max_staleness": 4.0},
+     "drift: m2po masked 12.0% of the trained tokens at K=4 (trust_region/masked_frac, above "
+     "buffer.pacing.max_is_clip_frac=0.05; mismatch_kl 0.0900): those tokens train nothing; lower K "
+     "(buffer.max_staleness=3), or loosen algorithm.m2_threshold if the held-out reward holds"),
+    # a behaviour-anchored loss with few masked tokens, above the drift bound
+    (["buffer.max_staleness=auto", "algorithm.loss=dppo_tv", "algorithm.mini_batches=4"],
+     {"trust_region/masked_frac": 0.01, "rollout_corr/mismatch_kl": 0.05, "staleness/max_staleness": 3.0},
+     "drift: mismatch_kl 0.0500 at K=3 is above buffer.pacing.max_mismatch_kl=0.02; dppo_tv bounds the policy "
+     "against the one that sampled: watch the held-out reward, and lower K (buffer.pacing.k_max below 8, or a "
+     "smaller buffer.pacing.max_mismatch_kl) if it falls"),
+], ids=["within-bound", "masked-share", "behaviour-anchored"])
+def test_the_drift_line_reads_the_drift_against_the_runs_bounds(tmp_path, capsys, overrides, extra, expected):
+    write_run(tmp_path, overrides, steady(0.0, 1.0, **extra))
+    assert tune(tmp_path, capsys)[4] == expected
 
 
 def test_high_drift_under_a_proximal_loss_suggests_a_smaller_k_or_a_behaviour_anchored_loss(tmp_path, capsys):
@@ -115,24 +145,3 @@ def test_high_drift_under_a_proximal_loss_suggests_a_smaller_k_or_a_behaviour_an
                             "decoupled_ppo has no trust region anchored to the policy that sampled: lower K "
                             "(buffer.max_staleness=7), or switch to a behaviour-anchored loss (algorithm.loss=dppo_tv")
     assert drift.endswith("so its clip around π_prox binds")  # one optimizer step per batch
-
-
-def test_a_high_masked_share_names_the_loss_its_bound_and_a_smaller_k(tmp_path, capsys):
-    # m2po masked 12 % of the tokens at K = 4 (above buffer.pacing.max_is_clip_frac = 0.05)
-    write_run(tmp_path, ["buffer.max_staleness=4", "algorithm.loss=m2po"],
-              steady(0.0, 1.0, **{"trust_region/masked_frac": 0.12, "rollout_corr/mismatch_kl": 0.09,
-                                  "staleness/max_staleness": 4.0}))
-    drift = tune(tmp_path, capsys)[4]
-    assert drift == ("drift: m2po masked 12.0% of the trained tokens at K=4 (trust_region/masked_frac, above "
-                     "buffer.pacing.max_is_clip_frac=0.05; mismatch_kl 0.0900): those tokens train nothing; lower K "
-                     "(buffer.max_staleness=3), or loosen algorithm.m2_threshold if the held-out reward holds")
-
-
-def test_high_drift_under_a_behaviour_anchored_loss_with_few_masked_tokens(tmp_path, capsys):
-    write_run(tmp_path, ["buffer.max_staleness=auto", "algorithm.loss=dppo_tv", "algorithm.mini_batches=4"],
-              steady(0.0, 1.0, **{"trust_region/masked_frac": 0.01, "rollout_corr/mismatch_kl": 0.05,
-                                  "staleness/max_staleness": 3.0}))
-    drift = tune(tmp_path, capsys)[4]
-    assert drift == ("drift: mismatch_kl 0.0500 at K=3 is above buffer.pacing.max_mismatch_kl=0.02; dppo_tv bounds "
-                     "the policy against the one that sampled: watch the held-out reward, and lower K "
-                     "(buffer.pacing.k_max below 8, or a smaller buffer.pacing.max_mismatch_kl) if it falls")

@@ -104,6 +104,22 @@ def coordinator(staging_bytes: int = 0, max_failures: int = 3, ends: SendingEnds
                            liveness_s=liveness_s, max_failures=max_failures, curve_dir=curve_dir)
 
 
+@contextmanager
+def serving(coord: SyncCoordinator, *servers: FakeServer, joined: bool = True) -> Iterator[None]:
+    """The servers running against `coord` for the block, each a member of its weight sync before the block starts
+    (`joined`; else the block waits for what it expects); all stopped and the coordinator closed after."""
+    for server in servers:
+        server.start()
+    try:
+        if joined:
+            coord.wait_for_members(len(servers), timeout_s=10)
+        yield
+    finally:
+        for server in servers:
+            server.stop.set()
+        coord.close()
+
+
 def weights(scale: float) -> list[tuple[str, torch.Tensor]]:
     # the middle one is a transposed view, as some state-dict entries are: it must arrive laid out as its shape says
     return [("a.weight", torch.full((3, 2), scale)), ("b.weight", (torch.arange(6.0).reshape(2, 3) * scale).t()),
@@ -118,9 +134,7 @@ def test_rank_layout_gives_each_server_consecutive_ranks_after_the_trainer():
 def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(staging_bytes):
     coord = coordinator(staging_bytes)
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
-    for server in servers:
-        server.start()
-    try:
+    with serving(coord, *servers, joined=False):
         assert coord.wait_for_members(2, timeout_s=10) == ["s0", "s1"]
         for version, scale in ((1, 1.0), (2, -3.0)):
             report = coord.broadcast(version, weights(scale))
@@ -130,10 +144,6 @@ def test_rounds_deliver_weights_and_reuse_the_group_while_membership_holds(stagi
                 assert all(torch.equal(got[name], tensor) for name, tensor in weights(scale))
         assert coord.lagging_members(2) == []
         assert coord.lagging_members(3) == ["s0", "s1"]
-    finally:
-        for server in servers:
-            server.stop.set()
-        coord.close()
 
 
 def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
@@ -166,19 +176,12 @@ def test_a_server_restarted_under_the_same_name_is_given_a_new_group():
 def test_the_end_of_the_job_reaches_each_server_and_waits_for_it_to_leave():
     coord = coordinator()
     leaving, silent = FakeServer("leaving", coord.address), FakeServer("silent", coord.address, answer=False)
-    leaving.start()
-    silent.start()
-    try:
-        coord.wait_for_members(2, timeout_s=10)
+    with serving(coord, leaving, silent):
         started = time.monotonic()
         assert coord.finish_job(7, timeout_s=2 * LIVENESS_S) == ["silent"]  # it keeps heartbeating, never answers
         assert time.monotonic() - started < TIMEOUT_S
         leaving.join(TIMEOUT_S)
         assert leaving.finished_at == 7 and "leaving" not in coord.members
-    finally:
-        leaving.stop.set()
-        silent.stop.set()
-        coord.close()
 
 
 def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
@@ -186,10 +189,7 @@ def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
     were written before the invitation), and maps it again when the weights outgrow it."""
     coord = coordinator(ends=sending_ends(default="ipc"))
     servers = [FakeServer(f"s{i}", coord.address) for i in range(2)]
-    for server in servers:
-        server.start()
-    try:
-        coord.wait_for_members(2, timeout_s=10)
+    with serving(coord, *servers):
         for version, scale in ((1, 1.0), (2, -3.0)):
             report = coord.broadcast(version, weights(scale))
             assert sorted(report.succeeded) == ["s0", "s1"] and not report.failed
@@ -201,10 +201,6 @@ def test_ipc_rounds_write_the_shared_buffer_before_the_invite_and_map_it_once():
         assert sorted(report.succeeded) == ["s0", "s1"]
         assert [server.joins for server in servers] == [2, 2]
         assert torch.equal(servers[0].received[3]["extra.weight"], torch.ones(1000))
-    finally:
-        for server in servers:
-            server.stop.set()
-        coord.close()
 
 
 class LostBuffer(SendingEnd):
@@ -238,7 +234,6 @@ def test_one_round_reaches_servers_on_two_backends_each_through_its_own_end():
     beside = FakeServer("beside", coord.address, backend="ipc")
     apart = [FakeServer(f"apart{i}", coord.address, backend="gloo") for i in range(2)]
     with serving(coord, beside, *apart):
-        coord.wait_for_members(3, timeout_s=10)
         for version, scale in ((1, 1.0), (2, -3.0)):
             report = coord.broadcast(version, weights(scale))
             assert sorted(report.succeeded) == ["apart0", "apart1", "beside"] and not report.failed
@@ -257,7 +252,6 @@ def test_a_failure_on_one_backend_fails_its_servers_only():
     beside = FakeServer("beside", coord.address, backend="ipc")
     apart = [FakeServer(f"apart{i}", coord.address, backend="gloo") for i in range(2)]
     with serving(coord, beside, *apart):
-        coord.wait_for_members(3, timeout_s=10)
         for version in (1, 2):
             report = coord.broadcast(version, weights(float(version)))
             assert sorted(report.succeeded) == ["apart0", "apart1"] and list(report.failed) == ["beside"]
@@ -276,7 +270,6 @@ def test_a_transfer_that_no_retry_can_fix_gives_up_on_its_servers_at_once_and_se
     beside = FakeServer("beside", coord.address, backend="ipc")
     apart = FakeServer("apart", coord.address, backend="gloo")
     with serving(coord, beside, apart):
-        coord.wait_for_members(2, timeout_s=10)
         report = coord.broadcast(1, weights(1.0))
         assert report.hopeless == {"beside"}
         assert "giving up on beside" in caplog.text and "an error no retry can fix" in caplog.text
@@ -288,7 +281,6 @@ def test_a_server_announcing_an_unknown_backend_is_failed_and_the_others_served(
     coord = coordinator()
     good, odd = FakeServer("good", coord.address), FakeServer("odd", coord.address, backend="carrier-pigeon")
     with serving(coord, good, odd):
-        coord.wait_for_members(2, timeout_s=10)
         report = coord.broadcast(1, weights(1.0))
         assert report.succeeded == ["good"]
         assert report.failed == {"odd": "weight backend: unknown weight-sync backend 'carrier-pigeon': choose one of "
@@ -298,10 +290,7 @@ def test_a_server_announcing_an_unknown_backend_is_failed_and_the_others_served(
 def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped():
     coord = coordinator()
     good, silent = FakeServer("good", coord.address), FakeServer("silent", coord.address, answer=False)
-    good.start()
-    silent.start()
-    try:
-        coord.wait_for_members(2, timeout_s=10)
+    with serving(coord, good, silent):
         started = time.monotonic()
         report = coord.broadcast(1, weights(1.0))
         # it costs the prepare's wait (liveness_s), not the rendezvous deadline (a group that waits for it
@@ -319,25 +308,16 @@ def test_a_silent_server_is_left_out_of_the_round_within_liveness_and_is_dropped
         report = coord.broadcast(2, weights(2.0))
         assert report.succeeded == ["good"] and not report.failed
         assert torch.equal(good.received[2]["a.weight"], torch.full((3, 2), 2.0))
-    finally:
-        good.stop.set()
-        silent.stop.set()
-        coord.close()
 
 
 def test_the_prepare_waits_no_longer_than_the_rounds_deadline():
     coord = coordinator(timeout_s=1.0, liveness_s=60.0)
     silent = FakeServer("silent", coord.address, answer=False)
-    silent.start()
-    try:
-        coord.wait_for_members(1, timeout_s=10)
+    with serving(coord, silent):
         started = time.monotonic()
         report = coord.broadcast(1, weights(1.0))
         assert "silent" in report.failed and not report.succeeded
         assert time.monotonic() - started < 30.0  # bounded by timeout_s (1 s), not liveness_s (60 s)
-    finally:
-        silent.stop.set()
-        coord.close()
 
 
 def test_no_servers_means_an_empty_round_not_a_wait():
@@ -385,24 +365,10 @@ def test_a_validation_pass_is_returned_once():
         coord.close()
 
 
-@contextmanager
-def serving(coord: SyncCoordinator, *servers: FakeServer) -> Iterator[None]:
-    """The servers running against `coord` for the block; all stopped and the coordinator closed after."""
-    for server in servers:
-        server.start()
-    try:
-        yield
-    finally:
-        for server in servers:
-            server.stop.set()
-        coord.close()
-
-
 def test_a_server_that_keeps_failing_is_given_up_on_and_the_others_go_on(caplog):
     coord = coordinator(max_failures=2)
     good, broken = FakeServer("good", coord.address), FakeServer("broken", coord.address, fail_with="out of memory")
     with serving(coord, good, broken):
-        coord.wait_for_members(2, timeout_s=10)
         assert "broken" in coord.broadcast(1, weights(1.0)).failed
         assert "broken" in coord.broadcast(2, weights(2.0)).failed  # the second in a row: given up
         assert "giving up on broken" in caplog.text and "rollout.weight_sync.max_failures" in caplog.text
@@ -415,7 +381,6 @@ def test_a_failure_that_says_a_retry_may_help_is_retried_whatever_its_text():
     coord = coordinator(max_failures=2)
     broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0")
     with serving(coord, broken):
-        coord.wait_for_members(1, timeout_s=10)
         assert not coord.broadcast(1, weights(1.0)).hopeless  # the flag decides, not NCCL's words in the error
         with pytest.raises(WeightSyncFailed, match="Duplicate GPU"):  # max_failures rounds in a row
             coord.broadcast(2, weights(2.0))
@@ -426,7 +391,6 @@ def test_an_error_no_retry_can_fix_ends_the_sync_at_once_when_no_server_is_left(
     broken = FakeServer("broken", coord.address, fail_with="ncclInvalidUsage: Duplicate GPU detected: rank 1 and rank 0",
                         hopeless=True)
     with serving(coord, broken):
-        coord.wait_for_members(1, timeout_s=10)
         started = time.monotonic()
         with pytest.raises(WeightSyncFailed, match="Duplicate GPU"):
             coord.broadcast(1, weights(1.0))
@@ -438,12 +402,11 @@ def test_a_restarted_server_is_taken_again():
     broken = FakeServer("s0", coord.address, fail_with="out of memory")
     restarted = FakeServer("s0", coord.address)  # same name, a new process (a new socket identity)
     with serving(coord, broken):
-        coord.wait_for_members(1, timeout_s=10)
         with pytest.raises(WeightSyncFailed):
             coord.broadcast(1, weights(1.0))
         broken.stop.set()
         broken.join()
-        with serving(coord, restarted):
+        with serving(coord, restarted, joined=False):  # its name is a member already: wait for it to lag instead
             wait_until(lambda: coord.lagging_members(1) == ["s0"], TIMEOUT_S, "the restarted server taken again",
                        poll_s=HEARTBEAT_S)
             assert coord.broadcast(1, weights(1.0)).succeeded == ["s0"]
@@ -467,7 +430,7 @@ def test_on_a_non_loopback_bind_only_servers_holding_the_jobs_key_join_weight_sy
     member = FakeServer("member", coord.address, curve_dir=str(keys))
     keyless = FakeServer("keyless", coord.address)
     impostor = FakeServer("impostor", coord.address, curve_dir=str(other_keys))
-    with serving(coord, member, keyless, impostor):
+    with serving(coord, member, keyless, impostor, joined=False):  # only the member may join
         assert coord.wait_for_members(1, timeout_s=10) == ["member"]
         # the intruders heartbeat every HEARTBEAT_S all along: many tries, none of which may get through
         deadline = time.monotonic() + 2 * LIVENESS_S

@@ -1,0 +1,112 @@
+"""The engine kept full: the output tokens/s one rollout engine reaches on a job's own task when it is never short of
+work, the ceiling of the async job's trained tokens/s on one GPU (training and weight loads hidden, every
+generated token trained).
+
+One `RolloutEngine` (the server's generation path) on the job's starting model (`model.path`) samples the job's
+training prompts in a seeded random order with the job's sampling settings, natural lengths (stopping at EOS or
+`rollout.sampling.max_tokens`), keeping `rollout.max_inflight` requests in flight at all times: each request that
+finishes is replaced at once by the next sample. After --warmup-s, the completion tokens sampled over --seconds
+(finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
+
+A table, then `RESULT {json}` with `ceiling_tokens_per_s`; --out also writes that JSON to a file
+(scripts/bench_time_to_score.py reads it as the one-GPU ceiling). Run with scripts/cpu_env.sh sourced on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.data import encode_prompt, load_prompt_file
+
+PROMPT_SEED = 0  # the order the training prompts are drawn in
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpu_longtail.yaml", help="asyncrl config of the job")
+    parser.add_argument("--warmup-s", type=float, default=15.0, help="seconds generated before the window opens")
+    parser.add_argument("--seconds", type=float, default=60.0, help="the timed window")
+    parser.add_argument("--out", default="", help="also write the RESULT JSON to this file")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    return parser.parse_args()
+
+
+def training_prompts(config: AsyncRLConfig) -> list[list[int]]:
+    """Every training prompt's ids, rendered as the servers render them, in a seeded random order."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    prompts = [encode_prompt(tokenizer, row) for path in config.data.train_files for row in load_prompt_file(path)]
+    random.Random(PROMPT_SEED).shuffle(prompts)
+    return prompts
+
+
+async def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, Any]:
+    """Keep `rollout.max_inflight` requests in the engine; the tokens it samples in the window after `warmup_s`."""
+    from rollout_servers.engine import RolloutEngine
+
+    started = time.perf_counter()
+    engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
+    start_s = time.perf_counter() - started
+    one_sample = dataclasses.replace(config.rollout.sampling, n=1)  # each request one sample: refilled one by one
+    lengths: list[int] = []
+    next_prompt = itertools.cycle(prompts)
+
+    async def keep_one_request_running() -> None:  # until cancelled when the window closes
+        while True:
+            completion = await engine.generate(next(next_prompt), one_sample)
+            lengths.append(len(completion.token_ids))
+
+    def sampled() -> int:
+        return engine.tokens_sampled + sum(engine.inflight_tokens().values())
+
+    try:
+        workers = [asyncio.create_task(keep_one_request_running()) for _ in range(config.rollout.max_inflight)]
+        await asyncio.sleep(warmup_s)
+        window_start, tokens_start, finished_start = time.perf_counter(), sampled(), len(lengths)
+        await asyncio.sleep(seconds)
+        window_s, tokens = time.perf_counter() - window_start, sampled() - tokens_start
+        in_flight = engine.inflight_requests
+        for worker in workers:
+            worker.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    finally:
+        engine.shutdown()
+    finished = lengths[finished_start:]
+    return {"ceiling_tokens_per_s": round(tokens / window_s, 1), "window_s": round(window_s, 1), "tokens": tokens,
+            "samples_finished": len(finished), "length_mean": round(statistics.fmean(finished), 1) if finished else None,
+            "max_inflight": config.rollout.max_inflight, "in_flight_at_end": in_flight,
+            "engine_start_s": round(start_s, 1), "max_tokens": config.rollout.sampling.max_tokens}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    rows = [("output tokens/s, engine kept full", "ceiling_tokens_per_s"), ("timed window (s)", "window_s"),
+            ("samples finished in the window", "samples_finished"), ("their mean length (tokens)", "length_mean"),
+            ("requests kept in flight", "max_inflight"), ("in flight when the window closed", "in_flight_at_end"),
+            ("engine start (s)", "engine_start_s")]
+    for title, key in rows:
+        print(f"{title:40}{result[key]!s:>14}")
+
+
+def main() -> None:
+    args = parse_args()
+    config = load_config(args.config, args.overrides)
+    result = asyncio.run(measure(config, training_prompts(config), args.warmup_s, args.seconds))
+    print_table(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
