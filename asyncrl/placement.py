@@ -116,8 +116,16 @@ def plan_placement(config: AsyncRLConfig, visible: list[int], automatic: bool = 
     else:
         learner_gpus, servers = _split(config, visible, wanted_learner)
     plan = Plan(learner=tuple(learner_gpus), servers=servers)
-    _check_sharing(plan, rollout.placement)
+    _check_sharing(plan, _placement_mode(config))
     return plan
+
+
+def _placement_mode(config: AsyncRLConfig) -> str:
+    """`rollout.placement`, but shared for colocated synchronous ranks (`learner.mode=synchronous` with
+    `learner.nproc` > 1): every rank runs its engine beside it, so the plan's server is on the learner's GPUs."""
+    if config.learner.mode == "synchronous" and config.learner.nproc > 1:
+        return SHARED
+    return config.rollout.placement
 
 
 def _split(config: AsyncRLConfig, visible: list[int], wanted_learner: list[int]) -> tuple[list[int], tuple]:
@@ -129,7 +137,7 @@ def _split(config: AsyncRLConfig, visible: list[int], wanted_learner: list[int])
         raise PlacementError(f"learner.nproc={learner.nproc}: {len(visible)} GPUs are visible, a learner rank needs "
                              "one of its own")
     room = (len(visible) - len(wanted_learner or range(learner.nproc))) // tp  # servers GPUs of their own could hold
-    beside = _servers_beside_learner(rollout.placement, count, room)
+    beside = _servers_beside_learner(_placement_mode(config), count, room)
     if beside and tp > 1:
         raise PlacementError(f"rollout.engine.tensor_parallel_size={tp}: {beside} server(s) would run beside the "
                              f"learner, and such a server runs on the learner's one GPU (tensor_parallel_size 1); "

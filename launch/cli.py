@@ -99,8 +99,8 @@ COMMANDS = (
         "buffer.address names a running one, and writes endpoints.json into the run directory so that "
         "`asyncrl rollout` with the same run.name finds it. Checkpoints every learner.checkpoint_every "
         "steps; learner.resume=auto continues a killed run. With learner.mode=synchronous it runs the synchronous "
-        "reference instead: one process owning a vLLM engine and the policy (generate, train one step, load "
-        "the new weights, repeat), with no buffer and no rollout servers.",
+        "reference instead: each of learner.nproc processes (one per GPU) owning a vLLM engine and its rank of "
+        "the policy (generate, train one step, load the new weights, repeat), with no buffer and no rollout servers.",
         "launch.commands.learner:main",
     ),
     Command(

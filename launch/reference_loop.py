@@ -7,12 +7,17 @@
         load the new weights into the engine                   (Sampler.load_weights)
         validate them when due                                 (Sampler.validate)
 
+With `learner.nproc` = N it runs colocated on N GPUs, as verl's hybrid engine does: N such processes, one per GPU,
+each with its engine and one FSDP2 rank of the policy. Each samples its share of the step's prompts, the shares are
+pooled (`Trainer.gathered`) into the batch one process would have sampled, every rank trains on it, and each loads
+the full new weights into its own engine. Rank 0 alone validates and records.
+
 With `validation.after_run` the passes do not run here: the weights of each due version are kept instead
 (`learner.services.snapshots`), as the async learner keeps them, and `asyncrl evaluate` scores both jobs' the same way.
 
 It runs the async job's own generation and training code (engine, sampling, rewards, collate, advantages,
 losses, learning-rate schedule, optimizer step) without its plumbing: no buffer, no admission, no weight-sync
-coordinator, no staleness bound, one learner rank (docs/architecture.md lists what is shared). It is the
+coordinator, no staleness bound (docs/architecture.md lists what is shared). It is the
 reference the async job with `buffer.max_staleness=0` must reproduce step by step
 (tests/integration/test_k0_matches_reference.py: the plumbing changes nothing at K = 0; the shared RL maths is
 checked on its own by tests/unit/learner/test_independent_grpo.py) and the baseline of
@@ -60,24 +65,33 @@ class TrainedStep(Protocol):
 
 
 class Trainer(Protocol):
+    is_main: bool  # rank 0 (the only one of a one-rank run): validates and records
+
+    def gathered(self, payload: bytes) -> bytes: ...  # every rank's payload, joined in rank order
+
     def train(self, groups: list[TrajectoryGroup], version: int) -> TrainedStep: ...
 
     def weights(self, device: Any) -> Sequence[tuple[str, Any]]: ...
 
 
-def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger,
+def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer, metrics: MetricsLogger | None,
         snapshots: SnapshotWriter | None = None) -> int:
-    """Train to `learner.total_steps`; returns the final policy version. With `snapshots` (`validation.after_run`)
-    the weights of each version due for validation are kept as the async learner keeps them."""
-    version, bad_steps = 0, 0
-    if snapshots is not None:
-        snapshots.keep(version, trainer.weights(sampler.weights_device))
-    if first := sampler.validate():
+    """Train to `learner.total_steps`; returns the final policy version. `metrics` and `snapshots` are rank 0's (None
+    on the others). With `validation.after_run` the weights of each version due for validation are kept (`snapshots`)
+    as the async learner keeps them."""
+    version, bad_steps, main = 0, 0, trainer.is_main
+    if config.validation.after_run:  # gathering the weights is a collective: every rank takes part
+        weights = trainer.weights(sampler.weights_device)
+        if snapshots is not None:
+            snapshots.keep(version, weights)
+        del weights
+    if main and (first := sampler.validate()):
         metrics.log(version, first)
     started = time.perf_counter()
     while version < config.learner.total_steps:
         step_started = time.perf_counter()
-        groups = sampler.sample()
+        sampled = trainer.gathered(frames(sampler.sample()))  # every rank's share, in rank order: the whole batch
+        groups = unframed(sampled)
         generated = time.perf_counter()
         outcome = trainer.train(groups, version)
         trained = time.perf_counter()
@@ -92,7 +106,9 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         paused_s = sampler.load_weights(version, weights)
         del weights  # the engine holds the version now; this copy must not outlive the step
         synced = time.perf_counter()
-        write_trained(run_dir, version, groups)
+        if not main:
+            continue
+        write_trained(run_dir, version, sampled)
         record = outcome.metrics | batch_metrics(groups, version - 1) | {
             "timing_s/wait_batch": generated - step_started,  # what the policy waits for: the whole generation
             "timing_s/train": trained - generated,
@@ -109,22 +125,30 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
     return version
 
 
-def write_trained(run_dir: Path, step: int, groups: list[TrajectoryGroup]) -> None:
-    """Keep the groups `step` trained on, in the wire format (packed per-token arrays: cheap for long batches)."""
-    path = run_dir / TRAINED_DIR / f"step_{step}.msgpack"
-    path.parent.mkdir(exist_ok=True)
-    with path.open("wb") as out:
-        for group in groups:
-            frame = encode(group)
-            out.write(len(frame).to_bytes(_FRAME_LENGTH_BYTES, "little") + frame)
+def frames(groups: list[TrajectoryGroup]) -> bytes:
+    """`groups` in the wire format, each message preceded by its length: frames joined stay frames (packed
+    per-token arrays: cheap for long batches)."""
+    return b"".join(len(frame).to_bytes(_FRAME_LENGTH_BYTES, "little") + frame for frame in map(encode, groups))
 
 
-def trained_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:
-    """The groups `step` of the reference run in `run_dir` trained on, in the order it sampled them."""
-    data, groups, at = (run_dir / TRAINED_DIR / f"step_{step}.msgpack").read_bytes(), [], 0
+def unframed(data: bytes) -> list[TrajectoryGroup]:
+    """The groups of `frames`' bytes, in order."""
+    groups, at = [], 0
     while at < len(data):
         length = int.from_bytes(data[at:at + _FRAME_LENGTH_BYTES], "little")
         at += _FRAME_LENGTH_BYTES
         groups.append(decode(data[at:at + length], expect=TrajectoryGroup))
         at += length
     return groups
+
+
+def write_trained(run_dir: Path, step: int, sampled: bytes) -> None:
+    """Keep the groups `step` trained on (`frames` of them)."""
+    path = run_dir / TRAINED_DIR / f"step_{step}.msgpack"
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(sampled)
+
+
+def trained_groups(run_dir: Path, step: int) -> list[TrajectoryGroup]:
+    """The groups `step` of the reference run in `run_dir` trained on, in the order it sampled them."""
+    return unframed((run_dir / TRAINED_DIR / f"step_{step}.msgpack").read_bytes())

@@ -75,6 +75,28 @@ def broadcast_bytes(payload: bytes | None, world: World) -> bytes:
     return buffer.cpu().numpy().tobytes()
 
 
+def gather_varying(values: torch.Tensor, world: World) -> list[torch.Tensor]:
+    """Every rank's 1-D `values` (lengths may differ, dtype the same), in rank order."""
+    if world.size == 1:
+        return [values]
+    length = torch.tensor([values.numel()], dtype=torch.long, device=world.device)
+    lengths = [torch.zeros_like(length) for _ in range(world.size)]
+    dist.all_gather(lengths, length)
+    counts = [int(count) for count in lengths]
+    padded = torch.zeros(max(counts), dtype=values.dtype, device=world.device)  # all_gather needs equal shapes
+    padded[: values.numel()] = values
+    gathered = [torch.empty_like(padded) for _ in range(world.size)]
+    dist.all_gather(gathered, padded)
+    return [rank_values[:count] for rank_values, count in zip(gathered, counts)]
+
+
+def all_gather_bytes(payload: bytes, world: World) -> list[bytes]:
+    """Every rank's `payload` on every rank, in rank order (msgpack frames: no pickle between ranks)."""
+    # [n] uint8; frombuffer refuses an empty buffer
+    mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
+    return [part.cpu().numpy().tobytes() for part in gather_varying(mine.to(world.device), world)]
+
+
 def sum_across_ranks(values: dict[str, float], world: World) -> dict[str, float]:
     """Sum a dict of floats over the ranks (every rank must pass the same keys)."""
     if world.size == 1 or not values:

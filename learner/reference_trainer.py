@@ -2,18 +2,20 @@
 its optimizer and one learner step per batch (`algorithm.mini_batches` × `algorithm.epochs` optimizer steps, the
 async learner's `train_step`), with the learner's own model loading and loss.
 
-One rank, no buffer, no weight broadcast: the caller hands in a batch and takes the new weights back."""
+No buffer, no weight broadcast: the caller hands in a batch and takes the new weights back. With `learner.nproc` > 1
+this is one FSDP2 rank of the policy (colocated: each rank beside its own engine); the ranks pool the groups they
+sampled (`gathered`), and every rank trains on the whole batch as the async learner's ranks do, each on its share of
+its rows, the loss normalised over the whole batch."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup
-from learner.distributed import World, init_single_rank_world
+from learner.distributed import World, all_gather_bytes
 from learner.maths.lr_schedule import learning_rate
 from learner.policy.policy_model import DTYPES, full_weights
 from learner.policy.policy_trainer import PolicyTrainer
@@ -22,13 +24,18 @@ from learner.policy.train_step import StepOutcome
 
 @dataclasses.dataclass
 class ReferenceTrainer:
-    policy: PolicyTrainer  # in a world of one rank: FSDP2 wraps the policy exactly as the async learner's rank 0 does
+    policy: PolicyTrainer  # this rank's: FSDP2 wraps the policy exactly as the async learner's rank does
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that validates and records."""
+        return self.policy.world.is_main
 
     @classmethod
     def load(cls, config: AsyncRLConfig, world: World) -> ReferenceTrainer:
-        """The policy at `model.path` (policy version 0) and a fresh AdamW in `world` (`open_world`), set up as the
-        async learner sets up its rank: same seed, threads, sharding and micro-batches, so the two compute the
-        same step."""
+        """The policy at `model.path` (policy version 0) and a fresh AdamW in `world` (`learner.main.learner_world`),
+        set up as the async learner sets up its rank: same seed, threads, sharding and micro-batches, so the two
+        compute the same step."""
         return cls(PolicyTrainer.load(config, world))
 
     def train(self, groups: list[TrajectoryGroup], version: int) -> StepOutcome:
@@ -40,17 +47,11 @@ class ReferenceTrainer:
         outcome.metrics["actor/lr"] = rate
         return outcome
 
+    def gathered(self, payload: bytes) -> bytes:
+        """Every rank's `payload` joined in rank order, on every rank (a collective; one rank: `payload`)."""
+        return b"".join(all_gather_bytes(payload, self.policy.world))
+
     def weights(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """The full served weights (with LoRA the adapter) in `model.dtype` (the engine's) on `device`: a copy the
-        engine loads from."""
+        engine loads from, on every rank (gathering them is a collective)."""
         return full_weights(self.policy.model, DTYPES[self.policy.config.model.dtype], device, keep=True)
-
-
-def open_world(config: AsyncRLConfig) -> World:
-    """A world of one rank on the first visible GPU or the CPU (`learner.device`)."""
-    return init_single_rank_world(config.learner.device)
-
-
-def close_world() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

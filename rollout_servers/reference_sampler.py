@@ -6,8 +6,13 @@ The prompts and sampling seeds are those of rollout server 0 of an async job wit
 prompt `k` of the mixture seeded with `run.seed`, its group seeded `group_seed(run.seed, k, n)`. So the
 async job with one server and `buffer.max_staleness=0` can be compared with this, sample for sample.
 
+With `learner.nproc` = N ranks colocated, each rank's sampler draws the same stream and samples only its share of
+each step's prompts (`rank_share`: consecutive runs, rank 0's first), so the ranks' groups in rank order are the
+batch one rank would sample: the same prompts, group ids and seeds.
+
 It validates as rollout server 0 does (`rollout_servers.validation`: the same held-out prompts, seeds and
-`val/*` metrics) whenever the engine's weights reach a version due, between the steps."""
+`val/*` metrics) whenever the engine's weights reach a version due, between the steps; with N ranks, rank 0's
+sampler alone."""
 
 from __future__ import annotations
 
@@ -48,10 +53,20 @@ class Prompt:
     number: int  # place in the prompt stream: the group's seed and id
 
 
+def rank_share(count: int, rank: int, ranks: int) -> range:
+    """The places, among a step's `count` prompts, that rank `rank` of `ranks` samples: consecutive, rank 0's first,
+    together each place once; the first `count % ranks` ranks take one more than the others."""
+    size, larger = divmod(count, ranks)
+    start = rank * size + min(rank, larger)
+    return range(start, start + size + (rank < larger))
+
+
 class ReferenceSampler:
     def __init__(self, config: AsyncRLConfig, loop: asyncio.AbstractEventLoop, engine: RolloutEngine,
-                 backend: WeightBackend, sender: SendingEnd, scorer: RewardScorer) -> None:
+                 backend: WeightBackend, sender: SendingEnd, scorer: RewardScorer, rank: int = 0,
+                 ranks: int = 1) -> None:
         self.config = config
+        self._share = rank_share(config.buffer.batch_groups, rank, ranks)  # of each step's prompts
         self._loop = loop  # every engine call runs on it: vLLM's AsyncLLM stays bound to the loop that first used it
         self._engine = engine
         self._backend = backend  # how the weights reach the engine
@@ -64,21 +79,24 @@ class ReferenceSampler:
         self._mixture = PromptMixture(config.data.train_files, config.data.weights, seed=config.run.seed,
                                       shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows)
         self._drawn = 0  # prompts taken from the stream so far
-        held_out = load_validation_prompts(config, self._tokenizer) if config.validation.during_run else []
+        validates = config.validation.during_run and rank == 0
+        held_out = load_validation_prompts(config, self._tokenizer) if validates else []
         self._validator = Validator(config.validation, config.rollout.sampling, held_out, self._tokenizer, config.run.seed)
         self._validator.request(config.learner.total_steps)  # the final version, as the async learner asks for it
 
     @classmethod
-    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: WeightBackend) -> ReferenceSampler:
+    def start(cls, config: AsyncRLConfig, gpus: Sequence[int] | None, backend: WeightBackend, rank: int = 0,
+              ranks: int = 1) -> ReferenceSampler:
         """Start the engine on `model.path` (policy version 0), on `gpus` (physical ids; None: those this process
         sees); the weights reach it over `backend` (`group_backend`: CUDA IPC on a GPU it shares with this process,
-        NCCL to GPUs of its own, gloo without a GPU), joined at the first load."""
+        NCCL to GPUs of its own, gloo without a GPU), joined at the first load. `rank` of `ranks`: the share of each
+        step's prompts it samples (`rank_share`)."""
         loop = asyncio.new_event_loop()
         with _visible_to_children(gpus):
             engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0,
                                                                  lora=config.model.lora,
                                                                  gpu_memory_gib=config.run.gpu_memory_gib))
-        return cls(config, loop, engine, backend, backend.sending_end(), RewardScorer(config.reward))
+        return cls(config, loop, engine, backend, backend.sending_end(), RewardScorer(config.reward), rank, ranks)
 
     @property
     def tokenizer(self) -> Any:
@@ -91,8 +109,10 @@ class ReferenceSampler:
         return self._backend.device()
 
     def sample(self) -> list[TrajectoryGroup]:
-        """The next `buffer.batch_groups` prompts, each sampled `rollout.sampling.n` times and scored."""
-        prompts = [self._next_prompt() for _ in range(self.config.buffer.batch_groups)]
+        """This sampler's share of the next `buffer.batch_groups` prompts (all of them with one rank), each sampled
+        `rollout.sampling.n` times and scored. Every rank draws them all: the stream stays the same on each."""
+        drawn = [self._next_prompt() for _ in range(self.config.buffer.batch_groups)]
+        prompts = [drawn[place] for place in self._share]
 
         async def batch() -> list[TrajectoryGroup]:
             return list(await asyncio.gather(*(self._group(prompt) for prompt in prompts)))

@@ -150,6 +150,15 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
 
 
+def sync_baseline(gpus: int, sync_run: Path) -> str:
+    """What the synchronous run was, on the `gpus` the jobs got (docs/placement.md): with several ranks
+    (`learner.nproc` in `sync_run`'s config) colocated, one per GPU, on all of them or some; with one, by `gpus`."""
+    ranks = load_config(str(sync_run / "config.yaml")).learner.nproc
+    if ranks > 1:
+        return "colocated_all_gpus" if ranks == gpus else "colocated_some_gpus"
+    return SYNC_BASELINES.get(gpus, "engine_and_learner_on_gpus_apart")
+
+
 def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
     """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json. Its table
     is shown; its RESULT line is not, so that this benchmark's own stays the only one."""
@@ -441,7 +450,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         **ceiling,
         "validations_skipped": skipped_total, "learner_share_of_sync_step": sync_figures["learner_share"],
-        "sync_baseline": SYNC_BASELINES.get(gpus, "engine_and_learner_on_gpus_apart"),
+        "sync_baseline": sync_baseline(gpus, root / modes[0].run_name(ran[modes[0]][0])),
         "gpus": gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
         "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
         "equal_step_version": buckets[0], "buckets": buckets[1],

@@ -11,7 +11,7 @@ AUTO = "auto"
 
 @dataclass
 class LearnerConfig:
-    mode: str = one_of("async", "synchronous")  # async: train while servers generate; synchronous: the reference, one process owning an engine and the policy (generate, train, load weights, repeat)
+    mode: str = one_of("async", "synchronous")  # async: train while servers generate; synchronous: the reference, each of the nproc ranks owning an engine and an FSDP shard of the policy on its GPU (generate, train, load weights, repeat)
     nproc: int = bounded(1, 1)  # local ranks spawned by `asyncrl learner` (ignored under torchrun)
     gpus: list[int] = field(default_factory=list)  # GPU ids of the local ranks, one each; empty = `asyncrl run` splits the visible GPUs, a lone `asyncrl learner` uses what it sees (docs/placement.md)
     device: str = one_of("auto", "cpu", "cuda")  # auto = cuda when available
@@ -52,6 +52,4 @@ class LearnerConfig:
         value = self.micro_batch_tokens
         if value != AUTO and not (value.isdigit() and int(value) > 0):
             problems.append(("learner.micro_batch_tokens", f"'{value}' is neither 'auto' nor a positive number of tokens"))
-        if self.mode == "synchronous" and self.nproc != 1:
-            problems.append(("learner.nproc", "learner.mode=synchronous trains in one process: nproc must be 1"))
         return problems

@@ -67,9 +67,9 @@ class AsyncRLConfig:
                              f"must be below learner.batch_timeout_s={self.learner.batch_timeout_s:g}: sessions an "
                              "agent abandoned hold admission places until dropped, and the learner may wait for "
                              "those places that long"))
-        if self.learner.mode == "synchronous" and self.rollout.num_servers != 1:
-            problems.append(("rollout.num_servers", "learner.mode=synchronous runs one engine: must be 1"))
         synchronous = self.learner.mode == "synchronous"
+        if synchronous:
+            problems += self._synchronous_problems()
         problems += self.data.task_weights.cross_checks(len(self.data.train_files), self.data.weights, synchronous) + self.reward.cross_checks()
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, synchronous)
         problems += self._study_lag_problems() + self.algorithm.cross_checks(self.buffer.batch_groups)
@@ -77,6 +77,24 @@ class AsyncRLConfig:
         problems += (self._control_channel_problems() + self._scratchpad_fit_problems() + self.validation.cross_checks()
                      + self.model.lora.cross_checks())
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
+
+    def _synchronous_problems(self) -> list[tuple[str, str]]:
+        """learner.mode=synchronous: one engine per learner rank, each rank beside its own when there are several."""
+        ranks = self.learner.nproc
+        problems = []
+        if self.rollout.num_servers != 1:
+            problems.append(("rollout.num_servers", "learner.mode=synchronous runs one engine in each learner rank: "
+                                                    "must be 1"))
+        if self.buffer.batch_groups < ranks:
+            problems.append(("buffer.batch_groups", f"must be at least learner.nproc={ranks} with "
+                             "learner.mode=synchronous: each rank samples its share of a step's prompts"))
+        if ranks > 1 and self.rollout.engine.tensor_parallel_size != 1:
+            problems.append(("rollout.engine.tensor_parallel_size", f"must be 1 with learner.mode=synchronous and "
+                             f"learner.nproc={ranks}: each rank's engine runs on the rank's one GPU"))
+        if ranks > 1 and self.rollout.placement == "apart":
+            problems.append(("rollout.placement", f"learner.mode=synchronous with learner.nproc={ranks} runs each "
+                             "rank's engine beside it on its GPU: set auto or shared"))
+        return problems
 
     def _study_lag_problems(self) -> list[tuple[str, str]]:
         """buffer.study_lag_versions holds the lag exact only where the async learner broadcasts every step."""

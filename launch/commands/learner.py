@@ -7,10 +7,10 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Callable
 
 from launch.commands.buffer import COMMAND_LINE
 from launch.commands.common import make_run_dir, start
-from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.stop_signal import interrupt_on_stop_signals
@@ -18,7 +18,7 @@ from asyncrl.stop_signal import interrupt_on_stop_signals
 
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "learner")
-    if config.learner.mode == "synchronous":  # the synchronous reference: one process, its own engine
+    if config.learner.mode == "synchronous":  # the synchronous reference: each rank with its own engine
         from launch.commands import reference
 
         return reference.main(config, log)
@@ -40,16 +40,21 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if plan is not None:
         pin(plan.learner)  # the ranks (spawned below) see their GPUs as 0..nproc-1
-    code = spawn_ranks(config, str(run_dir), log)
+    from learner.main import spawned_rank
+
+    code = spawn_ranks(spawned_rank, (config, str(run_dir), COMMAND_LINE), config.learner.nproc, str(run_dir),
+                       "learner", log)
     if code == INTERRUPTED:
         log.warning("stopped by a signal: the ranks closed their services and exited")
     print(f"RUN_DIR {run_dir}", flush=True)
     return code
 
 
-def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int:
-    """Run learner.nproc local ranks to the end; the exit code: 0, INTERRUPTED when a stop signal ended them
-    first, 1 when one failed (one line here; its error and traceback are in its log).
+def spawn_ranks(target: Callable[..., None], args: tuple, size: int, run_dir: str, role: str,
+                log: logging.Logger) -> int:
+    """Run `size` local ranks, `target(rank, size, store_port, *args)` each, to the end; the exit code: 0,
+    INTERRUPTED when a stop signal ended them first, 1 when one failed (one line here; its error and traceback are in
+    its log, logs/<role><rank>.log).
 
     SIGTERM (what `asyncrl run` sends the learner's process group) is taken like Ctrl-C, here and in every
     rank: a rank unwinds through its `finally` (buffer stopped, metrics closed, its process group left) and
@@ -60,13 +65,11 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
     from torch.multiprocessing.spawn import ProcessException
 
     from learner.distributed import spawner_store
-    from learner.main import spawned_rank
 
     interrupt_on_stop_signals()
-    size = config.learner.nproc
     store = spawner_store(size) if size > 1 else None  # held here until the ranks end
-    context = mp.start_processes(spawned_rank, args=(size, store.port if store else 0, config, run_dir, COMMAND_LINE),
-                                 nprocs=size, start_method="spawn", join=False)
+    context = mp.start_processes(target, args=(size, store.port if store else 0, *args), nprocs=size,
+                                 start_method="spawn", join=False)
     try:
         while not context.join():
             pass
@@ -78,8 +81,8 @@ def spawn_ranks(config: AsyncRLConfig, run_dir: str, log: logging.Logger) -> int
             process.join()
         return INTERRUPTED
     except ProcessException as error:  # torch ends the other ranks
-        rank_log = Path(run_dir) / "logs" / f"learner{error.error_index}.log"
-        log.error("learner rank %d failed (%s): see %s", error.error_index, str(error).strip().splitlines()[0], rank_log)
+        rank_log = Path(run_dir) / "logs" / f"{role}{error.error_index}.log"
+        log.error("%s rank %d failed (%s): see %s", role, error.error_index, str(error).strip().splitlines()[0], rank_log)
         return 1
     return 0
 

@@ -11,11 +11,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from asyncrl.config.algorithm import AlgorithmConfig
-from learner.distributed import World, sum_across_ranks
+from learner.distributed import World, gather_varying, sum_across_ranks
 from learner.maths.advantages import compute_advantages
 from learner.maths.batching import TrainBatch, micro_batches
 from learner.maths.logprobs import target_logprobs
@@ -196,22 +195,7 @@ def _squared_log_ratios(mini: MiniBatch, world: World) -> Tensor:
             squared.append((proximal - part.behaviour_logprobs).square()[part.loss_mask.bool()])  # [n]
     # float64 on every rank, so that a rank without rows gathers alike with one holding float32 log-probs
     mine = torch.cat(squared).double() if squared else torch.zeros(0, dtype=torch.float64, device=world.device)
-    return _gathered(mine, world)
-
-
-def _gathered(values: Tensor, world: World) -> Tensor:
-    """Every rank's 1-D `values` (lengths may differ), concatenated in rank order."""
-    if world.size == 1:
-        return values
-    length = torch.tensor([values.numel()], dtype=torch.long, device=world.device)
-    lengths = [torch.zeros_like(length) for _ in range(world.size)]
-    dist.all_gather(lengths, length)
-    counts = [int(count) for count in lengths]
-    padded = torch.zeros(max(counts), dtype=values.dtype, device=world.device)  # all_gather needs equal shapes
-    padded[: values.numel()] = values
-    gathered = [torch.empty_like(padded) for _ in range(world.size)]
-    dist.all_gather(gathered, padded)
-    return torch.cat([rank_values[:count] for rank_values, count in zip(gathered, counts)])
+    return torch.cat(gather_varying(mine, world))
 
 
 def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:

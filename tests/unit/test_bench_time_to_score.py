@@ -6,10 +6,11 @@ import json
 
 import pytest
 
+from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import (Mode, archive_records, ceiling_figures, equal_step_buckets, mean_curve,
                                          mode_figures, pick_target, read_ceiling, restore_records, skipped, summarise,
-                                         time_to_target)
+                                         sync_baseline, time_to_target)
 
 LAUNCHED = 100.0
 
@@ -137,3 +138,13 @@ def test_archived_records_come_back_into_another_directory_without_the_weights(t
     assert read_ceiling(elsewhere) == 25_000.0
     assert not (back / "snapshots" / "v0.pt").exists() and not (elsewhere / "unrelated.log").exists()
     assert read_ceiling(tmp_path) is None
+
+
+@pytest.mark.parametrize(("gpus", "sync_ranks", "expected"), [
+    (0, 1, "cpu"), (1, 1, "colocated_one_gpu"), (2, 1, "engine_and_learner_on_gpus_apart"),
+    (2, 2, "colocated_all_gpus"), (4, 4, "colocated_all_gpus"), (4, 2, "colocated_some_gpus"),
+])
+def test_the_synchronous_baseline_is_named_by_the_gpus_and_the_ranks_it_ran(tmp_path, gpus, sync_ranks, expected):
+    save_config(load_config(None, ["learner.mode=synchronous", f"learner.nproc={sync_ranks}", "buffer.batch_groups=4"]),
+                tmp_path)
+    assert sync_baseline(gpus, tmp_path) == expected

@@ -119,8 +119,19 @@ def test_a_non_loopback_control_bind_needs_the_jobs_curve_keys():
         load_config(None, ["rollout.weight_sync.control_bind=127.0.0.1:5000"])
 
 
-@pytest.mark.parametrize("override", ["learner.nproc=2", "rollout.num_servers=2"])
-def test_the_synchronous_reference_runs_one_rank_and_one_engine(override):
-    with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}.*learner.mode=synchronous"):
-        load_config(None, ["learner.mode=synchronous", override])
-    load_config(None, [override])  # the async job takes any number of each
+def test_the_synchronous_reference_runs_one_engine_per_rank():
+    with pytest.raises(ConfigError, match=r"rollout\.num_servers.*one engine in each learner rank"):
+        load_config(None, ["learner.mode=synchronous", "rollout.num_servers=2"])
+    load_config(None, ["rollout.num_servers=2"])  # the async job takes any number of servers
+    assert load_config(None, ["learner.mode=synchronous", "learner.nproc=4", "buffer.batch_groups=4"]).learner.nproc == 4
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["buffer.batch_groups=3"], r"buffer\.batch_groups: must be at least learner\.nproc=4"),
+    (["rollout.engine.tensor_parallel_size=2"], r"rollout\.engine\.tensor_parallel_size: must be 1 .*learner\.nproc=4"),
+    (["rollout.placement=apart"], r"rollout\.placement: .*learner\.nproc=4 runs each rank's engine beside it"),
+])
+def test_colocated_synchronous_ranks_need_a_share_of_prompts_and_an_engine_on_their_gpu(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["learner.mode=synchronous", "learner.nproc=4", *overrides])
+    load_config(None, ["learner.nproc=4", *overrides])  # the async learner's ranks have no engine of their own

@@ -43,6 +43,19 @@ def test_one_gpu_is_shared_by_the_learner_and_every_server():
     assert weight_sync_backend(config("rollout.weight_sync.backend=gloo"), plan) == "gloo"  # an explicit choice stays
 
 
+def test_colocated_synchronous_ranks_each_share_their_gpu_with_their_engine():
+    # the async job would give its server a GPU of its own here; each synchronous rank runs its engine beside it
+    colocated = ("learner.mode=synchronous", "learner.nproc=2", "buffer.batch_groups=2")
+    for visible in ([0, 1], [0, 1, 2, 3]):
+        plan = plan_placement(config(*colocated), visible)
+        assert plan.learner == (0, 1) and plan.servers == ((0,),) and plan.colocated
+        assert plan_placement(config(*colocated, *as_overrides(plan)), visible, automatic=False) == plan
+    assert not plan_placement(config("learner.nproc=2"), [0, 1, 2]).colocated  # async: the server on a GPU of its own
+    greedy = config(*colocated, "rollout.engine.gpu_memory_utilization=0.9")
+    (place,) = server_places(greedy, plan_placement(greedy, [0, 1, 2, 3]))
+    assert place.with_learner and place.backend == "ipc" and place.gpu_memory_utilization == 0.4  # lowered beside it
+
+
 @pytest.mark.parametrize(("visible", "servers", "tp", "nproc", "expected_servers", "expected_learner"), [
     (2, 1, 1, 1, ((0,),), (1,)),
     (4, 3, 1, 1, ((0,), (1,), (2,)), (3,)),

@@ -10,7 +10,7 @@ from asyncrl.config import load_config
 from asyncrl.config.sections import MetricsConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.metrics import MetricsLogger, read_metrics
-from launch.reference_loop import run, trained_groups
+from launch.reference_loop import frames, run, trained_groups
 from learner.bad_steps import TooManyBadSteps
 
 
@@ -36,6 +36,10 @@ class FakeHalves:
     calls: list[tuple] = field(default_factory=list)
     version: int = 0  # of the weights the fake engine holds
     weights_device: str = "cpu"
+    is_main: bool = True  # a one-rank run's only rank
+
+    def gathered(self, payload: bytes) -> bytes:
+        return payload  # one rank: its share is the batch
 
     def sample(self) -> list[TrajectoryGroup]:
         self.calls.append(("sample", self.version))
@@ -61,8 +65,8 @@ class FakeHalves:
         return {"val/score/mean": self.version / 10, "val/version": float(self.version), "val/seconds": 0.5}
 
 
-def reference(tmp_path, halves: FakeHalves, steps: int = 2) -> int:
-    config = load_config(None, [f"learner.total_steps={steps}", "learner.max_bad_steps=2"])
+def reference(tmp_path, halves: FakeHalves, steps: int = 2, *overrides: str) -> int:
+    config = load_config(None, [f"learner.total_steps={steps}", "learner.max_bad_steps=2", *overrides])
     metrics = MetricsLogger(tmp_path, MetricsConfig(wandb_mode="disabled"))
     try:
         return run(config, tmp_path, halves, halves, metrics)
@@ -100,3 +104,36 @@ def test_a_non_finite_step_keeps_the_weights_and_too_many_stop_the_run(tmp_path)
     assert halves.calls == [("sample", 0), ("train", 0), ("sample", 0), ("train", 0), ("load", 1)]
     with pytest.raises(TooManyBadSteps):
         reference(tmp_path / "again", FakeHalves(non_finite={0, 1}), steps=1)
+
+
+@dataclass
+class Rank1(FakeHalves):
+    """A second colocated rank: its share of the batch is pooled with rank 0's (one more group ahead of its own)."""
+
+    is_main: bool = False
+
+    def gathered(self, payload: bytes) -> bytes:
+        self.calls.append(("gather", self.version))
+        return frames([group(0, self.version)]) + payload
+
+    def weights(self, device: str) -> list[tuple[str, float]]:
+        self.calls.append(("weights", self.version))
+        return [("w", 1.0)]
+
+
+def test_another_rank_trains_the_pooled_batch_and_loads_every_version_but_neither_validates_nor_records(tmp_path):
+    halves = Rank1(due={0, 1, 2})
+    config = load_config(None, ["learner.total_steps=2", "validation.every=1", "validation.after_run=true",
+                                "data.val_files=[v.parquet]"])
+    assert run(config, tmp_path, halves, halves, None) == 2
+    assert halves.calls == [("weights", 0),  # version 0's weights for rank 0's snapshot: gathering them is collective
+                            ("sample", 0), ("gather", 0), ("train", 0), ("weights", 0), ("load", 1),
+                            ("sample", 1), ("gather", 1), ("train", 1), ("weights", 1), ("load", 2)]
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "trained").exists()
+
+
+def test_rank_0_records_the_pooled_batch_in_rank_order(tmp_path):
+    halves = Rank1(is_main=True)
+    reference(tmp_path, halves, 1)
+    assert trained_groups(tmp_path, 1) == [group(0, 0), group(1, 0)]  # the other rank's group, then its own
+    assert read_metrics(tmp_path)[0]["batch/samples"] == 4
