@@ -2,7 +2,8 @@
 several seeds, each scored by one evaluator off both clocks.
 
 Per seed, `asyncrl run` runs the synchronous reference (`learner.mode=synchronous`: generate a batch, train one step
-on it, load the new weights, on the GPUs this process sees) and then the async job (K = --max-staleness), both with
+on it, load the new weights, colocated on every GPU this process sees: one rank per GPU with its own engine, FSDP over
+all of them, --sync-ranks to choose) and then the async job (K = --max-staleness), both with
 `validation.after_run=true`: neither validates during its run; each keeps the weights of every due version
 (every --val-every versions, and the last) with the time it made them. After all runs, one `asyncrl evaluate` call
 scores every snapshot of every run on one engine of its own (--eval-engines: that many engines of the same settings
@@ -113,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-prepare", action="store_true",
                         help="the task's files and the model exist already: do not run asyncrl data and init-model")
     parser.add_argument("--prepare-only", action="store_true", help="only make the task's files and the model")
+    parser.add_argument("--sync-ranks", type=int, default=0,
+                        help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
     parser.add_argument("--no-evaluate", action="store_true",
                         help="leave the scoring of the snapshots to a later call (--modes '' scores and reports)")
     parser.add_argument("--eval-engines", type=int, default=1, help="engines scoring the snapshots side by side")
@@ -144,6 +147,8 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
                  f"learner.mode={LEARNER_MODE[mode.name]}", f"learner.total_steps={steps}",
                  f"buffer.max_staleness={mode.k}", f"validation.every={val_every}", "validation.after_run=true",
                  "metrics.wandb_mode=disabled", *args.overrides]
+    if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
+        overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus()))}")
     (root / (name + LAUNCH_SUFFIX)).write_text(json.dumps({"time": time.time(), "gpus": len(visible_gpus())}))
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
