@@ -115,4 +115,3 @@ def learner_version_at_start(admitted_under: int, group: TrajectoryGroup) -> int
     reads the buffer only once a poll, so its engine may sample a group's first token with weights newer than its last
     answer named; the learner had reached them, and a start stamped with the older answer read as a negative lag."""
     return max(admitted_under, group.start_version())
-

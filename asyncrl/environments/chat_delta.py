@@ -29,7 +29,7 @@ _ANCHOR: list[Message] = [{"role": "user", "content": "."}]  # a conversation to
 
 class ChatDelta:
     """Renders observation deltas for one tokenizer (its chat template and end-of-turn token), with the template
-options of `thinking` (`rollout.thinking=off` renders every generation cue with its empty think block)."""
+    options of `thinking` (`rollout.thinking=off` renders every generation cue with its empty think block)."""
 
     def __init__(self, tokenizer: Any, thinking: Thinking = Thinking()) -> None:
         self._tokenizer = tokenizer
