@@ -103,7 +103,7 @@ class Trajectory:
     completion_ids: Int32List  # token ids after the prompt (model and, in multi-turn, environment tokens)
     behaviour_logprobs: Float32List  # log π_behav(token) reported by the engine (float32); 0.0 where loss_mask is 0
     token_versions: Int32List  # policy version that sampled each completion token (environment tokens: that of the model token before them)
-    loss_mask: MaskList  # 1 = train on this token (model output), 0 = environment/tool token
+    loss_mask: MaskList  # 1 = train on this token (model output), 0 = environment/tool token or masked thinking (rollout.thinking)
     reward: float  # scalar reward used for advantages
     group_id: str  # samples of one prompt share it (group-relative advantages)
     data_source: str  # dataset the prompt came from; selects the scorer and per-source metrics

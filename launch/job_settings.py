@@ -15,8 +15,8 @@ from asyncrl.config import AsyncRLConfig, ConfigError, load_config
 # Settings both sides must agree on: what is trained and sampled, the staleness bound, the validation schedule,
 # the length of the job and the GPU memory budget both plan in. A key names a section (every setting in it) or one
 # setting.
-SHARED_KEYS = ("model", "data", "rollout.sampling", "buffer.max_staleness", "validation", "learner.total_steps",
-               "learner.mode", "run.seed", "run.gpu_memory_gib")
+SHARED_KEYS = ("model", "data", "rollout.sampling", "rollout.thinking", "buffer.max_staleness", "validation",
+               "learner.total_steps", "learner.mode", "run.seed", "run.gpu_memory_gib")
 LEARNER_CONFIG = "config.yaml"  # the learner's resolved config, in the run directory
 LEARNER_ONLY = "learner."  # the prefix of settings only the learner reads (but the shared ones above)
 

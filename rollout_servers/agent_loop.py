@@ -36,6 +36,7 @@ from asyncrl.data import PromptRow
 from asyncrl.environments import ChatDelta, ModelTurn, Transcript
 from rollout_servers.environments.guarded import GuardedEnvironment
 from asyncrl.messages import Trajectory
+from asyncrl.thinking import Thinking
 from rollout_servers.chat.tools import ToolCallReader
 from rollout_servers.environments import ENV_ERROR, EnvironmentFailure, EnvironmentRegistry
 from rollout_servers.completion import Completion, TokensSoFar
@@ -80,13 +81,15 @@ class AgentLoop:
     """Runs episodes of the registry's environments on one engine."""
 
     def __init__(self, engine: TurnEngine, tokenizer: Any, registry: EnvironmentRegistry,
-                 limits: EnvironmentConfig, max_model_len: int) -> None:
+                 limits: EnvironmentConfig, max_model_len: int, thinking: Thinking = Thinking()) -> None:
+        """`thinking`: how the chat template is rendered and model turns' thinking blocks trained (rollout.thinking)."""
         self._engine = engine
         self._tokenizer = tokenizer
         self._registry = registry
         self._limits = limits
         self._max_tokens = limits.total_token_limit(max_model_len)
-        self._chat = ChatDelta(tokenizer)
+        self._thinking = thinking
+        self._chat = ChatDelta(tokenizer, thinking)
         # read now: a parser vLLM does not know stops the server at start, naming the key
         self._tool_calls = (ToolCallReader(limits.tool_parser, tokenizer, "environment.tool_parser")
                             if limits.tool_parser else None)
@@ -140,7 +143,7 @@ class AgentLoop:
             completion = await self._sample(transcript, sampling, room, _turn_seed(seed, turn), deadline)
             if completion is None:
                 return TIME_BUDGET
-            transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
+            transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions, self._thinking)
             episode.num_turns += 1
             if completion.finish_reason == ABORT:
                 return ABORT

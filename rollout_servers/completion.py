@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence
 
+from asyncrl.messages import Trajectory
+from asyncrl.thinking import Thinking
 from rollout_servers import vllm_compat
 
 TokensSoFar = Callable[[Sequence[int], Sequence[float]], Awaitable[None]]  # told the ids and log-probs sampled so far
@@ -21,6 +23,15 @@ class Completion:
     logprobs: list[float]  # behaviour log-prob of each sampled token
     versions: list[int]  # policy version whose weights sampled each token
     finish_reason: str  # "stop", "length" or "abort"
+
+    def trajectory(self, score: float, info: dict[str, float], error: str, group_id: str, data_source: str,
+                   thinking: Thinking) -> Trajectory:
+        """The completion as a single-turn sample scored `score`, trained but for thinking blocks `thinking` masks."""
+        mask, logprobs = thinking.trained(self.token_ids, self.logprobs)
+        return Trajectory(prompt_ids=self.prompt_ids, completion_ids=self.token_ids, behaviour_logprobs=logprobs,
+                          token_versions=self.versions, loss_mask=mask, reward=score, group_id=group_id,
+                          data_source=data_source, finish_reason=self.finish_reason, reward_info=info,
+                          reward_error=error)
 
     def version_counts(self) -> dict[int, int]:
         """Tokens per policy version (a request that spanned updates has several)."""

@@ -12,9 +12,9 @@ from typing import Awaitable, Callable, Iterator
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptRow, encode_prompt
 from asyncrl.messages import Ack, Trajectory, TrajectoryGroup
+from asyncrl.thinking import Thinking
 from rollout_servers.rewards import RewardRequest, RewardScorer
 from rollout_servers.agent_loop import AgentLoop
-from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.prompt_stream import PromptStream
 from rollout_servers.row_sampling import group_seed, sampling_for_row
@@ -49,13 +49,14 @@ class GroupJob:
 
 class GroupSampler:
     def __init__(self, config: AsyncRLConfig, server_id: str, seed_base: int, prompts: PromptStream, tokenizer,
-                 stats: ServerStats) -> None:
+                 stats: ServerStats, thinking: Thinking) -> None:
         self.config = config
         self.server_id = server_id
         self.seed_base = seed_base  # the server's own seed stream (run.seed and its index)
         self.prompts = prompts
         self.tokenizer = tokenizer
         self.stats = stats  # counted in place: the server reports them
+        self.thinking = thinking  # how prompts are rendered and thinking blocks trained (rollout.thinking)
 
     async def sample(self, engine: RolloutEngine, agent: AgentLoop, scorer: RewardScorer, slots: Claim,
                      send: SendGroup, learner_version: int) -> None:
@@ -89,7 +90,8 @@ class GroupSampler:
         completions = await engine.generate_group(job.prompt_ids, sampling, seed=seed, on_sample_done=done)
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         results = await scorer.score_async([RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts])
-        return [_trajectory(c, r.score, r.info, r.error, job.group_id, row.data_source) for c, r in zip(completions, results)]
+        return [c.trajectory(r.score, r.info, r.error, job.group_id, row.data_source, self.thinking)
+                for c, r in zip(completions, results)]
 
     def _group_seed(self, number: int) -> int | None:
         rollout = self.config.rollout
@@ -99,7 +101,7 @@ class GroupSampler:
         """The next row whose prompt fits `data.max_prompt_length` (longer ones are skipped and counted)."""
         while True:
             row = next(rows)
-            prompt_ids = encode_prompt(self.tokenizer, row)
+            prompt_ids = encode_prompt(self.tokenizer, row, self.thinking)
             if len(prompt_ids) <= self.config.data.max_prompt_length:
                 return row, prompt_ids
             self.stats.prompts_skipped += 1
@@ -113,21 +115,3 @@ def learner_version_at_start(admitted_under: int, group: TrajectoryGroup) -> int
     reads the buffer only once a poll, so its engine may sample a group's first token with weights newer than its last
     answer named; the learner had reached them, and a start stamped with the older answer read as a negative lag."""
     return max(admitted_under, group.start_version())
-
-
-def _trajectory(completion: Completion, score: float, info: dict[str, float], error: str, group_id: str,
-                data_source: str) -> Trajectory:
-    n = len(completion.token_ids)
-    return Trajectory(
-        prompt_ids=completion.prompt_ids,
-        completion_ids=completion.token_ids,
-        behaviour_logprobs=completion.logprobs,
-        token_versions=completion.versions,
-        loss_mask=[1] * n,
-        reward=score,
-        group_id=group_id,
-        data_source=data_source,
-        finish_reason=completion.finish_reason,
-        reward_info=info,
-        reward_error=error,
-    )

@@ -32,6 +32,7 @@ from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK
 from asyncrl.placement import VISIBLE_DEVICES
+from asyncrl.thinking import Thinking
 from asyncrl.validation_scores import VERSION_KEY
 from rollout_servers.rewards import RewardRequest, RewardScorer
 from asyncrl.weight_transfer import SendingEnd, WeightBackend, update_info_for
@@ -74,8 +75,9 @@ class ReferenceSampler:
         self._joined = False  # the engine knows where the weights come from (ipc: where the current buffer is)
         self._scorer = scorer
         self._tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self._thinking = Thinking.for_tokenizer(config.rollout.thinking, self._tokenizer)
         self._agent = AgentLoop(engine, self._tokenizer, EnvironmentRegistry.from_config(config.environment.by_source),
-                                config.environment, config.rollout.engine.max_model_len)
+                                config.environment, config.rollout.engine.max_model_len, self._thinking)
         self._mixture = PromptMixture(config.data.train_files, config.data.weights, seed=config.run.seed,
                                       shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows)
         self._drawn = 0  # prompts taken from the stream so far
@@ -163,7 +165,7 @@ class ReferenceSampler:
         self._drawn += 1
         while True:
             row = next(self._mixture)
-            ids = encode_prompt(self._tokenizer, row)
+            ids = encode_prompt(self._tokenizer, row, self._thinking)
             if len(ids) <= self.config.data.max_prompt_length:
                 return Prompt(row, ids, number)
             log.warning("skipping %s row %d: prompt of %d tokens > data.max_prompt_length", row.source_file,
@@ -186,13 +188,8 @@ class ReferenceSampler:
         texts = [self._tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         requests = [RewardRequest(row.data_source, text, row.ground_truth, row.extra_info) for text in texts]
         results = await self._scorer.score_async(requests)
-        return [
-            Trajectory(prompt_ids=c.prompt_ids, completion_ids=c.token_ids, behaviour_logprobs=c.logprobs,
-                       token_versions=c.versions, loss_mask=[1] * len(c.token_ids), reward=r.score, group_id=group_id,
-                       data_source=row.data_source, finish_reason=c.finish_reason, reward_info=r.info,
-                       reward_error=r.error)
-            for c, r in zip(completions, results)
-        ]
+        return [c.trajectory(r.score, r.info, r.error, group_id, row.data_source, self._thinking)
+                for c, r in zip(completions, results)]
 
 
 @contextlib.contextmanager

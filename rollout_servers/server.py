@@ -20,6 +20,7 @@ from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import Ack, TrajectoryGroup
 from rollout_servers.rewards import RewardScorer, check_reward_setup
 from asyncrl.stop_signal import ignore_stop_signals, stop_signals_held
+from asyncrl.thinking import Thinking
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry, ValidationResult
 from rollout_servers.admission_asks import AdmissionAsks
@@ -66,11 +67,13 @@ class RolloutServer:
         )
         self.prompts = PromptStream(mixture, state_dir / f"{self.server_id}.prompts.json" if state_dir else None)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.thinking = Thinking.for_tokenizer(config.rollout.thinking, self.tokenizer)  # fails before the engine starts
         self.environments = EnvironmentRegistry.from_config(config.environment.by_source)  # fails fast on a bad name
         self.stats = ServerStats()
         self.validator = self._validator(server_index)
         self._check_rewards(mixture)
-        self.groups = GroupSampler(config, self.server_id, self._seed_base, self.prompts, self.tokenizer, self.stats)
+        self.groups = GroupSampler(config, self.server_id, self._seed_base, self.prompts, self.tokenizer, self.stats,
+                                   self.thinking)
         self._chat_places = ChatAdmission(config.rollout.sampling.n)  # chat sessions' share of admission
         self._slots = SampleSlots(config.rollout.max_inflight)
         self._asks = AdmissionAsks(self._slots, self._chat_places, config.rollout.sampling.n)
@@ -103,7 +106,7 @@ class RolloutServer:
         """Generate with the started `engine` until stopped, in step with the learner's weights."""
         rollout = self.config.rollout
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
-                          rollout.engine.max_model_len)
+                          rollout.engine.max_model_len, self.thinking)
         buffer = self.config.buffer
         sync = SyncClient(self.endpoints.sync, self.server_id, engine, rollout.engine.tensor_parallel_size,
                           rollout.weight_sync.heartbeat_s, curve_dir=buffer.curve_dir,
@@ -145,7 +148,7 @@ class RolloutServer:
             return None
         open_ids = self._state_dir / f"{self.server_id}.chat_sessions.json" if self._state_dir else None
         sessions = ChatSessions(engine, self.tokenizer, rollout.engine.max_model_len, settings, self.server_id,
-                                self._chat_places, LostSessions(open_ids))
+                                self._chat_places, LostSessions(open_ids), self.thinking)
         self._chat_sessions = sessions
         send = functools.partial(self._send_group, producer)
         endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send, self._chat_tools)

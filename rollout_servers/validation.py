@@ -21,6 +21,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, encode_prompt, load_prompt_file
+from asyncrl.thinking import Thinking
 from rollout_servers.rewards import RewardRequest, RewardResult
 from asyncrl.validation_scores import NOT_VALIDATED, PromptOutcome, validation_metrics
 from asyncrl.weight_transfer.control_messages import ValidationResult
@@ -73,11 +74,11 @@ class ValidationPrompt:
 def load_validation_prompts(config: AsyncRLConfig, tokenizer: Any) -> list[ValidationPrompt]:
     """The first `validation.max_prompts` rows of `data.val_files` (all when 0) that fit
     `data.max_prompt_length`, tokenized as training prompts are."""
-    limit = config.validation.max_prompts
+    limit, thinking = config.validation.max_prompts, Thinking.for_tokenizer(config.rollout.thinking, tokenizer)
     prompts = []
     for path in config.data.val_files:
         for row in load_prompt_file(path, config.data.skip_bad_rows):
-            prompt_ids = encode_prompt(tokenizer, row)
+            prompt_ids = encode_prompt(tokenizer, row, thinking)
             if len(prompt_ids) <= config.data.max_prompt_length:
                 prompts.append(ValidationPrompt(row, prompt_ids))
             if limit and len(prompts) == limit:

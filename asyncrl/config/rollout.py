@@ -86,6 +86,7 @@ class RolloutConfig:
     max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
+    thinking: str = one_of("trained", "masked", "off")  # the model's <think>...</think> blocks: trained like the rest, masked (loss mask 0, the answer after them trained), or off (the chat template rendered with enable_thinking=False; no-op for a template without thinking)
     # each training sample gets a sampling seed from its prompt's place in the stream: a rerun or a regeneration
     # samples the same completions (on CPU; GPU kernels are not batch-invariant); false = unseeded, which vLLM
     # draws for the whole batch at once, where it draws seeded requests' noise one request at a time

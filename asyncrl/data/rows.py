@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.thinking import Thinking
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -60,9 +62,11 @@ def parse_row(raw: Any, source_file: str, row_index: int) -> PromptRow:
     )
 
 
-def encode_prompt(tokenizer: "PreTrainedTokenizerBase", row: PromptRow) -> list[int]:
-    """Token ids of the row's chat, rendered by the tokenizer's chat template with the generation cue."""
-    return list(tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, return_dict=False))
+def encode_prompt(tokenizer: "PreTrainedTokenizerBase", row: PromptRow, thinking: Thinking = Thinking()) -> list[int]:
+    """Token ids of the row's chat, rendered by the tokenizer's chat template with the generation cue (and the
+    template options of `thinking`)."""
+    return list(tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, return_dict=False,
+                                              **thinking.template_options()))
 
 
 def _parse_messages(prompt: Any, where: str) -> list[dict[str, str]]:

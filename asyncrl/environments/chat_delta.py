@@ -21,16 +21,19 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from asyncrl.environments.base import Message
+from asyncrl.thinking import Thinking
 
 _CONTENT_MARK = "ASYNCRL_CONTENT_MARK"  # stands for the model's content while rendering; must not be rewritten
 _ANCHOR: list[Message] = [{"role": "user", "content": "."}]  # a conversation to extend (templates want a user first)
 
 
 class ChatDelta:
-    """Renders observation deltas for one tokenizer (its chat template and end-of-turn token)."""
+    """Renders observation deltas for one tokenizer (its chat template and end-of-turn token), with the template
+    options of `thinking` (`rollout.thinking=off` renders every generation cue with its empty think block)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, thinking: Thinking = Thinking()) -> None:
         self._tokenizer = tokenizer
+        self._options = thinking.template_options()
         self._assistant = [*_ANCHOR, {"role": "assistant", "content": _CONTENT_MARK}]
         self.end_of_turn_id: int = tokenizer.eos_token_id
         self._end_of_turn_text: str = tokenizer.decode([self.end_of_turn_id])
@@ -39,14 +42,14 @@ class ChatDelta:
         """The first prompt: `messages` rendered with the generation cue (and the function `tools` the
         template describes to the model), tokenized as training prompts are."""
         return list(self._tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
-                                                        return_dict=False))
+                                                        return_dict=False, **self._options))
 
     def observation_ids(self, observation: Sequence[Message], model_ids: Sequence[int],
                         tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Ids that follow the model turn `model_ids` to close it, add `observation` and cue the next turn
         (`tools`: those of the conversation's first prompt, for templates that render later turns with them)."""
         rendered = self._tokenizer.apply_chat_template([*self._assistant, *observation], tools=tools,
-                                                       add_generation_prompt=True, tokenize=False)
+                                                       add_generation_prompt=True, tokenize=False, **self._options)
         if rendered.count(_CONTENT_MARK) != 1:
             raise ValueError("the chat template does not write an assistant message's content as it is; "
                              "a token-in/token-out delta cannot be rendered for it")

@@ -1,6 +1,7 @@
 """The token record of one multi-turn episode, as the learner receives it.
 
-Model tokens keep the engine's behaviour log-probs and per-token policy versions and have loss mask 1.
+Model tokens keep the engine's behaviour log-probs and per-token policy versions and have loss mask 1, but for
+thinking blocks under `rollout.thinking=masked` (mask 0, log-prob 0.0; `asyncrl.thinking`).
 Observation tokens (environment and tool messages, chat-template markup between turns) have loss mask 0,
 behaviour log-prob `OBSERVATION_LOGPROB` and the version of the model token just before them (the
 episode's start version when no model token precedes them). That version is a placeholder that keeps
@@ -14,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from asyncrl.messages import Trajectory
+from asyncrl.thinking import UNTRAINED_LOGPROB, Thinking
 
-OBSERVATION_LOGPROB = 0.0  # behaviour log-prob recorded for tokens the model did not sample
+OBSERVATION_LOGPROB = UNTRAINED_LOGPROB  # behaviour log-prob recorded for tokens the model did not sample
 
 
 @dataclass
@@ -25,7 +27,7 @@ class Transcript:
     completion_ids: list[int] = field(default_factory=list)  # everything after the prompt, model and observation tokens
     logprobs: list[float] = field(default_factory=list)  # behaviour log-prob per completion token
     versions: list[int] = field(default_factory=list)  # policy version per completion token
-    loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens, 0 on observation tokens
+    loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens, 0 on observation tokens (and masked thinking)
 
     def context(self) -> list[int]:
         """The next turn's prompt: exactly the ids so far, never re-tokenized."""
@@ -34,14 +36,17 @@ class Transcript:
     def total_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
-    def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]) -> None:
+    def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                       thinking: Thinking = Thinking()) -> None:
+        """A sampled turn: trained, but for its thinking blocks when `thinking` masks them."""
         if not len(token_ids) == len(logprobs) == len(versions):
             raise ValueError(f"model turn of {len(token_ids)} tokens with {len(logprobs)} log-probs "
                              f"and {len(versions)} versions")
+        mask, trained_logprobs = thinking.trained(token_ids, logprobs)
         self.completion_ids += token_ids
-        self.logprobs += logprobs
+        self.logprobs += trained_logprobs
         self.versions += versions
-        self.loss_mask += [1] * len(token_ids)
+        self.loss_mask += mask
 
     def add_observation(self, token_ids: Sequence[int]) -> None:
         version = self.versions[-1] if self.versions else self.start_version

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.thinking import Thinking
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tiny.model import build_tiny_model
 from demo.tiny.vocabulary import build_tokenizer
@@ -34,7 +35,8 @@ def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer],
     with which the greedy accuracy before and after the warm start is measured."""
     target = Path(config.model.path)
     tokenizer = build_tokenizer(config.model.tiny.tokenizer)
-    key = cache_key(config, tokenizer)
+    thinking = Thinking.for_tokenizer(config.rollout.thinking, tokenizer)  # prompts rendered as RL will render them
+    key = cache_key(config, tokenizer, thinking)
     cached = read_report(target)
     if not force and cached.get("cache_key") == key:
         log.info("tiny model at %s is up to date (cache key %s)", target, key[:12])
@@ -49,11 +51,12 @@ def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer],
         """Single-turn greedy accuracy only: a multi-turn task's starting reward is validation's version 0."""
         if not isinstance(kind.teacher, SingleTurn):
             return None
-        return greedy_accuracy(model, tokenizer, held_out, kind.teacher, scorer_for(kind.teacher.data_source))
+        return greedy_accuracy(model, tokenizer, held_out, kind.teacher, scorer_for(kind.teacher.data_source), thinking)
 
     with at_most_threads(WARM_START_THREADS):
         before = accuracy()
-        warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions)
+        warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions,
+                   thinking)
         after = accuracy()
     report = {
         "cache_key": key,
@@ -85,7 +88,7 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cache_key(config: AsyncRLConfig, tokenizer: Any) -> str:
+def cache_key(config: AsyncRLConfig, tokenizer: Any, thinking: Thinking) -> str:
     """Hash of every setting that changes the saved model, `tokenizer`'s vocabulary and merges among them."""
     shaping = {
         "tiny": dataclasses.asdict(config.model.tiny),
@@ -95,6 +98,10 @@ def cache_key(config: AsyncRLConfig, tokenizer: Any) -> str:
         "tokenizer": hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
         "torch": torch.__version__,
     }
+    # the template options change the warm start's prompts; left out when there are none, so that models built
+    # before `rollout.thinking` existed keep their keys
+    if options := thinking.template_options():
+        shaping["template_options"] = options
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
 
 

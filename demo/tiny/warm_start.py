@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
 from asyncrl.environments import ChatDelta
+from asyncrl.thinking import Thinking
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tasks.dialogue import IGNORE_INDEX, dialogue_example
 from demo.tasks.splits import Problem, draw_problems
@@ -29,14 +30,15 @@ WARM_START_STREAM = 7919  # seed offset: the split's own stream (seed) would sta
 ANSWER_SLACK_TOKENS = 3  # decode budget beyond the longest right response (sign, end marker)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str) -> list[int]:
-    messages = [{"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, question: str, thinking: Thinking = Thinking()) -> list[int]:
+    """The question rendered as RL renders it (`rollout.thinking`'s template options included)."""
+    return ChatDelta(tokenizer, thinking).prompt_ids([{"role": "user", "content": question}])
 
 
-def supervised_example(tokenizer: PreTrainedTokenizerBase, question: str, answer: str) -> tuple[list[int], list[int]]:
+def supervised_example(tokenizer: PreTrainedTokenizerBase, question: str, answer: str,
+                       thinking: Thinking = Thinking()) -> tuple[list[int], list[int]]:
     """Input ids and labels: the answer and end marker are learned, the prompt is not."""
-    prompt = prompt_ids(tokenizer, question)
+    prompt = prompt_ids(tokenizer, question, thinking)
     target = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     return prompt + target, [IGNORE_INDEX] * len(prompt) + target
 
@@ -48,15 +50,17 @@ def warm_start(
     schedule: WarmStartConfig,
     seed: int,
     held_out: frozenset[str],
+    thinking: Thinking = Thinking(),
 ) -> None:
     """Train `model` in place, where it is, for `schedule.steps` supervised steps on freshly drawn problems, none
-    of whose questions is in `held_out` (validation measures generalisation, not recall). On a GPU each pass
-    runs in bf16 autocast (the weights and AdamW's state stay float32)."""
+    of whose questions is in `held_out` (validation measures generalisation, not recall), their prompts rendered as
+    `thinking` has RL render them. On a GPU each pass runs in bf16 autocast (the weights and AdamW's state stay
+    float32)."""
     rng = random.Random(seed + WARM_START_STREAM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
     lr_at = _warmup_cosine(schedule.lr, schedule.warmup_steps, schedule.steps)
     model.train()
-    examples = _example_source(tokenizer, task, schedule, held_out)
+    examples = _example_source(tokenizer, task, schedule, held_out, thinking)
     for step in range(schedule.steps):
         batch = examples(rng)
         input_ids, labels, attention = (t.to(model.device) for t in pad_examples(batch, tokenizer.pad_token_id))
@@ -73,7 +77,7 @@ def warm_start(
 
 
 def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedule: WarmStartConfig,
-                    held_out: frozenset[str]) -> Callable[[random.Random], list[Example]]:
+                    held_out: frozenset[str], thinking: Thinking) -> Callable[[random.Random], list[Example]]:
     """A batch of supervised examples per call: question → the teacher's noisy response, or a multi-turn task's
     teacher episodes."""
     teacher = task_kind(task).teacher
@@ -82,10 +86,10 @@ def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedu
 
         def single_turn(rng: random.Random) -> list[Example]:
             problems = draw_problems(rng, space, schedule.batch_size, exclude=held_out, unique=False)
-            return [supervised_example(tokenizer, problem[0], teacher.response(problem, schedule.label_noise, rng))
-                    for problem in problems]
+            return [supervised_example(tokenizer, problem[0], teacher.response(problem, schedule.label_noise, rng),
+                                       thinking) for problem in problems]
         return single_turn
-    chat = ChatDelta(tokenizer)
+    chat = ChatDelta(tokenizer, thinking)
 
     def multi_turn(rng: random.Random) -> list[Example]:
         return [dialogue_example(tokenizer, chat, teacher(rng, task, schedule.label_noise, held_out))
@@ -95,10 +99,10 @@ def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedu
 
 @torch.no_grad()
 def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, problems: list[Problem],
-                    teacher: SingleTurn, score: AnswerScorer) -> float:
+                    teacher: SingleTurn, score: AnswerScorer, thinking: Thinking = Thinking()) -> float:
     """Share of `problems` the model answers right with greedy decoding, scored by `score` (the rollout servers'
     scorer of the task's data source), with room for the longest response the teacher writes without a slip."""
-    prompts = [prompt_ids(tokenizer, question) for question, _ in problems]
+    prompts = [prompt_ids(tokenizer, question, thinking) for question, _ in problems]
     width = max(map(len, prompts))
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompts])
     attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()

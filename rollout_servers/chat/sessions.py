@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol, Sequence
 from asyncrl.config.rollout import ChatEndpointConfig, SamplingConfig
 from asyncrl.environments import ChatDelta, Message, Transcript
 from asyncrl.messages import Trajectory, TrajectoryGroup
+from asyncrl.thinking import Thinking
 from rollout_servers.agent_loop import TurnEngine
 from rollout_servers.chat.admission import ChatAdmission
 from rollout_servers.chat.lost import LostSessions
@@ -92,14 +93,17 @@ class ChatSession:
 
 class ChatSessions:
     def __init__(self, engine: TurnEngine, tokenizer: Any, max_model_len: int, settings: ChatEndpointConfig,
-                 server_id: str, admission: ChatAdmission, lost: LostSessions | None = None) -> None:
+                 server_id: str, admission: ChatAdmission, lost: LostSessions | None = None,
+                 thinking: Thinking = Thinking()) -> None:
+        """`thinking`: how the chat template is rendered and replies' thinking blocks trained (rollout.thinking)."""
         self._engine = engine
         self._admission = admission
         self._tokenizer = tokenizer
         self._max_model_len = max_model_len
         self._settings = settings
         self._server_id = server_id
-        self._chat = ChatDelta(tokenizer)
+        self._thinking = thinking
+        self._chat = ChatDelta(tokenizer, thinking)
         self._sessions: dict[str, ChatSession] = {}
         self._closed: dict[str, list[Trajectory]] = {}  # group id → closed sessions waiting for their group
         self.dropped_idle = 0  # sessions dropped unsent as idle since the server started
@@ -155,7 +159,8 @@ class ChatSessions:
                 session.last_used = time.monotonic()
             if observation:
                 session.transcript.add_observation(observation)
-            session.transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions)
+            session.transcript.add_model_turn(completion.token_ids, completion.logprobs, completion.versions,
+                                              self._thinking)
             session.messages += [*new_messages, *normalized([reply.message()])]
             session.last_reply, session.turns = reply, session.turns + 1
         return reply

@@ -107,9 +107,9 @@ def test_the_warm_start_learns_noisy_worked_solutions_of_training_questions(monk
     shown: list[tuple[str, str]] = []
     real_example = warm_start_module.supervised_example
 
-    def recording_example(tokenizer, question, response):
+    def recording_example(tokenizer, question, response, thinking):
         shown.append((question, response))
-        return real_example(tokenizer, question, response)
+        return real_example(tokenizer, question, response, thinking)
 
     monkeypatch.setattr(warm_start_module, "supervised_example", recording_example)
     tokenizer = build_char_tokenizer()

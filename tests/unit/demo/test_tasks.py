@@ -42,9 +42,9 @@ def test_warm_start_never_trains_on_a_held_out_question(monkeypatch):
     seen: list[str] = []
     real_example = warm_start_module.supervised_example
 
-    def recording_example(tokenizer, question, answer):
+    def recording_example(tokenizer, question, answer, thinking):
         seen.append(question)
-        return real_example(tokenizer, question, answer)
+        return real_example(tokenizer, question, answer, thinking)
 
     monkeypatch.setattr(warm_start_module, "supervised_example", recording_example)
     shape = load_config(None, ["model.tiny.hidden_size=32", "model.tiny.num_layers=1"]).model.tiny

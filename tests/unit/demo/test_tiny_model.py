@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import load_config
 from demo.tasks import arithmetic
-from demo.tiny.build import REPORT_FILE, at_most_threads, init_model
+from asyncrl.thinking import Thinking
+from demo.tiny.build import REPORT_FILE, at_most_threads, cache_key, init_model
 from demo.tiny.model import build_tiny_model
 from demo.tiny.vocabulary import build_tokenizer
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
@@ -35,6 +36,15 @@ def test_init_model_writes_loadable_hf_directory_and_caches(tmp_path):
     assert init_model(config, scorer_for) == report and weights.stat().st_mtime_ns == stamp  # cached: nothing rewritten
     changed = load_config(None, [*SMALL, f"model.path={tmp_path / 'm'}", "model.warm_start.steps=4"])
     assert init_model(changed, scorer_for)["warm_start_steps"] == 4 and weights.stat().st_mtime_ns != stamp
+
+
+def test_only_thinking_off_changes_the_cache_key():
+    """`off` changes the warm start's prompts on templates that think; `trained` and `masked` render them as before, so
+    models built before `rollout.thinking` existed keep their keys."""
+    qwen3 = build_tokenizer("qwen3")
+    keys = {mode: cache_key(load_config(None, [*SMALL, f"rollout.thinking={mode}"]), qwen3,
+                            Thinking.for_tokenizer(mode, qwen3)) for mode in ("trained", "masked", "off")}
+    assert keys["trained"] == keys["masked"] != keys["off"]
 
 
 def test_same_seed_same_weights(tmp_path):
