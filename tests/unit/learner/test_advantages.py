@@ -4,7 +4,6 @@ groups of one, masks, group ids, and user estimators from a file."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,9 +11,8 @@ import torch
 from asyncrl.config.algorithm import AlgorithmConfig
 from learner.maths.advantages import ADVANTAGES, as_group_index, compute_advantages, get_advantage, grpo
 from learner.maths.registry import RegistryError
+from tests.fixture_files import CUSTOM_LOSSES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
-CUSTOM_FILE = FIXTURES / "custom_losses.py"
 ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 TOLERANCE = 1e-5  # adv_eps = 1e-6 in the denominators shifts values by about that much
 
@@ -100,7 +98,7 @@ def test_registry_names_and_a_user_estimator_from_a_file():
     assert set(ESTIMATORS) <= set(ADVANTAGES.names())
     assert get_advantage("grpo") is grpo
     mask = torch.tensor([[1.0, 0.0]])
-    config = AlgorithmConfig(advantage=f"{CUSTOM_FILE}:constant_advantage")
+    config = AlgorithmConfig(advantage=f"{CUSTOM_LOSSES}:constant_advantage")
     # the estimator fills 7 everywhere; compute_advantages zeroes the masked token
     assert compute_advantages(torch.tensor([1.0]), ["g"], mask, config).tolist() == [[7.0, 0.0]]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +24,8 @@ from learner.maths.losses import (
     register_loss,
 )
 from learner.maths.registry import RegistryError
+from tests.fixture_files import CUSTOM_LOSSES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
-CUSTOM_FILE = FIXTURES / "custom_losses.py"
 MODES = ("decoupled_ppo", "tis", "seq_mask", "naive_ppo", "dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl")
 TOLERANCE = 1e-5  # float32 arithmetic on values of order 1
 
@@ -411,11 +409,11 @@ def test_every_mode_is_registered_and_reports_the_verl_metrics():
 
 def test_loss_from_a_user_file_and_from_a_module_path():
     # sign_only_loss = -Σ sign(A)·log π_θ = -(log 0.6 + log 0.9 - log 0.45)
-    loss, metrics = compute_policy_loss(decoupled_batch(), AlgorithmConfig(loss=f"{CUSTOM_FILE}:sign_only_loss"))
+    loss, metrics = compute_policy_loss(decoupled_batch(), AlgorithmConfig(loss=f"{CUSTOM_LOSSES}:sign_only_loss"))
     assert loss.item() == pytest.approx(-(math.log(0.6) + math.log(0.9) - math.log(0.45)))
     assert metrics["actor/pg_loss"] == pytest.approx(loss.item())
     assert get_loss("learner.maths.losses:naive_ppo") is naive_ppo
-    assert get_loss(f"{CUSTOM_FILE}:sign_only_loss") is get_loss(f"{CUSTOM_FILE}:sign_only_loss")  # imported once
+    assert get_loss(f"{CUSTOM_LOSSES}:sign_only_loss") is get_loss(f"{CUSTOM_LOSSES}:sign_only_loss")  # imported once
 
 
 def test_register_loss_adds_a_name_and_refuses_a_second_function_under_it():
@@ -433,8 +431,8 @@ def test_register_loss_adds_a_name_and_refuses_a_second_function_under_it():
     [
         ("ppo_decoupled", r"algorithm.loss: loss 'ppo_decoupled': no such loss \(registered: .*decoupled_ppo"),
         ("missing_file.py:loss", r"algorithm.loss: .*file '.*missing_file.py' does not exist"),
-        (f"{CUSTOM_FILE}:no_such_loss", r"defines no 'no_such_loss' \(functions there: constant_advantage, sign_only"),
-        (f"{CUSTOM_FILE}:NOT_A_FUNCTION", r"'NOT_A_FUNCTION' .* is a int, not a function"),
+        (f"{CUSTOM_LOSSES}:no_such_loss", r"defines no 'no_such_loss' \(functions there: constant_advantage, sign_only"),
+        (f"{CUSTOM_LOSSES}:NOT_A_FUNCTION", r"'NOT_A_FUNCTION' .* is a int, not a function"),
         ("asyncrl.no_such_module:loss", r"importing module 'asyncrl.no_such_module' failed: ModuleNotFoundError"),
         ("learner.maths.losses:", r"expected 'path/to/file.py:function'"),
     ],

@@ -27,8 +27,8 @@ from rollout_servers.rewards import (
 from rollout_servers.rewards.builtin import check_data_sources
 from rollout_servers.rewards.results import result_from_return
 from demo.tasks import arithmetic
+from tests.fixture_files import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 REWARD_FILE = FIXTURES / "reward_functions.py"
 TIMEOUT_S = 1.0  # per-call deadline of the misbehaving scorer
 SLACK_S = 2.0  # what a loaded 2-core machine may add to a deadline (kill, wake-up, scheduling)
@@ -141,35 +141,26 @@ def test_scorer_fails_at_startup_on_a_bad_function(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "solution, answer, score",
+    "data_source, solution, answer, score",
     [
-        ("95", "95", 1.0),
-        (" 95\n", "95", 1.0),
-        ("-13", "-13", 1.0),
-        ("96", "95", 0.0),
-        ("095", "95", 0.0),
-        ("", "95", 0.0),
+        ("arithmetic", "95", "95", 1.0),  # exact match
+        ("arithmetic", " 95\n", "95", 1.0),
+        ("arithmetic", "-13", "-13", 1.0),
+        ("arithmetic", "96", "95", 0.0),
+        ("arithmetic", "095", "95", 0.0),
+        ("arithmetic", "", "95", 0.0),
+        ("scratchpad", "5+7:5+7+0=12:2\n=12", "12", 1.0),  # the final answer line
+        ("scratchpad", "5+7:5+7+0=13:3\n=12", "12", 1.0),  # the working is not scored, only the answer line
+        ("scratchpad", "=12\n", "12", 1.0),
+        ("scratchpad", "5+7:5+7+0=12:2\n=13", "12", 0.0),
+        ("scratchpad", "5+7:5+7+0=12:2\n12", "12", 0.0),  # no final-answer mark
+        ("scratchpad", "=12\n5+7:5+7+0=12:2", "12", 0.0),  # the answer must be the last line
+        ("scratchpad", "5+7:5+7+0=12:2\n=120", "12", 0.0),
+        ("scratchpad", "", "12", 0.0),
     ],
 )
-def test_arithmetic_is_exact_match(solution, answer, score):
-    assert compute_score("arithmetic", solution, answer) == score
-
-
-@pytest.mark.parametrize(
-    "solution, answer, score",
-    [
-        ("5+7:5+7+0=12:2\n=12", "12", 1.0),
-        ("5+7:5+7+0=13:3\n=12", "12", 1.0),  # the working is not scored, only the answer line
-        ("=12\n", "12", 1.0),
-        ("5+7:5+7+0=12:2\n=13", "12", 0.0),
-        ("5+7:5+7+0=12:2\n12", "12", 0.0),  # no final-answer mark
-        ("=12\n5+7:5+7+0=12:2", "12", 0.0),  # the answer must be the last line
-        ("5+7:5+7+0=12:2\n=120", "12", 0.0),
-        ("", "12", 0.0),
-    ],
-)
-def test_scratchpad_scores_the_final_answer_line(solution, answer, score):
-    assert compute_score("scratchpad", solution, answer) == score
+def test_arithmetic_is_exact_match_and_scratchpad_scores_its_final_answer_line(data_source, solution, answer, score):
+    assert compute_score(data_source, solution, answer) == score
 
 
 @pytest.mark.parametrize(
