@@ -56,41 +56,50 @@ def training_prompts(config: AsyncRLConfig) -> list[list[int]]:
 
 
 async def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, Any]:
-    """Keep `rollout.max_inflight` requests in the engine; the tokens it samples in the window after `warmup_s`."""
+    """Start the job's engine on its starting model, then keep it full (`keep_full`)."""
     from rollout_servers.engine import RolloutEngine
 
     started = time.perf_counter()
     engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
     start_s = time.perf_counter() - started
-    one_sample = dataclasses.replace(config.rollout.sampling, n=1)  # each request one sample: refilled one by one
+    try:
+        one_sample = dataclasses.replace(config.rollout.sampling, n=1)  # each request one sample: refilled one by one
+        result = await keep_full(engine, prompts, one_sample, config.rollout.max_inflight, warmup_s, seconds)
+    finally:
+        engine.shutdown()
+    return result | {"engine_start_s": round(start_s, 1), "max_tokens": config.rollout.sampling.max_tokens}
+
+
+async def keep_full(engine: Any, prompts: list[list[int]], sampling: Any, in_flight: int, warmup_s: float,
+                    seconds: float) -> dict[str, Any]:
+    """Keep `in_flight` requests of `sampling` (one sample each) in `engine` (a `RolloutEngine`), cycling through
+    `prompts`; the completion tokens it samples in the `seconds` after `warmup_s`, finished and partial."""
     lengths: list[int] = []
     next_prompt = itertools.cycle(prompts)
 
     async def keep_one_request_running() -> None:  # until cancelled when the window closes
         while True:
-            completion = await engine.generate(next(next_prompt), one_sample)
+            completion = await engine.generate(next(next_prompt), sampling)
             lengths.append(len(completion.token_ids))
 
     def sampled() -> int:
         return engine.tokens_sampled + sum(engine.inflight_tokens().values())
 
+    workers = [asyncio.create_task(keep_one_request_running()) for _ in range(in_flight)]
     try:
-        workers = [asyncio.create_task(keep_one_request_running()) for _ in range(config.rollout.max_inflight)]
         await asyncio.sleep(warmup_s)
         window_start, tokens_start, finished_start = time.perf_counter(), sampled(), len(lengths)
         await asyncio.sleep(seconds)
         window_s, tokens = time.perf_counter() - window_start, sampled() - tokens_start
-        in_flight = engine.inflight_requests
+        in_flight_at_end = engine.inflight_requests
+    finally:
         for worker in workers:
             worker.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    finally:
-        engine.shutdown()
     finished = lengths[finished_start:]
     return {"ceiling_tokens_per_s": round(tokens / window_s, 1), "window_s": round(window_s, 1), "tokens": tokens,
             "samples_finished": len(finished), "length_mean": round(statistics.fmean(finished), 1) if finished else None,
-            "max_inflight": config.rollout.max_inflight, "in_flight_at_end": in_flight,
-            "engine_start_s": round(start_s, 1), "max_tokens": config.rollout.sampling.max_tokens}
+            "max_inflight": in_flight, "in_flight_at_end": in_flight_at_end}
 
 
 def print_table(result: dict[str, Any]) -> None:
