@@ -1,8 +1,9 @@
 """The race to a held-out score at CPU size (scripts/bench_time_to_score.py, the benchmark itself): the synchronous
 run and the async job from one warm start, each keeping the weights of every due version (validation.after_run),
-then `asyncrl evaluate` scoring them all on two engines of the same settings. Every due version is scored, both
-modes learn, and the two engines score the shared starting model the same (its two snapshots are dealt to different
-engines). The engine's ceiling is tested on its own (test_engine_ceiling.py): here it would start one more engine.
+then one `asyncrl evaluate` scoring them all. Every due version is scored, both modes learn, and the one evaluator
+scores the shared starting model the same in both. The engine's ceiling is tested on its own
+(test_engine_ceiling.py), and how `--engines N` deals snapshots out in tests/unit/launch/test_evaluate.py: each would
+start one more engine here, in the suite's longest job.
 
 The reward is the response's length (tests/fixtures/length_reward.py): a barely trained model learns it in a few
 steps, so "learns" is a held-out rise that a handful of steps can show."""
@@ -34,7 +35,6 @@ def race_job(inputs: Path, own_dir: Path) -> tuple[Path, dict]:
                   "reward.custom_fn.name=compute_score", "buffer.batch_groups=4", "rollout.sampling.n=4"]
     done = subprocess.run([sys.executable, str(BENCH), "--config", "configs/quickstart.yaml", "--steps", str(STEPS),
                            "--val-every", str(VAL_EVERY), "--warmup-steps", "1", "--skip-prepare",
-                           "--eval-engines", "2",
                            "--archive", str(own_dir / "records.tar.gz"), "--out-dir", str(own_dir), *overrides],
                           capture_output=True, text=True,
                           timeout=3 * RUN_TIMEOUT_S, cwd=BENCH.parents[1])
@@ -61,7 +61,7 @@ def test_every_due_version_of_both_modes_is_kept_and_scored_in_the_order_it_was_
         assert all(scored[v]["made_at"] == made[v] for v in DUE)
 
 
-def test_two_engines_score_the_shared_start_the_same_in_both_modes_and_both_learn(race):
+def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_learn(race):
     _, result = race
     sync, async_ = result["sync"]["curves"][0], result["async"]["curves"][0]
     assert [v for v, _, _ in sync] == DUE and [v for v, _, _ in async_] == DUE
