@@ -8,6 +8,6 @@ source "$ROOT/scripts/setup_env.sh"
 source "$ROOT/scripts/cpu_env.sh"
 cd "$ROOT"
 if [ "$#" -eq 0 ]; then
-    set -- -m "not gpu" --durations=25 tests  # the 25 slowest tests close the report: where the suite's time goes
+    set -- -m "not gpu and not extended" --durations=25 tests  # the 25 slowest tests close the report: where the suite's time goes
 fi
 exec "$ROOT/.venv/bin/python" -m pytest "$@"

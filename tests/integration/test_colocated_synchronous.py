@@ -17,7 +17,7 @@ from asyncrl.snapshots import made_times
 from launch.reference_loop import trained_groups
 from test_k0_matches_reference import RUNS, STEPS, real_job
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended]
 
 ONE_RANK = RUNS["k0-sync"]  # the same job object: the session runs it once for both modules
 TWO_RANKS = real_job("colocated-sync-2", "learner.mode=synchronous", "learner.nproc=2", "validation.every=3",

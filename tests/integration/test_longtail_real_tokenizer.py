@@ -16,7 +16,7 @@ from asyncrl.metrics import read_metrics
 from launch.reference_loop import trained_groups
 from run_helpers import asyncrl, prepare, tiny_job
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 PRESET = "configs/gpu_longtail.yaml"
 CHAR_VOCABULARY = 512  # more ids than the character tokenizer has: an id past it is Qwen3's
