@@ -92,6 +92,8 @@ def gather_varying(values: torch.Tensor, world: World) -> list[torch.Tensor]:
 
 def all_gather_bytes(payload: bytes, world: World) -> list[bytes]:
     """Every rank's `payload` on every rank, in rank order (msgpack frames: no pickle between ranks)."""
+    if world.size == 1:  # nothing to gather: no copy through a tensor (and the GPU) at every step of a one-rank run
+        return [payload]
     # [n] uint8; frombuffer refuses an empty buffer
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0, dtype=torch.uint8)
     return [part.cpu().numpy().tobytes() for part in gather_varying(mine.to(world.device), world)]

@@ -59,6 +59,7 @@ from asyncrl.snapshots import (EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, due_v
 
 MODES = ("sync", "async")
 CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
+RUNNABLE = MODES + (CEILING,)  # what --modes may name
 CEILING_FILE = "ceiling.json"  # in --out-dir
 CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")
 RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
@@ -110,7 +111,7 @@ def parse_args() -> argparse.Namespace:
                         help="target = start + this x (the lower of the modes' best mean score - start)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the token rate")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help=f"what to run now, comma-separated, of {', '.join(MODES + (CEILING,))} ('' = only report)")
+                        help=f"what to run now, comma-separated, of {', '.join(RUNNABLE)} ('' = only report)")
     parser.add_argument("--skip-prepare", action="store_true",
                         help="the task's files and the model exist already: do not run asyncrl data and init-model")
     parser.add_argument("--prepare-only", action="store_true", help="only make the task's files and the model")
@@ -398,8 +399,8 @@ def main() -> None:
         raise SystemExit(f"{steps} steps leave fewer than {MIN_TIMED_STEPS} timed steps for {', '.join(short)} "
                          "(the warm-up steps, at least K + 1 for the async job, are not timed)")
     wanted = [name for name in args.modes.split(",") if name]
-    if unknown := set(wanted) - set(MODES + (CEILING,)):
-        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(MODES + (CEILING,))})")
+    if unknown := set(wanted) - set(RUNNABLE):
+        raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(RUNNABLE)})")
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-tts-"))
     root.mkdir(parents=True, exist_ok=True)
     restore_records(args.restore, root)

@@ -31,15 +31,11 @@ from asyncrl.data import encode_prompt, load_prompt_file
 PROMPT_SEED = 0  # the order the training prompts are drawn in
 
 
-SECONDS_OPTIONS = (("--warmup-s", 15.0, "seconds generated before the window opens"),
-                   ("--seconds", 60.0, "the timed window, in seconds"))
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/gpu_longtail.yaml", help="asyncrl config of the job")
-    for option, default, meaning in SECONDS_OPTIONS:
-        parser.add_argument(option, type=float, default=default, help=meaning)
+    parser.add_argument("--warmup-s", type=float, default=15.0, help="seconds generated before the window opens")
+    parser.add_argument("--seconds", type=float, default=60.0, help="the timed window, in seconds")
     parser.add_argument("--out", default="", help="also write the RESULT JSON to this file")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     return parser.parse_args()
