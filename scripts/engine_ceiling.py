@@ -88,10 +88,13 @@ async def keep_full(engine: Any, prompts: list[list[int]], sampling: Any, in_fli
         await asyncio.sleep(seconds)
         window_s, tokens = time.perf_counter() - window_start, sampled() - tokens_start
         in_flight_at_end = engine.inflight_requests
+        failed = [worker.exception() for worker in workers if worker.done()]  # a request that raised ended its worker
     finally:
         for worker in workers:
             worker.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+    if failed:  # the engine was not kept full: the rate would understate it
+        raise RuntimeError(f"{len(failed)} of {in_flight} requests failed while the engine was kept full") from failed[0]
     finished = lengths[finished_start:]
     return {"ceiling_tokens_per_s": round(tokens / window_s, 1), "window_s": round(window_s, 1), "tokens": tokens,
             "samples_finished": len(finished), "length_mean": round(statistics.fmean(finished), 1) if finished else None,
