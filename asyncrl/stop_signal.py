@@ -4,9 +4,16 @@ code that would swallow the KeyboardInterrupt of a stop."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import logging
 import signal
-from typing import Iterator
+import sys
+import threading
+from types import FrameType
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -26,6 +33,7 @@ def interrupt_on_stop_signals() -> None:
     `finally` blocks instead of dying where it stands. SIGINT is set too, not left to Python: a process started as a
     background job of a script inherits SIGINT ignored, Python then keeps it ignored, and a `kill -INT` (or the
     script's Ctrl-C) would leave the job running."""
+    redeliver_stops_lost_in_finalizers()
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.default_int_handler)
 
@@ -37,8 +45,68 @@ def interrupt_once() -> None:
         ignore_stop_signals()
         raise KeyboardInterrupt
 
+    redeliver_stops_lost_in_finalizers()
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, interrupt)
+
+
+def redeliver_stops_lost_in_finalizers() -> None:
+    """A stop's KeyboardInterrupt raised while the main thread runs a finalizer (a `__del__` that the garbage
+    collector calls, a weakref callback) is printed as "Exception ignored" and lost: the process would go on as if
+    never stopped, and after `interrupt_once` no later signal could stop it. From now on such a lost stop is raised
+    again in the main thread, once it is out of the finalizer."""
+    if sys.unraisablehook is _redeliver_lost_stop:
+        return
+    global _report_unraisable
+    _report_unraisable = sys.unraisablehook
+    sys.unraisablehook = _redeliver_lost_stop
+
+
+_report_unraisable = sys.__unraisablehook__
+REDELIVER_EVERY_S = 0.01  # how often a lost stop is raised again until it lands outside a finalizer
+REDELIVER_TRIES = 1000  # then it gives up (10 s: a finalizer that runs this long is a bug of its own)
+
+
+def _redeliver_lost_stop(unraisable: Any) -> None:
+    _report_unraisable(unraisable)
+    lost_stop = unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt)
+    if lost_stop and threading.current_thread() is threading.main_thread():
+        log.warning("a stop signal arrived inside a finalizer, which swallowed it: raising it again")
+        _raise_again_outside_finalizers()
+
+
+def _raise_again_outside_finalizers() -> None:
+    """KeyboardInterrupt in the main thread at its first instruction outside a finalizer, once, whatever SIGINT's
+    handler is now (after `interrupt_once` it is ignored); that handler is back once it is raised. A thread asks
+    every REDELIVER_EVERY_S until then (asked from inside the handler, the handler would run inside itself)."""
+    handler_now = signal.getsignal(signal.SIGINT)
+    raised = threading.Event()
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        if _in_finalizer(frame):  # raised here, it would be swallowed again: the thread asks again
+            return
+        signal.signal(signal.SIGINT, handler_now)
+        raised.set()
+        raise KeyboardInterrupt
+
+    def ask() -> None:
+        for _ in range(REDELIVER_TRIES):
+            _thread.interrupt_main(signal.SIGINT)
+            if raised.wait(REDELIVER_EVERY_S):
+                return
+        log.warning("a stop lost in a finalizer could not be raised again in %d tries", REDELIVER_TRIES)
+
+    signal.signal(signal.SIGINT, interrupt)
+    threading.Thread(target=ask, name="stop-redelivery", daemon=True).start()
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside a `__del__` or inside the hook that reports what a finalizer raised."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code is _redeliver_lost_stop.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def ignore_stop_signals() -> None:

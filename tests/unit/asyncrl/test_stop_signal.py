@@ -122,3 +122,39 @@ except KeyboardInterrupt:
 def test_a_stop_held_during_a_block_is_acted_on_as_it_ends_and_the_handlers_are_back_without_one():
     done = subprocess.run([sys.executable, "-c", HELD], capture_output=True, text=True, timeout=20)
     assert done.stdout.split("\n")[:3] == ["interrupt", "the block went on", "stopped as the block ended"], done.stderr
+
+
+# A learner rank's case: the stop lands while the garbage collector runs a `__del__` (regex's, as a rank starts),
+# which prints the KeyboardInterrupt as "Exception ignored" and goes on; interrupt_once then ignores every later stop.
+STOPPED_IN_A_FINALIZER = """
+import gc, os, signal, sys, time
+from asyncrl.stop_signal import interrupt_once, interrupt_on_stop_signals
+{"once": interrupt_once, "every": interrupt_on_stop_signals}[sys.argv[1]]()
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the stop, while a finalizer runs
+        time.sleep(0.01)
+gc.disable()
+dropped = Finalized()
+dropped.cycle = dropped
+del dropped
+try:
+    gc.collect()  # runs the __del__
+    time.sleep(10)  # a wait the stop must end (a learner rank waiting for its servers)
+    print("slept through the stop", flush=True)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+handler = signal.getsignal(signal.SIGINT)
+print({signal.SIG_IGN: "ignored", signal.default_int_handler: "interrupts"}.get(handler, handler), flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["once", "every"])
+def test_a_stop_that_lands_in_a_finalizer_still_stops_the_process_once(handler):
+    done = subprocess.run([sys.executable, "-c", STOPPED_IN_A_FINALIZER, handler], capture_output=True, text=True,
+                          timeout=20)
+    lines = done.stdout.split("\n")
+    assert lines[0] == "stopped", done.stderr
+    assert "raising it again" in done.stderr
+    # the handler before the lost stop is back: ignored after interrupt_once, KeyboardInterrupt after the other
+    assert lines[1] == ("ignored" if handler == "once" else "interrupts"), lines
