@@ -15,6 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import msgspec
+
 from asyncrl.task_metrics import ScoredSample, task_reward_metrics
 
 PREFIX = "val"  # every validation metric is named val/...
@@ -34,6 +36,16 @@ class PromptOutcome:
     scores: list[float]  # reward of each of its n samples
     infos: list[Mapping[str, float]] = field(default_factory=list)  # each sample's other reward entries (empty: none)
     lengths: list[int] = field(default_factory=list)  # each sample's response tokens (the model's own in an episode)
+
+
+def encode_outcomes(outcomes: Sequence[PromptOutcome]) -> bytes:
+    """`outcomes` as msgpack, to pool a pass split among the ranks of one job (`decode_outcomes` reads them)."""
+    return msgspec.msgpack.encode(list(outcomes))
+
+
+def decode_outcomes(payload: bytes) -> list[PromptOutcome]:
+    """The outcomes of `encode_outcomes`' bytes; msgspec.ValidationError names the field of a malformed one."""
+    return msgspec.msgpack.decode(payload, type=list[PromptOutcome])
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

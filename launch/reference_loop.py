@@ -10,7 +10,7 @@
 With `learner.nproc` = N it runs colocated on N GPUs, as verl's hybrid engine does: N such processes, one per GPU,
 each with its engine and one FSDP2 rank of the policy. Each samples its share of the step's prompts, the shares are
 pooled (`Trainer.gathered`) into the batch one process would have sampled, every rank trains on it, and each loads
-the full new weights into its own engine. Rank 0 alone validates and records.
+the full new weights into its own engine. A validation pass is split among the ranks the same way; rank 0 records.
 
 With `validation.after_run` the passes do not run here: the weights of each due version are kept instead
 (`learner.services.snapshots`), as the async learner keeps them, and `asyncrl evaluate` scores both jobs' the same way.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.messages import TrajectoryGroup, decode, encode
@@ -56,7 +56,7 @@ class Sampler(Protocol):
 
     def load_weights(self, version: int, weights: Sequence[tuple[str, Any]]) -> float: ...
 
-    def validate(self) -> dict[str, float]: ...
+    def validate(self, gathered: Callable[[bytes], list[bytes]]) -> dict[str, float]: ...
 
 
 class TrainedStep(Protocol):
@@ -67,7 +67,7 @@ class TrainedStep(Protocol):
 class Trainer(Protocol):
     is_main: bool  # rank 0 (the only one of a one-rank run): validates and records
 
-    def gathered(self, payload: bytes) -> bytes: ...  # every rank's payload, joined in rank order
+    def gathered(self, payload: bytes) -> list[bytes]: ...  # every rank's payload, in rank order
 
     def train(self, groups: list[TrajectoryGroup], version: int) -> TrainedStep: ...
 
@@ -85,12 +85,12 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         if snapshots is not None:
             snapshots.keep(version, weights)
         del weights
-    if main and (first := sampler.validate()):
+    if (first := sampler.validate(trainer.gathered)) and main:  # every rank: a pass is split among them
         metrics.log(version, first)
     started = time.perf_counter()
     while version < config.learner.total_steps:
         step_started = time.perf_counter()
-        sampled = trainer.gathered(frames(sampler.sample()))  # every rank's share, in rank order: the whole batch
+        sampled = b"".join(trainer.gathered(frames(sampler.sample())))  # every rank's share, in order: the batch
         groups = unframed(sampled)
         generated = time.perf_counter()
         outcome = trainer.train(groups, version)
@@ -106,6 +106,7 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         paused_s = sampler.load_weights(version, weights)
         del weights  # the engine holds the version now; this copy must not outlive the step
         synced = time.perf_counter()
+        validation = sampler.validate(trainer.gathered)  # every rank: a pass is split among them
         if not main:
             continue
         write_trained(run_dir, version, sampled)
@@ -114,12 +115,12 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
             "timing_s/train": trained - generated,
             "weight_sync/seconds": synced - trained,
             "weight_sync/server_pause_seconds": paused_s,
-            "timing_s/step": time.perf_counter() - step_started,
-            "timing_s/elapsed": time.perf_counter() - started,
+            "timing_s/step": synced - step_started,
+            "timing_s/elapsed": synced - started,
         }
         record["rollout/tokens_per_s"] = record["batch/tokens"] / record["timing_s/wait_batch"]
         record["learner/tokens_per_s"] = record["batch/tokens"] / record["timing_s/train"]
-        metrics.log(version, record | sampler.validate())
+        metrics.log(version, record | validation)
         log.info("step %d/%d reward %.3f pg_loss %.3f step_s %.3f", version, config.learner.total_steps,
                  record["critic/score/mean"], record["actor/pg_loss"], record["timing_s/step"])
     return version

@@ -47,9 +47,9 @@ class ReferenceTrainer:
         outcome.metrics["actor/lr"] = rate
         return outcome
 
-    def gathered(self, payload: bytes) -> bytes:
-        """Every rank's `payload` joined in rank order, on every rank (a collective; one rank: `payload`)."""
-        return b"".join(all_gather_bytes(payload, self.policy.world))
+    def gathered(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload` in rank order, on every rank (a collective; one rank: [`payload`])."""
+        return all_gather_bytes(payload, self.policy.world)
 
     def weights(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
         """The full served weights (with LoRA the adapter) in `model.dtype` (the engine's) on `device`: a copy the

@@ -11,8 +11,8 @@ each step's prompts (`rank_share`: consecutive runs, rank 0's first), so the ran
 batch one rank would sample: the same prompts, group ids and seeds.
 
 It validates as rollout server 0 does (`rollout_servers.validation`: the same held-out prompts, seeds and
-`val/*` metrics) whenever the engine's weights reach a version due, between the steps; with N ranks, rank 0's
-sampler alone."""
+`val/*` metrics) whenever the engine's weights reach a version due, between the steps; with N ranks each scores its
+share of the held-out prompts on its own engine (`rank_share` again), and the shares are pooled into one pass."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Iterator, Sequence
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from transformers import AutoTokenizer
@@ -33,7 +34,7 @@ from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK
 from asyncrl.placement import VISIBLE_DEVICES
 from asyncrl.thinking import Thinking
-from asyncrl.validation_scores import VERSION_KEY
+from asyncrl.validation_scores import VERSION_KEY, decode_outcomes, encode_outcomes
 from rollout_servers.rewards import RewardRequest, RewardScorer
 from asyncrl.weight_transfer import SendingEnd, WeightBackend, update_info_for
 from rollout_servers.agent_loop import AgentLoop
@@ -81,9 +82,9 @@ class ReferenceSampler:
         self._mixture = PromptMixture(config.data.train_files, config.data.weights, seed=config.run.seed,
                                       shuffle=config.data.shuffle, skip_bad_rows=config.data.skip_bad_rows)
         self._drawn = 0  # prompts taken from the stream so far
-        validates = config.validation.during_run and rank == 0
-        held_out = load_validation_prompts(config, self._tokenizer) if validates else []
+        held_out = load_validation_prompts(config, self._tokenizer) if config.validation.during_run else []
         self._validator = Validator(config.validation, config.rollout.sampling, held_out, self._tokenizer, config.run.seed)
+        self._held_out_share = rank_share(len(held_out), rank, ranks)  # of each validation pass's prompts
         self._validator.request(config.learner.total_steps)  # the final version, as the async learner asks for it
 
     @classmethod
@@ -133,13 +134,21 @@ class ReferenceSampler:
 
         return self._loop.run_until_complete(transfer())
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, gathered: Callable[[bytes], list[bytes]]) -> dict[str, float]:
         """A validation pass on the engine's weights when their version is due (a multiple of `validation.every`,
-        or the final one): its `val/*` metrics and `val/version`; {} when none is due."""
+        or the final one): its `val/*` metrics and `val/version`; {} when none is due. Every rank calls it (the
+        versions move in step): each scores its share of the held-out prompts, and `gathered` (every rank's bytes,
+        in rank order) pools the shares, so that every rank returns the whole pass's metrics."""
         version = self._engine.current_version
         if not self._validator.is_due(version):
             return {}
-        return self.score(self._validator) | {VERSION_KEY: float(version)}
+        started = time.perf_counter()
+        log.info("validating version %d: %d of the %d held-out prompts on this engine", version,
+                 len(self._held_out_share), len(self._validator.prompts))
+        mine = self._loop.run_until_complete(
+            self._validator.outcomes(self._engine, self._scorer, self._agent, self._held_out_share))
+        pooled = [outcome for share in gathered(encode_outcomes(mine)) for outcome in decode_outcomes(share)]
+        return self._validator.record(pooled, version, time.perf_counter() - started) | {VERSION_KEY: float(version)}
 
     def score(self, validator: Validator) -> dict[str, float]:
         """A pass of `validator` (its held-out prompts and seeds) on the engine's weights: its `val/*` metrics."""

@@ -116,9 +116,18 @@ class Validator:
     async def run_pass(self, engine: GroupEngine, scorer: Scorer, episodes: Episodes | None = None) -> dict[str, float]:
         """Sample, score and summarise every validation prompt on the engine's current weights."""
         started, version = time.perf_counter(), engine.current_version
-        outcomes = await asyncio.gather(*(self._outcome(engine, scorer, episodes, prompt, self._seed(index))
-                                          for index, prompt in enumerate(self.prompts)))
-        seconds = time.perf_counter() - started
+        outcomes = await self.outcomes(engine, scorer, episodes, range(len(self.prompts)))
+        return self.record(outcomes, version, time.perf_counter() - started)
+
+    async def outcomes(self, engine: GroupEngine, scorer: Scorer, episodes: Episodes | None,
+                       places: Sequence[int]) -> list[PromptOutcome]:
+        """The held-out prompts at `places` (their indices), sampled and scored on the engine's current weights,
+        each on its own seeds: a pass split among engines scores as one pass on one engine."""
+        return list(await asyncio.gather(*(self._outcome(engine, scorer, episodes, self.prompts[place], self._seed(place))
+                                           for place in places)))
+
+    def record(self, outcomes: Sequence[PromptOutcome], version: int, seconds: float) -> dict[str, float]:
+        """The pass of `version` over every held-out prompt (`outcomes`, in `seconds`) as the latest: its metrics."""
         self.metrics = validation_metrics(outcomes, self.settings.k, self.settings.length_buckets) | {"val/seconds": seconds}
         self.version = version
         log.info("validation of version %d: mean score %.3f, pass@%d %.3f over %d prompts in %.1fs", version,

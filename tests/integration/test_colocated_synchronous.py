@@ -6,7 +6,9 @@ the same groups, token for token, at every step, and the same losses up to float
 loss in another order, so from step 2 on the weights, and the log-probs the engines report, differ in the last bits).
 
 The two-rank run also keeps the weights of its due versions (`validation.after_run`): rank 0 writes them, and
-gathering the first ones is a collective that every rank joins (a rank left out would leave the others waiting)."""
+gathering the first ones is a collective that every rank joins (a rank left out would leave the others waiting).
+Another two-rank run validates during the run: each rank scores its half of the held-out prompts on its own engine,
+and rank 0 records the pooled pass."""
 
 from pathlib import Path
 
@@ -22,7 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended]
 ONE_RANK = RUNS["k0-sync"]  # the same job object: the session runs it once for both modules
 TWO_RANKS = real_job("colocated-sync-2", "learner.mode=synchronous", "learner.nproc=2", "validation.every=3",
                      "validation.after_run=true")
-REAL_JOBS = [ONE_RANK, TWO_RANKS]
+VALIDATING = real_job("colocated-sync-2-validating", "learner.mode=synchronous", "learner.nproc=2", "validation.every=3")
+REAL_JOBS = [ONE_RANK, TWO_RANKS, VALIDATING]
+HELD_OUT = 16  # the shared task's held-out prompts (tiny_job: task.num_val)
 LOSS_TOLERANCE = 1e-6  # |Δ actor/pg_loss|: seen 3e-8 (a float32 sum in another order)
 GRAD_NORM_TOLERANCE = 1e-5  # relative: seen 7e-7
 LOGPROB_TOLERANCE = 1e-5  # |Δ| of a behaviour log-prob: seen 0 at step 1 (the same weights), 1e-6 after
@@ -66,3 +70,13 @@ def test_each_rank_loads_every_version_into_its_own_engine_and_rank_0_alone_reco
         assert loaded == [1, 2, 3], rank
     assert sorted(made_times(two)) == [0, 3]  # versions due every 3 steps, kept by rank 0 once
     assert len(read_metrics(two)) == STEPS  # one record a step, not one per rank
+
+
+def test_a_pass_during_the_run_is_split_between_the_ranks_engines_and_recorded_once(real_jobs):
+    run = real_jobs[VALIDATING].result()
+    passes = [(r["step"], r["val/version"], r["val/prompts"]) for r in read_metrics(run) if "val/version" in r]
+    assert passes == [(0, 0.0, HELD_OUT), (3, 3.0, HELD_OUT)]  # every held-out prompt, once a pass
+    for rank in (0, 1):
+        log = (run / "logs" / f"reference{rank}.log").read_text()
+        for version in (0, 3):
+            assert f"validating version {version}: {HELD_OUT // 2} of the {HELD_OUT} held-out prompts" in log, rank

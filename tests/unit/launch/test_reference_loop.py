@@ -38,8 +38,8 @@ class FakeHalves:
     weights_device: str = "cpu"
     is_main: bool = True  # a one-rank run's only rank
 
-    def gathered(self, payload: bytes) -> bytes:
-        return payload  # one rank: its share is the batch
+    def gathered(self, payload: bytes) -> list[bytes]:
+        return [payload]  # one rank: its share is the batch
 
     def sample(self) -> list[TrajectoryGroup]:
         self.calls.append(("sample", self.version))
@@ -58,10 +58,11 @@ class FakeHalves:
         self.version = version
         return 0.01
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, gathered) -> dict[str, float]:
         if self.version not in self.due:
             return {}
         self.calls.append(("validate", self.version))
+        gathered(b"")  # a pass is pooled from every rank's share
         return {"val/score/mean": self.version / 10, "val/version": float(self.version), "val/seconds": 0.5}
 
 
@@ -112,17 +113,27 @@ class Rank1(FakeHalves):
 
     is_main: bool = False
 
-    def gathered(self, payload: bytes) -> bytes:
+    def gathered(self, payload: bytes) -> list[bytes]:
         self.calls.append(("gather", self.version))
-        return frames([group(0, self.version)]) + payload
+        return [frames([group(0, self.version)]), payload]
 
     def weights(self, device: str) -> list[tuple[str, float]]:
         self.calls.append(("weights", self.version))
         return [("w", 1.0)]
 
 
-def test_another_rank_trains_the_pooled_batch_and_loads_every_version_but_neither_validates_nor_records(tmp_path):
-    halves = Rank1(due={0, 1, 2})
+def test_another_rank_takes_its_part_in_each_due_pass_but_records_nothing(tmp_path):
+    halves = Rank1(due={0, 2})
+    assert run(load_config(None, ["learner.total_steps=2"]), tmp_path, halves, halves, None) == 2
+    assert halves.calls == [("validate", 0), ("gather", 0),  # its share of version 0's pass, pooled
+                            ("sample", 0), ("gather", 0), ("train", 0), ("weights", 0), ("load", 1),
+                            ("sample", 1), ("gather", 1), ("train", 1), ("weights", 1), ("load", 2),
+                            ("validate", 2), ("gather", 2)]
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "trained").exists()
+
+
+def test_with_passes_after_the_run_another_rank_gathers_each_version_for_the_snapshots_and_records_nothing(tmp_path):
+    halves = Rank1()  # validation.after_run: no pass is due in the job
     config = load_config(None, ["learner.total_steps=2", "validation.every=1", "validation.after_run=true",
                                 "data.val_files=[v.parquet]"])
     assert run(config, tmp_path, halves, halves, None) == 2

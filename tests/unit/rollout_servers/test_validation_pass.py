@@ -3,6 +3,7 @@
 import asyncio
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from asyncrl.config import AsyncRLConfig
@@ -12,6 +13,8 @@ from asyncrl.data import PromptRow, write_rows
 from rollout_servers.rewards import RewardResult
 from demo.tasks import arithmetic
 from asyncrl.weight_transfer.control_messages import ValidationResult
+from asyncrl.validation_scores import decode_outcomes, encode_outcomes
+from rollout_servers.reference_sampler import rank_share
 from rollout_servers.validation import VALIDATION_SEED_OFFSET, ValidationPrompt, Validator, load_validation_prompts
 from waiting import wait_until_async
 
@@ -92,6 +95,20 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert metrics["val/algebra/score/mean"] == 0.0
     assert 0.0 < metrics["val/seconds"] < 60.0  # the pass was timed
     assert validator.result("server-0") == ValidationResult("server-0", 10, metrics)
+
+
+def test_a_pass_split_among_ranks_and_pooled_through_bytes_scores_as_one_pass():
+    whole, whole_engine = make_validator(run_seed=5, length_buckets=(1, 4))
+    expected = asyncio.run(whole.run_pass(whole_engine, ExactMatchScorer()))
+    split, engine = make_validator(run_seed=5, length_buckets=(1, 4))
+    shares = [rank_share(3, rank, 2) for rank in range(2)]  # [0, 1] and [2]
+    payloads = [encode_outcomes(asyncio.run(split.outcomes(engine, ExactMatchScorer(), None, share))) for share in shares]
+    pooled = [outcome for payload in payloads for outcome in decode_outcomes(payload)]
+    metrics = split.record(pooled, engine.current_version, 0.5)
+    assert engine.seeds == whole_engine.seeds  # each prompt on its own seeds, whichever rank sampled it
+    assert metrics == expected | {"val/seconds": 0.5} and split.version == 10
+    with pytest.raises(msgspec.ValidationError, match="scores"):
+        decode_outcomes(msgspec.msgpack.encode([{"data_source": "a", "scores": "many"}]))
 
 
 def test_pass_reports_the_mean_score_per_bucket_of_response_tokens():
