@@ -7,6 +7,7 @@ key when one cannot be found. docs/losses.md gives the formula behind every fiel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from asyncrl.config.fields import bounded, one_of
@@ -18,7 +19,8 @@ from asyncrl.wire_limits import MAX_VERSION
 class AlgorithmConfig:
     loss: str = "decoupled_ppo_kl"  # policy loss: decoupled_ppo_kl, decoupled_ppo, tis, seq_mask, naive_ppo, dppo_tv, dppo_kl, m2po, or 'file.py:fn' / 'pkg.mod:fn'
     advantage: str = "grpo"  # advantage estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, or 'file.py:fn'
-    aggregation: str = one_of("token_mean", "seq_mean_token_sum")  # how per-token losses become one number
+    aggregation: str = one_of("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")  # how per-token losses become one number (docs/losses.md)
+    norm_tokens: int = bounded(0, 0)  # seq_mean_token_sum_norm: L, the constant tokens per sequence it divides by; 0 = rollout.sampling.max_tokens
     clip_eps_low: float = bounded(0.2, 0.0, 1.0)  # PPO clip: the ratio's floor is 1 - clip_eps_low
     clip_eps_high: float = bounded(0.2, 0.0)  # PPO clip: ceiling 1 + clip_eps_high; above clip_eps_low = clip-higher
     is_cap: float = bounded(2.0, 1.0)  # C: importance weights above it are truncated to C (decoupled_ppo, tis)
@@ -39,6 +41,10 @@ class AlgorithmConfig:
     grpo_std_norm: bool = True  # GRPO: divide by the group's reward std (False = Dr. GRPO's mean-only baseline)
     adv_eps: float = bounded(1e-6, 0.0)  # added to a std before dividing by it (GRPO std norm, REINFORCE++ whitening)
     max_token_staleness: int = bounded(TOKEN_BOUND_OFF, TOKEN_BOUND_OFF, MAX_VERSION)  # M: tokens sampled more than M versions before the step that trains them are masked out of the loss (counted, the sample kept); -1 = off
+
+    def resolved(self, max_tokens: int) -> AlgorithmConfig:
+        """These settings with `norm_tokens` 0 made `max_tokens` (rollout.sampling.max_tokens)."""
+        return dataclasses.replace(self, norm_tokens=self.norm_tokens or max_tokens)
 
     def cross_checks(self, batch_groups: int) -> list[tuple[str, str]]:
         if self.mini_batches > batch_groups:

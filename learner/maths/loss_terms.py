@@ -21,7 +21,10 @@ LOG_RATIO_LIMIT = 20.0
 
 TOKEN_MEAN = "token_mean"  # sum over all trained tokens / number of trained tokens
 SEQ_MEAN_TOKEN_SUM = "seq_mean_token_sum"  # each sequence's token sum, averaged over sequences
-AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM)
+# Dr. GRPO: each sequence's token sum over a constant length L, averaged over sequences: a token weighs the same
+# whatever the lengths of the batch it came in
+SEQ_MEAN_TOKEN_SUM_NORM = "seq_mean_token_sum_norm"
+AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_SUM_NORM)
 
 KL_ESTIMATORS = ("k1", "k3")
 
@@ -152,6 +155,8 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, denominator: float | N
     token_mean: Σ masked values / number of masked tokens.
     seq_mean_token_sum: Σ over sequences of (Σ masked values of the sequence) / number of sequences that
     have at least one masked token.
+    seq_mean_token_sum_norm: the same over (those sequences × L), L a constant length: the learner passes it in
+    `denominator`; without one, the most trained tokens of a sequence here stand for L.
     `denominator` replaces the count (tokens or sequences) when this tensor is one micro-batch of a larger
     batch, so that micro-batch losses add up to the loss of the whole batch.
     """
@@ -159,6 +164,9 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, denominator: float | N
         count = mask_count(mask)  # [] trained tokens
     elif mode == SEQ_MEAN_TOKEN_SUM:
         count = (mask_count(mask, dim=-1) > 0).float().sum()  # [] sequences with a trained token
+    elif mode == SEQ_MEAN_TOKEN_SUM_NORM:
+        per_sequence = mask_count(mask, dim=-1)  # [B] trained tokens
+        count = (per_sequence > 0).float().sum() * per_sequence.max()  # [] those sequences × the longest
     else:
         raise ValueError(f"algorithm.aggregation: '{mode}' is not one of {list(AGGREGATIONS)}")
     total = masked_sum(per_token, mask)  # []

@@ -60,7 +60,8 @@ class PolicyTrainer:
         gradient is not finite)."""
         set_learning_rate(self.optimizer, rate)
         batch = collate(canonical_order(groups), self.pad_id)
-        outcome = train_step(self.model, self.optimizer, batch, self.config.algorithm, self.passes,
+        algorithm = self.config.algorithm.resolved(self.config.rollout.sampling.max_tokens)
+        outcome = train_step(self.model, self.optimizer, batch, algorithm, self.passes,
                              self.config.learner.grad_clip, self.world, self.reference)
         outcome.metrics |= peak_memory_metrics(self.world)
         return outcome

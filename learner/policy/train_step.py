@@ -18,7 +18,7 @@ from learner.distributed import World, gather_varying, sum_across_ranks
 from learner.maths.advantages import compute_advantages
 from learner.maths.batching import TrainBatch, micro_batches
 from learner.maths.logprobs import target_logprobs
-from learner.maths.loss_terms import second_moment_cutoff
+from learner.maths.loss_terms import SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_MEAN, second_moment_cutoff
 from learner.maths.losses import LossInputs, compute_policy_loss, second_moment_summary
 from learner.maths.mini_batches import mini_batch_rows
 from learner.policy.lora import adapter_dropout
@@ -199,12 +199,18 @@ def _squared_log_ratios(mini: MiniBatch, world: World) -> Tensor:
 
 
 def _denominator(batch: TrainBatch, algorithm: AlgorithmConfig) -> float:
-    """The whole batch's count that `learner.maths.loss_terms.aggregate` divides by: trained tokens (token_mean), or
-    sequences with at least one trained token (seq_mean_token_sum)."""
+    """The whole batch's count that `learner.maths.loss_terms.aggregate` divides by: trained tokens (token_mean),
+    sequences with at least one trained token (seq_mean_token_sum), or those sequences × `algorithm.norm_tokens`
+    (seq_mean_token_sum_norm, its 0 resolved by `AlgorithmConfig.resolved`)."""
     trained = batch.loss_mask.bool()  # [B, T-1]
-    if algorithm.aggregation == "token_mean":
+    if algorithm.aggregation == TOKEN_MEAN:
         return float(trained.sum().clamp(min=1))
-    return float(trained.any(dim=1).sum().clamp(min=1))
+    sequences = float(trained.any(dim=1).sum().clamp(min=1))
+    if algorithm.aggregation == SEQ_MEAN_TOKEN_SUM_NORM:
+        if algorithm.norm_tokens < 1:
+            raise ValueError("algorithm.norm_tokens is 0 here: resolve it (AlgorithmConfig.resolved) before training")
+        return sequences * algorithm.norm_tokens
+    return sequences
 
 
 @dataclass

@@ -265,9 +265,10 @@ def ragged_batch() -> LossInputs:
 def test_aggregation_modes_differ_on_ragged_masks(mode):
     # token_mean = -(1 + 1 + 1 + 4) / 4 tokens = -1.75
     # seq_mean_token_sum = -((1 + 1 + 1) + 4) / 2 sequences with trained tokens = -3.5 (the padding row is not counted)
-    token_mean, _ = compute_policy_loss(ragged_batch(), AlgorithmConfig(loss=mode, aggregation="token_mean"))
-    seq_mean, _ = compute_policy_loss(ragged_batch(), AlgorithmConfig(loss=mode, aggregation="seq_mean_token_sum"))
-    assert (token_mean.item(), seq_mean.item()) == pytest.approx((-1.75, -3.5))
+    # seq_mean_token_sum_norm = -7 / (2 sequences × 3, the most trained tokens standing for L without one) = -7/6
+    losses = [compute_policy_loss(ragged_batch(), AlgorithmConfig(loss=mode, aggregation=aggregation))[0].item()
+              for aggregation in ("token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")]
+    assert losses == pytest.approx([-1.75, -3.5, -7 / 6])
 
 
 def test_tis_aggregation_modes_differ_on_ragged_masks():
@@ -279,7 +280,8 @@ def test_tis_aggregation_modes_differ_on_ragged_masks():
 
 @pytest.mark.parametrize(
     "aggregation, denominator, expected",
-    [("token_mean", 8.0, -7 / 8), ("seq_mean_token_sum", 4.0, -7 / 4)],  # Σ = -7 over the denominator
+    [("token_mean", 8.0, -7 / 8), ("seq_mean_token_sum", 4.0, -7 / 4),  # Σ = -7 over the denominator
+     ("seq_mean_token_sum_norm", 4.0 * 512, -7 / 2048)],  # 4 sequences × L = 512
 )
 def test_denominator_of_the_whole_batch_replaces_the_micro_batch_count(aggregation, denominator, expected):
     inputs = replace(ragged_batch(), denominator=denominator)

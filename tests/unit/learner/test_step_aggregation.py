@@ -1,6 +1,7 @@
 """The learner's step divides the whole batch's loss by the count its aggregation names (docs/losses.md): trained
-tokens for token_mean, sequences with at least one trained token for seq_mean_token_sum, in both cases over the
-whole batch however it is cut into micro-batches.
+tokens for token_mean, sequences with at least one trained token for seq_mean_token_sum, those sequences times the
+constant L (`algorithm.norm_tokens`) for seq_mean_token_sum_norm, in every case over the whole batch however it is cut
+into micro-batches.
 
 The case is worked out by hand whatever the model: behaviour log-probs of -100 put every importance weight
 min(π_prox/π_behav, C) at C = 2, and with one optimizer step π_θ = π_prox, so decoupled_ppo's per-token loss is
@@ -9,6 +10,7 @@ a = 0.5 / (√0.5 + 1e-6) = 0.7071058. Group h: sample 3, alone (A = 0), whose o
     token sums: sample 1 -4a, sample 2 +2a, sample 3 nothing; total -2a
     token_mean:          -2a / 3 trained tokens          = -0.4714039
     seq_mean_token_sum:  -2a / 2 sequences with a token  = -0.7071058   (sample 3 has none: it does not count)
+    seq_mean_token_sum_norm, L = 10:  -2a / (2 × 10)     = -0.0707106
 """
 
 from __future__ import annotations
@@ -37,11 +39,23 @@ BATCH = [
 ]
 
 
-@pytest.mark.parametrize("aggregation, expected", [("token_mean", -0.4714039), ("seq_mean_token_sum", -0.7071058)])
+def step_loss(algorithm: AlgorithmConfig, micro_batch_tokens: int) -> float:
+    model = tiny_policy()
+    outcome = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), collate(BATCH, 0), algorithm,
+                         Passes(micro_batch_tokens), 0.0, World(rank=0, size=1, device=torch.device("cpu")))
+    return outcome.metrics["actor/pg_loss"]
+
+
+@pytest.mark.parametrize("aggregation, expected", [("token_mean", -0.4714039), ("seq_mean_token_sum", -0.7071058),
+                                                   ("seq_mean_token_sum_norm", -0.0707106)])
 @pytest.mark.parametrize("micro_batch_tokens", [3, 1000])  # one row per pass, or the whole batch in one
 def test_the_step_divides_by_the_whole_batchs_count(aggregation, expected, micro_batch_tokens):
-    model = tiny_policy()
-    outcome = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), collate(BATCH, 0),
-                         AlgorithmConfig(aggregation=aggregation), Passes(micro_batch_tokens), 0.0,
-                         World(rank=0, size=1, device=torch.device("cpu")))
-    assert outcome.metrics["actor/pg_loss"] == pytest.approx(expected, abs=1e-7)
+    algorithm = AlgorithmConfig(aggregation=aggregation).resolved(max_tokens=10)
+    assert step_loss(algorithm, micro_batch_tokens) == pytest.approx(expected, abs=1e-7)
+
+
+def test_the_constant_length_is_rollouts_max_tokens_unless_set_and_a_step_refuses_an_unresolved_one():
+    assert AlgorithmConfig().resolved(max_tokens=96).norm_tokens == 96
+    assert AlgorithmConfig(norm_tokens=4096).resolved(max_tokens=96).norm_tokens == 4096
+    with pytest.raises(ValueError, match="algorithm.norm_tokens"):
+        step_loss(AlgorithmConfig(aggregation="seq_mean_token_sum_norm"), 1000)
