@@ -90,8 +90,7 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
     started = time.perf_counter()
     while version < config.learner.total_steps:
         step_started = time.perf_counter()
-        sampled = b"".join(trainer.gathered(frames(sampler.sample())))  # every rank's share, in order: the batch
-        groups = unframed(sampled)
+        groups, sampled = pooled_batch(sampler.sample(), trainer)
         generated = time.perf_counter()
         outcome = trainer.train(groups, version)
         trained = time.perf_counter()
@@ -124,6 +123,16 @@ def run(config: AsyncRLConfig, run_dir: Path, sampler: Sampler, trainer: Trainer
         log.info("step %d/%d reward %.3f pg_loss %.3f step_s %.3f", version, config.learner.total_steps,
                  record["critic/score/mean"], record["actor/pg_loss"], record["timing_s/step"])
     return version
+
+
+def pooled_batch(mine: list[TrajectoryGroup], trainer: Trainer) -> tuple[list[TrajectoryGroup], bytes]:
+    """The step's batch from this rank's share `mine`: every rank's groups in rank order, and their `frames` (what
+    the step keeps). A one-rank run's share is the batch: it is not decoded back from its own bytes."""
+    shares = trainer.gathered(frames(mine))
+    if len(shares) == 1:
+        return mine, shares[0]
+    pooled = b"".join(shares)
+    return unframed(pooled), pooled
 
 
 def frames(groups: list[TrajectoryGroup]) -> bytes:
