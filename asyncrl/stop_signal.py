@@ -70,7 +70,7 @@ REDELIVER_TRIES = 1000  # then it gives up (10 s: a finalizer that runs this lon
 def _redeliver_lost_stop(unraisable: Any) -> None:
     _report_unraisable(unraisable)
     lost_stop = unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt)
-    if lost_stop and threading.current_thread() is threading.main_thread():
+    if lost_stop and threading.current_thread() is threading.main_thread() and not sys.is_finalizing():
         log.warning("a stop signal arrived inside a finalizer, which swallowed it: raising it again")
         _raise_again_outside_finalizers()
 
