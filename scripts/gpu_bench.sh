@@ -213,7 +213,8 @@ stage_study() {
     "$PYTHON" scripts/staleness_study.py --config configs/quickstart.yaml --gpus "$gpus" --jobs "$jobs" \
         --out-dir runs/staleness_study_gpu ${STUDY_ARGS:-} learner.device=cuda rollout.engine.dtype=bfloat16 \
         rollout.engine.enforce_eager=true rollout.engine.kv_cache_memory_gib=0.25 \
-        rollout.engine.gpu_memory_utilization=0.05 metrics.wandb_mode=disabled
+        rollout.engine.gpu_memory_utilization=0.05 metrics.wandb_mode=disabled \
+        learner.lr=0.0003  # the rate of the recorded study (the quickstart's earlier default)
 }
 
 stage_ray() {
