@@ -65,7 +65,7 @@ class TrainedStep(Protocol):
 
 
 class Trainer(Protocol):
-    is_main: bool  # rank 0 (the only one of a one-rank run): validates and records
+    is_main: bool  # rank 0 (the only one of a one-rank run): records
 
     def gathered(self, payload: bytes) -> list[bytes]: ...  # every rank's payload, in rank order
 
