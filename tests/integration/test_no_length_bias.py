@@ -1,17 +1,18 @@
 """No length bias, in real tiny jobs (`asyncrl run`: buffer, learner, one vLLM server on the CPU) with long-tailed
 response lengths: each prompt carries its own cap (`extra_info.max_tokens`) and EOS is ignored, so a group's
-samples all run to it; the caps repeat a pattern in which one prompt in six runs 24 times longer than the
-shortest, and the longest responses span several weight updates. At K = 2 and K = 8 every admitted group is
-trained in full: the mean trained response length equals that of as many generated samples counted in hand-out
+samples all run to it; the caps repeat a pattern in which one prompt in six runs far longer than the others (at
+K = 2 hundreds of tokens, so that it spans several weight updates however busy the box is). At K = 2 and K = 8
+every admitted group is trained in full: the mean trained response length equals that of as many generated samples counted in hand-out
 order, dropped groups included (the buffer's counters at the last step, the trained side checked against the
 learner's own steps), and `response_length/trained_vs_generated` is 1 at every step; no group is lost, dropped or
 its work thrown away, every trained group started within K, and long responses are trained staler than K (the
-earlier rule stopped and dropped them there). The last steps' trained mean is not the pattern's (25.5 tokens): when
+earlier rule stopped and dropped them there). The last steps' trained mean is not the pattern's: when
 the job stops, the groups still generating are the long ones, and they count on neither side."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,30 +26,45 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 STEPS = 24
 BATCH_GROUPS = 8
 SAMPLES_PER_GROUP = 2
-CAPS = (4, 6, 9, 14, 24, 96)  # response tokens per prompt, in the order the server draws them (no shuffle)
+SHORT_CAPS = (4, 6, 9, 14, 24)  # response tokens per prompt, in the order the server draws them (no shuffle)
+LONG_CAP = {2: 768, 8: 96}  # the sixth prompt's cap at each K. At K = 2 a long response must outlast 3 learner
+# steps: 96 tokens did on an idle box but not always on one loaded by the suite (the learner slows more than the
+# engine), so it runs 8 times longer there
 KS = (2, 8)
+LONG_CONTEXT = 1024  # positions of the runs' model (the shared weights, a longer window) and engine: prompt + cap
 
 
-def long_tailed_prompts(inputs: Path, target: Path) -> Path:
-    """The tiny task's training prompts, each with the next cap of CAPS, as a JSONL file."""
+def long_tailed_prompts(inputs: Path, caps: tuple[int, ...], target: Path) -> Path:
+    """The tiny task's training prompts, each with the next cap of `caps`, as a JSONL file."""
     rows = []
     for index, row in enumerate(load_prompt_file(str(inputs / "data" / "train.parquet"))):
         rows.append({"prompt": row.messages, "data_source": row.data_source, "ability": row.ability,
                      "reward_model": {"ground_truth": row.ground_truth, "style": row.reward_style},
-                     "extra_info": {**row.extra_info, "max_tokens": CAPS[index % len(CAPS)]}})
+                     "extra_info": {**row.extra_info, "max_tokens": caps[index % len(caps)]}})
     target.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return target
 
 
+def long_context_copy(model: Path, target: Path) -> Path:
+    """The shared model with `LONG_CONTEXT` positions: the same weights (rotary positions have none to learn)."""
+    shutil.copytree(model, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"max_position_embeddings": LONG_CONTEXT}))
+    return target
+
+
 def job(k: int):
-    """The run at K = k on the shared model, its prompts given long-tailed caps; returns its metric records."""
+    """The run at K = k on the shared weights, its prompts given long-tailed caps; returns its metric records."""
+    caps = (*SHORT_CAPS, LONG_CAP[k])
+
     def run(inputs: Path, tmp: Path) -> list[dict]:
-        prompts = long_tailed_prompts(inputs, tmp / "train_longtail.jsonl")
+        prompts = long_tailed_prompts(inputs, caps, tmp / "train_longtail.jsonl")
+        model = long_context_copy(inputs / "model", tmp / "model")
         done = asyncrl("run", *tiny_job(
-            inputs, STEPS, f"run.root_dir={tmp / 'runs'}", "run.name=lengths", f"buffer.max_staleness={k}",
+            inputs, STEPS, f"model.path={model}", f"run.root_dir={tmp / 'runs'}", "run.name=lengths", f"buffer.max_staleness={k}",
             f"buffer.batch_groups={BATCH_GROUPS}", f"rollout.sampling.n={SAMPLES_PER_GROUP}", "validation.every=0",
             f"data.train_files=[{prompts}]", "data.shuffle=false", "rollout.sampling.ignore_eos=true",
-            f"rollout.sampling.max_tokens={max(CAPS)}", "rollout.engine.max_model_len=192",
+            f"rollout.sampling.max_tokens={max(caps)}", f"rollout.engine.max_model_len={LONG_CONTEXT}",
             f"rollout.max_inflight={(k + 1) * BATCH_GROUPS * SAMPLES_PER_GROUP}",  # the whole admission window at once
             f"learner.checkpoint_every={STEPS}"))
         assert done.returncode == 0, done.stderr[-3000:]
