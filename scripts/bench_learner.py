@@ -97,6 +97,7 @@ SHAPES = {  # Qwen2.5's published dimensions
     "1.5b": Shape(1536, 28, 12, 2, 8960, QWEN_VOCAB, True),
     "3b": Shape(2048, 36, 16, 2, 11008, QWEN_VOCAB, True),
     "7b": Shape(3584, 28, 28, 4, 18944, 152064, False),
+    "14b": Shape(5120, 48, 40, 8, 13824, 152064, False),
 }
 
 
