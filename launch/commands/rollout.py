@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from launch.commands.common import check_input_files, start
+from launch.commands.model_check import check_model
 from asyncrl.exit_codes import INTERRUPTED
 from launch.job_settings import adopt_learner_settings
 
@@ -29,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
         if run_dir is not None:
             config = adopt_learner_settings(config, run_dir, args.overrides, log)
         check_input_files(config)
+        check_model(config)
         plan = place_local_job(config, log)
         log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
                  endpoints.sync)

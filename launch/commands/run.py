@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from launch.commands.common import check_input_files, start
+from launch.commands.model_check import check_model
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.parent_death import launched_environment
@@ -26,6 +27,7 @@ _CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "run")
     check_input_files(config)
+    check_model(config)
     from asyncrl.placement import as_overrides, place_local_job  # imports torch: after parsing
 
     plan = place_local_job(config, log, automatic=True)  # refused here, before any role starts
