@@ -147,15 +147,45 @@ def _chunk_logit_gradient(logits: Tensor, targets: Tensor, lse: Tensor, upstream
     return (upstream.unsqueeze(-1) * (is_target.to(probs.dtype) - probs) / temperature).to(logits.dtype)
 
 
+def _chunk_scores_in_place(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
+    """`_chunk_scores` for eager devices (the CPU): `logits` [n, V], a temporary of the caller's, is overwritten,
+    so that each step is one pass over it and no other [n, V] tensor is made."""
+    scaled = _scaled_in_place(logits, temperature)  # [n, V]
+    lse = torch.logsumexp(scaled, dim=-1)  # [n]
+    chosen = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [n]
+    if not with_entropy:
+        return chosen, lse, None
+    expected = torch.exp(scaled.sub_(lse.unsqueeze(-1))).mul_(scaled).sum(dim=-1)  # [n]: Σ p_j (s_j − lse)
+    return chosen, lse, -expected
+
+
+def _chunk_logit_gradient_in_place(logits: Tensor, targets: Tensor, lse: Tensor, upstream: Tensor,
+                                   temperature: float) -> Tensor:
+    """`_chunk_logit_gradient` for eager devices: `logits` [n, V] is overwritten and returned as the gradient."""
+    scale = (upstream / temperature).unsqueeze(-1)  # [n, 1]
+    gradient = _scaled_in_place(logits, temperature).sub_(lse.unsqueeze(-1)).exp_().mul_(-scale)  # −upstream·p / T
+    gradient.scatter_add_(-1, targets.unsqueeze(-1), scale.to(gradient.dtype))  # + upstream / T at the target
+    return gradient.to(logits.dtype)
+
+
+def _scaled_in_place(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature in the working dtype, in `logits` itself where it already has that dtype."""
+    working = logits if logits.dtype == _working_dtype(logits) else logits.to(_working_dtype(logits))
+    return working if temperature == 1.0 else working.div_(temperature)
+
+
 @functools.cache
 def _compiled(function: Callable) -> Callable:
     return torch.compile(function, dynamic=True)
 
 
+EAGER = {_chunk_scores: _chunk_scores_in_place, _chunk_logit_gradient: _chunk_logit_gradient_in_place}
+
+
 def _kernel(function: Callable, device: torch.device) -> Callable:
     """`function` fused into a few GPU kernels by torch.compile on CUDA (each [n, V] temporary would otherwise
-    be a pass over memory), as it is elsewhere."""
-    return _compiled(function) if device.type == "cuda" else function
+    be a pass over memory), as it is elsewhere; elsewhere its in-place form, one pass per step over the chunk."""
+    return _compiled(function) if device.type == "cuda" else EAGER[function]
 
 
 def _working_dtype(tensor: Tensor) -> torch.dtype:

@@ -209,3 +209,22 @@ def test_no_wanted_position_scores_nothing_and_still_backpropagates():
     assert torch.equal(chosen, torch.zeros(3, 8, dtype=chosen.dtype))
     chosen.sum().backward()
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_in_place_chunk_steps_of_eager_devices_equal_the_compiled_ones(temperature, dtype):
+    """The CPU runs the in-place forms; CUDA compiles the plain ones: both must give the same numbers."""
+    from learner.maths.logprobs import _chunk_logit_gradient, _chunk_scores, _kernel
+
+    hidden, weight, targets = random_head(4)
+    logits = (hidden @ weight.T).to(dtype)  # [4, V]
+    lse = _chunk_scores(logits, targets, temperature, True)[1]
+    upstream = torch.linspace(-1.0, 2.0, 4, dtype=lse.dtype)
+    cpu = torch.device("cpu")
+    plain = (*_chunk_scores(logits, targets, temperature, True), _chunk_logit_gradient(logits, targets, lse, upstream, temperature))
+    in_place = (*_kernel(_chunk_scores, cpu)(logits.clone(), targets, temperature, True),
+                _kernel(_chunk_logit_gradient, cpu)(logits.clone(), targets, lse, upstream, temperature))
+    assert [t.dtype for t in in_place] == [t.dtype for t in plain]
+    for ours, theirs in zip(in_place, plain):
+        assert torch.allclose(ours.double(), theirs.double(), atol=1e-12 if dtype == torch.float64 else 1e-2)
