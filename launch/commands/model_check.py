@@ -10,6 +10,7 @@ server's log.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from asyncrl.config import AsyncRLConfig, ConfigError
@@ -27,14 +28,16 @@ def check_model(config: AsyncRLConfig) -> None:
 
 
 def load_tokenizer(path: str) -> Any:
-    """The tokenizer at `path`; ConfigError naming model.path where none loads."""
+    """The tokenizer at `path` (a local directory, or a model id in the local Hugging Face cache); ConfigError
+    naming model.path where none loads."""
     from transformers import AutoTokenizer  # heavy: after the config is known to be valid
 
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as error:
-        raise ConfigError(f"model.path: no tokenizer loads from {path} (a Hugging Face model directory; "
-                          f"`asyncrl init-model` builds the tiny one): {error}") from error
+        where = f"nothing at {path}" if not Path(path).exists() else f"no tokenizer loads from {path} ({error})"
+        raise ConfigError(f"model.path: {where}: point it at a Hugging Face model directory "
+                          "(`asyncrl init-model` builds the tiny one there)") from error
 
 
 def tokenizer_problems(tokenizer: Any, path: str, stops: bool) -> list[str]:

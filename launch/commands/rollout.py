@@ -30,8 +30,8 @@ def main(args: argparse.Namespace) -> int:
         if run_dir is not None:
             config = adopt_learner_settings(config, run_dir, args.overrides, log)
         check_input_files(config)
-        check_model(config)
         plan = place_local_job(config, log)
+        check_model(config)
         log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
                  endpoints.sync)
         final_step = supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."),

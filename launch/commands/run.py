@@ -27,10 +27,10 @@ _CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "run")
     check_input_files(config)
-    check_model(config)
     from asyncrl.placement import as_overrides, place_local_job  # imports torch: after parsing
 
     plan = place_local_job(config, log, automatic=True)  # refused here, before any role starts
+    check_model(config)  # after the cheap checks: it loads the tokenizer
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ def test_the_tiny_tokenizer_passes_with_and_without_the_hermes_parser(tmp_path):
 
 
 def test_a_path_with_no_tokenizer_is_refused_naming_model_path(tmp_path):
-    with pytest.raises(ConfigError, match=r"model.path: no tokenizer loads from .*missing"):
+    with pytest.raises(ConfigError, match=r"model.path: nothing at .*missing"):
         check(tmp_path / "missing")
 
 
