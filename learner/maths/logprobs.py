@@ -149,7 +149,7 @@ def _chunk_logit_gradient(logits: Tensor, targets: Tensor, lse: Tensor, upstream
 
 def _chunk_scores_in_place(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
     """`_chunk_scores` for eager devices (the CPU): `logits` [n, V], a temporary of the caller's, is overwritten,
-    so that each step is one pass over it and no other [n, V] tensor is made."""
+    so that each step is one pass over it (the entropy's probabilities are the one other [n, V] tensor made)."""
     scaled = _scaled_in_place(logits, temperature)  # [n, V]
     lse = torch.logsumexp(scaled, dim=-1)  # [n]
     chosen = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [n]
