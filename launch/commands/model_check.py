@@ -15,8 +15,6 @@ from typing import Any
 
 from asyncrl.config import AsyncRLConfig, ConfigError
 
-PARSER_KEYS = ("environment.tool_parser", "rollout.chat.tool_parser")  # the settings naming a vLLM tool parser
-
 
 def check_model(config: AsyncRLConfig) -> None:
     """Raise ConfigError naming every piece of the tokenizer at `model.path` that the job needs and lacks."""
@@ -54,13 +52,15 @@ def tokenizer_problems(tokenizer: Any, path: str, stops: bool) -> list[str]:
 
 def parser_problems(tokenizer: Any, config: AsyncRLConfig) -> list[str]:
     """A tool parser whose call tags the chat template never writes: the model is never shown calls it could read."""
-    if not (config.environment.tool_parser or config.rollout.chat.tool_parser):
+    parsers = {"environment.tool_parser": config.environment.tool_parser,
+               "rollout.chat.tool_parser": config.rollout.chat.tool_parser}  # the settings naming a vLLM tool parser
+    if not any(parsers.values()):
         return []
     from rollout_servers.chat.call_grammar import LAYOUTS, TaggedCalls  # imports vLLM: only where a parser is set
 
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template or "")
+    template = str(tokenizer.chat_template or "")
     problems = []
-    for key, parser in zip(PARSER_KEYS, (config.environment.tool_parser, config.rollout.chat.tool_parser)):
+    for key, parser in parsers.items():
         layout = LAYOUTS.get(parser)
         if isinstance(layout, TaggedCalls) and template and layout.begin not in template:
             problems.append(f"{key}={parser} reads calls written as {layout.begin}...{layout.end}, but the chat "
