@@ -2,12 +2,12 @@
 response lengths: each prompt carries its own cap (`extra_info.max_tokens`) and EOS is ignored, so a group's
 samples all run to it; the caps repeat a pattern in which one prompt in six runs far longer than the others (at
 K = 2 hundreds of tokens, so that it spans several weight updates however busy the box is). At K = 2 and K = 8
-every admitted group is trained in full: the mean trained response length equals that of as many generated samples counted in hand-out
-order, dropped groups included (the buffer's counters at the last step, the trained side checked against the
-learner's own steps), and `response_length/trained_vs_generated` is 1 at every step; no group is lost, dropped or
-its work thrown away, every trained group started within K, and long responses are trained staler than K (the
-earlier rule stopped and dropped them there). The last steps' trained mean is not the pattern's: when
-the job stops, the groups still generating are the long ones, and they count on neither side."""
+every admitted group is trained in full: the mean trained response length equals that of as many generated
+samples counted in hand-out order, dropped groups included (the buffer's counters at the last step, the trained
+side checked against the learner's own steps), and `response_length/trained_vs_generated` is 1 at every step; no
+group is lost, dropped or its work thrown away, every trained group started within K, and long responses are
+trained staler than K (the earlier rule stopped and dropped them there). The last steps' trained mean is not the
+pattern's: when the job stops, the groups still generating are the long ones, and they count on neither side."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def job(k: int):
         prompts = long_tailed_prompts(inputs, caps, tmp / "train_longtail.jsonl")
         model = long_context_copy(inputs / "model", tmp / "model")
         done = asyncrl("run", *tiny_job(
-            inputs, STEPS, f"model.path={model}", f"run.root_dir={tmp / 'runs'}", "run.name=lengths", f"buffer.max_staleness={k}",
+            inputs, STEPS, f"model.path={model}", f"run.root_dir={tmp / 'runs'}", "run.name=lengths",
+            f"buffer.max_staleness={k}",
             f"buffer.batch_groups={BATCH_GROUPS}", f"rollout.sampling.n={SAMPLES_PER_GROUP}", "validation.every=0",
             f"data.train_files=[{prompts}]", "data.shuffle=false", "rollout.sampling.ignore_eos=true",
             f"rollout.sampling.max_tokens={max(caps)}", f"rollout.engine.max_model_len={LONG_CONTEXT}",
