@@ -20,11 +20,13 @@
 #   lora       LoRA (model.lora): the LoRA engine tests on CUDA vLLM, then bench_weight_sync.py --colocated with
 #              model.lora.enabled=true on the Qwen2.5-7B shape (rank 16 adapters on every linear layer swapped into
 #              one engine on the trainer's GPU: lora_sync_ms, against gloo); LORA_ARGS adds overrides
-#   budget     the Qwen2.5-7B-shaped model with LoRA (rank 16) as one job on one GPU (BUDGET_GPU, default 0), learner
-#              and server sharing it, within BUDGET_GIB of it (run.gpu_memory_gib, default 80: an 80 GB card's job on
-#              an H200) for BUDGET_STEPS steps (default 20) of `asyncrl run`, kept in runs/budget-lora7b; then the plan
-#              its roles logged, the learner's largest memory/peak_gib (scripts/memory_report.py) and the most memory
-#              nvidia-smi saw used on that GPU; BUDGET_ARGS adds overrides
+#   budget     a model of BUDGET_SHAPE (7b, the default: Qwen2.5-7B's dimensions; 14b: Qwen2.5-14B's) with LoRA (rank
+#              16) as one job on one GPU (BUDGET_GPU, default 0), learner and server sharing it, within BUDGET_GIB of
+#              it (run.gpu_memory_gib, default 80: an 80 GB card's job on an H200; 0: the whole card) for BUDGET_STEPS
+#              steps (default 20) of `asyncrl run`, kept in runs/budget-lora<shape>; then scripts/memory_report.py:
+#              the plan its roles logged, and a RESULT with the learner's largest memory/peak_gib, the most memory
+#              nvidia-smi saw used on that GPU (every 2 s), trained tokens/s and the median adapter sync
+#              (lora_sync_ms); BUDGET_ARGS adds overrides
 #   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
 #              (LEARNER_SHAPE=0.5b by default; 1.5b, 3b, 7b; LEARNER_ARGS adds options)
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
@@ -118,6 +120,10 @@ stage_broadcast() {
 BIG_MODEL=(model.path=.cache/models/qwen7b_shape model.tiny.hidden_size=3584 model.tiny.num_layers=28
     model.tiny.num_heads=28 model.tiny.num_kv_heads=4 model.tiny.intermediate_size=18944 model.tiny.vocab_size=152064
     model.tiny.tie_word_embeddings=false)
+# Qwen2.5-14B's published dimensions (random weights), for the budget stage's BUDGET_SHAPE=14b.
+HUGE_MODEL=(model.path=.cache/models/qwen14b_shape model.tiny.hidden_size=5120 model.tiny.num_layers=48
+    model.tiny.num_heads=40 model.tiny.num_kv_heads=8 model.tiny.intermediate_size=13824 model.tiny.vocab_size=152064
+    model.tiny.tie_word_embeddings=false)
 
 stage_big() {
     local status=0
@@ -154,20 +160,26 @@ stage_lora() {
 }
 
 stage_budget() {
-    local status=0 gpu="${BUDGET_GPU:-0}" sampler
+    local status=0 gpu="${BUDGET_GPU:-0}" shape="${BUDGET_SHAPE:-7b}" sampler run model
+    case "$shape" in
+        7b) model=("${BIG_MODEL[@]}") ;;
+        14b) model=("${HUGE_MODEL[@]}") ;;
+        *) echo "BUDGET_SHAPE=$shape: must be 7b or 14b"; return 1 ;;
+    esac
+    run="budget-lora$shape"
     register_plugin
-    "$PYTHON" -m launch init-model --config "$CONFIG" "${BIG_MODEL[@]}" || return 1
-    rm -rf runs/budget-lora7b  # a fresh run, not a resumed one
+    "$PYTHON" -m launch init-model --config "$CONFIG" "${model[@]}" || return 1
+    rm -rf "runs/$run"  # a fresh run, not a resumed one
     # the whole GPU's use, every process on it, as the driver sees it (every 2 s)
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$gpu" -lms 2000 > "$OUT/budget_gpu_used.csv" &
     sampler=$!
-    CUDA_VISIBLE_DEVICES="$gpu" "$PYTHON" -m launch run --config "$CONFIG" "${BIG_MODEL[@]}" \
+    CUDA_VISIBLE_DEVICES="$gpu" "$PYTHON" -m launch run --config "$CONFIG" "${model[@]}" \
         model.lora.enabled=true run.gpu_memory_gib="${BUDGET_GIB:-80}" learner.total_steps="${BUDGET_STEPS:-20}" \
-        run.name=budget-lora7b metrics.wandb_mode=disabled ${BUDGET_ARGS:-} || status=1
+        run.name="$run" metrics.wandb_mode=disabled ${BUDGET_ARGS:-} || status=1
     kill "$sampler"
-    mkdir -p "$OUT/budget-logs" && cp runs/budget-lora7b/logs/*.log "$OUT/budget-logs/" 2>/dev/null  # the roles' own logs
-    "$PYTHON" scripts/memory_report.py runs/budget-lora7b || status=1
-    echo "GPU $gpu used at most $(sort -n "$OUT/budget_gpu_used.csv" | tail -1) MiB (nvidia-smi, every 2 s)"
+    mkdir -p "$OUT/budget-logs" && cp "runs/$run"/logs/*.log "$OUT/budget-logs/" 2>/dev/null  # the roles' own logs
+    "$PYTHON" scripts/memory_report.py "runs/$run" --gpu-used "$OUT/budget_gpu_used.csv" --shape "$shape" --gpus 1 \
+        || status=1
     return $status
 }
 

@@ -4,7 +4,8 @@ Usage: python scripts/gpu_summary.py OUT_DIR. Stages that did not run (or failed
 that printed several RESULT lines (the 7B stage: its weight sync, then its job) gives the figures of all of them.
 Last line: RESULT {json} with rollout_vs_vllm_ratio, weight_sync_ms, nccl_floor_ms,
 async_vs_sync_speedup and mfu, the scale-out figures gpus, scaling_vs_2gpu, async_vs_sync (per layout),
-ray_vs_plain, weight_sync_7b_ms, broadcast_ms_by_servers and lora_sync_ms (null where the stage is missing), plus
+ray_vs_plain, weight_sync_7b_ms, broadcast_ms_by_servers, lora_sync_ms, and the budget job's budget_lora_sync_ms and
+budget_peak_gpu_memory_gib (null where the stage is missing), plus
 the raw figures behind them.
 """
 
@@ -32,6 +33,8 @@ FIGURES = [
     ("big", "weight_sync_ms", "weight_sync_7b_ms", "< 1000"),
     ("broadcast", "broadcast_ms_by_servers", "broadcast_ms_by_servers", ""),
     ("lora", "lora_sync_ms", "lora_sync_ms", "<= 15"),
+    ("budget", "lora_sync_ms", "budget_lora_sync_ms", "<= 15"),
+    ("budget", "peak_gpu_memory_gib", "budget_peak_gpu_memory_gib", "<= memory_budget_gib"),
 ]
 
 
