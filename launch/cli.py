@@ -9,12 +9,10 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.parent_death import die_with_spawner_from_the_start
 
 die_with_spawner_from_the_start()  # a process spawned below an asyncrl command imports this module first of all
-
-CONFIG_HELP = "YAML config file (hydra structured config); unset keys keep their defaults"
-OVERRIDES_HELP = "config overrides as key=value, e.g. run.seed=1 data.train_files=[a.parquet,b.jsonl]"
 
 
 @dataclass(frozen=True)
@@ -218,8 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
             else:
                 sub.add_argument(argument.name, action="store_true", help=argument.help)
         if command.takes_config:
-            sub.add_argument("--config", "-c", metavar="FILE", help=CONFIG_HELP)
-            sub.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDES_HELP)
+            add_config_arguments(sub)
         else:
             sub.set_defaults(config=None, overrides=[])
         for flag in command.flags:

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import load_config
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import load_prompt_file
 from asyncrl.placement import visible_gpus
 
@@ -110,7 +111,7 @@ def k_list(text: str) -> list[int]:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/gpu_qwen05b.yaml", help="asyncrl config of the job")
+    add_config_arguments(parser, "configs/gpu_qwen05b.yaml", "config overrides for every mode")
     parser.add_argument("--steps", type=int, default=14, help="optimizer steps per mode")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the rate")
     parser.add_argument("--max-staleness", type=k_list, default=[2],
@@ -134,7 +135,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", default="",
                         help="where every mode's run directory goes; runs already there are read back "
                              "(default: a new temporary one)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every mode")
     return parser.parse_args()
 
 

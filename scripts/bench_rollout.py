@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 
 from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
@@ -120,14 +121,13 @@ def phase_result(name: str, batches: list[Batch], start_s: float, warmup_s: floa
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG, help="asyncrl config giving the engine settings")
+    add_config_arguments(parser, DEFAULT_CONFIG, "config overrides, e.g. rollout.max_inflight=32")
     parser.add_argument("--model", default=None, help="model directory (default: the config's model.path, "
                         "built with the tiny-model recipe when missing)")
     parser.add_argument("--num-prompts", type=int, default=32, help="prompts in the timed batch")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per sample (EOS ignored)")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt (a group)")
     parser.add_argument("--repeats", type=int, default=5, help="timed batches per path")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.max_inflight=32")
     return parser.parse_args()
 
 

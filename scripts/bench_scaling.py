@@ -31,6 +31,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from asyncrl.config_arguments import add_config_arguments
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_PREFIX = "RESULT "
 RAY_SUFFIX = "@ray"
@@ -87,11 +89,10 @@ def parse_args() -> argparse.Namespace:
                         help="the layouts to run now (default: all of --layouts); the others are only read back")
     parser.add_argument("--modes", default="sync,async", help="modes to run now ('' = none, only report)")
     parser.add_argument("--out-dir", default="/tmp/asyncrl-scaling", help="one directory per layout under it")
-    parser.add_argument("--config", default="configs/gpu_qwen05b.yaml", help="asyncrl config of the job")
+    add_config_arguments(parser, "configs/gpu_qwen05b.yaml", "config overrides for every run")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the rate")
     parser.add_argument("--max-staleness", type=int, default=2, help="K of the async runs")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
     return parser.parse_args()
 
 

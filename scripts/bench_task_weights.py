@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from asyncrl.config_arguments import add_overrides_argument
 from asyncrl.data import write_rows
 from asyncrl.metrics import read_metrics
 from demo.tasks import arithmetic
@@ -69,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="learner steps per cell")
     parser.add_argument("--warm-start-steps", type=int, default=800, help="supervised steps of the shared model")
     parser.add_argument("--out-dir", default="runs/bench_task_weights")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value) for every cell")
+    add_overrides_argument(parser, "extra config overrides for every cell")
     return parser.parse_args()
 
 

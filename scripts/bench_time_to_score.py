@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import load_config
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.placement import visible_gpus
 from asyncrl.snapshots import (EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, due_versions, made_times,
@@ -101,7 +102,7 @@ class Mode:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/gpu_longtail.yaml", help="asyncrl config of the job")
+    add_config_arguments(parser, "configs/gpu_longtail.yaml", "config overrides for every run")
     parser.add_argument("--steps", type=int, default=0, help="learner steps per run (0: the config's learner.total_steps)")
     parser.add_argument("--max-staleness", type=int, default=2, help="K of the async job")
     parser.add_argument("--seeds", default="0", help="run.seed of each pair of runs, comma-separated")
@@ -126,7 +127,6 @@ def parse_args() -> argparse.Namespace:
                         help="records written by --archive to put into --out-dir before anything runs")
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for every run")
     return parser.parse_args()
 
 

@@ -55,6 +55,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.sections import LoraConfig
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.net import free_port
 from asyncrl.weight_transfer import GroupAddress, TransferGroup, update_info_for, weight_backend, weights_for_transfer
 from asyncrl.weight_transfer.backends import GLOO, IPC, NCCL
@@ -88,7 +89,7 @@ class Placement:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/quickstart.yaml", help="asyncrl config giving the engine settings")
+    add_config_arguments(parser, "configs/quickstart.yaml", "config overrides, e.g. rollout.engine.dtype=bfloat16")
     parser.add_argument("--model", required=True, help="Hugging Face model directory served and sent")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the sent tensors")
     parser.add_argument("--rounds", type=int, default=5, help="timed sync rounds per measurement")
@@ -101,7 +102,6 @@ def parse_args() -> argparse.Namespace:
                              "when they fit in rollout.weight_sync.staging_bytes; cpu, as it does otherwise")
     parser.add_argument("--colocated", action="store_true",
                         help="trainer and engine share GPU 0: measure CUDA IPC against gloo on the same engine")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.engine.dtype=bfloat16")
     args = parser.parse_args()
     if args.colocated and args.servers != [1]:
         parser.error("--colocated measures one engine: leave --servers at 1")

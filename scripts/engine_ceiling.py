@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
 
 PROMPT_SEED = 0  # the order the training prompts are drawn in
@@ -34,11 +35,10 @@ PROMPT_SEED = 0  # the order the training prompts are drawn in
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/gpu_longtail.yaml", help="asyncrl config of the job")
+    add_config_arguments(parser, "configs/gpu_longtail.yaml")
     parser.add_argument("--warmup-s", type=float, default=15.0, help="seconds generated before the window opens")
     parser.add_argument("--seconds", type=float, default=60.0, help="the timed window, in seconds")
     parser.add_argument("--out", default="", help="also write the RESULT JSON to this file")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     return parser.parse_args()
 
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import psutil
 
 from asyncrl.config import load_config
+from asyncrl.config_arguments import add_config_arguments
 from buffer.group_summary import record_id_of
 from asyncrl.metrics import read_metrics
 from buffer.log import SegmentLog
@@ -289,12 +290,11 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30.0, help="how long the job runs under chaos")
     parser.add_argument("--kill-every", type=float, nargs=2, default=(60.0, 180.0), metavar=("MIN_S", "MAX_S"),
                         help="seconds between kills, drawn uniformly")
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    add_config_arguments(parser, DEFAULT_CONFIG, "config overrides for both commands")
     parser.add_argument("--name", default="soak", help="run.name of the job")
     parser.add_argument("--seed", type=int, default=0, help="seed of the chaos (which role, when)")
     parser.add_argument("--min-life-s", type=float, default=120.0, help="shortest process life measured for RSS growth")
     parser.add_argument("--warmup-s", type=float, default=120.0, help="start of each process life left out of RSS growth")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides for both commands")
     args = parser.parse_args()
     job = ["--config", args.config, f"run.name={args.name}", "learner.total_steps=1000000", *args.overrides]
     config = load_config(args.config, job[2:])

@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import read_metrics
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
@@ -79,7 +80,7 @@ class Cell:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    add_config_arguments(parser, DEFAULT_CONFIG, "extra config overrides for every cell")
     parser.add_argument("--ks", default="0,4,8,16,32", help="comma-separated staleness values K (0 = the baseline)")
     parser.add_argument("--losses", default=",".join(LOSSES[:4]), help="comma-separated loss names")
     parser.add_argument("--mini-batches", default="1", help="comma-separated mini-batch counts M per batch")
@@ -95,7 +96,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report-only", action="store_true",
                         help="report the cells finished earlier and run none (the others are named and left out)")
     parser.add_argument("--out-dir", default="runs/staleness_study")
-    parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value) for every cell")
     return parser.parse_args()
 
 

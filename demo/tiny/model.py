@@ -17,7 +17,6 @@ DOCUMENT_END = "<|endoftext|>"
 def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen2ForCausalLM:
     """A freshly initialised Qwen2ForCausalLM of the given shape (deterministic for `seed`)."""
     config = Qwen2Config(
-        vocab_size=max(shape.vocab_size, len(tokenizer)),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers,
@@ -25,11 +24,12 @@ def build_tiny_model(shape: TinyModelConfig, tokenizer: PreTrainedTokenizerBase,
         num_key_value_heads=shape.num_kv_heads,
         max_position_embeddings=shape.max_position,
         tie_word_embeddings=shape.tie_word_embeddings,
-        initializer_range=_INIT_STD,
-        rope_theta=_ROPE_THETA,
+        vocab_size=max(shape.vocab_size, len(tokenizer)),  # every token the tokenizer has gets an embedding row
         bos_token_id=tokenizer.convert_tokens_to_ids(DOCUMENT_END),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        initializer_range=_INIT_STD,
+        rope_theta=_ROPE_THETA,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)

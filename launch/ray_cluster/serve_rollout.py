@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Sequence
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.config_arguments import add_config_arguments
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="launch.ray_cluster.serve_rollout", description=__doc__)
     parser.add_argument("--index", type=int, required=True, help="server index (server 0 also validates)")
-    parser.add_argument("--config", "-c", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    add_config_arguments(parser)
     args = parser.parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)

@@ -102,21 +102,21 @@ def test_a_resent_admission_request_keeps_its_id_and_the_next_gets_a_new_one(rou
 
 @dataclass
 class ScriptedWatch:
-    """A buffer restarted under the channel, in the states the test sets."""
+    """A buffer restarted under the channel, in the states the test sets; its methods in the order the channel calls them."""
 
-    restart_count: int = 0
-    dead: bool = False
     reason: Exception | None = None
-
-    def restarts(self) -> int:
-        return self.restart_count
-
-    def restarting(self) -> bool:
-        return self.dead
+    dead: bool = False
+    restart_count: int = 0
 
     def check(self) -> None:
         if self.reason is not None:
             raise self.reason
+
+    def restarting(self) -> bool:
+        return self.dead
+
+    def restarts(self) -> int:
+        return self.restart_count
 
 
 def test_a_request_waits_out_a_restart_and_is_retried_against_the_restarted_buffer(router, caplog):

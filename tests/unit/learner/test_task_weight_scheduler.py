@@ -116,6 +116,10 @@ def test_the_mixture_draws_with_new_weights_and_keeps_them_in_its_state(tmp_path
         mixture.set_weights([1.0])
 
 
+# Valid task weights, which each case below spoils with its overrides.
+TWO_WEIGHTED_TASKS = ["data.task_weights.enabled=true", "data.train_files=[a.jsonl,b.jsonl]"]
+
+
 @pytest.mark.parametrize(("overrides", "problem"), [
     (["data.task_weights.metric=critic/score/mean"], r"data.task_weights.metric: must contain \{task\}"),
     (["data.task_weights.min_weight=0.6"], r"data.task_weights.min_weight: 2 tasks cannot each keep 0.6"),
@@ -125,7 +129,7 @@ def test_the_mixture_draws_with_new_weights_and_keeps_them_in_its_state(tmp_path
 ])
 def test_bad_settings_are_refused_naming_the_key(overrides, problem):
     with pytest.raises(ConfigError, match=problem):
-        load_config(None, ["data.task_weights.enabled=true", "data.train_files=[a.jsonl,b.jsonl]", *overrides])
+        load_config(None, [*TWO_WEIGHTED_TASKS, *overrides])
 
 
 def test_a_task_just_cut_does_not_take_share_back_without_a_new_best():
