@@ -53,12 +53,14 @@ class TokenStream:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = ""
+    engine_spans: bool = True  # whether vLLM's spans are read (an adapter switch is counted by the engine core instead)
     exact_spans: list[tuple[int, int, int]] | None = None  # (version, start, end), from the engine
     boundaries: list[tuple[int, int]] = field(default_factory=list)  # (tokens sampled before, new version)
 
     def version_changed(self, sampled: int, version: int) -> None:
-        """An update to `version` landed after `sampled` tokens of this request (the engine was paused). A
-        request whose final output already arrived sampled every token with the old weights."""
+        """An update to `version` landed after `sampled` tokens of this request (the engine was paused, or the
+        engine core counted them at an adapter switch). A request whose final output already arrived sampled every
+        token with the old weights."""
         if not self.finish_reason:
             self.boundaries.append((sampled, version))
 
@@ -68,7 +70,7 @@ class TokenStream:
         self.token_ids = list(final.token_ids)
         self.logprobs = vllm_compat.sampled_logprobs(final.logprobs, self.token_ids)
         self.finish_reason = final.finish_reason or ""
-        self.exact_spans = vllm_compat.version_spans(final)
+        self.exact_spans = vllm_compat.version_spans(final) if self.engine_spans else None
 
     def completion(self) -> Completion:
         if len(self.logprobs) != len(self.token_ids):

@@ -25,6 +25,7 @@ from rollout_servers.sample_slots import SampleDone, reporting_done
 from rollout_servers.work_tally import count_tokens
 
 log = logging.getLogger(__name__)
+STAGE_DEADLINE_ROUNDS = 2  # an adapter's staging (receive, build, write) may take this many weight-sync deadlines
 
 
 def _prefix_cache_salt(version: int) -> str:
@@ -139,7 +140,8 @@ class RolloutEngine:
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params(sampling or self._config.sampling, seed, stream=on_tokens is not None,
                                  structured_outputs=structured_outputs)
-        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version)
+        stream = self._streams[request_id] = TokenStream(request_id, list(prompt_ids), self._version,
+                                                         engine_spans=self._adapter is None)
         prompt = {"prompt_token_ids": list(prompt_ids), "cache_salt": _prefix_cache_salt(self._version)}
         try:
             await self._read(stream, prompt, params, on_tokens)  # a caller's cancellation makes vLLM abort it
@@ -193,27 +195,50 @@ class RolloutEngine:
         """Receive the learner's broadcast of `update_info`'s tensors as policy `version`.
 
         Requests in flight are kept (with their KV cache); tokens sampled after this returns carry `version`.
-        Returns the seconds from pause to resume. On failure the engine stays paused (`needs_catch_up`) and
-        `WeightSyncError` is raised: its weights may be mixed, so it must not sample until an update succeeds.
+        Returns the seconds generation stood still: from pause to resume, or for an adapter its switch.
+        On failure `WeightSyncError` is raised. A failed load leaves the engine paused (`needs_catch_up`): its weights
+        may be mixed, so it must not sample until an update succeeds. A failed adapter goes on serving the last one.
         """
         async with self._update_lock:
+            if self._adapter is not None:
+                return await self._switch_adapter(update_info, version)
             started = time.perf_counter()
             await vllm_compat.pause_keeping_requests(self._llm)
             paused_at = time.perf_counter()
             try:
-                await self._receive(update_info, version)
+                await self._load(update_info, version)
             except Exception as error:
                 self._needs_catch_up = True
                 message = f"weight update to version {version} failed; engine stays paused: {error}"
                 raise WeightSyncError(message) from error
             received_s = time.perf_counter() - paused_at
-            self._mark_version_change(version)
+            self._mark_version_change(version, self.inflight_tokens())
             self._version, self._needs_catch_up = version, False
             await self._llm.resume_generation()
             seconds = time.perf_counter() - started
         log.info("weights updated to version %d; paused %.3fs (pausing %.3fs, receiving %.3fs)", version, seconds,
                  paused_at - started, received_s)
         return seconds
+
+    async def _switch_adapter(self, update_info: dict[str, Any], version: int) -> float:
+        """The policy served as an adapter (`rollout_servers.adapter`): staged in the free slot while the engine
+        generates, then served from the engine's next step on, with no pause. Returns the seconds the switch held the
+        engine core."""
+        started = time.perf_counter()
+        try:
+            staged = await self._adapter.stage(self._llm, update_info, STAGE_DEADLINE_ROUNDS * self._config.weight_sync.timeout_s)
+            staged_at = time.perf_counter()
+            flip = await self._adapter.flip(self._llm)
+        except Exception as error:
+            raise WeightSyncError(f"adapter update to version {version} failed; the engine goes on serving version "
+                                  f"{self._version}: {error}") from error
+        await vllm_compat.outputs_counted(self._llm)  # requests finished before the switch: their final outputs read
+        self._mark_version_change(version, vllm_compat.core_counts_by_request(self._llm, flip.sampled, self._streams))
+        self._version = version
+        log.info("adapter updated to version %d; engine held %.4fs (staged in %.3fs beside generation: receiving "
+                 "%.3fs, building and writing %.3fs; switch call %.3fs)", version, flip.seconds, staged_at - started,
+                 staged["adapter_receive"], staged["adapter_load"], time.perf_counter() - staged_at)
+        return flip.seconds
 
     async def weight_checksums(self) -> list[dict[str, str]] | None:
         """Per-worker checksums of the loaded weights (to prove servers hold what the learner sent)."""
@@ -224,16 +249,14 @@ class RolloutEngine:
         context teardown (seen here as a hang at the end of the test session)."""
         self._llm.shutdown()
 
-    def _mark_version_change(self, version: int) -> None:
-        """While paused: tokens sampled so far by each request in flight belong to the old weights."""
-        for request_id, sampled in self.inflight_tokens().items():
-            self._streams[request_id].version_changed(sampled, version)
+    def _mark_version_change(self, version: int, sampled: dict[str, int | None]) -> None:
+        """Tokens each request in flight sampled so far (`sampled`) belong to the old weights; None: a request that
+        finished under them."""
+        for request_id, count in sampled.items():
+            if count is not None:
+                self._streams[request_id].version_changed(count, version)
 
-    async def _receive(self, update_info: dict[str, Any], version: int) -> None:
-        if self._adapter is not None:  # vLLM's own LoRA loading: no weight-update session, no reload of the base
-            await self._adapter.load(self._llm, update_info)
-            await vllm_compat.label_weights(self._llm, version)
-            return
+    async def _load(self, update_info: dict[str, Any], version: int) -> None:
         await vllm_compat.start_update(self._llm, self._load_in_place)
         await self._llm.update_weights(vllm_compat.update_request(update_info))
         await vllm_compat.finish_update(self._llm, version)

@@ -17,7 +17,7 @@ from asyncrl.memory_plan import engine_fraction
 from asyncrl.units import BYTES_PER_GIB
 from asyncrl.weight_transfer import BACKEND_NAME
 from rollout_servers import vllm_compat
-from rollout_servers.adapter import WORKER_EXTENSION, served_rank
+from rollout_servers.adapter import ADAPTER_SLOTS, WORKER_EXTENSION, served_rank
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,13 @@ SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's l
 def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: LoraConfig | None = None,
                 gpu_memory_gib: float = 0.0) -> AsyncEngineArgs:
     """vLLM engine arguments with our weight-transfer backend enabled; with `lora` enabled, serving one adapter
-    (the policy's) of its rank, which the workers receive through `rollout_servers.adapter`. The engine's memory is
-    its share of `gpu_memory_gib` (`run.gpu_memory_gib`, the job's budget per GPU; 0: the whole card)."""
+    (the policy's) of its rank from one of two slots, the other one staging the next round's
+    (`rollout_servers.adapter`). The engine's memory is its share of `gpu_memory_gib` (`run.gpu_memory_gib`, the
+    job's budget per GPU; 0: the whole card)."""
     kv_cache_bytes = int(engine.kv_cache_memory_gib * BYTES_PER_GIB) or None
     serving_adapter = {} if lora is None or not lora.enabled else {
-        "enable_lora": True, "max_lora_rank": served_rank(lora.rank), "max_loras": 1, "max_cpu_loras": 1,
-        "worker_extension_cls": WORKER_EXTENSION,
+        "enable_lora": True, "max_lora_rank": served_rank(lora.rank), "max_loras": ADAPTER_SLOTS,
+        "max_cpu_loras": ADAPTER_SLOTS, "worker_extension_cls": WORKER_EXTENSION,
     }
     return AsyncEngineArgs(
         model=model_path,

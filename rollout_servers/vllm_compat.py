@@ -31,10 +31,14 @@ Differences handled here:
   passes the device, calls the engine's `start/finish_weight_update` hooks and `receive_weights(info)`.
   On 0.24 a round that fails mid-transfer leaves the reload unfinished (its worker resets the update
   state without finalising), so such a server stays paused until it is restarted.
-- Building a LoRA adapter from tensors (`rollout_servers.adapter.swap_adapter`), as the worker's `_load_adapter`
+- Building a LoRA adapter from tensors (`rollout_servers.adapter.build_adapter`), as the worker's `_load_adapter`
   does from a file: 0.32 renames tensor names with only the renames of the model's `hf_to_vllm_mapper`
   (`get_rename_mapper`), checks the loaded adapter (MoE layout, classification heads) and allows GPU syncs
-  around the swap (`gpu_sync_allowed`, for its sync checker); 0.24 uses the whole mapper and has neither.
+  around writing it into a slot (`gpu_sync_allowed`, for its sync checker); 0.24 uses the whole mapper and has
+  neither. 0.24 recomputes a step's adapter indices only for a new mapping of requests to adapters, 0.32 also
+  when the slots moved (`rollout_servers.adapter.flip_slots` clears the last mapping for 0.24).
+- 0.32 gives each request an internal id of its own (`external_req_ids`); the engine core counts by those
+  (`core_counts_by_request`).
 """
 
 from __future__ import annotations
@@ -95,7 +99,9 @@ __all__ = [
     "UsageInfo",
     "LegacyTrainerHooks",
     "adapter_swap_syncs",
+    "add_core_utility",
     "check_loaded_adapter",
+    "core_counts_by_request",
     "WeightLoader",
     "WeightTransferEngine",
     "engine_device",
@@ -106,6 +112,7 @@ __all__ = [
     "layerwise_reload_start",
     "loads_in_place",
     "lora_weights_mapper",
+    "outputs_counted",
     "pause_keeping_requests",
     "sampled_logprobs",
     "start_update",
@@ -233,13 +240,15 @@ async def pause_keeping_requests(engine: AsyncLLM) -> None:
     if "mode" not in inspect.signature(engine.pause_generation).parameters:
         raise RuntimeError("this vLLM has no keep-mode pause_generation; in-flight weight updates need it")
     await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-    await _outputs_counted(engine.engine_core.outputs_queue)
+    await outputs_counted(engine)
 
 
-async def _outputs_counted(outputs_queue: asyncio.Queue) -> None:
+async def outputs_counted(engine: AsyncLLM) -> None:
     """Yield to vLLM's output handler until it has taken every queued output and finished processing the last
     one (it yields once between chunks of `VLLM_V1_OUTPUT_PROC_CHUNK_SIZE` requests, and may send an abort for
-    requests that hit a stop string); bounded, since a paused core sends nothing new."""
+    requests that hit a stop string); bounded. The engine core answers a utility call after the outputs of the steps
+    before it, so once its answer is in, this covers them."""
+    outputs_queue = engine.engine_core.outputs_queue
     for _ in range(DRAIN_MAX_YIELDS):
         if outputs_queue.empty():
             break
@@ -273,6 +282,29 @@ def tokens_sampled(engine: AsyncLLM, request_id: str) -> int | None:
     internal_ids = getattr(processor, "external_req_ids", {}).get(request_id) or [request_id]
     counts = [states[i].detokenizer.num_output_tokens() for i in internal_ids if i in states]
     return sum(counts) if counts else None
+
+
+def core_counts_by_request(engine: AsyncLLM, core_counts: dict[str, int], request_ids: Iterable[str]) -> dict[str, int | None]:
+    """Tokens the engine core counted for each of `request_ids` (its counts are by vLLM's internal request ids, which
+    0.32 derives from ours); 0 for a request the core has not taken in yet, None for one it finished already (vLLM's
+    output processor has forgotten it). Read after `outputs_counted`."""
+    processor = engine.output_processor
+    internal_ids = getattr(processor, "external_req_ids", {})
+    counts: dict[str, int | None] = {}
+    for request_id in request_ids:
+        internal = internal_ids.get(request_id) or [request_id]
+        counted = [core_counts[i] for i in internal if i in core_counts]
+        known = any(i in processor.request_states for i in internal)
+        counts[request_id] = sum(counted) if counted else (0 if known else None)
+    return counts
+
+
+def add_core_utility(name: str, function: Callable[[Any], Any]) -> None:
+    """Make `function(core)` a utility vLLM's engine core runs between two of its steps, called by `name` with
+    `engine.engine_core.call_utility_async(name)` (the core looks its utilities up by name on itself)."""
+    from vllm.v1.engine.core import EngineCore
+
+    setattr(EngineCore, name, function)
 
 
 def version_spans(output: Any) -> list[tuple[int, int, int]] | None:

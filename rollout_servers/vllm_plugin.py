@@ -8,7 +8,8 @@ buffer on the same GPU), and on `update_weights` loads each announced tensor:
   serving parameters where the engine chose to load in place (`vllm_compat.loads_in_place`);
 - in one batched copy into the serving parameters (`weight_load_plan`), where the engine loads in place into one
   unsharded model from a receiving end that holds the whole round already (the shared buffer of the ipc backend).
-A policy served as a LoRA adapter is received by `receive_adapter` instead.
+A policy served as a LoRA adapter is received by `receive_adapter` instead, and switched to in the engine core by the
+utility the plugin adds there (`rollout_servers.adapter.flip_at_step_boundary`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def register() -> None:
     record_engine_errors()  # the engine core's fatal error reaches the server's supervisor, not only its stderr
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    from rollout_servers.adapter import FLIP_UTILITY, flip_at_step_boundary  # vLLM's LoRA modules: once vLLM is up
+
+    vllm_compat.add_core_utility(FLIP_UTILITY, flip_at_step_boundary)  # the adapter switch between two steps
     try:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, AsyncRLWeightTransferEngine.__name__)
     except ValueError:  # registered already: the plugin loader ran twice in this process

