@@ -170,7 +170,10 @@ stage_budget() {
     register_plugin
     "$PYTHON" -m launch init-model --config "$CONFIG" "${model[@]}" || return 1
     rm -rf "runs/$run"  # a fresh run, not a resumed one
-    # the whole GPU's use, every process on it, as the driver sees it (every 2 s)
+    # the whole GPU's use, every process on it, as the driver sees it (every 2 s, the first reading before the job:
+    # what others hold, which the report takes off the job's peak)
+    nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader -i "$gpu" \
+        | sed 's/^/budget: already on the GPU before the job: /'
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i "$gpu" -lms 2000 > "$OUT/budget_gpu_used.csv" &
     sampler=$!
     CUDA_VISIBLE_DEVICES="$gpu" "$PYTHON" -m launch run --config "$CONFIG" "${model[@]}" \

@@ -8,7 +8,9 @@ RESULT {json} with
   `memory/peak_reserved_gib` over the run's steps, docs/metrics.md; null on CPU);
 - memory_budget_gib (the run's `run.gpu_memory_gib`, 0: the whole card);
 - peak_gpu_memory_gib: the most in FILE, memory used on the GPU in MiB one reading a line (nvidia-smi's
-  `--query-gpu=memory.used --format=csv,noheader,nounits`), every process on it; null without FILE;
+  `--query-gpu=memory.used --format=csv,noheader,nounits`, its first reading taken before the job started), every
+  process on it; gpu_memory_before_gib, that first reading (what others held); job_peak_gpu_memory_gib, the most
+  less the first: the job's own; null without FILE;
 - trained_tokens_per_s: `batch/tokens` of every step after the first over the wall-clock time from the first step's
   record to the last's;
 - sync_pause_ms: the median over the run's weight-sync rounds of `weight_sync/server_pause_seconds` (the longest
@@ -40,12 +42,15 @@ def plan_lines(run_dir: Path) -> list[str]:
             for line in path.read_text(errors="replace").splitlines() if any(mark in line for mark in PLAN_MARKS)]
 
 
-def most_used_gib(gpu_used: Path | None) -> float | None:
-    """The largest reading of an nvidia-smi memory.used log (MiB a line), in GiB."""
-    if gpu_used is None:
-        return None
-    readings = [float(line) for line in gpu_used.read_text().split() if line.strip()]
-    return round(max(readings) / MIB_PER_GIB, 2) if readings else None
+def gpu_memory_figures(gpu_used: Path | None) -> dict[str, float | None]:
+    """From an nvidia-smi memory.used log (MiB a line, the first before the job started), in GiB: the most, the first,
+    and the most less the first."""
+    readings = [float(line) for line in gpu_used.read_text().split()] if gpu_used is not None else []
+    if not readings:
+        return {"peak_gpu_memory_gib": None, "gpu_memory_before_gib": None, "job_peak_gpu_memory_gib": None}
+    return {"peak_gpu_memory_gib": round(max(readings) / MIB_PER_GIB, 2),
+            "gpu_memory_before_gib": round(readings[0] / MIB_PER_GIB, 2),
+            "job_peak_gpu_memory_gib": round((max(readings) - readings[0]) / MIB_PER_GIB, 2)}
 
 
 def trained_tokens_per_s(records: list[dict[str, Any]]) -> float | None:
@@ -75,7 +80,7 @@ def memory_figures(run_dir: Path, gpu_used: Path | None = None, shape: str = "",
         "peak_gib": max((record["memory/peak_gib"] for record in peaks), default=None),
         "peak_reserved_gib": max((record["memory/peak_reserved_gib"] for record in peaks), default=None),
         "memory_budget_gib": config["run"]["gpu_memory_gib"],
-        "peak_gpu_memory_gib": most_used_gib(gpu_used),
+        **gpu_memory_figures(gpu_used),
         "trained_tokens_per_s": trained_tokens_per_s(records),
         "sync_pause_ms": pause_ms,
         "lora_rank": lora.get("rank") if lora.get("enabled") else None,
