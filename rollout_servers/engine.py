@@ -66,6 +66,7 @@ class RolloutEngine:
         self._adapter = adapter  # the policy served as a LoRA adapter (model.lora), else None: updates load weights
         self._load_in_place = vllm_compat.loads_in_place(config.weight_sync.load_in_place, llm.model_config)
         self._streams: dict[str, TokenStream] = {}
+        self._on_base: set[str] = set()  # requests sent before the first adapter: the base samples them to their end
         self._tokens_sampled = 0
         self._update_lock = asyncio.Lock()
         self._needs_catch_up = False
@@ -147,12 +148,15 @@ class RolloutEngine:
             await self._read(stream, prompt, params, on_tokens)  # a caller's cancellation makes vLLM abort it
         finally:
             del self._streams[request_id]
+            self._on_base.discard(request_id)
         return stream.completion()
 
     async def _read(self, stream: TokenStream, prompt: dict[str, Any], params: Any,
                     on_tokens: TokensSoFar | None) -> None:
         # closed explicitly so that a failing `on_tokens` (a chat client gone) aborts the request at once
         lora_request = self._adapter.request if self._adapter is not None else None
+        if self._adapter is not None and lora_request is None:
+            self._on_base.add(stream.request_id)
         async with contextlib.aclosing(self._llm.generate(prompt, params, stream.request_id,
                                                           lora_request=lora_request)) as outputs:
             try:
@@ -233,7 +237,10 @@ class RolloutEngine:
             raise WeightSyncError(f"adapter update to version {version} failed; the engine goes on serving version "
                                   f"{self._version}: {error}") from error
         await vllm_compat.outputs_counted(self._llm)  # requests finished before the switch: their final outputs read
-        self._mark_version_change(version, vllm_compat.core_counts_by_request(self._llm, flip.sampled, self._streams))
+        # a request that names no adapter goes on with the base, policy version 0 (PEFT starts B at zero)
+        naming_the_adapter = [request_id for request_id in self._streams if request_id not in self._on_base]
+        self._mark_version_change(version, vllm_compat.core_counts_by_request(self._llm, flip.sampled,
+                                                                               naming_the_adapter))
         self._version = version
         log.info("adapter updated to version %d; engine held %.4fs (staged in %.3fs beside generation: receiving "
                  "%.3fs, building and writing %.3fs; switch call %.3fs)", version, flip.seconds, staged_at - started,

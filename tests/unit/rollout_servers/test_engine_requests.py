@@ -117,3 +117,57 @@ def test_a_cpu_engine_keeps_its_worker_in_the_engine_core_and_this_process_keeps
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with engine_process_env(EngineConfig(tensor_parallel_size=2)):  # a worker per rank: vLLM's own choice
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+class SwitchingLLM:
+    """Stands in for AsyncLLM serving the policy as an adapter: a request streams one token and then waits until the
+    test releases it; the engine core switches adapters after `core_counts` tokens of each request (by vLLM's ids)."""
+
+    model_config = SimpleNamespace(quantization=None)
+
+    def __init__(self, core_counts: dict[str, int]) -> None:
+        self.release = asyncio.Event()
+        self.core_counts = core_counts
+        self.named: dict[str, object] = {}  # each request's LoRA request
+        self.engine_core = SimpleNamespace(outputs_queue=asyncio.Queue(), call_utility_async=self._flip)
+        self.output_processor = SimpleNamespace(request_states={}, external_req_ids={})
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        return [{"adapter_receive": 0.0, "adapter_load": 0.0}] if method.endswith("staged") else [None]
+
+    async def _flip(self, name: str) -> dict:
+        return {"sampled": self.core_counts, "seconds": 0.0005}
+
+    async def generate(self, prompt: dict, params, request_id: str, lora_request=None):
+        self.named[request_id] = lora_request
+        self.output_processor.request_states[request_id] = object()
+        await self.release.wait()
+        tokens = [7] * 6
+        del self.output_processor.request_states[request_id]
+        yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=[{7: SimpleNamespace(logprob=-1.0)}] * 6,
+                                                       finish_reason="length")])
+
+
+def test_an_adapter_switch_versions_each_requests_tokens_by_the_engine_cores_count_and_leaves_the_base_on_version_0():
+    from asyncrl.config.sections import LoraConfig
+    from rollout_servers.adapter import ServedAdapter
+
+    llm = SwitchingLLM(core_counts={"on-adapter": 4, "on-base": 2})  # the core counts the base request too
+    adapter = ServedAdapter(LoraConfig(enabled=True))
+    engine = RolloutEngine(llm, RolloutConfig(), version=1, adapter=adapter)
+
+    async def run() -> tuple:
+        on_base = asyncio.create_task(engine.generate([1], request_id="on-base"))  # before any adapter: the base
+        await wait_until_async(lambda: "on-base" in llm.named, WAIT_S, "the base request")
+        await engine.update_weights({}, 2)  # the first adapter
+        on_adapter = asyncio.create_task(engine.generate([1], request_id="on-adapter"))
+        await wait_until_async(lambda: "on-adapter" in llm.named, WAIT_S, "the adapter's request")
+        held_s = await engine.update_weights({}, 3)
+        llm.release.set()
+        return await on_base, await on_adapter, held_s
+
+    base, adapted, held_s = asyncio.run(run())
+    assert llm.named["on-base"] is None and llm.named["on-adapter"] is adapter.request
+    assert adapted.versions == [2] * 4 + [3] * 2  # the core's count: 4 tokens sampled before the switch
+    assert base.versions == [1] * 6  # the base sampled it to its end, whatever adapters landed meanwhile
+    assert held_s == 0.0005 and engine.current_version == 3
