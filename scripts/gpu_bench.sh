@@ -56,7 +56,8 @@
 #              that a later call on the same host continues it; STUDY_ARGS picks the grid (--ks, --losses, --mini-batches, --seeds, --steps,
 #              --stop-starting-after-s under a per-command limit)
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
-# stage is reported and the next one still runs. GPU 0 serves, GPU 1 trains. The last lines are a table
+# stage is reported and the next one still runs. A SIGTERM or Ctrl-C to this script stops the running stage's whole
+# process group (SIGKILL after STOP_GRACE_S) and ends the script with 143. GPU 0 serves, GPU 1 trains. The last lines are a table
 # of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -244,12 +245,29 @@ stage_ray() {
     return $status
 }
 
+STOP_GRACE_S=60  # how long a stopped stage's processes get to shut down (a job stops its roles) before SIGKILL
+
+stop_stage() {
+    # A time limit's SIGTERM or a Ctrl-C reaches the running stage's whole process group, as a terminal's would: a
+    # job a stage started would otherwise outlive this script and hold the GPU (and the next command's figures).
+    local waited=0
+    kill -TERM -- "-$stage_pid" 2>/dev/null
+    while kill -0 -- "-$stage_pid" 2>/dev/null && [ $waited -lt $STOP_GRACE_S ]; do sleep 1; waited=$((waited + 1)); done
+    kill -KILL -- "-$stage_pid" 2>/dev/null
+    echo "=== $stage stopped by a signal; its processes took ${waited}s to end"
+    exit 143
+}
+
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup tests sync learner rollout e2e)
+set -m  # each stage runs as a job of its own: a process group this script can signal whole
+trap stop_stage TERM INT
 for stage in "${stages[@]}"; do
     started=$(date +%s)
     echo "=== $stage"
-    "stage_$stage" > "$OUT/$stage.log" 2>&1
+    "stage_$stage" > "$OUT/$stage.log" 2>&1 &  # in the background, so that a signal is handled at once
+    stage_pid=$!
+    wait "$stage_pid"
     status=$?
     echo "=== $stage exit $status in $(( $(date +%s) - started ))s"
     grep -E "^RESULT|passed|failed|Error|error:" "$OUT/$stage.log" | tail -4

@@ -1,0 +1,54 @@
+"""scripts/gpu_bench.sh stopped by a signal (a command's time limit, Ctrl-C) stops its running stage's processes too,
+children of children included, instead of leaving them to hold the GPU. The setup stage's first command, nvidia-smi,
+is stood in for by a script that starts a grandchild and runs until it is stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0  # for a shell and two sleeps to start or end on a loaded box
+STAND_IN = """#!/usr/bin/env bash
+sleep 600 &  # the stage's job: its own children hold the GPU too
+echo $! > "$PIDS/grandchild"
+echo $$ > "$PIDS/child"
+wait
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_a_stopped_run_stops_its_stages_processes(tmp_path):
+    bin_dir, pids = tmp_path / "bin", tmp_path / "pids"
+    bin_dir.mkdir(), pids.mkdir()
+    (bin_dir / "nvidia-smi").write_text(STAND_IN)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PIDS": str(pids), "OUT": str(tmp_path / "out")}
+    script = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "setup"], env=env,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: (pids / "grandchild").is_file() and (pids / "child").is_file(), WAIT_S, "the stage's job")
+        job = [int((pids / name).read_text()) for name in ("child", "grandchild")]
+        script.send_signal(signal.SIGTERM)  # to the script alone, as `kill` or a supervisor sends it
+        output, _ = script.communicate(timeout=WAIT_S)
+        wait_until(lambda: not any(alive(pid) for pid in job), WAIT_S, "the stage's processes to end")
+        assert script.returncode == 143
+        assert "=== setup stopped by a signal" in output
+    finally:  # nothing left behind by a failing run either
+        for pid_file in pids.iterdir():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(script.pid, signal.SIGKILL)
