@@ -7,10 +7,11 @@ RESULT {json} with
 - steps (records with a peak), peak_gib and peak_reserved_gib (the largest `memory/peak_gib` and
   `memory/peak_reserved_gib` over the run's steps, docs/metrics.md; null on CPU);
 - memory_budget_gib (the run's `run.gpu_memory_gib`, 0: the whole card);
-- peak_gpu_memory_gib: the most in FILE, memory used on the GPU in MiB one reading a line (nvidia-smi's
-  `--query-gpu=memory.used --format=csv,noheader,nounits`, its first reading taken before the job started), every
-  process on it; gpu_memory_before_gib, that first reading (what others held); job_peak_gpu_memory_gib, the most
-  less the first: the job's own; null without FILE;
+- from FILE, memory used on the GPU in MiB one reading a line (nvidia-smi's `--query-gpu=memory.used
+  --format=csv,noheader,nounits`, every process on it, its first reading taken before the job started):
+  gpu_most_used_gib, the most; gpu_memory_before_gib, the first (what others held); peak_gpu_memory_gib, the most
+  less the first: the job's own peak, every process of it (true where the others' use stayed as it was); null
+  without FILE;
 - trained_tokens_per_s: `batch/tokens` of every step after the first over the wall-clock time from the first step's
   record to the last's;
 - sync_pause_ms: the median over the run's weight-sync rounds of `weight_sync/server_pause_seconds` (the longest
@@ -43,14 +44,14 @@ def plan_lines(run_dir: Path) -> list[str]:
 
 
 def gpu_memory_figures(gpu_used: Path | None) -> dict[str, float | None]:
-    """From an nvidia-smi memory.used log (MiB a line, the first before the job started), in GiB: the most, the first,
-    and the most less the first."""
+    """From an nvidia-smi memory.used log (MiB a line, the first before the job started), in GiB: the job's peak (the
+    most less the first), the first, and the most."""
     readings = [float(line) for line in gpu_used.read_text().split()] if gpu_used is not None else []
     if not readings:
-        return {"peak_gpu_memory_gib": None, "gpu_memory_before_gib": None, "job_peak_gpu_memory_gib": None}
-    return {"peak_gpu_memory_gib": round(max(readings) / MIB_PER_GIB, 2),
+        return {"peak_gpu_memory_gib": None, "gpu_memory_before_gib": None, "gpu_most_used_gib": None}
+    return {"peak_gpu_memory_gib": round((max(readings) - readings[0]) / MIB_PER_GIB, 2),
             "gpu_memory_before_gib": round(readings[0] / MIB_PER_GIB, 2),
-            "job_peak_gpu_memory_gib": round((max(readings) - readings[0]) / MIB_PER_GIB, 2)}
+            "gpu_most_used_gib": round(max(readings) / MIB_PER_GIB, 2)}
 
 
 def trained_tokens_per_s(records: list[dict[str, Any]]) -> float | None:

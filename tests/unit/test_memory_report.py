@@ -33,9 +33,9 @@ def test_the_report_gives_the_plan_and_the_largest_peaks(tmp_path):
     assert lines[:2] == [PLAN, "10:00:09 [learner0] INFO learner.policy.policy_trainer: micro-batches of 39936 tokens, packed"]
     assert json.loads(lines[-1].removeprefix("RESULT ")) == {
         "shape": "7b", "gpus": 1, "steps": 2, "peak_gib": 41.25, "peak_reserved_gib": 43.0, "memory_budget_gib": 80.0,
-        # nvidia-smi's most, every process on the GPU; the first reading, before the job; the job's own
-        "peak_gpu_memory_gib": round(75257 / 1024, 2), "gpu_memory_before_gib": 1.0,
-        "job_peak_gpu_memory_gib": round((75257 - 1024) / 1024, 2),
+        # the job's own: nvidia-smi's most, every process on the GPU, less its first reading, taken before the job
+        "peak_gpu_memory_gib": round((75257 - 1024) / 1024, 2), "gpu_memory_before_gib": 1.0,
+        "gpu_most_used_gib": round(75257 / 1024, 2),
         "trained_tokens_per_s": 400.0,  # 3000 + 5000 tokens after the first step, 20 s from its record to the last's
         "sync_pause_ms": 12.0, "lora_rank": 16, "lora_sync_ms": 12.0}  # the median of 30, 10 and 12 ms
 
@@ -49,6 +49,6 @@ def test_without_lora_or_a_gpu_log_those_figures_are_null(tmp_path):
                           capture_output=True, text=True, check=True)
     figures = json.loads(done.stdout.splitlines()[-1].removeprefix("RESULT "))
     assert figures["sync_pause_ms"] == 200.0
-    assert (figures["lora_sync_ms"], figures["lora_rank"], figures["peak_gpu_memory_gib"], figures["job_peak_gpu_memory_gib"],
+    assert (figures["lora_sync_ms"], figures["lora_rank"], figures["peak_gpu_memory_gib"], figures["gpu_most_used_gib"],
             figures["trained_tokens_per_s"],
             figures["shape"], figures["peak_gib"]) == (None, None, None, None, None, None, None)
