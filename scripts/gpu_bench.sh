@@ -24,9 +24,9 @@
 #              16) as one job on one GPU (BUDGET_GPU, default 0), learner and server sharing it, within BUDGET_GIB of
 #              it (run.gpu_memory_gib, default 80: an 80 GB card's job on an H200; 0: the whole card) for BUDGET_STEPS
 #              steps (default 20) of `asyncrl run`, kept in runs/budget-lora<shape>; then scripts/memory_report.py:
-#              the plan its roles logged, and a RESULT with the learner's largest memory/peak_gib, the most memory
-#              nvidia-smi saw used on that GPU (every 2 s), trained tokens/s and the median adapter sync
-#              (lora_sync_ms); BUDGET_ARGS adds overrides
+#              the plan its roles logged, and a RESULT with the learner's largest memory/peak_gib, the job's own
+#              peak on that GPU (nvidia-smi every 2 s, less what the GPU held before the job), trained tokens/s and
+#              the median adapter sync (lora_sync_ms); BUDGET_ARGS adds overrides
 #   learner    scripts/bench_learner.py: learner tokens/s, MFU and peak memory, packed against padded
 #              (LEARNER_SHAPE=0.5b by default; 1.5b, 3b, 7b; LEARNER_ARGS adds options)
 #   rollout    scripts/bench_rollout.py: rollout server vs raw vLLM offline generation; ROLLOUT_OVERRIDES
