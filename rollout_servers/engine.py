@@ -230,7 +230,8 @@ class RolloutEngine:
         engine core."""
         started = time.perf_counter()
         try:
-            staged = await self._adapter.stage(self._llm, update_info, STAGE_DEADLINE_ROUNDS * self._config.weight_sync.timeout_s)
+            deadline_s = STAGE_DEADLINE_ROUNDS * self._config.weight_sync.timeout_s
+            staged = await self._adapter.stage(self._llm, update_info, deadline_s)
             staged_at = time.perf_counter()
             flip = await self._adapter.flip(self._llm)
         except Exception as error:

@@ -284,7 +284,8 @@ def tokens_sampled(engine: AsyncLLM, request_id: str) -> int | None:
     return sum(counts) if counts else None
 
 
-def core_counts_by_request(engine: AsyncLLM, core_counts: dict[str, int], request_ids: Iterable[str]) -> dict[str, int | None]:
+def core_counts_by_request(engine: AsyncLLM, core_counts: dict[str, int],
+                           request_ids: Iterable[str]) -> dict[str, int | None]:
     """Tokens the engine core counted for each of `request_ids` (its counts are by vLLM's internal request ids, which
     0.32 derives from ours); 0 for a request the core has not taken in yet, None for one it finished already (vLLM's
     output processor has forgotten it). Read after `outputs_counted`."""
