@@ -279,9 +279,14 @@ def tokens_sampled(engine: AsyncLLM, request_id: str) -> int | None:
     sees every step even when the request returns its final output only); None where it cannot tell."""
     processor = getattr(engine, "output_processor", None)
     states = getattr(processor, "request_states", {})
-    internal_ids = getattr(processor, "external_req_ids", {}).get(request_id) or [request_id]
-    counts = [states[i].detokenizer.num_output_tokens() for i in internal_ids if i in states]
+    counts = [states[i].detokenizer.num_output_tokens() for i in _internal_ids(processor, request_id) if i in states]
     return sum(counts) if counts else None
+
+
+def _internal_ids(processor: Any, request_id: str) -> list[str]:
+    """vLLM's ids of our request: 0.32 gives each request an internal id of its own (`external_req_ids`), 0.24 keeps
+    ours."""
+    return getattr(processor, "external_req_ids", {}).get(request_id) or [request_id]
 
 
 def core_counts_by_request(engine: AsyncLLM, core_counts: dict[str, int],
@@ -290,10 +295,9 @@ def core_counts_by_request(engine: AsyncLLM, core_counts: dict[str, int],
     0.32 derives from ours); 0 for a request the core has not taken in yet, None for one it finished already (vLLM's
     output processor has forgotten it). Read after `outputs_counted`."""
     processor = engine.output_processor
-    internal_ids = getattr(processor, "external_req_ids", {})
     counts: dict[str, int | None] = {}
     for request_id in request_ids:
-        internal = internal_ids.get(request_id) or [request_id]
+        internal = _internal_ids(processor, request_id)
         counted = [core_counts[i] for i in internal if i in core_counts]
         known = any(i in processor.request_states for i in internal)
         counts[request_id] = sum(counted) if counted else (0 if known else None)
