@@ -57,8 +57,8 @@
 #              --stop-starting-after-s under a per-command limit)
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. A SIGTERM or Ctrl-C to this script stops the running stage's whole
-# process group (SIGKILL after STOP_GRACE_S) and ends the script with 143. GPU 0 serves, GPU 1 trains. The last lines are a table
-# of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
+# process group (SIGKILL after STOP_GRACE_S) and ends the script with 143. GPU 0 serves, GPU 1 trains. The last
+# lines are a table of every stage's figures found in $OUT and one combined `RESULT {json}` (scripts/gpu_summary.py).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu_out}"

@@ -68,7 +68,7 @@ def median_pause_ms(records: list[dict[str, Any]]) -> float | None:
     return round(statistics.median(pauses) * 1000, 2) if pauses else None
 
 
-def memory_figures(run_dir: Path, gpu_used: Path | None = None, shape: str = "", gpus: int | None = None) -> dict:
+def run_figures(run_dir: Path, gpu_used: Path | None = None, shape: str = "", gpus: int | None = None) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     peaks = [record for record in records if record.get("memory/peak_gib") is not None]
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -103,7 +103,7 @@ def main() -> None:
     args = parse_args()
     for line in plan_lines(args.run_dir):
         print(line)
-    print("RESULT " + json.dumps(memory_figures(args.run_dir, args.gpu_used, args.shape, args.gpus)), flush=True)
+    print("RESULT " + json.dumps(run_figures(args.run_dir, args.gpu_used, args.shape, args.gpus)), flush=True)
 
 
 if __name__ == "__main__":
