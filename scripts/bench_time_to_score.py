@@ -9,7 +9,9 @@ all of them, --sync-ranks to choose) and then the async job (K = --max-staleness
 scores every snapshot of every run on one engine of its own (--eval-engines: that many engines of the same settings
 side by side), with each run's held-out prompts and seeds. So no pass is on either clock, none takes generation's
 engine, and none is skipped (`validations_skipped` counts any missing). The task's files and the model are made
-first (`asyncrl data`, `asyncrl init-model`: cached).
+first (`asyncrl data`, `asyncrl init-model`: cached), and the job's engine is started once, so that vLLM's compile
+cache on the host holds the model's graphs before either mode launches (on a fresh host the first engine to start
+compiles them: 60 s more on an H200).
 
 Per run, from metrics.jsonl and evaluation.jsonl:
   curve            (version, seconds since the job's launch when the learner made that version, held-out score)
@@ -26,7 +28,7 @@ it. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mo
 The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
---modes '' only evaluates what is missing and reports; --prepare-only makes the task's files and the model and stops.
+--modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
 --modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
 ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
 trained tokens/s, the most any one-GPU async job could gain) and `async_share_of_ceiling`.
@@ -114,8 +116,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"what to run now, comma-separated, of {', '.join(RUNNABLE)} ('' = only report)")
     parser.add_argument("--skip-prepare", action="store_true",
-                        help="the task's files and the model exist already: do not run asyncrl data and init-model")
-    parser.add_argument("--prepare-only", action="store_true", help="only make the task's files and the model")
+                        help="the task's files, the model and vLLM's compile cache exist already: prepare nothing")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only make the task's files and the model, and fill vLLM's compile cache")
     parser.add_argument("--sync-ranks", type=int, default=0,
                         help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
     parser.add_argument("--no-evaluate", action="store_true",
@@ -135,9 +138,13 @@ def asyncrl_command(*args: str) -> list[str]:
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """The task's files and the warm-started model every run starts from (init-model is cached by its settings)."""
+    """The task's files and the warm-started model every run starts from (init-model is cached by its settings), then
+    one start of the job's engine, so that vLLM's compile cache on this host holds the model's graphs before either
+    mode launches: the first run on a fresh host paid about 60 s more to start than the second."""
     for command in ("data", "init-model"):
         subprocess.run(asyncrl_command(command, "--config", args.config, *args.overrides), check=True)
+    subprocess.run([sys.executable, str(CEILING_SCRIPT), "--config", args.config, "--start-only", *args.overrides],
+                   check=True, timeout=JOB_TIMEOUT_S)
 
 
 def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path) -> None:

@@ -11,7 +11,10 @@ next. (Single-sample requests, one prompt each, read 17.4k tokens/s on an H200 w
 (finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
 
 A table, then `RESULT {json}` with `ceiling_tokens_per_s`; --out also writes that JSON to a file
-(scripts/bench_time_to_score.py reads it as the one-GPU ceiling). Run with scripts/cpu_env.sh sourced on CPU.
+(scripts/bench_time_to_score.py reads it as the one-GPU ceiling). --start-only starts the engine and stops, measuring
+nothing: vLLM compiles the model's graphs into its cache on the host once, so that a job started later does not pay
+for it (the first engine on an H200 host took 80 s to start, the next 15-20 s). Run with scripts/cpu_env.sh sourced
+on CPU.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=15.0, help="seconds generated before the window opens")
     parser.add_argument("--seconds", type=float, default=60.0, help="the timed window, in seconds")
     parser.add_argument("--out", default="", help="also write the RESULT JSON to this file")
+    parser.add_argument("--start-only", action="store_true",
+                        help="start the job's engine and stop (fills vLLM's compile cache on this host), no measure")
     return parser.parse_args()
 
 
@@ -112,9 +117,23 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{title:40}{result[key]!s:>14}")
 
 
+async def start_only(config: AsyncRLConfig) -> float:
+    """Start the job's engine on its starting model and shut it down; the seconds its start took."""
+    from rollout_servers.engine import RolloutEngine
+
+    started = time.perf_counter()
+    engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
+    engine.shutdown()
+    return time.perf_counter() - started
+
+
 def main() -> None:
     args = parse_args()
     config = load_config(args.config, args.overrides)
+    if args.start_only:
+        print(f"the job's engine started in {asyncio.run(start_only(config)):.1f}s: vLLM's compile cache holds it now",
+              flush=True)
+        return
     result = asyncio.run(measure(config, training_prompts(config), args.warmup_s, args.seconds))
     print_table(result)
     if args.out:

@@ -20,6 +20,7 @@ from typing import Any, Callable, NoReturn
 
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.logs import setup_logging
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.snapshots import EVALUATION_FILE, made_times, read_evaluation, snapshot_path
 
 log = logging.getLogger("evaluate")
@@ -87,18 +88,19 @@ def score_on_engines(shares: list[list[Run]]) -> int:
     """Score each share on an engine of its own, in a process of its own, side by side on the GPUs this process
     sees, each engine taking its part of `rollout.engine.gpu_memory_utilization`; 1 if any failed.
 
-    The engines start one after the other, each once the one before has started (or died): vLLM sizes its KV cache
-    from the memory it sees used while it starts, which another engine starting beside it would distort."""
+    Every process starts at once and imports while it waits for its turn; the engines start one after the other,
+    each once the one before has started (or died), and none closes before the last has started. vLLM sizes its
+    KV cache from the GPU memory it sees while it starts: another engine starting beside it would distort that,
+    and one closing beside it (memory freed) stops it with "Error in memory profiling"."""
     context = multiprocessing.get_context("spawn")  # vLLM starts processes of its own: a forked child would break them
-    workers = []
-    for number, share in enumerate(shares):
-        started = context.Event()
-        worker = context.Process(target=score_share, name=f"evaluate-engine-{number}",
-                                 args=([(run.directory, run.pending) for run in share], len(shares), started))
+    orders = [StartOrder(context.Event(), context.Event()) for _ in shares]
+    all_started = context.Event()
+    workers = [context.Process(target=score_share, name=f"evaluate-engine-{number}",
+                               args=([(run.directory, run.pending) for run in share], len(shares), order, all_started))
+               for number, (share, order) in enumerate(zip(shares, orders))]
+    for worker in workers:
         worker.start()
-        while worker.is_alive() and not started.wait(ENGINE_START_POLL_S):
-            pass
-        workers.append(worker)
+    start_in_turn([(worker.is_alive, order) for worker, order in zip(workers, orders)], all_started)
     for worker in workers:
         worker.join()
     failed = [worker.name for worker in workers if worker.exitcode != 0]
@@ -107,12 +109,35 @@ def score_on_engines(shares: list[list[Run]]) -> int:
     return 1 if failed else 0
 
 
-def score_share(share: list[tuple[Path, list[int]]], engines: int, started: Any) -> None:
-    """One engine's share (each run directory with the versions it scores), in a process of its own; `started` (a
-    multiprocessing Event) is set once its engine has started."""
+@dataclasses.dataclass(frozen=True)
+class StartOrder:
+    """One engine's place in the order the engines start in (multiprocessing Events, shared with its process)."""
+
+    turn: Any  # set by the parent: this engine may start now
+    started: Any  # set by the engine's process once its engine has started
+
+
+def start_in_turn(engines: list[tuple[Callable[[], bool], StartOrder]], all_started: Any) -> None:
+    """Let each engine (a liveness check and its order) start once the one before it has started or died, then tell
+    them all (`all_started`) that they may close."""
+    for alive, order in engines:
+        order.turn.set()
+        while alive() and not order.started.wait(ENGINE_START_POLL_S):
+            pass
+    all_started.set()
+
+
+def score_share(share: list[tuple[Path, list[int]]], engines: int, order: StartOrder, all_started: Any) -> None:
+    """One engine's share (each run directory with the versions it scores), in a process of its own: read the runs
+    and import the engine's modules, start the engine in its turn, score, and close it once every engine has
+    started (`score_on_engines` says why)."""
+    die_with_spawning_parent()  # the turn and the close wait on the parent: never outlive it
     runs = [dataclasses.replace(read_run(directory), pending=versions) for directory, versions in share]
     setup_logging("evaluate", runs[0].config.run.log_level)
-    score_all(runs, engines, on_started=started.set)
+    import rollout_servers.reference_sampler  # noqa: F401 (seconds of imports, before this engine's turn)
+
+    order.turn.wait()
+    score_all(runs, engines, on_started=order.started.set, before_close=all_started.wait)
 
 
 def read_run(directory: Path) -> Run:
@@ -149,9 +174,10 @@ def _section(config: AsyncRLConfig, key: str) -> Any:
     return value
 
 
-def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] | None = None) -> None:
+def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] | None = None,
+              before_close: Callable[[], Any] | None = None) -> None:
     """Start the engine (with its part of the GPU's memory when `engines` share it) once, tell `on_started`, then
-    load and score each pending snapshot of each run."""
+    load and score each pending snapshot of each run; call `before_close` (done or not) before closing the engine."""
     import torch  # after parsing: `asyncrl --help` stays instant
 
     from asyncrl.weight_transfer.backends import group_backend
@@ -181,6 +207,8 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
                 log.info("%s version %d: val/score/mean %.3f (%d of %d)", run.directory.name, version,
                          metrics["val/score/mean"], loads, total)
     finally:
+        if before_close is not None:
+            before_close()
         sampler.close()
 
 

@@ -1,15 +1,18 @@
-"""`asyncrl evaluate` before it starts an engine: which snapshots of a run are left to score, how they are dealt out to
-several engines, each engine's part of the GPU memory, and the runs it refuses to score together, each refusal naming
-what is wrong."""
+"""`asyncrl evaluate` around its engines: which snapshots of a run are left to score, how they are dealt out to
+several engines, each engine's part of the GPU memory, the runs it refuses to score together (each refusal naming
+what is wrong), and the order several engines start and close in (vLLM's start breaks when another engine frees
+memory meanwhile), with stand-ins for the engine."""
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
-from launch.commands.evaluate import deal, engine_count, engine_mismatch, memory_part, read_run
+from launch.commands.evaluate import (StartOrder, deal, engine_count, engine_mismatch, memory_part, read_run, score_all,
+                                      start_in_turn)
 
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
              "learner.mode=synchronous"]
@@ -67,3 +70,56 @@ def test_engines_sharing_a_gpu_split_its_memory_share_and_a_bad_count_is_refused
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit, match="--engines"):
             engine_count(bad)
+
+
+def test_each_engine_starts_once_the_one_before_has_started_or_died_and_all_are_told_when_the_last_has():
+    events: list[str] = []
+    orders = [StartOrder(threading.Event(), threading.Event()) for _ in range(3)]
+    all_started = threading.Event()
+
+    def engine(number: int) -> None:
+        orders[number].turn.wait()
+        events.append(f"turn {number}")
+        if number != 1:  # engine 1 dies while it starts: it never says it started
+            events.append(f"started {number}")
+            orders[number].started.set()
+
+    threads = [threading.Thread(target=engine, args=(number,)) for number in range(3)]
+    for thread in threads:
+        thread.start()
+    start_in_turn([(thread.is_alive, order) for thread, order in zip(threads, orders)], all_started)
+    assert all_started.is_set()
+    assert events == ["turn 0", "started 0", "turn 1", "turn 2", "started 2"]
+
+
+def test_an_engine_closes_only_once_every_engine_has_started_after_its_share_or_an_error(tmp_path, monkeypatch):
+    from rollout_servers import reference_sampler, validation
+
+    events: list[str] = []
+
+    class StandInSampler:
+        tokenizer = None
+
+        @classmethod
+        def start(cls, config, gpus, backend):
+            events.append("started")
+            return cls()
+
+        def close(self):
+            events.append("closed")
+
+    def prompts_missing(config, tokenizer):
+        raise FileNotFoundError("v.parquet")
+
+    monkeypatch.setattr(reference_sampler, "ReferenceSampler", StandInSampler)
+    monkeypatch.setattr(validation, "load_validation_prompts", prompts_missing)
+    runs = [read_run(run_dir(tmp_path, "sync", made=[0, 2]))]
+    all_started = threading.Event()
+    scoring = threading.Thread(target=lambda: pytest.raises(FileNotFoundError, score_all, runs, 2,
+                                                            lambda: events.append("told"), all_started.wait))
+    scoring.start()
+    scoring.join(timeout=2)
+    assert scoring.is_alive() and events == ["started", "told"]  # failed, and holds its engine (and its memory)
+    all_started.set()
+    scoring.join(timeout=10)
+    assert not scoring.is_alive() and events == ["started", "told", "closed"]
