@@ -24,8 +24,10 @@ Per run, from metrics.jsonl and evaluation.jsonl:
 Per mode, the seeds' mean curve (score and made-at time averaged per version). The target is --target-fraction of
 the way from the start score (version 0's, the same model in both modes) to the lower of the two modes' best mean
 score (or --target); a mode's time to score is the mean made-at time of the first version whose mean score reaches
-it. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against wall-clock time.
-The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
+it. Its start-up is the mean made-at time of version 0 (launch to the first version, before any step); the time to
+score after start-up (`time_to_score_after_start_up_speedup`) leaves it out, to tell the jobs' steady pace apart
+from their start. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against
+wall-clock time. The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
 --modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
@@ -302,13 +304,15 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     """The per-mode part of RESULT: the seeds' means (and the final score's spread), the mean curve's time to the
     target, each seed's curve."""
     version, seconds = time_to_target(curve, target)
+    start_up = curve[0][1] if curve and curve[0][0] == 0 else None  # the launch to version 0: the job's start-up
     finals = [run["curve"][-1][2] for run in runs if run["curve"]]
 
     def mean(key: str, digits: int = 1) -> float | None:
         values = [run[key] for run in runs if run[key] is not None]
         return _round(statistics.fmean(values), digits) if values else None
 
-    return {"time_to_target_s": _round(seconds), "version_at_target": version,
+    return {"time_to_target_s": _round(seconds), "version_at_target": version, "start_up_s": _round(start_up),
+            "time_to_target_after_start_up_s": _round(seconds - start_up) if None not in (seconds, start_up) else None,
             "seed_times_to_target_s": [_round(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"), "trained_length_mean": mean("trained_length_mean"),
             "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),
@@ -330,6 +334,8 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
     print(f"target held-out score: {'none (a mode did not improve)' if target is None else f'{target:.3f}'}")
     print(f"{'':34}" + "".join(f"{label:>14}" for label in labels) + ("    async/sync" if len(labels) == 2 else ""))
     rows = [("time to target (s)", "time_to_target_s", True), ("version at target", "version_at_target", False),
+            ("start-up: launch to version 0 (s)", "start_up_s", False),
+            ("time to target after start-up (s)", "time_to_target_after_start_up_s", True),
             ("trained tokens/s", "trained_tokens_per_s", True), ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
             ("learner share of a step", "learner_share", False), ("start score", "start_score", False),
@@ -339,7 +345,7 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
         values = [figures[label][key] for label in labels]
         line = f"{title:34}" + "".join(f"{_cell(value):>14}" for value in values)
         if compared and len(labels) == 2:
-            speedup = ratio(values[0], values[1]) if key == "time_to_target_s" else ratio(values[1], values[0])
+            speedup = ratio(values[0], values[1]) if key.startswith("time_to") else ratio(values[1], values[0])
             line += f"{_cell(speedup, 'x'):>14}"
         print(line)
     version, pairs = buckets
@@ -460,6 +466,8 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     print_ceiling(ceiling)
     result = {
         "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
+        "time_to_score_after_start_up_speedup": ratio(sync_figures["time_to_target_after_start_up_s"],
+                                                      async_figures["time_to_target_after_start_up_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         **ceiling,
         "validations_skipped": skipped_total, "learner_share_of_sync_step": sync_figures["learner_share"],

@@ -75,8 +75,10 @@ def test_the_target_is_a_fraction_of_the_way_to_the_lower_best_and_each_mode_rea
     assert time_to_target(sync["curve"], target) == (4, 82.0)
     assert time_to_target(async_["curve"], target) == (4, 74.5)
     assert time_to_target(sync["curve"], 0.81) == (None, None)
+    assert mode_figures([sync], sync["curve"], 0.81)["time_to_target_after_start_up_s"] is None  # never reached
     figures = mode_figures([async_], async_["curve"], target)
     assert (figures["time_to_target_s"], figures["version_at_target"], figures["best_score"]) == (74.5, 4, 0.85)
+    assert (figures["start_up_s"], figures["time_to_target_after_start_up_s"]) == (50.0, 24.5)  # version 0 at 50 s
     assert figures["seed_times_to_target_s"] == [74.5] and figures["final_score"] == 0.85
     assert figures["final_score_sd"] is None  # one seed: no spread
     assert figures["curves"] == [[[0, 50.0, 0.4], [2, 64.0, 0.7], [4, 74.5, 0.85]]]
