@@ -40,7 +40,8 @@
 #   race       scripts/bench_time_to_score.py on configs/gpu_longtail.yaml: the synchronous run, the async job (each
 #              validated after the run) and the engine's ceiling (RACE_MODES=sync, async or ceiling runs a part per
 #              call, all kept in /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
-#              "--prepare-only" to only make the data and the model; each call scores its runs' snapshots, which
+#              "--prepare-only" to only make the data and the model and fill vLLM's compile cache (so that
+#              neither mode's launch pays for compiling); each call scores its runs' snapshots, which
 #              live in /tmp and go with the host); the plot and the runs' records (race-records.tar.gz, for
 #              --restore) go to $OUT
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
