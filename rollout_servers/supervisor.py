@@ -31,12 +31,12 @@ from asyncrl.placement import ServerPlace, pin
 from asyncrl.restarts import GiveUp, QuickDeaths
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 from rollout_servers.learner_wait import Endpoints, LearnerFinished, LearnerMoved
+from rollout_servers.server_starts import NOT_FINISHED, ServerStarts
 from rollout_servers.server_logs import expect_errors, read_error, record_server_error, server_error_file, server_log
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # supervisor's check interval for dead servers and the stop signal
-NOT_FINISHED = -1  # the job-end value while the learner has not announced its final step
 STATE_DIR = "rollout"  # under the run dir: each server's prompt-stream position (`PromptStream`)
 
 
@@ -87,15 +87,16 @@ def find_endpoints(config: AsyncRLConfig, run_dir: Path, timeout_s: float) -> En
 
 
 def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path,
-              places: Sequence[ServerPlace] | None = None) -> int | None:
+              places: Sequence[ServerPlace] | None = None, starts: ServerStarts | None = None) -> int | None:
     """Run `rollout.num_servers` servers until SIGINT/SIGTERM (None) or the end of the learner's job (its final
     step); restart the ones that die (`SupervisorGaveUp` when one cannot start or keeps dying). Endpoints are
     looked up at every (re)start, so servers follow a learner that restarted on new addresses.
     `places[i]`: where server i runs: its GPUs, weight backend and memory share (None: as the config says, on
-    every GPU it sees)."""
-    context = multiprocessing.get_context("spawn")
+    every GPU it sees). `starts`: the processes started before the learner was up, for the first starts (None:
+    every server in a fresh process)."""
+    starts = starts or ServerStarts.cold()
     stop = StopSignal()
-    job_end = context.Value("q", NOT_FINISHED)  # a server writes the final step the learner announced
+    job_end = starts.job_end  # a server writes the final step the learner announced
     slots = [ServerSlot(QuickDeaths.of(config.rollout, config.rollout.max_restarts)) for _ in range(config.rollout.num_servers)]
     try:
         while not stop.requested and job_end.value == NOT_FINISHED:
@@ -111,14 +112,13 @@ def supervise(config: AsyncRLConfig, run_dir: Path, endpoints_dir: Path,
                 if time.monotonic() >= slot.next_start:
                     endpoints = find_endpoints(config, endpoints_dir, config.rollout.connect_timeout_s)
                     place = places[index] if places is not None else None
-                    slot.process = context.Process(target=serve_one, args=(config, index, endpoints, str(run_dir), place,
-                                                                           job_end), daemon=False)
-                    slot.process.start()
+                    slot.process = starts.start(index, config, endpoints, run_dir, place)
                     slot.started_at = time.monotonic()
             time.sleep(_POLL_S)
     except LearnerFinished as finished:  # found in the endpoints file while a server was to (re)start
         return finished.version
     finally:
+        starts.close()
         _stop_all([slot.process for slot in slots if slot.process is not None], config.rollout.stop_timeout_s)
     return None if job_end.value == NOT_FINISHED else job_end.value
 

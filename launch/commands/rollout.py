@@ -23,8 +23,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from asyncrl.placement import place_local_job, server_places  # imports torch: after parsing
     from rollout_servers.learner_wait import LearnerFinished
+    from rollout_servers.server_starts import ServerStarts
     from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
 
+    servers_dir = run_dir or Path(config.run.root_dir) / "rollout"
+    starts = ServerStarts.warm_up(config, servers_dir)  # the servers' processes import while the learner starts
     try:
         endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)  # the learner is up
         if run_dir is not None:
@@ -34,13 +37,15 @@ def main(args: argparse.Namespace) -> int:
         check_model(config)
         log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
                  endpoints.sync)
-        final_step = supervise(config, run_dir or Path(config.run.root_dir) / "rollout", run_dir or Path("."),
-                               server_places(config, plan) if plan is not None else None)
+        final_step = supervise(config, servers_dir, run_dir or Path("."),
+                               server_places(config, plan) if plan is not None else None, starts)
     except LearnerFinished as finished:
         final_step = finished.version
     except SupervisorGaveUp as error:
         log.error("%s", error)
         return error.exit_code
+    finally:
+        starts.close()
     if final_step is None:
         log.info("stopped by a signal: the rollout servers are stopped")
         return INTERRUPTED
