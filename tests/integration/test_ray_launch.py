@@ -51,6 +51,10 @@ CLIENT_TIMEOUT_S = 300  # the learner and the server wait this long for the rest
 STOP_GRACE_S = 10  # ray.stop_timeout_s: SIGTERM to SIGKILL of a role's processes
 DRIVER_POLL_S = 0.2  # ray.poll_s: the driver sees a death, and a restarted role's readiness, this much sooner
 RESTART_BACKOFF_S = 0.1  # rollout.restart_backoff_s: a restarted buffer waits for its predecessor's lock anyway
+# rollout.weight_sync.timeout_s: killed after it took a round's weights and before it answered, the server leaves the
+# learner waiting this long for its answer (120 s by default); a round of this model, a restarted server's join of a
+# new group included, takes under 5 s on the loaded box.
+SYNC_ROUND_TIMEOUT_S = 30
 NODE_STOP_GRACE_S = 3  # SIGTERM to SIGKILL of a Ray node's processes when the test's cluster stops
 BUFFER_EXIT_TIMEOUT_S = 3 * STOP_GRACE_S  # the reaper stops a killed actor's role within its grace period
 POLL_S = 0.1  # the kill must land before the buffer's backlog carries the run further
@@ -125,7 +129,7 @@ def overrides(tmp: Path, model_dir: Path) -> list[str]:
         f"buffer.client_timeout_s={CLIENT_TIMEOUT_S}",
         "rollout.num_servers=1", "rollout.max_inflight=8", f"rollout.sampling.n={SAMPLES}", "rollout.sampling.max_tokens=6",
         "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", "rollout.engine.cpu_threads=1",
-        f"rollout.restart_backoff_s={RESTART_BACKOFF_S}",
+        f"rollout.restart_backoff_s={RESTART_BACKOFF_S}", f"rollout.weight_sync.timeout_s={SYNC_ROUND_TIMEOUT_S}",
         f"ray.namespace={NAMESPACE}", f"ray.stop_timeout_s={STOP_GRACE_S}", f"ray.poll_s={DRIVER_POLL_S}",
         f"ray.buffer.resources={{{HEAD_RESOURCE}: 1}}", f"ray.learner.resources={{{HEAD_RESOURCE}: 1}}",
         f"ray.rollout.resources={{{WORKER_RESOURCE}: 1}}",
