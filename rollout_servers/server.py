@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _SERVER_SEED_STRIDE = 1_000_003  # servers draw prompts from distinct streams of the same mixture
 VALIDATING_SERVER = 0  # index of the one server that runs validation passes
+LEAVING_ANSWER_TIMEOUT_S = 5.0  # one send to the learner's coordinator: ample, unless the learner is gone
 
 
 class RolloutServer:
@@ -86,6 +87,7 @@ class RolloutServer:
         self._buffer = BufferCalls(LearnerWait(endpoints.buffer, endpoints.sync, endpoints.learner_dir))
         self.finished_version: int | None = None  # the learner's final version, once it said the job is finished
         self._buffer_quiet = asyncio.Event()  # set once stopped with no request to the buffer left running
+        self._leaving = False  # the learner said the job is finished: the server answers that it leaves, then stops
 
     async def serve(self) -> None:
         engine: RolloutEngine | None = None
@@ -115,7 +117,8 @@ class RolloutServer:
                           backend=rollout.weight_sync.backend)
         telemetry = TelemetrySender(self.endpoints.sync, rollout.weight_sync.heartbeat_s, lambda: self._reports(engine),
                                     curve_dir=buffer.curve_dir)
-        background = [asyncio.create_task(sync.run()), asyncio.create_task(telemetry.run())]
+        answering = asyncio.create_task(sync.run())  # its last act, once `leave` returns: telling the learner so
+        background = [answering, asyncio.create_task(telemetry.run())]
         admission = AdmissionClient(self.endpoints.buffer, self.server_id, curve_dir=buffer.curve_dir,
                                     timeout_s=buffer.client_timeout_s, resend_s=buffer.client_resend_s)
         producer = TrajectoryProducer(self.endpoints.buffer, curve_dir=buffer.curve_dir, ack_timeout_s=buffer.client_resend_s,
@@ -134,6 +137,7 @@ class RolloutServer:
         finally:
             if chat is not None:
                 await chat.stop()
+            await self._let_the_leaving_answer_go(answering)
             for task in background:
                 await cancel(task)
             await telemetry.send_last()
@@ -213,8 +217,16 @@ class RolloutServer:
     async def leave(self, version: int) -> None:
         """`finish`, and return once nothing is being sent to the buffer any more (the learner closes it when
         every server has left)."""
+        self._leaving = True
         self.finish(version)
         await self._buffer_quiet.wait()
+
+    async def _let_the_leaving_answer_go(self, answering: asyncio.Task) -> None:
+        """A server that `leave`s answers the learner from `answering` (the sync client's task) once `leave` returns,
+        which is when this teardown has begun: cancelled now, the task would never answer, and the learner would wait
+        rollout.weight_sync.liveness_s for it. Bounded: a learner gone meanwhile would never take the answer."""
+        if self._leaving:
+            await asyncio.wait([answering], timeout=LEAVING_ANSWER_TIMEOUT_S)
 
     async def _generate_forever(self, engine: RolloutEngine, agent: AgentLoop, admission: AdmissionClient,
                                 producer: TrajectoryProducer, scorer: RewardScorer) -> None:

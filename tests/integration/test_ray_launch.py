@@ -49,6 +49,12 @@ KILL_BUFFER_AFTER_STEP = 5
 KEPT_CHECKPOINTS = ["step_00000008", "step_00000010"]  # learner.keep_checkpoints=2
 CLIENT_TIMEOUT_S = 300  # the learner and the server wait this long for the restarted buffer (a loaded box is slow)
 STOP_GRACE_S = 10  # ray.stop_timeout_s: SIGTERM to SIGKILL of a role's processes
+DRIVER_POLL_S = 0.2  # ray.poll_s: the driver sees a death, and a restarted role's readiness, this much sooner
+RESTART_BACKOFF_S = 0.1  # rollout.restart_backoff_s: a restarted buffer waits for its predecessor's lock anyway
+# rollout.weight_sync.timeout_s: killed after it took a round's weights and before it answered, the server leaves the
+# learner waiting this long for its answer (120 s by default); a round of this model, a restarted server's join of a
+# new group included, takes under 5 s on the loaded box.
+SYNC_ROUND_TIMEOUT_S = 30
 NODE_STOP_GRACE_S = 3  # SIGTERM to SIGKILL of a Ray node's processes when the test's cluster stops
 BUFFER_EXIT_TIMEOUT_S = 3 * STOP_GRACE_S  # the reaper stops a killed actor's role within its grace period
 POLL_S = 0.1  # the kill must land before the buffer's backlog carries the run further
@@ -75,14 +81,16 @@ def ray_start(*args: str, env: dict[str, str]) -> tuple[int, str]:
     return process.pid, output
 
 
-def stop_group(group: int) -> None:
-    """SIGTERM, then SIGKILL to what is left of the group after NODE_STOP_GRACE_S."""
+def stop_groups(groups: list[int]) -> None:
+    """SIGTERM, then SIGKILL to what is left of the groups after NODE_STOP_GRACE_S: all of them at once, so that the
+    nodes' grace periods overlap instead of adding up."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            return
-        if holds_within(lambda: not group_alive(group), NODE_STOP_GRACE_S, POLL_S):
+        for group in groups:
+            try:
+                os.killpg(group, sig)
+            except ProcessLookupError:
+                pass
+        if holds_within(lambda: not any(map(group_alive, groups)), NODE_STOP_GRACE_S, POLL_S):
             return
 
 
@@ -105,11 +113,12 @@ def ray_cluster() -> Iterator[RayCluster]:
         groups.append(group)
         yield RayCluster(address, groups)
     finally:
-        for group in groups:
-            stop_group(group)
+        stop_groups(groups)
 
 
 def overrides(tmp: Path, model_dir: Path) -> list[str]:
+    """The job's settings; the engine runs one OpenMP thread (as every tiny job does): a pool of both cores mostly
+    waits for its descheduled threads on the busy 2-core box, the restarted engine's start included."""
     data = tmp / "data"
     return [
         f"run.root_dir={tmp / 'runs'}", f"run.name={RUN_NAME}", "metrics.wandb_mode=disabled", f"model.path={model_dir}",
@@ -119,8 +128,9 @@ def overrides(tmp: Path, model_dir: Path) -> list[str]:
         f"buffer.batch_groups={BATCH_GROUPS}", f"buffer.max_staleness={MAX_STALENESS}", "buffer.admission_timeout_s=15",
         f"buffer.client_timeout_s={CLIENT_TIMEOUT_S}",
         "rollout.num_servers=1", "rollout.max_inflight=8", f"rollout.sampling.n={SAMPLES}", "rollout.sampling.max_tokens=6",
-        "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", "rollout.restart_backoff_s=1",
-        f"ray.namespace={NAMESPACE}", f"ray.stop_timeout_s={STOP_GRACE_S}",
+        "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", "rollout.engine.cpu_threads=1",
+        f"rollout.restart_backoff_s={RESTART_BACKOFF_S}", f"rollout.weight_sync.timeout_s={SYNC_ROUND_TIMEOUT_S}",
+        f"ray.namespace={NAMESPACE}", f"ray.stop_timeout_s={STOP_GRACE_S}", f"ray.poll_s={DRIVER_POLL_S}",
         f"ray.buffer.resources={{{HEAD_RESOURCE}: 1}}", f"ray.learner.resources={{{HEAD_RESOURCE}: 1}}",
         f"ray.rollout.resources={{{WORKER_RESOURCE}: 1}}",
     ]
