@@ -248,12 +248,18 @@ stage_ray() {
 
 STOP_GRACE_S=60  # how long a stopped stage's processes get to shut down (a job stops its roles) before SIGKILL
 
+stage_running() {
+    # A process of the stage's group that has not ended: the stage's own shell stays a zombie until this script reaps
+    # it, which it may not do while it runs this trap, and `kill -0` counts zombies.
+    ps -e -o pgid=,stat= | awk -v group="$stage_pid" '$1 == group && $2 !~ /^Z/ {found = 1} END {exit !found}'
+}
+
 stop_stage() {
     # A time limit's SIGTERM or a Ctrl-C reaches the running stage's whole process group, as a terminal's would: a
     # job a stage started would otherwise outlive this script and hold the GPU (and the next command's figures).
     local waited=0
     kill -TERM -- "-$stage_pid" 2>/dev/null
-    while kill -0 -- "-$stage_pid" 2>/dev/null && [ $waited -lt $STOP_GRACE_S ]; do sleep 1; waited=$((waited + 1)); done
+    while stage_running && [ $waited -lt $STOP_GRACE_S ]; do sleep 1; waited=$((waited + 1)); done
     kill -KILL -- "-$stage_pid" 2>/dev/null
     echo "=== $stage stopped by a signal; its processes took ${waited}s to end"
     exit 143

@@ -11,6 +11,8 @@ import asyncio
 import dataclasses
 import os
 import socket
+import subprocess
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +37,23 @@ for _key, _value in {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }.items():
     os.environ.setdefault(_key, _value)
+
+# What every real job's processes start with. The jobs run in threads beside the other tests, and a test may set
+# variables of this process for its own run (a learner rank's WORLD_SIZE, a thread count): a job launched meanwhile
+# would inherit them (a synchronous run refuses WORLD_SIZE as a launcher's). So a process started from a real job's
+# thread with no environment of its own gets this one (`_JobPopen`).
+_JOB_ENVIRONMENT = dict(os.environ)
+_in_real_job = threading.local()
+
+
+class _JobPopen(subprocess.Popen):
+    def __init__(self, *args: Any, env: Any = None, **kwargs: Any) -> None:
+        if env is None and getattr(_in_real_job, "active", False):
+            env = _JOB_ENVIRONMENT
+        super().__init__(*args, env=env, **kwargs)
+
+
+subprocess.Popen = _JobPopen  # subprocess.run and check_output start their processes through it
 
 SERVED_SEED, UPDATE_SEED = 1, 2  # the engine starts on the first model; updates send the second
 SYNC_TIMEOUT_S = 30.0  # deadline of the test's weight-sync group
@@ -157,6 +176,7 @@ _JOB_SECONDS: dict[str, float] = {}  # each finished real job's wall time, for t
 def _timed(job: RealJob, inputs: Future, own_dir: Path) -> Any:
     ready = inputs.result()  # not timed: the shared inputs are built once, before any job
     started = time.monotonic()
+    _in_real_job.active = True  # this pool thread runs only real jobs
     try:
         return job(ready, own_dir)
     finally:

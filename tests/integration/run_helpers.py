@@ -29,7 +29,7 @@ def tiny_job(tmp: Path, total_steps: int, *extra: str) -> list[str]:
 def asyncrl(*args: str) -> subprocess.CompletedProcess:
     """Run one asyncrl command to completion."""
     return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, env=os.environ.copy())
+                          timeout=RUN_TIMEOUT_S)
 
 
 def prepare(tmp: Path, overrides: list[str]) -> None:

