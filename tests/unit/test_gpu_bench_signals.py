@@ -22,6 +22,13 @@ wait
 """
 
 
+def default_stops() -> None:
+    """The stop signals' default actions in the script, as a shell that starts it gives them: a signal ignored when
+    bash starts cannot be trapped, and in the suite some earlier test may leave this process ignoring SIGTERM."""
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, signal.SIG_DFL)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -37,7 +44,7 @@ def test_a_stopped_run_stops_its_stages_processes(tmp_path):
     (bin_dir / "nvidia-smi").chmod(0o755)
     env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PIDS": str(pids), "OUT": str(tmp_path / "out")}
     script = subprocess.Popen(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "setup"], env=env,
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+                              stdout=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=default_stops)
     try:
         wait_until(lambda: (pids / "grandchild").is_file() and (pids / "child").is_file(), WAIT_S, "the stage's job")
         job = [int((pids / name).read_text()) for name in ("child", "grandchild")]
