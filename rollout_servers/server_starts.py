@@ -44,10 +44,10 @@ class ServerStarts:
     the server's place says, else a fresh one. Also holds `job_end`, which every server process shares: the final
     step the learner announced (NOT_FINISHED until then)."""
 
-    def __init__(self, context: Any, warm: dict[int, WarmProcess] | None = None) -> None:
+    def __init__(self, context: Any) -> None:
         self.context = context
         self.job_end: Synchronized = context.Value("q", NOT_FINISHED)
-        self.warm = warm if warm is not None else {}
+        self.warm: dict[int, WarmProcess] = {}  # by server index: the processes started before the learner was up
 
     @classmethod
     def cold(cls) -> ServerStarts:

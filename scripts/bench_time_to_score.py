@@ -139,14 +139,18 @@ def asyncrl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch", *args]
 
 
+def ceiling_command(args: argparse.Namespace, *options: str) -> list[str]:
+    """scripts/engine_ceiling.py on the race's config and overrides, with `options`."""
+    return [sys.executable, str(CEILING_SCRIPT), "--config", args.config, *options, *args.overrides]
+
+
 def prepare(args: argparse.Namespace) -> None:
     """The task's files and the warm-started model every run starts from (init-model is cached by its settings), then
     one start of the job's engine, so that vLLM's compile cache on this host holds the model's graphs before either
     mode launches: the first run on a fresh host paid about 60 s more to start than the second."""
     for command in ("data", "init-model"):
         subprocess.run(asyncrl_command(command, "--config", args.config, *args.overrides), check=True)
-    subprocess.run([sys.executable, str(CEILING_SCRIPT), "--config", args.config, "--start-only", *args.overrides],
-                   check=True, timeout=JOB_TIMEOUT_S)
+    subprocess.run(ceiling_command(args, "--start-only"), check=True, timeout=JOB_TIMEOUT_S)
 
 
 def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path) -> None:
@@ -177,8 +181,7 @@ def sync_baseline(gpus: int, sync_run: Path) -> str:
 def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
     """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json. Its table
     is shown; its RESULT line is not, so that this benchmark's own stays the only one."""
-    done = subprocess.run([sys.executable, str(CEILING_SCRIPT), "--config", args.config, "--seconds",
-                           str(args.ceiling_seconds), "--out", str(root / CEILING_FILE), *args.overrides],
+    done = subprocess.run(ceiling_command(args, "--seconds", str(args.ceiling_seconds), "--out", str(root / CEILING_FILE)),
                           stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT_S)
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
     if done.returncode != 0:

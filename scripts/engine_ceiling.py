@@ -59,11 +59,7 @@ def training_prompts(config: AsyncRLConfig) -> list[list[int]]:
 
 async def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, Any]:
     """Start the job's engine on its starting model, then keep it full (`keep_full`)."""
-    from rollout_servers.engine import RolloutEngine
-
-    started = time.perf_counter()
-    engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
-    start_s = time.perf_counter() - started
+    engine, start_s = await start_engine(config)
     try:
         result = await keep_full(engine, prompts, config.rollout.sampling, config.rollout.max_inflight, warmup_s, seconds)
     finally:
@@ -117,14 +113,20 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{title:40}{result[key]!s:>14}")
 
 
-async def start_only(config: AsyncRLConfig) -> float:
-    """Start the job's engine on its starting model and shut it down; the seconds its start took."""
+async def start_engine(config: AsyncRLConfig) -> tuple[Any, float]:
+    """The job's engine started on its starting model (a `RolloutEngine`), and the seconds its start took."""
     from rollout_servers.engine import RolloutEngine
 
     started = time.perf_counter()
     engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
+    return engine, time.perf_counter() - started
+
+
+async def start_only(config: AsyncRLConfig) -> float:
+    """Start the job's engine and shut it down; the seconds its start took."""
+    engine, start_s = await start_engine(config)
     engine.shutdown()
-    return time.perf_counter() - started
+    return start_s
 
 
 def main() -> None:

@@ -38,8 +38,7 @@ def _start_run(inputs: Path, tmp: Path, name: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "launch.cli", "run",
                *tiny_job(inputs, 50, f"run.root_dir={tmp / 'runs'}", f"run.name={name}")]
     with _console(tmp, name).open("w") as console:
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=console, text=True, start_new_session=True,
-                                env=os.environ.copy())
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=console, text=True, start_new_session=True)
 
 
 def _console(tmp: Path, name: str) -> Path:
@@ -142,7 +141,7 @@ def malformed_data_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedPro
     malformed.write_text('{"question": "2+2"}\n')
     command = [sys.executable, "-m", "launch.cli", "run", *tiny_job(
         inputs, 50, f"run.root_dir={tmp / 'runs'}", "run.name=cannot-start", f"data.train_files=[{malformed}]")]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S, env=os.environ.copy())
+    run = subprocess.run(command, capture_output=True, text=True, timeout=WAIT_BOUND_S)
     return run, malformed, tmp / "runs" / "cannot-start"
 
 
@@ -156,7 +155,7 @@ def engine_refused_job(inputs: Path, tmp: Path) -> tuple[subprocess.CompletedPro
     command = [sys.executable, "-m", "launch.cli", "run", *tiny_job(
         inputs, 50, f"run.root_dir={tmp / 'runs'}", "run.name=cannot-run", *model)]
     started = time.monotonic()
-    run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=os.environ.copy())
+    run = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     return run, tmp / "runs" / "cannot-run", time.monotonic() - started
 
 
