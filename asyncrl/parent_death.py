@@ -22,6 +22,8 @@ import sys
 SPAWNED_FLAG = "--multiprocessing-fork"  # the last word of the command line of every process multiprocessing spawns
 PARENT_PID_ENV = "ASYNCRL_DIE_WITH_PARENT"  # set by a launcher for the `asyncrl` command it starts: the launcher's pid
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_forking_pid = 0  # in a forked child: the pid of the process that forked it (`forked_children_die_with_parent`)
+_forks_covered = False
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -70,3 +72,23 @@ def die_with_launcher() -> None:
     parent_pid = os.environ.pop(PARENT_PID_ENV, None)
     if parent_pid is not None:
         die_with_parent(int(parent_pid))
+
+
+def forked_children_die_with_parent() -> None:
+    """Every process forked from this one from now on (and from those, in turn) dies with the process that forked
+    it. A process that multiprocessing forks runs no code of ours before its target, unlike a spawned one
+    (`die_with_spawner_from_the_start`), and vLLM's engine core loads our plugin only in a process that has not
+    loaded it yet: a forked core has, from its parent. Idempotent."""
+    global _forks_covered
+    if not _forks_covered:
+        os.register_at_fork(before=_remember_forking_process, after_in_child=_die_with_forking_process)
+        _forks_covered = True
+
+
+def _remember_forking_process() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _die_with_forking_process() -> None:
+    die_with_parent(_forking_pid)  # the child's copy of `_forking_pid`: its own parent, even two forks down

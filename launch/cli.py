@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from asyncrl.config_arguments import add_config_arguments
+from asyncrl.heap import exit_without_teardown
 from asyncrl.parent_death import die_with_spawner_from_the_start
 
 die_with_spawner_from_the_start()  # a process spawned below an asyncrl command imports this module first of all
+exit_without_teardown()  # before the roles import their libraries, whose exit handlers must run before it
 
 
 @dataclass(frozen=True)

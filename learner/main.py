@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.heap import freeze_startup_heap
+from asyncrl.heap import ended_normally, freeze_startup_heap
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.stop_signal import interrupt_once
@@ -79,3 +79,4 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     except Exception as error:  # its reason and traceback into the rank's log (the console gets one line)
         log.exception("learner rank %d failed: %s: %s", rank, type(error).__name__, error)
         raise
+    ended_normally()

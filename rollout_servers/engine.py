@@ -16,10 +16,11 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from asyncrl.config.rollout import RolloutConfig, SamplingConfig
 from asyncrl.config.sections import LoraConfig
+from asyncrl.parent_death import forked_children_die_with_parent
 from rollout_servers import vllm_compat
 from rollout_servers.adapter import ServedAdapter
 from rollout_servers.completion import Completion, TokenStream, TokensSoFar
-from rollout_servers.engine_args import engine_args, engine_process_env, sampling_params
+from rollout_servers.engine_args import engine_args, engine_process_env, forks_engine_core, sampling_params
 from rollout_servers.row_sampling import sample_seeds
 from rollout_servers.sample_slots import SampleDone, reporting_done
 from rollout_servers.work_tally import count_tokens
@@ -73,15 +74,21 @@ class RolloutEngine:
 
     @classmethod
     async def start(cls, model_path: str, config: RolloutConfig, version: int = 0,
-                    lora: LoraConfig | None = None, gpu_memory_gib: float = 0.0) -> RolloutEngine:
+                    lora: LoraConfig | None = None, gpu_memory_gib: float = 0.0,
+                    process_is_fresh: bool = False) -> RolloutEngine:
         """Start vLLM on `model_path`, whose weights are policy `version`; with `lora` enabled, the policy is served as
         an adapter on that base, which each update replaces; its memory is its share of `gpu_memory_gib` per GPU (the
-        job's budget, `run.gpu_memory_gib`; 0: the whole card). Call from the serving event loop."""
+        job's budget, `run.gpu_memory_gib`; 0: the whole card). `process_is_fresh`: this process has run no torch
+        computation, so on CPU the engine core may be forked from it (`forks_engine_core`). Call from the serving
+        event loop."""
         started = time.perf_counter()
         adapter = ServedAdapter(lora) if lora is not None and lora.enabled else None
+        fork_core = forks_engine_core(config.engine, process_is_fresh)
+        if fork_core:
+            forked_children_die_with_parent()  # what our vLLM plugin does in a spawned core
         with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
-            llm = AsyncLLM.from_engine_args(engine_args(model_path, config.engine, config.max_inflight, lora,
-                                                        gpu_memory_gib))
+            llm = vllm_compat.start_llm(engine_args(model_path, config.engine, config.max_inflight, lora,
+                                                    gpu_memory_gib), fork_core)
         await vllm_compat.label_weights(llm, version)
         log.info("vLLM engine on %s started in %.1fs (version %d%s)", model_path, time.perf_counter() - started, version,
                  ", serving the policy as a LoRA adapter" if adapter else "")

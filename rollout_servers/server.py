@@ -98,7 +98,7 @@ class RolloutServer:
             with stop_signals_held():
                 engine = await RolloutEngine.start(self.config.model.path, self.config.rollout, version=0,
                                                    lora=self.config.model.lora,
-                                                   gpu_memory_gib=self.config.run.gpu_memory_gib)
+                                                   gpu_memory_gib=self.config.run.gpu_memory_gib, process_is_fresh=True)
             await self._serve_with(engine)
         finally:
             if engine is not None:

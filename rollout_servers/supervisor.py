@@ -23,6 +23,7 @@ from typing import Sequence
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.endpoints import ENDPOINTS_FILE, FINISHED_KEY, read_endpoints
+from asyncrl.heap import ended_normally
 from asyncrl.exit_codes import CANNOT_START, LEARNER_MOVED
 from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_once
 from asyncrl.logs import setup_logging
@@ -181,6 +182,7 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
         ignore_stop_signals()  # whatever ended it, its exit path (multiprocessing's, vLLM's atexit) runs to its end
     if server.finished_version is not None and job_end is not None:
         job_end.value = server.finished_version
+    ended_normally()
 
 
 def _stop_all(processes: list[multiprocessing.Process], timeout_s: float) -> None:

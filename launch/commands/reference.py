@@ -14,13 +14,13 @@ import dataclasses
 import logging
 import multiprocessing.util
 import os
-import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
 
 from launch.commands.common import make_run_dir
 from asyncrl.config import AsyncRLConfig
 from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.heap import leave_now
 from asyncrl.logs import setup_logging
 from asyncrl.metrics import METRICS_FILE, MetricsLogger
 from asyncrl.parent_death import die_with_spawning_parent
@@ -36,14 +36,7 @@ def main(config: AsyncRLConfig, log: logging.Logger) -> NoReturn:
     """Run the reference to the end, then leave at once: vLLM's engine client, finalised by the interpreter's
     teardown, raises there (its module globals are gone), and finalised earlier it can block in ZeroMQ's
     context teardown; the engine, the metrics and the process group are closed before."""
-    _leave(_run(config, log))
-
-
-def _leave(code: int) -> NoReturn:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
+    leave_now(_run(config, log))
 
 
 def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
@@ -96,7 +89,7 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     # finalizers, which release the semaphores it made (tqdm's lock); left to the spawner's resource tracker, they
     # were reported as leaked on the console at every clean end.
     multiprocessing.util._exit_function()
-    _leave(0 if code == INTERRUPTED else code)
+    leave_now(0 if code == INTERRUPTED else code)
 
 
 def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apart: bool, role: str) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 from launch.commands.common import check_input_files, start
 from launch.commands.model_check import check_model
 from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.heap import ended_normally
 from launch.job_settings import adopt_learner_settings
 
 
@@ -50,4 +51,5 @@ def main(args: argparse.Namespace) -> int:
         log.info("stopped by a signal: the rollout servers are stopped")
         return INTERRUPTED
     log.info("the learner finished the job at step %d: the rollout servers are stopped", final_step)
+    ended_normally()
     return 0

@@ -15,6 +15,7 @@ from launch.commands.common import check_input_files, start
 from launch.commands.model_check import check_model
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.heap import ended_normally
 from asyncrl.parent_death import launched_environment
 from asyncrl.stop_signal import StopSignal
 
@@ -68,6 +69,8 @@ def main(args: argparse.Namespace) -> int:
             if process is not None:
                 _stop(process, own_stop_s=config.rollout.stop_timeout_s if finished else 0.0)
     print(f"RUN_DIR {run_dir}", flush=True)
+    if code == 0:
+        ended_normally()
     return code
 
 

@@ -1,6 +1,7 @@
 """freeze_startup_heap: what is alive at the end of startup leaves the collector's passes, garbage does not
 survive into the frozen set, what the role allocates later is still collected, and at exit the frozen objects
-are collected too. keep_freed_memory: freed blocks are reused rather than returned to the kernel and faulted
+are collected too. exit_without_teardown: a process whose role ended normally skips the interpreter's teardown
+but none of its later exit handlers, and keeps its exit status otherwise. keep_freed_memory: freed blocks are reused rather than returned to the kernel and faulted
 in again."""
 
 import gc
@@ -80,6 +81,39 @@ del first, second  # a frozen cycle turned garbage: only a collection that sees 
 def test_a_frozen_cycle_is_freed_by_the_last_collection_at_exit():
     done = subprocess.run([sys.executable, "-c", EXIT_PROBE], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["freed", "freed"]
+
+
+QUICK_EXIT_PROBE = """
+import atexit, sys
+from asyncrl.heap import ended_normally, exit_without_teardown
+exit_without_teardown()
+class Kept:
+    def __del__(self):
+        print("torn down", flush=True)  # the interpreter's teardown frees the module's objects
+kept = Kept()
+atexit.register(print, "handler ran", flush=True)  # a library's handler, registered after the arming
+print("buffered")  # no flush: still in the stdout buffer when the process ends
+if sys.argv[1] == "normal":
+    ended_normally()
+else:
+    sys.exit(3)
+"""
+
+
+def quick_exit(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", QUICK_EXIT_PROBE, mode], capture_output=True, text=True, timeout=60)
+
+
+def test_a_normal_end_runs_the_later_exit_handlers_then_skips_the_teardown():
+    done = quick_exit("normal")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n") == ["buffered", "handler ran", ""]  # flushed; nothing freed one by one
+
+
+def test_any_other_end_keeps_its_status_and_the_teardown():
+    done = quick_exit("failed")
+    assert done.returncode == 3
+    assert done.stdout.split("\n") == ["buffered", "handler ran", "torn down", ""]
 
 
 FAULT_PROBE = """

