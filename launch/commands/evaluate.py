@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.heap import ended_normally, leave_now
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.snapshots import EVALUATION_FILE, made_times, read_evaluation, snapshot_path
@@ -40,11 +41,7 @@ class Run:
 
 def main(args: argparse.Namespace) -> NoReturn:
     """Score, then leave at once, as the synchronous reference does (launch/commands/reference.py says why)."""
-    code = evaluate(args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    logging.shutdown()
-    os._exit(code)
+    leave_now(evaluate(args))
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -138,6 +135,7 @@ def score_share(share: list[tuple[Path, list[int]]], engines: int, order: StartO
 
     order.turn.wait()
     score_all(runs, engines, on_started=order.started.set, before_close=all_started.wait)
+    ended_normally()  # vLLM's client, finalised by the interpreter's teardown, raises there (`main`)
 
 
 def read_run(directory: Path) -> Run:

@@ -4,13 +4,21 @@ settings taken from the learner's config, until the learner finishes the job or 
 from __future__ import annotations
 
 import argparse
+import copy
+import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from asyncrl.config import AsyncRLConfig, ConfigError
 from launch.commands.common import check_input_files, start
 from launch.commands.model_check import check_model
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import ended_normally
 from launch.job_settings import adopt_learner_settings
+
+if TYPE_CHECKING:
+    from asyncrl.placement import Plan
 
 
 def main(args: argparse.Namespace) -> int:
@@ -22,7 +30,7 @@ def main(args: argparse.Namespace) -> int:
     if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
         log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
         return 2
-    from asyncrl.placement import place_local_job, server_places  # imports torch: after parsing
+    from asyncrl.placement import server_places  # imports torch: after parsing
     from rollout_servers.learner_wait import LearnerFinished
     from rollout_servers.server_starts import ServerStarts
     from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
@@ -30,12 +38,10 @@ def main(args: argparse.Namespace) -> int:
     servers_dir = run_dir or Path(config.run.root_dir) / "rollout"
     starts = ServerStarts.warm_up(config, servers_dir)  # the servers' processes import while the learner starts
     try:
+        early = _checked_early(config, log)  # while the learner starts too
         endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)  # the learner is up
-        if run_dir is not None:
-            config = adopt_learner_settings(config, run_dir, args.overrides, log)
-        check_input_files(config)
-        plan = place_local_job(config, log)
-        check_model(config)
+        adopted = adopt_learner_settings(config, run_dir, args.overrides, log) if run_dir is not None else config
+        config, plan = _settled(config, adopted, early, log)
         log.info("starting %d servers for buffer %s, weight sync %s", config.rollout.num_servers, endpoints.buffer,
                  endpoints.sync)
         final_step = supervise(config, servers_dir, run_dir or Path("."),
@@ -53,3 +59,42 @@ def main(args: argparse.Namespace) -> int:
     log.info("the learner finished the job at step %d: the rollout servers are stopped", final_step)
     ended_normally()
     return 0
+
+
+@dataclass
+class EarlyCheck:
+    config: AsyncRLConfig | None  # this command's own settings as checked (weight backend resolved); None: failed
+    plan: Plan | None  # their GPU plan
+
+
+def _checked(config: AsyncRLConfig, log: logging.Logger) -> Plan | None:
+    """The job's input files, GPU plan (`config`'s weight backend set to what it allows) and model, checked before any
+    server starts; ConfigError naming what is wrong."""
+    from asyncrl.placement import place_local_job  # imports torch: after parsing
+
+    check_input_files(config)
+    plan = place_local_job(config, log)
+    check_model(config)
+    return plan
+
+
+def _settled(own: AsyncRLConfig, adopted: AsyncRLConfig, early: EarlyCheck,
+             log: logging.Logger) -> tuple[AsyncRLConfig, Plan | None]:
+    """The job's checked config and plan: the early check's where the learner's shared settings are this command's
+    `own`, else `adopted` checked now (its ConfigError is the command's)."""
+    if early.config is not None and adopted == own:
+        return early.config, early.plan
+    return adopted, _checked(adopted, log)
+
+
+def _checked_early(config: AsyncRLConfig, log: logging.Logger) -> EarlyCheck:
+    """`_checked` on a copy of this command's own settings, before the learner is up: a job whose learner has the same
+    shared settings (`asyncrl run`) is then checked by the time the learner's addresses come (4 s of a 2-core box's
+    start). Settings that fail here may be the learner's to give (an `asyncrl rollout` given only `run.name`): they
+    are checked again once adopted, and only that check's error counts."""
+    own = copy.deepcopy(config)
+    try:
+        return EarlyCheck(own, _checked(own, log))
+    except ConfigError as error:
+        log.debug("own settings not checked before the learner's: %s", error)
+        return EarlyCheck(None, None)
