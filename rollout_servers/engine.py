@@ -85,7 +85,8 @@ class RolloutEngine:
         adapter = ServedAdapter(lora) if lora is not None and lora.enabled else None
         fork_core = forks_engine_core(config.engine, process_is_fresh)
         if fork_core:
-            forked_children_die_with_parent()  # what our vLLM plugin does in a spawned core
+            forked_children_die_with_parent()  # from the fork on; our plugin asks again once the core loads it
+            vllm_compat.load_plugins_again_when_forked()  # as a spawned core does: after the core's logging setup
         with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
             llm = vllm_compat.start_llm(engine_args(model_path, config.engine, config.max_inflight, lora,
                                                     gpu_memory_gib), fork_core)

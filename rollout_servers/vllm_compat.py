@@ -79,6 +79,7 @@ ToolCall = _chat_protocol.ToolCall
 # nothing new, so a handler that stopped cannot hold the pause longer than the first bound).
 DRAIN_MAX_YIELDS = 10_000
 DRAIN_TAIL_YIELDS = 16
+_plugins_reloaded_in_forks = False  # `load_plugins_again_when_forked` has registered its hook
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM starts its engine core and worker processes
 
 @dataclass
@@ -324,6 +325,23 @@ def version_spans(output: Any) -> list[tuple[int, int, int]] | None:
     if not spans:
         return None
     return [(int(span.version), span.start, span.end) for span in spans]
+
+
+def load_plugins_again_when_forked() -> None:
+    """vLLM runs its general plugins once per process (`vllm.plugins.plugins_loaded`). A spawned engine core runs
+    them after its own logging setup, which clears its loggers' handlers; a forked one inherits the flag and would
+    not run them at all (our plugin's fatal-error record would be missing). Every child this process forks from now
+    on forgets the flag, so that its core runs them as a spawned one does. Once per process."""
+    global _plugins_reloaded_in_forks
+    if not _plugins_reloaded_in_forks:
+        os.register_at_fork(after_in_child=_forget_loaded_plugins)
+        _plugins_reloaded_in_forks = True
+
+
+def _forget_loaded_plugins() -> None:
+    import vllm.plugins
+
+    vllm.plugins.plugins_loaded = False
 
 
 def start_llm(args: Any, fork_core: bool) -> AsyncLLM:

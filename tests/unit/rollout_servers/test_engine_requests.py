@@ -148,6 +148,30 @@ def test_the_engine_core_starts_by_fork_only_when_asked_and_the_method_is_restor
     assert os.environ.get(vllm_compat.START_METHOD_ENV) == ("spawn" if fork_core else None)  # as the config left it
 
 
+def _plugins_loaded(answer) -> None:
+    import vllm.plugins
+
+    answer.put(vllm.plugins.plugins_loaded)
+
+
+def test_a_forked_child_loads_vllms_plugins_again_as_a_spawned_engine_core_does() -> None:
+    import multiprocessing
+
+    import vllm.plugins
+
+    vllm.plugins.load_general_plugins()  # this process's: our plugin registered (a forked core inherits the flag)
+    vllm_compat.load_plugins_again_when_forked()
+    context = multiprocessing.get_context("fork")
+    answer = context.Queue()
+    child = context.Process(target=_plugins_loaded, args=(answer,))
+    child.start()
+    try:
+        assert answer.get(timeout=60) is False  # its engine core runs them after its own logging setup
+    finally:
+        child.join(60)
+    assert vllm.plugins.plugins_loaded is True  # this process keeps its own
+
+
 class SwitchingLLM:
     """Stands in for AsyncLLM serving the policy as an adapter: a request streams one token and then waits until the
     test releases it; the engine core switches adapters after `core_counts` tokens of each request (by vLLM's ids)."""
