@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+import torch
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -87,6 +88,8 @@ class RolloutEngine:
         if fork_core:
             forked_children_die_with_parent()  # from the fork on; our plugin asks again once the core loads it
             vllm_compat.load_plugins_again_when_forked()  # as a spawned core does: after the core's logging setup
+            if config.engine.cpu_threads:  # a spawned core reads OMP_NUM_THREADS as it starts; a forked one keeps ours
+                torch.set_num_threads(config.engine.cpu_threads)
         with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
             llm = vllm_compat.start_llm(engine_args(model_path, config.engine, config.max_inflight, lora,
                                                     gpu_memory_gib), fork_core)
