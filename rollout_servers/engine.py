@@ -58,6 +58,14 @@ class WeightSyncError(RuntimeError):
     """Joining the weight-sync group or applying an update failed (the message says which and why)."""
 
 
+
+def _prepare_forked_core(cpu_threads: int) -> None:
+    """What a spawned engine core gets by starting afresh, for the core this process is about to fork."""
+    forked_children_die_with_parent()  # from the fork on; our plugin asks again once the core loads it
+    vllm_compat.load_plugins_again_when_forked()  # as a spawned core does: after the core's logging setup
+    if cpu_threads:  # a spawned core reads OMP_NUM_THREADS as it starts; a forked one keeps this process's count
+        torch.set_num_threads(cpu_threads)
+
 class RolloutEngine:
     """Generation with behaviour log-probs and token versions; weight updates that keep requests alive."""
 
@@ -86,10 +94,7 @@ class RolloutEngine:
         adapter = ServedAdapter(lora) if lora is not None and lora.enabled else None
         fork_core = forks_engine_core(config.engine, process_is_fresh)
         if fork_core:
-            forked_children_die_with_parent()  # from the fork on; our plugin asks again once the core loads it
-            vllm_compat.load_plugins_again_when_forked()  # as a spawned core does: after the core's logging setup
-            if config.engine.cpu_threads:  # a spawned core reads OMP_NUM_THREADS as it starts; a forked one keeps ours
-                torch.set_num_threads(config.engine.cpu_threads)
+            _prepare_forked_core(config.engine.cpu_threads)
         with engine_process_env(config.engine), _naming_lora_when_start_fails(adapter is not None):
             llm = vllm_compat.start_llm(engine_args(model_path, config.engine, config.max_inflight, lora,
                                                     gpu_memory_gib), fork_core)
