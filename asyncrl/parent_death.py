@@ -14,6 +14,7 @@ outlives it (a process's main thread; the reward pool's dispatcher, which stops 
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
@@ -23,7 +24,6 @@ SPAWNED_FLAG = "--multiprocessing-fork"  # the last word of the command line of 
 PARENT_PID_ENV = "ASYNCRL_DIE_WITH_PARENT"  # set by a launcher for the `asyncrl` command it starts: the launcher's pid
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _forking_pid = 0  # in a forked child: the pid of the process that forked it (`forked_children_die_with_parent`)
-_forks_covered = False
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -74,15 +74,13 @@ def die_with_launcher() -> None:
         die_with_parent(int(parent_pid))
 
 
+@functools.cache
 def forked_children_die_with_parent() -> None:
     """Every process forked from this one from now on (and from those, in turn) dies with the process that forked
     it. A process that multiprocessing forks runs no code of ours before its target, unlike a spawned one
     (`die_with_spawner_from_the_start`), and vLLM's engine core loads our plugin only in a process that has not
-    loaded it yet: a forked core has, from its parent. Idempotent."""
-    global _forks_covered
-    if not _forks_covered:
-        os.register_at_fork(before=_remember_forking_process, after_in_child=_die_with_forking_process)
-        _forks_covered = True
+    loaded it yet: a forked core has, from its parent. Once per process (cached)."""
+    os.register_at_fork(before=_remember_forking_process, after_in_child=_die_with_forking_process)
 
 
 def _remember_forking_process() -> None:

