@@ -24,7 +24,8 @@ Per run, from metrics.jsonl and evaluation.jsonl:
 Per mode, the seeds' mean curve (score and made-at time averaged per version). The target is --target-fraction of
 the way from the start score (version 0's, the same model in both modes) to the lower of the two modes' best mean
 score (or --target); a mode's time to score is the mean made-at time of the first version whose mean score reaches
-it. Its start-up is the mean made-at time of version 0 (launch to the first version, before any step); the time to
+it (`seed_time_to_score_speedups`: each seed's own race as well, its target from its two curves alone). Its
+start-up is the mean made-at time of version 0 (launch to the first version, before any step); the time to
 score after start-up (`time_to_score_after_start_up_speedup`) leaves it out, to tell the jobs' steady pace apart
 from their start. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against
 wall-clock time. The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
@@ -128,8 +129,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-engines", type=int, default=1, help="engines scoring the snapshots side by side")
     parser.add_argument("--ceiling-seconds", type=float, default=60.0, help="the ceiling's timed window")
     parser.add_argument("--archive", default="", help="write the runs' records and the ceiling into this .tar.gz")
-    parser.add_argument("--restore", nargs="*", default=[], metavar="FILE",
-                        help="records written by --archive to put into --out-dir before anything runs")
+    parser.add_argument("--restore", nargs="*", action="extend", default=[], metavar="FILE",
+                        help="records written by --archive to put into --out-dir before anything runs; "
+                             "several files, given after one --restore or each after its own")
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
     return parser.parse_args()
@@ -279,6 +281,20 @@ def time_to_target(curve: Curve, target: float | None) -> tuple[int, float] | tu
             if score >= target:
                 return version, made
     return None, None
+
+
+def seed_speedups(sync: list[dict[str, Any]], async_: list[dict[str, Any]], target: float | None,
+                  fraction: float) -> dict[str, float | None]:
+    """Each seed's own race, by seed: its target from its two curves alone (`pick_target`), sync's time to it over
+    async's. Seeds start and level off apart, so one pooled target can sit above a seed's whole curve."""
+    async_curves = {run["seed"]: run["curve"] for run in async_}
+    speedups = {}
+    for run in sync:
+        if run["seed"] in async_curves:
+            pair = [run["curve"], async_curves[run["seed"]]]
+            own = pick_target(pair, target, fraction)
+            speedups[str(run["seed"])] = ratio(time_to_target(pair[0], own)[1], time_to_target(pair[1], own)[1])
+    return speedups
 
 
 def equal_step_buckets(sync: list[dict[str, Any]], async_: list[dict[str, Any]]) -> tuple[int | None, dict[str, dict[str, float]]]:
@@ -449,8 +465,9 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
             evaluation = read_evaluation(directory)
             skipped_total += skipped(evaluation, val_every, steps)
             gpus = launch.get("gpus", gpus)  # where the runs ran: a report may run elsewhere
-            runs.setdefault(mode.label, []).append(summarise(read_metrics(directory), made_times(directory), evaluation,
-                                                             launch["time"], mode, args.warmup_steps))
+            run = summarise(read_metrics(directory), made_times(directory), evaluation, launch["time"], mode,
+                            args.warmup_steps)
+            runs.setdefault(mode.label, []).append(run | {"seed": seed})
     means = {label: mean_curve([run["curve"] for run in group]) for label, group in runs.items()}
     target = pick_target(list(means.values()), args.target, args.target_fraction)
     figures = {label: mode_figures(group, means[label], target) for label, group in runs.items()}
@@ -467,8 +484,12 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     ceiling = ceiling_figures(read_ceiling(root), sync_figures["trained_tokens_per_s"],
                               async_figures["trained_tokens_per_s"])
     print_ceiling(ceiling)
+    per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
+    print("time to score, each seed against its own target: "
+          + ", ".join(f"seed {seed} {_cell(speedup, 'x')}" for seed, speedup in per_seed.items()))
     result = {
         "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
+        "seed_time_to_score_speedups": per_seed,
         "time_to_score_after_start_up_speedup": ratio(sync_figures["time_to_target_after_start_up_s"],
                                                       async_figures["time_to_target_after_start_up_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),

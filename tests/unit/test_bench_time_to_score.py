@@ -9,8 +9,8 @@ import pytest
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import (Mode, archive_records, ceiling_figures, equal_step_buckets, mean_curve,
-                                         mode_figures, pick_target, read_ceiling, restore_records, skipped, summarise,
-                                         sync_baseline, time_to_target)
+                                         mode_figures, pick_target, read_ceiling, restore_records, seed_speedups, skipped,
+                                         summarise, sync_baseline, time_to_target)
 
 LAUNCHED = 100.0
 
@@ -82,6 +82,22 @@ def test_the_target_is_a_fraction_of_the_way_to_the_lower_best_and_each_mode_rea
     assert figures["seed_times_to_target_s"] == [74.5] and figures["final_score"] == 0.85
     assert figures["final_score_sd"] is None  # one seed: no spread
     assert figures["curves"] == [[[0, 50.0, 0.4], [2, 64.0, 0.7], [4, 74.5, 0.85]]]
+
+
+def test_each_seed_races_to_its_own_target_where_the_pooled_one_is_above_a_seed_s_curve():
+    # seed 0 starts at 0.4 and levels off at 0.6; seed 1 starts at 0.5 and rises to 0.9
+    sync = [{"seed": 0, "curve": [(0, 100.0, 0.4), (10, 200.0, 0.58), (20, 300.0, 0.6)]},
+            {"seed": 1, "curve": [(0, 100.0, 0.5), (10, 200.0, 0.7), (20, 300.0, 0.9)]}]
+    async_ = [{"seed": 1, "curve": [(0, 90.0, 0.5), (10, 120.0, 0.9), (20, 150.0, 0.9)]},
+              {"seed": 0, "curve": [(0, 90.0, 0.4), (10, 120.0, 0.6), (20, 150.0, 0.6)]}]
+    pooled = pick_target([mean_curve([run["curve"] for run in sync]), mean_curve([run["curve"] for run in async_])],
+                         None, 0.9)
+    assert pooled == pytest.approx(0.45 + 0.9 * (0.75 - 0.45))  # 0.72: above all of seed 0's curve
+    # seed 0: target 0.4 + 0.9 * 0.2 = 0.58, sync at 200 s and async at 120 s; seed 1: 0.86, 300 s and 120 s
+    assert seed_speedups(sync, async_, None, 0.9) == {"0": round(200 / 120, 3), "1": 2.5}
+    assert seed_speedups(sync, async_[:1], 0.65, 0.9) == {"1": round(200 / 120, 3)}  # an explicit target; seed 1 alone
+    stalled = [{"seed": 0, "curve": [(0, 90.0, 0.4), (10, 120.0, 0.4)]}]
+    assert seed_speedups(sync, stalled, None, 0.9) == {"0": None}  # async never rose: no race on that seed
 
 
 def test_an_explicit_target_wins_and_a_mode_that_never_improves_gives_none():
