@@ -55,6 +55,14 @@ class Prompt:
     number: int  # place in the prompt stream: the group's seed and id
 
 
+async def _cancel_pending(tasks: set[asyncio.Task]) -> None:
+    """Cancel `tasks` and wait for their ends. vLLM's output handler waits on its engine's outputs forever: left
+    pending on a loop that is then collected, it is destroyed mid-wait and logs an error from the closed loop."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def rank_share(count: int, rank: int, ranks: int) -> range:
     """The places, among a step's `count` prompts, that rank `rank` of `ranks` samples: consecutive, rank 0's first,
     together each place once; the first `count % ranks` ranks take one more than the others."""
@@ -167,6 +175,8 @@ class ReferenceSampler:
         self._scorer.close()
         self._sender.close()
         self._engine.shutdown()
+        self._loop.run_until_complete(_cancel_pending(asyncio.all_tasks(self._loop)))
+        self._loop.close()
 
     def _next_prompt(self) -> Prompt:
         """The stream's next prompt that fits `data.max_prompt_length` (a longer one is skipped, as a server does)."""
