@@ -42,8 +42,8 @@
 #              call, all kept in /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
 #              "--prepare-only" to only make the data and the model and fill vLLM's compile cache (so that
 #              neither mode's launch pays for compiling); each call scores its runs' snapshots, which
-#              live in /tmp and go with the host); the plot and the runs' records (race-records.tar.gz, for
-#              --restore) go to $OUT
+#              live in /tmp and go with the host); the plot, the runs' records (race-records.tar.gz, for
+#              --restore) and their roles' logs (race-logs.tar.gz) go to $OUT
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
 #              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
 #   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
@@ -215,6 +215,9 @@ stage_race() {
         metrics.wandb_mode=disabled
     local status=$?
     cp /tmp/asyncrl-race/time_to_score.png "$OUT/" 2>/dev/null
+    # every role's log (vLLM's own lines among them): where a start-up's seconds went, once the host is gone
+    (cd /tmp/asyncrl-race && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/race-logs.tar.gz" --null -T -) \
+        2>/dev/null
     return $status
 }
 
