@@ -1,6 +1,6 @@
-"""What a job needs of its model's tokenizer, checked before any role starts: a model the servers cannot render
-prompts for, stop, or read tool calls from fails here with the missing piece named, not minutes later in a
-server's log.
+"""What a job needs of its model's tokenizer, checked as the job starts (`asyncrl run`: while its roles start, which
+a failure stops; `asyncrl rollout`: before any server starts): a model the servers cannot render prompts for, stop,
+or read tool calls from fails here with the missing piece named, not minutes later in a server's log.
 
 - a tokenizer loads from `model.path` (a Hugging Face model directory);
 - it has a chat template: every prompt is a list of chat messages, rendered with it;

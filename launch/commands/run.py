@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from asyncrl.config import AsyncRLConfig, ConfigError
 from launch.commands.common import check_input_files, start
 from launch.commands.model_check import check_model
 from asyncrl.endpoints import ENDPOINTS_FILE
@@ -31,7 +32,6 @@ def main(args: argparse.Namespace) -> int:
     from asyncrl.placement import as_overrides, place_local_job  # imports torch: after parsing
 
     plan = place_local_job(config, log, automatic=True)  # refused here, before any role starts
-    check_model(config)  # after the cheap checks: it loads the tokenizer
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -46,6 +46,7 @@ def main(args: argparse.Namespace) -> int:
     rollout = None if config.learner.mode == "synchronous" else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
     log.info("run directory %s: learner pid %d, rollout pid %s (servers log to logs/)", run_dir, learner.pid,
              rollout.pid if rollout else "none")
+    check_model_beside(config, [process for process in (rollout, learner) if process is not None])
     stop = StopSignal()
     code = 0
     try:
@@ -72,6 +73,17 @@ def main(args: argparse.Namespace) -> int:
     if code == 0:
         ended_normally()
     return code
+
+
+def check_model_beside(config: AsyncRLConfig, roles: list[subprocess.Popen]) -> None:
+    """`check_model` while the roles start: loading the tokenizer took 9 s of a GPU host's launch before them. A model
+    they cannot serve stops them at once, and its ConfigError, naming what is missing, is the command's."""
+    try:
+        check_model(config)
+    except ConfigError:
+        for process in roles:
+            _stop(process)
+        raise
 
 
 def last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:

@@ -1,5 +1,6 @@
 """How `asyncrl run` ends its children: a job that finished lets the rollout supervisor stop by itself (a signal
-would reach its engine cores mid-shutdown); any other end signals the group at once."""
+would reach its engine cores mid-shutdown); any other end signals the group at once; a model the roles cannot serve,
+found while they start, stops them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from asyncrl.config import ConfigError
+from launch.commands import run
 from launch.commands.run import _stop
 
 
@@ -31,3 +36,22 @@ def test_a_child_that_outlasts_its_wait_is_signalled():
     process = child(60)
     _stop(process, own_stop_s=0.2)
     assert process.returncode == -signal.SIGTERM
+
+
+def test_a_model_the_roles_cannot_serve_stops_them_and_its_error_is_the_command_s(monkeypatch):
+    def refused(config):
+        raise ConfigError("model.path: the tokenizer at /m has no chat template")
+
+    monkeypatch.setattr(run, "check_model", refused)
+    roles = [child(60), child(60)]
+    with pytest.raises(ConfigError, match="no chat template"):
+        run.check_model_beside(None, roles)
+    assert [process.returncode for process in roles] == [-signal.SIGTERM, -signal.SIGTERM]
+
+
+def test_a_model_they_can_serve_leaves_the_roles_running(monkeypatch):
+    monkeypatch.setattr(run, "check_model", lambda config: None)
+    roles = [child(60)]
+    run.check_model_beside(None, roles)
+    assert roles[0].poll() is None
+    _stop(roles[0])
