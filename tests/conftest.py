@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -57,3 +58,16 @@ def _drop_role_log_handlers():
     for handler in [h for h in root.handlers if type(h) in (logging.StreamHandler, logging.FileHandler)]:
         root.removeHandler(handler)
         handler.close()
+
+
+@pytest.fixture(autouse=True)
+def _stop_signal_handlers_restored():
+    """A test that runs a role's stop handling in-process (`interrupt_once`, `ignore_stop_signals`) changes this
+    process's SIGTERM and SIGINT handlers. Left ignored (test_server_leaving.py did), every process a later test
+    starts inherits SIG_IGN and outlives the SIGTERM meant to stop it: the reaper's test, run after it, saw its role
+    die of the SIGKILL that follows the grace."""
+    before = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for stop, handler in before.items():
+        if signal.getsignal(stop) != handler:
+            signal.signal(stop, handler)
