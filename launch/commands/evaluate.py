@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import multiprocessing
-import os
 import sys
 import time
 from pathlib import Path
@@ -182,7 +181,6 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
     from rollout_servers.reference_sampler import ReferenceSampler
     from rollout_servers.validation import Validator, load_validation_prompts
 
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     sampler = ReferenceSampler.start(memory_part(runs[0].config, engines), None,
                                      group_backend(receiver_has_own_gpus=False))
     if on_started is not None:

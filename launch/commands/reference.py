@@ -62,7 +62,6 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
         log.error("%s holds a run already, and the synchronous reference does not resume: choose another run.name", named)
         return 2
     run_dir = make_run_dir(config, "run")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as a rollout server: the engine shares the cores
     if ranks == 1:
         interrupt_on_stop_signals()
         code = _run_rank(config, run_dir, engines[0], apart, ROLE)

