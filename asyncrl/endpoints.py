@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from asyncrl.net import port_is_free
+from asyncrl.whole_files import write_json_whole
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,7 @@ def read_endpoints(run_dir: Path) -> dict | None:
 
 def write_endpoints(run_dir: Path, found: dict) -> None:
     """Replace the endpoints file at once (a reader never sees half of it)."""
-    path = Path(run_dir) / ENDPOINTS_FILE
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(found))
-    partial.replace(path)
+    write_json_whole(Path(run_dir) / ENDPOINTS_FILE, found)
 
 
 def remembered_ports(run_dir: Path) -> dict[str, int]:
@@ -50,10 +48,8 @@ def remembered_ports(run_dir: Path) -> dict[str, int]:
 
 def remember_ports(run_dir: Path, addresses: dict[str, str]) -> None:
     """Keep the ports of `addresses` (service -> tcp://host:port) for the learner's next start in this run."""
-    path = Path(run_dir) / PORTS_FILE
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps({service: int(address.rpartition(":")[2]) for service, address in addresses.items()}))
-    partial.replace(path)
+    write_json_whole(Path(run_dir) / PORTS_FILE,
+                     {service: int(address.rpartition(":")[2]) for service, address in addresses.items()})
 
 
 def port_to_bind(service: str, host: str, configured: int, remembered: int | None,

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 from asyncrl.data import PromptMixture, PromptRow
+from asyncrl.whole_files import write_json_whole
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,7 @@ class PromptStream:
             return
         state = {"watermark": watermark, "mixture": mixture_state, "drawn": max(self._next, self._redo_until),
                  "acknowledged": sorted(self._acknowledged_ahead)}
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = self._path.with_suffix(".tmp")
-        scratch.write_text(json.dumps(state))
-        os.replace(scratch, self._path)  # atomic: a kill leaves the old file or the new one
+        write_json_whole(self._path, state)  # a kill leaves the old file or the new one
 
     def _resume(self, state: dict[str, Any]) -> None:
         self._mixture.load_state_dict(state["mixture"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-import json
 import logging
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from asyncrl.messages import Ack, TrajectoryGroup
 from rollout_servers.rewards import RewardScorer, check_reward_setup
 from asyncrl.stop_signal import ignore_stop_signals, stop_signals_held
 from asyncrl.thinking import Thinking
+from asyncrl.whole_files import write_json_whole
 from asyncrl.transport import AdmissionClient, TrajectoryProducer
 from asyncrl.weight_transfer.control_messages import ServerTelemetry, ValidationResult
 from rollout_servers.admission_asks import AdmissionAsks
@@ -157,10 +157,8 @@ class RolloutServer:
         send = functools.partial(self._send_group, producer)
         endpoint = ChatEndpoint(sessions, rollout.sampling, self.config.model.path, send, self._chat_tools)
         port = await endpoint.start(settings, settings.port + self._index if settings.port else 0, self._chat_key)
-        if self._state_dir is not None:
-            self._state_dir.mkdir(parents=True, exist_ok=True)
-            address = {"url": f"http://{settings.host}:{port}/v1"}
-            (self._state_dir / f"{self.server_id}.chat.json").write_text(json.dumps(address))
+        if self._state_dir is not None:  # written whole: an agent polling for the file never reads half of it
+            write_json_whole(self._state_dir / f"{self.server_id}.chat.json", {"url": f"http://{settings.host}:{port}/v1"})
         return endpoint
 
     def _check_rewards(self, mixture: PromptMixture) -> None:

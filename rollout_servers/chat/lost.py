@@ -11,9 +11,10 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Iterable
+
+from asyncrl.whole_files import write_json_whole
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,4 @@ class LostSessions:
         """Record the open sessions (written whole, then renamed: a crash leaves the old list or the new)."""
         if self._file is None:
             return
-        self._file.parent.mkdir(parents=True, exist_ok=True)
-        partial = self._file.with_suffix(".partial")
-        partial.write_text(json.dumps(sorted(session_ids)))
-        os.replace(partial, self._file)
+        write_json_whole(self._file, sorted(session_ids))

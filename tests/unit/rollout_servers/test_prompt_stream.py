@@ -51,7 +51,7 @@ def test_restart_regenerates_only_unacknowledged_prompts_then_continues(data_fil
     assert [(k, row) for k, row in drawn if k in (3, 6, 7)] == regenerated, "the same prompts, not new draws"
     assert after.owed == 0
     assert take(after, 3) == [(9, expected[9]), (10, expected[10]), (11, expected[11])]
-    assert not state.with_suffix(".tmp").exists()
+    assert sorted(path.name for path in state.parent.iterdir() if path.name.startswith(state.name)) == [state.name]
 
 
 def test_a_second_restart_before_any_acknowledgement_owes_the_same(data_file, tmp_path):
