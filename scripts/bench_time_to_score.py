@@ -21,6 +21,8 @@ Per run, from metrics.jsonl and evaluation.jsonl:
   length ratio     mean trained response length / mean generated (the async job's generated mean is its buffer's
                    `response_length/generated_mean`; the synchronous run trains all it generates: 1)
   learner share    the synchronous step's share spent training (`timing_s/train` / `timing_s/step`)
+  engine start     seconds the job's engine took to start (the slowest one's, from its role's log; in the run's
+                   .launch.json): about 20 s on an H200 from a warm compile cache, 60 s when it compiled
 Per mode, the seeds' mean curve (score and made-at time averaged per version). The target is --target-fraction of
 the way from the start score (version 0's, the same model in both modes) to the lower of the two modes' best mean
 score (or --target); a mode's time to score is the mean made-at time of the first version whose mean score reaches
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -73,6 +76,8 @@ RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDE
 LEARNER_MODE = {"sync": "synchronous", "async": "async"}
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
+ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
+ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
 LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
@@ -169,6 +174,20 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
+    launch = json.loads((root / (name + LAUNCH_SUFFIX)).read_text())
+    (root / (name + LAUNCH_SUFFIX)).write_text(json.dumps(launch | {"engine_start_s": engine_start(root / name)}))
+
+
+def engine_start(run_dir: Path) -> float | None:
+    """Seconds the run's engines took to start, the slowest one's first start (its restarts left out), from the logs
+    of the roles that own them: a compile the warm-up did not spare a job shows here (60 s on an H200, not 20)."""
+    firsts = []
+    for pattern in ENGINE_LOGS:
+        for log in (run_dir / "logs").glob(pattern):
+            found = ENGINE_STARTED.search(log.read_text(errors="replace"))
+            if found:
+                firsts.append(float(found.group(1)))
+    return max(firsts, default=None)
 
 
 def sync_baseline(gpus: int, sync_run: Path) -> str:
@@ -327,10 +346,11 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     finals = [run["curve"][-1][2] for run in runs if run["curve"]]
 
     def mean(key: str, digits: int = 1) -> float | None:
-        values = [run[key] for run in runs if run[key] is not None]
+        values = [run[key] for run in runs if run.get(key) is not None]  # engine_start_s: not in older records
         return _round(statistics.fmean(values), digits) if values else None
 
     return {"time_to_target_s": _round(seconds), "version_at_target": version, "start_up_s": _round(start_up),
+            "engine_start_s": mean("engine_start_s"),
             "time_to_target_after_start_up_s": _round(seconds - start_up) if None not in (seconds, start_up) else None,
             "seed_times_to_target_s": [_round(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"), "trained_length_mean": mean("trained_length_mean"),
@@ -353,7 +373,7 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
     print(f"target held-out score: {'none (a mode did not improve)' if target is None else f'{target:.3f}'}")
     print(f"{'':34}" + "".join(f"{label:>14}" for label in labels) + ("    async/sync" if len(labels) == 2 else ""))
     rows = [("time to target (s)", "time_to_target_s", True), ("version at target", "version_at_target", False),
-            ("start-up: launch to version 0 (s)", "start_up_s", False),
+            ("start-up: launch to version 0 (s)", "start_up_s", False), ("engine start (s)", "engine_start_s", False),
             ("time to target after start-up (s)", "time_to_target_after_start_up_s", True),
             ("trained tokens/s", "trained_tokens_per_s", True), ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
@@ -467,7 +487,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
             gpus = launch.get("gpus", gpus)  # where the runs ran: a report may run elsewhere
             run = summarise(read_metrics(directory), made_times(directory), evaluation, launch["time"], mode,
                             args.warmup_steps)
-            runs.setdefault(mode.label, []).append(run | {"seed": seed})
+            runs.setdefault(mode.label, []).append(run | {"seed": seed, "engine_start_s": launch.get("engine_start_s")})
     means = {label: mean_curve([run["curve"] for run in group]) for label, group in runs.items()}
     target = pick_target(list(means.values()), args.target, args.target_fraction)
     figures = {label: mode_figures(group, means[label], target) for label, group in runs.items()}

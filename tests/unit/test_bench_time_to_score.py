@@ -8,9 +8,9 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import (Mode, archive_records, ceiling_figures, equal_step_buckets, mean_curve,
-                                         mode_figures, pick_target, read_ceiling, restore_records, seed_speedups,
-                                         skipped, summarise, sync_baseline, time_to_target)
+from scripts.bench_time_to_score import (Mode, archive_records, ceiling_figures, engine_start, equal_step_buckets,
+                                         mean_curve, mode_figures, pick_target, read_ceiling, restore_records,
+                                         seed_speedups, skipped, summarise, sync_baseline, time_to_target)
 
 LAUNCHED = 100.0
 
@@ -166,3 +166,19 @@ def test_the_synchronous_baseline_is_named_by_the_gpus_and_the_ranks_it_ran(tmp_
     save_config(load_config(None, ["learner.mode=synchronous", f"learner.nproc={sync_ranks}", "buffer.batch_groups=4"]),
                 tmp_path)
     assert sync_baseline(gpus, tmp_path) == expected
+
+
+def test_the_engine_start_is_the_slowest_engine_s_first_start_from_the_roles_that_own_one(tmp_path):
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    line = "12:00:00 [rollout0] INFO rollout_servers.engine: vLLM engine on /m started in {}s (version 0)\n"
+    (logs / "rollout0.log").write_text(line.format(21.5) + line.format(9.0))  # then a restart: left out
+    (logs / "rollout1.log").write_text(line.format(24.0))
+    (logs / "rollout.log").write_text(line.format(99.0))  # the supervisor's copy of its servers' lines
+    assert engine_start(tmp_path / "run") == 24.0
+    for log in logs.iterdir():
+        log.unlink()
+    (logs / "reference0.log").write_text(line.format(61.2).replace("rollout0", "reference0"))
+    assert engine_start(tmp_path / "run") == 61.2  # the synchronous run's engine, in its rank's process
+    (logs / "reference0.log").unlink()
+    assert engine_start(tmp_path / "run") is None
