@@ -170,12 +170,12 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
                  "metrics.wandb_mode=disabled", *args.overrides]
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
         overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus()))}")
-    (root / (name + LAUNCH_SUFFIX)).write_text(json.dumps({"time": time.time(), "gpus": len(visible_gpus())}))
+    launch_file, launch = root / (name + LAUNCH_SUFFIX), {"time": time.time(), "gpus": len(visible_gpus())}
+    launch_file.write_text(json.dumps(launch))
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
-    launch = json.loads((root / (name + LAUNCH_SUFFIX)).read_text())
-    (root / (name + LAUNCH_SUFFIX)).write_text(json.dumps(launch | {"engine_start_s": engine_start(root / name)}))
+    launch_file.write_text(json.dumps(launch | {"engine_start_s": engine_start(root / name)}))
 
 
 def engine_start(run_dir: Path) -> float | None:
