@@ -38,6 +38,7 @@ from asyncrl.validation_scores import VERSION_KEY, decode_outcomes, encode_outco
 from rollout_servers.rewards import RewardRequest, RewardScorer
 from asyncrl.weight_transfer import SendingEnd, WeightBackend, update_info_for
 from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.cancelled import cancel_and_wait
 from rollout_servers.completion import Completion
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.row_sampling import group_seed, sampling_for_row
@@ -53,14 +54,6 @@ class Prompt:
     row: PromptRow
     ids: list[int]  # the row's chat as token ids
     number: int  # place in the prompt stream: the group's seed and id
-
-
-async def _cancel_pending(tasks: set[asyncio.Task]) -> None:
-    """Cancel `tasks` and wait for their ends. vLLM's output handler waits on its engine's outputs forever: left
-    pending on a loop that is then collected, it is destroyed mid-wait and logs an error from the closed loop."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def rank_share(count: int, rank: int, ranks: int) -> range:
@@ -175,7 +168,9 @@ class ReferenceSampler:
         self._scorer.close()
         self._sender.close()
         self._engine.shutdown()
-        self._loop.run_until_complete(_cancel_pending(asyncio.all_tasks(self._loop)))
+        # vLLM's output handler waits on its engine's outputs forever: left pending on a loop that is then collected,
+        # it is destroyed mid-wait and logs an error from the closed loop
+        self._loop.run_until_complete(cancel_and_wait(asyncio.all_tasks(self._loop)))
         self._loop.close()
 
     def _next_prompt(self) -> Prompt:
