@@ -47,14 +47,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,23 +60,20 @@ from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.placement import visible_gpus
-from asyncrl.snapshots import (EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, due_versions, made_times,
-                              read_evaluation)
+from asyncrl.snapshots import due_versions, made_times, read_evaluation
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
+from scripts.run_records import (CEILING_FILE, RUN_PREFIX, add_engine_start, archive_records,  # noqa: E402
+                                 read_ceiling, read_launch, restore_records, write_launch)
 
 MODES = ("sync", "async")
 CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
 RUNNABLE = MODES + (CEILING,)  # what --modes may name
-CEILING_FILE = "ceiling.json"  # in --out-dir
 CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")
-RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
-RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
 LEARNER_MODE = {"sync": "synchronous", "async": "async"}
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
-ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
-ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
-LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 
@@ -170,24 +164,11 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
                  "metrics.wandb_mode=disabled", *args.overrides]
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
         overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus()))}")
-    launch_file, launch = root / (name + LAUNCH_SUFFIX), {"time": time.time(), "gpus": len(visible_gpus())}
-    launch_file.write_text(json.dumps(launch))
+    launch = write_launch(root, name)
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
-    launch_file.write_text(json.dumps(launch | {"engine_start_s": engine_start(root / name)}))
-
-
-def engine_start(run_dir: Path) -> float | None:
-    """Seconds the run's engines took to start, the slowest one's first start (its restarts left out), from the logs
-    of the roles that own them: a compile the warm-up did not spare a job shows here (60 s on an H200, not 20)."""
-    firsts = []
-    for pattern in ENGINE_LOGS:
-        for log in (run_dir / "logs").glob(pattern):
-            found = ENGINE_STARTED.search(log.read_text(errors="replace"))
-            if found:
-                firsts.append(float(found.group(1)))
-    return max(firsts, default=None)
+    add_engine_start(root, name, launch)
 
 
 def sync_baseline(gpus: int, sync_run: Path) -> str:
@@ -207,30 +188,6 @@ def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
     if done.returncode != 0:
         raise SystemExit(f"the engine's ceiling: {CEILING_SCRIPT.name} exited with {done.returncode}")
-
-
-def read_ceiling(root: Path) -> float | None:
-    """The measured ceiling's output tokens/s, if one was measured into `root`."""
-    path = root / CEILING_FILE
-    return json.loads(path.read_text())["ceiling_tokens_per_s"] if path.is_file() else None
-
-
-def archive_records(root: Path, archive: Path) -> None:
-    """Every run's records (RECORDS and its launch file, no weights) and the ceiling, into one .tar.gz."""
-    names = [path.name for path in sorted(root.glob(RUN_PREFIX + "*")) if path.is_dir()]
-    members = [root / name / record for name in names for record in RECORDS]
-    members += [root / (name + LAUNCH_SUFFIX) for name in names] + [root / CEILING_FILE]
-    with tarfile.open(archive, "w:gz") as tar:
-        for member in members:
-            if member.is_file():
-                tar.add(member, arcname=str(member.relative_to(root)))
-
-
-def restore_records(archives: list[str], root: Path) -> None:
-    """Put archived records back into `root` (a run of the same name there is overwritten file by file)."""
-    for archive in archives:
-        with tarfile.open(archive, "r:gz") as tar:
-            tar.extractall(root, filter="data")
 
 
 def evaluate(run_dirs: list[Path], engines: int) -> None:
@@ -481,7 +438,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     for mode in modes:
         for seed in ran[mode]:
             directory = root / mode.run_name(seed)
-            launch = json.loads((root / (mode.run_name(seed) + LAUNCH_SUFFIX)).read_text())
+            launch = read_launch(root, mode.run_name(seed))
             evaluation = read_evaluation(directory)
             skipped_total += skipped(evaluation, val_every, steps)
             gpus = launch.get("gpus", gpus)  # where the runs ran: a report may run elsewhere

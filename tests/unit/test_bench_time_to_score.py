@@ -8,9 +8,9 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import (Mode, archive_records, ceiling_figures, engine_start, equal_step_buckets,
-                                         mean_curve, mode_figures, pick_target, read_ceiling, restore_records,
-                                         seed_speedups, skipped, summarise, sync_baseline, time_to_target)
+from scripts.bench_time_to_score import (Mode, ceiling_figures, equal_step_buckets, mean_curve, mode_figures,
+                                         pick_target, seed_speedups, skipped, summarise, sync_baseline, time_to_target)
+from scripts.run_records import archive_records, engine_start, read_ceiling, restore_records
 
 LAUNCHED = 100.0
 

@@ -1,0 +1,80 @@
+"""The time-to-score race's records in --out-dir: each run's launch and engine start, the ceiling, their archive."""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncrl.metrics import METRICS_FILE
+from asyncrl.placement import visible_gpus
+from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
+
+RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
+RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
+LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
+CEILING_FILE = "ceiling.json"  # in --out-dir
+ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
+ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
+
+Launch = dict[str, Any]
+
+
+def write_launch(root: Path, name: str) -> Launch:
+    """Record the launch of run `name` now, before it starts: its curve's clock runs from this time."""
+    launch = {"time": time.time(), "gpus": len(visible_gpus())}
+    _launch_file(root, name).write_text(json.dumps(launch))
+    return launch
+
+
+def add_engine_start(root: Path, name: str, launch: Launch) -> None:
+    """Add to the finished run's launch file how long its engines took to start (`engine_start`)."""
+    _launch_file(root, name).write_text(json.dumps(launch | {"engine_start_s": engine_start(root / name)}))
+
+
+def read_launch(root: Path, name: str) -> Launch:
+    """What `write_launch` and `add_engine_start` recorded of run `name`."""
+    return json.loads(_launch_file(root, name).read_text())
+
+
+def _launch_file(root: Path, name: str) -> Path:
+    return root / (name + LAUNCH_SUFFIX)
+
+
+def engine_start(run_dir: Path) -> float | None:
+    """Seconds the run's engines took to start, the slowest one's first start (its restarts left out), from the logs
+    of the roles that own them: a compile the warm-up did not spare a job shows here (60 s on an H200, not 20)."""
+    firsts = []
+    for pattern in ENGINE_LOGS:
+        for log in (run_dir / "logs").glob(pattern):
+            found = ENGINE_STARTED.search(log.read_text(errors="replace"))
+            if found:
+                firsts.append(float(found.group(1)))
+    return max(firsts, default=None)
+
+
+def read_ceiling(root: Path) -> float | None:
+    """The measured ceiling's output tokens/s, if one was measured into `root`."""
+    path = root / CEILING_FILE
+    return json.loads(path.read_text())["ceiling_tokens_per_s"] if path.is_file() else None
+
+
+def archive_records(root: Path, archive: Path) -> None:
+    """Every run's records (RECORDS and its launch file, no weights) and the ceiling, into one .tar.gz."""
+    names = [path.name for path in sorted(root.glob(RUN_PREFIX + "*")) if path.is_dir()]
+    members = [root / name / record for name in names for record in RECORDS]
+    members += [_launch_file(root, name) for name in names] + [root / CEILING_FILE]
+    with tarfile.open(archive, "w:gz") as tar:
+        for member in members:
+            if member.is_file():
+                tar.add(member, arcname=str(member.relative_to(root)))
+
+
+def restore_records(archives: list[str], root: Path) -> None:
+    """Put archived records back into `root` (a run of the same name there is overwritten file by file)."""
+    for archive in archives:
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(root, filter="data")
