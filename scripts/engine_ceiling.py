@@ -5,9 +5,11 @@ generated token trained).
 One `RolloutEngine` (the server's generation path) on the job's starting model (`model.path`) samples the job's
 training prompts in a seeded random order with the job's sampling settings, natural lengths (stopping at EOS or
 `rollout.sampling.max_tokens`), in groups of `rollout.sampling.n` samples of one prompt as the servers send them,
-keeping `rollout.max_inflight` samples in flight at all times: each group that finishes is replaced at once by the
-next. (Single-sample requests, one prompt each, read 17.4k tokens/s on an H200 where the async job itself trained
-22.8k, so they were no ceiling.) After --warmup-s, the completion tokens sampled over --seconds
+keeping `rollout.max_inflight` samples running as a server does (`SampleSlots`, its own count): a sample's slot is
+free when that sample finishes, and a new group starts as soon as a group's worth of slots are free, whether or not
+the groups they came from still run. (Replacing only whole finished groups left each group's finished samples'
+slots idle until its longest one ended: 18.8k tokens/s on an H200 where the async job itself trained 23.5k; and
+single-sample requests read 17.4k where it trained 22.8k.) After --warmup-s, the completion tokens sampled over --seconds
 (finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
 
 A table, then `RESULT {json}` with `ceiling_tokens_per_s`; --out also writes that JSON to a file
@@ -32,6 +34,7 @@ from typing import Any
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
+from rollout_servers.sample_slots import SampleSlots
 
 PROMPT_SEED = 0  # the order the training prompts are drawn in
 
@@ -69,34 +72,60 @@ async def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: flo
 
 async def keep_full(engine: Any, prompts: list[list[int]], sampling: Any, in_flight: int, warmup_s: float,
                     seconds: float) -> dict[str, Any]:
-    """Keep `in_flight` samples of `sampling` in `engine` (a `RolloutEngine`), in groups of `sampling.n` of one
-    prompt, cycling through `prompts`; the completion tokens it samples in the `seconds` after `warmup_s`, finished
-    and partial."""
+    """Keep `in_flight` samples of `sampling` running in `engine` (a `RolloutEngine`) as a server does, in groups of
+    `sampling.n` of one prompt cycling through `prompts`; the completion tokens it samples in the `seconds` after
+    `warmup_s`, finished and partial."""
     lengths: list[int] = []
     next_prompt = itertools.cycle(prompts)
+    slots = SampleSlots(in_flight)
+    slot_freed = asyncio.Event()
+    groups: set[asyncio.Task] = set()
+    failed: list[BaseException] = []
 
-    async def keep_one_group_running() -> None:  # until cancelled when the window closes
-        while True:
-            group = await engine.generate_group(next(next_prompt), sampling)
+    async def one_group() -> None:
+        claim = slots.claim(sampling.n)
+
+        def sample_done() -> None:
+            claim.sample_done()
+            slot_freed.set()
+
+        try:
+            group = await engine.generate_group(next(next_prompt), sampling, on_sample_done=sample_done)
             lengths.extend(len(completion.token_ids) for completion in group)
+        finally:
+            claim.release()
+            slot_freed.set()
+
+    def group_ended(group: asyncio.Task) -> None:
+        groups.discard(group)
+        if not group.cancelled() and group.exception() is not None:
+            failed.append(group.exception())
+
+    async def keep_filling() -> None:  # until a group fails, or cancelled when the window closes
+        while not failed:
+            for _ in range(slots.free_groups(sampling.n, len(groups))):
+                group = asyncio.create_task(one_group())
+                groups.add(group)
+                group.add_done_callback(group_ended)
+            slot_freed.clear()  # no await since the count was read: no slot can have been freed unseen
+            await slot_freed.wait()
 
     def sampled() -> int:
         return engine.tokens_sampled + sum(engine.inflight_tokens().values())
 
-    workers = [asyncio.create_task(keep_one_group_running()) for _ in range(max(1, in_flight // sampling.n))]
+    filler = asyncio.create_task(keep_filling())
     try:
         await asyncio.sleep(warmup_s)
         window_start, tokens_start, finished_start = time.perf_counter(), sampled(), len(lengths)
         await asyncio.sleep(seconds)
         window_s, tokens = time.perf_counter() - window_start, sampled() - tokens_start
         in_flight_at_end = engine.inflight_requests
-        failed = [worker.exception() for worker in workers if worker.done()]  # a request that raised ended its worker
     finally:
-        for worker in workers:
-            worker.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        for task in (filler, *groups):
+            task.cancel()
+        await asyncio.gather(filler, *groups, return_exceptions=True)
     if failed:  # the engine was not kept full: the rate would understate it
-        raise RuntimeError(f"{len(failed)} of {len(workers)} groups failed while the engine was kept full") from failed[0]
+        raise RuntimeError(f"{len(failed)} groups failed while the engine was kept full") from failed[0]
     finished = lengths[finished_start:]
     return {"ceiling_tokens_per_s": round(tokens / window_s, 1), "window_s": round(window_s, 1), "tokens": tokens,
             "samples_finished": len(finished), "length_mean": round(statistics.fmean(finished), 1) if finished else None,

@@ -1,6 +1,7 @@
 """The engine kept full (scripts/engine_ceiling.py), on the shared tiny engine: groups of samples of one prompt, as the
-servers send them, each replaced at once when it finishes, so the engine holds what was asked for (less the finished
-samples of groups still running) when the window closes, and the rate is the tokens the engine sampled in the window
+servers send them, a new group started as soon as a group's worth of samples finished (the server's count), so the
+engine holds what was asked for (less fewer than a group's worth, and those the loop has not yet seen finish) when the
+window closes, and the rate is the tokens the engine sampled in the window
 (finished and partial) over its length."""
 
 import pytest
