@@ -208,8 +208,8 @@ class ReferenceSampler:
 
 @contextlib.contextmanager
 def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
-    """Processes started inside (vLLM's engine core and workers) see only `gpus`; this one keeps its own view
-    (its CUDA context, opened before, is not affected)."""
+    """Processes started inside (vLLM's engine core and workers) see only `gpus`. This one must not open CUDA inside:
+    it would see only them too (the reference opens it after its engine started)."""
     if gpus is None:
         yield
         return

@@ -36,7 +36,7 @@ def weight_backend(name: str, shared_gpu: bool | None = None) -> WeightBackend:
     if backend is not None:
         return backend
     if shared_gpu is None:
-        return NCCL if torch.cuda.is_available() else GLOO
+        return NCCL if sees_cuda() else GLOO
     return IPC if shared_gpu else NCCL
 
 
@@ -57,7 +57,14 @@ def group_backend(receiver_has_own_gpus: bool) -> WeightBackend:
     async job's colocated server does), gloo without a GPU."""
     if receiver_has_own_gpus:
         return NCCL
-    return IPC if torch.cuda.is_available() else GLOO
+    return IPC if sees_cuda() else GLOO
+
+
+def sees_cuda() -> bool:
+    """Whether this process sees a GPU, asked of NVML where it answers: `torch.cuda.is_available()` initializes
+    CUDA's driver, after which a forked child cannot use CUDA, and the synchronous reference asks before vLLM forks
+    its engine core from it."""
+    return torch.cuda.device_count() > 0
 
 
 def alternatives(shared_gpu: bool | None, elsewhere: Collection[bool] = ()) -> str:

@@ -78,12 +78,9 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     """Target of the local spawner (`spawn_ranks`): rank `rank` of `size` colocated ranks, its engine on
     `engines[rank]`. SIGTERM is taken like Ctrl-C (once), so that a stopped rank closes its engine; a rank stopped
     so exits 0, as an async learner rank does, and the spawner reports the stop."""
-    from learner.distributed import local_rank_environment
-
     die_with_spawning_parent()  # `asyncrl learner` killed outright takes its ranks (and their engines) along
     interrupt_once()
-    os.environ.update(local_rank_environment(rank, size, port))
-    code = _run_rank(config, Path(run_dir), engines[rank], False, f"{ROLE}{rank}")
+    code = _run_rank(config, Path(run_dir), engines[rank], False, f"{ROLE}{rank}", rank, size, port)
     # What a multiprocessing child runs as it ends, short of the interpreter's teardown (`main` says why not that): its
     # finalizers, which release the semaphores it made (tqdm's lock); left to the spawner's resource tracker, they
     # were reported as leaked on the console at every clean end.
@@ -91,9 +88,11 @@ def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir
     leave_now(0 if code == INTERRUPTED else code)
 
 
-def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apart: bool, role: str) -> int:
-    """This process's rank of the reference: its engine on `engine_gpus` (on GPUs of its own when `apart`, else
-    beside it), its policy shard, the loop; rank 0 records. The exit code: 0, or INTERRUPTED after a stop signal."""
+def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apart: bool, role: str, rank: int = 0,
+              ranks: int = 1, store_port: int = 0) -> int:
+    """This process's rank `rank` of `ranks` (meeting at their spawner's store on `store_port`) of the reference:
+    its engine on `engine_gpus` (on GPUs of its own when `apart`, else beside it), its policy shard, the loop; rank 0
+    records. The exit code: 0, or INTERRUPTED after a stop signal."""
     log = logging.getLogger(__name__)
     setup_logging(role, config.run.log_level, run_dir / "logs" / f"{role}.log")
     from asyncrl.weight_transfer.backends import group_backend  # imports the roles: after parsing
@@ -105,12 +104,15 @@ def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apa
 
     try:
         with contextlib.ExitStack() as opened:  # closed in reverse order, whatever fails
-            world = opened.enter_context(learner_world(config))  # this GPU before the engine's processes get theirs
-            for key in local_rank_environment(0, 1, 0):  # the engine's processes must not meet at the ranks' store
-                os.environ.pop(key, None)
+            # The engine first, while this process has not touched CUDA: vLLM then forks its engine core; after it
+            # (the process group's device), vLLM must spawn it, which imports torch and vLLM again (~20 s of a
+            # 44 s engine start on an H200, against 13 s for the async job's server).
             sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=apart),
-                                             world.rank, world.size)
+                                             rank, ranks)
             opened.callback(sampler.close)
+            if ranks > 1:  # after the engine's processes started: they must not meet at the ranks' store
+                os.environ.update(local_rank_environment(rank, ranks, store_port))
+            world = opened.enter_context(learner_world(config))
             trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches fit the memory it left
             metrics = (opened.enter_context(contextlib.closing(
                 MetricsLogger(run_dir, config.metrics, dataclasses.asdict(config)))) if world.is_main else None)

@@ -32,10 +32,20 @@ def test_the_config_offers_every_backend_and_auto():
     assert set(choices) == {*BACKENDS, AUTO}
 
 
+def cuda_seen(monkeypatch, gpus: int) -> None:
+    """This process sees `gpus` GPUs, as NVML counts them; asking `torch.cuda.is_available()` fails the test: it
+    initializes CUDA's driver, and the synchronous reference asks before vLLM forks its engine core from it."""
+    def initializes_cuda() -> bool:
+        raise AssertionError("torch.cuda.is_available() initializes CUDA: a forked engine core could not use it")
+
+    monkeypatch.setattr(torch.cuda, "is_available", initializes_cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+
+
 def test_auto_is_nccl_with_cuda_else_gloo_and_a_plan_with_a_shared_gpu_makes_it_ipc(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_seen(monkeypatch, 1)
     assert weight_backend(AUTO) is NCCL
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cuda_seen(monkeypatch, 0)
     assert weight_backend(AUTO) is GLOO
     assert weight_backend(AUTO, shared_gpu=True) is IPC and weight_backend(AUTO, shared_gpu=False) is NCCL
     assert weight_backend("gloo", shared_gpu=True) is GLOO, "a name chosen by the user stays"
@@ -74,9 +84,9 @@ def test_where_each_backend_works_and_what_a_refusal_advises():
 
 def test_the_synchronous_reference_reaches_its_engine_by_nccl_apart_ipc_on_its_gpu_and_gloo_without_one(monkeypatch):
     assert group_backend(receiver_has_own_gpus=True) is NCCL
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda_seen(monkeypatch, 1)
     assert group_backend(receiver_has_own_gpus=False) is IPC  # loads in place, as the async job's colocated server
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cuda_seen(monkeypatch, 0)
     assert group_backend(receiver_has_own_gpus=False) is GLOO
 
 
