@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -30,11 +31,18 @@ log = logging.getLogger(__name__)
 def train(config: AsyncRLConfig, run_dir: Path, buffer_command: Sequence[str]) -> LoopState:
     """Run this rank to learner.total_steps (torchrun-style environment variables give the world); rank 0 starts
     its own buffer with `buffer_command` (the command line of `asyncrl buffer`) unless buffer.address names one."""
+    rank = int(os.environ.get("RANK", "0"))  # the world's, read before joining it: the start-up's phases are logged
+    setup_logging(f"learner{rank}", config.run.log_level, run_dir / "logs" / f"learner{rank}.log")
+    log.info("learner rank %d: joining the learner's process group", rank)
+    joining = time.perf_counter()
     with learner_world(config) as world:
-        setup_logging(f"learner{world.rank}", config.run.log_level, run_dir / "logs" / f"learner{world.rank}.log")
+        log.info("joined the process group (%d rank(s), %s) in %.1fs; loading the policy", world.size, world.device,
+                 time.perf_counter() - joining)
         warn_if_updates_round_away(config)
+        loading = time.perf_counter()
         trainer = PolicyTrainer.load(config, world)
         state = resume_state(config, run_dir, trainer.model, trainer.optimizer, world)
+        log.info("policy loaded in %.1fs", time.perf_counter() - loading)
         with rank_services(config, run_dir, world, trainer.model, state, buffer_command) as services:
             freeze_startup_heap()  # torch, the model and the services live as long as this rank
             state = run_loop(config, run_dir, state, trainer, services)
