@@ -9,8 +9,8 @@ keeping `rollout.max_inflight` samples running as a server does (`SampleSlots`, 
 free when that sample finishes, and a new group starts as soon as a group's worth of slots are free, whether or not
 the groups they came from still run. (Replacing only whole finished groups left each group's finished samples'
 slots idle until its longest one ended: 18.8k tokens/s on an H200 where the async job itself trained 23.5k; and
-single-sample requests read 17.4k where it trained 22.8k.) After --warmup-s, the completion tokens sampled over --seconds
-(finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
+single-sample requests read 17.4k where it trained 22.8k.) After --warmup-s, the completion tokens sampled over
+--seconds (finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
 
 A table, then `RESULT {json}` with `ceiling_tokens_per_s`; --out also writes that JSON to a file
 (scripts/bench_time_to_score.py reads it as the one-GPU ceiling). --start-only starts the engine and stops, measuring

@@ -43,7 +43,7 @@ def test_the_engine_starts_before_the_process_group_and_without_the_ranks_store(
 
     monkeypatch.setattr(rollout_servers.reference_sampler, "ReferenceSampler", Sampler)
     monkeypatch.setattr(learner.main, "learner_world", process_group)
-    monkeypatch.setattr(launch.commands.reference, "setup_logging", lambda *args: None)  # the root logger stays pytest's
+    monkeypatch.setattr(launch.commands.reference, "setup_logging", lambda *args: None)  # root logger stays pytest's
     code = _run_rank(load_config(None, ["metrics.wandb_mode=disabled"]), tmp_path, None, False, "reference", rank,
                      ranks, store_port=29511)
 
