@@ -114,7 +114,7 @@ def test_on_a_gpu_a_configured_micro_batch_still_needs_room_for_the_training_sta
     ("ipc", 1, 1, 0),  # only rank 0 holds them
 ])
 def test_the_weights_held_for_the_servers(backend, servers_beside, rank, copies, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what `auto` asks of a GPU learner's process
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # what `auto` asks of a GPU learner (`sees_cuda`)
     config = AsyncRLConfig()
     config.rollout.weight_sync.backend = backend
     model = torch.nn.Linear(4, 4)  # 20 weights, served in model.dtype (float32): 80 bytes

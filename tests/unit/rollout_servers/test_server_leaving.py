@@ -38,6 +38,8 @@ def test_a_server_told_the_job_finished_answers_that_it_leaves_and_stops(tmp_pat
     monkeypatch.setattr("rollout_servers.server.RewardScorer", lambda config: contextlib.nullcontext())
     monkeypatch.setattr("rollout_servers.server.freeze_startup_heap", lambda: None)  # not in the test process
     monkeypatch.setattr(RolloutServer, "_generate_until_stopped", generate_until_stopped)
+    stops_ignored = []  # in the server's own process its stop signals are ignored from then on, not in pytest's
+    monkeypatch.setattr("rollout_servers.server.ignore_stop_signals", lambda: stops_ignored.append(True))
 
     async def scenario() -> object:
         coordinator = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
@@ -57,3 +59,4 @@ def test_a_server_told_the_job_finished_answers_that_it_leaves_and_stops(tmp_pat
             coordinator.close(0)
 
     assert asyncio.run(scenario()) == ServerLeaving("server-0")
+    assert stops_ignored == [True], "a leaving server's teardown must not be cut by a second stop signal"
