@@ -15,7 +15,7 @@ import logging
 import multiprocessing.util
 import os
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from launch.commands.common import make_run_dir
 from asyncrl.config import AsyncRLConfig
@@ -26,6 +26,10 @@ from asyncrl.metrics import METRICS_FILE, MetricsLogger
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.stop_signal import interrupt_on_stop_signals, interrupt_once
 from launch.reference_loop import run
+
+if TYPE_CHECKING:
+    from learner.distributed import World
+    from rollout_servers.reference_sampler import ReferenceSampler
 
 ROLE = "reference"  # the process's name in its log lines and its log file: logs/reference.log, or reference<rank>.log
 
@@ -95,24 +99,12 @@ def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apa
     records. The exit code: 0, or INTERRUPTED after a stop signal."""
     log = logging.getLogger(__name__)
     setup_logging(role, config.run.log_level, run_dir / "logs" / f"{role}.log")
-    from asyncrl.weight_transfer.backends import group_backend  # imports the roles: after parsing
-    from learner.distributed import local_rank_environment
-    from learner.main import learner_world
-    from learner.reference_trainer import ReferenceTrainer
+    from learner.reference_trainer import ReferenceTrainer  # imports the roles: after parsing
     from learner.services.snapshots import SnapshotWriter
-    from rollout_servers.reference_sampler import ReferenceSampler
 
     try:
         with contextlib.ExitStack() as opened:  # closed in reverse order, whatever fails
-            # The engine first, while this process has not touched CUDA: vLLM then forks its engine core; after it
-            # (the process group's device), vLLM must spawn it, which imports torch and vLLM again (~20 s of a
-            # 44 s engine start on an H200, against 13 s for the async job's server).
-            sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=apart),
-                                             rank, ranks)
-            opened.callback(sampler.close)
-            if ranks > 1:  # after the engine's processes started: they must not meet at the ranks' store
-                os.environ.update(local_rank_environment(rank, ranks, store_port))
-            world = opened.enter_context(learner_world(config))
+            world, sampler = _engine_and_world(opened, config, engine_gpus, apart, rank, ranks, store_port)
             trainer = ReferenceTrainer.load(config, world)  # after the engine: micro-batches fit the memory it left
             metrics = (opened.enter_context(contextlib.closing(
                 MetricsLogger(run_dir, config.metrics, dataclasses.asdict(config)))) if world.is_main else None)
@@ -125,3 +117,35 @@ def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apa
         return INTERRUPTED
     log.info("trained to version %d", version)
     return 0
+
+
+def _engine_and_world(opened: contextlib.ExitStack, config: AsyncRLConfig, engine_gpus: EngineGpus, apart: bool,
+                      rank: int, ranks: int, store_port: int) -> tuple[World, ReferenceSampler]:
+    """This rank's process group and its started engine, both closed by `opened`. The engine first where its GPU is
+    the only one this process sees (one rank beside its engine): vLLM then forks the engine's core, where after this
+    process opened CUDA (its process group's device) it must spawn it, importing torch and vLLM again (~20 s of a 44 s
+    start on an H200). Elsewhere the process group first: the engine's processes see only its GPUs
+    (`_visible_to_children`), and this process, had it opened CUDA while they started, would see only those too."""
+    from asyncrl.weight_transfer.backends import group_backend
+    from learner.distributed import local_rank_environment
+    from learner.main import learner_world
+    from rollout_servers.reference_sampler import ReferenceSampler
+
+    def start_engine() -> ReferenceSampler:
+        sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=apart), rank, ranks)
+        opened.callback(sampler.close)
+        return sampler
+
+    def join_world() -> World:
+        if ranks > 1:
+            os.environ.update(local_rank_environment(rank, ranks, store_port))
+        world = opened.enter_context(learner_world(config))
+        for key in local_rank_environment(0, 1, 0):  # the engine's processes must not meet at the ranks' store
+            os.environ.pop(key, None)
+        return world
+
+    if ranks == 1 and not apart:
+        sampler = start_engine()
+        return join_world(), sampler
+    world = join_world()
+    return world, start_engine()

@@ -1,7 +1,9 @@
-"""A rank of the synchronous reference starts its engine before its own process group: on a GPU the group opens
-CUDA in the process, after which vLLM can no longer fork its engine core and spawns it instead (importing torch and
-vLLM again: 21.5 s against 8.7 s for a tiny engine's start on an H200). The engine's processes must not see the
-ranks' store either, which the rank joins after. Stand-ins for the engine and the group record the order."""
+"""A rank of the synchronous reference alone beside its engine starts the engine before its process group: on a GPU
+the group opens CUDA in the process, after which vLLM can no longer fork its engine core and spawns it instead
+(importing torch and vLLM again: 21.5 s against 8.7 s for a tiny engine's start on an H200). Where the engine has GPUs
+of its own or ranks are several, the group comes first: the engine's processes see only its GPUs, and the rank must
+have its own view before. Either way the engine's processes never see the ranks' store. Stand-ins for the engine and
+the group record the order."""
 
 import os
 from contextlib import contextmanager
@@ -16,19 +18,28 @@ from asyncrl.exit_codes import INTERRUPTED
 from launch.commands.reference import _run_rank
 
 RANK_STORE_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+STORE_PORT = 29511
 
 
-@pytest.mark.parametrize("rank, ranks", [(0, 1), (1, 2)])
-def test_the_engine_starts_before_the_process_group_and_without_the_ranks_store(monkeypatch, tmp_path, rank, ranks):
+@pytest.mark.parametrize("rank, ranks, apart, order", [
+    (0, 1, False, ["engine", "group"]),  # one GPU, shared: the engine forks its core
+    (0, 1, True, ["group", "engine"]),  # the engine on a GPU of its own
+    (1, 2, False, ["group", "engine"]),  # colocated ranks: each engine on its rank's GPU of several
+])
+def test_the_engine_and_the_process_group_start_in_the_order_that_keeps_each_on_its_gpus(monkeypatch, tmp_path, rank,
+                                                                                         ranks, apart, order):
     for key in RANK_STORE_KEYS:
         monkeypatch.setenv(key, "")  # noted, so that the rank's own values go with the test
         monkeypatch.delenv(key)
     seen: list[tuple[str, dict[str, str]]] = []
 
+    def rank_store() -> dict[str, str]:
+        return {key: os.environ[key] for key in RANK_STORE_KEYS if key in os.environ}
+
     class Sampler:
         @classmethod
         def start(cls, config, gpus, backend, started_rank, started_ranks):
-            seen.append(("engine", {key: os.environ[key] for key in RANK_STORE_KEYS if key in os.environ}))
+            seen.append(("engine", rank_store()))
             assert (started_rank, started_ranks) == (rank, ranks)
             return cls()
 
@@ -37,22 +48,29 @@ def test_the_engine_starts_before_the_process_group_and_without_the_ranks_store(
 
     @contextmanager
     def process_group(config):
-        seen.append(("group", {key: os.environ[key] for key in RANK_STORE_KEYS if key in os.environ}))
-        raise KeyboardInterrupt  # stop the rank here: what follows needs a real policy
-        yield
+        seen.append(("group", rank_store()))
+        try:
+            yield
+        finally:
+            seen.append(("group left", {}))
+
+    def stop_before_the_policy(config, world):
+        raise KeyboardInterrupt  # what follows needs a real policy
 
     monkeypatch.setattr(rollout_servers.reference_sampler, "ReferenceSampler", Sampler)
     monkeypatch.setattr(learner.main, "learner_world", process_group)
+    monkeypatch.setattr("learner.reference_trainer.ReferenceTrainer.load", stop_before_the_policy)
     monkeypatch.setattr(launch.commands.reference, "setup_logging", lambda *args: None)  # root logger stays pytest's
-    code = _run_rank(load_config(None, ["metrics.wandb_mode=disabled"]), tmp_path, None, False, "reference", rank,
-                     ranks, store_port=29511)
+    code = _run_rank(load_config(None, ["metrics.wandb_mode=disabled"]), tmp_path, None, apart, "reference", rank, ranks,
+                     store_port=STORE_PORT)
 
     assert code == INTERRUPTED
-    assert [step for step, _ in seen] == ["engine", "group", "engine closed"]
-    assert seen[0][1] == {}, "the engine's processes would meet at the ranks' store"
-    group_environment = seen[1][1]
+    assert [step for step, _ in seen[:2]] == order
+    assert sorted(step for step, _ in seen[2:]) == ["engine closed", "group left"]
+    environment = dict(seen[:2])
+    assert environment["engine"] == {}, "the engine's processes would meet at the ranks' store"
     if ranks > 1:
-        assert (group_environment["RANK"], group_environment["WORLD_SIZE"], group_environment["MASTER_PORT"]) == (
-            str(rank), str(ranks), "29511")
+        store = environment["group"]
+        assert (store["RANK"], store["WORLD_SIZE"], store["MASTER_PORT"]) == (str(rank), str(ranks), str(STORE_PORT))
     else:
-        assert group_environment == {}
+        assert environment["group"] == {}
