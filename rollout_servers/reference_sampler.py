@@ -208,8 +208,9 @@ class ReferenceSampler:
 
 @contextlib.contextmanager
 def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
-    """Processes started inside (vLLM's engine core and workers) see only `gpus`. This one must not open CUDA inside:
-    it would see only them too (the reference opens it after its engine started)."""
+    """Processes started inside (vLLM's engine core and workers) see only `gpus`. This one keeps the view of a CUDA
+    context it opened before; without one it must not open CUDA inside, or it would see only `gpus` too (the reference
+    starts its engine first only where `gpus` is all it sees)."""
     if gpus is None:
         yield
         return

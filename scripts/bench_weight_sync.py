@@ -63,6 +63,7 @@ from asyncrl.net import free_port
 from asyncrl.weight_transfer import GroupAddress, TransferGroup, update_info_for, weight_backend, weights_for_transfer
 from asyncrl.weight_transfer.backends import GLOO, IPC, NCCL
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
+from rollout_servers.cancelled import cancel_and_wait
 
 SPAWN = multiprocessing.get_context("spawn")  # CUDA and vLLM both need fresh processes
 HOST = "127.0.0.1"
@@ -231,9 +232,7 @@ async def _serve_engine(args: argparse.Namespace, commands, results) -> None:
                 measured = dict(phases)  # this round's, before the next round's overwrite them
                 load_paths = None if lora else (await engine.llm.collective_rpc(weight_load_paths))[0]
                 results.put((pause_s, measured, load_paths))
-    for task in background:
-        task.cancel()
-    await asyncio.gather(*background, return_exceptions=True)
+    await cancel_and_wait(background)
     engine.shutdown()
 
 

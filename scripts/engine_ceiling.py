@@ -34,6 +34,7 @@ from typing import Any
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
+from rollout_servers.cancelled import cancel_and_wait
 from rollout_servers.sample_slots import SampleSlots
 
 PROMPT_SEED = 0  # the order the training prompts are drawn in
@@ -121,9 +122,7 @@ async def keep_full(engine: Any, prompts: list[list[int]], sampling: Any, in_fli
         window_s, tokens = time.perf_counter() - window_start, sampled() - tokens_start
         in_flight_at_end = engine.inflight_requests
     finally:
-        for task in (filler, *groups):
-            task.cancel()
-        await asyncio.gather(filler, *groups, return_exceptions=True)
+        await cancel_and_wait([filler, *groups])
     if failed:  # the engine was not kept full: the rate would understate it
         raise RuntimeError(f"{len(failed)} groups failed while the engine was kept full") from failed[0]
     finished = lengths[finished_start:]
