@@ -22,7 +22,8 @@ Per run, from metrics.jsonl and evaluation.jsonl:
                    `response_length/generated_mean`; the synchronous run trains all it generates: 1)
   learner share    the synchronous step's share spent training (`timing_s/train` / `timing_s/step`)
   engine start     seconds the job's engine took to start (the slowest one's, from its role's log; in the run's
-                   .launch.json): about 20 s on an H200 from a warm compile cache, 60 s when it compiled
+                   .launch.json): 13-25 s on an H200 from a warm compile cache; a compile, or an engine core
+                   spawned rather than forked, adds 20-40 s
 Per mode, the seeds' mean curve (score and made-at time averaged per version). The target is --target-fraction of
 the way from the start score (version 0's, the same model in both modes) to the lower of the two modes' best mean
 score (or --target); a mode's time to score is the mean made-at time of the first version whose mean score reaches
