@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import ended_normally, freeze_startup_heap
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
@@ -73,6 +74,22 @@ def warn_if_updates_round_away(config: AsyncRLConfig) -> None:
     log.warning("learner.master_dtype=%s: an optimizer step smaller than %.1e times a weight is rounded away "
                 "(AdamW moves each weight by about learner.lr=%g); float32 keeps every step",
                 config.learner.master_dtype, resolution, config.learner.lr)
+
+
+def rank_in_this_process(config: AsyncRLConfig, run_dir: Path, buffer_command: Sequence[str]) -> int:
+    """The only rank of a one-rank learner, trained in the `asyncrl learner` process itself: a spawned rank starts
+    a fresh interpreter and imports torch and the learner again, which this process has already done (on a 2-core
+    box the learner's addresses, which the servers wait for, came 10 s after launch instead of 6 s). SIGTERM is taken like Ctrl-C, once, as in a spawned rank. Returns 0, INTERRUPTED
+    after a stop signal, or 1 after an error (its traceback in the rank's log, one line on the console)."""
+    interrupt_once()
+    try:
+        train(config, run_dir, buffer_command)
+    except KeyboardInterrupt:  # `train` closed the services on its way out; the command says it was stopped
+        return INTERRUPTED
+    except Exception as error:
+        log.exception("learner rank 0 failed: %s: %s", type(error).__name__, error)
+        return 1
+    return 0
 
 
 def spawned_rank(rank: int, size: int, port: int, config: AsyncRLConfig, run_dir: str,

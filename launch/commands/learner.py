@@ -1,4 +1,5 @@
-"""`asyncrl learner`: train. Spawns learner.nproc local ranks, or joins the world torchrun gives."""
+"""`asyncrl learner`: train. One rank trains in this process; more are spawned (learner.nproc local ranks); or this
+process joins the world torchrun gives."""
 
 from __future__ import annotations
 
@@ -41,11 +42,14 @@ def main(args: argparse.Namespace) -> int:
         ended_normally()
         return 0
     if plan is not None:
-        pin(plan.learner)  # the ranks (spawned below) see their GPUs as 0..nproc-1
-    from learner.main import spawned_rank
+        pin(plan.learner)  # the ranks see their GPUs as 0..nproc-1 (CUDA is first opened after this, by a rank)
+    from learner.main import rank_in_this_process, spawned_rank
 
-    code = spawn_ranks(spawned_rank, (config, str(run_dir), COMMAND_LINE), config.learner.nproc, str(run_dir),
-                       "learner", log)
+    if config.learner.nproc == 1:
+        code = rank_in_this_process(config, run_dir, COMMAND_LINE)
+    else:
+        code = spawn_ranks(spawned_rank, (config, str(run_dir), COMMAND_LINE), config.learner.nproc, str(run_dir),
+                           "learner", log)
     if code == INTERRUPTED:
         log.warning("stopped by a signal: the ranks closed their services and exited")
     print(f"RUN_DIR {run_dir}", flush=True)

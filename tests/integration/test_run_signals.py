@@ -118,14 +118,14 @@ def sigkill_job(inputs: Path, tmp: Path) -> None:
         _wait_for(lambda: _trained_a_step(run_dir), run, "first training step", _console(tmp, "sigkill"))
         tree = descendants(run.pid)
         names = _described(tree)
-        # the ends of the chains: the learner's buffer; the server's engine core; spawned processes: the learner
-        # rank, the server and its reward worker(s); the resource trackers of `asyncrl learner` and of the rollout
-        # supervisor (multiprocessing's, without a parent-death signal: each ends when the last process holding
-        # its pipe, the spawned ones below its starter, has gone)
+        # the ends of the chains: the learner's buffer (its one rank trains in `asyncrl learner` itself); the
+        # server's engine core; spawned processes: the server and its reward workers; the rollout supervisor's
+        # resource tracker (multiprocessing's, without a parent-death signal: it ends when the last process holding
+        # its pipe, the spawned ones below the supervisor, has gone)
         assert any("launch.cli buffer" in name for name in names), names
         assert any("VLLM::EngineCore" in name for name in names), names
         assert sum("multiprocessing.spawn" in name for name in names) >= 3, names
-        assert sum("multiprocessing.resource_tracker" in name for name in names) >= 2, names
+        assert sum("multiprocessing.resource_tracker" in name for name in names) >= 1, names
         run.kill()  # nothing of asyncrl's runs now to stop the children: the kernel does, one generation at a time
         run.wait()
         _check_gone(tree)
