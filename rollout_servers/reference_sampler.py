@@ -96,11 +96,20 @@ class ReferenceSampler:
         NCCL to GPUs of its own, gloo without a GPU), joined at the first load. `rank` of `ranks`: the share of each
         step's prompts it samples (`rank_share`)."""
         loop = asyncio.new_event_loop()
-        with _visible_to_children(gpus):
-            engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0,
-                                                                 lora=config.model.lora,
-                                                                 gpu_memory_gib=config.run.gpu_memory_gib))
-        return cls(config, loop, engine, backend, backend.sending_end(), RewardScorer(config.reward), rank, ranks)
+        scorer = RewardScorer(config.reward, wait_ready=False)  # its workers import while the engine starts
+        engine: RolloutEngine | None = None
+        try:
+            with _visible_to_children(gpus):
+                engine = loop.run_until_complete(RolloutEngine.start(config.model.path, config.rollout, version=0,
+                                                                     lora=config.model.lora,
+                                                                     gpu_memory_gib=config.run.gpu_memory_gib))
+            scorer.wait_ready()
+            return cls(config, loop, engine, backend, backend.sending_end(), scorer, rank, ranks)
+        except BaseException:  # nothing is the caller's to close yet
+            scorer.close()
+            if engine is not None:
+                engine.shutdown()
+            raise
 
     @property
     def tokenizer(self) -> Any:

@@ -92,21 +92,26 @@ class RolloutServer:
 
     async def serve(self) -> None:
         engine: RolloutEngine | None = None
-        try:
-            # vLLM's start swallows the KeyboardInterrupt of a stop (see `stop_signals_held`) and goes on to a running
-            # engine: a server stopped meanwhile would join weight sync and generate. Held, the stop is acted on as the
-            # start ends, before the server reaches the learner or the buffer.
-            with stop_signals_held():
-                engine = await RolloutEngine.start(self.config.model.path, self.config.rollout, version=0,
-                                                   lora=self.config.model.lora,
-                                                   gpu_memory_gib=self.config.run.gpu_memory_gib, process_is_fresh=True)
-            await self._serve_with(engine)
-        finally:
-            if engine is not None:
-                engine.shutdown()
+        # The reward workers are spawned first and import while the engine starts: waited for after it, they took
+        # seconds between the engine's start and the server's joining weight sync.
+        with RewardScorer(self.config.reward, wait_ready=False) as scorer:
+            try:
+                # vLLM's start swallows the KeyboardInterrupt of a stop (see `stop_signals_held`) and goes on to a
+                # running engine: a server stopped meanwhile would join weight sync and generate. Held, the stop is
+                # acted on as the start ends, before the server reaches the learner or the buffer.
+                with stop_signals_held():
+                    engine = await RolloutEngine.start(self.config.model.path, self.config.rollout, version=0,
+                                                       lora=self.config.model.lora,
+                                                       gpu_memory_gib=self.config.run.gpu_memory_gib,
+                                                       process_is_fresh=True)
+                scorer.wait_ready()
+                await self._serve_with(engine, scorer)
+            finally:
+                if engine is not None:
+                    engine.shutdown()
 
-    async def _serve_with(self, engine: RolloutEngine) -> None:
-        """Generate with the started `engine` until stopped, in step with the learner's weights."""
+    async def _serve_with(self, engine: RolloutEngine, scorer: RewardScorer) -> None:
+        """Generate with the started `engine` until stopped, in step with the learner's weights, scored by `scorer`."""
         rollout = self.config.rollout
         agent = AgentLoop(engine, self.tokenizer, self.environments, self.config.environment,
                           rollout.engine.max_model_len, self.thinking)
@@ -127,14 +132,13 @@ class RolloutServer:
         chat = None
         try:
             chat = await self._start_chat(engine, producer)
-            with RewardScorer(self.config.reward) as scorer:
-                validation = self._start_validation(engine, scorer, agent)
-                freeze_startup_heap()  # vLLM, torch and the engine's front end: a full collection would stall the loop
-                try:
-                    await self._generate_forever(engine, agent, admission, producer, scorer)
-                finally:
-                    if validation is not None:
-                        await cancel(validation)
+            validation = self._start_validation(engine, scorer, agent)
+            freeze_startup_heap()  # vLLM, torch and the engine's front end: a full collection would stall the loop
+            try:
+                await self._generate_forever(engine, agent, admission, producer, scorer)
+            finally:
+                if validation is not None:
+                    await cancel(validation)
         finally:
             if chat is not None:
                 await chat.stop()

@@ -106,7 +106,9 @@ class ScoringPool:
     with a failure (exception, timeout, dead worker, pool closed).
     """
 
-    def __init__(self, spec: RewardSpec, num_workers: int, timeout_s: float) -> None:
+    def __init__(self, spec: RewardSpec, num_workers: int, timeout_s: float, wait_ready: bool = True) -> None:
+        """`wait_ready`: return once the workers are ready (`wait_ready()`); False returns as soon as they are
+        spawned, and requests wait in the queue until `wait_ready()` is called (the workers import meanwhile)."""
         self._context = multiprocessing.get_context("spawn")
         self._spec = spec
         self._timeout_s = timeout_s
@@ -117,10 +119,24 @@ class ScoringPool:
         self._last_start_error = ""
         self._wake_reader, self._wake_writer = self._open_wake_pipe()
         self._workers: list[_Worker] = []
+        self._thread: threading.Thread | None = None  # the dispatcher, once the workers are ready
         try:
-            self._start_workers(num_workers)
+            self._workers += [self._spawn() for _ in range(num_workers)]
         except BaseException:
-            self._close_wake_pipe()
+            self._abandon()
+            raise
+        if wait_ready:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every worker has loaded the reward function, then start handing out requests; raise
+        WorkerStartError with a worker's own error (the pool is closed then). Does nothing once the pool runs."""
+        if self._thread is not None:
+            return
+        try:
+            self._await_workers()
+        except BaseException:
+            self._abandon()
             raise
         self._thread = threading.Thread(target=self._dispatch_loop, name="asyncrl-reward-dispatch", daemon=True)
         self._thread.start()
@@ -144,6 +160,9 @@ class ScoringPool:
 
     def close(self) -> None:
         """Fail what is still queued or running, stop the workers and the dispatcher. Idempotent."""
+        if self._thread is None:  # never ready: no dispatcher to stop them
+            self._abandon()
+            return
         with self._lock:
             if not self._closing:
                 self._closing = True
@@ -161,21 +180,29 @@ class ScoringPool:
     def _spawn(self) -> _Worker:
         return _Worker(self._context, next(self._names), self._spec)
 
-    def _start_workers(self, num_workers: int) -> None:
-        """Spawn the workers and block until each has loaded the reward function; raise with its error."""
+    def _await_workers(self) -> None:
+        """Block until each spawned worker has loaded the reward function; raise with its error."""
         deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-        try:
-            self._workers += [self._spawn() for _ in range(num_workers)]
-            while starting := [worker for worker in self._workers if not worker.ready]:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WorkerStartError(f"reward workers not ready after {WORKER_START_TIMEOUT_S:g}s")
-                for conn in wait([worker.conn for worker in starting], timeout=remaining):
-                    self._receive_start_message(next(worker for worker in starting if worker.conn is conn))
-        except BaseException:
-            for worker in self._workers:
-                worker.kill()
-            raise
+        while starting := [worker for worker in self._workers if not worker.ready]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerStartError(f"reward workers not ready after {WORKER_START_TIMEOUT_S:g}s")
+            for conn in wait([worker.conn for worker in starting], timeout=remaining):
+                self._receive_start_message(next(worker for worker in starting if worker.conn is conn))
+
+    def _abandon(self) -> None:
+        """Before any dispatching (a failed start, or closed unused): fail what was queued, kill the workers,
+        close the wake pipe. Idempotent."""
+        with self._lock:
+            if self._wake_reader < 0:
+                return
+            self._closing = True
+        self._fail_pending("the reward scoring pool is closed")
+        for worker in self._workers:
+            worker.kill()
+        self._workers.clear()
+        with self._lock:
+            self._close_wake_pipe()
 
     def _receive_start_message(self, worker: _Worker) -> None:
         try:

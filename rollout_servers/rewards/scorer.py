@@ -26,9 +26,15 @@ class RewardScorer:
     error set); scoring never raises for one bad sample. Use as a context manager, or call `close()`.
     """
 
-    def __init__(self, config: RewardConfig) -> None:
+    def __init__(self, config: RewardConfig, wait_ready: bool = True) -> None:
+        """`wait_ready=False` returns once the workers are spawned: they import while the caller starts its engine,
+        and scoring begins at `wait_ready()`."""
         check_reward_setup(config, data_sources=())  # a custom function that does not load fails here, not in a worker
-        self._pool = ScoringPool(RewardSpec.from_config(config), config.num_workers, config.timeout_s)
+        self._pool = ScoringPool(RewardSpec.from_config(config), config.num_workers, config.timeout_s, wait_ready)
+
+    def wait_ready(self) -> None:
+        """Block until the workers have loaded the reward function (WorkerStartError with their error)."""
+        self._pool.wait_ready()
 
     def submit(self, request: RewardRequest) -> Future[RewardResult]:
         """Queue one request without waiting; the future always completes, with a result or a failure."""

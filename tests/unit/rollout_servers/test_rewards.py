@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from asyncrl.config.sections import CustomRewardConfig, RewardConfig
@@ -321,8 +322,8 @@ def test_closing_fails_queued_requests_and_refuses_new_ones():
         scorer.submit(request("42"))
 
 
-def test_a_function_that_cannot_load_in_the_worker_fails_startup(tmp_path, monkeypatch):
-    # the parent loads it fine; the file then changes under the workers' feet
+def breaking_once_loaded(tmp_path: Path, monkeypatch) -> Path:
+    """A reward file the parent loads fine, which then changes under the workers' feet (they cannot load it)."""
     reward_file = tmp_path / "flaky_reward.py"
     reward_file.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n")
     import rollout_servers.rewards.scorer as scorer_module
@@ -334,6 +335,11 @@ def test_a_function_that_cannot_load_in_the_worker_fails_startup(tmp_path, monke
         return function
 
     monkeypatch.setattr(scorer_module, "load_reward", load_then_break)
+    return reward_file
+
+
+def test_a_function_that_cannot_load_in_the_worker_fails_startup(tmp_path, monkeypatch):
+    reward_file = breaking_once_loaded(tmp_path, monkeypatch)
     with pytest.raises(WorkerStartError, match="could not load the reward function.*RuntimeError: gone"):
         RewardScorer(custom_config("compute_score", path=reward_file))
 
@@ -352,3 +358,53 @@ def test_when_no_worker_can_be_replaced_requests_fail_instead_of_waiting(tmp_pat
         assert hung.result(timeout=TIMEOUT_S + SLACK_S).error == f"timeout after {TIMEOUT_S:g}s"
         stranded = scorer.submit(request("42"))
         assert "no reward workers left: RewardFunctionError" in stranded.result(timeout=REPLACEMENT_WAIT_S).error
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers spawned first, waited for later (a server's engine starts in between)
+
+def _workers(scorer: RewardScorer) -> set[int]:
+    """The pids of the scorer's worker processes (this module's other scorers spawn replacements of their own)."""
+    return {worker.process.pid for worker in scorer._pool._workers}
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
+
+
+def test_requests_wait_for_workers_spawned_without_waiting_and_are_scored_once_they_are_ready():
+    scorer = RewardScorer(custom_config("misbehaving_reward"), wait_ready=False)
+    try:
+        assert len(_alive(_workers(scorer))) == NUM_WORKERS  # spawned, importing
+        queued = scorer.submit(request("42"))
+        assert not queued.done()  # no dispatcher runs before the workers are waited for
+        scorer.wait_ready()
+        scorer.wait_ready()  # once is enough: a second call changes nothing
+        assert queued.result(timeout=REPLACEMENT_WAIT_S).score == 1.0
+        assert scorer.score([request("41"), request("42")])[1].score == 1.0
+    finally:
+        scorer.close()
+
+
+def test_a_function_that_cannot_load_in_the_worker_fails_the_wait_and_the_queue(tmp_path, monkeypatch):
+    reward_file = breaking_once_loaded(tmp_path, monkeypatch)
+    scorer = RewardScorer(custom_config("compute_score", path=reward_file), wait_ready=False)  # no error yet
+    spawned = _workers(scorer)
+    queued = scorer.submit(request("42"))
+    with pytest.raises(WorkerStartError, match="could not load the reward function.*RuntimeError: gone"):
+        scorer.wait_ready()
+    assert queued.result(timeout=0) == RewardResult.failure("the reward scoring pool is closed")
+    assert spawned and not _alive(spawned)
+    scorer.close()  # after a failed wait: nothing left to close, and no error
+
+
+def test_closing_a_pool_never_waited_for_stops_its_workers_and_fails_its_queue():
+    scorer = RewardScorer(custom_config("misbehaving_reward"), wait_ready=False)
+    spawned = _workers(scorer)
+    queued = scorer.submit(request("42"))
+    scorer.close()
+    scorer.close()
+    assert queued.result(timeout=0) == RewardResult.failure("the reward scoring pool is closed")
+    assert spawned and not _alive(spawned)
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.submit(request("42"))

@@ -6,7 +6,6 @@ reward scorer and the generation loop are stood in; the learner's coordinator is
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import zmq
 import zmq.asyncio
@@ -35,7 +34,6 @@ async def generate_until_stopped(self: RolloutServer, *args: object) -> None:
 
 
 def test_a_server_told_the_job_finished_answers_that_it_leaves_and_stops(tmp_path, monkeypatch):
-    monkeypatch.setattr("rollout_servers.server.RewardScorer", lambda config: contextlib.nullcontext())
     monkeypatch.setattr("rollout_servers.server.freeze_startup_heap", lambda: None)  # not in the test process
     monkeypatch.setattr(RolloutServer, "_generate_until_stopped", generate_until_stopped)
     stops_ignored = []  # in the server's own process its stop signals are ignored from then on, not in pytest's
@@ -47,7 +45,7 @@ def test_a_server_told_the_job_finished_answers_that_it_leaves_and_stops(tmp_pat
         coordinator.bind("tcp://127.0.0.1:0")
         server = build_server(tmp_path)
         server.endpoints = Endpoints(buffer="tcp://127.0.0.1:1", sync=coordinator.getsockopt_string(zmq.LAST_ENDPOINT))
-        serving = asyncio.ensure_future(server._serve_with(IdleEngine()))
+        serving = asyncio.ensure_future(server._serve_with(IdleEngine(), scorer=None))  # nothing is scored
         try:
             identity, _ = await first_heartbeat(coordinator)
             await coordinator.send_multipart([identity, encode(JobFinished(FINAL_VERSION))])

@@ -8,10 +8,12 @@ interrupt is vLLM's own, and the stop is handled as the server's process handles
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import pytest
 import zmq
 from vllm.utils.network_utils import zmq_socket_ctx
@@ -39,6 +41,16 @@ def stopped_while_starting(handshake: Path, signum: int, outcome: Callable[[], S
             signal.raise_signal(signum)  # the supervisor stops the server (SIGTERM), or a Ctrl-C reaches it (SIGINT)
         return outcome()
     return start
+
+
+def spawned_children() -> set[int]:
+    """This process's children that multiprocessing spawned to run a target (not its resource tracker)."""
+    found = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):  # gone, or a zombie, meanwhile
+            if "spawn_main" in " ".join(child.cmdline()):
+                found.add(child.pid)
+    return found
 
 
 def never_reached(what: str) -> Callable[..., None]:
@@ -70,9 +82,11 @@ def test_a_server_stopped_while_its_engine_starts_shuts_the_started_engine_down_
     engine = StartedEngine()
     monkeypatch.setattr("rollout_servers.server.RolloutEngine.start",
                         stopped_while_starting(tmp_path / "handshake", signum, lambda: engine))
+    before = spawned_children()
     with pytest.raises(KeyboardInterrupt):
         asyncio.run(server.serve())
     assert engine.shut_down
+    assert not spawned_children() - before, "the reward workers, spawned as the start began, are stopped"
     assert all(signal.getsignal(stop_signal) is signal.SIG_IGN for stop_signal in STOP_SIGNALS), \
         "the teardown of a stopped server is not interrupted by a second stop (interrupt_once)"
 
