@@ -79,8 +79,9 @@ def warn_if_updates_round_away(config: AsyncRLConfig) -> None:
 def rank_in_this_process(config: AsyncRLConfig, run_dir: Path, buffer_command: Sequence[str]) -> int:
     """The only rank of a one-rank learner, trained in the `asyncrl learner` process itself: a spawned rank starts
     a fresh interpreter and imports torch and the learner again, which this process has already done (on a 2-core
-    box the learner's addresses, which the servers wait for, came 10 s after launch instead of 6 s). SIGTERM is taken like Ctrl-C, once, as in a spawned rank. Returns 0, INTERRUPTED
-    after a stop signal, or 1 after an error (its traceback in the rank's log, one line on the console)."""
+    box the learner's addresses, which the servers wait for, came 10 s after launch instead of 6 s). SIGTERM is
+    taken like Ctrl-C, once, as in a spawned rank. Returns 0, INTERRUPTED after a stop signal, or 1 after an error
+    (its traceback in the rank's log, one line on the console)."""
     interrupt_once()
     try:
         train(config, run_dir, buffer_command)
