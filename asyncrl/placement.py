@@ -19,14 +19,13 @@ two ranks on one GPU), `ipc` apart (`asyncrl.weight_transfer.backends`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Collection
 
 from asyncrl.config import AsyncRLConfig, ConfigError
+from asyncrl.gpu_ids import listed_server_gpus, visible_gpus
 from asyncrl.weight_transfer.backends import IPC, alternatives, named, weight_backend
 
-VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory budget the servers take together; the learner gets the rest
 APART, SHARED = "apart", "shared"  # rollout.placement: no server beside the learner; at least one
 
@@ -178,18 +177,6 @@ def _check_sharing(plan: Plan, mode: str) -> None:
                              "list one of learner.gpus in rollout.gpus, or set rollout.placement=auto")
 
 
-def visible_gpus() -> list[int]:
-    """Physical ids of the GPUs this process may use (CUDA_VISIBLE_DEVICES, else every GPU torch counts)."""
-    import torch
-
-    count = torch.cuda.device_count()
-    listed = os.environ.get(VISIBLE_DEVICES)
-    if listed is None:
-        return list(range(count))
-    ids = [int(part) for part in listed.split(",") if part.strip().isdigit()]
-    return ids[:count]
-
-
 def server_places(config: AsyncRLConfig, plan: Plan) -> tuple[ServerPlace, ...]:
     """Each server's place in `plan`: its GPUs, the backend it receives the weights on (PlacementError, naming the
     server and the key, where `rollout.weight_sync.backend` does not work there) and its engine's memory share."""
@@ -300,9 +287,7 @@ def servers_on_learner_gpu(config: AsyncRLConfig) -> tuple[int, float]:
 def listed_plan(config: AsyncRLConfig) -> Plan:
     """The plan `learner.gpus` and `rollout.gpus` name as they are (empty where a list is): what `asyncrl run` hands
     its roles and what a run directory's config.yaml keeps."""
-    tp = config.rollout.engine.tensor_parallel_size
-    listed = config.rollout.gpus
-    return Plan(tuple(config.learner.gpus), tuple(tuple(listed[i:i + tp]) for i in range(0, len(listed), tp)))
+    return Plan(tuple(config.learner.gpus), listed_server_gpus(config))
 
 
 def check_ray_placement(config: AsyncRLConfig) -> None:
@@ -336,11 +321,6 @@ def write_lists(config: AsyncRLConfig, plan: Plan) -> None:
     """Make `config` name the plan's GPUs as explicit lists (`as_overrides` in place): what the roles read to know
     which of them share a GPU."""
     config.learner.gpus, config.rollout.gpus = list(plan.learner), plan.server_gpus
-
-
-def pin(gpus: tuple[int, ...] | list[int]) -> None:
-    """Make only `gpus` visible to this process and its children (before CUDA is first used)."""
-    os.environ[VISIBLE_DEVICES] = ",".join(str(gpu) for gpu in gpus)
 
 
 def _checked(gpus: list[int], count: int, key: str, count_key: str, visible: list[int], group: int,

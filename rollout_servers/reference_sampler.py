@@ -32,7 +32,7 @@ from asyncrl.data import PromptMixture, PromptRow, encode_prompt
 from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from asyncrl.net import LOOPBACK
-from asyncrl.placement import VISIBLE_DEVICES
+from asyncrl.gpu_ids import VISIBLE_DEVICES
 from asyncrl.thinking import Thinking
 from asyncrl.validation_scores import VERSION_KEY, decode_outcomes, encode_outcomes
 from rollout_servers.rewards import RewardRequest, RewardScorer

@@ -2,10 +2,11 @@
 
 A server's process spends many seconds importing vLLM before it can start an engine (20 s on an H200 host), and
 `asyncrl rollout` used to start it only once the learner was up (its addresses known, its settings adopted): the
-two waits added up at every job's start. Now the rollout starts one process per server at once, pinned to the GPUs
-the config already names; it imports while the learner starts, then waits for what it serves (the adopted config,
-the learner's endpoints, its place), which the supervisor sends at that server's first start. The engine itself
-still starts only then, after the learner has taken its GPU memory, in the same order as before.
+two waits added up at every job's start. Now the rollout starts one process per server at once (before it imports
+torch itself: nothing this module imports loads it), pinned to the GPUs the config already names; it imports while
+the learner starts, then waits for what it serves (the adopted config, the learner's endpoints, its place), which
+the supervisor sends at that server's first start. The engine itself still starts only then, after the learner has
+taken its GPU memory, in the same order as before.
 
 Where the config does not name the servers' GPUs yet (a GPU machine without `rollout.gpus`: only the plan made
 after adoption can say), no process is started early. A warm process whose GPUs differ from the server's final
@@ -21,12 +22,15 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.gpu_ids import listed_server_gpus, pin, visible_gpus
 from asyncrl.parent_death import die_with_spawning_parent
-from asyncrl.placement import ServerPlace, listed_plan, pin, visible_gpus
 from rollout_servers.learner_wait import Endpoints
+
+if TYPE_CHECKING:  # the placement imports torch: this module is imported before the rollout command imports it
+    from asyncrl.placement import ServerPlace
 
 NOT_FINISHED = -1  # the job-end value while the learner has not announced its final step
 Gpus = tuple[int, ...] | None  # a server process's pinned GPUs (None: none pinned)
@@ -96,7 +100,7 @@ def named_gpus(config: AsyncRLConfig) -> list[Gpus] | None:
     plan can say (GPUs visible, `rollout.gpus` empty)."""
     servers = config.rollout.num_servers
     if config.rollout.gpus:
-        places = listed_plan(config).servers
+        places = listed_server_gpus(config)
         return list(places) if len(places) == servers else None  # a wrong count: the plan refuses it, by name
     return [None] * servers if not visible_gpus() else None
 

@@ -27,7 +27,8 @@ from asyncrl.exit_codes import CANNOT_START, LEARNER_MOVED
 from asyncrl.stop_signal import StopSignal, ignore_stop_signals, interrupt_once
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
-from asyncrl.placement import ServerPlace, pin
+from asyncrl.gpu_ids import pin
+from asyncrl.placement import ServerPlace
 from asyncrl.restarts import GiveUp, QuickDeaths
 from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 from rollout_servers.learner_wait import Endpoints, LearnerFinished, LearnerMoved

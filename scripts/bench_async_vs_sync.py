@@ -63,7 +63,7 @@ from pathlib import Path
 from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import load_prompt_file
-from asyncrl.placement import visible_gpus
+from asyncrl.gpu_ids import visible_gpus
 
 JOB_TIMEOUT_S = 900  # one mode's learner run, engine start included
 STOP_TIMEOUT_S = 60  # the rollout command gets this long to stop after SIGTERM

@@ -60,7 +60,7 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
-from asyncrl.placement import visible_gpus
+from asyncrl.gpu_ids import visible_gpus
 from asyncrl.snapshots import due_versions, made_times, read_evaluation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path

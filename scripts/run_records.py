@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.metrics import METRICS_FILE
-from asyncrl.placement import visible_gpus
+from asyncrl.gpu_ids import visible_gpus
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
 
 RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)

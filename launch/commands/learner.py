@@ -25,7 +25,8 @@ def main(args: argparse.Namespace) -> int:
 
         return reference.main(config, log)
     torchrun = "WORLD_SIZE" in os.environ  # torchrun or Ray gave this process its rank and its GPUs
-    from asyncrl.placement import pin, place_local_job  # imports torch: after parsing
+    from asyncrl.gpu_ids import pin
+    from asyncrl.placement import place_local_job  # imports torch: after parsing
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
     plan = None if torchrun else place_local_job(config, log)

@@ -47,7 +47,8 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
     if "WORLD_SIZE" in os.environ:
         log.error("learner.mode=synchronous starts its own ranks (learner.nproc), not under torchrun or Ray")
         return 2
-    from asyncrl.placement import pin, place_local_job, server_places, write_lists  # imports torch: after parsing
+    from asyncrl.gpu_ids import pin
+    from asyncrl.placement import place_local_job, server_places, write_lists  # imports torch: after parsing
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
     plan = place_local_job(config, log, automatic=True)  # None on a machine without GPUs

@@ -19,6 +19,7 @@ from launch.job_settings import adopt_learner_settings
 
 if TYPE_CHECKING:
     from asyncrl.placement import Plan
+    from rollout_servers.server_starts import ServerStarts
 
 
 def main(args: argparse.Namespace) -> int:
@@ -30,13 +31,23 @@ def main(args: argparse.Namespace) -> int:
     if run_dir is None and not (config.buffer.address and config.rollout.weight_sync.control_address):
         log.error("set run.name (the learner's run) or buffer.address and rollout.weight_sync.control_address")
         return 2
-    from asyncrl.placement import server_places  # imports torch: after parsing
-    from rollout_servers.learner_wait import LearnerFinished
-    from rollout_servers.server_starts import ServerStarts
-    from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
+    from rollout_servers.server_starts import ServerStarts  # without torch, which this process loads after
 
     servers_dir = run_dir or Path(config.run.root_dir) / "rollout"
     starts = ServerStarts.warm_up(config, servers_dir)  # the servers' processes import while the learner starts
+    try:
+        return _serve(config, args, run_dir, servers_dir, starts, log)
+    finally:
+        starts.close()
+
+
+def _serve(config: AsyncRLConfig, args: argparse.Namespace, run_dir: Path | None, servers_dir: Path,
+           starts: ServerStarts, log: logging.Logger) -> int:
+    """Check the job, wait for the learner, adopt its settings and supervise the servers to the end; the exit code."""
+    from asyncrl.placement import server_places  # imports torch: after the servers' processes started
+    from rollout_servers.learner_wait import LearnerFinished
+    from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
+
     try:
         early = _checked_early(config, log)  # while the learner starts too
         endpoints = find_endpoints(config, run_dir or Path("."), config.rollout.connect_timeout_s)  # the learner is up
@@ -51,8 +62,6 @@ def main(args: argparse.Namespace) -> int:
     except SupervisorGaveUp as error:
         log.error("%s", error)
         return error.exit_code
-    finally:
-        starts.close()
     if final_step is None:
         log.info("stopped by a signal: the rollout servers are stopped")
         return INTERRUPTED

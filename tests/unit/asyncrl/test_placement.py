@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.placement import (PlacementError, Plan, as_overrides, check_ray_placement, pin, place_local_job,
-                               plan_placement, server_places, servers_on_learner_gpu, weight_sync_backend, write_lists)
+from asyncrl.gpu_ids import pin
+from asyncrl.placement import (PlacementError, Plan, as_overrides, check_ray_placement, place_local_job, plan_placement,
+                               server_places, servers_on_learner_gpu, weight_sync_backend, write_lists)
 
 
 def config(*overrides: str):
