@@ -32,6 +32,7 @@ from pathlib import Path
 from asyncrl.config_arguments import add_overrides_argument
 from asyncrl.data import write_rows
 from asyncrl.metrics import read_metrics
+from asyncrl.whole_files import write_json_whole
 from demo.tasks import arithmetic
 from rollout_servers.rewards.builtin import exact_match
 
@@ -133,8 +134,7 @@ def run_cell(args: argparse.Namespace, common: list[str], mode: str, seed: int) 
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     cell = Cell(mode, seed, args.steps, _val(records, SLOW_TASK, args.steps), _val(records, SATURATING_TASK, args.steps),
                 _val(records, SLOW_TASK, 0), _late_share(records, args.steps), round(wall, 1), done.returncode)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(asdict(cell)))
+    write_json_whole(saved, asdict(cell))  # a later call reads it back: never half of it
     if done.returncode != 0:
         print(f"cell {name} failed:\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
     return cell

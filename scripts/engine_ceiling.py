@@ -34,6 +34,7 @@ from typing import Any
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
+from asyncrl.whole_files import write_json_whole
 from rollout_servers.cancelled import cancel_and_wait
 from rollout_servers.sample_slots import SampleSlots
 
@@ -167,7 +168,7 @@ def main() -> None:
     result = asyncio.run(measure(config, training_prompts(config), args.warmup_s, args.seconds))
     print_table(result)
     if args.out:
-        Path(args.out).write_text(json.dumps(result))
+        write_json_whole(Path(args.out), result)  # the race reads it: never half of it
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.metrics import METRICS_FILE
 from asyncrl.gpu_ids import visible_gpus
+from asyncrl.metrics import METRICS_FILE
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
+from asyncrl.whole_files import write_json_whole
 
 RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
 RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
@@ -26,13 +27,13 @@ Launch = dict[str, Any]
 def write_launch(root: Path, name: str) -> Launch:
     """Record the launch of run `name` now, before it starts: its curve's clock runs from this time."""
     launch = {"time": time.time(), "gpus": len(visible_gpus())}
-    _launch_file(root, name).write_text(json.dumps(launch))
+    write_json_whole(_launch_file(root, name), launch)  # a race stopped meanwhile leaves the old record or this one
     return launch
 
 
 def add_engine_start(root: Path, name: str, launch: Launch) -> None:
     """Add to the finished run's launch file how long its engines took to start (`engine_start`)."""
-    _launch_file(root, name).write_text(json.dumps(launch | {"engine_start_s": engine_start(root / name)}))
+    write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(root / name)})
 
 
 def read_launch(root: Path, name: str) -> Launch:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import read_metrics
+from asyncrl.whole_files import write_json_whole
 
 DEFAULT_CONFIG = "configs/quickstart.yaml"
 LOSSES = ("naive_ppo", "decoupled_ppo", "tis", "seq_mask", "dppo_tv", "dppo_kl", "m2po",
@@ -155,8 +156,7 @@ def run_cell(args: argparse.Namespace, key: tuple[int, str, int, int], gpu: str 
     records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     cell = Cell(k, loss, mini_batches, seed, args.steps, list(args.overrides), **measure(records, k, args.steps),
                 wall_s=round(wall, 1), returncode=returncode, gpu=gpu)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CELL_FILE).write_text(json.dumps(asdict(cell)))
+    write_json_whole(run_dir / CELL_FILE, asdict(cell))  # a later call reads it back: never half of it
     return cell
 
 
