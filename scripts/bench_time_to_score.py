@@ -24,6 +24,8 @@ Per run, from metrics.jsonl and evaluation.jsonl:
   engine start     seconds the job's engine took to start (the slowest one's, from its role's log; in the run's
                    .launch.json): 13-25 s on an H200 from a warm compile cache; a compile, or an engine core
                    spawned rather than forked, adds 20-40 s
+  engine begins    seconds from the launch until that engine began to start (its log line's whole seconds, less
+                   its start): the job's imports, and for the async job the wait for the learner's addresses
 Per mode, the seeds' mean curve (score and made-at time averaged per version). The target is --target-fraction of
 the way from the start score (version 0's, the same model in both modes) to the lower of the two modes' best mean
 score (or --target); a mode's time to score is the mean made-at time of the first version whose mean score reaches
@@ -308,7 +310,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
         return _round(statistics.fmean(values), digits) if values else None
 
     return {"time_to_target_s": _round(seconds), "version_at_target": version, "start_up_s": _round(start_up),
-            "engine_start_s": mean("engine_start_s"),
+            "engine_begins_s": mean("engine_begins_s"), "engine_start_s": mean("engine_start_s"),
             "time_to_target_after_start_up_s": _round(seconds - start_up) if None not in (seconds, start_up) else None,
             "seed_times_to_target_s": [_round(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"), "trained_length_mean": mean("trained_length_mean"),
@@ -331,7 +333,8 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
     print(f"target held-out score: {'none (a mode did not improve)' if target is None else f'{target:.3f}'}")
     print(f"{'':34}" + "".join(f"{label:>14}" for label in labels) + ("    async/sync" if len(labels) == 2 else ""))
     rows = [("time to target (s)", "time_to_target_s", True), ("version at target", "version_at_target", False),
-            ("start-up: launch to version 0 (s)", "start_up_s", False), ("engine start (s)", "engine_start_s", False),
+            ("start-up: launch to version 0 (s)", "start_up_s", False),
+            ("launch to the engine's start (s)", "engine_begins_s", False), ("engine start (s)", "engine_start_s", False),
             ("time to target after start-up (s)", "time_to_target_after_start_up_s", True),
             ("trained tokens/s", "trained_tokens_per_s", True), ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
@@ -445,7 +448,8 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
             gpus = launch.get("gpus", gpus)  # where the runs ran: a report may run elsewhere
             run = summarise(read_metrics(directory), made_times(directory), evaluation, launch["time"], mode,
                             args.warmup_steps)
-            runs.setdefault(mode.label, []).append(run | {"seed": seed, "engine_start_s": launch.get("engine_start_s")})
+            runs.setdefault(mode.label, []).append(run | {"seed": seed, "engine_start_s": launch.get("engine_start_s"),
+                                                          "engine_begins_s": launch.get("engine_begins_s")})
     means = {label: mean_curve([run["curve"] for run in group]) for label, group in runs.items()}
     target = pick_target(list(means.values()), args.target, args.target_fraction)
     figures = {label: mode_figures(group, means[label], target) for label, group in runs.items()}

@@ -20,6 +20,8 @@ LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench laun
 CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
 ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
+LOGGED_AT = re.compile(r"^(\d\d):(\d\d):(\d\d) ")  # a role's log line begins with its local time of day
+DAY_S = 24 * 3600
 
 Launch = dict[str, Any]
 
@@ -32,8 +34,10 @@ def write_launch(root: Path, name: str) -> Launch:
 
 
 def add_engine_start(root: Path, name: str, launch: Launch) -> None:
-    """Add to the finished run's launch file how long its engines took to start (`engine_start`)."""
-    write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(root / name)})
+    """Add to the finished run's launch file how long its engines took to start (`engine_start`) and when, from its
+    launch, the last of them began (`engine_begins`)."""
+    write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(root / name),
+                                                         "engine_begins_s": engine_begins(root / name, launch["time"])})
 
 
 def read_launch(root: Path, name: str) -> Launch:
@@ -48,13 +52,30 @@ def _launch_file(root: Path, name: str) -> Path:
 def engine_start(run_dir: Path) -> float | None:
     """Seconds the run's engines took to start, the slowest one's first start (its restarts left out), from the logs
     of the roles that own them: a compile the warm-up did not spare a job shows here (60 s on an H200, not 20)."""
+    return max((seconds for _, seconds in _first_engine_starts(run_dir)), default=None)
+
+
+def engine_begins(run_dir: Path, launched: float) -> float | None:
+    """Seconds from the run's launch (Unix time `launched`) until the last of its engines began its first start: what
+    a job spends before its engines start (imports; an async server waits for its learner's addresses). Whole seconds
+    of the log lines' clock, this host's local time."""
+    launch_s = launched - time.mktime(time.localtime(launched)[:3] + (0, 0, 0, 0, 0, -1))  # into its local day
+    begun = [(logged_s - launch_s) % DAY_S - seconds for logged_s, seconds in _first_engine_starts(run_dir)]
+    return round(max(begun), 1) if begun else None
+
+
+def _first_engine_starts(run_dir: Path) -> list[tuple[int, float]]:
+    """Each engine-owning role's first engine start: the local second of the day it was logged, and its seconds."""
     firsts = []
     for pattern in ENGINE_LOGS:
         for log in (run_dir / "logs").glob(pattern):
-            found = ENGINE_STARTED.search(log.read_text(errors="replace"))
-            if found:
-                firsts.append(float(found.group(1)))
-    return max(firsts, default=None)
+            for line in log.read_text(errors="replace").splitlines():
+                started, logged = ENGINE_STARTED.search(line), LOGGED_AT.match(line)
+                if started and logged:
+                    hours, minutes, seconds = (int(part) for part in logged.groups())
+                    firsts.append((hours * 3600 + minutes * 60 + seconds, float(started.group(1))))
+                    break
+    return firsts
 
 
 def read_ceiling(root: Path) -> float | None:

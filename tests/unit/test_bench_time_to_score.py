@@ -3,6 +3,7 @@ tokens/s and learner share, the seeds' mean curve, the target, the time to it, s
 at equal steps, on hand-written records."""
 
 import json
+import time
 
 import pytest
 
@@ -10,7 +11,7 @@ from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import (Mode, ceiling_figures, equal_step_buckets, mean_curve, mode_figures,
                                          pick_target, seed_speedups, skipped, summarise, sync_baseline, time_to_target)
-from scripts.run_records import archive_records, engine_start, read_ceiling, restore_records
+from scripts.run_records import archive_records, engine_begins, engine_start, read_ceiling, restore_records
 
 LAUNCHED = 100.0
 
@@ -182,3 +183,19 @@ def test_the_engine_start_is_the_slowest_engine_s_first_start_from_the_roles_tha
     assert engine_start(tmp_path / "run") == 61.2  # the synchronous run's engine, in its rank's process
     (logs / "reference0.log").unlink()
     assert engine_start(tmp_path / "run") is None
+
+
+def test_the_engine_begins_its_start_seconds_after_the_launch_by_its_log_lines_clock(tmp_path):
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    line = "{} [rollout0] INFO rollout_servers.engine: vLLM engine on /m started in {}s (version 0)\n"
+    launched = time.mktime((2026, 12, 4, 19, 18, 0, 0, 0, -1))  # 19:18:00 local
+    (logs / "rollout0.log").write_text(line.format("19:19:00", 13.0) + line.format("19:30:00", 9.0))  # then a restart
+    (logs / "rollout1.log").write_text(line.format("19:18:40", 12.5))
+    assert engine_begins(tmp_path / "run", launched + 0.4) == 46.6  # the last to begin: 60 - 13.0 - 0.4
+    late = time.mktime((2026, 12, 4, 23, 59, 50, 0, 0, -1))
+    (logs / "rollout1.log").unlink()
+    (logs / "rollout0.log").write_text(line.format("00:00:20", 5.0))  # past midnight
+    assert engine_begins(tmp_path / "run", late) == 25.0
+    (logs / "rollout0.log").unlink()
+    assert engine_begins(tmp_path / "run", late) is None
