@@ -59,7 +59,8 @@ def engine_begins(run_dir: Path, launched: float) -> float | None:
     """Seconds from the run's launch (Unix time `launched`) until the last of its engines began its first start: what
     a job spends before its engines start (imports; an async server waits for its learner's addresses). Whole seconds
     of the log lines' clock, this host's local time."""
-    launch_s = launched - time.mktime(time.localtime(launched)[:3] + (0, 0, 0, 0, 0, -1))  # into its local day
+    local = time.localtime(launched)
+    launch_s = _second_of_day(local.tm_hour, local.tm_min, local.tm_sec) + launched % 1
     begun = [(logged_s - launch_s) % DAY_S - seconds for logged_s, seconds in _first_engine_starts(run_dir)]
     return round(max(begun), 1) if begun else None
 
@@ -72,10 +73,13 @@ def _first_engine_starts(run_dir: Path) -> list[tuple[int, float]]:
             for line in log.read_text(errors="replace").splitlines():
                 started, logged = ENGINE_STARTED.search(line), LOGGED_AT.match(line)
                 if started and logged:
-                    hours, minutes, seconds = (int(part) for part in logged.groups())
-                    firsts.append((hours * 3600 + minutes * 60 + seconds, float(started.group(1))))
+                    firsts.append((_second_of_day(*(int(part) for part in logged.groups())), float(started.group(1))))
                     break
     return firsts
+
+
+def _second_of_day(hours: int, minutes: int, seconds: int) -> int:
+    return hours * 3600 + minutes * 60 + seconds
 
 
 def read_ceiling(root: Path) -> float | None:
