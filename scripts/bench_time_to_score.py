@@ -306,7 +306,8 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     finals = [run["curve"][-1][2] for run in runs if run["curve"]]
 
     def mean(key: str, digits: int = 1) -> float | None:
-        values = [run[key] for run in runs if run.get(key) is not None]  # engine_start_s, engine_begins_s: not in older records
+        # engine_start_s, engine_begins_s: not in older records
+        values = [run[key] for run in runs if run.get(key) is not None]
         return _round(statistics.fmean(values), digits) if values else None
 
     return {"time_to_target_s": _round(seconds), "version_at_target": version, "start_up_s": _round(start_up),
