@@ -13,16 +13,17 @@ single-sample requests read 17.4k where it trained 22.8k.) After --warmup-s, the
 --seconds (finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
 
 A table, then `RESULT {json}` with `ceiling_tokens_per_s`; --out also writes that JSON to a file
-(scripts/bench_time_to_score.py reads it as the one-GPU ceiling). --start-only starts the engine and stops, measuring
-nothing: vLLM compiles the model's graphs into its cache on the host once, so that a job started later does not pay
-for it (the first engine on an H200 host took 80 s to start, the next 15-20 s). Run with scripts/cpu_env.sh sourced
-on CPU.
+(scripts/bench_time_to_score.py reads it as the one-GPU ceiling). --start-only starts the engine, samples one token
+and stops, measuring nothing: vLLM compiles the model's graphs (and at the first request, parts of its sampler) into
+the host's caches once, so that a job started later does not pay for it (the first engine on an H200 host took 80 s to
+start, the next 15-20 s). Run with scripts/cpu_env.sh sourced on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
@@ -152,9 +153,13 @@ async def start_engine(config: AsyncRLConfig) -> tuple[Any, float]:
 
 
 async def start_only(config: AsyncRLConfig) -> float:
-    """Start the job's engine and shut it down; the seconds its start took."""
+    """Start the job's engine, sample one token and shut it down, so that what vLLM compiles at its start (the model's
+    graphs) and at its first request (parts of its sampler) is in this host's caches; the seconds its start took."""
     engine, start_s = await start_engine(config)
-    engine.shutdown()
+    try:
+        await engine.generate([0], dataclasses.replace(config.rollout.sampling, max_tokens=1))
+    finally:
+        engine.shutdown()
     return start_s
 
 

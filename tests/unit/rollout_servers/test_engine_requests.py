@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.config.rollout import EngineConfig, RolloutConfig
+from rollout_servers import engine as engine_module
 from rollout_servers.engine import RolloutEngine
 from rollout_servers import vllm_compat
 from rollout_servers import engine_args
@@ -237,3 +238,34 @@ def test_an_adapter_switch_versions_each_requests_tokens_by_the_engine_cores_cou
     assert adapted.versions == [2] * 4 + [3] * 2  # the core's count: 4 tokens sampled before the switch
     assert base.versions == [1] * 6  # the base sampled it to its end, whatever adapters landed meanwhile
     assert held_s == 0.0005 and engine.current_version == 3
+
+
+class StartedLLM(RecordingLLM):
+    """A started AsyncLLM stood in: records the requests added to it without being read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[tuple[str, dict, object]] = []
+
+    async def add_request(self, request_id: str, prompt: dict, params) -> None:
+        self.added.append((request_id, prompt, params))
+
+
+def test_a_started_engine_sends_one_warm_up_request_sampled_as_the_job_samples_and_counts_none_of_it(monkeypatch):
+    llm = StartedLLM()
+    monkeypatch.setattr(engine_module, "engine_args", lambda *args, **kwargs: None)  # no model to resolve
+    monkeypatch.setattr(vllm_compat, "start_llm", lambda args, fork_core: llm)
+
+    async def labelled(engine, version) -> None: ...
+
+    monkeypatch.setattr(vllm_compat, "label_weights", labelled)
+    config = RolloutConfig()
+    config.sampling.temperature, config.sampling.top_p = 0.7, 0.9
+
+    engine = asyncio.run(RolloutEngine.start("model-dir", config))
+
+    ((request_id, prompt, params),) = llm.added  # sent, not awaited: vLLM compiles while its caller goes on
+    assert request_id == "asyncrl-warm-up" and prompt == {"prompt_token_ids": [0]}
+    assert params.max_tokens == 1 and params.logprobs == 0  # a sampled token's log-prob: what compiles
+    assert (params.temperature, params.top_p) == (0.7, 0.9)
+    assert engine.inflight_requests == 0 and engine.tokens_sampled == 0
