@@ -44,6 +44,10 @@
 #              neither mode's launch pays for compiling); each call scores its runs' snapshots, which
 #              live in /tmp and go with the host); the plot, the runs' records (race-records.tar.gz, for
 #              --restore) and their roles' logs (race-logs.tar.gz) go to $OUT
+#   share      scripts/bench_learner_share.py on configs/gpu_longtail.yaml: the learner's share of a synchronous step
+#              for the preset and each candidate of SHARE_CANDIDATES (one per line: config overrides, e.g. a larger
+#              model.tiny shape or more prompts a step), on random weights with the task's response lengths, kept in
+#              /tmp/asyncrl-share; SHARE_ARGS adds options (e.g. "--steps 6 --skip 2")
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
 #              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
 #   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
@@ -219,6 +223,23 @@ stage_race() {
     (cd /tmp/asyncrl-race && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/race-logs.tar.gz" --null -T -) \
         2>/dev/null
     return $status
+}
+
+# The learner-share candidates tried first (each line on top of configs/gpu_longtail.yaml, 76 M parameters, 16 x 8):
+# the same model at 64 prompts a step; ~270 M parameters at 32; ~600 M at 16 (max_inflight: a whole step's samples at
+# once, three steps' for K = 2).
+SHARE_DEFAULTS="buffer.batch_groups=64 rollout.max_inflight=1536
+model.tiny.hidden_size=1024 model.tiny.num_heads=16 model.tiny.num_layers=24 model.tiny.intermediate_size=2816 buffer.batch_groups=32 rollout.max_inflight=768
+model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096"
+
+stage_share() {
+    local candidates=() line
+    while IFS= read -r line; do
+        [ -n "$line" ] && candidates+=(--candidate "$line")
+    done <<< "${SHARE_CANDIDATES:-$SHARE_DEFAULTS}"
+    register_plugin
+    "$PYTHON" scripts/bench_learner_share.py --config configs/gpu_longtail.yaml --work-dir /tmp/asyncrl-share \
+        "${candidates[@]}" ${SHARE_ARGS:-}
 }
 
 stage_scaling() {
