@@ -14,9 +14,10 @@ Each candidate is the config with overrides: the config as it is first, then eac
      (`timing_s/train`) and whole step, the first --skip steps left out (first calls' warm-up). Every sample the job
      trained (`trained/step_N.msgpack`) is checked to be as long as its cap: a run that sampled other lengths is an
      error, not a figure.
-The share is training's part of a step (`timing_s/train` / `timing_s/step`, the race's `learner_share`). Per candidate
-the table gives the parameters, prompts x samples, trained response tokens per step, the median generation, training
-and step seconds, the share, trained tokens/s, and its generation and training time against the first candidate's.
+The share is training's part of a step (`timing_s/train` / `timing_s/step`, the race's `learner_share`). After each
+candidate's job, the table of those measured so far (a call cut short keeps them): the parameters, prompts x samples,
+trained response tokens per step, the median generation, training and step seconds, the share, trained tokens/s, and
+the generation and training time against the first candidate's.
 Each candidate's engine compiles its model's graphs at its first start on a host (about a minute on an H200); the
 steps do not see it. Run with scripts/cpu_env.sh sourced on CPU.
 Last line: RESULT {json} with each candidate's overrides and figures.
@@ -182,26 +183,27 @@ def measure(args: argparse.Namespace, candidate: Candidate, place: Path) -> dict
             "samples_per_prompt": config.rollout.sampling.n, **step_figures(read_metrics(run_dir), args.skip)}
 
 
-def print_table(figures: list[dict[str, Any]]) -> None:
-    first = figures[0]
-    print(f"{'params M':>9} {'prompts x n':>11} {'tokens/step':>11} {'gen s':>7} {'train s':>8} {'step s':>7} "
+HEADER = (f"{'params M':>9} {'prompts x n':>11} {'tokens/step':>11} {'gen s':>7} {'train s':>8} {'step s':>7} "
           f"{'share':>6} {'tok/s':>8} {'gen vs 1st':>10} {'train vs 1st':>12}  candidate")
-    for row in figures:
-        print(f"{row['params'] / 1e6:>9.1f} {row['prompts']:>6} x {row['samples_per_prompt']:<2} "
-              f"{row['tokens_per_step']:>11.0f} {row['generation_s']:>7.3f} {row['training_s']:>8.3f} "
-              f"{row['step_s']:>7.3f} {row['learner_share']:>6.1%} {row['trained_tokens_per_s']:>8.0f} "
-              f"{row['generation_s'] / first['generation_s']:>9.2f}x {row['training_s'] / first['training_s']:>11.2f}x  "
-              f"{' '.join(row['overrides']) or 'the config'}")
+
+
+def table_row(row: dict[str, Any], first: dict[str, Any]) -> str:
+    return (f"{row['params'] / 1e6:>9.1f} {row['prompts']:>6} x {row['samples_per_prompt']:<2} "
+            f"{row['tokens_per_step']:>11.0f} {row['generation_s']:>7.3f} {row['training_s']:>8.3f} "
+            f"{row['step_s']:>7.3f} {row['learner_share']:>6.1%} {row['trained_tokens_per_s']:>8.0f} "
+            f"{row['generation_s'] / first['generation_s']:>9.2f}x {row['training_s'] / first['training_s']:>11.2f}x  "
+            f"{' '.join(row['overrides']) or 'the config'}")
 
 
 def main() -> None:
     args = parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="asyncrl-share-"))
-    figures = []
+    figures: list[dict[str, Any]] = []
     for index, candidate in enumerate(args.candidates):
         print(f"candidate {index + 1}/{len(args.candidates)}: {candidate.label}", flush=True)
         figures.append(measure(args, candidate, work / f"candidate{index}"))
-    print_table(figures)
+        # the rows so far after each job: a call cut short by a host's time limit keeps what it measured
+        print("\n".join([HEADER, *(table_row(row, figures[0]) for row in figures)]), flush=True)
     result = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "skip": args.skip,
               "gpus": len(visible_gpus()), "candidates": figures}
     print("RESULT " + json.dumps(result), flush=True)
