@@ -24,7 +24,7 @@ from typing import Collection
 
 from asyncrl.config import AsyncRLConfig, ConfigError
 from asyncrl.gpu_ids import listed_server_gpus, visible_gpus
-from asyncrl.weight_transfer.backends import IPC, alternatives, named, weight_backend
+from asyncrl.weight_transfer.kinds import IPC_KIND, alternatives, named_kind, placed_kind
 
 COLOCATED_SERVERS_SHARE = 0.4  # most of a shared GPU's memory budget the servers take together; the learner gets the rest
 APART, SHARED = "apart", "shared"  # rollout.placement: no server beside the learner; at least one
@@ -194,8 +194,8 @@ def _server_backend(name: str, plan: Plan, index: int) -> str:
     where = (f"server-{index} on {_ids(plan.servers[index])} " +
              ("shares the learner's GPU" if shares else "has GPUs of its own") + f" ({plan.describe()})")
     _refuse_where_it_fails(name, shares, where, [plan.shares(other) for other in range(len(plan.servers))])
-    chosen = weight_backend(name, shares).name
-    if chosen == IPC.name and not plan.beside_learner(index):
+    chosen = placed_kind(name, shares).name
+    if chosen == IPC_KIND.name and not plan.beside_learner(index):
         raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and CUDA IPC reaches a server only on the "
                              f"first learner rank's GPU {_ids(plan.learner[:1])} alone; use gloo, or move the server")
     return chosen
@@ -210,8 +210,8 @@ def weight_sync_backend(config: AsyncRLConfig, plan: Plan | None) -> str:
         return name
     server_places(config, plan)  # refuses a backend that some server cannot receive on
     if plan.sharing < len(plan.servers):
-        return name  # `auto` stays: each process decides it where it runs (`weight_backend`)
-    return weight_backend(name, shared_gpu=True).name
+        return name  # `auto` stays: each process decides it where it runs (`backends.weight_backend`)
+    return placed_kind(name, shared_gpu=True).name
 
 
 def place_local_job(config: AsyncRLConfig, log, automatic: bool = False) -> Plan | None:
@@ -238,17 +238,17 @@ def _refuse_where_it_fails(name: str, shared_gpu: bool, where: str, elsewhere: C
     """PlacementError when backend `name` does not work where a server does (`shared_gpu`) or does not share the
     learner's GPU; `where` says how the roles are placed, `elsewhere` where the plan's other servers are (the advice
     fits them all). `auto` always works (placement decides it)."""
-    backend = named(name)
-    if backend is not None and not backend.works(shared_gpu):
-        raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and {backend.limit}; "
+    kind = named_kind(name)
+    if kind is not None and not kind.works(shared_gpu):
+        raise PlacementError(f"rollout.weight_sync.backend={name}: {where}, and {kind.limit}; "
                              f"use {alternatives(shared_gpu, elsewhere)}")
 
 
 def _check_backend_without_gpu(name: str) -> None:
     """A backend that carries the weights through GPU memory is refused on a machine without a visible GPU."""
-    backend = named(name)
-    if backend is not None and backend.device_type == "cuda":
-        raise PlacementError(f"rollout.weight_sync.backend={name}: {backend.title} needs a GPU and none is visible; "
+    kind = named_kind(name)
+    if kind is not None and kind.device_type == "cuda":
+        raise PlacementError(f"rollout.weight_sync.backend={name}: {kind.title} needs a GPU and none is visible; "
                              f"use {alternatives(None)}")
 
 

@@ -22,15 +22,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.gpu_ids import listed_server_gpus, pin, visible_gpus
 from asyncrl.parent_death import die_with_spawning_parent
+from asyncrl.placement import ServerPlace
 from rollout_servers.learner_wait import Endpoints
 
-if TYPE_CHECKING:  # the placement imports torch: this module is imported before the rollout command imports it
-    from asyncrl.placement import ServerPlace
 
 NOT_FINISHED = -1  # the job-end value while the learner has not announced its final step
 Gpus = tuple[int, ...] | None  # a server process's pinned GPUs (None: none pinned)

@@ -4,14 +4,13 @@
 - nccl: the same group over GPUs; NCCL joins no two ranks on one GPU, so not where a server shares the learner's.
 - ipc: no group, one CUDA IPC buffer on the learner's GPU that the servers there map.
 
-`rollout.weight_sync.backend: auto` is decided per server, by `weight_backend` alone: ipc where a plan puts the server
-on the learner's GPU, nccl where it has GPUs of its own; without a plan, nccl where CUDA is seen, else gloo. One job
-may use two: ipc for a server beside the learner, nccl for servers on GPUs of their own.
+`rollout.weight_sync.backend: auto` is decided per server: ipc where a plan puts the server on the learner's GPU, nccl
+where it has GPUs of its own (`kinds.placed_kind`, which the launcher's placement reads without torch); without a plan,
+nccl where CUDA is seen, else gloo (`weight_backend`). One job may use two: ipc for a server beside the learner, nccl
+for servers on GPUs of their own.
 """
 
 from __future__ import annotations
-
-from typing import Collection
 
 import torch
 
@@ -19,36 +18,21 @@ from asyncrl.weight_transfer.collectives import GlooCollectives, NcclCollectives
 from asyncrl.weight_transfer.group_backend import GroupBackend
 from asyncrl.weight_transfer.interface import WeightBackend
 from asyncrl.weight_transfer.ipc_backend import IpcBackend
+from asyncrl.weight_transfer.kinds import AUTO, GLOO_KIND, NCCL_KIND, placed_kind
 
-AUTO = "auto"
-GLOO = GroupBackend("gloo", "gloo", GlooCollectives(), on_a_shared_gpu=True)
-NCCL = GroupBackend("nccl", "NCCL", NcclCollectives(), on_a_shared_gpu=False,
-                    limit="NCCL cannot join two ranks on one GPU")
+GLOO = GroupBackend(GLOO_KIND, GlooCollectives())
+NCCL = GroupBackend(NCCL_KIND, NcclCollectives())
 IPC = IpcBackend()
 BACKENDS: dict[str, WeightBackend] = {backend.name: backend for backend in (GLOO, NCCL, IPC)}
 
 
 def weight_backend(name: str, shared_gpu: bool | None = None) -> WeightBackend:
-    """The backend `name` names, and the only place `auto` becomes one: ipc for a server a plan puts on the learner's
-    GPU (`shared_gpu`), nccl for one it gives GPUs of their own; with no plan to say (`None`), nccl where this process
-    sees CUDA, else gloo. A ValueError names the choices."""
-    backend = named(name)
-    if backend is not None:
-        return backend
-    if shared_gpu is None:
+    """The backend `name` names; for `auto`, the one of a plan's place (`shared_gpu`: ipc on the learner's GPU, nccl
+    on GPUs of their own, `kinds.placed_kind`) or, with no plan to say (`None`), nccl where this process sees CUDA,
+    else gloo. A ValueError names the choices."""
+    if name == AUTO and shared_gpu is None:
         return NCCL if sees_cuda() else GLOO
-    return IPC if shared_gpu else NCCL
-
-
-def named(name: str) -> WeightBackend | None:
-    """The backend `name` names; None for `auto`, which `weight_backend` decides."""
-    if name == AUTO:
-        return None
-    try:
-        return BACKENDS[name]
-    except KeyError:
-        choices = ", ".join([*BACKENDS, AUTO])
-        raise ValueError(f"unknown weight-sync backend '{name}': choose one of {choices}") from None
+    return BACKENDS[placed_kind(name, bool(shared_gpu)).name]
 
 
 def group_backend(receiver_has_own_gpus: bool) -> WeightBackend:
@@ -65,15 +49,3 @@ def sees_cuda() -> bool:
     CUDA's driver, after which a forked child cannot use CUDA, and the synchronous reference asks before vLLM forks
     its engine core from it."""
     return torch.cuda.device_count() > 0
-
-
-def alternatives(shared_gpu: bool | None, elsewhere: Collection[bool] = ()) -> str:
-    """What a refused backend's error advises: the names that work where a server does (`shared_gpu`) or does not
-    share the learner's GPU, and where each other server of the plan is (`elsewhere`, the same for each);
-    `None`: on a machine without a GPU."""
-    if shared_gpu is None:
-        fitting = [backend.name for backend in BACKENDS.values() if backend.device_type == "cpu"]
-    else:
-        places = {shared_gpu, *elsewhere}
-        fitting = [backend.name for backend in BACKENDS.values() if all(backend.works(place) for place in places)]
-    return ", ".join(fitting) + f" or {AUTO}"

@@ -16,15 +16,14 @@ import torch
 from asyncrl.weight_transfer.collectives import Collectives
 from asyncrl.weight_transfer.group import TRAINER_RANK, GroupAddress, TransferGroup, listen_on
 from asyncrl.weight_transfer.interface import ReceivingEnd, SendingEnd, Staged, WeightBackend
+from asyncrl.weight_transfer.kinds import BackendKind
 from asyncrl.weight_transfer.protocol import InitInfo, NamedTensors, TensorMeta, init_info_for
 from asyncrl.weight_transfer.sender import send_weights, stage_for_transfer
 
 
 class GroupBackend(WeightBackend):
-    def __init__(self, name: str, title: str, collectives: Collectives, on_a_shared_gpu: bool, limit: str = "") -> None:
-        self.name, self.title, self.collectives = name, title, collectives
-        self.device_type = collectives.device_type
-        self.on_a_shared_gpu, self.on_gpus_apart, self.limit = on_a_shared_gpu, True, limit
+    def __init__(self, kind: BackendKind, collectives: Collectives) -> None:
+        self.kind, self.collectives = kind, collectives  # the collectives' device is the kind's
 
     def join(self, address: GroupAddress, rank: int, device: torch.device | None = None,
              listener: socket.socket | None = None) -> TransferGroup:

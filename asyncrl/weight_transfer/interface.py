@@ -17,6 +17,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import torch
 
 from asyncrl.weight_transfer.group import GroupAddress, default_device
+from asyncrl.weight_transfer.kinds import BackendKind
 from asyncrl.weight_transfer.protocol import InitInfo, NamedTensors, TensorMeta
 
 
@@ -80,22 +81,18 @@ class ReceivingEnd(Protocol):
 
 
 class WeightBackend(ABC):
-    """One way of carrying weights: where it works, and its two ends."""
+    """One way of carrying weights: what it is (`kind`: its name, where it works), and its two ends."""
 
-    name: str  # as rollout.weight_sync.backend and the init request spell it
-    title: str  # as error messages name it
-    device_type: str  # where both ends hold what they send and receive: "cuda" or "cpu"
-    on_a_shared_gpu: bool  # works where a rollout server shares the learner's GPU
-    on_gpus_apart: bool  # works where every rollout server has GPUs of its own
-    limit: str  # why it does not work where it does not (what a refusal says)
+    kind: BackendKind
+
+    @property
+    def name(self) -> str:
+        """As rollout.weight_sync.backend and the init request spell it."""
+        return self.kind.name
 
     def device(self) -> torch.device:
         """Where this process's end sends from or receives into, unless told otherwise."""
-        return default_device(self.device_type)
-
-    def works(self, shared_gpu: bool) -> bool:
-        """It works where a server does (`shared_gpu`) or does not share the learner's GPU."""
-        return self.on_a_shared_gpu if shared_gpu else self.on_gpus_apart
+        return default_device(self.kind.device_type)
 
     @abstractmethod
     def sending_end(self, staging_bytes: int = 0) -> SendingEnd:

@@ -13,6 +13,7 @@ import torch
 
 from asyncrl.weight_transfer.group import GroupAddress
 from asyncrl.weight_transfer.interface import ReceivingEnd, SendingEnd, Staged, WeightBackend
+from asyncrl.weight_transfer.kinds import IPC_KIND
 from asyncrl.weight_transfer.ipc import SharedWeights, SharedWeightsReader
 from asyncrl.weight_transfer.protocol import InitInfo, NamedTensors, init_info_for
 
@@ -20,11 +21,7 @@ NO_PORT = 0  # no store to meet at: the init request carries the buffer's handle
 
 
 class IpcBackend(WeightBackend):
-    name = "ipc"
-    title = "CUDA IPC"
-    device_type = "cuda"
-    on_a_shared_gpu, on_gpus_apart = True, False
-    limit = "CUDA IPC needs every server on the learner's GPU"
+    kind = IPC_KIND
 
     def sending_end(self, staging_bytes: int = 0) -> SendingEnd:
         return IpcSendingEnd(SharedWeights())
@@ -45,7 +42,7 @@ class IpcSendingEnd(SendingEnd):
         return Staged([], self.shared.write(named_tensors), moved)
 
     def address(self, host: str, port: int, world_size: int, timeout_s: float) -> GroupAddress:
-        return GroupAddress(host, NO_PORT, world_size, IpcBackend.name, timeout_s)
+        return GroupAddress(host, NO_PORT, world_size, IPC_KIND.name, timeout_s)
 
     def init_info(self, address: GroupAddress, rank_offset: int) -> dict[str, Any]:
         return init_info_for(address, rank_offset, self.shared.handle.as_dict())

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from launch.commands.common import start
+from asyncrl.placement import check_ray_placement
 
 
 def main(args: argparse.Namespace) -> int:
@@ -16,7 +17,6 @@ def main(args: argparse.Namespace) -> int:
     if config.learner.mode == "synchronous":
         print("asyncrl launch: learner.mode=synchronous runs in one process: use `asyncrl run` or `asyncrl learner`", file=sys.stderr)
         return 2
-    from asyncrl.placement import check_ray_placement  # imports torch: after parsing
 
     check_ray_placement(config)  # a ConfigError: refused before anything starts, as `asyncrl run` refuses its plan
     name = config.run.name or f"launch-{time.strftime('%Y%m%d-%H%M%S')}"

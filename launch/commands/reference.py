@@ -24,6 +24,7 @@ from asyncrl.heap import leave_now
 from asyncrl.logs import setup_logging
 from asyncrl.metrics import METRICS_FILE, MetricsLogger
 from asyncrl.parent_death import die_with_spawning_parent
+from asyncrl.placement import place_local_job, server_places, write_lists
 from asyncrl.stop_signal import interrupt_on_stop_signals, interrupt_once
 from launch.reference_loop import run
 
@@ -48,7 +49,6 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
         log.error("learner.mode=synchronous starts its own ranks (learner.nproc), not under torchrun or Ray")
         return 2
     from asyncrl.gpu_ids import pin
-    from asyncrl.placement import place_local_job, server_places, write_lists  # imports torch: after parsing
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
     plan = place_local_job(config, log, automatic=True)  # None on a machine without GPUs

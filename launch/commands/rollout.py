@@ -15,10 +15,10 @@ from launch.commands.common import check_input_files, start
 from launch.commands.model_check import check_model
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import ended_normally
+from asyncrl.placement import Plan, place_local_job, server_places
 from launch.job_settings import adopt_learner_settings
 
 if TYPE_CHECKING:
-    from asyncrl.placement import Plan
     from rollout_servers.server_starts import ServerStarts
 
 
@@ -44,7 +44,6 @@ def main(args: argparse.Namespace) -> int:
 def _serve(config: AsyncRLConfig, args: argparse.Namespace, run_dir: Path | None, servers_dir: Path,
            starts: ServerStarts, log: logging.Logger) -> int:
     """Check the job, wait for the learner, adopt its settings and supervise the servers to the end; the exit code."""
-    from asyncrl.placement import server_places  # imports torch: after the servers' processes started
     from rollout_servers.learner_wait import LearnerFinished
     from rollout_servers.supervisor import SupervisorGaveUp, find_endpoints, supervise
 
@@ -79,7 +78,6 @@ class EarlyCheck:
 def _checked(config: AsyncRLConfig, log: logging.Logger) -> Plan | None:
     """The job's input files, GPU plan (`config`'s weight backend set to what it allows) and model, checked before any
     server starts; ConfigError naming what is wrong."""
-    from asyncrl.placement import place_local_job  # imports torch: after parsing
 
     check_input_files(config)
     plan = place_local_job(config, log)

@@ -18,6 +18,7 @@ from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import ended_normally
 from asyncrl.parent_death import launched_environment
+from asyncrl.placement import as_overrides, place_local_job
 from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
@@ -29,7 +30,6 @@ _CONTINUATION_LINES = 6  # indented lines shown after an error line (a DataError
 def main(args: argparse.Namespace) -> int:
     config, log = start(args, "run")
     check_input_files(config)
-    from asyncrl.placement import as_overrides, place_local_job  # imports torch: after parsing
 
     plan = place_local_job(config, log, automatic=True)  # refused here, before any role starts
     name = config.run.name or f"run-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -13,13 +13,13 @@ import torch
 from asyncrl.config.fields import CHOICES_KEY
 from asyncrl.config.rollout import WeightSyncConfig
 from asyncrl.weight_transfer import GroupAddress, parse_update_info, update_info_for
-from asyncrl.weight_transfer.backends import (AUTO, BACKENDS, GLOO, IPC, NCCL, alternatives, group_backend,
-                                              weight_backend)
+from asyncrl.weight_transfer.backends import AUTO, BACKENDS, GLOO, IPC, NCCL, group_backend, weight_backend
 from asyncrl.weight_transfer import ipc
 from asyncrl.weight_transfer.collectives import GlooCollectives, NcclCollectives
 from asyncrl.weight_transfer.group import WeightTransferError, retry_helps
 from asyncrl.weight_transfer.ipc import OTHER_GPU, IpcHandle, SharedWeightsReader, byte_layout, pack_into
 from asyncrl.weight_transfer.ipc_backend import IpcSendingEnd
+from asyncrl.weight_transfer.kinds import KINDS, alternatives
 from asyncrl.weight_transfer.protocol import InitInfo
 
 CPU = torch.device("cpu")
@@ -73,9 +73,10 @@ def test_a_server_on_another_gpu_refuses_the_learners_buffer_as_no_retry_can_fix
 
 
 def test_where_each_backend_works_and_what_a_refusal_advises():
-    assert [(backend.name, backend.works(True), backend.works(False)) for backend in BACKENDS.values()] == [
+    assert [(backend.name, backend.kind.works(True), backend.kind.works(False)) for backend in BACKENDS.values()] == [
         ("gloo", True, True), ("nccl", False, True), ("ipc", True, False)]
-    assert [backend.device_type for backend in BACKENDS.values()] == ["cpu", "cuda", "cuda"]
+    assert [backend.kind.device_type for backend in BACKENDS.values()] == ["cpu", "cuda", "cuda"]
+    assert [backend.kind for backend in BACKENDS.values()] == list(KINDS.values())  # one implementation per kind
     assert alternatives(shared_gpu=True) == "gloo, ipc or auto"
     assert alternatives(shared_gpu=False) == "gloo, nccl or auto"
     assert alternatives(shared_gpu=None) == "gloo or auto"
@@ -171,3 +172,14 @@ def test_the_ipc_end_transfers_while_staging_and_moves_only_when_the_weights_out
     views = dict(SharedWeightsReader(shared.buffer).tensors(parse_update_info(update_info_for(WEIGHTS))))
     assert all(torch.equal(views[name], tensor) for name, tensor in WEIGHTS)
     assert sender.stage([*WEIGHTS, ("d.extra", torch.ones(1000))]).moved
+
+
+def test_what_each_backend_is_loads_without_torch_for_the_launchers_placement():
+    import subprocess
+    import sys
+
+    script = ("import sys; import asyncrl.placement, launch.commands.run, launch.commands.rollout; "
+              "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"  # `asyncrl run` plans the job before any role (or torch) loads
