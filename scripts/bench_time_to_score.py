@@ -66,7 +66,7 @@ from asyncrl.gpu_ids import visible_gpus
 from asyncrl.snapshots import due_versions, made_times, read_evaluation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
-from scripts.run_records import (CEILING_FILE, RUN_PREFIX, add_engine_start, archive_records,  # noqa: E402
+from scripts.run_records import (CEILING_FILE, RUN_PREFIX, add_engine_times, archive_records,  # noqa: E402
                                  read_ceiling, read_launch, restore_records, write_launch)
 
 MODES = ("sync", "async")
@@ -171,7 +171,7 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
-    add_engine_start(root, name, launch)
+    add_engine_times(root, name, launch)
 
 
 def sync_baseline(gpus: int, sync_run: Path) -> str:

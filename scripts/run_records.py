@@ -33,7 +33,7 @@ def write_launch(root: Path, name: str) -> Launch:
     return launch
 
 
-def add_engine_start(root: Path, name: str, launch: Launch) -> None:
+def add_engine_times(root: Path, name: str, launch: Launch) -> None:
     """Add to the finished run's launch file how long its engines took to start (`engine_start`) and when, from its
     launch, the last of them began (`engine_begins`)."""
     write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(root / name),
@@ -41,7 +41,7 @@ def add_engine_start(root: Path, name: str, launch: Launch) -> None:
 
 
 def read_launch(root: Path, name: str) -> Launch:
-    """What `write_launch` and `add_engine_start` recorded of run `name`."""
+    """What `write_launch` and `add_engine_times` recorded of run `name`."""
     return json.loads(_launch_file(root, name).read_text())
 
 
