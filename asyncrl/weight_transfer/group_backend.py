@@ -23,7 +23,7 @@ from asyncrl.weight_transfer.sender import send_weights, stage_for_transfer
 
 class GroupBackend(WeightBackend):
     def __init__(self, kind: BackendKind, collectives: Collectives) -> None:
-        self.kind, self.collectives = kind, collectives  # the collectives' device is the kind's
+        self.kind, self.collectives = kind, collectives  # gloo's or NCCL's: their device is the kind's
 
     def join(self, address: GroupAddress, rank: int, device: torch.device | None = None,
              listener: socket.socket | None = None) -> TransferGroup:

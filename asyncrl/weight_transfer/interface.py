@@ -83,7 +83,7 @@ class ReceivingEnd(Protocol):
 class WeightBackend(ABC):
     """One way of carrying weights: what it is (`kind`: its name, where it works), and its two ends."""
 
-    kind: BackendKind
+    kind: BackendKind  # its name and where it works, which the launcher's placement reads without torch
 
     @property
     def name(self) -> str:

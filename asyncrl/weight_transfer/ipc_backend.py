@@ -13,8 +13,8 @@ import torch
 
 from asyncrl.weight_transfer.group import GroupAddress
 from asyncrl.weight_transfer.interface import ReceivingEnd, SendingEnd, Staged, WeightBackend
-from asyncrl.weight_transfer.kinds import IPC_KIND
 from asyncrl.weight_transfer.ipc import SharedWeights, SharedWeightsReader
+from asyncrl.weight_transfer.kinds import IPC_KIND
 from asyncrl.weight_transfer.protocol import InitInfo, NamedTensors, init_info_for
 
 NO_PORT = 0  # no store to meet at: the init request carries the buffer's handle instead
