@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.config.sections import WarmStartConfig
 from asyncrl.thinking import Thinking
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tiny.model import build_tiny_model
@@ -92,7 +93,7 @@ def cache_key(config: AsyncRLConfig, tokenizer: Any, thinking: Thinking) -> str:
     """Hash of every setting that changes the saved model, `tokenizer`'s vocabulary and merges among them."""
     shaping = {
         "tiny": dataclasses.asdict(config.model.tiny),
-        "warm_start": dataclasses.asdict(config.model.warm_start),
+        "warm_start": _shaping_fields(config.model.warm_start),
         "task": dataclasses.asdict(config.task) | {"out_dir": None, "format": None, "num_train": None},
         "seed": config.run.seed,
         "tokenizer": hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
@@ -103,6 +104,12 @@ def cache_key(config: AsyncRLConfig, tokenizer: Any, thinking: Thinking) -> str:
     if options := thinking.template_options():
         shaping["template_options"] = options
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()
+
+
+def _shaping_fields(schedule: WarmStartConfig) -> dict[str, Any]:
+    """The warm start's settings but `micro_batches`: how a step's passes are cut leaves its gradient as it is
+    (`accumulate_gradient`), and the models built before the setting existed keep their keys."""
+    return {name: value for name, value in dataclasses.asdict(schedule).items() if name != "micro_batches"}
 
 
 def read_report(model_dir: Path) -> dict[str, Any]:

@@ -54,7 +54,7 @@ def warm_start(
 ) -> None:
     """Train `model` in place, where it is, for `schedule.steps` supervised steps on freshly drawn problems, none
     of whose questions is in `held_out` (validation measures generalisation, not recall), their prompts rendered as
-    `thinking` has RL render them. On a GPU each pass runs in bf16 autocast (the weights and AdamW's state stay
+    `thinking` has RL render them (`accumulate_gradient`: on a GPU in bf16 autocast, the weights and AdamW's state
     float32)."""
     rng = random.Random(seed + WARM_START_STREAM)
     optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
@@ -62,18 +62,39 @@ def warm_start(
     model.train()
     examples = _example_source(tokenizer, task, schedule, held_out, thinking)
     for step in range(schedule.steps):
-        batch = examples(rng)
-        input_ids, labels, attention = (t.to(model.device) for t in pad_examples(batch, tokenizer.pad_token_id))
-        with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"):
-            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate_gradient(model, examples(rng), tokenizer.pad_token_id, schedule.micro_batches)
         optimizer.step()
         if step % LOG_EVERY == 0 or step == schedule.steps - 1:
-            log.info("warm-start step %d/%d loss %.4f", step + 1, schedule.steps, loss.item())
+            log.info("warm-start step %d/%d loss %.4f", step + 1, schedule.steps, loss)
     model.eval()
+
+
+def accumulate_gradient(model: PreTrainedModel, batch: list[Example], pad_id: int, micro_batches: int) -> float:
+    """Backward of the batch's mean loss over its learned tokens, in `micro_batches` passes over the examples sorted
+    by length, each padded to its own longest: the gradient one pass over the whole batch gives (up to rounding),
+    without padding every short example to the batch's longest (a scratchpad batch of 64 holds a 900-token solution
+    beside a median of 84). On a GPU each pass runs in bf16 autocast. Returns the batch's mean loss."""
+    ordered = sorted(batch, key=lambda example: len(example[0])) if micro_batches > 1 else batch
+    learned = sum(label != IGNORE_INDEX for _, labels in batch for label in labels[1:])  # the targets HF's loss shifts to
+    loss = 0.0
+    for part in _near_equal_parts(ordered, micro_batches):
+        input_ids, labels, attention = (t.to(model.device) for t in pad_examples(part, pad_id))
+        with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"):
+            part_loss = model(input_ids=input_ids, attention_mask=attention, labels=labels,
+                              num_items_in_batch=learned).loss  # this part's summed token losses / the batch's count
+        part_loss.backward()
+        loss += part_loss.item()
+    return loss
+
+
+def _near_equal_parts(items: list, count: int) -> list[list]:
+    """`items` cut in order into `count` runs whose sizes differ by at most one (fewer when there are fewer items)."""
+    size, larger = divmod(len(items), count)
+    bounds = [index * size + min(index, larger) for index in range(count + 1)]
+    return [items[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
 
 
 def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedule: WarmStartConfig,

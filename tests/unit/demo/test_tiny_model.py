@@ -14,7 +14,7 @@ from demo.tiny.build import REPORT_FILE, at_most_threads, cache_key, init_model
 from demo.tiny.model import build_tiny_model
 from demo.tiny.vocabulary import build_tokenizer
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
-from demo.tiny.warm_start import pad_examples, supervised_example, warm_start
+from demo.tiny.warm_start import accumulate_gradient, pad_examples, supervised_example, warm_start
 from rollout_servers.rewards.builtin import scorer_for
 
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
@@ -89,3 +89,32 @@ def test_the_warm_starts_thread_cap_lowers_and_then_restores_torchs_threads():
             assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_passes_over_the_batch_sorted_by_length_give_the_one_pass_loss_and_gradient():
+    """A step in 3 passes (examples sorted by length, each pass padded to its own longest) takes the gradient of the
+    batch's mean token loss, as one pass over the whole padded batch does; 5 passes for 4 examples: one each."""
+    config = load_config(None, ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64"])
+    tokenizer = build_tokenizer("char")
+    rng = random.Random(5)
+    problems = [arithmetic.make_problem(rng, 1, digits, "+") for digits in (1, 6, 2, 9, 3, 1, 12)]
+    batch = [supervised_example(tokenizer, question, answer * (1 + index % 3)) for index, (question, answer)
+             in enumerate(problems)]  # learned lengths 2 to 40 tokens: much padding in one pass
+
+    def one_pass(examples: list) -> tuple[float, list[torch.Tensor]]:
+        model = build_tiny_model(config.model.tiny, tokenizer, seed=0)
+        input_ids, labels, attention = pad_examples(examples, tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss  # HF's mean over the batch
+        loss.backward()
+        return loss.item(), [parameter.grad for parameter in model.parameters()]
+
+    def in_passes(micro_batches: int, examples: list) -> tuple[float, list[torch.Tensor]]:
+        model = build_tiny_model(config.model.tiny, tokenizer, seed=0)
+        loss = accumulate_gradient(model, examples, tokenizer.pad_token_id, micro_batches)
+        return loss, [parameter.grad for parameter in model.parameters()]
+
+    for micro_batches, examples in ((1, batch), (3, batch), (5, batch[:4])):
+        (want_loss, want_grads), (loss, grads) = one_pass(examples), in_passes(micro_batches, examples)
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        for got, want in zip(grads, want_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
