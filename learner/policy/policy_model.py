@@ -114,7 +114,7 @@ def served_weights_device(config: AsyncRLConfig, model: torch.nn.Module, world: 
     learner's GPU when they are sent from there (NCCL, CUDA IPC), fit `rollout.weight_sync.staging_bytes` and no
     older versions are kept beside them (`buffer.study_lag_versions`); else CPU memory."""
     sync = config.rollout.weight_sync
-    sends_from_gpu = world.device.type == "cuda" and weight_backend(sync.backend).device_type == "cuda"
+    sends_from_gpu = world.device.type == "cuda" and weight_backend(sync.backend).kind.device_type == "cuda"
     if sends_from_gpu and not config.buffer.study_lag_versions:
         if full_weights_bytes(model, DTYPES[config.model.dtype]) <= sync.staging_bytes:
             return world.device
