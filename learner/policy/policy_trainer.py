@@ -4,6 +4,7 @@ saved, a checkpoint restored. Each of these is a collective: every rank calls it
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,13 @@ class PolicyTrainer:
             torch.set_num_threads(settings.torch_threads)
         torch.manual_seed(config.run.seed)
         split = hold_to_part(world, config.run.gpu_memory_gib, *servers_on_learner_gpu(config))  # before any allocation
+        loading = time.perf_counter()
         model = load_policy(config.model.path, settings.master_dtype, settings, world, config.model.lora)
         reference = load_reference(config, world, model)  # before sizing the micro-batches: its weights take memory too
+        planning = time.perf_counter()
         passes = plan_passes(config, model, world, split)  # before the optimizer state exists: the plan leaves it room
+        log.info("weights loaded and sharded in %.1fs, the passes planned in %.1fs", planning - loading,
+                 time.perf_counter() - planning)
         trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # with LoRA: the adapters
         optimizer = torch.optim.AdamW(trained, lr=settings.lr, betas=(settings.beta1, settings.beta2),
                                       weight_decay=settings.weight_decay)
