@@ -1,8 +1,8 @@
 """The learner's share of a synchronous step, per model shape and batch size, on a task's own response lengths and
 before any model is warm-started: which preset makes training the part of a step it is in LLM RL (25-50 %).
 
-Each candidate is the config with overrides: the config as it is first, then each --candidate (e.g.
-"model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=64"):
+Each candidate is the config with overrides: the config as it is first (unless --without-config), then each
+--candidate, e.g. "model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096":
   1. a tiny-family model of the candidate's shape (`model.tiny`) with random weights, under --work-dir;
   2. the task's training problems as data rows, each capped (its extra_info's `max_tokens`) at the length of the
      teacher's worked response to it and sampled with EOS ignored (`rollout.sampling.ignore_eos`): each response is as
@@ -67,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--candidate", action="append", default=[], metavar="OVERRIDES",
                         help="one candidate: config overrides in one quoted argument, on top of the config; repeat "
                              "for more (the config as it is is always the first)")
+    parser.add_argument("--without-config", action="store_true",
+                        help="leave the config as it is out (an earlier call measured it); the ratios are then against "
+                             "the first --candidate")
     parser.add_argument("--steps", type=int, default=8, help="synchronous steps per candidate")
     parser.add_argument("--skip", type=int, default=2, help="first steps left out of the figures (warm-up)")
     parser.add_argument("--work-dir", default="", help="models, data and runs (default: a new temporary directory); "
@@ -74,7 +77,10 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.skip < 0 or args.steps <= args.skip:
         parser.error("--steps must be above --skip (at least one step is timed)")
-    args.candidates = [Candidate(())] + [Candidate(tuple(shlex.split(text))) for text in args.candidate]
+    args.candidates = ([] if args.without_config else [Candidate(())]) + [Candidate(tuple(shlex.split(text)))
+                                                                          for text in args.candidate]
+    if not args.candidates:
+        parser.error("--without-config needs at least one --candidate")
     for candidate in args.candidates:
         try:
             load_config(args.config, [*args.overrides, *candidate.overrides])

@@ -47,7 +47,8 @@
 #   share      scripts/bench_learner_share.py on configs/gpu_longtail.yaml: the learner's share of a synchronous step
 #              for the preset and each candidate of SHARE_CANDIDATES (one per line: config overrides, e.g. a larger
 #              model.tiny shape or more prompts a step), on random weights with the task's response lengths, kept in
-#              /tmp/asyncrl-share; SHARE_ARGS adds options (e.g. "--steps 6 --skip 2")
+#              /tmp/asyncrl-share; SHARE_ARGS adds options (e.g. "--steps 6 --skip 2"; "--without-config" in a
+#              second call, when one call cannot hold every candidate)
 #   scaling    scripts/bench_scaling.py: the e2e job at several GPU layouts (SCALING_ARGS, e.g.
 #              SCALING_ARGS="--layouts 1:1,3:1 --run-layouts 3:1 --modes async"), kept in /tmp/asyncrl-scaling
 #   ray        the same job under `asyncrl launch` on a Ray head started on this host (Ray from
