@@ -1,7 +1,8 @@
 """What each weight backend is, without torch: its name, where it works and why not elsewhere.
 
-`asyncrl run` and `asyncrl rollout` plan the job's placement from these before they import torch (a few seconds of a
-GPU host's launch, before any role starts); `backends` pairs each kind with its implementation.
+The placement reads these, so that `asyncrl run` plans a job without importing torch where no NVIDIA driver is
+installed (about 1 s of a 2-core machine's launch, before any role starts); on a GPU host `asyncrl.gpu_ids` still
+imports torch to count the GPUs. `backends` pairs each kind with its implementation.
 """
 
 from __future__ import annotations
