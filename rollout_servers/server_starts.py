@@ -30,7 +30,6 @@ from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import ServerPlace
 from rollout_servers.learner_wait import Endpoints
 
-
 NOT_FINISHED = -1  # the job-end value while the learner has not announced its final step
 Gpus = tuple[int, ...] | None  # a server process's pinned GPUs (None: none pinned)
 

@@ -134,11 +134,10 @@ def write_capped_rows(config: AsyncRLConfig) -> dict[tuple[int, ...], int]:
             for row in load_prompt_file(path)}
 
 
-def run_job(args: argparse.Namespace, overrides: list[str]) -> Path:
-    """The candidate's synchronous job, its progress on this console; its run directory."""
+def run_job(args: argparse.Namespace, overrides: list[str], config: AsyncRLConfig) -> Path:
+    """The candidate's synchronous job (`config`, from `overrides`), its progress on this console; its run directory."""
     command = [sys.executable, "-m", "launch", "run", "--config", args.config, *overrides]
     done = subprocess.run(command, timeout=JOB_TIMEOUT_S)
-    config = load_config(args.config, overrides)
     run_dir = Path(config.run.root_dir) / RUN_NAME
     if done.returncode != 0:
         raise SystemExit(f"the synchronous job exited with code {done.returncode}: see {run_dir / 'logs'}")
@@ -182,7 +181,7 @@ def measure(args: argparse.Namespace, candidate: Candidate, place: Path) -> dict
     config = load_config(args.config, overrides)
     params = save_random_model(config)
     caps = write_capped_rows(config)
-    run_dir = run_job(args, overrides)
+    run_dir = run_job(args, overrides, config)
     shutil.rmtree(config.model.path, ignore_errors=True)  # a billion-parameter candidate's is gigabytes
     check_lengths(run_dir, args.steps, caps)
     return {"overrides": list(candidate.overrides), "params": params, "prompts": config.buffer.batch_groups,

@@ -14,6 +14,7 @@ from launch.commands.buffer import COMMAND_LINE
 from launch.commands.common import make_run_dir, start
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
+from asyncrl.gpu_ids import pin
 from asyncrl.heap import ended_normally
 from asyncrl.placement import place_local_job
 from asyncrl.stop_signal import interrupt_on_stop_signals
@@ -26,7 +27,6 @@ def main(args: argparse.Namespace) -> int:
 
         return reference.main(config, log)
     torchrun = "WORLD_SIZE" in os.environ  # torchrun or Ray gave this process its rank and its GPUs
-    from asyncrl.gpu_ids import pin
     from asyncrl.weight_transfer.nccl_env import prepare_nccl_environment
 
     plan = None if torchrun else place_local_job(config, log)

@@ -78,7 +78,6 @@ class EarlyCheck:
 def _checked(config: AsyncRLConfig, log: logging.Logger) -> Plan | None:
     """The job's input files, GPU plan (`config`'s weight backend set to what it allows) and model, checked before any
     server starts; ConfigError naming what is wrong."""
-
     check_input_files(config)
     plan = place_local_job(config, log)
     check_model(config)
