@@ -1,6 +1,6 @@
 """GPU ids without torch: which GPUs this process sees, pinning a process to some, and each server's GPUs as
 `rollout.gpus` lists them. The rollout command starts its servers' processes with these before it imports torch
-itself (seconds of a job's start), so nothing here imports torch unless a GPU driver is there to ask."""
+itself (seconds of a job's start), and `asyncrl run` plans the job with them: nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -11,30 +11,42 @@ from asyncrl.config import AsyncRLConfig
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 NVML_LIBRARY = "libnvidia-ml.so.1"  # installed with every NVIDIA driver: without it no GPU can be visible
+NVML_SUCCESS = 0  # nvmlReturn_t of a call that worked
 
 
 def visible_gpus() -> list[int]:
-    """Physical ids of the GPUs this process may use (CUDA_VISIBLE_DEVICES, else every GPU torch counts); none,
-    without importing torch, where no NVIDIA driver is installed."""
-    if not nvidia_driver_installed():
-        return []
-    import torch
-
-    count = torch.cuda.device_count()
+    """Physical ids of the GPUs this process may use: CUDA_VISIBLE_DEVICES's ids up to the first that names no
+    installed GPU (none at all where one is listed twice), as CUDA and torch read it, else every installed GPU; none
+    where no NVIDIA driver is installed. Counted by NVIDIA's management library, as torch counts them, without
+    importing torch (seconds of a job's start on a GPU host)."""
+    installed = installed_gpu_count()
     listed = os.environ.get(VISIBLE_DEVICES)
     if listed is None:
-        return list(range(count))
-    ids = [int(part) for part in listed.split(",") if part.strip().isdigit()]
-    return ids[:count]
+        return list(range(installed))
+    ids: list[int] = []
+    for part in (part.strip() for part in listed.split(",")):
+        if not part.isdigit() or int(part) >= installed:
+            break
+        if int(part) in ids:
+            return []
+        ids.append(int(part))
+    return ids
 
 
-def nvidia_driver_installed() -> bool:
-    """Whether NVIDIA's management library loads in this process (torch counts GPUs through it)."""
+def installed_gpu_count() -> int:
+    """The GPUs NVIDIA's management library counts on this machine, whatever CUDA_VISIBLE_DEVICES says; 0 where its
+    library (installed with every NVIDIA driver) does not load or start."""
     try:
-        ctypes.CDLL(NVML_LIBRARY)
+        nvml = ctypes.CDLL(NVML_LIBRARY)
     except OSError:
-        return False
-    return True
+        return 0
+    if nvml.nvmlInit_v2() != NVML_SUCCESS:
+        return 0
+    try:
+        count = ctypes.c_uint(0)
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == NVML_SUCCESS else 0
+    finally:
+        nvml.nvmlShutdown()
 
 
 def pin(gpus: tuple[int, ...] | list[int]) -> None:

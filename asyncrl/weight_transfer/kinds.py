@@ -1,8 +1,8 @@
 """What each weight backend is, without torch: its name, where it works and why not elsewhere.
 
-The placement reads these, so that `asyncrl run` plans a job without importing torch where no NVIDIA driver is
-installed (about 1 s of a 2-core machine's launch, before any role starts); on a GPU host `asyncrl.gpu_ids` still
-imports torch to count the GPUs. `backends` pairs each kind with its implementation.
+The placement reads these and `asyncrl.gpu_ids` (which counts the GPUs through NVIDIA's management library), so that
+`asyncrl run` plans a job without importing torch (about 1 s of a 2-core machine's launch, before any role starts;
+seconds more on a GPU host). `backends` pairs each kind with its implementation.
 """
 
 from __future__ import annotations
