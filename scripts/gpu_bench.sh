@@ -226,12 +226,14 @@ stage_race() {
     return $status
 }
 
-# The learner-share candidates tried first (each line on top of configs/gpu_longtail.yaml, 76 M parameters, 16 x 8):
-# the same model at 64 prompts a step; ~270 M parameters at 32; ~600 M at 16 (max_inflight: a whole step's samples at
-# once, three steps' for K = 2).
-SHARE_DEFAULTS="buffer.batch_groups=64 rollout.max_inflight=1536
+# The learner-share candidates tried first (each line on top of configs/gpu_longtail.yaml, 76 M parameters, 16 x 8,
+# whose synchronous step was 6.7 % training), likeliest first. Training grows with parameters x tokens, generation
+# (set by the longest response) far less: projected from the preset's step, ~600 M parameters at 32 prompts ~34 %,
+# at 16 ~25 %, ~270 M at 32 ~17 %, the preset at 64 ~13 % (max_inflight: three steps' samples, for K = 2).
+SHARE_DEFAULTS="model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=32 rollout.max_inflight=768
+model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096
 model.tiny.hidden_size=1024 model.tiny.num_heads=16 model.tiny.num_layers=24 model.tiny.intermediate_size=2816 buffer.batch_groups=32 rollout.max_inflight=768
-model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096"
+buffer.batch_groups=64 rollout.max_inflight=1536"
 
 stage_share() {
     local candidates=() line
