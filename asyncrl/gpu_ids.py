@@ -1,6 +1,7 @@
 """GPU ids without torch: which GPUs this process sees, pinning a process to some, and each server's GPUs as
 `rollout.gpus` lists them. The rollout command starts its servers' processes with these before it imports torch
-itself (seconds of a job's start), and `asyncrl run` plans the job with them: nothing here imports torch."""
+itself (seconds of a job's start), and `asyncrl run` plans the job with them: nothing here imports torch while
+NVIDIA's management library answers."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ def visible_gpus() -> list[int]:
     """Physical ids of the GPUs this process may use: CUDA_VISIBLE_DEVICES's ids up to the first that names no
     installed GPU (none at all where one is listed twice), as CUDA and torch read it, else every installed GPU; none
     where no NVIDIA driver is installed. Counted by NVIDIA's management library, as torch counts them, without
-    importing torch (seconds of a job's start on a GPU host)."""
+    importing torch (seconds of a job's start on a GPU host); where that library loads but does not answer, by torch
+    (which then asks CUDA itself)."""
     installed = installed_gpu_count()
+    if installed is None:
+        return visible_gpus_counted_by_torch()
     listed = os.environ.get(VISIBLE_DEVICES)
     if listed is None:
         return list(range(installed))
@@ -33,20 +37,31 @@ def visible_gpus() -> list[int]:
     return ids
 
 
-def installed_gpu_count() -> int:
-    """The GPUs NVIDIA's management library counts on this machine, whatever CUDA_VISIBLE_DEVICES says; 0 where its
-    library (installed with every NVIDIA driver) does not load or start."""
+def installed_gpu_count() -> int | None:
+    """The GPUs NVIDIA's management library counts on this machine, whatever CUDA_VISIBLE_DEVICES says: 0 where the
+    library (installed with every NVIDIA driver) does not load, None where it loads but does not answer."""
     try:
         nvml = ctypes.CDLL(NVML_LIBRARY)
     except OSError:
         return 0
     if nvml.nvmlInit_v2() != NVML_SUCCESS:
-        return 0
+        return None
     try:
         count = ctypes.c_uint(0)
-        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == NVML_SUCCESS else 0
+        return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == NVML_SUCCESS else None
     finally:
         nvml.nvmlShutdown()
+
+
+def visible_gpus_counted_by_torch() -> list[int]:
+    """The visible ids where NVML does not answer: CUDA_VISIBLE_DEVICES's listed ids, as many as torch counts."""
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = os.environ.get(VISIBLE_DEVICES)
+    if listed is None:
+        return list(range(count))
+    return [int(part) for part in listed.split(",") if part.strip().isdigit()][:count]
 
 
 def pin(gpus: tuple[int, ...] | list[int]) -> None:

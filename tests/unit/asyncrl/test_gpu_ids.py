@@ -63,12 +63,17 @@ def test_with_a_driver_the_visible_ids_are_the_listed_ones_cuda_reads(monkeypatc
     assert not nvml.open
 
 
-def test_a_driver_whose_library_does_not_start_shows_no_gpu(monkeypatch):
+def test_where_the_drivers_library_does_not_answer_torch_counts_the_listed_ones(monkeypatch):
+    import torch
+
     nvml = FakeNvml(gpus=8)
     monkeypatch.setattr(nvml, "nvmlInit_v2", lambda: 9)  # NVML_ERROR_DRIVER_NOT_LOADED
     monkeypatch.setattr(gpu_ids.ctypes, "CDLL", lambda name: nvml)
-    monkeypatch.delenv(gpu_ids.VISIBLE_DEVICES, raising=False)
-    assert gpu_ids.visible_gpus() == []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv(gpu_ids.VISIBLE_DEVICES, "5,7,9")  # three listed, two counted
+    assert gpu_ids.visible_gpus() == [5, 7]
+    monkeypatch.delenv(gpu_ids.VISIBLE_DEVICES)
+    assert gpu_ids.visible_gpus() == [0, 1]
 
 
 def test_rollout_gpus_are_cut_into_each_servers_tensor_parallel_gpus():
