@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 from asyncrl.config import AsyncRLConfig
 
@@ -16,17 +17,23 @@ NVML_SUCCESS = 0  # nvmlReturn_t of a call that worked
 
 
 def visible_gpus() -> list[int]:
-    """Physical ids of the GPUs this process may use: CUDA_VISIBLE_DEVICES's ids up to the first that names no
-    installed GPU (none at all where one is listed twice), as CUDA and torch read it, else every installed GPU; none
-    where no NVIDIA driver is installed. Counted by NVIDIA's management library, as torch counts them, without
-    importing torch (seconds of a job's start on a GPU host); where that library loads but does not answer, by torch
-    (which then asks CUDA itself)."""
+    """Physical ids of the GPUs this process may use: CUDA_VISIBLE_DEVICES's as CUDA reads it (`read_as_cuda`), else
+    every installed GPU; none where no NVIDIA driver is installed. Counted by NVIDIA's management library, as torch
+    counts them, without importing torch (seconds of a job's start on a GPU host); where that library loads but does
+    not answer, by torch (which then asks CUDA itself, and counts only the visible GPUs)."""
     installed = installed_gpu_count()
-    if installed is None:
-        return visible_gpus_counted_by_torch()
     listed = os.environ.get(VISIBLE_DEVICES)
-    if listed is None:
-        return list(range(installed))
+    if installed is not None:
+        return list(range(installed)) if listed is None else read_as_cuda(listed, installed)
+    import torch
+
+    visible = torch.cuda.device_count()
+    return list(range(visible)) if listed is None else read_as_cuda(listed, sys.maxsize)[:visible]
+
+
+def read_as_cuda(listed: str, installed: int) -> list[int]:
+    """CUDA_VISIBLE_DEVICES's ids as CUDA and torch read them on a machine of `installed` GPUs: up to the first that
+    names none of them, and none at all where one is listed twice."""
     ids: list[int] = []
     for part in (part.strip() for part in listed.split(",")):
         if not part.isdigit() or int(part) >= installed:
@@ -51,17 +58,6 @@ def installed_gpu_count() -> int | None:
         return count.value if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == NVML_SUCCESS else None
     finally:
         nvml.nvmlShutdown()
-
-
-def visible_gpus_counted_by_torch() -> list[int]:
-    """The visible ids where NVML does not answer: CUDA_VISIBLE_DEVICES's listed ids, as many as torch counts."""
-    import torch
-
-    count = torch.cuda.device_count()
-    listed = os.environ.get(VISIBLE_DEVICES)
-    if listed is None:
-        return list(range(count))
-    return [int(part) for part in listed.split(",") if part.strip().isdigit()][:count]
 
 
 def pin(gpus: tuple[int, ...] | list[int]) -> None:
