@@ -217,14 +217,16 @@ class ReferenceSampler:
 
 @contextlib.contextmanager
 def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
-    """Processes started inside (vLLM's engine core and workers) see only `gpus`. This one keeps the view of a CUDA
-    context it opened before; without one it must not open CUDA inside, or it would see only `gpus` too (the reference
-    starts its engine first only where `gpus` is all it sees)."""
+    """Processes started inside (vLLM's engine core and workers) see only `gpus`. This one must not open CUDA inside
+    where that narrows its view: CUDA reads the variable once, so it would see only `gpus` for good, and a rank's
+    device index would name another GPU or none. That ends in an error naming it, at the engine's start."""
     if gpus is None:
         yield
         return
     previous = os.environ.get(VISIBLE_DEVICES)
-    os.environ[VISIBLE_DEVICES] = ",".join(str(gpu) for gpu in gpus)
+    narrowed = ",".join(str(gpu) for gpu in gpus)
+    opened_before = torch.cuda.is_initialized()
+    os.environ[VISIBLE_DEVICES] = narrowed
     try:
         yield
     finally:
@@ -232,3 +234,7 @@ def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
             del os.environ[VISIBLE_DEVICES]
         else:
             os.environ[VISIBLE_DEVICES] = previous
+    if narrowed != previous and not opened_before and torch.cuda.is_initialized():
+        raise RuntimeError(f"this process opened CUDA while its engine started with {VISIBLE_DEVICES}={narrowed}, so "
+                           f"it sees only that GPU now, not {previous or 'every GPU'}: the engine's start must not open "
+                           "CUDA in the starting process")

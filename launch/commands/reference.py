@@ -122,31 +122,21 @@ def _run_rank(config: AsyncRLConfig, run_dir: Path, engine_gpus: EngineGpus, apa
 
 def _engine_and_world(opened: contextlib.ExitStack, config: AsyncRLConfig, engine_gpus: EngineGpus, apart: bool,
                       rank: int, ranks: int, store_port: int) -> tuple[World, ReferenceSampler]:
-    """This rank's process group and its started engine, both closed by `opened`. The engine first where its GPU is
-    the only one this process sees (one rank beside its engine): vLLM then forks the engine's core, where after this
-    process opened CUDA (its process group's device) it must spawn it, importing torch and vLLM again (~20 s of a 44 s
-    start on an H200). Elsewhere the process group first: the engine's processes see only its GPUs
-    (`_visible_to_children`), and this process, had it opened CUDA while they started, would see only those too."""
+    """This rank's started engine and its process group, both closed by `opened`. The engine first: vLLM forks the
+    engine's core from a process that has not opened CUDA, where after the process group opened it (the rank's
+    device) it must spawn it, importing torch and vLLM again (~20 s of a 44 s start on an H200). The engine's
+    processes see only its GPUs (`_visible_to_children`); this process opens CUDA after they started, with its own
+    view of the GPUs."""
     from asyncrl.weight_transfer.backends import group_backend
     from learner.distributed import local_rank_environment
     from learner.main import learner_world
     from rollout_servers.reference_sampler import ReferenceSampler
 
-    def start_engine() -> ReferenceSampler:
-        sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=apart), rank, ranks)
-        opened.callback(sampler.close)
-        return sampler
-
-    def join_world() -> World:
-        if ranks > 1:
-            os.environ.update(local_rank_environment(rank, ranks, store_port))
-        world = opened.enter_context(learner_world(config))
-        for key in local_rank_environment(0, 1, 0):  # the engine's processes must not meet at the ranks' store
-            os.environ.pop(key, None)
-        return world
-
-    if ranks == 1 and not apart:
-        sampler = start_engine()
-        return join_world(), sampler
-    world = join_world()
-    return world, start_engine()
+    sampler = ReferenceSampler.start(config, engine_gpus, group_backend(receiver_has_own_gpus=apart), rank, ranks)
+    opened.callback(sampler.close)
+    if ranks > 1:
+        os.environ.update(local_rank_environment(rank, ranks, store_port))
+    world = opened.enter_context(learner_world(config))
+    for key in local_rank_environment(0, 1, 0):  # they served the join: no process started later meets at the store
+        os.environ.pop(key, None)
+    return world, sampler
