@@ -35,6 +35,7 @@ from typing import Any
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
+from asyncrl.heap import leave_now
 from asyncrl.whole_files import write_json_whole
 from rollout_servers.cancelled import cancel_and_wait
 from rollout_servers.sample_slots import SampleSlots
@@ -179,3 +180,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_now(0)  # the engine is shut down: vLLM's client, finalised in the interpreter's teardown, raises there

@@ -2,14 +2,33 @@
 servers send them, a new group started as soon as a group's worth of samples finished (the server's count), so the
 engine holds what was asked for (less fewer than a group's worth, and those the loop has not yet seen finish) when the
 window closes, and the rate is the tokens the engine sampled in the window
-(finished and partial) over its length."""
+(finished and partial) over its length. `--start-only` (the race's preparation: vLLM's caches filled on a fresh
+host) starts the job's engine, samples one token and ends cleanly, with no error printed as the process ends.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from asyncrl.config.rollout import SamplingConfig
+from run_helpers import RUN_TIMEOUT_S, tiny_job
 from scripts.engine_ceiling import keep_full
 
 pytestmark = [pytest.mark.vllm]
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "engine_ceiling.py"
+
+
+def start_only_job(inputs: Path, _: Path) -> subprocess.CompletedProcess:
+    """`engine_ceiling.py --start-only` on the shared tiny model."""
+    command = [sys.executable, str(SCRIPT), "--config", "configs/quickstart.yaml", "--start-only",
+               *tiny_job(inputs, 1, "task.min_digits=1")]
+    return subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=SCRIPT.parents[1])
+
+
+REAL_JOBS = [start_only_job]  # run side by side with other modules' jobs (conftest.py)
 
 IN_FLIGHT = 6  # under the shared engine's max_inflight (8): all of them run at once
 GROUP = 2  # samples of one prompt: 3 groups in flight
@@ -24,3 +43,10 @@ def test_the_engine_kept_full_holds_every_request_and_counts_what_it_sampled(rol
     assert result["length_mean"] in (8.0, None)  # each ran to its 8 (None: none finished in the window, a busy box)
     assert result["tokens"] >= 8 * result["samples_finished"] - 8 * IN_FLIGHT  # at most the partial ones not counted
     assert result["ceiling_tokens_per_s"] == pytest.approx(result["tokens"] / result["window_s"], rel=0.05)
+
+
+def test_start_only_starts_the_engine_and_ends_without_an_error_at_exit(real_jobs):
+    done = real_jobs[start_only_job].result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the job's engine started in" in done.stdout
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
