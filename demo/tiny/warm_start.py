@@ -129,6 +129,7 @@ def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     attention = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     right = [teacher.response(problem, 0.0, random.Random(0)) for problem in problems]  # noise 0: the right response
     budget = max(len(tokenizer.encode(text, add_special_tokens=False)) for text in right) + ANSWER_SLACK_TOKENS
+    log.info("greedy accuracy on %d held-out problems, up to %d tokens each", len(problems), budget)
     output = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
                             max_new_tokens=budget, do_sample=False)
     completions = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
