@@ -44,6 +44,12 @@
 #              neither mode's launch pays for compiling); each call scores its runs' snapshots, which
 #              live in /tmp and go with the host); the plot, the runs' records (race-records.tar.gz, for
 #              --restore) and their roles' logs (race-logs.tar.gz) go to $OUT
+#   sweep      scripts/lr_sweep.py on configs/gpu_longtail.yaml: the race's synchronous run once per learning rate of
+#              SWEEP_LRS (default 1e-6,2.5e-6,5e-6), all at once on the host's first GPU, each held to its part of
+#              the card (the card's memory over the rates, less 2 GiB: run.gpu_memory_gib) with a fixed KV cache
+#              (SWEEP_KV_GIB GiB, default 8), then every due version scored; kept in /tmp/asyncrl-sweep. SWEEP_ARGS
+#              gives the options first (--steps and --val-every are required; --eval-engines), then the overrides
+#              (the race's model shape); the model and files come from the race stage's --prepare-only
 #   share      scripts/bench_learner_share.py on configs/gpu_longtail.yaml: the learner's share of a synchronous step
 #              for the preset and each candidate of SHARE_CANDIDATES (one per line: config overrides, e.g. a larger
 #              model.tiny shape or more prompts a step), on random weights with the task's response lengths, kept in
@@ -243,6 +249,16 @@ stage_share() {
     register_plugin
     "$PYTHON" scripts/bench_learner_share.py --config configs/gpu_longtail.yaml --work-dir /tmp/asyncrl-share \
         "${candidates[@]}" ${SHARE_ARGS:-}
+}
+
+stage_sweep() {
+    local rates="${SWEEP_LRS:-1e-6,2.5e-6,5e-6}" card_mib count
+    card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0) || return 1
+    count=$(echo "$rates" | tr ',' '\n' | grep -c .)
+    register_plugin
+    CUDA_VISIBLE_DEVICES=0 "$PYTHON" scripts/lr_sweep.py --config configs/gpu_longtail.yaml --lrs "$rates" \
+        --out-dir /tmp/asyncrl-sweep ${SWEEP_ARGS:-} run.gpu_memory_gib=$(( card_mib / 1024 / count - 2 )) \
+        rollout.engine.kv_cache_memory_gib="${SWEEP_KV_GIB:-8}" metrics.wandb_mode=disabled
 }
 
 stage_scaling() {

@@ -1,0 +1,50 @@
+"""scripts/gpu_bench.sh's sweep stage: every rate's run on the host's first GPU at once, each held to its part of the
+card (the card's memory over the rates, less 2 GiB) with a fixed KV cache, the caller's options before the
+overrides. nvidia-smi and Python are stood in for: nvidia-smi prints a card's total memory in MiB, and the stand-in
+Python records how it was called."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+H200_MIB, H100_MIB = 143771, 81559  # nvidia-smi's memory.total of the device's cards
+
+
+def stage_sweep(tmp_path: Path, card_mib: int, **env: str) -> list[str]:
+    """The sweep stage's lr_sweep.py command line, with CUDA_VISIBLE_DEVICES first."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\necho {card_mib}\n")
+    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\ncat > /dev/null\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "sweep"], capture_output=True, text=True,
+                          timeout=60, env=os.environ | env | {"PATH": f"{bin_dir}:{os.environ['PATH']}",
+                                                              "PYTHON": str(bin_dir / "python"),
+                                                              "OUT": str(tmp_path / "out")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    return next(shlex.split(line) for line in calls.read_text().splitlines() if "scripts/lr_sweep.py" in line)
+
+
+def test_three_rates_share_an_h200_each_in_its_part_with_the_caller_s_options_first(tmp_path):
+    command = stage_sweep(tmp_path, H200_MIB, SWEEP_ARGS="--steps 30 --val-every 5 model.tiny.num_layers=24")
+    assert command[0] == "0"  # the host's first GPU
+    assert command[command.index("--lrs") + 1] == "1e-6,2.5e-6,5e-6"
+    tail = command[command.index("--out-dir") + 2:]
+    assert tail[:5] == ["--steps", "30", "--val-every", "5", "model.tiny.num_layers=24"]
+    assert "run.gpu_memory_gib=44" in tail  # 140 GiB / 3 = 46, less 2
+    assert "rollout.engine.kv_cache_memory_gib=8" in tail
+
+
+@pytest.mark.parametrize(("rates", "part"), [("2e-6,5e-6", 37), ("5e-6", 77)])  # 79 GiB / 2 = 39, less 2; 79 - 2
+def test_the_part_follows_the_card_and_the_number_of_rates(tmp_path, rates, part):
+    command = stage_sweep(tmp_path, H100_MIB, SWEEP_LRS=rates, SWEEP_KV_GIB="4",
+                          SWEEP_ARGS="--steps 20 --val-every 5")
+    assert command[command.index("--lrs") + 1] == rates
+    assert f"run.gpu_memory_gib={part}" in command and "rollout.engine.kv_cache_memory_gib=4" in command
