@@ -236,5 +236,5 @@ def _visible_to_children(gpus: Sequence[int] | None) -> Iterator[None]:
             os.environ[VISIBLE_DEVICES] = previous
     if narrowed != previous and not opened_before and torch.cuda.is_initialized():
         raise RuntimeError(f"this process opened CUDA while its engine started with {VISIBLE_DEVICES}={narrowed}, "
-                           f"so it sees only that GPU now, not {previous or 'every GPU'}: the engine's start must not "
-                           "open CUDA in the starting process")
+                           f"so it now sees those GPUs alone, not {previous or 'every GPU'}: the engine's start must "
+                           "not open CUDA in the starting process")

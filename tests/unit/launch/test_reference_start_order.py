@@ -1,9 +1,10 @@
-"""A rank of the synchronous reference alone beside its engine starts the engine before its process group: on a GPU
-the group opens CUDA in the process, after which vLLM can no longer fork its engine core and spawns it instead
-(importing torch and vLLM again: 21.5 s against 8.7 s for a tiny engine's start on an H200). Where the engine has GPUs
-of its own or ranks are several, the group comes first: the engine's processes see only its GPUs, and the rank must
-have its own view before. Either way the engine's processes never see the ranks' store. Stand-ins for the engine and
-the group record the order."""
+"""Every rank of the synchronous reference starts its engine before its process group: on a GPU the group opens CUDA
+in the process, after which vLLM can no longer fork its engine core and spawns it instead (importing torch and vLLM
+again: 21.5 s against 8.7 s for a tiny engine's start on an H200). So whether the engine shares the rank's GPU, has
+GPUs of its own, or ranks are several (each engine on its rank's GPU; its processes see only that GPU, and the rank
+opens CUDA after them with its own view: tests/unit/rollout_servers/test_engine_gpu_view.py). The engine's processes
+never see the ranks' store, and the rank's process keeps none of its variables after the join. Stand-ins for the
+engine and the group record the order."""
 
 import os
 from contextlib import contextmanager
@@ -21,13 +22,13 @@ RANK_STORE_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PO
 STORE_PORT = 29511
 
 
-@pytest.mark.parametrize("rank, ranks, apart, order", [
-    (0, 1, False, ["engine", "group"]),  # one GPU, shared: the engine forks its core
-    (0, 1, True, ["group", "engine"]),  # the engine on a GPU of its own
-    (1, 2, False, ["group", "engine"]),  # colocated ranks: each engine on its rank's GPU of several
+@pytest.mark.parametrize("rank, ranks, apart", [
+    (0, 1, False),  # one GPU, shared
+    (0, 1, True),  # the engine on a GPU of its own
+    (1, 2, False),  # colocated ranks: each engine on its rank's GPU of several
 ])
-def test_the_engine_and_the_process_group_start_in_the_order_that_keeps_each_on_its_gpus(monkeypatch, tmp_path, rank,
-                                                                                         ranks, apart, order):
+def test_the_engine_starts_before_the_process_group_and_never_sees_the_ranks_store(monkeypatch, tmp_path, rank, ranks,
+                                                                                    apart):
     for key in RANK_STORE_KEYS:
         monkeypatch.setenv(key, "")  # noted, so that the rank's own values go with the test
         monkeypatch.delenv(key)
@@ -65,7 +66,7 @@ def test_the_engine_and_the_process_group_start_in_the_order_that_keeps_each_on_
                      store_port=STORE_PORT)
 
     assert code == INTERRUPTED
-    assert [step for step, _ in seen[:2]] == order
+    assert [step for step, _ in seen[:2]] == ["engine", "group"]
     assert sorted(step for step, _ in seen[2:]) == ["engine closed", "group left"]
     environment = dict(seen[:2])
     assert environment["engine"] == {}, "the engine's processes would meet at the ranks' store"
@@ -74,3 +75,4 @@ def test_the_engine_and_the_process_group_start_in_the_order_that_keeps_each_on_
         assert (store["RANK"], store["WORLD_SIZE"], store["MASTER_PORT"]) == (str(rank), str(ranks), str(STORE_PORT))
     else:
         assert environment["group"] == {}
+    assert rank_store() == {}  # the join's variables are gone: no process started later meets at the store

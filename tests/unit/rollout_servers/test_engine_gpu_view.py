@@ -33,7 +33,7 @@ def test_the_children_see_only_the_engines_gpus_and_the_variable_is_put_back(mon
 
 def test_cuda_opened_while_the_view_is_narrowed_is_an_error_naming_the_variable(monkeypatch, cuda):
     monkeypatch.setenv(VISIBLE_DEVICES, "0,1")
-    with pytest.raises(RuntimeError, match=f"{VISIBLE_DEVICES}=1, so it sees only that GPU now, not 0,1"):
+    with pytest.raises(RuntimeError, match=f"{VISIBLE_DEVICES}=1, so it now sees those GPUs alone, not 0,1"):
         with _visible_to_children([1]):
             cuda["opened"] = True
     assert os.environ[VISIBLE_DEVICES] == "0,1"
