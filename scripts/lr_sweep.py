@@ -70,10 +70,16 @@ def run_rate(rate: str, args: argparse.Namespace, root: Path) -> None:
 
 
 def run_all(rates: list[str], args: argparse.Namespace, root: Path) -> None:
-    """Every rate's run, --at-once at a time; the first failure ends the sweep once the runs started have ended."""
+    """Every rate's run, --at-once at a time; the first failure starts no more runs and ends the sweep once the runs
+    started have ended."""
     with concurrent.futures.ThreadPoolExecutor(args.at_once or len(rates)) as pool:  # subprocess waits free the GIL
-        for future in [pool.submit(run_rate, rate, args, root) for rate in rates]:
-            future.result()
+        futures = [pool.submit(run_rate, rate, args, root) for rate in rates]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
 
 
 def evaluate(rates: list[str], root: Path, engines: int) -> None:
