@@ -29,8 +29,8 @@ from typing import Any
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.snapshots import made_times, read_evaluation
 
-SCORE_KEY = "val/score/mean"
-RUN_TIMEOUT_S = 7200  # one run's whole job, engine start included
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
+from scripts.bench_time_to_score import JOB_TIMEOUT_S, SCORE_KEY, asyncrl_command, evaluate  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,8 +62,8 @@ def run_rate(rate: str, args: argparse.Namespace, root: Path) -> None:
                  f"learner.total_steps={args.steps}", f"validation.every={args.val_every}",
                  "validation.after_run=true", "metrics.wandb_mode=disabled", *args.overrides, f"learner.lr={rate}"]
     with open(root / f"{name}.log", "w") as log:
-        done = subprocess.run([sys.executable, "-m", "launch", "run", "--config", args.config, *overrides],
-                              stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+        done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), stdout=log,
+                              stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"lr {rate}: asyncrl run exited with {done.returncode} (its output: {root / name}.log)")
     print(f"lr {rate}: trained {args.steps} steps", flush=True)
@@ -80,13 +80,6 @@ def run_all(rates: list[str], args: argparse.Namespace, root: Path) -> None:
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
-
-
-def evaluate(rates: list[str], root: Path, engines: int) -> None:
-    """Score every run's snapshots not scored yet, on `engines` engines (`asyncrl evaluate`)."""
-    directories = [str(root / run_name(rate)) for rate in rates]
-    subprocess.run([sys.executable, "-m", "launch", "evaluate", "--engines", str(engines), *directories], check=True,
-                   timeout=RUN_TIMEOUT_S)
 
 
 def rate_figures(directory: Path) -> dict[str, Any]:
@@ -119,7 +112,7 @@ def main() -> None:
     root = Path(args.out_dir)
     root.mkdir(parents=True, exist_ok=True)
     run_all(rates, args, root)
-    evaluate(rates, root, args.eval_engines)
+    evaluate([root / run_name(rate) for rate in rates], args.eval_engines)  # the race's: one call, every run
     figures = {rate: rate_figures(root / run_name(rate)) for rate in rates}
     print_table(figures)
     highest = max(figures, key=lambda rate: figures[rate]["final"])

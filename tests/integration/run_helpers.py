@@ -10,6 +10,10 @@ import sys
 from pathlib import Path
 
 RUN_TIMEOUT_S = 900  # one tiny job on the loaded 2-core box, engine start included
+# The response's length as its reward (tests/fixtures/length_reward.py): rewards differ inside every group, and a
+# barely trained model learns it in a few steps.
+LENGTH_REWARD = (f"reward.custom_fn.path={Path(__file__).parents[1] / 'fixtures' / 'length_reward.py'}",
+                 "reward.custom_fn.name=compute_score")
 
 
 def tiny_job(tmp: Path, total_steps: int, *extra: str) -> list[str]:
@@ -24,6 +28,14 @@ def tiny_job(tmp: Path, total_steps: int, *extra: str) -> list[str]:
         "learner.torch_threads=1", "rollout.engine.cpu_threads=1", "rollout.sampling.max_tokens=6",
         "rollout.engine.max_model_len=64", "rollout.engine.dtype=float32", *extra,
     ]
+
+
+def learning_script_job(tmp: Path, total_steps: int) -> list[str]:
+    """Overrides of a tiny job for a script that places its runs itself (no run.root_dir): the length reward at a
+    rate that a handful of steps shows rising, four groups of four a step, held-out scores of two samples."""
+    overrides = [item for item in tiny_job(tmp, total_steps) if not item.startswith("run.root_dir=")]
+    return overrides + ["task.min_digits=1", "learner.lr=0.01", "validation.n=2", "validation.k=2", *LENGTH_REWARD,
+                        "buffer.batch_groups=4", "rollout.sampling.n=4"]
 
 
 def asyncrl(*args: str) -> subprocess.CompletedProcess:

@@ -26,14 +26,13 @@ from asyncrl.messages import TrajectoryGroup, decode
 from asyncrl.metrics import read_metrics
 from launch.reference_loop import trained_groups
 from buffer.log import SegmentLog
-from run_helpers import asyncrl, tiny_job
+from run_helpers import LENGTH_REWARD, asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 STEPS = 3
 BATCH_GROUPS = 4
 SAMPLES_PER_GROUP = 4
-LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
 COMPARED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/score/mean", "response_length/mean")
 
 
@@ -44,7 +43,7 @@ def job(tmp: Path, name: str, *mode: str) -> list[str]:
         # Room for two batches in flight: with K=1 the server samples the second batch under version 0 at once.
         f"rollout.max_inflight={2 * BATCH_GROUPS * SAMPLES_PER_GROUP}",
         # Rewards that differ inside every group: each step has a loss and an update to compare.
-        f"reward.custom_fn.path={LENGTH_REWARD}", "reward.custom_fn.name=compute_score", *mode,
+        *LENGTH_REWARD, *mode,
     )
 
 

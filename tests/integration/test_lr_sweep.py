@@ -13,24 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from run_helpers import RUN_TIMEOUT_S, tiny_job
+from run_helpers import RUN_TIMEOUT_S, learning_script_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 STEPS, VAL_EVERY = 4, 2
 DUE = [0, 2, 4]
-LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
 SCRIPT = Path(__file__).parents[2] / "scripts" / "lr_sweep.py"
 
 
 def sweep_job(inputs: Path, own_dir: Path) -> tuple[dict, str, dict, str]:
     """The sweep over rates 0 and 0.01 on the shared tiny model, in `own_dir`, then the same command again: each
     time its RESULT and its console output."""
-    overrides = [item for item in tiny_job(inputs, STEPS) if not item.startswith(("run.root_dir=", "learner.lr="))]
-    overrides += ["task.min_digits=1", "validation.n=2", "validation.k=2", f"reward.custom_fn.path={LENGTH_REWARD}",
-                  "reward.custom_fn.name=compute_score", "buffer.batch_groups=4", "rollout.sampling.n=4"]
     command = [sys.executable, str(SCRIPT), "--config", "configs/quickstart.yaml", "--lrs", "0,0.01", "--steps",
-               str(STEPS), "--val-every", str(VAL_EVERY), "--out-dir", str(own_dir / "sweep"), *overrides]
+               str(STEPS), "--val-every", str(VAL_EVERY), "--out-dir", str(own_dir / "sweep"),
+               *learning_script_job(inputs, STEPS)]  # its learner.lr comes before each rate's, which wins
     outcomes = []
     for _ in range(2):
         done = subprocess.run(command, capture_output=True, text=True, timeout=3 * RUN_TIMEOUT_S, cwd=SCRIPT.parents[1])

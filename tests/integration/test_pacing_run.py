@@ -18,14 +18,13 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.metrics import read_metrics
 from learner.services.pacing import Pacer
-from run_helpers import asyncrl, tiny_job
+from run_helpers import LENGTH_REWARD, asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 STEPS = 12
 K_MIN, K_MAX = 0, 2
 SAMPLES_PER_GROUP = 4
-LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
 CHANGE_LINE = re.compile(r"pacing: max_staleness (\d+) -> (\d+) after step (\d+): (.*)")
 
 
@@ -36,7 +35,7 @@ def paced_job(inputs: Path, tmp: Path) -> tuple[Path, list[dict]]:
         f"buffer.pacing.k_start={K_MIN}", "buffer.pacing.window=2", "buffer.batch_groups=4",
         f"rollout.sampling.n={SAMPLES_PER_GROUP}", f"rollout.max_inflight={SAMPLES_PER_GROUP}",  # one group at a time
         "learner.lr=0.05", f"learner.checkpoint_every={STEPS}",
-        f"reward.custom_fn.path={LENGTH_REWARD}", "reward.custom_fn.name=compute_score",
+        *LENGTH_REWARD,
     )
     done = asyncrl("run", *overrides)
     run_dir = tmp / "runs" / "paced"

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 
 from asyncrl.snapshots import made_times, read_evaluation
-from run_helpers import RUN_TIMEOUT_S, tiny_job
+from run_helpers import RUN_TIMEOUT_S, learning_script_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 STEPS, VAL_EVERY = 6, 3
 DUE = [0, 3, 6]
-LENGTH_REWARD = Path(__file__).parents[1] / "fixtures" / "length_reward.py"
 BENCH = Path(__file__).parents[2] / "scripts" / "bench_time_to_score.py"
 RUNS = ("tts-sync-s0", "tts-async-k2-s0")
 
@@ -30,9 +29,7 @@ def race_job(inputs: Path, own_dir: Path) -> tuple[Path, dict]:
     import subprocess
     import sys
 
-    overrides = [item for item in tiny_job(inputs, STEPS) if not item.startswith("run.root_dir=")]
-    overrides += ["task.min_digits=1", "learner.lr=0.01", "validation.n=2", "validation.k=2", f"reward.custom_fn.path={LENGTH_REWARD}",
-                  "reward.custom_fn.name=compute_score", "buffer.batch_groups=4", "rollout.sampling.n=4"]
+    overrides = learning_script_job(inputs, STEPS)
     done = subprocess.run([sys.executable, str(BENCH), "--config", "configs/quickstart.yaml", "--steps", str(STEPS),
                            "--val-every", str(VAL_EVERY), "--warmup-steps", "1", "--skip-prepare",
                            "--archive", str(own_dir / "records.tar.gz"), "--out-dir", str(own_dir), *overrides],
