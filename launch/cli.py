@@ -160,12 +160,16 @@ COMMANDS = (
         "generation. Several RUN_DIRs (the same model and engine settings) share the engine: one evaluator for "
         "the runs compared. Writes RUN_DIR/evaluation.jsonl, one line per version: its val/* metrics and "
         "made_at, the Unix time the learner made that version. Versions already scored are skipped, so a run "
-        "still going can be evaluated again. See docs/metrics.md.",
+        "still going can be evaluated again. Each snapshot holds the whole model (a version every "
+        "validation.every): --drop-scored frees its disk as soon as it is scored. See docs/metrics.md.",
         "launch.commands.evaluate:main",
         arguments=(Argument("run_dirs", "RUN_DIR", "run directories written with validation.after_run=true",
                             many=True),
                    Argument("--engines", "N", "engines scoring side by side, each on its part of the GPU memory "
-                                              "(rollout.engine.gpu_memory_utilization / N; default 1)")),
+                                              "(rollout.engine.gpu_memory_utilization / N; default 1)"),
+                   Argument("--drop-scored", "", "delete each snapshot's weights once its score is written (the "
+                                                 "index and evaluation.jsonl stay): the disk then holds only the "
+                                                 "snapshots not scored yet")),
         takes_config=False,
     ),
     Command(

@@ -5,13 +5,15 @@ Per seed, `asyncrl run` runs the synchronous reference (`learner.mode=synchronou
 on it, load the new weights, colocated on every GPU this process sees: one rank per GPU with its own engine, FSDP over
 all of them, --sync-ranks to choose) and then the async job (K = --max-staleness), both with
 `validation.after_run=true`: neither validates during its run; each keeps the weights of every due version
-(every --val-every versions, and the last) with the time it made them. After all runs, one `asyncrl evaluate` call
-scores every snapshot of every run on one engine of its own (--eval-engines: that many engines of the same settings
-side by side), with each run's held-out prompts and seeds. So no pass is on either clock, none takes generation's
-engine, and none is skipped (`validations_skipped` counts any missing). The task's files and the model are made
-first (`asyncrl data`, `asyncrl init-model`: cached), and the job's engine is started once, so that vLLM's compile
-cache on the host holds the model's graphs before either mode launches (on a fresh host the first engine to start
-compiles them: 60 s more on an H200).
+(every --val-every versions, and the last) with the time it made them. As soon as a run ends, `asyncrl evaluate
+--drop-scored` scores its snapshots on an engine of its own (--eval-engines: that many engines of the same settings
+side by side), with the run's held-out prompts and seeds, and deletes each snapshot's weights once scored: the disk
+holds one run's snapshots at a time (a ~600 M-parameter model's 21 take ~25 GB; both modes' at once would not
+leave room on a 64 GB host). Every run is scored by the same evaluator: its settings, prompts and seeds. So no pass
+is on either clock, none takes generation's engine, and none is skipped (`validations_skipped` counts any missing).
+The task's files and the model are made first (`asyncrl data`, `asyncrl init-model`: cached), and the job's engine
+is started once, so that vLLM's compile cache on the host holds the model's graphs before either mode launches (on
+a fresh host the first engine to start compiles them: 60 s more on an H200).
 
 Per run, from metrics.jsonl and evaluation.jsonl:
   curve            (version, seconds since the job's launch when the learner made that version, held-out score)
@@ -194,10 +196,16 @@ def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
 
 
 def evaluate(run_dirs: list[Path], engines: int) -> None:
-    """Score every run's snapshots not scored yet (`asyncrl evaluate`), on `engines` engines of the same settings."""
+    """Score every run's snapshots not scored yet (`asyncrl evaluate`), on `engines` engines of the same settings,
+    deleting each snapshot's weights once scored."""
     if run_dirs:
-        subprocess.run(asyncrl_command("evaluate", "--engines", str(engines), *map(str, run_dirs)), check=True,
-                       timeout=JOB_TIMEOUT_S)
+        subprocess.run(asyncrl_command("evaluate", "--engines", str(engines), "--drop-scored", *map(str, run_dirs)),
+                       check=True, timeout=JOB_TIMEOUT_S)
+
+
+def unscored(run_dir: Path) -> bool:
+    """The run has a snapshot not scored yet (an engine would start for it)."""
+    return bool(set(made_times(run_dir)) - set(read_evaluation(run_dir)))
 
 
 def summarise(records: list[Record], made: dict[int, float], evaluation: dict[int, Record], launched: float,
@@ -426,11 +434,14 @@ def main() -> None:
         for mode in modes:
             if mode.name in wanted:
                 run_job(mode, seed, args, steps, val_every, root)
+                if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
+                    evaluate([root / mode.run_name(seed)], args.eval_engines)
     if CEILING in wanted:
         measure_ceiling(args, root)
     ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}
-    if not args.no_evaluate:
-        evaluate([root / mode.run_name(seed) for mode in modes for seed in ran[mode]], args.eval_engines)
+    if not args.no_evaluate:  # what earlier calls left unscored (--no-evaluate, or a call cut short)
+        run_dirs = [root / mode.run_name(seed) for mode in modes for seed in ran[mode]]
+        evaluate([run_dir for run_dir in run_dirs if unscored(run_dir)], args.eval_engines)
     if args.archive:
         archive_records(root, Path(args.archive))
     report(args, root, modes, ran, steps, val_every)

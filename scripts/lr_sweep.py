@@ -1,6 +1,8 @@
 """The learning-rate sweep that picks the race's rate: the synchronous run (`learner.mode=synchronous`) once per rate of
 --lrs, from the same warm-started model and seed, --at-once of them side by side, then every due version of every run
-scored by one `asyncrl evaluate` call (the race's evaluator: the same held-out prompts and seeds for all).
+scored by one `asyncrl evaluate` call (the race's evaluator: the same held-out prompts and seeds for all), which deletes
+each snapshot's weights once scored (at the runs' end the disk holds all their snapshots: 3 rates x 7 versions of a
+~600 M-parameter model take ~25 GB).
 
 The race's rate is one at which the synchronous run, the baseline, improves steadily (at a rate too high for it, both
 modes collapse and the race proves nothing), so the sweep runs the baseline alone. Side by side on one GPU the runs

@@ -55,9 +55,9 @@ def evaluate(args: argparse.Namespace) -> int:
                  "" if run.pending else " (every one is scored already)")
     shares = deal(runs, engines)
     if len(shares) > 1:
-        return score_on_engines(shares)
+        return score_on_engines(shares, args.drop_scored)
     if shares:
-        score_all(shares[0])
+        score_all(shares[0], drop_scored=args.drop_scored)
     return 0
 
 
@@ -80,7 +80,7 @@ def deal(runs: list[Run], engines: int) -> list[list[Run]]:
     return shares
 
 
-def score_on_engines(shares: list[list[Run]]) -> int:
+def score_on_engines(shares: list[list[Run]], drop_scored: bool = False) -> int:
     """Score each share on an engine of its own, in a process of its own, side by side on the GPUs this process
     sees, each engine taking its part of `rollout.engine.gpu_memory_utilization`; 1 if any failed.
 
@@ -92,7 +92,8 @@ def score_on_engines(shares: list[list[Run]]) -> int:
     orders = [StartOrder(context.Event(), context.Event()) for _ in shares]
     all_started = context.Event()
     workers = [context.Process(target=score_share, name=f"evaluate-engine-{number}",
-                               args=([(run.directory, run.pending) for run in share], len(shares), order, all_started))
+                               args=([(run.directory, run.pending) for run in share], len(shares), order, all_started,
+                                     drop_scored))
                for number, (share, order) in enumerate(zip(shares, orders))]
     for worker in workers:
         worker.start()
@@ -123,7 +124,8 @@ def start_in_turn(engines: list[tuple[Callable[[], bool], StartOrder]], all_star
     all_started.set()
 
 
-def score_share(share: list[tuple[Path, list[int]]], engines: int, order: StartOrder, all_started: Any) -> None:
+def score_share(share: list[tuple[Path, list[int]]], engines: int, order: StartOrder, all_started: Any,
+                drop_scored: bool = False) -> None:
     """One engine's share (each run directory with the versions it scores), in a process of its own: read the runs
     and import the engine's modules, start the engine in its turn, score, and close it once every engine has
     started (`score_on_engines` says why)."""
@@ -133,7 +135,7 @@ def score_share(share: list[tuple[Path, list[int]]], engines: int, order: StartO
     import rollout_servers.reference_sampler  # noqa: F401 (seconds of imports, before this engine's turn)
 
     order.turn.wait()
-    score_all(runs, engines, on_started=order.started.set, before_close=all_started.wait)
+    score_all(runs, engines, on_started=order.started.set, before_close=all_started.wait, drop_scored=drop_scored)
     ended_normally()  # vLLM's client, finalised by the interpreter's teardown, raises there (`main`)
 
 
@@ -172,9 +174,10 @@ def _section(config: AsyncRLConfig, key: str) -> Any:
 
 
 def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] | None = None,
-              before_close: Callable[[], Any] | None = None) -> None:
+              before_close: Callable[[], Any] | None = None, drop_scored: bool = False) -> None:
     """Start the engine (with its part of the GPU's memory when `engines` share it) once, tell `on_started`, then
-    load and score each pending snapshot of each run; call `before_close` (done or not) before closing the engine."""
+    load and score each pending snapshot of each run, deleting its file once its score is written with `drop_scored`;
+    call `before_close` (done or not) before closing the engine."""
     import torch  # after parsing: `asyncrl --help` stays instant
 
     from asyncrl.weight_transfer.backends import group_backend
@@ -200,6 +203,8 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
                 del weights
                 metrics = sampler.score(validator)
                 record_score(run.directory, version, run.made[version], metrics)
+                if drop_scored:  # after the record: a version whose file is gone is always a scored one
+                    snapshot_path(run.directory, version).unlink()
                 log.info("%s version %d: val/score/mean %.3f (%d of %d)", run.directory.name, version,
                          metrics["val/score/mean"], loads, total)
     finally:

@@ -3,13 +3,19 @@ the layout), so that `asyncrl evaluate` scores every one of them after the job, 
 
 The weights are copied to host memory at once (the learner trains on as soon as this returns) and written to disk
 by one background thread. One write runs at a time: a second snapshot first waits for the previous one, so at most
-two copies are ever held."""
+two copies are ever held.
+
+Every due version's file stays until `asyncrl evaluate` scores it (and drops it, with --drop-scored), so the disk
+must hold all of them: at its first snapshot the writer compares the snapshots still due (this one's size times
+their number) with the free space where they go, and stops the job there, naming both, rather than at a full disk
+hours later. It counts only this job's snapshots: jobs sharing a disk must leave room for one another."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -17,11 +23,16 @@ from typing import Sequence
 
 import torch
 
-from asyncrl.snapshots import INDEX_FILE, SNAPSHOTS_DIR, snapshot_due, snapshot_path
+from asyncrl.snapshots import INDEX_FILE, SNAPSHOTS_DIR, due_versions, snapshot_due, snapshot_path
 
 log = logging.getLogger(__name__)
 
 NamedWeights = Sequence[tuple[str, torch.Tensor]]
+GIB = 2**30
+
+
+class SnapshotSpaceError(RuntimeError):
+    """The disk cannot hold the job's due snapshots."""
 
 
 class SnapshotWriter:
@@ -31,6 +42,7 @@ class SnapshotWriter:
         (run_dir / SNAPSHOTS_DIR).mkdir(parents=True, exist_ok=True)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="snapshots")
         self._pending: Future | None = None
+        self._room_checked = False
 
     def due(self, version: int) -> bool:
         return snapshot_due(version, self.every, self.final_version)
@@ -42,7 +54,14 @@ class SnapshotWriter:
             return
         made_at = time.time()
         self.wait()
+        if not self._room_checked:
+            check_room(self.run_dir / SNAPSHOTS_DIR, weights_bytes(weights), self.remaining(version))
+            self._room_checked = True
         self._pending = self._writer.submit(self._write, version, made_at, host_copy(weights))
+
+    def remaining(self, version: int) -> int:
+        """Snapshots due from `version` on, `version`'s own included."""
+        return sum(1 for due in due_versions(self.every, self.final_version) if due >= version)
 
     def wait(self) -> None:
         """Until the snapshot being written is on disk (a write's error is raised here)."""
@@ -62,6 +81,25 @@ class SnapshotWriter:
         with (self.run_dir / SNAPSHOTS_DIR / INDEX_FILE).open("a") as index:
             index.write(json.dumps({"version": version, "made_at": made_at}) + "\n")
         log.info("snapshot of version %d written to %s", version, path)
+
+
+def check_room(directory: Path, snapshot_bytes: int, count: int) -> None:
+    """SnapshotSpaceError when `count` snapshots of `snapshot_bytes` each do not fit the free space at `directory`."""
+    needed, free = snapshot_bytes * count, shutil.disk_usage(directory).free
+    log.info("snapshots: %d due, %.2f GiB each, %.1f GiB in all; %.1f GiB free in %s", count, snapshot_bytes / GIB,
+             needed / GIB, free / GIB, directory)
+    if needed > free:
+        raise SnapshotSpaceError(
+            f"validation.after_run: the {count} snapshots still due (a version every validation.every up to "
+            f"learner.total_steps) take {snapshot_bytes / GIB:.2f} GiB each, {needed / GIB:.1f} GiB in all, but "
+            f"{directory} has {free / GIB:.1f} GiB free: raise validation.every, free space there, or score and drop "
+            "earlier runs' snapshots (asyncrl evaluate --drop-scored)")
+
+
+def weights_bytes(weights: NamedWeights) -> int:
+    """Bytes of `weights`, a tensor listed under several names (a tied weight) counted once, as torch.save stores it."""
+    unique = {id(tensor): tensor for _, tensor in weights}
+    return sum(tensor.numel() * tensor.element_size() for tensor in unique.values())
 
 
 def host_copy(weights: NamedWeights) -> list[tuple[str, torch.Tensor]]:

@@ -1,7 +1,7 @@
 """The race to a held-out score at CPU size (scripts/bench_time_to_score.py, the benchmark itself): the synchronous
 run and the async job from one warm start, each keeping the weights of every due version (validation.after_run),
-then one `asyncrl evaluate` scoring them all. Every due version is scored, both modes learn, and the one evaluator
-scores the shared starting model the same in both. The engine's ceiling is tested on its own
+each scored by `asyncrl evaluate --drop-scored` as soon as it ends. Every due version is scored and its weights
+deleted, both modes learn, and the evaluator scores the shared starting model the same in both. The engine's ceiling is tested on its own
 (test_engine_ceiling.py), and how `--engines N` deals snapshots out in tests/unit/launch/test_evaluate.py: each would
 start one more engine here, in the suite's longest job.
 
@@ -56,6 +56,7 @@ def test_every_due_version_of_both_modes_is_kept_and_scored_in_the_order_it_was_
         assert sorted(made) == DUE and sorted(scored) == DUE
         assert [made[v] for v in DUE] == sorted(made[v] for v in DUE)  # each version after the one before
         assert all(scored[v]["made_at"] == made[v] for v in DUE)
+        assert not list((root / name / "snapshots").glob("*.pt"))  # each dropped once scored
 
 
 def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_learn(race):

@@ -1,7 +1,7 @@
 """`asyncrl evaluate` around its engines: which snapshots of a run are left to score, how they are dealt out to
 several engines, each engine's part of the GPU memory, the runs it refuses to score together (each refusal naming
-what is wrong), and the order several engines start and close in (vLLM's start breaks when another engine frees
-memory meanwhile), with stand-ins for the engine."""
+what is wrong), the order several engines start and close in (vLLM's start breaks when another engine frees
+memory meanwhile) and the snapshots --drop-scored deletes, with stand-ins for the engine."""
 
 import json
 import threading
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config, save_config
-from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
+from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, read_evaluation, snapshot_path
 from launch.commands.evaluate import (StartOrder, deal, engine_count, engine_mismatch, memory_part, read_run, score_all,
                                       start_in_turn)
 
@@ -123,3 +123,42 @@ def test_an_engine_closes_only_once_every_engine_has_started_after_its_share_or_
     all_started.set()
     scoring.join(timeout=10)
     assert not scoring.is_alive() and events == ["started", "told", "closed"]
+
+
+@pytest.mark.parametrize("drop_scored", [False, True])
+def test_drop_scored_deletes_each_snapshot_once_its_score_is_written(tmp_path, monkeypatch, drop_scored):
+    import torch
+
+    from rollout_servers import reference_sampler, validation
+
+    directory = run_dir(tmp_path, "sync", made=[0, 2, 4], scored=[0])  # version 0 scored by an earlier call
+    for version in (0, 2, 4):
+        torch.save([("w", torch.full((2,), float(version)))], snapshot_path(directory, version))
+    loaded = []
+
+    class StandInSampler:
+        tokenizer, weights_device = None, torch.device("cpu")
+
+        @classmethod
+        def start(cls, config, gpus, backend):
+            return cls()
+
+        def load_weights(self, version, weights):
+            loaded.append(float(weights[0][1][0]))
+
+        def score(self, validator):
+            scored_before = [v for v in (2, 4) if v in read_evaluation(directory)]
+            # the snapshot scored before this one is gone by now when dropping; this one's file is still there
+            assert all(snapshot_path(directory, v).exists() != drop_scored for v in scored_before)
+            return {"val/score/mean": loaded[-1] / 10}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(reference_sampler, "ReferenceSampler", StandInSampler)
+    monkeypatch.setattr(validation, "load_validation_prompts", lambda config, tokenizer: [])
+    score_all([read_run(directory)], drop_scored=drop_scored)
+    assert loaded == [2.0, 4.0]  # the pending versions only
+    assert {v: r.get("val/score/mean") for v, r in read_evaluation(directory).items()} == {0: None, 2: 0.2, 4: 0.4}
+    assert [snapshot_path(directory, v).exists() for v in (0, 2, 4)] == [True, not drop_scored, not drop_scored]
+    assert read_run(directory).pending == []  # a dropped version counts as scored, never as missing
