@@ -41,9 +41,10 @@
 #              validated after the run) and the engine's ceiling (RACE_MODES=sync, async or ceiling runs a part per
 #              call, all kept in /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
 #              "--prepare-only" to only make the data and the model and fill vLLM's compile cache (so that
-#              neither mode's launch pays for compiling); each call scores its runs' snapshots, which
-#              live in /tmp and go with the host); the plot, the runs' records (race-records.tar.gz, for
-#              --restore) and their roles' logs (race-logs.tar.gz) go to $OUT
+#              neither mode's launch pays for compiling); each run's snapshots are scored as soon as it
+#              ends and their weights deleted (the scores live in /tmp and go with the host); the plot, the
+#              runs' records (race-records.tar.gz, for --restore) and their roles' logs (race-logs.tar.gz)
+#              go to $OUT
 #   sweep      scripts/lr_sweep.py on configs/gpu_longtail.yaml: the race's synchronous run once per learning rate of
 #              SWEEP_LRS (default 1e-6,2.5e-6,5e-6), all at once on the host's first GPU, each held to its part of
 #              the card (the card's memory over the rates, less 2 GiB: run.gpu_memory_gib) with a fixed KV cache
