@@ -4,6 +4,7 @@ live progress on the console, per-role logs in the run directory, clean stop on 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -14,11 +15,12 @@ from pathlib import Path
 from asyncrl.config import AsyncRLConfig, ConfigError
 from launch.commands.common import check_input_files, start
 from launch.commands.model_check import check_model
+from launch.mps import MpsDaemon, start_mps
 from asyncrl.endpoints import ENDPOINTS_FILE
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import ended_normally
 from asyncrl.parent_death import launched_environment
-from asyncrl.placement import as_overrides, place_local_job
+from asyncrl.placement import Plan, as_overrides, place_local_job
 from asyncrl.stop_signal import StopSignal
 
 _POLL_S = 0.5  # how often the launcher checks its children
@@ -36,14 +38,28 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(config.run.root_dir) / name
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / ENDPOINTS_FILE).unlink(missing_ok=True)  # a resumed run's old addresses must not be used
+    mps = start_mps(config, plan, run_dir, log)  # before the roles: their CUDA contexts become its clients
+    try:
+        return run_roles(args, config, log, name, run_dir, plan, mps)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def run_roles(args: argparse.Namespace, config: AsyncRLConfig, log: logging.Logger, name: str, run_dir: Path,
+              plan: Plan | None, mps: MpsDaemon | None) -> int:
+    """Start the learner and (async) the rollout supervisor, follow them to the job's end or a stop, stop them."""
     base = [sys.executable, "-m", "launch.cli"]
     placed = as_overrides(plan) if plan is not None else []  # each role pins itself to its GPUs of the plan
     shared = (["--config", args.config] if args.config else []) + [*args.overrides, *placed, f"run.name={name}"]
     # The learner's progress lines (stderr) go to the console; its stdout (RUN_DIR) and the rollout
     # supervisor's output go to logs/.
-    learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", stderr_to_console=True)
+    environment = launched_environment() | (mps.environment() if mps is not None else {})
+    learner = _launch(base + ["learner", *shared], run_dir / "logs" / "learner.out", environment,
+                      stderr_to_console=True)
     # learner.mode=synchronous: the learner runs the synchronous reference, which owns its engine
-    rollout = None if config.learner.mode == "synchronous" else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log")
+    rollout = (None if config.learner.mode == "synchronous"
+               else _launch(base + ["rollout", *shared], run_dir / "logs" / "rollout.log", environment))
     log.info("run directory %s: learner pid %d, rollout pid %s (servers log to logs/)", run_dir, learner.pid,
              rollout.pid if rollout else "none")
     check_model_beside(config, [process for process in (rollout, learner) if process is not None])
@@ -104,12 +120,13 @@ def last_errors(log_path: Path, count: int = _ERRORS_SHOWN) -> list[str]:
     return [line for record in records[-count:] for line in record]
 
 
-def _launch(command: list[str], log_path: Path, stderr_to_console: bool = False) -> subprocess.Popen:
+def _launch(command: list[str], log_path: Path, environment: dict[str, str],
+            stderr_to_console: bool = False) -> subprocess.Popen:
     output = open(log_path, "ab")
     stderr = None if stderr_to_console else subprocess.STDOUT
     # A session of its own: stopping it reaches every process below (vLLM engine cores, learner ranks). The
-    # child dies with this process, should it be killed outright (`asyncrl.parent_death`).
-    return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=launched_environment())
+    # child dies with this process, should it be killed outright (`launched_environment`, `asyncrl.parent_death`).
+    return subprocess.Popen(command, stdout=output, stderr=stderr, start_new_session=True, env=environment)
 
 
 def _stop(process: subprocess.Popen, own_stop_s: float = 0.0) -> None:

@@ -1,0 +1,115 @@
+"""CUDA MPS for a job whose learner and rollout servers share a GPU (`run.mps`, read by `asyncrl run`).
+
+Without MPS the CUDA contexts of two processes on one GPU take turns: while the learner's kernels run, the engine's
+decode steps wait, though a decode step alone uses a small part of the GPU's compute. Under MPS the processes'
+kernels run at once, as one context's would. `asyncrl run` starts a control daemon of the job's own for the job's
+lifetime (`nvidia-cuda-mps-control -f`, its pipe in a fresh directory, its log in RUN_DIR/logs/mps) and gives its
+roles the variables that make their CUDA contexts its clients; processes without them, other jobs included, are
+not touched. The daemon sees every GPU, as the roles' CUDA_VISIBLE_DEVICES (physical ids) expect: a client's ids
+are read against the devices its server sees. At the job's end the daemon is told to quit; it dies with
+`asyncrl run` should that be killed outright (an MPS server it had started may then stay until its clients are gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from asyncrl.config import AsyncRLConfig, ConfigError
+from asyncrl.gpu_ids import VISIBLE_DEVICES
+from asyncrl.parent_death import die_with_parent
+from asyncrl.placement import Plan
+
+CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's MPS control program, installed with the driver's compute utilities
+PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+READY_FILE = "control"  # the daemon's socket in its pipe directory: present once it takes clients
+START_TIMEOUT_S = 10.0  # longest wait for the daemon to take clients
+STOP_TIMEOUT_S = 10.0  # longest wait for it to quit when told, before it is killed
+POLL_S = 0.05
+
+OFF, AUTO, ON = "off", "auto", "on"
+
+
+class MpsError(ConfigError):
+    """run.mps=on and the job cannot have MPS: the reason names the key."""
+
+
+@dataclass
+class MpsDaemon:
+    """A running control daemon of this job's own."""
+
+    process: subprocess.Popen
+    pipe_dir: Path  # its socket's directory, made for it (a short path: a socket's path is at most 107 bytes)
+    log_dir: Path
+
+    def environment(self) -> dict[str, str]:
+        """The variables that make a process's CUDA contexts this daemon's clients."""
+        return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+
+    def stop(self) -> None:
+        """Tell the daemon to quit (its server with it), wait a bounded time, then kill it; remove its pipe directory."""
+        if self.process.poll() is None:
+            try:
+                subprocess.run([CONTROL], input="quit\n", text=True, env=os.environ | self.environment(),
+                               capture_output=True, timeout=STOP_TIMEOUT_S)
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.pipe_dir, ignore_errors=True)
+
+
+def wanted(config: AsyncRLConfig, plan: Plan | None) -> bool:
+    """Whether the job should run under MPS: on, or auto where the plan puts a server on a learner rank's GPU."""
+    setting = config.run.mps
+    if setting == ON and plan is None:
+        raise MpsError("run.mps=on: no GPU is visible, and MPS shares a GPU (set run.mps=off or auto on a CPU)")
+    return setting == ON or (setting == AUTO and plan is not None and plan.colocated
+                             and config.learner.mode == "async")
+
+
+def start_mps(config: AsyncRLConfig, plan: Plan | None, run_dir: Path, log: logging.Logger) -> MpsDaemon | None:
+    """The job's MPS daemon when `run.mps` asks for one and it starts; None otherwise. With run.mps=on, a daemon that
+    cannot start is an MpsError naming why; with auto, a warning, and the roles take turns on the GPU."""
+    if not wanted(config, plan):
+        return None
+    try:
+        daemon = _start(run_dir / "logs" / "mps")
+    except MpsError as error:
+        if config.run.mps == ON:
+            raise
+        log.warning("%s; the roles take turns on the GPU (run.mps=auto)", error)
+        return None
+    log.info("CUDA MPS: control daemon pid %d (pipe %s, log %s): the roles on a shared GPU run their kernels at once",
+             daemon.process.pid, daemon.pipe_dir, daemon.log_dir)
+    return daemon
+
+
+def _start(log_dir: Path) -> MpsDaemon:
+    control = shutil.which(CONTROL)
+    if control is None:
+        raise MpsError(f"run.mps: {CONTROL} is not installed here (it comes with NVIDIA's driver utilities)")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    pipe_dir = Path(tempfile.mkdtemp(prefix="asyncrl-mps-"))
+    environment = {key: value for key, value in os.environ.items() if key != VISIBLE_DEVICES}
+    environment |= {PIPE_ENV: str(pipe_dir), LOG_ENV: str(log_dir)}
+    launcher = os.getpid()
+    with open(log_dir / "control.out", "ab") as output:
+        process = subprocess.Popen([control, "-f"], stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                   env=environment, preexec_fn=lambda: die_with_parent(launcher))
+    daemon = MpsDaemon(process, pipe_dir, log_dir)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (pipe_dir / READY_FILE).exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            state = (f"exited with {process.returncode}" if process.returncode is not None
+                     else f"took no clients within {START_TIMEOUT_S:g}s")
+            daemon.stop()
+            raise MpsError(f"run.mps: {CONTROL} {state} (see {log_dir})")
+        time.sleep(POLL_S)
+    return daemon
