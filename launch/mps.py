@@ -66,12 +66,13 @@ class MpsDaemon:
 
 
 def wanted(config: AsyncRLConfig, plan: Plan | None) -> bool:
-    """Whether the job should run under MPS: on, or auto where the plan puts a server on a learner rank's GPU."""
+    """Whether the job should run under MPS: on, or auto where an async job's learner and every server share its one
+    GPU (weights passed by CUDA IPC). Several GPUs are left to `on`: NCCL between MPS clients is untried here."""
     setting = config.run.mps
     if setting == ON and plan is None:
         raise MpsError("run.mps=on: no GPU is visible, and MPS shares a GPU (set run.mps=off or auto on a CPU)")
-    return setting == ON or (setting == AUTO and plan is not None and plan.colocated
-                             and config.learner.mode == "async")
+    one_shared_gpu = plan is not None and len(plan.learner) == 1 and all(gpus == plan.learner for gpus in plan.servers)
+    return setting == ON or (setting == AUTO and one_shared_gpu and config.learner.mode == "async")
 
 
 def start_mps(config: AsyncRLConfig, plan: Plan | None, run_dir: Path, log: logging.Logger) -> MpsDaemon | None:

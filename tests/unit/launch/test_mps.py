@@ -75,6 +75,9 @@ def alive(pid: int) -> bool:
     (["run.mps=off"], COLOCATED, False),
     (["run.mps=auto"], COLOCATED, True),  # a server beside the learner
     (["run.mps=auto"], APART, False),  # every role on a GPU of its own: nothing to share
+    (["run.mps=auto"], Plan((1,), ((0,), (1,))), False),  # mixed: NCCL to the server apart, untried under MPS
+    (["run.mps=auto"], Plan((0, 1), ((0,), (1,))), False),  # two learner ranks: NCCL between them
+    (["run.mps=auto"], Plan((0,), ((0,), (0,))), True),  # two servers beside the learner on its one GPU
     (["run.mps=auto"], None, False),  # no GPU
     (["run.mps=auto", "learner.mode=synchronous"], COLOCATED, False),  # its engine and trainer take turns anyway
     (["run.mps=on"], APART, True),
