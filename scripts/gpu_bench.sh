@@ -6,7 +6,8 @@
 #              Qwen2.5-0.5B-shaped model and data of configs/gpu_qwen05b.yaml
 #   tests      pytest -m gpu (NCCL weight-transfer rendezvous/deadlines, a mixed plan's round to a server beside
 #              the learner by CUDA IPC and one on another GPU by NCCL (two GPUs), FSDP2 NCCL + bf16 equality, the
-#              learner's variable-length attention and fused log-probs against their references) and
+#              learner's variable-length attention and fused log-probs against their references, a CUDA IPC
+#              round between two clients of the job's MPS daemon where NVIDIA's control program is installed) and
 #              the vLLM engine tests on CUDA (log-probs, updates in place, versions, interrupted updates)
 #   sync       scripts/bench_weight_sync.py: pause-to-resume sync time vs the NCCL floor
 #   broadcast  bench_weight_sync.py --servers BROADCAST_SERVERS (default 1,2,3): one broadcast to that many
