@@ -4,12 +4,12 @@ code that would swallow the KeyboardInterrupt of a stop."""
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import logging
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any, Iterator
 
@@ -64,7 +64,7 @@ def redeliver_stops_lost_in_finalizers() -> None:
 
 _report_unraisable = sys.__unraisablehook__
 REDELIVER_EVERY_S = 0.01  # how often a lost stop is raised again until it lands outside a finalizer
-REDELIVER_TRIES = 1000  # then it gives up (10 s: a finalizer that runs this long is a bug of its own)
+REDELIVER_WITHIN_S = 10.0  # then it gives up (a finalizer that runs this long is a bug of its own)
 
 
 def _redeliver_lost_stop(unraisable: Any) -> None:
@@ -78,23 +78,36 @@ def _redeliver_lost_stop(unraisable: Any) -> None:
 def _raise_again_outside_finalizers() -> None:
     """KeyboardInterrupt in the main thread at its first instruction outside a finalizer, once, whatever SIGINT's
     handler is now (after `interrupt_once` it is ignored); that handler is back once it is raised. A thread asks
-    every REDELIVER_EVERY_S until then (asked from inside the handler, the handler would run inside itself)."""
+    again each time the handler has found the main thread still in a finalizer (asked from inside the handler, the
+    handler would run inside itself), one request at a time: a request sent while the handler runs would reach the
+    handler put back and stop the process a second time, mid-way through its reaction to the first (seen on a
+    loaded machine). It gives up after REDELIVER_WITHIN_S."""
     handler_now = signal.getsignal(signal.SIGINT)
-    raised = threading.Event()
+    raised, handled = threading.Event(), threading.Event()
+    main_thread = threading.main_thread().ident
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        if _in_finalizer(frame):  # raised here, it would be swallowed again: the thread asks again
-            return
-        signal.signal(signal.SIGINT, handler_now)
-        raised.set()
-        raise KeyboardInterrupt
+        try:
+            if _in_finalizer(frame):  # raised here, it would be swallowed again: the thread asks again
+                return
+            signal.signal(signal.SIGINT, handler_now)
+            raised.set()
+            raise KeyboardInterrupt
+        finally:
+            handled.set()
 
     def ask() -> None:
-        for _ in range(REDELIVER_TRIES):
-            _thread.interrupt_main(signal.SIGINT)
-            if raised.wait(REDELIVER_EVERY_S):
+        deadline = time.monotonic() + REDELIVER_WITHIN_S
+        while time.monotonic() < deadline:
+            handled.clear()
+            # a real signal, where interrupt_main only marks the handler due: it also ends a blocking wait (a sleep,
+            # a socket's poll) of the main thread, which would otherwise sit out the wait before stopping
+            signal.pthread_kill(main_thread, signal.SIGINT)
+            # the request is pending until the handler has run on it: never a second one beside it
+            if handled.wait(max(0.0, deadline - time.monotonic())) and raised.is_set():
                 return
-        log.warning("a stop lost in a finalizer could not be raised again in %d tries", REDELIVER_TRIES)
+            time.sleep(REDELIVER_EVERY_S)  # the main thread was still in a finalizer
+        log.warning("a stop lost in a finalizer could not be raised again within %.0f s", REDELIVER_WITHIN_S)
 
     signal.signal(signal.SIGINT, interrupt)
     threading.Thread(target=ask, name="stop-redelivery", daemon=True).start()

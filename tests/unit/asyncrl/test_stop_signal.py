@@ -140,7 +140,7 @@ dropped.cycle = dropped
 del dropped
 try:
     gc.collect()  # runs the __del__
-    time.sleep(10)  # a wait the stop must end (a learner rank waiting for its servers)
+    time.sleep(60)  # a wait the stop must end (a learner rank waiting for its servers): longer than the test waits
     print("slept through the stop", flush=True)
 except KeyboardInterrupt:
     print("stopped", flush=True)
