@@ -31,9 +31,9 @@ PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 READY_FILE = "control"  # the daemon's socket in its pipe directory: present once it takes clients
 START_TIMEOUT_S = 10.0  # longest wait for the daemon to take clients
 STOP_TIMEOUT_S = 10.0  # longest wait for it to quit when told, before it is killed
-POLL_S = 0.05
+POLL_S = 0.05  # how often the start looks for the socket
 
-OFF, AUTO, ON = "off", "auto", "on"
+AUTO, ON = "auto", "on"  # run.mps values that start a daemon
 
 
 class MpsError(ConfigError):
@@ -96,6 +96,7 @@ def _start(log_dir: Path) -> MpsDaemon:
     control = shutil.which(CONTROL)
     if control is None:
         raise MpsError(f"run.mps: {CONTROL} is not installed here (it comes with NVIDIA's driver utilities)")
+    log_dir = log_dir.absolute()  # the roles read it from their own working directory
     log_dir.mkdir(parents=True, exist_ok=True)
     pipe_dir = Path(tempfile.mkdtemp(prefix="asyncrl-mps-"))
     environment = {key: value for key, value in os.environ.items() if key != VISIBLE_DEVICES}
