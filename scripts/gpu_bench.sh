@@ -234,12 +234,10 @@ stage_race() {
     return $status
 }
 
-# The learner-share candidates tried first (each line on top of configs/gpu_longtail.yaml, 76 M parameters, 16 x 8,
-# whose synchronous step was 6.7 % training: 0.2 s for ~24,000 tokens, far below the GPU's rate), likeliest
-# first; one shape, so its engine compiles once. Projected, not measured: training at the learner's measured rate
-# near that size (the 0.5B shape: 78k tokens/s on an H200; ~600 M here, ~190 tokens a response), generation set by the
-# longest response and growing little with the batch (~4.5 s a step at this size): ~600 M parameters at 128 prompts
-# ~34 %, at 64 ~23 %, at 32 ~13 % (max_inflight: three steps' samples, for K = 2).
+# The learner-share candidates (each line on top of configs/gpu_longtail.yaml, 76 M parameters, 16 x 8, whose
+# synchronous step was 6.7 % training): ~600 M parameters at 128, 64 and 32 prompts (max_inflight: three steps'
+# samples, for K = 2); one shape, so its engine compiles once. Measured on an H200 (docs/benchmarks.md): 29.0 %,
+# 27.2 % and 18.7 % of the step.
 SHARE_DEFAULTS="model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=128 rollout.max_inflight=3072
 model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=64 rollout.max_inflight=1536
 model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=32 rollout.max_inflight=768"

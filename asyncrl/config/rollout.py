@@ -83,7 +83,7 @@ class RolloutConfig:
     # all of them), else apart (docs/placement.md)
     placement: str = one_of("auto", "apart", "shared")
     gpus: list[int] = field(default_factory=list)  # GPU ids of the servers, tensor_parallel_size consecutive ones each (servers may share one); empty = `asyncrl run` splits the visible GPUs, a lone `asyncrl rollout` uses what it sees (docs/placement.md)
-    max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes
+    max_inflight: int = bounded(32, 1)  # samples a server generates at once; a group holds one slot per sample until that sample finishes; above 2048, vLLM's token budget per engine step is raised to one token each
     engine: EngineConfig = field(default_factory=EngineConfig)  # vLLM engine settings
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how completions are sampled
     thinking: str = one_of("trained", "masked", "off")  # the model's <think>...</think> blocks: trained like the rest, masked (loss mask 0, the answer after them trained), or off (the chat template rendered with enable_thinking=False; no-op for a template without thinking)
