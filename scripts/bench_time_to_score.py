@@ -44,7 +44,10 @@ ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_sp
 trained tokens/s, the most any one-GPU async job could gain) and `async_share_of_ceiling`.
 --archive FILE writes every run's records (config, metrics, snapshot made-times, scores; no weights) and the ceiling
 into one .tar.gz; --restore FILE... puts such records back into --out-dir first, so seeds raced in separate sessions
-are reported together (list their seeds in --seeds).
+are reported together (list their seeds in --seeds). Each run's launch record holds the digest of the weights it
+started from (init-model's `weights_sha256`): `start_models_match` in RESULT says whether each seed's two runs started
+from the same weights (false where a mode was prepared on another host whose warm start made other weights; null
+where a model has no digest).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.gpu_ids import visible_gpus
 from asyncrl.snapshots import due_versions, made_times, read_evaluation
+from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.run_records import (CEILING_FILE, RUN_PREFIX, add_engine_times, archive_records,  # noqa: E402
@@ -169,11 +173,29 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
                  "metrics.wandb_mode=disabled", *args.overrides]
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
         overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus()))}")
-    launch = write_launch(root, name)
+    launch = write_launch(root, name, start_weights(args))
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
     add_engine_times(root, name, launch)
+
+
+def start_weights(args: argparse.Namespace) -> str | None:
+    """The digest of the warm-started model the runs start from (init-model's report beside it)."""
+    return read_report(Path(load_config(args.config, args.overrides).model.path)).get("weights_sha256")
+
+
+def start_models_match(starts: dict[int, dict[str, str | None]]) -> bool | None:
+    """Whether each seed's two runs started from the same weights (`starts`: seed -> mode -> digest): False where any
+    seed's differ, None where a digest is missing (a model built before init-model reported one) or no seed ran
+    both, else True. Modes
+    prepared on different hosts share a start only if the warm start made the same weights on both."""
+    pairs = [(runs.get("sync"), runs.get("async")) for runs in starts.values() if len(runs) == 2]
+    if not pairs:
+        return None
+    if any(None not in pair and pair[0] != pair[1] for pair in pairs):
+        return False
+    return None if any(None in pair for pair in pairs) else True
 
 
 def sync_baseline(gpus: int, sync_run: Path) -> str:
@@ -447,21 +469,39 @@ def main() -> None:
     report(args, root, modes, ran, steps, val_every)
 
 
-def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
-           val_every: int) -> None:
-    runs: dict[str, list[dict[str, Any]]] = {}
-    skipped_total, gpus = 0, len(visible_gpus())
+@dataclass
+class RaceRecords:
+    """What the race's records in --out-dir hold, read back."""
+
+    runs: dict[str, list[dict[str, Any]]]  # mode label -> each seed's summary
+    skipped: int  # due validations with no score, over every run
+    gpus: int  # where the runs ran (a report may run elsewhere)
+    starts: dict[int, dict[str, str | None]]  # seed -> mode name -> digest of the weights it started from
+
+
+def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
+              val_every: int) -> RaceRecords:
+    records = RaceRecords({}, 0, len(visible_gpus()), {})
     for mode in modes:
         for seed in ran[mode]:
             directory = root / mode.run_name(seed)
             launch = read_launch(root, mode.run_name(seed))
             evaluation = read_evaluation(directory)
-            skipped_total += skipped(evaluation, val_every, steps)
-            gpus = launch.get("gpus", gpus)  # where the runs ran: a report may run elsewhere
+            records.skipped += skipped(evaluation, val_every, steps)
+            records.gpus = launch.get("gpus", records.gpus)
+            records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")
             run = summarise(read_metrics(directory), made_times(directory), evaluation, launch["time"], mode,
                             args.warmup_steps)
-            runs.setdefault(mode.label, []).append(run | {"seed": seed, "engine_start_s": launch.get("engine_start_s"),
-                                                          "engine_begins_s": launch.get("engine_begins_s")})
+            records.runs.setdefault(mode.label, []).append(
+                run | {"seed": seed, "engine_start_s": launch.get("engine_start_s"),
+                       "engine_begins_s": launch.get("engine_begins_s")})
+    return records
+
+
+def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
+           val_every: int) -> None:
+    records = read_runs(args, root, modes, ran, steps, val_every)
+    runs = records.runs
     means = {label: mean_curve([run["curve"] for run in group]) for label, group in runs.items()}
     target = pick_target(list(means.values()), args.target, args.target_fraction)
     figures = {label: mode_figures(group, means[label], target) for label, group in runs.items()}
@@ -481,6 +521,10 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
     print("time to score, each seed against its own target: "
           + ", ".join(f"seed {seed} {_cell(speedup, 'x')}" for seed, speedup in per_seed.items()))
+    same_start = start_models_match(records.starts)
+    if same_start is False:
+        print("the two modes of a seed started from different weights (prepared on different hosts?): "
+              "start_models_match false")
     result = {
         "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
         "seed_time_to_score_speedups": per_seed,
@@ -488,9 +532,9 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
                                                       async_figures["time_to_target_after_start_up_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         **ceiling,
-        "validations_skipped": skipped_total, "learner_share_of_sync_step": sync_figures["learner_share"],
-        "sync_baseline": sync_baseline(gpus, root / modes[0].run_name(ran[modes[0]][0])),
-        "gpus": gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
+        "validations_skipped": records.skipped, "start_models_match": same_start, "learner_share_of_sync_step": sync_figures["learner_share"],
+        "sync_baseline": sync_baseline(records.gpus, root / modes[0].run_name(ran[modes[0]][0])),
+        "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
         "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
         "equal_step_version": buckets[0], "buckets": buckets[1],
         "sync": sync_figures, "async": async_figures,

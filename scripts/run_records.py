@@ -26,9 +26,11 @@ DAY_S = 24 * 3600
 Launch = dict[str, Any]
 
 
-def write_launch(root: Path, name: str) -> Launch:
-    """Record the launch of run `name` now, before it starts: its curve's clock runs from this time."""
-    launch = {"time": time.time(), "gpus": len(visible_gpus())}
+def write_launch(root: Path, name: str, start_weights: str | None) -> Launch:
+    """Record the launch of run `name` now, before it starts: its curve's clock runs from this time; `start_weights`
+    is the digest of the model it starts from (`weights_sha256` of init-model's report), to tell whether two runs
+    prepared on different hosts started from the same weights."""
+    launch = {"time": time.time(), "gpus": len(visible_gpus()), "start_weights": start_weights}
     write_json_whole(_launch_file(root, name), launch)  # a race stopped meanwhile leaves the old record or this one
     return launch
 

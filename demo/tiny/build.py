@@ -19,12 +19,12 @@ from asyncrl.config.sections import WarmStartConfig
 from asyncrl.thinking import Thinking
 from demo.tasks.catalog import SingleTurn, task_kind
 from demo.tiny.model import build_tiny_model
+from demo.tiny.report import REPORT_FILE, read_report
 from demo.tiny.vocabulary import build_tokenizer
 from demo.tiny.warm_start import AnswerScorer, greedy_accuracy, warm_start
 
 log = logging.getLogger(__name__)
 
-REPORT_FILE = "init_report.json"  # written into the model directory; holds the cache key and accuracies
 # The tiny model's matrices are too small to split among many threads: on a 64-core GPU host the warm start took
 # 312 s with torch's default of one thread per core and 29 s with 8 (57 s on a 2-core box).
 WARM_START_THREADS = 8
@@ -65,11 +65,22 @@ def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer],
         "accuracy_before_warm_start": before,
         "accuracy_after_warm_start": after,
         "warm_start_steps": config.model.warm_start.steps,
+        "weights_sha256": weights_digest(model),
         "seconds": round(time.perf_counter() - started, 1),
     }
     _save(model, tokenizer, target, report)
     log.info("saved tiny model to %s: greedy accuracy %s -> %s", target, before, after)
     return report
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the model's tensors in name order (each name, dtype and shape, then its bytes): two builds made the
+    same weights exactly when their digests agree, such as a race's two modes prepared on different hosts."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 @contextmanager
@@ -110,11 +121,6 @@ def _shaping_fields(schedule: WarmStartConfig) -> dict[str, Any]:
     """The warm start's settings but `micro_batches`: how a step's passes are cut leaves its gradient as it is
     (`accumulate_gradient`), and the models built before the setting existed keep their keys."""
     return {name: value for name, value in dataclasses.asdict(schedule).items() if name != "micro_batches"}
-
-
-def read_report(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / REPORT_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, target: Path, report: dict[str, Any]) -> None:

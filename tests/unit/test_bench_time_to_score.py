@@ -10,8 +10,10 @@ import pytest
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import (Mode, ceiling_figures, equal_step_buckets, mean_curve, mode_figures,
-                                         pick_target, seed_speedups, skipped, summarise, sync_baseline, time_to_target)
-from scripts.run_records import archive_records, engine_begins, engine_start, read_ceiling, restore_records
+                                         pick_target, seed_speedups, skipped, start_models_match, summarise,
+                                         sync_baseline, time_to_target)
+from scripts.run_records import (archive_records, engine_begins, engine_start, read_ceiling, read_launch,
+                                 restore_records, write_launch)
 
 LAUNCHED = 100.0
 
@@ -199,3 +201,20 @@ def test_the_engine_begins_its_start_seconds_after_the_launch_by_its_log_lines_c
     assert engine_begins(tmp_path / "run", late) == 25.0
     (logs / "rollout0.log").unlink()
     assert engine_begins(tmp_path / "run", late) is None
+
+
+@pytest.mark.parametrize(("starts", "expected"), [
+    ({0: {"sync": "a", "async": "a"}, 1: {"sync": "b", "async": "b"}}, True),  # each seed's own model, shared
+    ({0: {"sync": "a", "async": "a"}, 1: {"sync": "b", "async": "c"}}, False),  # seed 1's modes: two warm starts
+    ({0: {"sync": "a", "async": None}}, None),  # a model without a digest: not known
+    ({0: {"sync": None, "async": None}, 1: {"sync": "b", "async": "c"}}, False),  # one known difference is enough
+    ({0: {"sync": "a"}, 1: {"async": "b"}}, None),  # no seed ran both modes: nothing compared
+])
+def test_the_modes_of_each_seed_are_checked_to_start_from_the_same_weights(starts, expected):
+    assert start_models_match(starts) is expected
+
+
+def test_a_launch_record_holds_the_digest_of_the_weights_the_run_starts_from(tmp_path):
+    launch = write_launch(tmp_path, "tts-sync-s0", "ab12")
+    assert read_launch(tmp_path, "tts-sync-s0") == launch and launch["start_weights"] == "ab12"
+    assert launch["time"] <= time.time()

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.config import load_config
 from demo.tasks import arithmetic
 from asyncrl.thinking import Thinking
-from demo.tiny.build import REPORT_FILE, at_most_threads, cache_key, init_model
+from demo.tiny.build import at_most_threads, cache_key, init_model, weights_digest
+from demo.tiny.report import REPORT_FILE
 from demo.tiny.model import build_tiny_model
 from demo.tiny.vocabulary import build_tokenizer
 from asyncrl.config.sections import TaskConfig, WarmStartConfig
@@ -55,6 +56,19 @@ def test_same_seed_same_weights(tmp_path):
         states.append(AutoModelForCausalLM.from_pretrained(tmp_path / name).state_dict())
     assert states[0].keys() == states[1].keys()
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    reports = [json.loads((tmp_path / name / REPORT_FILE).read_text()) for name in ("a", "b")]
+    assert reports[0]["weights_sha256"] == reports[1]["weights_sha256"]
+
+
+def test_the_digest_changes_with_any_weight_and_only_with_the_weights():
+    config = load_config(None, SMALL)
+    model = build_tiny_model(config.model.tiny, build_tokenizer(config.model.tiny.tokenizer), 0)
+    before = weights_digest(model)
+    assert weights_digest(build_tiny_model(config.model.tiny, build_tokenizer(config.model.tiny.tokenizer), 0)) == before
+    with torch.no_grad():
+        next(iter(model.parameters())).view(-1)[0] += 1e-3
+    assert weights_digest(model) != before
+    assert weights_digest(model.to(torch.bfloat16)) != weights_digest(model.float())  # the dtype is part of it
 
 
 @pytest.mark.parametrize("vocabulary", ["char", "qwen3"])
