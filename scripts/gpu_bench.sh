@@ -69,6 +69,7 @@
 #              (default 4) on each GPU of STUDY_GPUS (default: all) at once, kept in runs/staleness_study_gpu so
 #              that a later call on the same host continues it; STUDY_ARGS picks the grid (--ks, --losses, --mini-batches, --seeds, --steps,
 #              --stop-starting-after-s under a per-command limit)
+# Stages longer than one command on a lent host: scripts/gpu_background.sh (start, then wait, command after command).
 # Each stage writes $OUT/<stage>.log (OUT defaults to ./gpu_out) and prints its RESULT line; a failing
 # stage is reported and the next one still runs. A SIGTERM or Ctrl-C to this script stops the running stage's whole
 # process group (SIGKILL after STOP_GRACE_S) and ends the script with 143. GPU 0 serves, GPU 1 trains. The last
