@@ -43,7 +43,7 @@ class WarmStartConfig:
     lr: float = bounded(3e-3, 0.0, 1.0)  # peak AdamW learning rate (linear warm-up, cosine decay)
     warmup_steps: int = bounded(20, 0)  # linear warm-up steps
     label_noise: float = bounded(0.0, 0.0, 1.0)  # chance that each answer digit shown (scratchpad: each column's sum digit) is a random digit (a sloppy teacher: sampling errs, greedy mostly not)
-    eval_samples: int = bounded(128, 1)  # held-out prompts greedily decoded to record the starting accuracy
+    eval_samples: int = bounded(128, 0)  # held-out prompts greedily decoded to record the accuracy before and after the warm start (0: no greedy pass, none recorded)
     micro_batches: int = bounded(1, 1)  # passes per step over the batch sorted by length, each padded to its own longest: the same gradient, less padding where lengths are long-tailed
     device: str = one_of("cpu", "cuda")  # where init-model builds and trains the model; cuda: the first visible GPU, passes in bf16 autocast
 

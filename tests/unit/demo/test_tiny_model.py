@@ -132,3 +132,16 @@ def test_passes_over_the_batch_sorted_by_length_give_the_one_pass_loss_and_gradi
         assert loss == pytest.approx(want_loss, rel=1e-5)
         for got, want in zip(grads, want_grads):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_no_greedy_pass_without_held_out_problems_to_decode(tmp_path, monkeypatch):
+    import demo.tiny.build as build
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a greedy pass ran with eval_samples=0")
+
+    monkeypatch.setattr(build, "greedy_accuracy", refuse)
+    config = load_config(None, [*SMALL, f"model.path={tmp_path / 'm'}", "model.warm_start.eval_samples=0"])
+    report = init_model(config, scorer_for)
+    assert report["accuracy_before_warm_start"] is None and report["accuracy_after_warm_start"] is None
+    assert report["weights_sha256"] and (tmp_path / "m" / "model.safetensors").is_file()
