@@ -45,7 +45,8 @@
 #              neither mode's launch pays for compiling); each run's snapshots are scored as soon as it
 #              ends and their weights deleted (the scores live in /tmp and go with the host); the plot, the
 #              runs' records (race-records.tar.gz, for --restore) and their roles' logs (race-logs.tar.gz)
-#              go to $OUT
+#              go to $OUT; RACE_SHAPE=600m races ~600 M parameters at 64 prompts a step instead of the preset's
+#              76 M at 16 (the sweep stage reads it too)
 #   sweep      scripts/lr_sweep.py on configs/gpu_longtail.yaml: the race's synchronous run once per learning rate of
 #              SWEEP_LRS (default 1e-6,2.5e-6,5e-6), all at once on the host's first GPU, each held to its part of
 #              the card (the card's memory over the rates, less 2 GiB: run.gpu_memory_gib) with a fixed KV cache
@@ -221,11 +222,29 @@ stage_e2e() {
         --modes "${E2E_MODES-sync,async}" ${E2E_ARGS:-} metrics.wandb_mode=disabled  # no wandb on the image
 }
 
+# The race's model shapes (RACE_SHAPE, for the race and sweep stages; the preset's own by default): 600m is ~600 M
+# parameters at 64 prompts a step, whose learner took 27 % of a synchronous step on an H200 (docs/benchmarks.md), in a
+# model directory of its own, warm-started for 400 steps (its loss 0.026 at step 301 of 600 there) with no greedy pass.
+declare -A RACE_SHAPES=([76m]="" [600m]="model.tiny.hidden_size=1536 model.tiny.num_layers=24 \
+model.tiny.intermediate_size=4096 buffer.batch_groups=64 rollout.max_inflight=1536 \
+model.path=.cache/models/gpu_longtail_600m model.warm_start.steps=400 model.warm_start.eval_samples=0")
+
+race_shape() {
+    local shape="${RACE_SHAPE:-76m}"
+    if [[ ! -v "RACE_SHAPES[$shape]" ]]; then
+        echo "RACE_SHAPE=$shape: not a shape of the race (${!RACE_SHAPES[*]})" >&2
+        return 1
+    fi
+    echo "${RACE_SHAPES[$shape]}"
+}
+
 stage_race() {
     # RACE_MODES: the modes to run in this call (a host's per-command limit fits one); runs kept in /tmp/asyncrl-race
+    local shape
+    shape=$(race_shape) || return 1
     register_plugin
     "$PYTHON" scripts/bench_time_to_score.py --config configs/gpu_longtail.yaml --out-dir /tmp/asyncrl-race \
-        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" ${RACE_ARGS:-} \
+        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" ${RACE_ARGS:-} $shape \
         metrics.wandb_mode=disabled
     local status=$?
     cp /tmp/asyncrl-race/time_to_score.png "$OUT/" 2>/dev/null
@@ -254,12 +273,13 @@ stage_share() {
 }
 
 stage_sweep() {
-    local rates="${SWEEP_LRS:-1e-6,2.5e-6,5e-6}" card_mib count
+    local rates="${SWEEP_LRS:-1e-6,2.5e-6,5e-6}" card_mib count shape
+    shape=$(race_shape) || return 1
     card_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0) || return 1
     count=$(echo "$rates" | tr ',' '\n' | grep -c .)
     register_plugin
     CUDA_VISIBLE_DEVICES=0 "$PYTHON" scripts/lr_sweep.py --config configs/gpu_longtail.yaml --lrs "$rates" \
-        --out-dir /tmp/asyncrl-sweep ${SWEEP_ARGS:-} run.gpu_memory_gib=$(( card_mib / 1024 / count - 2 )) \
+        --out-dir /tmp/asyncrl-sweep ${SWEEP_ARGS:-} $shape run.gpu_memory_gib=$(( card_mib / 1024 / count - 2 )) \
         rollout.engine.kv_cache_memory_gib="${SWEEP_KV_GIB:-8}" metrics.wandb_mode=disabled
 }
 

@@ -1,7 +1,7 @@
 """scripts/gpu_bench.sh's sweep stage: every rate's run on the host's first GPU at once, each held to its part of the
 card (the card's memory over the rates, less 2 GiB) with a fixed KV cache, the caller's options before the
-overrides. nvidia-smi and Python are stood in for: nvidia-smi prints a card's total memory in MiB, and the stand-in
-Python records how it was called."""
+overrides; and the race's shapes (RACE_SHAPE) in the sweep and race stages. nvidia-smi and Python are stood in for:
+nvidia-smi prints a card's total memory in MiB, and the stand-in Python records how it was called."""
 
 from __future__ import annotations
 
@@ -18,18 +18,23 @@ H200_MIB, H100_MIB = 143771, 81559  # nvidia-smi's memory.total of the device's 
 
 def stage_sweep(tmp_path: Path, card_mib: int, **env: str) -> list[str]:
     """The sweep stage's lr_sweep.py command line, with CUDA_VISIBLE_DEVICES first."""
+    return stage_command(tmp_path, "sweep", "scripts/lr_sweep.py", card_mib, **env)
+
+
+def stage_command(tmp_path: Path, stage: str, script: str, card_mib: int, **env: str) -> list[str]:
+    """The `stage`'s command line of `script`, with CUDA_VISIBLE_DEVICES first."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\necho {card_mib}\n")
     (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\ncat > /dev/null\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "sweep"], capture_output=True, text=True,
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), stage], capture_output=True, text=True,
                           timeout=60, env=os.environ | env | {"PATH": f"{bin_dir}:{os.environ['PATH']}",
                                                               "PYTHON": str(bin_dir / "python"),
                                                               "OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stdout + done.stderr
-    return next(shlex.split(line) for line in calls.read_text().splitlines() if "scripts/lr_sweep.py" in line)
+    return next(shlex.split(line) for line in calls.read_text().splitlines() if script in line)
 
 
 def test_three_rates_share_an_h200_each_in_its_part_with_the_caller_s_options_first(tmp_path):
@@ -48,3 +53,25 @@ def test_the_part_follows_the_card_and_the_number_of_rates(tmp_path, rates, part
                           SWEEP_ARGS="--steps 20 --val-every 5")
     assert command[command.index("--lrs") + 1] == rates
     assert f"run.gpu_memory_gib={part}" in command and "rollout.engine.kv_cache_memory_gib=4" in command
+
+
+def test_the_600m_shape_adds_its_overrides_after_the_caller_s(tmp_path):
+    command = stage_sweep(tmp_path, H200_MIB, RACE_SHAPE="600m", SWEEP_ARGS="--steps 30 --val-every 5 learner.lr=1e-6")
+    tail = command[command.index("--out-dir") + 2:]
+    assert tail[:5] == ["--steps", "30", "--val-every", "5", "learner.lr=1e-6"]
+    assert {"model.tiny.hidden_size=1536", "model.tiny.num_layers=24", "buffer.batch_groups=64",
+            "model.path=.cache/models/gpu_longtail_600m", "model.warm_start.eval_samples=0"} <= set(tail[5:])
+    preset = stage_sweep(tmp_path / "preset", H200_MIB, SWEEP_ARGS="--steps 30 --val-every 5")
+    assert not any(argument.startswith("model.") for argument in preset)  # the preset's own shape
+    race = stage_command(tmp_path / "race", "race", "scripts/bench_time_to_score.py", H200_MIB, RACE_SHAPE="600m",
+                         RACE_MODES="sync", RACE_ARGS="--seeds 1 learner.lr=1e-6")
+    tail = race[race.index("--seeds"):]
+    assert tail[:3] == ["--seeds", "1", "learner.lr=1e-6"] and "buffer.batch_groups=64" in tail
+
+
+def test_an_unknown_shape_is_refused_by_name(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "race"], capture_output=True, text=True,
+                          timeout=60, env=os.environ | {"RACE_SHAPE": "7b", "OUT": str(tmp_path / "out"),
+                                                        "PYTHON": "false"})
+    assert "RACE_SHAPE=7b: not a shape of the race" in done.stdout + done.stderr
+    assert "=== race exit 1" in done.stdout
