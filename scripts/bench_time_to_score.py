@@ -188,8 +188,8 @@ def start_weights(args: argparse.Namespace) -> str | None:
 def start_models_match(starts: dict[int, dict[str, str | None]]) -> bool | None:
     """Whether each seed's two runs started from the same weights (`starts`: seed -> mode -> digest): False where any
     seed's differ, None where a digest is missing (a model built before init-model reported one) or no seed ran
-    both, else True. Modes
-    prepared on different hosts share a start only if the warm start made the same weights on both."""
+    both, else True. Modes prepared on different hosts share a start only if the warm start made the same weights on
+    both."""
     pairs = [(runs.get("sync"), runs.get("async")) for runs in starts.values() if len(runs) == 2]
     if not pairs:
         return None
@@ -532,7 +532,8 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
                                                       async_figures["time_to_target_after_start_up_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         **ceiling,
-        "validations_skipped": records.skipped, "start_models_match": same_start, "learner_share_of_sync_step": sync_figures["learner_share"],
+        "validations_skipped": records.skipped, "start_models_match": same_start,
+        "learner_share_of_sync_step": sync_figures["learner_share"],
         "sync_baseline": sync_baseline(records.gpus, root / modes[0].run_name(ran[modes[0]][0])),
         "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
         "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,

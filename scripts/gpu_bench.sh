@@ -225,8 +225,8 @@ stage_e2e() {
 # The race's model shapes (RACE_SHAPE, for the race and sweep stages; the preset's own by default): 600m is ~600 M
 # parameters at 64 prompts a step, whose learner took 27 % of a synchronous step on an H200 (docs/benchmarks.md), in a
 # model directory of its own, warm-started for 400 steps (its loss 0.026 at step 301 of 600 there) with no greedy pass.
-declare -A RACE_SHAPES=([76m]="" [600m]="model.tiny.hidden_size=1536 model.tiny.num_layers=24 \
-model.tiny.intermediate_size=4096 buffer.batch_groups=64 rollout.max_inflight=1536 \
+SHAPE_600M="model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096"  # 604.3 M parameters
+declare -A RACE_SHAPES=([76m]="" [600m]="$SHAPE_600M buffer.batch_groups=64 rollout.max_inflight=1536 \
 model.path=.cache/models/gpu_longtail_600m model.warm_start.steps=400 model.warm_start.eval_samples=0")
 
 race_shape() {
@@ -258,9 +258,9 @@ stage_race() {
 # synchronous step was 6.7 % training): ~600 M parameters at 128, 64 and 32 prompts (max_inflight: three steps'
 # samples, for K = 2); one shape, so its engine compiles once. Measured on an H200 (docs/benchmarks.md): 29.0 %,
 # 27.2 % and 18.7 % of the step.
-SHARE_DEFAULTS="model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=128 rollout.max_inflight=3072
-model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=64 rollout.max_inflight=1536
-model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096 buffer.batch_groups=32 rollout.max_inflight=768"
+SHARE_DEFAULTS="$SHAPE_600M buffer.batch_groups=128 rollout.max_inflight=3072
+$SHAPE_600M buffer.batch_groups=64 rollout.max_inflight=1536
+$SHAPE_600M buffer.batch_groups=32 rollout.max_inflight=768"
 
 stage_share() {
     local candidates=() line
