@@ -10,6 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from processes import alive
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,14 +34,6 @@ def background(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedPr
                                 "PIDS": str(tmp_path), "OUT": str(tmp_path / "out"), "STOP_GRACE_S": "5"} | env
     return subprocess.run(["bash", str(SCRIPT), *args], env=environment, capture_output=True, text=True,
                           timeout=WAIT_S + 10)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_started_job_outlives_its_command_and_each_wait_shows_what_is_new(tmp_path):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+from processes import alive
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,14 +28,6 @@ def default_stops() -> None:
     bash starts cannot be trapped, and in the suite some earlier test may leave this process ignoring SIGTERM."""
     for stop in (signal.SIGTERM, signal.SIGINT):
         signal.signal(stop, signal.SIG_DFL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def test_a_stopped_run_stops_its_stages_processes(tmp_path):
