@@ -5,7 +5,8 @@
 # `wait` at once.
 # Usage:
 #   scripts/gpu_background.sh start STAGE...  start the stages and return (the environment passes through: RACE_ARGS,
-#                                             SWEEP_ARGS, ...); refused while an earlier start still runs
+#                                             SWEEP_ARGS, ...); refused while an earlier start still runs, whose
+#                                             files are moved to BACKGROUND_DIR.previous once it has ended
 #   scripts/gpu_background.sh wait SECONDS    follow it for at most SECONDS (returning as soon as it ends), print the
 #                                             log lines it wrote since the last wait, and copy the files it wrote
 #                                             into $OUT so far (background.status holds its exit status once it has
@@ -28,7 +29,8 @@ start() {
         echo "gpu_background: a job started earlier still runs (pid $(cat "$DIR/pid")): wait for it or stop it" >&2
         exit 1
     fi
-    rm -rf "$DIR" && mkdir -p "$DIR/out"
+    # the job before (ended) is kept aside, in case a wait never copied its files out
+    rm -rf "$DIR.previous" && { [ ! -d "$DIR" ] || mv "$DIR" "$DIR.previous"; } && mkdir -p "$DIR/out"
     # setsid: a session of its own, which the host's end of a command leaves running; its status written when it ends
     setsid bash -c 'cd "$1" && OUT="$2/out" bash "$3" "${@:4}" > "$2/log" 2>&1 < /dev/null; echo $? > "$2/status"' \
         background "$ROOT" "$DIR" "$BENCH" "$@" > /dev/null 2>&1 &

@@ -52,6 +52,10 @@ def test_a_started_job_outlives_its_command_and_each_wait_shows_what_is_new(tmp_
         assert last.returncode == 0 and "ended with status 7" in last.stdout
         assert "stage done" in last.stdout and "stage race" not in last.stdout  # only the lines not shown before
         assert (tmp_path / "out" / "background.status").read_text().strip() == "7"
+        (tmp_path / "child").unlink()
+        assert background(tmp_path, "start", "sweep").returncode == 0  # the next job; the one before kept aside
+        assert (tmp_path / "bg.previous" / "out" / "race.log").is_file()
+        wait_until(lambda: (tmp_path / "child").is_file(), WAIT_S, "the next job's start")
     finally:
         (tmp_path / "release").touch()
 
