@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.config.sections import WarmStartConfig
@@ -28,6 +30,12 @@ log = logging.getLogger(__name__)
 # The tiny model's matrices are too small to split among many threads: on a 64-core GPU host the warm start took
 # 312 s with torch's default of one thread per core and 29 s with 8 (57 s on a 2-core box).
 WARM_START_THREADS = 8
+# cuBLAS's workspace setting under which its results do not depend on what ran before on the stream (NVIDIA's
+# "results reproducibility"); read when a process first uses cuBLAS.
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+# Settings that leave the weights as they are (up to the bits of a GPU's reductions), so left out of the cache key:
+# models built before they existed keep their keys.
+NOT_SHAPING = ("micro_batches", "deterministic")
 
 
 def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer], force: bool = False) -> dict[str, Any]:
@@ -55,7 +63,8 @@ def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer],
             return None
         return greedy_accuracy(model, tokenizer, held_out, kind.teacher, scorer_for(kind.teacher.data_source), thinking)
 
-    with at_most_threads(WARM_START_THREADS):
+    deterministic = config.model.warm_start.deterministic and model.device.type == "cuda"
+    with at_most_threads(WARM_START_THREADS), deterministic_kernels(deterministic):
         before = accuracy()
         warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions,
                    thinking)
@@ -82,6 +91,26 @@ def weights_digest(model: torch.nn.Module) -> str:
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+@contextmanager
+def deterministic_kernels(enabled: bool) -> Iterator[None]:
+    """Where `enabled`, inside the block: torch's deterministic kernels where an op has one (warn_only: one without
+    still runs, with a warning), attention by the math backend (the flash and memory-efficient backwards accumulate in
+    an order that varies unless torch is strict, and strict mode refuses other ops), and cuBLAS's deterministic
+    workspace unless the process set its own (read at its first cuBLAS call, so before it)."""
+    if not enabled:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    was_on = torch.are_deterministic_algorithms_enabled()
+    warned_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=warned_only)
 
 
 @contextmanager
@@ -119,9 +148,9 @@ def cache_key(config: AsyncRLConfig, tokenizer: Any, thinking: Thinking) -> str:
 
 
 def _shaping_fields(schedule: WarmStartConfig) -> dict[str, Any]:
-    """The warm start's settings but `micro_batches`: how a step's passes are cut leaves its gradient as it is
-    (`accumulate_gradient`), and the models built before the setting existed keep their keys."""
-    return {name: value for name, value in dataclasses.asdict(schedule).items() if name != "micro_batches"}
+    """The warm start's settings but NOT_SHAPING: how a step's passes are cut leaves its gradient as it is
+    (`accumulate_gradient`), and deterministic kernels change no more than the last bits of a GPU's sums."""
+    return {name: value for name, value in dataclasses.asdict(schedule).items() if name not in NOT_SHAPING}
 
 
 def _save(model: torch.nn.Module, tokenizer: Any, target: Path, report: dict[str, Any]) -> None:

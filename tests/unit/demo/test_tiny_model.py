@@ -1,6 +1,7 @@
 """init-model: a standard HF directory, deterministic for a seed, cached, and warm-starting helps."""
 
 import json
+import os
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.config import load_config
 from demo.tasks import arithmetic
 from asyncrl.thinking import Thinking
-from demo.tiny.build import at_most_threads, cache_key, init_model, weights_digest
+from demo.tiny.build import at_most_threads, cache_key, deterministic_kernels, init_model, weights_digest
 from demo.tiny.report import REPORT_FILE
 from demo.tiny.model import build_tiny_model
 from demo.tiny.vocabulary import build_tokenizer
@@ -145,3 +146,26 @@ def test_no_greedy_pass_without_held_out_problems_to_decode(tmp_path, monkeypatc
     report = init_model(config, scorer_for)
     assert report["accuracy_before_warm_start"] is None and report["accuracy_after_warm_start"] is None
     assert report["weights_sha256"] and (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_deterministic_kernels_are_asked_for_only_when_enabled_and_the_settings_come_back(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with deterministic_kernels(False):
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    with deterministic_kernels(True):  # torch's flags alone: no CUDA call is made
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert not torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    with deterministic_kernels(True):
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the process's own setting stands
+
+
+def test_the_deterministic_setting_leaves_the_cache_key_as_it_was():
+    tokenizer = build_tokenizer("char")
+    thinking = Thinking.for_tokenizer("trained", tokenizer)
+    keys = {flag: cache_key(load_config(None, [*SMALL, f"model.warm_start.deterministic={flag}"]), tokenizer, thinking)
+            for flag in ("false", "true")}
+    assert keys["false"] == keys["true"]
