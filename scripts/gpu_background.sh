@@ -5,8 +5,8 @@
 # `wait` at once.
 # Usage:
 #   scripts/gpu_background.sh start STAGE...  start the stages and return (the environment passes through: RACE_ARGS,
-#                                             SWEEP_ARGS, ...); refused while an earlier start still runs, whose
-#                                             files are moved to BACKGROUND_DIR.previous once it has ended
+#                                             SWEEP_ARGS, ...); refused while an earlier start still runs (an
+#                                             ended one's files are moved to BACKGROUND_DIR.previous)
 #   scripts/gpu_background.sh wait SECONDS    follow it for at most SECONDS (returning as soon as it ends), print the
 #                                             log lines it wrote since the last wait, and copy the files it wrote
 #                                             into $OUT so far (background.status holds its exit status once it has
