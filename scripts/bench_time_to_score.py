@@ -163,8 +163,10 @@ def prepare(args: argparse.Namespace) -> None:
     subprocess.run(ceiling_command(args, "--start-only"), check=True, timeout=JOB_TIMEOUT_S)
 
 
-def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path) -> None:
-    """Run the mode's job for `seed` from scratch with `asyncrl run` (a run of the same name in `root` is replaced)."""
+def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
+            start_weights: str | None) -> None:
+    """Run the mode's job for `seed` from scratch with `asyncrl run` (a run of the same name in `root` is replaced);
+    `start_weights`, the digest of the model it starts from, goes into its launch record."""
     name = mode.run_name(seed)
     shutil.rmtree(root / name, ignore_errors=True)
     overrides = [f"run.root_dir={root}", f"run.name={name}", f"run.seed={seed}",
@@ -173,16 +175,11 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
                  "metrics.wandb_mode=disabled", *args.overrides]
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
         overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus()))}")
-    launch = write_launch(root, name, start_weights(args))
+    launch = write_launch(root, name, start_weights)
     done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
     add_engine_times(root, name, launch)
-
-
-def start_weights(args: argparse.Namespace) -> str | None:
-    """The digest of the warm-started model the runs start from (init-model's report beside it)."""
-    return read_report(Path(load_config(args.config, args.overrides).model.path)).get("weights_sha256")
 
 
 def start_models_match(starts: dict[int, dict[str, str | None]]) -> bool | None:
@@ -452,10 +449,11 @@ def main() -> None:
         prepare(args)
     if args.prepare_only:
         return
+    start_weights = read_report(Path(config.model.path)).get("weights_sha256")  # of the model every run starts from
     for seed in seeds:
         for mode in modes:
             if mode.name in wanted:
-                run_job(mode, seed, args, steps, val_every, root)
+                run_job(mode, seed, args, steps, val_every, root, start_weights)
                 if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
                     evaluate([root / mode.run_name(seed)], args.eval_engines)
     if CEILING in wanted:
