@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import subprocess
@@ -72,6 +71,8 @@ from asyncrl.snapshots import due_versions, made_times, read_evaluation
 from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
+from scripts.race_figures import (Curve, ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
+                                   pick_target, ratio, rounded, seed_speedups, start_models_match)
 from scripts.run_records import (CEILING_FILE, RUN_PREFIX, add_engine_times, archive_records,  # noqa: E402
                                  read_ceiling, read_launch, restore_records, write_launch)
 
@@ -90,7 +91,6 @@ MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 SYNC_BASELINES = {0: "cpu", 1: "colocated_one_gpu"}
 
 Record = dict[str, Any]
-Curve = list[tuple[int, float, float]]  # (version, seconds since launch it was made, held-out score)
 
 
 @dataclass(frozen=True)
@@ -182,19 +182,6 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     add_engine_times(root, name, launch)
 
 
-def start_models_match(starts: dict[int, dict[str, str | None]]) -> bool | None:
-    """Whether each seed's two runs started from the same weights (`starts`: seed -> mode -> digest): False where any
-    seed's differ, None where a digest is missing (a model built before init-model reported one) or no seed ran
-    both, else True. Modes prepared on different hosts share a start only if the warm start made the same weights on
-    both."""
-    pairs = [(runs.get("sync"), runs.get("async")) for runs in starts.values() if len(runs) == 2]
-    if not pairs:
-        return None
-    if any(None not in pair and pair[0] != pair[1] for pair in pairs):
-        return False
-    return None if any(None in pair for pair in pairs) else True
-
-
 def sync_baseline(gpus: int, sync_run: Path) -> str:
     """What the synchronous run was, on the `gpus` the jobs got (docs/placement.md): with several ranks
     (`learner.nproc` in `sync_run`'s config) colocated, one per GPU, on all of them or some; with one, by `gpus`."""
@@ -261,100 +248,6 @@ def skipped(evaluation: dict[int, Record], every: int, steps: int) -> int:
     return sum(1 for version in due_versions(every, steps) if version not in evaluation)
 
 
-def mean_curve(curves: list[Curve]) -> Curve:
-    """Per version every seed scored: the seeds' mean made-at time and mean score."""
-    by_seed = [{version: (made, score) for version, made, score in curve} for curve in curves]
-    common = sorted(set.intersection(*(set(points) for points in by_seed))) if by_seed else []
-    return [(v, statistics.fmean(p[v][0] for p in by_seed), statistics.fmean(p[v][1] for p in by_seed)) for v in common]
-
-
-def pick_target(curves: list[Curve], target: float | None, fraction: float) -> float | None:
-    """`target`, or `fraction` of the way from the start score (version 0's, the lower) to the lower of the modes'
-    best mean scores; None when a mode never rose above the start (nothing to race to)."""
-    if target is not None:
-        return target
-    starts = [curve[0][2] for curve in curves if curve and curve[0][0] == 0]
-    bests = [max(score for _, _, score in curve) for curve in curves if curve]
-    if len(bests) < len(curves) or not starts or min(bests) <= min(starts):
-        return None
-    return min(starts) + fraction * (min(bests) - min(starts))
-
-
-def time_to_target(curve: Curve, target: float | None) -> tuple[int, float] | tuple[None, None]:
-    """(version, seconds) of the first version at or above `target`; (None, None) if none."""
-    if target is not None:
-        for version, made, score in curve:
-            if score >= target:
-                return version, made
-    return None, None
-
-
-def seed_speedups(sync: list[dict[str, Any]], async_: list[dict[str, Any]], target: float | None,
-                  fraction: float) -> dict[str, float | None]:
-    """Each seed's own race, by seed: its target from its two curves alone (`pick_target`), sync's time to it over
-    async's. Seeds start and level off apart, so one pooled target can sit above a seed's whole curve."""
-    async_curves = {run["seed"]: run["curve"] for run in async_}
-    speedups = {}
-    for run in sync:
-        if run["seed"] in async_curves:
-            pair = [run["curve"], async_curves[run["seed"]]]
-            own = pick_target(pair, target, fraction)
-            speedups[str(run["seed"])] = ratio(time_to_target(pair[0], own)[1], time_to_target(pair[1], own)[1])
-    return speedups
-
-
-def equal_step_buckets(sync: list[dict[str, Any]], async_: list[dict[str, Any]]) -> tuple[int | None, dict[str, dict[str, float]]]:
-    """The last version every run validated, and each length bucket's mean held-out score there per mode."""
-    runs = sync + async_
-    common = sorted(set.intersection(*(set(run["buckets"]) for run in runs)))
-    if not common:
-        return None, {}
-    version = common[-1]
-    names = sorted(set.intersection(*(set(run["buckets"][version]) for run in runs)), key=bucket_low)
-    return version, {name: {label: statistics.fmean(run["buckets"][version][name] for run in group)
-                            for label, group in (("sync", sync), ("async", async_))} for name in names}
-
-
-def bucket_low(name: str) -> int:
-    """The lower end of a bucket name "<lo>-<hi>", its order."""
-    return int(name.split("-")[0])
-
-
-def ratio(value: float | None, reference: float | None) -> float | None:
-    """value / reference to 3 decimals; None when either is missing or the reference is 0."""
-    return round(value / reference, 3) if value is not None and reference else None
-
-
-def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None) -> dict[str, Any]:
-    """The per-mode part of RESULT: the seeds' means (and the final score's spread), the mean curve's time to the
-    target, each seed's curve."""
-    version, seconds = time_to_target(curve, target)
-    start_up = curve[0][1] if curve and curve[0][0] == 0 else None  # the launch to version 0: the job's start-up
-    finals = [run["curve"][-1][2] for run in runs if run["curve"]]
-
-    def mean(key: str, digits: int = 1) -> float | None:
-        # engine_start_s, engine_begins_s: not in older records
-        values = [run[key] for run in runs if run.get(key) is not None]
-        return _round(statistics.fmean(values), digits) if values else None
-
-    return {"time_to_target_s": _round(seconds), "version_at_target": version, "start_up_s": _round(start_up),
-            "engine_begins_s": mean("engine_begins_s"), "engine_start_s": mean("engine_start_s"),
-            "time_to_target_after_start_up_s": _round(seconds - start_up) if None not in (seconds, start_up) else None,
-            "seed_times_to_target_s": [_round(time_to_target(run["curve"], target)[1]) for run in runs],
-            "trained_tokens_per_s": mean("trained_tokens_per_s"), "trained_length_mean": mean("trained_length_mean"),
-            "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),
-            "learner_share": mean("learner_share", 3), "start_score": _round(curve[0][2], 3) if curve else None,
-            "best_score": _round(max((s for _, _, s in curve), default=None), 3),
-            "final_score": _round(statistics.fmean(finals), 3) if finals else None,
-            "final_score_sd": _round(statistics.stdev(finals), 3) if len(finals) > 1 else None,
-            "last_record_s": mean("last_record_s"), "steps": runs[0]["steps"],
-            "curves": [[[v, _round(t), _round(s, 4)] for v, t, s in run["curve"]] for run in runs]}
-
-
-def _round(value: float | None, digits: int = 1) -> float | None:
-    return None if value is None or math.isnan(value) else round(value, digits)
-
-
 def print_table(figures: dict[str, dict[str, Any]], target: float | None, buckets: tuple[int | None, dict]) -> None:
     """The modes side by side, async / sync where both ran, then the buckets at equal steps."""
     labels = list(figures)
@@ -381,13 +274,6 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
         print(f"held-out score per response-length bucket at version {version} (seeds' mean):")
         for name, pair in pairs.items():
             print(f"  {name + ' tokens':32}{pair['sync']:>14.3f}{pair['async']:>14.3f}{_cell(ratio(pair['async'], pair['sync']), 'x'):>14}")
-
-
-def ceiling_figures(ceiling: float | None, sync_rate: float | None, async_rate: float | None) -> dict[str, Any]:
-    """The engine kept full against the two modes' trained tokens/s: how much any async job on these GPUs could
-    gain over sync (`ceiling_speedup`), and how much of it this one reached (`async_share_of_ceiling`)."""
-    return {"ceiling_tokens_per_s": ceiling, "ceiling_speedup": ratio(ceiling, sync_rate),
-            "async_share_of_ceiling": ratio(async_rate, ceiling)}
 
 
 def print_ceiling(ceiling: dict[str, Any]) -> None:
@@ -533,7 +419,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "validations_skipped": records.skipped, "start_models_match": same_start,
         "learner_share_of_sync_step": sync_figures["learner_share"],
         "sync_baseline": sync_baseline(records.gpus, root / modes[0].run_name(ran[modes[0]][0])),
-        "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": _round(target, 3),
+        "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": rounded(target, 3),
         "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
         "equal_step_version": buckets[0], "buckets": buckets[1],
         "sync": sync_figures, "async": async_figures,

@@ -9,9 +9,9 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import (Mode, ceiling_figures, equal_step_buckets, mean_curve, mode_figures,
-                                         pick_target, seed_speedups, skipped, start_models_match, summarise,
-                                         sync_baseline, time_to_target)
+from scripts.bench_time_to_score import Mode, skipped, summarise, sync_baseline
+from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, pick_target,
+                                  seed_speedups, start_models_match, time_to_target)
 from scripts.run_records import (archive_records, engine_begins, engine_start, read_ceiling, read_launch,
                                  restore_records, write_launch)
 
