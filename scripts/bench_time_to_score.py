@@ -39,6 +39,9 @@ wall-clock time. The table puts the two modes side by side with async / sync; th
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
 --modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
+--side-by-side runs each seed's two modes at once on a host of an even number of GPUs, the synchronous run on the
+first half and the async job on the other (each job sees only its half): a seed's race in one session from one warm
+start, on the same host and hours; then one `asyncrl evaluate` scores both runs' snapshots (both on the disk at once).
 --modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
 ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
 trained tokens/s, the most any one-GPU async job could gain) and `async_share_of_ceiling`.
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -66,11 +70,12 @@ from typing import Any
 from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
-from asyncrl.gpu_ids import visible_gpus
+from asyncrl.gpu_ids import VISIBLE_DEVICES, visible_gpus
 from asyncrl.snapshots import due_versions, made_times, read_evaluation
 from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
+from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_figures import (Curve, ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    pick_target, ratio, rounded, seed_speedups, start_models_match)
 from scripts.run_records import (CEILING_FILE, RUN_PREFIX, add_engine_times, archive_records,  # noqa: E402
@@ -132,6 +137,9 @@ def parse_args() -> argparse.Namespace:
                         help="only make the task's files and the model, and fill vLLM's compile cache")
     parser.add_argument("--sync-ranks", type=int, default=0,
                         help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run each seed's two modes at once, sync on the first half of the GPUs this process "
+                             "sees and async on the other half (an even number of GPUs)")
     parser.add_argument("--no-evaluate", action="store_true",
                         help="leave the scoring of the snapshots to a later call (--modes '' scores and reports)")
     parser.add_argument("--eval-engines", type=int, default=1, help="engines scoring the snapshots side by side")
@@ -165,8 +173,44 @@ def prepare(args: argparse.Namespace) -> None:
 
 def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
             start_weights: str | None) -> None:
-    """Run the mode's job for `seed` from scratch with `asyncrl run` (a run of the same name in `root` is replaced);
-    `start_weights`, the digest of the model it starts from, goes into its launch record."""
+    """Run the mode's job for `seed` from scratch with `asyncrl run` (a run of the same name in `root` is replaced),
+    on every GPU this process sees; `start_weights`, the digest of the model it starts from, goes into its launch
+    record."""
+    job = job_for(mode, seed, args, steps, val_every, root, None)
+    launch = write_launch(root, job.label, start_weights, len(visible_gpus()))
+    done = subprocess.run(job.command, timeout=JOB_TIMEOUT_S)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
+    add_engine_times(root, job.label, launch)
+
+
+def run_side_by_side(seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
+                     start_weights: str | None) -> None:
+    """Run the seed's two jobs at once, the synchronous run on the first half of the GPUs this process sees and the
+    async job on the other half (`gpu_halves`): one host, one start model and the same hours for both; as soon as
+    one fails, the other is stopped."""
+    modes = [Mode(name, args.max_staleness) for name in MODES]
+    halves = gpu_halves(visible_gpus())
+    jobs = [job_for(mode, seed, args, steps, val_every, root, gpus) for mode, gpus in zip(modes, halves)]
+    launches = [write_launch(root, job.label, start_weights, len(gpus)) for job, gpus in zip(jobs, halves)]
+    run_at_once(jobs, JOB_TIMEOUT_S)
+    for job, launch in zip(jobs, launches):
+        add_engine_times(root, job.label, launch)
+
+
+def gpu_halves(gpus: list[int]) -> tuple[list[int], list[int]]:
+    """The GPUs split in two equal halves, in order; SystemExit unless there is an even number of them."""
+    if not gpus or len(gpus) % 2:
+        raise SystemExit(f"--side-by-side gives each mode half of the GPUs: it needs an even number of them, "
+                         f"and this process sees {len(gpus)}")
+    half = len(gpus) // 2
+    return gpus[:half], gpus[half:]
+
+
+def job_for(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
+            gpus: list[int] | None) -> Job:
+    """The `asyncrl run` command of the mode's job for `seed` on `gpus` (None: every GPU this process sees; its run of
+    the same name in `root` removed first), labelled with the run's name."""
     name = mode.run_name(seed)
     shutil.rmtree(root / name, ignore_errors=True)
     overrides = [f"run.root_dir={root}", f"run.name={name}", f"run.seed={seed}",
@@ -174,12 +218,9 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
                  f"buffer.max_staleness={mode.k}", f"validation.every={val_every}", "validation.after_run=true",
                  "metrics.wandb_mode=disabled", *args.overrides]
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
-        overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus()))}")
-    launch = write_launch(root, name, start_weights)
-    done = subprocess.run(asyncrl_command("run", "--config", args.config, *overrides), timeout=JOB_TIMEOUT_S)
-    if done.returncode != 0:
-        raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
-    add_engine_times(root, name, launch)
+        overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus() if gpus is None else gpus))}")
+    env = os.environ | ({} if gpus is None else {VISIBLE_DEVICES: ",".join(map(str, gpus))})
+    return Job(name, asyncrl_command("run", "--config", args.config, *overrides), env)
 
 
 def sync_baseline(gpus: int, sync_run: Path) -> str:
@@ -337,6 +378,11 @@ def main() -> None:
         return
     start_weights = read_report(Path(config.model.path)).get("weights_sha256")  # of the model every run starts from
     for seed in seeds:
+        if args.side_by_side and all(mode.name in wanted for mode in modes):
+            run_side_by_side(seed, args, steps, val_every, root, start_weights)
+            if not args.no_evaluate:
+                evaluate([root / mode.run_name(seed) for mode in modes], args.eval_engines)
+            continue
         for mode in modes:
             if mode.name in wanted:
                 run_job(mode, seed, args, steps, val_every, root, start_weights)

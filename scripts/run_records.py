@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.gpu_ids import visible_gpus
 from asyncrl.metrics import METRICS_FILE
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
 from asyncrl.whole_files import write_json_whole
@@ -26,11 +25,11 @@ DAY_S = 24 * 3600
 Launch = dict[str, Any]
 
 
-def write_launch(root: Path, name: str, start_weights: str | None) -> Launch:
-    """Record the launch of run `name` now, before it starts: its curve's clock runs from this time; `start_weights`
-    is the digest of the model it starts from (`weights_sha256` of init-model's report), to tell whether two runs
-    prepared on different hosts started from the same weights."""
-    launch = {"time": time.time(), "gpus": len(visible_gpus()), "start_weights": start_weights}
+def write_launch(root: Path, name: str, start_weights: str | None, gpus: int) -> Launch:
+    """Record the launch of run `name` on `gpus` GPUs now, before it starts: its curve's clock runs from this time;
+    `start_weights` is the digest of the model it starts from (`weights_sha256` of init-model's report), to tell
+    whether two runs prepared on different hosts started from the same weights."""
+    launch = {"time": time.time(), "gpus": gpus, "start_weights": start_weights}
     write_json_whole(_launch_file(root, name), launch)  # a race stopped meanwhile leaves the old record or this one
     return launch
 

@@ -2,6 +2,7 @@
 tokens/s and learner share, the seeds' mean curve, the target, the time to it, skipped validations and the buckets
 at equal steps, on hand-written records."""
 
+import argparse
 import json
 import time
 
@@ -9,7 +10,7 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import Mode, skipped, summarise, sync_baseline
+from scripts.bench_time_to_score import Mode, gpu_halves, job_for, skipped, summarise, sync_baseline
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, pick_target,
                                   seed_speedups, start_models_match, time_to_target)
 from scripts.run_records import (archive_records, engine_begins, engine_start, read_ceiling, read_launch,
@@ -215,6 +216,28 @@ def test_the_modes_of_each_seed_are_checked_to_start_from_the_same_weights(start
 
 
 def test_a_launch_record_holds_the_digest_of_the_weights_the_run_starts_from(tmp_path):
-    launch = write_launch(tmp_path, "tts-sync-s0", "ab12")
+    launch = write_launch(tmp_path, "tts-sync-s0", "ab12", 1)
     assert read_launch(tmp_path, "tts-sync-s0") == launch and launch["start_weights"] == "ab12"
     assert launch["time"] <= time.time()
+
+
+@pytest.mark.parametrize(("gpus", "halves"), [([0, 1], ([0], [1])), ([4, 5, 6, 7], ([4, 5], [6, 7]))])
+def test_side_by_side_gives_sync_the_first_half_of_the_gpus_and_async_the_other(gpus, halves):
+    assert gpu_halves(gpus) == halves
+
+
+@pytest.mark.parametrize("gpus", [[], [0], [0, 1, 2]])
+def test_side_by_side_refuses_a_count_of_gpus_it_cannot_halve(gpus):
+    with pytest.raises(SystemExit, match=f"sees {len(gpus)}"):
+        gpu_halves(gpus)
+
+
+def test_each_side_s_job_sees_only_its_gpus_and_sync_trains_on_all_of_them(tmp_path):
+    args = argparse.Namespace(config="configs/gpu_longtail.yaml", overrides=["learner.lr=1e-6"], sync_ranks=0)
+    sync = job_for(Mode("sync", 2), 3, args, 100, 10, tmp_path, [2, 3])
+    async_ = job_for(Mode("async", 2), 3, args, 100, 10, tmp_path, [4, 5])
+    assert (sync.label, async_.label) == ("tts-sync-s3", "tts-async-k2-s3")
+    assert (sync.env["CUDA_VISIBLE_DEVICES"], async_.env["CUDA_VISIBLE_DEVICES"]) == ("2,3", "4,5")
+    assert "learner.nproc=2" in sync.command and not any("learner.nproc" in part for part in async_.command)
+    assert "learner.mode=synchronous" in sync.command and "buffer.max_staleness=2" in async_.command
+    assert sync.command[-2:] == ["learner.lr=1e-6", "learner.nproc=2"]  # the race's overrides reach both jobs

@@ -1,0 +1,58 @@
+"""Commands run side by side, each with an environment of its own, that end together: as soon as one fails, the
+others are stopped (SIGTERM, then SIGKILL after a grace period), so that a benchmark whose pair of runs has lost one
+does not spend a GPU host's time on the other."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+POLL_S = 1.0  # how often the running commands are looked at
+STOP_GRACE_S = 60.0  # a stopped command's time to end its own processes before it is killed
+
+
+@dataclass(frozen=True)
+class Job:
+    label: str  # names the command in the error that ends the benchmark
+    command: Sequence[str]
+    env: Mapping[str, str]
+
+
+def run_at_once(jobs: Sequence[Job], timeout_s: float, grace_s: float = STOP_GRACE_S) -> None:
+    """Start every job, then wait for all of them; SystemExit naming the first that failed (non-zero exit) or the
+    timeout, once every other job has been stopped."""
+    running = {job.label: subprocess.Popen(list(job.command), env=dict(job.env)) for job in jobs}
+    deadline = time.monotonic() + timeout_s
+    failure = None
+    while failure is None and any(process.poll() is None for process in running.values()):
+        failure = _first_failure(running) or (f"still running after {timeout_s:.0f} s"
+                                              if time.monotonic() > deadline else None)
+        if failure is None:
+            time.sleep(POLL_S)
+    failure = failure or _first_failure(running)
+    if failure is not None:
+        _stop_all(running.values(), grace_s)
+        raise SystemExit(f"side by side: {failure}")
+
+
+def _first_failure(running: dict[str, subprocess.Popen]) -> str | None:
+    for label, process in running.items():
+        if process.poll() not in (None, 0):
+            return f"{label} exited with {process.returncode}"
+    return None
+
+
+def _stop_all(processes, grace_s: float) -> None:
+    """SIGTERM to every command still running, SIGKILL to any still running `grace_s` later."""
+    alive = [process for process in processes if process.poll() is None]
+    for process in alive:
+        process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in alive:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
