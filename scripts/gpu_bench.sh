@@ -42,7 +42,8 @@
 #              validated after the run) and the engine's ceiling (RACE_MODES=sync, async or ceiling runs a part per
 #              call, all kept in /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
 #              "--prepare-only" to only make the data and the model and fill vLLM's compile cache (so that
-#              neither mode's launch pays for compiling); each run's snapshots are scored as soon as it
+#              neither mode's launch pays for compiling), or "--side-by-side" on 2, 4 or 8 GPUs to run a seed's
+#              two modes at once, each on half of them; each run's snapshots are scored as soon as it
 #              ends and their weights deleted (the scores live in /tmp and go with the host); the plot, the
 #              runs' records (race-records.tar.gz, for --restore) and their roles' logs (race-logs.tar.gz)
 #              go to $OUT; RACE_SHAPE=600m races ~600 M parameters at 64 prompts a step instead of the preset's
