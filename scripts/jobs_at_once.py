@@ -24,17 +24,26 @@ def run_at_once(jobs: Sequence[Job], timeout_s: float, grace_s: float = STOP_GRA
     """Start every job, then wait for all of them; SystemExit naming the first that failed (non-zero exit) or the
     timeout, once every other job has been stopped."""
     running = {job.label: subprocess.Popen(list(job.command), env=dict(job.env)) for job in jobs}
-    deadline = time.monotonic() + timeout_s
-    failure = None
-    while failure is None and any(process.poll() is None for process in running.values()):
-        failure = _first_failure(running) or (f"still running after {timeout_s:.0f} s"
-                                              if time.monotonic() > deadline else None)
-        if failure is None:
-            time.sleep(POLL_S)
-    failure = failure or _first_failure(running)
+    try:
+        failure = _wait_for_all(running, timeout_s)
+    except BaseException:  # Ctrl-C or a signal to this process: no job outlives it
+        _stop_all(running.values(), grace_s)
+        raise
     if failure is not None:
         _stop_all(running.values(), grace_s)
         raise SystemExit(f"side by side: {failure}")
+
+
+def _wait_for_all(running: dict[str, subprocess.Popen], timeout_s: float) -> str | None:
+    """Wait until every job has ended, or one failed, or `timeout_s` passed; what went wrong, if anything."""
+    deadline = time.monotonic() + timeout_s
+    while any(process.poll() is None for process in running.values()):
+        if failure := _first_failure(running):
+            return failure
+        if time.monotonic() > deadline:
+            return f"still running after {timeout_s:.0f} s"
+        time.sleep(POLL_S)
+    return _first_failure(running)
 
 
 def _first_failure(running: dict[str, subprocess.Popen]) -> str | None:

@@ -37,3 +37,22 @@ def test_a_job_that_ignores_the_stop_is_killed_after_the_grace_period(tmp_path):
     with pytest.raises(SystemExit, match="still running after 2 s"):
         run_at_once([python_job("async", stubborn)], timeout_s=2, grace_s=1)
     assert time.monotonic() - started < 15
+
+
+class Interrupted(BaseException):
+    """Stands for Ctrl-C (pytest would take a real KeyboardInterrupt as its own)."""
+
+
+def test_an_interrupt_of_the_runner_stops_every_job(tmp_path, monkeypatch):
+    survivor = tmp_path / "survived"
+
+    def interrupted(running):
+        raise Interrupted
+
+    monkeypatch.setattr("scripts.jobs_at_once._first_failure", interrupted)
+    started = time.monotonic()
+    with pytest.raises(Interrupted):
+        run_at_once([python_job("sync", f"import time, pathlib; time.sleep(3); pathlib.Path({str(survivor)!r}).touch()")],
+                    timeout_s=60, grace_s=1)
+    time.sleep(max(0.0, started + 5 - time.monotonic()))  # past the time the job would have written its file
+    assert not survivor.exists()
