@@ -46,7 +46,7 @@ class WarmStartConfig:
     eval_samples: int = bounded(128, 0)  # held-out prompts greedily decoded to record the accuracy before and after the warm start (0: no greedy pass, none recorded)
     micro_batches: int = bounded(1, 1)  # passes per step over the batch sorted by length, each padded to its own longest: the same gradient, less padding where lengths are long-tailed
     device: str = one_of("cpu", "cuda")  # where init-model builds and trains the model; cuda: the first visible GPU, passes in bf16 autocast
-    deterministic: bool = False  # on a GPU: deterministic kernels where torch has them, cuBLAS's deterministic workspace and attention by the math backend, so that another host of the same GPU and software can make the same weights (weights_sha256); slower. The CPU warm start is deterministic as it is
+    deterministic: bool = False  # on a GPU: torch's deterministic algorithms, strictly (an op without one stops the warm start, named), and cuBLAS's deterministic workspace, so that another host of the same GPU and software can make the same weights (weights_sha256); slower. The CPU warm start is deterministic as it is
 
 
 LORA_MAX_RANK = 512  # the largest adapter rank vLLM serves (its max_lora_rank)

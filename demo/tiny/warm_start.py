@@ -81,9 +81,11 @@ def accumulate_gradient(model: PreTrainedModel, batch: list[Example], pad_id: in
     learned = sum(label != IGNORE_INDEX for _, labels in batch for label in labels[1:])  # the targets HF's loss shifts to
     loss = 0.0
     for part in _near_equal_parts(ordered, micro_batches):
-        input_ids, labels, attention = (t.to(model.device) for t in pad_examples(part, pad_id))
+        input_ids, labels, _ = (t.to(model.device) for t in pad_examples(part, pad_id))
+        # no attention mask: the padding is on the right, where causal attention keeps it from every real token, and
+        # unmasked causal attention may take the flash kernel (a mask rules it out)
         with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"):
-            part_loss = model(input_ids=input_ids, attention_mask=attention, labels=labels,
+            part_loss = model(input_ids=input_ids, labels=labels,
                               num_items_in_batch=learned).loss  # this part's summed token losses / the batch's count
         part_loss.backward()
         loss += part_loss.item()
