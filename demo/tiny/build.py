@@ -63,10 +63,11 @@ def init_model(config: AsyncRLConfig, scorer_for: Callable[[str], AnswerScorer],
         return greedy_accuracy(model, tokenizer, held_out, kind.teacher, scorer_for(kind.teacher.data_source), thinking)
 
     deterministic = config.model.warm_start.deterministic and model.device.type == "cuda"
-    with at_most_threads(WARM_START_THREADS), deterministic_kernels(deterministic):
+    with at_most_threads(WARM_START_THREADS):
         before = accuracy()
-        warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions,
-                   thinking)
+        with deterministic_kernels(deterministic):  # the weights only: the greedy passes' ops need not have one
+            warm_start(model, tokenizer, config.task, config.model.warm_start, config.run.seed, split.val_questions,
+                       thinking)
         after = accuracy()
     report = {
         "cache_key": key,
