@@ -168,3 +168,25 @@ def test_the_deterministic_setting_leaves_the_cache_key_as_it_was():
     keys = {flag: cache_key(load_config(None, [*SMALL, f"model.warm_start.deterministic={flag}"]), tokenizer, thinking)
             for flag in ("false", "true")}
     assert keys["false"] == keys["true"]
+
+
+def test_only_the_warm_start_runs_under_deterministic_kernels_not_the_greedy_passes(tmp_path, monkeypatch):
+    import contextlib
+
+    import demo.tiny.build as build
+
+    seen, inside = [], []
+
+    @contextlib.contextmanager
+    def recording(enabled):
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(build, "deterministic_kernels", recording)
+    monkeypatch.setattr(build, "greedy_accuracy", lambda *args, **kwargs: seen.append(("greedy", bool(inside))) or 0.5)
+    monkeypatch.setattr(build, "warm_start", lambda *args, **kwargs: seen.append(("warm start", bool(inside))))
+    init_model(load_config(None, [*SMALL, f"model.path={tmp_path / 'm'}", "model.warm_start.eval_samples=2"]), scorer_for)
+    assert seen == [("greedy", False), ("warm start", True), ("greedy", False)]
