@@ -178,18 +178,17 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     record."""
     job = job_for(mode, seed, args, steps, val_every, root, None)
     launch = write_launch(root, job.label, start_weights, len(visible_gpus()))
-    done = subprocess.run(job.command, timeout=JOB_TIMEOUT_S)
+    done = subprocess.run(job.command, env=job.env, timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
     add_engine_times(root, job.label, launch)
 
 
-def run_side_by_side(seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
+def run_side_by_side(modes: list[Mode], seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
                      start_weights: str | None) -> None:
-    """Run the seed's two jobs at once, the synchronous run on the first half of the GPUs this process sees and the
-    async job on the other half (`gpu_halves`): one host, one start model and the same hours for both; as soon as
-    one fails, the other is stopped."""
-    modes = [Mode(name, args.max_staleness) for name in MODES]
+    """Run the seed's jobs of `modes` (sync, async) at once, the synchronous run on the first half of the GPUs this
+    process sees and the async job on the other half (`gpu_halves`): one host, one start model and the same hours for
+    both; as soon as one fails, the other is stopped."""
     halves = gpu_halves(visible_gpus())
     jobs = [job_for(mode, seed, args, steps, val_every, root, gpus) for mode, gpus in zip(modes, halves)]
     launches = [write_launch(root, job.label, start_weights, len(gpus)) for job, gpus in zip(jobs, halves)]
@@ -369,6 +368,10 @@ def main() -> None:
     wanted = [name for name in args.modes.split(",") if name]
     if unknown := set(wanted) - set(RUNNABLE):
         raise SystemExit(f"--modes: unknown mode(s) {sorted(unknown)} (choose from {', '.join(RUNNABLE)})")
+    if args.side_by_side and not args.prepare_only:  # refused before the preparation's minutes, not after
+        if not set(MODES) <= set(wanted):
+            raise SystemExit(f"--side-by-side runs sync and async at once: --modes must name both, not {args.modes!r}")
+        gpu_halves(visible_gpus())
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-tts-"))
     root.mkdir(parents=True, exist_ok=True)
     restore_records(args.restore, root)
@@ -378,8 +381,8 @@ def main() -> None:
         return
     start_weights = read_report(Path(config.model.path)).get("weights_sha256")  # of the model every run starts from
     for seed in seeds:
-        if args.side_by_side and all(mode.name in wanted for mode in modes):
-            run_side_by_side(seed, args, steps, val_every, root, start_weights)
+        if args.side_by_side:
+            run_side_by_side(modes, seed, args, steps, val_every, root, start_weights)
             if not args.no_evaluate:
                 evaluate([root / mode.run_name(seed) for mode in modes], args.eval_engines)
             continue

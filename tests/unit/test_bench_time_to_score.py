@@ -4,6 +4,9 @@ at equal steps, on hand-written records."""
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -241,3 +244,15 @@ def test_each_side_s_job_sees_only_its_gpus_and_sync_trains_on_all_of_them(tmp_p
     assert "learner.nproc=2" in sync.command and not any("learner.nproc" in part for part in async_.command)
     assert "learner.mode=synchronous" in sync.command and "buffer.max_staleness=2" in async_.command
     assert sync.command[-2:] == ["learner.lr=1e-6", "learner.nproc=2"]  # the race's overrides reach both jobs
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--modes", "sync"], "--modes must name both, not 'sync'"),
+    (["--modes", "sync,async"], "needs an even number of them, and this process sees 0"),  # this box: no GPU
+])
+def test_side_by_side_is_refused_before_anything_is_prepared(tmp_path, options, message):
+    done = subprocess.run([sys.executable, "scripts/bench_time_to_score.py", "--side-by-side", *options, "--steps", "10",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and message in done.stderr
+    assert not any(tmp_path.iterdir())  # no run, no record: nothing began
