@@ -40,8 +40,9 @@ wall-clock time. The table puts the two modes side by side with async / sync; th
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
 --modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
 --side-by-side runs each seed's two modes at once on a host of an even number of GPUs, the synchronous run on the
-first half and the async job on the other (each job sees only its half): a seed's race in one session from one warm
-start, on the same host and hours; then one `asyncrl evaluate` scores both runs' snapshots (both on the disk at once).
+first half and the async job on the other (each job sees only its half; each one's console in <run name>.log in
+--out-dir): a seed's race in one session from one warm start, on the same host and hours; then one `asyncrl
+evaluate` scores both runs' snapshots (both on the disk at once).
 --modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
 ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
 trained tokens/s, the most any one-GPU async job could gain) and `async_share_of_ceiling`.
@@ -188,7 +189,7 @@ def run_side_by_side(modes: list[Mode], seed: int, args: argparse.Namespace, ste
                      start_weights: str | None) -> None:
     """Run the seed's jobs of `modes` (sync, async) at once, the synchronous run on the first half of the GPUs this
     process sees and the async job on the other half (`gpu_halves`): one host, one start model and the same hours for
-    both; as soon as one fails, the other is stopped."""
+    both; as soon as one fails, the other is stopped. Each job's console goes to its run's log beside its directory."""
     halves = gpu_halves(visible_gpus())
     jobs = [job_for(mode, seed, args, steps, val_every, root, gpus) for mode, gpus in zip(modes, halves)]
     launches = [write_launch(root, job.label, start_weights, len(gpus)) for job, gpus in zip(jobs, halves)]
@@ -219,7 +220,7 @@ def job_for(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
         overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus() if gpus is None else gpus))}")
     env = os.environ | ({} if gpus is None else {VISIBLE_DEVICES: ",".join(map(str, gpus))})
-    return Job(name, asyncrl_command("run", "--config", args.config, *overrides), env)
+    return Job(name, asyncrl_command("run", "--config", args.config, *overrides), env, root / f"{name}.log")
 
 
 def sync_baseline(gpus: int, sync_run: Path) -> str:

@@ -1,12 +1,14 @@
-"""Commands run side by side, each with an environment of its own, that end together: as soon as one fails, the
-others are stopped (SIGTERM, then SIGKILL after a grace period), so that a benchmark whose pair of runs has lost one
+"""Commands run side by side, each with an environment and a console log of its own, that end together: as soon as
+one fails, the others are stopped (SIGTERM, then SIGKILL after a grace period), so that a benchmark whose pair of runs has lost one
 does not spend a GPU host's time on the other."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping, Sequence
 
 POLL_S = 1.0  # how often the running commands are looked at
@@ -18,12 +20,21 @@ class Job:
     label: str  # names the command in the error that ends the benchmark
     command: Sequence[str]
     env: Mapping[str, str]
+    log: Path  # its stdout and stderr: two jobs' live progress lines would garble one console
 
 
 def run_at_once(jobs: Sequence[Job], timeout_s: float, grace_s: float = STOP_GRACE_S) -> None:
-    """Start every job, then wait for all of them; SystemExit naming the first that failed (non-zero exit) or the
-    timeout, once every other job has been stopped."""
-    running = {job.label: subprocess.Popen(list(job.command), env=dict(job.env)) for job in jobs}
+    """Start every job, its output into its log, then wait for all of them; SystemExit naming the first that failed
+    (non-zero exit) or the timeout, and the jobs' logs, once every other job has been stopped."""
+    with contextlib.ExitStack() as logs:
+        running = {job.label: subprocess.Popen(list(job.command), env=dict(job.env), stdout=logs.enter_context(
+            open(job.log, "w")), stderr=subprocess.STDOUT) for job in jobs}
+        _wait_or_stop(running, timeout_s, grace_s, {job.label: job.log for job in jobs})
+
+
+def _wait_or_stop(running: dict[str, subprocess.Popen], timeout_s: float, grace_s: float,
+                  logs: dict[str, Path]) -> None:
+    """Wait for the running jobs; stop them all on a failure, the timeout or an exception here."""
     try:
         failure = _wait_for_all(running, timeout_s)
     except BaseException:  # Ctrl-C or a signal to this process: no job outlives it
@@ -31,7 +42,7 @@ def run_at_once(jobs: Sequence[Job], timeout_s: float, grace_s: float = STOP_GRA
         raise
     if failure is not None:
         _stop_all(running.values(), grace_s)
-        raise SystemExit(f"side by side: {failure}")
+        raise SystemExit(f"side by side: {failure}; the logs: {', '.join(map(str, logs.values()))}")
 
 
 def _wait_for_all(running: dict[str, subprocess.Popen], timeout_s: float) -> str | None:

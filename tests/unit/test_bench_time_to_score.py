@@ -240,6 +240,7 @@ def test_each_side_s_job_sees_only_its_gpus_and_sync_trains_on_all_of_them(tmp_p
     sync = job_for(Mode("sync", 2), 3, args, 100, 10, tmp_path, [2, 3])
     async_ = job_for(Mode("async", 2), 3, args, 100, 10, tmp_path, [4, 5])
     assert (sync.label, async_.label) == ("tts-sync-s3", "tts-async-k2-s3")
+    assert (sync.log, async_.log) == (tmp_path / "tts-sync-s3.log", tmp_path / "tts-async-k2-s3.log")
     assert (sync.env["CUDA_VISIBLE_DEVICES"], async_.env["CUDA_VISIBLE_DEVICES"]) == ("2,3", "4,5")
     assert "learner.nproc=2" in sync.command and not any("learner.nproc" in part for part in async_.command)
     assert "learner.mode=synchronous" in sync.command and "buffer.max_staleness=2" in async_.command

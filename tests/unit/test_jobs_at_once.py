@@ -3,6 +3,7 @@
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -10,22 +11,22 @@ from scripts.jobs_at_once import Job, run_at_once
 
 
 def python_job(label: str, code: str, **env: str) -> Job:
-    return Job(label, [sys.executable, "-c", code], os.environ | env)
+    return Job(label, [sys.executable, "-c", code], os.environ | env, Path(env.get("LOG", os.devnull)))
 
 
 def test_every_job_runs_to_its_end_each_with_its_own_environment(tmp_path):
-    write = "import os, pathlib; pathlib.Path(os.environ['TARGET']).write_text(os.environ['CUDA_VISIBLE_DEVICES'])"
-    run_at_once([python_job("sync", write, TARGET=str(tmp_path / "sync"), CUDA_VISIBLE_DEVICES="0"),
-                 python_job("async", "import time; time.sleep(1.5); " + write, TARGET=str(tmp_path / "async"),
+    show = "import os; print('sees', os.environ['CUDA_VISIBLE_DEVICES'])"
+    run_at_once([python_job("sync", show, LOG=str(tmp_path / "sync.log"), CUDA_VISIBLE_DEVICES="0"),
+                 python_job("async", "import time; time.sleep(1.5); " + show, LOG=str(tmp_path / "async.log"),
                             CUDA_VISIBLE_DEVICES="1")], timeout_s=60)
-    assert (tmp_path / "sync").read_text() == "0" and (tmp_path / "async").read_text() == "1"
+    assert (tmp_path / "sync.log").read_text() == "sees 0\n" and (tmp_path / "async.log").read_text() == "sees 1\n"
 
 
 def test_the_first_failure_stops_the_other_job_and_names_itself(tmp_path):
     survivor = tmp_path / "survived"
     started = time.monotonic()
-    with pytest.raises(SystemExit, match="sync exited with 3"):
-        run_at_once([python_job("sync", "import time, sys; time.sleep(0.5); sys.exit(3)"),
+    with pytest.raises(SystemExit, match=f"sync exited with 3; the logs: {tmp_path / 'sync.log'}"):
+        run_at_once([python_job("sync", "import time, sys; time.sleep(0.5); sys.exit(3)", LOG=str(tmp_path / "sync.log")),
                      python_job("async", f"import time, pathlib; time.sleep(30); pathlib.Path({str(survivor)!r}).touch()")],
                     timeout_s=60)
     assert time.monotonic() - started < 20 and not survivor.exists()
