@@ -1,6 +1,6 @@
 """Commands run side by side, each with an environment and a console log of its own, that end together: as soon as
-one fails, the others are stopped (SIGTERM, then SIGKILL after a grace period), so that a benchmark whose pair of runs has lost one
-does not spend a GPU host's time on the other."""
+one fails, the others are stopped (SIGTERM, then SIGKILL after a grace period), so that a benchmark whose pair of runs
+has lost one does not spend a GPU host's time on the other."""
 
 from __future__ import annotations
 
