@@ -9,7 +9,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 POLL_S = 1.0  # how often the running commands are looked at
 STOP_GRACE_S = 60.0  # a stopped command's time to end its own processes before it is killed
@@ -64,7 +64,7 @@ def _first_failure(running: dict[str, subprocess.Popen]) -> str | None:
     return None
 
 
-def _stop_all(processes, grace_s: float) -> None:
+def _stop_all(processes: Iterable[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM to every command still running, SIGKILL to any still running `grace_s` later."""
     alive = [process for process in processes if process.poll() is None]
     for process in alive:
