@@ -81,7 +81,7 @@ def accumulate_gradient(model: PreTrainedModel, batch: list[Example], pad_id: in
     learned = sum(label != IGNORE_INDEX for _, labels in batch for label in labels[1:])  # the targets HF's loss shifts to
     loss = 0.0
     for part in _near_equal_parts(ordered, micro_batches):
-        input_ids, labels, _ = (t.to(model.device) for t in pad_examples(part, pad_id))
+        input_ids, labels = (t.to(model.device) for t in pad_examples(part, pad_id))
         # no attention mask: the padding is on the right, where causal attention keeps it from every real token, and
         # unmasked causal attention may take the flash kernel (a mask rules it out)
         with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"):
@@ -138,12 +138,12 @@ def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     return sum(score(text, answer) for text, (_, answer) in zip(completions, problems)) / len(problems)
 
 
-def pad_examples(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_examples(batch: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and labels, each example padded on the right to the batch's longest: [examples, longest]."""
     width = max(len(ids) for ids, _ in batch)
     input_ids = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in batch])
     labels = torch.tensor([lab + [IGNORE_INDEX] * (width - len(lab)) for _, lab in batch])
-    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in batch])
-    return input_ids, labels, attention
+    return input_ids, labels
 
 
 def _warmup_cosine(peak: float, warmup: int, total: int):

@@ -72,6 +72,12 @@ def test_the_digest_changes_with_any_weight_and_only_with_the_weights():
     assert weights_digest(model.to(torch.bfloat16)) != weights_digest(model.float())  # the dtype is part of it
 
 
+def right_padding_mask(examples: list) -> torch.Tensor:
+    """The attention mask of `pad_examples`' batch: 1 on each example's own tokens, 0 on its padding."""
+    width = max(len(ids) for ids, _ in examples)
+    return torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in examples])
+
+
 @pytest.mark.parametrize("vocabulary", ["char", "qwen3"])
 def test_warm_start_lowers_the_answer_loss(vocabulary):
     config = load_config(None, ["model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.intermediate_size=128",
@@ -81,7 +87,8 @@ def test_warm_start_lowers_the_answer_loss(vocabulary):
     rng = random.Random(99)
     held_out = [supervised_example(tokenizer, *arithmetic.make_problem(rng, 1, 1, "+")) for _ in range(32)]
     assert all(ids[-1] == tokenizer.eos_token_id and max(ids) < len(tokenizer) for ids, _ in held_out)  # its own ids
-    input_ids, labels, attention = pad_examples(held_out, tokenizer.pad_token_id)
+    input_ids, labels = pad_examples(held_out, tokenizer.pad_token_id)
+    attention = right_padding_mask(held_out)
 
     def loss() -> float:
         with torch.no_grad():
@@ -118,7 +125,8 @@ def test_passes_over_the_batch_sorted_by_length_give_the_one_pass_loss_and_gradi
 
     def one_pass(examples: list) -> tuple[float, list[torch.Tensor]]:
         model = build_tiny_model(config.model.tiny, tokenizer, seed=0)
-        input_ids, labels, attention = pad_examples(examples, tokenizer.pad_token_id)
+        input_ids, labels = pad_examples(examples, tokenizer.pad_token_id)
+        attention = right_padding_mask(examples)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss  # HF's mean over the batch
         loss.backward()
         return loss.item(), [parameter.grad for parameter in model.parameters()]
