@@ -1,5 +1,5 @@
 """`asyncrl evaluate RUN_DIR...`: score the weight snapshots of jobs run with `validation.after_run` (asyncrl/snapshots.py)
-on their held-out prompts, after the jobs, on one vLLM engine of this command's own.
+on their held-out prompts, after the jobs, on vLLM engines of this command's own (--engines, spread over the GPUs it sees).
 
 Each run's snapshots are scored with that run's validation settings and seeds, exactly as rollout server 0 would
 have scored them during the job (`rollout_servers.validation.Validator`), but on no job's clock and on no engine that
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.gpu_ids import pin, visible_gpus
 from asyncrl.heap import ended_normally, leave_now
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
@@ -55,7 +56,7 @@ def evaluate(args: argparse.Namespace) -> int:
                  "" if run.pending else " (every one is scored already)")
     shares = deal(runs, engines)
     if len(shares) > 1:
-        return score_on_engines(shares, args.drop_scored)
+        return score_on_engines(shares, engine_places(len(shares), visible_gpus(), runs[0].config), args.drop_scored)
     if shares:
         score_all(shares[0], drop_scored=args.drop_scored)
     return 0
@@ -80,9 +81,26 @@ def deal(runs: list[Run], engines: int) -> list[list[Run]]:
     return shares
 
 
-def score_on_engines(shares: list[list[Run]], drop_scored: bool = False) -> int:
-    """Score each share on an engine of its own, in a process of its own, side by side on the GPUs this process
-    sees, each engine taking its part of `rollout.engine.gpu_memory_utilization`; 1 if any failed.
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one of several engines runs."""
+
+    gpu: int | None  # the one GPU its process sees (None: every GPU this process sees)
+    sharing: int  # engines on its GPUs, itself included: each takes that part of gpu_memory_utilization
+
+
+def engine_places(engines: int, gpus: list[int], config: AsyncRLConfig) -> list[Place]:
+    """Each engine's place: dealt out in turn over `gpus` when there are several and an engine needs one GPU
+    (`rollout.engine.tensor_parallel_size` 1), so that no GPU idles while another scores; all on every GPU otherwise."""
+    if len(gpus) < 2 or config.rollout.engine.tensor_parallel_size != 1:
+        return [Place(None, engines)] * engines
+    chosen = [gpus[number % len(gpus)] for number in range(engines)]
+    return [Place(gpu, chosen.count(gpu)) for gpu in chosen]
+
+
+def score_on_engines(shares: list[list[Run]], places: list[Place], drop_scored: bool = False) -> int:
+    """Score each share on an engine of its own, in a process of its own, in its place (`engine_places`), each engine
+    taking its part of its GPU's `rollout.engine.gpu_memory_utilization`; 1 if any failed.
 
     Every process starts at once and imports while it waits for its turn; the engines start one after the other,
     each once the one before has started (or died), and none closes before the last has started. vLLM sizes its
@@ -92,9 +110,9 @@ def score_on_engines(shares: list[list[Run]], drop_scored: bool = False) -> int:
     orders = [StartOrder(context.Event(), context.Event()) for _ in shares]
     all_started = context.Event()
     workers = [context.Process(target=score_share, name=f"evaluate-engine-{number}",
-                               args=([(run.directory, run.pending) for run in share], len(shares), order, all_started,
+                               args=([(run.directory, run.pending) for run in share], place, order, all_started,
                                      drop_scored))
-               for number, (share, order) in enumerate(zip(shares, orders))]
+               for number, (share, place, order) in enumerate(zip(shares, places, orders))]
     for worker in workers:
         worker.start()
     start_in_turn([(worker.is_alive, order) for worker, order in zip(workers, orders)], all_started)
@@ -124,18 +142,20 @@ def start_in_turn(engines: list[tuple[Callable[[], bool], StartOrder]], all_star
     all_started.set()
 
 
-def score_share(share: list[tuple[Path, list[int]]], engines: int, order: StartOrder, all_started: Any,
+def score_share(share: list[tuple[Path, list[int]]], place: Place, order: StartOrder, all_started: Any,
                 drop_scored: bool = False) -> None:
-    """One engine's share (each run directory with the versions it scores), in a process of its own: read the runs
-    and import the engine's modules, start the engine in its turn, score, and close it once every engine has
-    started (`score_on_engines` says why)."""
+    """One engine's share (each run directory with the versions it scores), in a process of its own: see only its
+    place's GPU, read the runs and import the engine's modules, start the engine in its turn, score, and close it once
+    every engine has started (`score_on_engines` says why)."""
     die_with_spawning_parent()  # the turn and the close wait on the parent: never outlive it
+    if place.gpu is not None:  # before anything imports torch
+        pin([place.gpu])
     runs = [dataclasses.replace(read_run(directory), pending=versions) for directory, versions in share]
     setup_logging("evaluate", runs[0].config.run.log_level)
     import rollout_servers.reference_sampler  # noqa: F401 (seconds of imports, before this engine's turn)
 
     order.turn.wait()
-    score_all(runs, engines, on_started=order.started.set, before_close=all_started.wait, drop_scored=drop_scored)
+    score_all(runs, place.sharing, on_started=order.started.set, before_close=all_started.wait, drop_scored=drop_scored)
     ended_normally()  # vLLM's client, finalised by the interpreter's teardown, raises there (`main`)
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, read_evaluation, snapshot_path
-from launch.commands.evaluate import (StartOrder, deal, engine_count, engine_mismatch, memory_part, read_run, score_all,
-                                      start_in_turn)
+from launch.commands.evaluate import (Place, StartOrder, deal, engine_count, engine_mismatch, engine_places, memory_part,
+                                      read_run, score_all, start_in_turn)
 
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
              "learner.mode=synchronous"]
@@ -70,6 +70,17 @@ def test_engines_sharing_a_gpu_split_its_memory_share_and_a_bad_count_is_refused
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit, match="--engines"):
             engine_count(bad)
+
+
+def test_engines_are_dealt_out_over_the_gpus_each_splitting_only_its_own_gpus_memory():
+    one_gpu_engines = load_config(None, [])
+    assert engine_places(4, [0, 1], one_gpu_engines) == [Place(0, 2), Place(1, 2), Place(0, 2), Place(1, 2)]
+    assert engine_places(3, [2, 5], one_gpu_engines) == [Place(2, 2), Place(5, 1), Place(2, 2)]
+    assert engine_places(2, [0, 1, 2, 3], one_gpu_engines) == [Place(0, 1), Place(1, 1)]  # no GPU holds two
+    everywhere = [Place(None, 3)] * 3  # every engine sees every GPU this command sees, and splits them three ways
+    assert engine_places(3, [0], one_gpu_engines) == everywhere
+    assert engine_places(3, [], one_gpu_engines) == everywhere  # no GPU (CPU engines)
+    assert engine_places(3, [0, 1], load_config(None, ["rollout.engine.tensor_parallel_size=2"])) == everywhere
 
 
 def test_each_engine_starts_once_the_one_before_has_started_or_died_and_all_are_told_when_the_last_has():
