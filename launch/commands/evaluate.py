@@ -1,5 +1,5 @@
 """`asyncrl evaluate RUN_DIR...`: score the weight snapshots of jobs run with `validation.after_run` (asyncrl/snapshots.py)
-on their held-out prompts, after the jobs, on vLLM engines of this command's own (--engines, spread over the GPUs it sees).
+on their held-out prompts, after the jobs, on vLLM engines of this command's own (--engines: spread over its GPUs).
 
 Each run's snapshots are scored with that run's validation settings and seeds, exactly as rollout server 0 would
 have scored them during the job (`rollout_servers.validation.Validator`), but on no job's clock and on no engine that

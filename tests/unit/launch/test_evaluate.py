@@ -11,8 +11,8 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, read_evaluation, snapshot_path
-from launch.commands.evaluate import (Place, StartOrder, deal, engine_count, engine_mismatch, engine_places, memory_part,
-                                      read_run, score_all, start_in_turn)
+from launch.commands.evaluate import (Place, StartOrder, deal, engine_count, engine_mismatch, engine_places,
+                                      memory_part, read_run, score_all, start_in_turn)
 
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
              "learner.mode=synchronous"]
