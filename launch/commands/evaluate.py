@@ -13,6 +13,7 @@ import json
 import logging
 import multiprocessing
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -102,10 +103,11 @@ def score_on_engines(shares: list[list[Run]], places: list[Place], drop_scored: 
     """Score each share on an engine of its own, in a process of its own, in its place (`engine_places`), each engine
     taking its part of its GPU's `rollout.engine.gpu_memory_utilization`; 1 if any failed.
 
-    Every process starts at once and imports while it waits for its turn; the engines start one after the other,
-    each once the one before has started (or died), and none closes before the last has started. vLLM sizes its
-    KV cache from the GPU memory it sees while it starts: another engine starting beside it would distort that,
-    and one closing beside it (memory freed) stops it with "Error in memory profiling"."""
+    Every process starts at once and imports while it waits for its turn; the engines sharing GPUs start one after
+    the other, each once the one before has started (or died), engines on GPUs of their own at once, and none closes
+    before the last has started. vLLM sizes its KV cache from the GPU memory it sees while it starts: another engine
+    starting beside it would distort that, and one closing beside it (memory freed) stops it with "Error in memory
+    profiling"."""
     context = multiprocessing.get_context("spawn")  # vLLM starts processes of its own: a forked child would break them
     orders = [StartOrder(context.Event(), context.Event()) for _ in shares]
     all_started = context.Event()
@@ -115,7 +117,8 @@ def score_on_engines(shares: list[list[Run]], places: list[Place], drop_scored: 
                for number, (share, place, order) in enumerate(zip(shares, places, orders))]
     for worker in workers:
         worker.start()
-    start_in_turn([(worker.is_alive, order) for worker, order in zip(workers, orders)], all_started)
+    start_in_turn(queues_by_gpu([(worker.is_alive, order) for worker, order in zip(workers, orders)], places),
+                  all_started)
     for worker in workers:
         worker.join()
     failed = [worker.name for worker in workers if worker.exitcode != 0]
@@ -132,14 +135,34 @@ class StartOrder:
     started: Any  # set by the engine's process once its engine has started
 
 
-def start_in_turn(engines: list[tuple[Callable[[], bool], StartOrder]], all_started: Any) -> None:
-    """Let each engine (a liveness check and its order) start once the one before it has started or died, then tell
-    them all (`all_started`) that they may close."""
+Engine = tuple[Callable[[], bool], StartOrder]  # an engine's liveness check and its place in the order
+
+
+def queues_by_gpu(engines: list[Engine], places: list[Place]) -> list[list[Engine]]:
+    """The engines in start queues, one per GPU (one for all where every engine sees every GPU), each in their order."""
+    queues: dict[int | None, list[Engine]] = {}
+    for engine, place in zip(engines, places):
+        queues.setdefault(place.gpu, []).append(engine)
+    return list(queues.values())
+
+
+def start_in_turn(queues: list[list[Engine]], all_started: Any) -> None:
+    """Let each engine of a queue (the engines sharing GPUs) start once the one before it has started or died, the
+    queues side by side, then tell them all (`all_started`) that they may close."""
+    threads = [threading.Thread(target=_start_queue, args=(queue,), name=f"engine-start-{number}")
+               for number, queue in enumerate(queues)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    all_started.set()
+
+
+def _start_queue(engines: list[Engine]) -> None:
     for alive, order in engines:
         order.turn.set()
         while alive() and not order.started.wait(ENGINE_START_POLL_S):
             pass
-    all_started.set()
 
 
 def score_share(share: list[tuple[Path, list[int]]], place: Place, order: StartOrder, all_started: Any,

@@ -12,7 +12,7 @@ import pytest
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, read_evaluation, snapshot_path
 from launch.commands.evaluate import (Place, StartOrder, deal, engine_count, engine_mismatch, engine_places,
-                                      memory_part, read_run, score_all, start_in_turn)
+                                      memory_part, queues_by_gpu, read_run, score_all, start_in_turn)
 
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
              "learner.mode=synchronous"]
@@ -81,6 +81,9 @@ def test_engines_are_dealt_out_over_the_gpus_each_splitting_only_its_own_gpus_me
     assert engine_places(3, [0], one_gpu_engines) == everywhere
     assert engine_places(3, [], one_gpu_engines) == everywhere  # no GPU (CPU engines)
     assert engine_places(3, [0, 1], load_config(None, ["rollout.engine.tensor_parallel_size=2"])) == everywhere
+    assert queues_by_gpu(["e0", "e1", "e2", "e3"], [Place(0, 2), Place(1, 2), Place(0, 2), Place(1, 2)]) == [
+        ["e0", "e2"], ["e1", "e3"]]  # each GPU's engines start one after the other, the GPUs side by side
+    assert queues_by_gpu(["e0", "e1", "e2"], everywhere) == [["e0", "e1", "e2"]]
 
 
 def test_each_engine_starts_once_the_one_before_has_started_or_died_and_all_are_told_when_the_last_has():
@@ -98,9 +101,25 @@ def test_each_engine_starts_once_the_one_before_has_started_or_died_and_all_are_
     threads = [threading.Thread(target=engine, args=(number,)) for number in range(3)]
     for thread in threads:
         thread.start()
-    start_in_turn([(thread.is_alive, order) for thread, order in zip(threads, orders)], all_started)
+    start_in_turn([[(thread.is_alive, order) for thread, order in zip(threads, orders)]], all_started)
     assert all_started.is_set()
     assert events == ["turn 0", "started 0", "turn 1", "turn 2", "started 2"]
+
+
+def test_engines_on_gpus_of_their_own_start_at_once_and_all_are_told_only_when_every_queue_has_started():
+    orders = {name: StartOrder(threading.Event(), threading.Event()) for name in ("a0", "a1", "b0")}
+    all_started = threading.Event()
+    queues = [[(lambda: True, orders["a0"]), (lambda: True, orders["a1"])], [(lambda: True, orders["b0"])]]
+    starting = threading.Thread(target=start_in_turn, args=(queues, all_started))
+    starting.start()
+    assert orders["a0"].turn.wait(5) and orders["b0"].turn.wait(5)  # each queue's first at once
+    assert not orders["a1"].turn.is_set()  # behind a0, on its GPU
+    orders["b0"].started.set()
+    orders["a0"].started.set()
+    assert orders["a1"].turn.wait(5) and not all_started.is_set()  # a1 still starting
+    orders["a1"].started.set()
+    starting.join(timeout=10)
+    assert all_started.is_set()
 
 
 def test_an_engine_closes_only_once_every_engine_has_started_after_its_share_or_an_error(tmp_path, monkeypatch):
