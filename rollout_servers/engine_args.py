@@ -76,6 +76,11 @@ def vllm_memory_fraction(share: float, budget_gib: float) -> float:
     return fraction
 
 
+def gpu_card_bytes() -> int:
+    """Total memory of the engine's first GPU (NVML: no CUDA context), 0 on CPU."""
+    return 0 if _on_cpu() else _card_bytes()
+
+
 def _card_bytes() -> int:
     """Total memory of the engine's first GPU, read through NVML: this process starts no CUDA context for it."""
     from vllm.platforms import current_platform

@@ -22,6 +22,7 @@ from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.gpu_ids import pin, visible_gpus
 from asyncrl.heap import ended_normally, leave_now
 from asyncrl.logs import setup_logging
+from asyncrl.memory_plan import ENGINE_OVER_SHARE, SENDER_CONTEXT, shared_engine_fraction
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.snapshots import EVALUATION_FILE, made_times, read_evaluation, snapshot_path
 
@@ -224,10 +225,12 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
     import torch  # after parsing: `asyncrl --help` stays instant
 
     from asyncrl.weight_transfer.backends import group_backend
+    from rollout_servers.engine_args import gpu_card_bytes
     from rollout_servers.reference_sampler import ReferenceSampler
     from rollout_servers.validation import Validator, load_validation_prompts
 
-    sampler = ReferenceSampler.start(memory_part(runs[0].config, engines), None,
+    held_beyond = ENGINE_OVER_SHARE + SENDER_CONTEXT + snapshot_bytes(runs)  # the weight buffer: a snapshot's size
+    sampler = ReferenceSampler.start(memory_part(runs[0].config, engines, held_beyond, gpu_card_bytes()), None,
                                      group_backend(receiver_has_own_gpus=False))
     if on_started is not None:
         on_started()
@@ -240,8 +243,9 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
             validator = Validator(settings, run.config.rollout.sampling, prompts, sampler.tokenizer, run.config.run.seed)
             for version in run.pending:
                 loads += 1
-                weights = torch.load(snapshot_path(run.directory, version), map_location=sampler.weights_device,
-                                     weights_only=True)
+                # into host memory: on the GPU it would hold a second copy of the model beside the buffer the
+                # engine maps, which the engines sharing the GPU did not leave room for (out of memory on an H100)
+                weights = torch.load(snapshot_path(run.directory, version), map_location="cpu", weights_only=True)
                 sampler.load_weights(loads, weights)
                 del weights
                 metrics = sampler.score(validator)
@@ -256,11 +260,18 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
         sampler.close()
 
 
-def memory_part(config: AsyncRLConfig, engines: int) -> AsyncRLConfig:
-    """`config` with its engine's share of GPU memory split between `engines` engines on the same GPUs."""
+def memory_part(config: AsyncRLConfig, engines: int, held_beyond: int = 0, card: int = 0) -> AsyncRLConfig:
+    """`config` with its engine's share of GPU memory split between `engines` engines on the same GPUs of `card` bytes
+    (0: not known), each holding `held_beyond` bytes outside its share (`shared_engine_fraction`)."""
     engine = config.rollout.engine
-    part = dataclasses.replace(engine, gpu_memory_utilization=engine.gpu_memory_utilization / engines)
+    fraction = shared_engine_fraction(engine.gpu_memory_utilization, engines, held_beyond, card)
+    part = dataclasses.replace(engine, gpu_memory_utilization=fraction)
     return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=part))
+
+
+def snapshot_bytes(runs: list[Run]) -> int:
+    """The size of the first snapshot the runs have left to score: what the weight buffer an engine maps holds."""
+    return next((snapshot_path(run.directory, run.pending[0]).stat().st_size for run in runs if run.pending), 0)
 
 
 def record_score(run_dir: Path, version: int, made_at: float, metrics: dict[str, float]) -> None:

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config, save_config
+from asyncrl.memory_plan import MemoryPlanRefused
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, read_evaluation, snapshot_path
 from launch.commands.evaluate import (Place, StartOrder, deal, engine_count, engine_mismatch, engine_places,
                                       memory_part, queues_by_gpu, read_run, score_all, start_in_turn)
 
+GIB = 2**30
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
              "learner.mode=synchronous"]
 
@@ -66,6 +68,14 @@ def test_engines_sharing_a_gpu_split_its_memory_share_and_a_bad_count_is_refused
     assert memory_part(config, 4).rollout.engine.gpu_memory_utilization == pytest.approx(0.2)
     assert memory_part(config, 4).rollout.engine.max_model_len == config.rollout.engine.max_model_len
     assert config.rollout.engine.gpu_memory_utilization == 0.8  # the run's own config is left as it was
+    # on a known card each engine's share leaves room for what it holds beyond it: the four engines, each with 2 GiB
+    # beyond (its contexts, the weight buffer it maps), hold together what one engine alone would: 0.8 x 80 + 2 GiB
+    part = memory_part(config, 4, held_beyond=2 * GIB, card=80 * GIB).rollout.engine.gpu_memory_utilization
+    assert part == pytest.approx(0.2 - 3 * 2 / (4 * 80))
+    assert 4 * (part * 80 + 2) == pytest.approx(0.8 * 80 + 2)
+    assert memory_part(config, 1, 2 * GIB, 80 * GIB).rollout.engine.gpu_memory_utilization == 0.8  # one: as it was
+    with pytest.raises(MemoryPlanRefused, match="40 engines on one GPU of 80.0 GiB.*fewer engines"):
+        memory_part(config, 40, 2 * GIB, 80 * GIB)
     assert engine_count("3") == 3
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit, match="--engines"):
@@ -143,7 +153,10 @@ def test_an_engine_closes_only_once_every_engine_has_started_after_its_share_or_
 
     monkeypatch.setattr(reference_sampler, "ReferenceSampler", StandInSampler)
     monkeypatch.setattr(validation, "load_validation_prompts", prompts_missing)
-    runs = [read_run(run_dir(tmp_path, "sync", made=[0, 2]))]
+    directory = run_dir(tmp_path, "sync", made=[0, 2])
+    for version in (0, 2):
+        snapshot_path(directory, version).write_bytes(b"weights")
+    runs = [read_run(directory)]
     all_started = threading.Event()
     scoring = threading.Thread(target=lambda: pytest.raises(FileNotFoundError, score_all, runs, 2,
                                                             lambda: events.append("told"), all_started.wait))
@@ -167,7 +180,7 @@ def test_drop_scored_deletes_each_snapshot_once_its_score_is_written(tmp_path, m
     loaded = []
 
     class StandInSampler:
-        tokenizer, weights_device = None, torch.device("cpu")
+        tokenizer = None
 
         @classmethod
         def start(cls, config, gpus, backend):
