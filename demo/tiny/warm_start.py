@@ -67,29 +67,38 @@ def warm_start(
         optimizer.zero_grad(set_to_none=True)
         loss = accumulate_gradient(model, examples(rng), tokenizer.pad_token_id, schedule.micro_batches)
         optimizer.step()
-        if step % LOG_EVERY == 0 or step == schedule.steps - 1:
-            log.info("warm-start step %d/%d loss %.4f", step + 1, schedule.steps, loss)
+        if step % LOG_EVERY == 0 or step == schedule.steps - 1:  # the only wait on the GPU: read at these steps only
+            log.info("warm-start step %d/%d loss %.4f", step + 1, schedule.steps, loss.item())
     model.eval()
 
 
-def accumulate_gradient(model: PreTrainedModel, batch: list[Example], pad_id: int, micro_batches: int) -> float:
+def accumulate_gradient(model: PreTrainedModel, batch: list[Example], pad_id: int, micro_batches: int) -> torch.Tensor:
     """Backward of the batch's mean loss over its learned tokens, in `micro_batches` passes over the examples sorted
     by length, each padded to its own longest: the gradient one pass over the whole batch gives (up to rounding),
     without padding every short example to the batch's longest (a scratchpad batch of 64 holds a 900-token solution
-    beside a median of 84). On a GPU each pass runs in bf16 autocast. Returns the batch's mean loss."""
+    beside a median of 84). On a GPU each pass runs in bf16 autocast. Returns the batch's mean loss, a 0-d tensor on
+    the model's device: nothing here waits for the GPU, so that the CPU queues the next passes while it computes."""
     ordered = sorted(batch, key=lambda example: len(example[0])) if micro_batches > 1 else batch
     learned = sum(label != IGNORE_INDEX for _, labels in batch for label in labels[1:])  # the targets HF's loss shifts to
-    loss = 0.0
+    loss = torch.zeros((), device=model.device)
     for part in _near_equal_parts(ordered, micro_batches):
-        input_ids, labels = (t.to(model.device) for t in pad_examples(part, pad_id))
+        input_ids, labels = (_to_device(t, model.device) for t in pad_examples(part, pad_id))
         # no attention mask: the padding is on the right, where causal attention keeps it from every real token, and
         # unmasked causal attention may take the flash kernel (a mask rules it out)
         with torch.autocast(model.device.type, torch.bfloat16, enabled=model.device.type == "cuda"):
             part_loss = model(input_ids=input_ids, labels=labels,
                               num_items_in_batch=learned).loss  # this part's summed token losses / the batch's count
         part_loss.backward()
-        loss += part_loss.item()
+        loss += part_loss.detach()
     return loss
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` copied to `device` without waiting: from pinned memory, a copy from pageable memory would wait for
+    the work queued before it."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _near_equal_parts(items: list, count: int) -> list[list]:

@@ -134,7 +134,7 @@ def test_passes_over_the_batch_sorted_by_length_give_the_one_pass_loss_and_gradi
     def in_passes(micro_batches: int, examples: list) -> tuple[float, list[torch.Tensor]]:
         model = build_tiny_model(config.model.tiny, tokenizer, seed=0)
         loss = accumulate_gradient(model, examples, tokenizer.pad_token_id, micro_batches)
-        return loss, [parameter.grad for parameter in model.parameters()]
+        return loss.item(), [parameter.grad for parameter in model.parameters()]
 
     for micro_batches, examples in ((1, batch), (3, batch), (5, batch[:4])):
         (want_loss, want_grads), (loss, grads) = one_pass(examples), in_passes(micro_batches, examples)
