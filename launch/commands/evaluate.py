@@ -56,11 +56,11 @@ def evaluate(args: argparse.Namespace) -> int:
     for run in runs:
         log.info("%s: %d snapshot(s) to score%s", run.directory, len(run.pending),
                  "" if run.pending else " (every one is scored already)")
-    shares = deal(runs, engines)
-    if len(shares) > 1:
-        return score_on_engines(shares, engine_places(len(shares), visible_gpus(), runs[0].config), args.drop_scored)
-    if shares:
-        score_all(shares[0], drop_scored=args.drop_scored)
+    engines = min(engines, sum(len(run.pending) for run in runs))  # never an engine with nothing to score
+    if engines > 1:
+        return score_on_engines(runs, engine_places(engines, visible_gpus(), runs[0].config), args.drop_scored)
+    if engines:
+        score_all(runs, drop_scored=args.drop_scored)
     return 0
 
 
@@ -71,16 +71,40 @@ def engine_count(text: str) -> int:
     return int(text)
 
 
-def deal(runs: list[Run], engines: int) -> list[list[Run]]:
-    """The pending snapshots dealt out in turn to at most `engines` engines (as many as there are snapshots), each
-    share the runs with the versions it scores; no share is empty."""
-    pending = [(index, version) for index, run in enumerate(runs) for version in run.pending]
-    shares = []
-    for number in range(min(engines, len(pending))):
-        mine = pending[number::engines]
-        shares.append([dataclasses.replace(run, pending=[v for i, v in mine if i == index])
-                       for index, run in enumerate(runs) if any(i == index for i, _ in mine)])
-    return shares
+Item = tuple[Path, int]  # a snapshot to score: its run's directory and its version
+
+
+def work_items(runs: list[Run]) -> list[Item]:
+    """Every snapshot left to score, the runs' versions taken in turn (one of each run, then the next of each), so
+    that runs compared are scored side by side."""
+    rounds = max((len(run.pending) for run in runs), default=0)
+    return [(run.directory, run.pending[index]) for index in range(rounds) for run in runs if index < len(run.pending)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """The snapshots several engines score, handed out one at a time to whichever engine asks first: an engine that
+    started earlier (they start in turn on a GPU) or scores faster takes more."""
+
+    items: list[Item]
+    taken: Any  # a multiprocessing Value('i') the engines share: how many items have been handed out
+    snapshot_bytes: int  # the size of each snapshot: what the weight buffer an engine maps holds
+
+    @classmethod
+    def of(cls, runs: list[Run], context: Any = multiprocessing) -> Work:
+        """The runs' snapshots left to score (`work_items`), none handed out yet; `context` makes the counter (a
+        spawn context's for processes it starts)."""
+        items = work_items(runs)
+        size = snapshot_path(*items[0]).stat().st_size if items else 0  # read now: --drop-scored deletes them
+        return cls(items, context.Value("i", 0), size)
+
+    def take(self) -> Item | None:
+        with self.taken.get_lock():
+            index = self.taken.value
+            if index >= len(self.items):
+                return None
+            self.taken.value = index + 1
+        return self.items[index]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +124,10 @@ def engine_places(engines: int, gpus: list[int], config: AsyncRLConfig) -> list[
     return [Place(gpu, chosen.count(gpu)) for gpu in chosen]
 
 
-def score_on_engines(shares: list[list[Run]], places: list[Place], drop_scored: bool = False) -> int:
-    """Score each share on an engine of its own, in a process of its own, in its place (`engine_places`), each engine
-    taking its part of its GPU's `rollout.engine.gpu_memory_utilization`; 1 if any failed.
+def score_on_engines(runs: list[Run], places: list[Place], drop_scored: bool = False) -> int:
+    """Score the runs' snapshots on an engine per place (`engine_places`), each in a process of its own and
+    taking its part of its GPU's `rollout.engine.gpu_memory_utilization`, each taking the next snapshot left as soon
+    as it is free (`Work`); 1 if any failed.
 
     Every process starts at once and imports while it waits for its turn; the engines sharing GPUs start one after
     the other, each once the one before has started (or died), engines on GPUs of their own at once, and none closes
@@ -110,12 +135,13 @@ def score_on_engines(shares: list[list[Run]], places: list[Place], drop_scored: 
     starting beside it would distort that, and one closing beside it (memory freed) stops it with "Error in memory
     profiling"."""
     context = multiprocessing.get_context("spawn")  # vLLM starts processes of its own: a forked child would break them
-    orders = [StartOrder(context.Event(), context.Event()) for _ in shares]
+    orders = [StartOrder(context.Event(), context.Event()) for _ in places]
     all_started = context.Event()
+    work = Work.of(runs, context)
+    directories = [run.directory for run in runs]
     workers = [context.Process(target=score_share, name=f"evaluate-engine-{number}",
-                               args=([(run.directory, run.pending) for run in share], place, order, all_started,
-                                     drop_scored))
-               for number, (share, place, order) in enumerate(zip(shares, places, orders))]
+                               args=(directories, work, place, order, all_started, drop_scored))
+               for number, (place, order) in enumerate(zip(places, orders))]
     for worker in workers:
         worker.start()
     start_in_turn(queues_by_gpu([(worker.is_alive, order) for worker, order in zip(workers, orders)], places),
@@ -124,7 +150,7 @@ def score_on_engines(shares: list[list[Run]], places: list[Place], drop_scored: 
         worker.join()
     failed = [worker.name for worker in workers if worker.exitcode != 0]
     for name in failed:
-        log.error("%s failed: the versions it had not scored yet stay unscored (run asyncrl evaluate again)", name)
+        log.error("%s failed: the version it was scoring stays unscored (run asyncrl evaluate again)", name)
     return 1 if failed else 0
 
 
@@ -166,20 +192,21 @@ def _start_queue(engines: list[Engine]) -> None:
             pass
 
 
-def score_share(share: list[tuple[Path, list[int]]], place: Place, order: StartOrder, all_started: Any,
+def score_share(directories: list[Path], work: Work, place: Place, order: StartOrder, all_started: Any,
                 drop_scored: bool = False) -> None:
-    """One engine's share (each run directory with the versions it scores), in a process of its own: see only its
-    place's GPU, read the runs and import the engine's modules, start the engine in its turn, score, and close it once
+    """One engine, in a process of its own: see only its place's GPU, read the runs and import the engine's modules,
+    start the engine in its turn, score the snapshots it takes from `work` until none is left, and close it once
     every engine has started (`score_on_engines` says why)."""
     die_with_spawning_parent()  # the turn and the close wait on the parent: never outlive it
     if place.gpu is not None:  # before anything imports torch
         pin([place.gpu])
-    runs = [dataclasses.replace(read_run(directory), pending=versions) for directory, versions in share]
+    runs = [read_run(directory) for directory in directories]
     setup_logging("evaluate", runs[0].config.run.log_level)
     import rollout_servers.reference_sampler  # noqa: F401 (seconds of imports, before this engine's turn)
 
     order.turn.wait()
-    score_all(runs, place.sharing, on_started=order.started.set, before_close=all_started.wait, drop_scored=drop_scored)
+    score_all(runs, place.sharing, on_started=order.started.set, before_close=all_started.wait, drop_scored=drop_scored,
+              work=work)
     ended_normally()  # vLLM's client, finalised by the interpreter's teardown, raises there (`main`)
 
 
@@ -218,10 +245,11 @@ def _section(config: AsyncRLConfig, key: str) -> Any:
 
 
 def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] | None = None,
-              before_close: Callable[[], Any] | None = None, drop_scored: bool = False) -> None:
+              before_close: Callable[[], Any] | None = None, drop_scored: bool = False, work: Work | None = None) -> None:
     """Start the engine (with its part of the GPU's memory when `engines` share it) once, tell `on_started`, then
-    load and score each pending snapshot of each run, deleting its file once its score is written with `drop_scored`;
-    call `before_close` (done or not) before closing the engine."""
+    load and score the snapshots `work` hands out one at a time until none is left (by default: every run's pending
+    versions, `Work.of`), deleting each file once its score is written with `drop_scored`; call `before_close` (done
+    or not) before closing the engine."""
     import torch  # after parsing: `asyncrl --help` stays instant
 
     from asyncrl.weight_transfer.backends import group_backend
@@ -229,31 +257,35 @@ def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] 
     from rollout_servers.reference_sampler import ReferenceSampler
     from rollout_servers.validation import Validator, load_validation_prompts
 
-    held_beyond = ENGINE_OVER_SHARE + SENDER_CONTEXT + snapshot_bytes(runs)  # the weight buffer: a snapshot's size
+    work = work or Work.of(runs)
+    held_beyond = ENGINE_OVER_SHARE + SENDER_CONTEXT + work.snapshot_bytes  # the weight buffer: a snapshot's size
     sampler = ReferenceSampler.start(memory_part(runs[0].config, engines, held_beyond, gpu_card_bytes()), None,
                                      group_backend(receiver_has_own_gpus=False))
     if on_started is not None:
         on_started()
     try:
+        by_directory = {run.directory: run for run in runs}
+        validators: dict[Path, Validator] = {}  # each run's, built at its first snapshot
         loads = 0  # the engine's version for each load: never one it held, so no prompt's cache is reused
-        total = sum(len(run.pending) for run in runs)
-        for run in runs:
-            settings = run.config.validation
-            prompts = load_validation_prompts(run.config, sampler.tokenizer)
-            validator = Validator(settings, run.config.rollout.sampling, prompts, sampler.tokenizer, run.config.run.seed)
-            for version in run.pending:
-                loads += 1
-                # into host memory: on the GPU it would hold a second copy of the model beside the buffer the
-                # engine maps, which the engines sharing the GPU did not leave room for (out of memory on an H100)
-                weights = torch.load(snapshot_path(run.directory, version), map_location="cpu", weights_only=True)
-                sampler.load_weights(loads, weights)
-                del weights
-                metrics = sampler.score(validator)
-                record_score(run.directory, version, run.made[version], metrics)
-                if drop_scored:  # after the record: a version whose file is gone is always a scored one
-                    snapshot_path(run.directory, version).unlink()
-                log.info("%s version %d: val/score/mean %.3f (%d of %d)", run.directory.name, version,
-                         metrics["val/score/mean"], loads, total)
+        while (item := work.take()) is not None:
+            run, version = by_directory[item[0]], item[1]
+            if run.directory not in validators:
+                config = run.config
+                prompts = load_validation_prompts(config, sampler.tokenizer)
+                validators[run.directory] = Validator(config.validation, config.rollout.sampling, prompts,
+                                                      sampler.tokenizer, config.run.seed)
+            loads += 1
+            # into host memory: on the GPU it would hold a second copy of the model beside the buffer the engine
+            # maps, which the engines sharing the GPU did not leave room for (out of memory on an H100)
+            weights = torch.load(snapshot_path(run.directory, version), map_location="cpu", weights_only=True)
+            sampler.load_weights(loads, weights)
+            del weights
+            metrics = sampler.score(validators[run.directory])
+            record_score(run.directory, version, run.made[version], metrics)
+            if drop_scored:  # after the record: a version whose file is gone is always a scored one
+                snapshot_path(run.directory, version).unlink()
+            log.info("%s version %d: val/score/mean %.3f (%d scored by this engine, %d snapshots in all)",
+                     run.directory.name, version, metrics["val/score/mean"], loads, len(work.items))
     finally:
         if before_close is not None:
             before_close()
@@ -267,11 +299,6 @@ def memory_part(config: AsyncRLConfig, engines: int, held_beyond: int = 0, card:
     fraction = shared_engine_fraction(engine.gpu_memory_utilization, engines, held_beyond, card)
     part = dataclasses.replace(engine, gpu_memory_utilization=fraction)
     return dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, engine=part))
-
-
-def snapshot_bytes(runs: list[Run]) -> int:
-    """The size of the first snapshot the runs have left to score: what the weight buffer an engine maps holds."""
-    return next((snapshot_path(run.directory, run.pending[0]).stat().st_size for run in runs if run.pending), 0)
 
 
 def record_score(run_dir: Path, version: int, made_at: float, metrics: dict[str, float]) -> None:

@@ -2,7 +2,7 @@
 run and the async job from one warm start, each keeping the weights of every due version (validation.after_run),
 each scored by `asyncrl evaluate --drop-scored` as soon as it ends. Every due version is scored and its weights
 deleted, both modes learn, and the evaluator scores the shared starting model the same in both. The engine's ceiling is tested on its own
-(test_engine_ceiling.py), and how `--engines N` deals snapshots out in tests/unit/launch/test_evaluate.py: each would
+(test_engine_ceiling.py), and how `--engines N` hands snapshots out in tests/unit/launch/test_evaluate.py: each would
 start one more engine here, in the suite's longest job.
 
 The reward is the response's length (tests/fixtures/length_reward.py): a barely trained model learns it in a few

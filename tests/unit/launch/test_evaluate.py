@@ -12,8 +12,8 @@ import pytest
 from asyncrl.config import load_config, save_config
 from asyncrl.memory_plan import MemoryPlanRefused
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, read_evaluation, snapshot_path
-from launch.commands.evaluate import (Place, StartOrder, deal, engine_count, engine_mismatch, engine_places,
-                                      memory_part, queues_by_gpu, read_run, score_all, start_in_turn)
+from launch.commands.evaluate import (Place, StartOrder, Work, engine_count, engine_mismatch, engine_places,
+                                      memory_part, queues_by_gpu, read_run, score_all, start_in_turn, work_items)
 
 GIB = 2**30
 VALIDATED = ["data.val_files=[v.parquet]", "validation.every=2", "validation.after_run=true",
@@ -51,16 +51,37 @@ def test_runs_share_one_engine_unless_an_engine_setting_differs(tmp_path):
     assert "differ in model" in problem and "other" in problem
 
 
-def test_snapshots_are_dealt_out_in_turn_and_no_engine_gets_nothing(tmp_path):
-    sync = read_run(run_dir(tmp_path, "sync", made=[0, 2, 4, 6], scored=[0]))  # pending 2, 4, 6
-    async_ = read_run(run_dir(tmp_path, "async", made=[0, 2, 4]))  # pending 0, 2, 4
-    shares = deal([sync, async_], 4)  # in order: sync 2, 4, 6, async 0, 2, 4
-    assert [[(run.directory.name, run.pending) for run in share] for share in shares] == [
-        [("sync", [2]), ("async", [2])], [("sync", [4]), ("async", [4])], [("sync", [6])], [("async", [0])]]
-    assert [[run.pending for run in share] for share in deal([sync, async_], 1)] == [[[2, 4, 6], [0, 2, 4]]]
-    two_left = read_run(run_dir(tmp_path, "short", made=[0, 2], scored=[0]))
-    assert len(deal([two_left], 4)) == 1  # one snapshot: one engine, not four
-    assert deal([read_run(run_dir(tmp_path, "done", made=[0], scored=[0]))], 3) == []
+def test_the_runs_snapshots_are_taken_in_turn_each_once_by_whichever_engine_asks_first(tmp_path):
+    sync = run_dir(tmp_path, "sync", made=[0, 2, 4, 6], scored=[0])  # pending 2, 4, 6
+    async_ = run_dir(tmp_path, "async", made=[0, 2, 4])  # pending 0, 2, 4
+    for directory, version in ((sync, 2), (sync, 4), (sync, 6), (async_, 0), (async_, 2), (async_, 4)):
+        snapshot_path(directory, version).write_bytes(b"w" * 10)
+    runs = [read_run(sync), read_run(async_)]
+    assert [(directory.name, version) for directory, version in work_items(runs)] == [
+        ("sync", 2), ("async", 0), ("sync", 4), ("async", 2), ("sync", 6), ("async", 4)]  # the runs side by side
+    work = Work.of(runs)
+    assert work.snapshot_bytes == 10
+    # a slow engine and a fast one (four snapshots while the slow one scores one) share the work: each snapshot is
+    # scored once, the fast engine takes more, and both stop once none is left
+    taken: dict[str, list[int]] = {"slow": [], "fast": []}
+    slow_took_one, slow_may_go_on = threading.Event(), threading.Event()
+
+    def engine(name: str) -> None:
+        while (item := work.take()) is not None:
+            taken[name].append(item[1])
+            if name == "slow":
+                slow_took_one.set()
+                slow_may_go_on.wait(10)
+
+    slow = threading.Thread(target=engine, args=("slow",))
+    slow.start()
+    assert slow_took_one.wait(10)
+    engine("fast")
+    slow_may_go_on.set()
+    slow.join(10)
+    assert taken == {"slow": [2], "fast": [0, 4, 2, 6, 4]}
+    assert work.take() is None
+    assert Work.of([read_run(run_dir(tmp_path, "done", made=[0], scored=[0]))]).items == []
 
 
 def test_engines_sharing_a_gpu_split_its_memory_share_and_a_bad_count_is_refused(tmp_path):
