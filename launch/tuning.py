@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.placement import listed_plan
 
 WAIT_BOUND = 0.10  # the learner waiting more than this share of its time: generation-bound
 SYNC_BOUND = 0.25  # weight sync taking more than this share (and more than the waiting): sync-bound
 SYNC_TARGET = 0.10  # share of the time weight sync should take after the advice
 WARMUP_SHARE = 0.10  # leading share of the steps left out (engine warm-up, compilation)
+BUSY_IDLE = 0.05  # servers idle less than this share of their uptime always had work: more in flight adds nothing
 DRIFT_KEYS = ("rollout_corr/mismatch_kl", "rollout_corr/is_clip_frac")
 MASKED_KEY = "trust_region/masked_frac"  # logged by the behaviour-anchored losses (dppo_tv, dppo_kl, m2po)
 BEHAVIOUR_ANCHORED = ("dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl", "naive_ppo")  # losses bounding π_θ against π_behav
@@ -44,13 +46,19 @@ class RunSettings:
     sync_every: int  # learner.sync_every
     loss: str  # algorithm.loss
     optimizer_steps: int  # optimizer steps per batch: algorithm.mini_batches × algorithm.epochs
+    shared_gpu: bool  # every server ran on the learner's GPU (a one-GPU job): the two sides took turns on it
+    checkpointing: str  # learner.activation_checkpointing
+    compiled: bool  # learner.compile
 
     @classmethod
     def of(cls, config: AsyncRLConfig) -> RunSettings:
-        pacing, algorithm = config.buffer.pacing, config.algorithm
+        pacing, algorithm, learner = config.buffer.pacing, config.algorithm, config.learner
+        plan = listed_plan(config)
+        shared = bool(plan.learner and plan.servers) and plan.sharing == len(plan.servers)
         return cls(config.buffer.max_staleness, pacing.k_max, pacing.max_mismatch_kl, pacing.max_is_clip_frac,
-                   config.rollout.num_servers, config.learner.micro_batch_tokens, config.learner.sync_every,
-                   algorithm.loss, algorithm.mini_batches * algorithm.epochs)
+                   config.rollout.num_servers, learner.micro_batch_tokens, learner.sync_every,
+                   algorithm.loss, algorithm.mini_batches * algorithm.epochs, shared, learner.activation_checkpointing,
+                   learner.compile)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,10 @@ class RunReading:
     masked_frac: float | None  # trust_region/masked_frac; None: the loss logged none
     rollout_idle: float  # rollout/idle_ratio at the last step that logged it (a whole-run figure)
     completion_tokens: float  # completion tokens trained per step: response_length/mean x batch/samples
+
+    @property
+    def train_share(self) -> float:
+        return 1 - self.wait_share - self.sync_share
 
     @property
     def verdict(self) -> str:
@@ -113,7 +125,7 @@ def _verdict_line(r: RunReading, s: RunSettings) -> str:
     bound = f"K {r.k_mean:.2f} (last {r.k_last})" if r.k_mean is not None else f"K {s.k}"
     return (f"{r.verdict} over {r.steps} steps of {r.step_s:.3f} s: the learner waited for batches "
             f"{r.wait_share:.0%} of the time, weight sync took {r.sync_share:.0%}, training the rest "
-            f"({1 - r.wait_share - r.sync_share:.0%}); rollout servers idle {r.rollout_idle:.0%}; staleness "
+            f"({r.train_share:.0%}); rollout servers idle {r.rollout_idle:.0%}; staleness "
             f"trained {r.staleness_mean:.2f} under {bound}; mismatch_kl {r.mismatch_kl:.4f}, is_clip_frac "
             f"{r.is_clip_frac:.3f}")
 
@@ -126,6 +138,10 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
                 f"{s.sync_every}; {SYNC_TARGET:.0%} at {every}) with K ≥ {every}: samples get up to {every - 1} "
                 "versions staler")
     if r.verdict == "generation-bound":
+        if s.shared_gpu and r.rollout_idle < BUSY_IDLE:
+            k = f"K={r.k_last} (auto)" if paced and r.k_last is not None else f"K={s.k}"
+            return (f"K: keep {k}: the servers on the learner's GPU were never short of work (idle "
+                    f"{r.rollout_idle:.0%}), so more samples in flight add no generation on that GPU")
         if paced and r.k_last is not None and r.k_last >= s.k_max:
             return (f"K: the controller reached buffer.pacing.k_max={s.k_max} while the learner still waited "
                     f"{r.wait_share:.0%}: raise k_max if the drift allows (mismatch_kl {r.mismatch_kl:.4f}, bound "
@@ -147,6 +163,11 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
 
 
 def _servers_advice(r: RunReading, s: RunSettings) -> str:
+    if r.verdict == "generation-bound" and s.shared_gpu:
+        return (f"servers: more servers on the learner's GPU would take turns on the same GPU (each step "
+                f"{r.step_s * r.wait_share:.3f} s waiting for generation, {r.step_s * r.train_share:.3f} s training "
+                "beside it): give generation GPUs of its own (more GPUs, rollout.placement=auto), or make training "
+                "cheaper (learner, below)")
     if r.verdict == "generation-bound":
         wanted = math.ceil(s.num_servers / (1 - r.wait_share))
         return (f"servers: rollout.num_servers={wanted} (generation delivered a batch every {r.step_s:.3f} s, "
@@ -160,6 +181,9 @@ def _servers_advice(r: RunReading, s: RunSettings) -> str:
 
 
 def _micro_batch_advice(r: RunReading, s: RunSettings) -> str:
+    if r.verdict == "generation-bound" and s.shared_gpu:
+        return (f"learner: training took {r.train_share:.0%} of each step on the GPU generation shares with it: the GPU "
+                f"time it saves goes to generation: {_cheaper_training(s)}")
     if r.verdict != "learner-bound":
         return f"micro-batch: keep learner.micro_batch_tokens={s.micro_batch_tokens} (the learner is not what limits the run)"
     if s.micro_batch_tokens == "auto":
@@ -172,6 +196,15 @@ def _micro_batch_advice(r: RunReading, s: RunSettings) -> str:
     return (f"micro-batch: learner.micro_batch_tokens=auto or {2 * tokens} (a step trains {r.completion_tokens:.0f} "
             f"completion tokens in about {math.ceil(r.completion_tokens / tokens)} micro-batches of {tokens}: fewer, "
             "larger ones use the device better while memory allows)")
+
+
+def _cheaper_training(s: RunSettings) -> str:
+    """What makes a learner step take less GPU time, from the run's own settings."""
+    ways = [] if s.compiled else ["learner.compile=true"]
+    if s.checkpointing != "none":
+        ways.append(f"learner.activation_checkpointing=none (the run's: {s.checkpointing}; auto picks none only where "
+                    "its passes fit: a lower rollout.engine.gpu_memory_utilization leaves the learner more)")
+    return ", ".join(ways) if ways else "more learner ranks on GPUs of their own (learner.nproc)"
 
 
 def _drift_advice(r: RunReading, s: RunSettings) -> str:
