@@ -43,6 +43,15 @@ def read_evaluation(run_dir: Path) -> dict[int, dict[str, Any]]:
     return _by_version(run_dir / EVALUATION_FILE)
 
 
+def unscored_versions(run_dir: Path) -> tuple[list[int], list[int]]:
+    """The versions made and not scored yet, in order: those whose snapshot file is there to score, and those whose
+    file is gone (records restored without their weights, a host given back): those stay unscored for good."""
+    scored = read_evaluation(run_dir)
+    unscored = [version for version in sorted(made_times(run_dir)) if version not in scored]
+    there = [version for version in unscored if snapshot_path(run_dir, version).is_file()]
+    return there, [version for version in unscored if version not in there]
+
+
 def _by_version(path: Path) -> dict[int, dict[str, Any]]:
     """A JSON-lines file's records by their "version", the latest line of a version winning; {} without the file."""
     lines = path.read_text().splitlines() if path.is_file() else []

@@ -24,7 +24,7 @@ from asyncrl.heap import ended_normally, leave_now
 from asyncrl.logs import setup_logging
 from asyncrl.memory_plan import ENGINE_OVER_SHARE, SENDER_CONTEXT, shared_engine_fraction
 from asyncrl.parent_death import die_with_spawning_parent
-from asyncrl.snapshots import EVALUATION_FILE, made_times, read_evaluation, snapshot_path
+from asyncrl.snapshots import EVALUATION_FILE, made_times, snapshot_path, unscored_versions
 
 log = logging.getLogger("evaluate")
 
@@ -38,7 +38,8 @@ class Run:
     directory: Path
     config: AsyncRLConfig
     made: dict[int, float]  # each snapshot's version and the Unix time the learner made it
-    pending: list[int]  # versions with a snapshot and no score yet, in order
+    pending: list[int]  # versions with a snapshot file and no score yet, in order
+    lost: list[int]  # versions with no score whose snapshot file is gone: they stay unscored
 
 
 def main(args: argparse.Namespace) -> NoReturn:
@@ -55,7 +56,10 @@ def evaluate(args: argparse.Namespace) -> int:
     setup_logging("evaluate", runs[0].config.run.log_level)
     for run in runs:
         log.info("%s: %d snapshot(s) to score%s", run.directory, len(run.pending),
-                 "" if run.pending else " (every one is scored already)")
+                 "" if run.pending or run.lost else " (every one is scored already)")
+        if run.lost:
+            log.warning("%s: version(s) %s have no score and no snapshot file (gone with the host that made them, or "
+                        "never copied here): they stay unscored", run.directory, ", ".join(map(str, run.lost)))
     engines = min(engines, sum(len(run.pending) for run in runs))  # never an engine with nothing to score
     if engines > 1:
         return score_on_engines(runs, engine_places(engines, visible_gpus(), runs[0].config), args.drop_scored)
@@ -220,8 +224,7 @@ def read_run(directory: Path) -> Run:
     if not made:
         raise SystemExit(f"asyncrl evaluate: {directory} has no weight snapshots: run the job with "
                          "validation.after_run=true (and validation.every > 0)")
-    scored = read_evaluation(directory)
-    return Run(directory, config, made, [version for version in sorted(made) if version not in scored])
+    return Run(directory, config, made, *unscored_versions(directory))
 
 
 def engine_mismatch(runs: list[Run]) -> str | None:
@@ -245,7 +248,8 @@ def _section(config: AsyncRLConfig, key: str) -> Any:
 
 
 def score_all(runs: list[Run], engines: int = 1, on_started: Callable[[], None] | None = None,
-              before_close: Callable[[], Any] | None = None, drop_scored: bool = False, work: Work | None = None) -> None:
+              before_close: Callable[[], Any] | None = None, drop_scored: bool = False,
+              work: Work | None = None) -> None:
     """Start the engine (with its part of the GPU's memory when `engines` share it) once, tell `on_started`, then
     load and score the snapshots `work` hands out one at a time until none is left (by default: every run's pending
     versions, `Work.of`), deleting each file once its score is written with `drop_scored`; call `before_close` (done

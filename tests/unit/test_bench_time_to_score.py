@@ -257,3 +257,29 @@ def test_side_by_side_is_refused_before_anything_is_prepared(tmp_path, options, 
                           env=os.environ | {"CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 1 and message in done.stderr
     assert not any(tmp_path.iterdir())  # no run, no record: nothing began
+
+
+@pytest.mark.parametrize("last_try, then", [(False, "are tried once more after the runs"),
+                                            (True, "count as skipped validations")])
+def test_a_failed_evaluation_is_reported_and_the_race_goes_on_to_its_records(tmp_path, monkeypatch, capsys, last_try,
+                                                                              then):
+    from scripts import bench_time_to_score
+
+    monkeypatch.setattr(bench_time_to_score, "asyncrl_command",
+                        lambda *args: [sys.executable, "-c", "raise SystemExit(3)"])
+    bench_time_to_score.evaluate([tmp_path], engines=4, last_try=last_try)  # no CalledProcessError: records survive
+    assert f"asyncrl evaluate exited with 3 (its log above): the snapshots it left unscored {then}" in \
+        capsys.readouterr().out
+
+
+def test_only_a_version_whose_snapshot_is_still_there_calls_for_another_evaluation(tmp_path):
+    from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR, snapshot_path
+    from scripts.bench_time_to_score import unscored
+
+    (tmp_path / SNAPSHOTS_DIR).mkdir()
+    (tmp_path / SNAPSHOTS_DIR / INDEX_FILE).write_text("".join(
+        json.dumps({"version": v, "made_at": 1.0 + v}) + "\n" for v in (0, 10, 20)))
+    (tmp_path / EVALUATION_FILE).write_text(json.dumps({"version": 0}) + "\n")
+    assert not unscored(tmp_path)  # 10 and 20 unscored, their files gone with another host: nothing to start for
+    snapshot_path(tmp_path, 20).write_bytes(b"weights")
+    assert unscored(tmp_path)

@@ -31,8 +31,20 @@ def run_dir(root: Path, name: str, made: list[int], scored: list[int] = (), *ove
 
 
 def test_only_the_snapshots_not_scored_yet_are_left(tmp_path):
-    run = read_run(run_dir(tmp_path, "a", made=[0, 2, 4, 5], scored=[0, 2]))
-    assert run.pending == [4, 5]
+    directory = run_dir(tmp_path, "a", made=[0, 2, 4, 5], scored=[0, 2])
+    for version in (4, 5):
+        snapshot_path(directory, version).write_bytes(b"weights")
+    run = read_run(directory)
+    assert (run.pending, run.lost) == ([4, 5], [])
+
+
+def test_a_version_with_no_score_and_no_file_is_lost_not_pending(tmp_path):
+    # records restored on another host: versions 0 and 2 scored, 4 and 6 not, and only 6's file came along
+    directory = run_dir(tmp_path, "restored", made=[0, 2, 4, 6], scored=[0, 2])
+    snapshot_path(directory, 6).write_bytes(b"weights")
+    run = read_run(directory)
+    assert (run.pending, run.lost) == ([6], [4])
+    assert [version for _, version in work_items([run])] == [6]  # no engine tries the file that is gone
 
 
 def test_a_directory_without_a_config_or_without_snapshots_is_refused_by_name(tmp_path):
