@@ -45,7 +45,9 @@ first half and the async job on the other (each job sees only its half; each one
 evaluate` scores both runs' snapshots (both on the disk at once).
 --modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
 ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
-trained tokens/s, the most any one-GPU async job could gain) and `async_share_of_ceiling`.
+trained tokens/s, the most any one-GPU async job could gain with its training hidden) and `async_share_of_ceiling`;
+on one GPU also `turns_tokens_per_s`, `turns_speedup` and `async_share_of_turns` (generation at the ceiling and
+training at sync's rate taking turns on the GPU, `race_figures.ceiling_figures`).
 --archive FILE writes every run's records (config, metrics, snapshot made-times, scores; no weights) and the ceiling
 into one .tar.gz; --restore FILE... puts such records back into --out-dir first, so seeds raced in separate sessions
 are reported together (list their seeds in --seeds). Each run's launch record holds the digest of the weights it
@@ -276,6 +278,7 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
     return {
         "steps": last, "first_record_s": clock[numbers[0]], "last_record_s": clock[last],
         "trained_tokens_per_s": sum(map(trained_tokens, timed)) / (clock[last] - clock[start]),
+        "training_tokens_per_s": sum(map(trained_tokens, timed)) / sum(r["timing_s/train"] for r in timed),
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
@@ -331,6 +334,10 @@ def print_ceiling(ceiling: dict[str, Any]) -> None:
     print(f"ceiling, the engine kept full: {ceiling['ceiling_tokens_per_s']:.0f} tokens/s = "
           f"{ceiling['ceiling_speedup']:.3f}x sync's trained tokens/s; async reached "
           f"{ceiling['async_share_of_ceiling']:.3f} of it")
+    if ceiling["turns_tokens_per_s"] is not None:
+        print(f"generation at the ceiling and sync's training taking turns on the one GPU: "
+              f"{ceiling['turns_tokens_per_s']:.0f} tokens/s = {ceiling['turns_speedup']:.3f}x sync's; async reached "
+              f"{ceiling['async_share_of_turns']:.3f} of it (above 1: it overlapped the two)")
 
 
 def _cell(value: Any, unit: str = "") -> str:
@@ -457,7 +464,8 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     print(f"plot: {root / 'time_to_score.png'}")
     sync_figures, async_figures = figures[modes[0].label], figures[modes[1].label]
     ceiling = ceiling_figures(read_ceiling(root), sync_figures["trained_tokens_per_s"],
-                              async_figures["trained_tokens_per_s"])
+                              async_figures["trained_tokens_per_s"],
+                              sync_figures["training_tokens_per_s"] if records.gpus == 1 else None)
     print_ceiling(ceiling)
     per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
     print("time to score, each seed against its own target: "

@@ -91,7 +91,9 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "engine_begins_s": mean("engine_begins_s"), "engine_start_s": mean("engine_start_s"),
             "time_to_target_after_start_up_s": rounded(seconds - start_up) if None not in (seconds, start_up) else None,
             "seed_times_to_target_s": [rounded(time_to_target(run["curve"], target)[1]) for run in runs],
-            "trained_tokens_per_s": mean("trained_tokens_per_s"), "trained_length_mean": mean("trained_length_mean"),
+            "trained_tokens_per_s": mean("trained_tokens_per_s"),
+            "training_tokens_per_s": mean("training_tokens_per_s"),  # per second of training (not in older records)
+            "trained_length_mean": mean("trained_length_mean"),
             "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),
             "learner_share": mean("learner_share", 3), "start_score": rounded(curve[0][2], 3) if curve else None,
             "best_score": rounded(max((s for _, _, s in curve), default=None), 3),
@@ -101,11 +103,21 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "curves": [[[v, rounded(t), rounded(s, 4)] for v, t, s in run["curve"]] for run in runs]}
 
 
-def ceiling_figures(ceiling: float | None, sync_rate: float | None, async_rate: float | None) -> dict[str, Any]:
+def ceiling_figures(ceiling: float | None, sync_rate: float | None, async_rate: float | None,
+                    sync_training_rate: float | None = None) -> dict[str, Any]:
     """The engine kept full against the two modes' trained tokens/s: how much any async job on these GPUs could
-    gain over sync (`ceiling_speedup`), and how much of it this one reached (`async_share_of_ceiling`)."""
+    gain over sync (`ceiling_speedup`), and how much of it this one reached (`async_share_of_ceiling`).
+
+    On one GPU, given sync's tokens per second of training (`sync_training_rate`), also the rate of generation at
+    the ceiling and training at sync's rate taking turns on the GPU, each token generated then trained
+    (`turns_tokens_per_s`): where the learner's share is large the ceiling, which counts training as hidden, is out of
+    reach of a job whose two sides share one GPU; above `turns` a job overlaps them, below it, it loses time to
+    something else (waits, weight loads, a tail)."""
+    turns = (1 / (1 / ceiling + 1 / sync_training_rate)
+             if ceiling and sync_training_rate else None)  # [tokens/s]: a token's generation then its training
     return {"ceiling_tokens_per_s": ceiling, "ceiling_speedup": ratio(ceiling, sync_rate),
-            "async_share_of_ceiling": ratio(async_rate, ceiling)}
+            "async_share_of_ceiling": ratio(async_rate, ceiling), "turns_tokens_per_s": rounded(turns),
+            "turns_speedup": ratio(turns, sync_rate), "async_share_of_turns": ratio(async_rate, turns)}
 
 
 def start_models_match(starts: dict[int, dict[str, str | None]]) -> bool | None:

@@ -58,6 +58,7 @@ def test_a_run_reads_its_curve_from_the_snapshots_made_times_and_its_rate_after_
     # timed: steps 2-4 (after warm-up step 1), 8 x (200 + 300 + 400) tokens over 183 - 120 s
     assert run["trained_tokens_per_s"] == pytest.approx(8 * 900 / 63)
     assert run["learner_share"] == pytest.approx((5 / 20 + 4 / 16 + 8.5 / 17) / 3)
+    assert run["training_tokens_per_s"] == pytest.approx(8 * 900 / (5 + 4 + 8.5))  # per second of training
     assert run["trained_length_mean"] == 250.0 and run["length_ratio"] == 1.0  # it trains all it generates
 
 
@@ -132,10 +133,15 @@ def test_modes_name_their_runs_by_seed():
 
 
 def test_the_ceiling_compares_the_engine_kept_full_with_both_modes_trained_tokens():
+    no_turns = {"turns_tokens_per_s": None, "turns_speedup": None, "async_share_of_turns": None}
     assert ceiling_figures(30_000.0, 7_500.0, 21_000.0) == {
-        "ceiling_tokens_per_s": 30_000.0, "ceiling_speedup": 4.0, "async_share_of_ceiling": 0.7}
-    assert ceiling_figures(None, 7_500.0, 21_000.0) == {
-        "ceiling_tokens_per_s": None, "ceiling_speedup": None, "async_share_of_ceiling": None}
+        "ceiling_tokens_per_s": 30_000.0, "ceiling_speedup": 4.0, "async_share_of_ceiling": 0.7, **no_turns}
+    assert ceiling_figures(None, 7_500.0, 21_000.0, 20_000.0) == {
+        "ceiling_tokens_per_s": None, "ceiling_speedup": None, "async_share_of_ceiling": None, **no_turns}
+    # one GPU: generation at 30,000 tokens/s and training at 20,000 taking turns, 1 / (1/30,000 + 1/20,000) = 12,000
+    # tokens/s; async at 13,200 overlapped the two sides by 10 %
+    turns = ceiling_figures(30_000.0, 7_500.0, 13_200.0, 20_000.0)
+    assert (turns["turns_tokens_per_s"], turns["turns_speedup"], turns["async_share_of_turns"]) == (12_000.0, 1.6, 1.1)
 
 
 def test_archived_records_come_back_into_another_directory_without_the_weights(tmp_path):
