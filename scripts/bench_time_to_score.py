@@ -400,21 +400,29 @@ def main() -> None:
             run_side_by_side(modes, seed, args, steps, val_every, root, start_weights)
             if not args.no_evaluate:
                 evaluate([root / mode.run_name(seed) for mode in modes], args.eval_engines)
+            keep_records(args, root)
             continue
         for mode in modes:
             if mode.name in wanted:
                 run_job(mode, seed, args, steps, val_every, root, start_weights)
                 if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
                     evaluate([root / mode.run_name(seed)], args.eval_engines)
+                keep_records(args, root)
     if CEILING in wanted:
         measure_ceiling(args, root)
     ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}
     if not args.no_evaluate:  # what earlier calls left unscored (--no-evaluate, or a call cut short)
         run_dirs = [root / mode.run_name(seed) for mode in modes for seed in ran[mode]]
         evaluate([run_dir for run_dir in run_dirs if unscored(run_dir)], args.eval_engines, last_try=True)
+    keep_records(args, root)
+    report(args, root, modes, ran, steps, val_every)
+
+
+def keep_records(args: argparse.Namespace, root: Path) -> None:
+    """The records so far into --archive, after each run and at the end: a session cut short (a host's time spent
+    during the ceiling or the next run) still hands back every run it finished."""
     if args.archive:
         archive_records(root, Path(args.archive))
-    report(args, root, modes, ran, steps, val_every)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import tarfile
 import time
 from pathlib import Path
@@ -90,14 +91,17 @@ def read_ceiling(root: Path) -> float | None:
 
 
 def archive_records(root: Path, archive: Path) -> None:
-    """Every run's records (RECORDS and its launch file, no weights) and the ceiling, into one .tar.gz."""
+    """Every run's records (RECORDS and its launch file, no weights) and the ceiling, into one .tar.gz, written
+    whole beside the records first and then moved into place: one copied while it is written again is never cut."""
     names = [path.name for path in sorted(root.glob(RUN_PREFIX + "*")) if path.is_dir()]
     members = [root / name / record for name in names for record in RECORDS]
     members += [_launch_file(root, name) for name in names] + [root / CEILING_FILE]
-    with tarfile.open(archive, "w:gz") as tar:
+    written = root / (archive.name + ".part")
+    with tarfile.open(written, "w:gz") as tar:
         for member in members:
             if member.is_file():
                 tar.add(member, arcname=str(member.relative_to(root)))
+    shutil.move(written, archive)  # a rename where both lie on one file system
 
 
 def restore_records(archives: list[str], root: Path) -> None:

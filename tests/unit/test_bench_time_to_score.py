@@ -157,7 +157,10 @@ def test_archived_records_come_back_into_another_directory_without_the_weights(t
     (made / "ceiling.json").write_text(json.dumps({"ceiling_tokens_per_s": 25_000.0}))
     (made / "unrelated.log").write_text("left out")
     archive = tmp_path / "records.tar.gz"
-    archive_records(made, archive)
+    archive.write_bytes(b"an archive of the runs so far")
+    archive_records(made, archive)  # again, after another run: replaced whole, nothing left beside
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["made", "records.tar.gz"]
+    assert not list(made.glob("*.part"))
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
