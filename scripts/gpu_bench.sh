@@ -331,27 +331,32 @@ stop_stage() {
     kill -TERM -- "-$stage_pid" 2>/dev/null
     while stage_running && [ $waited -lt $STOP_GRACE_S ]; do sleep 1; waited=$((waited + 1)); done
     kill -KILL -- "-$stage_pid" 2>/dev/null
+    [ -n "$precompile_pid" ] && kill -- "-$precompile_pid" 2>/dev/null  # compileall and its workers
     echo "=== $stage stopped by a signal; its processes took ${waited}s to end"
     exit 143
 }
 
 precompile_packages() {
-    # scripts/gpu_pack.sh ships sources without bytecode (~5,300 files): compiled once here on every core, not by the
-    # first process of a stage that imports them, one file at a time (that first vLLM import took ~60 s on an H100)
+    # scripts/gpu_pack.sh ships sources without bytecode (~5,300 files): compiled on every core, at a low priority,
+    # beside the first stage (whose first minutes, data and warm start, import no vLLM), not by the first process that
+    # imports them, one file at a time (that first vLLM import took ~60 s on an H100). Python writes each .pyc whole,
+    # so a process importing meanwhile reads a whole one or compiles its own.
     local dir
     for dir in ${PYTHONPATH//:/ }; do
         if [ -d "$dir/vllm" ] && [ ! -d "$dir/vllm/__pycache__" ]; then
-            echo "=== byte-compiling $dir"
-            "$PYTHON" -m compileall -q -j 0 "$dir" > /dev/null 2>&1
+            echo "=== byte-compiling $dir beside the stages"
+            nice -n 10 "$PYTHON" -m compileall -q -j 0 "$dir" > /dev/null 2>&1 &
+            precompile_pid=$!
+            return 0
         fi
     done
-    return 0  # a file that does not compile is compiled (and fails) where it is imported, as before
 }
 
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(setup tests sync learner rollout e2e)
-precompile_packages
+precompile_pid=""
 set -m  # each stage runs as a job of its own: a process group this script can signal whole
+precompile_packages
 trap stop_stage TERM INT
 for stage in "${stages[@]}"; do
     started=$(date +%s)
@@ -364,4 +369,5 @@ for stage in "${stages[@]}"; do
     grep -E "^RESULT|passed|failed|Error|error:" "$OUT/$stage.log" | tail -4
     [ $status -ne 0 ] && tail -25 "$OUT/$stage.log"
 done
+[ -n "$precompile_pid" ] && wait "$precompile_pid"  # long done by now: nothing outlives this script
 "$PYTHON" scripts/gpu_summary.py "$OUT"
