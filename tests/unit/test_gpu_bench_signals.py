@@ -52,3 +52,19 @@ def test_a_stopped_run_stops_its_stages_processes(tmp_path):
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(script.pid, signal.SIGKILL)
+
+
+def test_the_unpacked_packages_are_byte_compiled_once_beside_the_stages(tmp_path):
+    # a package directory on PYTHONPATH holding vllm sources without bytecode, as scripts/gpu_pack.sh ships them
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    for number in range(20):
+        (site / "vllm" / f"module{number}.py").write_text(f"VALUE = {number}\n")
+    env = os.environ | {"PYTHONPATH": str(site), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "no_such_stage"], env=env,
+                          capture_output=True, text=True, timeout=120, preexec_fn=default_stops)
+    assert f"=== byte-compiling {site} beside the stages" in done.stdout
+    assert len(list((site / "vllm" / "__pycache__").glob("module*.pyc"))) == 20  # done before the script ended
+    again = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), "no_such_stage"], env=env,
+                           capture_output=True, text=True, timeout=120, preexec_fn=default_stops)
+    assert "byte-compiling" not in again.stdout  # compiled already: not again
