@@ -166,9 +166,9 @@ COMMANDS = (
         arguments=(Argument("run_dirs", "RUN_DIR", "run directories written with validation.after_run=true",
                             many=True),
                    Argument("--engines", "N", "engines scoring side by side (default 1), dealt out over the visible "
-                                              "GPUs, each on its part of its GPU's memory: the engines on a "
-                                              "GPU together hold what one alone would "
-                                              "(rollout.engine.gpu_memory_utilization)"),
+                                              "GPUs, each taking the next snapshot whenever it is free, each on "
+                                              "its part of its GPU's memory: the engines on a GPU together hold "
+                                              "what one alone would (rollout.engine.gpu_memory_utilization)"),
                    Argument("--drop-scored", "", "delete each snapshot's weights once its score is written (the "
                                                  "index and evaluation.jsonl stay): the disk then holds only the "
                                                  "snapshots not scored yet")),
