@@ -92,7 +92,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "time_to_target_after_start_up_s": rounded(seconds - start_up) if None not in (seconds, start_up) else None,
             "seed_times_to_target_s": [rounded(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"),
-            "training_tokens_per_s": mean("training_tokens_per_s"),  # per second of training alone
+            "training_tokens_per_s": mean("training_tokens_per_s"),  # per second spent training
             "trained_length_mean": mean("trained_length_mean"),
             "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),
             "learner_share": mean("learner_share", 3), "start_score": rounded(curve[0][2], 3) if curve else None,
