@@ -85,11 +85,15 @@ def run_all(rates: list[str], args: argparse.Namespace, root: Path) -> None:
 
 
 def rate_figures(directory: Path) -> dict[str, Any]:
-    """A run's scored curve (version order), its best and final score, and its rise from version 0."""
+    """A run's scored curve (version order), its best and final score, and its rise from version 0; None for what
+    its scores cannot give (no version scored: an evaluation that failed; version 0 unscored: no rise)."""
     evaluation = read_evaluation(directory)
     curve = [[version, round(evaluation[version][SCORE_KEY], 4)] for version in sorted(evaluation)]
+    if not curve:
+        return {"curve": [], "best": None, "final": None, "rise": None}
     scores = [score for _, score in curve]
-    return {"curve": curve, "best": max(scores), "final": scores[-1], "rise": round(scores[-1] - scores[0], 4)}
+    rise = round(scores[-1] - scores[0], 4) if curve[0][0] == 0 else None
+    return {"curve": curve, "best": max(scores), "final": scores[-1], "rise": rise}
 
 
 def print_table(rates: dict[str, dict[str, Any]]) -> None:
@@ -118,8 +122,9 @@ def main() -> None:
     evaluate([root / run_name(rate) for rate in rates], args.eval_engines, last_try=True)
     figures = {rate: rate_figures(root / run_name(rate)) for rate in rates}
     print_table(figures)
-    highest = max(figures, key=lambda rate: figures[rate]["final"])
-    print(f"highest final score: lr {highest}", flush=True)
+    scored = [rate for rate in rates if figures[rate]["final"] is not None]
+    highest = max(scored, key=lambda rate: figures[rate]["final"]) if scored else None
+    print(f"highest final score: {f'lr {highest}' if highest else 'none (no rate was scored)'}", flush=True)
     print("RESULT " + json.dumps({"rates": figures, "highest_final": highest, "steps": args.steps,
                                   "val_every": args.val_every, "seed": args.seed}), flush=True)
 
