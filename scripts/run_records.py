@@ -17,6 +17,7 @@ from asyncrl.whole_files import write_json_whole
 RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
 RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
 LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
+CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
 CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
 ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
