@@ -187,10 +187,10 @@ class RolloutServer:
         return asyncio.create_task(self.validator.run_when_due(engine, scorer, self.config.rollout.poll_s, agent))
 
     def _reports(self, engine: RolloutEngine) -> list[ServerTelemetry | ValidationResult]:
-        """What the server tells the learner every heartbeat period: its counters, and its latest validation pass
-        (again each time: the learner logs each pass once, and hears it after a restart too)."""
-        validated = self.validator.result(self.server_id) if self.validator else None
-        return [self._telemetry(engine), *([validated] if validated else [])]
+        """What the server tells the learner every heartbeat period: its counters, and its latest validation passes
+        (again each time: the learner logs each pass once, and hears them after a restart too)."""
+        validated = self.validator.results(self.server_id) if self.validator else []
+        return [self._telemetry(engine), *validated]
 
     def _telemetry(self, engine: RolloutEngine) -> ServerTelemetry:
         return ServerTelemetry(

@@ -3,7 +3,7 @@
 Whenever the engine's weights reach a policy version that is a multiple of `validation.every`, the
 server samples `validation.n` completions of each held-out prompt on the same engine, scores them with
 the same reward scorer as training, and keeps the `val/*` metrics (`asyncrl.validation_scores`). The server's
-telemetry carries the latest result to the learner, which logs it once. A pass runs concurrently with training
+telemetry carries its latest few passes to the learner, which logs each once. A pass runs concurrently with training
 generation; a weight update during the pass leaves its later tokens on newer weights, so the numbers
 are for the version the pass started on or a newer one.
 """
@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 VALIDATION_GROUP_ID = "validation"  # validation episodes are measured, never sent to the buffer
 # Validation's seeds start here past run.seed, away from the training streams (run.seed + 1,000,003 × server).
 VALIDATION_SEED_OFFSET = 1_000_000_007
+# Passes each report repeats: a learner that read no report between two passes (a short pass, a busy learner)
+# still hears the earlier one.
+RECENT_PASSES = 8
 
 class GroupEngine(Protocol):
     """What a pass needs from `RolloutEngine`."""
@@ -87,7 +91,7 @@ def load_validation_prompts(config: AsyncRLConfig, tokenizer: Any) -> list[Valid
 
 
 class Validator:
-    """Runs passes when due and holds the latest result, which the server reports to the learner (`result`)."""
+    """Runs passes when due and holds the latest few results, which the server reports to the learner (`results`)."""
 
     def __init__(self, settings: ValidationConfig, sampling: SamplingConfig, prompts: list[ValidationPrompt],
                  tokenizer: Any, run_seed: int = 0) -> None:
@@ -102,6 +106,7 @@ class Validator:
         self.tokenizer = tokenizer
         self.metrics: dict[str, float] = {}  # val/* of the latest pass
         self.version = NOT_VALIDATED  # policy version the latest pass started on
+        self.recent: deque[tuple[int, dict[str, float]]] = deque(maxlen=RECENT_PASSES)  # (version, val/*), oldest first
 
     def request(self, version: int) -> None:
         """Validate `version` once the engine holds it, multiple of `every` or not (the learner's final version)."""
@@ -130,16 +135,16 @@ class Validator:
         """The pass of `version` over every held-out prompt (`outcomes`, in `seconds`) as the latest: its metrics."""
         self.metrics = validation_metrics(outcomes, self.settings.k, self.settings.length_buckets) | {"val/seconds": seconds}
         self.version = version
+        self.recent.append((version, self.metrics))
         log.info("validation of version %d: mean score %.3f, pass@%d %.3f over %d prompts in %.1fs", version,
                  self.metrics["val/score/mean"], self.settings.k, self.metrics[f"val/pass@{self.settings.k}"],
                  len(outcomes), seconds)
         return self.metrics
 
-    def result(self, server_id: str) -> ValidationResult | None:
-        """The latest pass as server `server_id` reports it; None before the first."""
-        if not self.metrics:
-            return None
-        return ValidationResult(server_id, self.version, dict(self.metrics))
+    def results(self, server_id: str) -> list[ValidationResult]:
+        """The latest passes (up to RECENT_PASSES, oldest first) as server `server_id` reports them; [] before the
+        first."""
+        return [ValidationResult(server_id, version, dict(metrics)) for version, metrics in self.recent]
 
     async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float,
                            episodes: Episodes | None = None) -> None:

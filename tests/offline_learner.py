@@ -47,8 +47,11 @@ class OfflineConnections:
     def publish_version(self, version: int) -> None:
         self.published.append(version)
 
-    def final_validation(self, version: int) -> dict[str, float]:
-        return {}
+    def new_validations(self) -> list[dict[str, float]]:
+        return []
+
+    def final_validation(self, version: int) -> list[dict[str, float]]:
+        return []
 
     def server_metrics(self, version: int) -> dict[str, float]:
         return {}

@@ -6,7 +6,7 @@ decoding, as the buffer's requests are.
 
 - membership: `ServerHeartbeat` (server → learner, periodic), `ServerLeaving` (its answer to `JobFinished`);
 - a weight-sync round: `SyncPrepare` → `SyncReady`, then `SyncInvite` → `SyncDone`;
-- measurements: `ServerTelemetry` (a server's counters, periodic), `ValidationResult` (its latest validation pass);
+- measurements: `ServerTelemetry` (a server's counters, periodic), `ValidationResult` (each of its latest validation passes);
 - requests of the learner: `ValidateVersion`, `TaskWeights`, `JobFinished`.
 """
 
@@ -118,8 +118,8 @@ class ServerTelemetry:
 @message("validation_result")
 @dataclass
 class ValidationResult:
-    """A server's latest validation pass, sent beside its telemetry until the next pass replaces it (the learner
-    logs each pass once, and hears it even when it restarted since)."""
+    """One of a server's latest validation passes, sent beside its telemetry again every period while it is among
+    them (the learner logs each pass once, and hears it even when it restarted since)."""
 
     server_id: Identifier  # the server that ran the pass
     version: Version  # policy version the pass validated

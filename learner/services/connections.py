@@ -18,7 +18,7 @@ from asyncrl.endpoints import FINISHED_KEY, port_to_bind, remember_ports, rememb
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
-from asyncrl.validation_scores import NOT_VALIDATED, VERSION_KEY
+from asyncrl.validation_scores import VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
 from learner.services.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
 from learner.services.generated_work import generated_work_metrics
@@ -122,25 +122,30 @@ class LearnerConnections:
             log.info("catching up %s to version %d", behind, self.latest_version)
             self.sync_weights(self.latest_version, self.latest_weights)
 
-    def final_validation(self, version: int) -> dict[str, float]:
-        """The servers' `val/*` of the final `version`, waited for up to validation.final_wait_s so that
-        the run's last record holds its held-out reward ({} when no pass runs during the job or none arrived)."""
+    def new_validations(self) -> list[dict[str, float]]:
+        """The `val/*` of each validation pass the servers reported since the last call, oldest first."""
+        return self.coordinator.new_validations()
+
+    def final_validation(self, version: int) -> list[dict[str, float]]:
+        """The servers' passes not logged yet, oldest first, waited for up to validation.final_wait_s until one of
+        the final `version` is among them, so that the run's last record holds its held-out reward (the passes
+        that arrived by then when no pass runs during the job or the final one never came)."""
         settings = self.config.validation
         if not settings.during_run or not settings.final_wait_s:
-            return {}
-        latest: dict[str, float] = {}
+            return self.new_validations()
+        passes: list[dict[str, float]] = []
         deadline = time.monotonic() + settings.final_wait_s
         log.info("waiting up to %.0fs (validation.final_wait_s) for the servers' validation of the final version %d",
                  settings.final_wait_s, version)
         while time.monotonic() < deadline:
             self.catch_up_servers()  # a server (re)started after the last round must reach the final weights
             self.coordinator.tell_servers(ValidateVersion(version))  # again each time: a server may join late
-            latest |= self.coordinator.new_validation()
-            if latest.get(VERSION_KEY, NOT_VALIDATED) >= version:
-                return latest
+            passes += self.new_validations()
+            if passes and passes[-1][VERSION_KEY] >= version:
+                return passes
             time.sleep(self.config.rollout.weight_sync.heartbeat_s)
         log.warning("no validation of the final version %d within validation.final_wait_s=%.0fs", version, settings.final_wait_s)
-        return latest
+        return passes
 
     def publish_version(self, version: int) -> None:
         """Tell the buffer the learner's version: admission widens with it."""

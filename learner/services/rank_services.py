@@ -119,14 +119,22 @@ class RankZeroServices:
         if weights_due(version, self.config.learner):
             metrics |= self.sharing(version)
         self.connections.publish_version(version)
-        if version == self.config.learner.total_steps:
-            metrics |= self.connections.final_validation(version)
+        final = version == self.config.learner.total_steps
+        metrics |= self._validation_record(version, self.connections.final_validation(version) if final
+                                           else self.connections.new_validations())
         metrics |= self.connections.server_metrics(version)
         metrics |= self.tasks.after_step(version, metrics)  # after validation and rollout metrics: it may watch them
         metrics |= self.guard.observe(version, metrics)  # last: it may watch any metric, task weights included
         metrics["timing_s/elapsed"] = time.perf_counter() - self.started
         self.connections.log_metrics(version, metrics)
         log.info(progress_line(version, self.config.learner.total_steps, metrics))
+
+    def _validation_record(self, version: int, passes: list[dict[str, float]]) -> dict[str, float]:
+        """The newest of `passes` for step `version`'s record; each older one is logged first in a record of its
+        own at the same step (passes that arrive together, as at the final wait, are never merged into one)."""
+        for earlier in passes[:-1]:
+            self.connections.log_metrics(version, earlier)
+        return passes[-1] if passes else {}
 
     def guard_decision(self) -> GuardDecision:
         return self.guard.agreed_decision(self.world)

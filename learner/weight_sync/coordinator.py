@@ -12,8 +12,8 @@ leg per backend in use, each driving that backend's `SendingEnd` (`SendingEnds`)
 before the invitations, connect after them, send), so a failure on one backend fails its servers only and
 leaves the other backends' groups standing. Every wait is bounded, so the
 learner never hangs on a server. Servers also send their counters (`ServerTelemetry`) and their latest
-validation pass (`ValidationResult`) on the same channel, apart from the heartbeats; the latest of each
-server's are kept for `rollout_metrics`.
+validation passes (`ValidationResult`) on the same channel, apart from the heartbeats: the latest counters of each
+server are kept for `rollout_metrics`, and every pass not returned yet for `new_validations`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Iterator, TypeVar
+from typing import Collection, Iterator
 
 from asyncrl.messages import DecodeError, decode, encode
 from asyncrl.transport.control import bind_control
@@ -37,7 +37,6 @@ from learner.weight_sync.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-_Report = TypeVar("_Report", ServerTelemetry, ValidationResult)
 
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
 
@@ -99,7 +98,7 @@ class SyncCoordinator:
         self._round = 0
         self._server_metrics = ServerMetrics()
         self._telemetry: dict[str, tuple[float, ServerTelemetry]] = {}  # server -> (monotonic time received, latest)
-        self._validations: dict[str, tuple[float, ValidationResult]] = {}  # server -> (time received, latest pass)
+        self._unlogged: dict[tuple[str, int], ValidationResult] = {}  # (server, version) -> a pass not returned yet
         self.latest_version = 0  # newest version broadcast
         self._validations_logged: dict[str, int] = {}  # server -> newest validated version already returned
         self.max_failures = max_failures
@@ -144,11 +143,9 @@ class SyncCoordinator:
         """Server counters summed over servers whose telemetry arrived within `liveness_s`: 
         `rollout/idle_ratio` over the servers' lifetimes, `rollout/servers`; per-server rates, in-flight
         requests and version lag behind `learner_version` (default: the newest version broadcast), see
-        `ServerMetrics`; plus the `val/*` metrics of a validation pass not returned before (see
-        `new_validation`)."""
+        `ServerMetrics`."""
         self._drain()
         beats = _heard_within(self._telemetry, self.liveness_s)
-        passes = _heard_within(self._validations, self.liveness_s)
         uptime = sum(b.uptime_seconds for b in beats)
         idle = sum(b.idle_seconds for b in beats)
         return {
@@ -164,21 +161,19 @@ class SyncCoordinator:
         } | self._server_metrics.metrics(
             beats, {name: member.version for name, member in self.members.items()},
             self.latest_version if learner_version is None else learner_version,
-        ) | self.new_validation(passes)  # the same snapshot: a message read in between would split one record
+        )
 
-    def new_validation(self, passes: list[ValidationResult] | None = None) -> dict[str, float]:
-        """`val/*` of a validation pass that a live server reported and no earlier call returned (each pass once),
-        with `val/version` the policy version it validated; {} when there is none. `passes`: the snapshot to read
-        (default: the latest, read now)."""
-        if passes is None:
-            self._drain()
-            passes = _heard_within(self._validations, self.liveness_s)
-        fresh: dict[str, float] = {}
-        for result in passes:
-            if result.metrics and result.version > self._validations_logged.get(result.server_id, NOT_VALIDATED):
-                self._validations_logged[result.server_id] = result.version
-                fresh |= result.metrics | {VERSION_KEY: float(result.version)}
-        return fresh
+    def new_validations(self) -> list[dict[str, float]]:
+        """`val/*` of every validation pass that a server reported and no earlier call returned (each pass once, a
+        server's passes in the order of the versions they validated), each with `val/version` the policy version
+        it validated; [] when there is none. A pass is kept until returned, even when its server fell silent since:
+        it is a measurement already made."""
+        self._drain()
+        fresh = sorted(self._unlogged.values(), key=lambda result: (result.version, result.server_id))
+        self._unlogged.clear()
+        for result in fresh:
+            self._validations_logged[result.server_id] = result.version
+        return [result.metrics | {VERSION_KEY: float(result.version)} for result in fresh]
 
     def wait_for_members(self, count: int, timeout_s: float) -> list[str]:
         """Block until `count` servers are live or the timeout passes; returns the live ones."""
@@ -381,17 +376,22 @@ class SyncCoordinator:
         elif isinstance(msg, ServerTelemetry):
             self._telemetry[msg.server_id] = (time.monotonic(), msg)
         elif isinstance(msg, ValidationResult):
-            self._validations[msg.server_id] = (time.monotonic(), msg)
+            self._keep_pass(msg)
         elif isinstance(msg, ServerLeaving) and self.members.pop(msg.server_id, None) is not None:
             log.info("rollout server %s left: the job is finished", msg.server_id)
         return msg
+
+    def _keep_pass(self, result: ValidationResult) -> None:
+        """Hold a pass until `new_validations` returns it: servers repeat their latest passes in every report."""
+        if result.metrics and result.version > self._validations_logged.get(result.server_id, NOT_VALIDATED):
+            self._unlogged[(result.server_id, result.version)] = result
 
     def _close_group(self, backend: str) -> None:
         self._ends.disconnect(backend)
         self._group_members[backend] = ()
 
 
-def _heard_within(latest: dict[str, tuple[float, _Report]], seconds: float) -> list[_Report]:
+def _heard_within(latest: dict[str, tuple[float, ServerTelemetry]], seconds: float) -> list[ServerTelemetry]:
     """The latest report of each server heard from within `seconds`, by server name."""
     now = time.monotonic()
     return [report for _, (received, report) in sorted(latest.items()) if now - received <= seconds]

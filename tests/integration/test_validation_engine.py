@@ -41,7 +41,7 @@ def test_greedy_pass_scores_the_engine_answer_right_and_a_wrong_truth_wrong(roll
     assert metrics["val/score/mean"] == 0.5  # 2 of 4 samples right
     assert metrics["val/pass@2"] == 0.5  # prompt 1: 1, prompt 2: 0
     assert metrics["val/arithmetic/pass@2"] == 0.5 and metrics["val/prompts"] == 2.0
-    assert validator.result("server-0").version == rollout_engine.current_version
+    assert validator.results("server-0")[-1].version == rollout_engine.current_version
 
 
 class RecordingScorer:

@@ -28,10 +28,10 @@ ROLLBACK = RollBack(reason="collapse", checkpoint="step_6", checkpoint_step=6, c
 
 
 class ServingConnections(OfflineConnections):
-    """Servers that validate the final version and report their throughput."""
+    """Servers that report their throughput, and two validation passes that arrive together at the final wait."""
 
-    def final_validation(self, version: int) -> dict[str, float]:
-        return {"val/score/mean": 0.7}
+    def final_validation(self, version: int) -> list[dict[str, float]]:
+        return [{"val/score/mean": 0.6, "val/version": 3.0}, {"val/score/mean": 0.7, "val/version": 4.0}]
 
     def server_metrics(self, version: int) -> dict[str, float]:
         return {TOKENS: 100.0}
@@ -78,6 +78,8 @@ def test_rank_zero_shares_the_weights_when_due_publishes_each_version_and_logs_e
     assert sorted(first) == ["critic/score/mean", TOKENS, "timing_s/elapsed", "timing_s/step"]
     assert second["weight_sync/version_sent"] == 2.0 and "weight_sync/version_sent" not in first
     assert last["val/score/mean"] == 0.7 and "val/score/mean" not in second  # validation waited for at the end only
+    assert [record for version, record in connections.records if version == 4][0] == {"val/score/mean": 0.6,
+                                                                                      "val/version": 3.0}
     assert caplog.messages[-1] == "step 4/4 reward 0.500 val 0.700 gen_tok/s 100 sync_s 0.000 step_s 1.000"
 
 

@@ -330,36 +330,40 @@ def test_no_servers_means_an_empty_round_not_a_wait():
         coord.close()
 
 
-def test_a_validation_pass_is_returned_once():
+def test_every_validation_pass_is_returned_once_in_version_order():
     coord = coordinator()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(coord.address)
 
-    learner_version = 100
+    reports = iter(range(1, 100))
 
-    def reports_then_metrics(validated: ValidationResult | None, version: int) -> dict[str, float]:
-        """What the learner's calls logged from sending these reports until one read this telemetry (its version
-        lag tells which one was read). The validation result goes first on the same socket, but a call may
-        land between the two messages: it then logs the result, and the next call the telemetry."""
-        if validated is not None:
-            sock.send(encode(validated))
+    def report(*passes: ValidationResult) -> list[dict[str, float]]:
+        """What the learner's calls returned from sending these passes until one read the telemetry sent after
+        them (the same socket keeps the order; each report's telemetry has a version of its own)."""
+        version = next(reports)
+        for result in passes:
+            sock.send(encode(result))
         sock.send(encode(ServerTelemetry("s0", version)))
-        logged: dict[str, float] = {}
+        returned: list[dict[str, float]] = []
 
-        def read() -> dict[str, float] | None:
-            logged.update(coord.rollout_metrics(learner_version))
-            return logged if logged.get("rollout/s0/version_lag") == learner_version - version else None
+        def telemetry_read() -> bool:
+            returned.extend(coord.new_validations())
+            return coord.rollout_metrics(100).get("rollout/s0/version_lag") == 100 - version
 
-        return wait_until(read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
+        wait_until(telemetry_read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
+        return returned + coord.new_validations()
+
+    def score(version: int) -> ValidationResult:
+        return ValidationResult("s0", version, {"val/score/mean": version / 100, "val/pass@4": 0.5})
 
     try:
-        assert "val/score/mean" not in reports_then_metrics(None, 1)
-        first = reports_then_metrics(ValidationResult("s0", 10, {"val/score/mean": 0.25, "val/pass@4": 0.5}), 10)
-        assert (first["val/score/mean"], first["val/pass@4"], first["val/version"]) == (0.25, 0.5, 10.0)
-        assert "val/score/mean" not in reports_then_metrics(ValidationResult("s0", 10, {"val/score/mean": 0.25}), 11), \
-            "the same pass, heard again: not logged twice"
-        second = reports_then_metrics(ValidationResult("s0", 20, {"val/score/mean": 0.75, "val/pass@4": 1.0}), 20)
-        assert (second["val/score/mean"], second["val/version"]) == (0.75, 20.0)
+        assert report() == []
+        assert report(score(0)) == [{"val/score/mean": 0.0, "val/pass@4": 0.5, "val/version": 0.0}]
+        assert report(score(0)) == [], "the same pass, heard again: not returned twice"
+        # three passes between two reads (a server repeats its latest passes): each returned, oldest first
+        returned = report(score(0), score(20), score(10), score(30))
+        assert [(r["val/version"], r["val/score/mean"]) for r in returned] == [(10.0, 0.1), (20.0, 0.2), (30.0, 0.3)]
+        assert report(score(20), score(30)) == []
     finally:
         sock.close(0)
         coord.close()

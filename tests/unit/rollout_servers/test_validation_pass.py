@@ -15,7 +15,8 @@ from demo.tasks import arithmetic
 from asyncrl.weight_transfer.control_messages import ValidationResult
 from asyncrl.validation_scores import decode_outcomes, encode_outcomes
 from rollout_servers.reference_sampler import rank_share
-from rollout_servers.validation import VALIDATION_SEED_OFFSET, ValidationPrompt, Validator, load_validation_prompts
+from rollout_servers.validation import (RECENT_PASSES, VALIDATION_SEED_OFFSET, ValidationPrompt, Validator,
+                                        load_validation_prompts)
 from waiting import wait_until_async
 
 N, K = 4, 2
@@ -94,7 +95,7 @@ def test_pass_samples_n_per_prompt_and_reports_hand_computed_metrics():
     assert metrics["val/arithmetic/score/mean"] == pytest.approx(3 / 8)
     assert metrics["val/algebra/score/mean"] == 0.0
     assert 0.0 < metrics["val/seconds"] < 60.0  # the pass was timed
-    assert validator.result("server-0") == ValidationResult("server-0", 10, metrics)
+    assert validator.results("server-0") == [ValidationResult("server-0", 10, metrics)]
 
 
 def test_a_pass_split_among_ranks_and_pooled_through_bytes_scores_as_one_pass():
@@ -122,12 +123,23 @@ def test_pass_reports_the_mean_score_per_bucket_of_response_tokens():
 
 def test_due_on_each_new_multiple_of_every_and_the_version_the_learner_asks_for():
     validator, engine = make_validator(every=10)
-    assert validator.result("server-0") is None, "nothing to report before the first pass"
+    assert validator.results("server-0") == [], "nothing to report before the first pass"
     assert not validator.is_due(FINAL_VERSION)
     validator.request(FINAL_VERSION)  # the learner's final version
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]
     asyncio.run(validator.run_pass(engine, ExactMatchScorer()))  # validates version 10
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [20, 30, FINAL_VERSION]
+
+
+def test_each_report_repeats_the_latest_passes_oldest_first():
+    validator, engine = make_validator()
+    outcomes = asyncio.run(validator.outcomes(engine, ExactMatchScorer(), None, range(3)))
+    for version in range(RECENT_PASSES + 2):
+        validator.record(outcomes, version, seconds=float(version))
+    reported = validator.results("server-0")
+    assert [(r.server_id, r.version, r.metrics["val/seconds"]) for r in reported] == [
+        ("server-0", version, float(version)) for version in range(2, RECENT_PASSES + 2)]  # the two oldest dropped
+
     off, _ = make_validator(every=0)
     assert not any(off.is_due(v) for v in range(FINAL_VERSION + 1))
 
