@@ -82,7 +82,7 @@ from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    pick_target, ratio, rounded, seed_speedups, start_models_match)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
-from scripts.run_records import (CEILING, CEILING_FILE, RUN_PREFIX, add_engine_times, archive_records,  # noqa: E402
+from scripts.run_records import (CEILING, CEILING_FILE, RUN_PREFIX, add_log_readings, archive_records,  # noqa: E402
                                  read_ceiling, read_launch, restore_records, write_launch)
 
 MODES = ("sync", "async")
@@ -121,7 +121,8 @@ class Mode:
         return warmup_steps if self.name == "sync" else max(warmup_steps, self.k + 1)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The race's options; config overrides may come before, between and after them."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_arguments(parser, "configs/gpu_longtail.yaml", "config overrides for every run")
     parser.add_argument("--steps", type=int, default=0, help="learner steps per run (0: the config's learner.total_steps)")
@@ -153,7 +154,12 @@ def parse_args() -> argparse.Namespace:
                              "several files, given after one --restore or each after its own")
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
-    return parser.parse_args()
+    args = parser.parse_intermixed_args(argv)
+    for archive in args.restore:
+        if not Path(archive).is_file():
+            parser.error(f"--restore {archive}: no such file (what follows --restore is read as its files: "
+                         "give config overrides before it)")
+    return args
 
 
 def asyncrl_command(*args: str) -> list[str]:
@@ -184,7 +190,7 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     done = subprocess.run(job.command, env=job.env, timeout=JOB_TIMEOUT_S)
     if done.returncode != 0:
         raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
-    add_engine_times(root, job.label, launch)
+    add_log_readings(root, job.label, launch)
 
 
 def run_side_by_side(modes: list[Mode], seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
@@ -197,7 +203,7 @@ def run_side_by_side(modes: list[Mode], seed: int, args: argparse.Namespace, ste
     launches = [write_launch(root, job.label, start_weights, len(gpus)) for job, gpus in zip(jobs, halves)]
     run_at_once(jobs, JOB_TIMEOUT_S)
     for job, launch in zip(jobs, launches):
-        add_engine_times(root, job.label, launch)
+        add_log_readings(root, job.label, launch)
 
 
 def gpu_halves(gpus: list[int]) -> tuple[list[int], list[int]]:
@@ -380,7 +386,7 @@ def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict
                             args.warmup_steps)
             records.runs.setdefault(mode.label, []).append(
                 run | {"seed": seed, "engine_start_s": launch.get("engine_start_s"),
-                       "engine_begins_s": launch.get("engine_begins_s")})
+                       "engine_begins_s": launch.get("engine_begins_s"), "under_mps": launch.get("under_mps")})
     return records
 
 

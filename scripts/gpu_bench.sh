@@ -250,8 +250,8 @@ stage_race() {
     shape=$(race_shape) || return 1
     register_plugin
     "$PYTHON" scripts/bench_time_to_score.py --config configs/gpu_longtail.yaml --out-dir /tmp/asyncrl-race \
-        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" ${RACE_ARGS:-} $shape \
-        metrics.wandb_mode=disabled
+        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" $shape metrics.wandb_mode=disabled \
+        ${RACE_ARGS:-}  # last: the shape's overrides would be read as files after a --restore that RACE_ARGS ends with
     local status=$?
     cp /tmp/asyncrl-race/time_to_score.png "$OUT/" 2>/dev/null
     # every role's log (vLLM's own lines among them): where a start-up's seconds went, once the host is gone

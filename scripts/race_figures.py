@@ -100,6 +100,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "final_score": rounded(statistics.fmean(finals), 3) if finals else None,
             "final_score_sd": rounded(statistics.stdev(finals), 3) if len(finals) > 1 else None,
             "last_record_s": mean("last_record_s"), "steps": runs[0]["steps"],
+            "runs_under_mps": sum(bool(run.get("under_mps")) for run in runs),  # roles sharing a GPU at once
             "curves": [[[v, rounded(t), rounded(s, 4)] for v, t, s in run["curve"]] for run in runs]}
 
 

@@ -22,6 +22,7 @@ CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
 ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
 LOGGED_AT = re.compile(r"^(\d\d):(\d\d):(\d\d) ")  # a role's log line begins with its local time of day
+MPS_SERVER_LOG = "logs/mps/server.log"  # in a run directory: written once the job's MPS daemon served a client
 DAY_S = 24 * 3600
 
 Launch = dict[str, Any]
@@ -36,15 +37,17 @@ def write_launch(root: Path, name: str, start_weights: str | None, gpus: int) ->
     return launch
 
 
-def add_engine_times(root: Path, name: str, launch: Launch) -> None:
-    """Add to the finished run's launch file how long its engines took to start (`engine_start`) and when, from its
-    launch, the last of them began (`engine_begins`)."""
-    write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(root / name),
-                                                         "engine_begins_s": engine_begins(root / name, launch["time"])})
+def add_log_readings(root: Path, name: str, launch: Launch) -> None:
+    """Add to the finished run's launch file how long its engines took to start (`engine_start`), when, from its
+    launch, the last of them began (`engine_begins`), and whether its roles shared the GPU under CUDA MPS."""
+    run_dir = root / name
+    write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(run_dir),
+                                                         "engine_begins_s": engine_begins(run_dir, launch["time"]),
+                                                         "under_mps": (run_dir / MPS_SERVER_LOG).is_file()})
 
 
 def read_launch(root: Path, name: str) -> Launch:
-    """What `write_launch` and `add_engine_times` recorded of run `name`."""
+    """What `write_launch` and `add_log_readings` recorded of run `name`."""
     return json.loads(_launch_file(root, name).read_text())
 
 

@@ -5,6 +5,7 @@ at equal steps, on hand-written records."""
 import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -13,10 +14,10 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import Mode, gpu_halves, job_for, skipped, summarise, sync_baseline
+from scripts.bench_time_to_score import Mode, gpu_halves, job_for, parse_args, skipped, summarise, sync_baseline
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, pick_target,
                                   seed_speedups, start_models_match, time_to_target)
-from scripts.run_records import (archive_records, engine_begins, engine_start, read_ceiling, read_launch,
+from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, read_ceiling, read_launch,
                                  restore_records, write_launch)
 
 LAUNCHED = 100.0
@@ -50,6 +51,20 @@ def sync_run() -> dict:
 
 def async_run() -> dict:
     return summarise(ASYNC, ASYNC_MADE, ASYNC_SCORES, LAUNCHED, Mode("async", 1), warmup_steps=1)
+
+
+def test_overrides_may_come_before_and_after_the_options_and_a_restore_takes_only_its_files(tmp_path, capsys):
+    archives = [str(tmp_path / name) for name in ("a.tar.gz", "b.tar.gz")]
+    for archive in archives:
+        pathlib.Path(archive).touch()
+    # as scripts/gpu_bench.sh calls it: the shape's overrides, then RACE_ARGS with a --restore among its options
+    args = parse_args(["--modes", "sync", "model.tiny.num_layers=24", "metrics.wandb_mode=disabled",
+                       "--restore", *archives, "--steps", "100", "optim.lr=1e-5"])
+    assert args.restore == archives and args.steps == 100
+    assert args.overrides == ["model.tiny.num_layers=24", "metrics.wandb_mode=disabled", "optim.lr=1e-5"]
+    with pytest.raises(SystemExit):
+        parse_args(["--restore", *archives, "optim.lr=1e-5"])
+    assert "--restore optim.lr=1e-5: no such file" in capsys.readouterr().err
 
 
 def test_a_run_reads_its_curve_from_the_snapshots_made_times_and_its_rate_after_the_warm_up():
@@ -214,6 +229,23 @@ def test_the_engine_begins_its_start_seconds_after_the_launch_by_its_log_lines_c
     assert engine_begins(tmp_path / "run", late) == 25.0
     (logs / "rollout0.log").unlink()
     assert engine_begins(tmp_path / "run", late) is None
+
+
+def test_a_finished_run_s_launch_file_says_when_its_engine_started_and_whether_it_ran_under_mps(tmp_path):
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "rollout0.log").write_text("12:00:30 [rollout0] INFO rollout_servers.engine: vLLM engine on /m started in "
+                                       "20.0s (version 0)\n")
+    launch = write_launch(tmp_path, "run", "abc", gpus=1)
+    add_log_readings(tmp_path, "run", launch)
+    assert read_launch(tmp_path, "run")["under_mps"] is False and read_launch(tmp_path, "run")["engine_start_s"] == 20.0
+    (logs / "mps").mkdir()
+    (logs / "mps" / "control.log").write_text("started\n")  # a daemon that served no client: not MPS
+    add_log_readings(tmp_path, "run", launch)
+    assert read_launch(tmp_path, "run")["under_mps"] is False
+    (logs / "mps" / "server.log").write_text("New client connected\n")
+    add_log_readings(tmp_path, "run", launch)
+    assert read_launch(tmp_path, "run")["under_mps"] is True and read_launch(tmp_path, "run")["start_weights"] == "abc"
 
 
 @pytest.mark.parametrize(("starts", "expected"), [
