@@ -55,7 +55,7 @@ def test_the_part_follows_the_card_and_the_number_of_rates(tmp_path, rates, part
     assert f"run.gpu_memory_gib={part}" in command and "rollout.engine.kv_cache_memory_gib=4" in command
 
 
-def test_the_600m_shape_adds_its_overrides_after_the_caller_s(tmp_path):
+def test_the_600m_shape_adds_its_overrides_after_the_sweep_s_arguments_and_before_the_race_s(tmp_path):
     command = stage_sweep(tmp_path, H200_MIB, RACE_SHAPE="600m", SWEEP_ARGS="--steps 30 --val-every 5 learner.lr=1e-6")
     tail = command[command.index("--out-dir") + 2:]
     assert tail[:5] == ["--steps", "30", "--val-every", "5", "learner.lr=1e-6"]
@@ -64,9 +64,10 @@ def test_the_600m_shape_adds_its_overrides_after_the_caller_s(tmp_path):
     preset = stage_sweep(tmp_path / "preset", H200_MIB, SWEEP_ARGS="--steps 30 --val-every 5")
     assert not any(argument.startswith("model.") for argument in preset)  # the preset's own shape
     race = stage_command(tmp_path / "race", "race", "scripts/bench_time_to_score.py", H200_MIB, RACE_SHAPE="600m",
-                         RACE_MODES="sync", RACE_ARGS="--seeds 1 learner.lr=1e-6")
-    tail = race[race.index("--seeds"):]
-    assert tail[:3] == ["--seeds", "1", "learner.lr=1e-6"] and "buffer.batch_groups=64" in tail
+                         RACE_MODES="sync", RACE_ARGS="--seeds 1 learner.lr=1e-6 --restore a.tar.gz")
+    # the race's own arguments last: a --restore among them must not take the shape's overrides for its files
+    assert race[-5:] == ["--seeds", "1", "learner.lr=1e-6", "--restore", "a.tar.gz"]
+    assert "buffer.batch_groups=64" in race[race.index("--out-dir"):-5]
 
 
 def test_an_unknown_shape_is_refused_by_name(tmp_path):
