@@ -16,6 +16,7 @@ from asyncrl.config.sections import MetricsConfig
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+STEP_TIME_KEY = "timing_s/step"  # in every record of a learner step; not in a validation pass's record of its own
 
 
 class MetricsLogger:
@@ -48,6 +49,12 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             log.warning("skipping an unreadable metrics line in %s", run_dir)
     return records
+
+
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the learner's steps, in order: one per step, without the records of their own that validation
+    passes get when several arrive for one step (each pass's `val/*` and `val/version`, at that step)."""
+    return [record for record in records if STEP_TIME_KEY in record]
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -37,7 +37,6 @@ from learner.weight_sync.server_metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-
 _FIRST_SERVER_RANK = 1  # rank 0 is the trainer
 
 

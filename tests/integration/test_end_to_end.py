@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import read_metrics, step_records
 from run_helpers import RUN_TIMEOUT_S, asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -35,7 +35,7 @@ def resumed_job(inputs: Path, _: Path):
     """A run of 4 steps on the shared task files and model, then the same run resumed to step 6."""
     first = asyncrl("run", *overrides(inputs, 4))
     run_dir = inputs / "runs" / "e2e"
-    first_records = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    first_records = step_records(read_metrics(run_dir)) if (run_dir / "metrics.jsonl").exists() else []
     second = asyncrl("run", *overrides(inputs, 6))  # resume=auto: continue to step 6
     return first, second, first_records, run_dir
 
@@ -59,7 +59,7 @@ def test_run_completes_and_prints_run_dir(finished_runs):
 def test_versions_advance_and_every_group_starts_within_k(finished_runs):
     _, _, first_records, run_dir = finished_runs
     assert [r["step"] for r in first_records] == [1, 2, 3, 4]
-    for record in read_metrics(run_dir):
+    for record in step_records(read_metrics(run_dir)):
         assert record["staleness/start_lag_max"] <= MAX_STALENESS and record["buffer/dropped_stale_in_batch"] == 0
         assert record["batch/samples"] == 4 * SAMPLES_PER_GROUP
     later = [r for r in first_records if r["step"] >= 2]
@@ -68,7 +68,7 @@ def test_versions_advance_and_every_group_starts_within_k(finished_runs):
 
 def test_resume_continues_steps_and_never_reuses_a_buffer_record(finished_runs):
     _, _, _, run_dir = finished_runs
-    records = read_metrics(run_dir)
+    records = step_records(read_metrics(run_dir))
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["step_00000004", "step_00000006"]  # learner.keep_checkpoints=2
@@ -85,6 +85,8 @@ def test_validation_is_logged_once_per_pass_and_the_run_plots(finished_runs):
     passes = [r for r in read_metrics(run_dir) if r.get("val/score/mean") is not None]
     versions = [r["val/version"] for r in passes]
     assert {0.0, 4.0, 6.0} <= set(versions)  # the learner waits for each run's final version
+    for run in ([r for r in passes if r["step"] <= 4], [r for r in passes if r["step"] > 4]):  # each pass once a run
+        assert len({r["val/version"] for r in run}) == len(run), versions  # (the resumed run's new server: 0 again)
     assert all(v % VALIDATE_EVERY == 0 or v in (4.0, 6.0) for v in versions)
     assert all(r["val/prompts"] == 4 and 0.0 <= r["val/pass@2"] <= 1.0 for r in passes)
     assert all(r["val/arithmetic/score/mean"] == r["val/score/mean"] for r in passes)  # one data source

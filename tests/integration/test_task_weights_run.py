@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.data import write_rows
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import read_metrics, step_records
 from run_helpers import asyncrl, tiny_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -56,7 +56,7 @@ def task_mix_job(_: Path, tmp: Path) -> tuple[list[dict], Path]:
     done = asyncrl("run", *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp / "runs" / "tasks"
-    return read_metrics(run_dir), run_dir
+    return step_records(read_metrics(run_dir)), run_dir
 
 
 REAL_JOBS = [task_mix_job]  # run side by side with other modules' jobs (conftest.py)
