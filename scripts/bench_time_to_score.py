@@ -34,7 +34,8 @@ score (or --target); a mode's time to score is the mean made-at time of the firs
 it (`seed_time_to_score_speedups`: each seed's own race as well, its target from its two curves alone). Its
 start-up is the mean made-at time of version 0 (launch to the first version, before any step); the time to
 score after start-up (`time_to_score_after_start_up_speedup`) leaves it out, to tell the jobs' steady pace apart
-from their start. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against
+from their start; their pace alone is the seconds a version took from the first scored version to the last
+(`time_per_version_s`, `version_pace_speedup`), apart from where one noisy score crosses the target. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against
 wall-clock time. The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
@@ -424,6 +425,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "time_to_score_after_start_up_speedup": ratio(sync_figures["time_to_target_after_start_up_s"],
                                                       async_figures["time_to_target_after_start_up_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
+        "version_pace_speedup": ratio(sync_figures["time_per_version_s"], async_figures["time_per_version_s"]),
         **ceiling,
         "validations_skipped": records.skipped, "start_models_match": same_start,
         "learner_share_of_sync_step": sync_figures["learner_share"],

@@ -39,6 +39,14 @@ def time_to_target(curve: Curve, target: float | None) -> tuple[int, float] | tu
     return None, None
 
 
+def seconds_per_version(curve: Curve) -> float | None:
+    """Wall-clock seconds a version took from the first scored version to the last: the run's pace, apart from its
+    start-up and from where one noisy score happens to cross the target; None with fewer than two versions."""
+    if len(curve) < 2 or curve[-1][0] == curve[0][0]:
+        return None
+    return (curve[-1][1] - curve[0][1]) / (curve[-1][0] - curve[0][0])
+
+
 def seed_speedups(sync: list[dict[str, Any]], async_: list[dict[str, Any]], target: float | None,
                   fraction: float) -> dict[str, float | None]:
     """Each seed's own race, by seed: its target from its two curves alone (`pick_target`), sync's time to it over
@@ -81,6 +89,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     version, seconds = time_to_target(curve, target)
     start_up = curve[0][1] if curve and curve[0][0] == 0 else None  # the launch to version 0: the job's start-up
     finals = [run["curve"][-1][2] for run in runs if run["curve"]]
+    paces = [pace for run in runs if (pace := seconds_per_version(run["curve"])) is not None]
 
     def mean(key: str, digits: int = 1) -> float | None:
         # engine_start_s, engine_begins_s: not in older records
@@ -90,6 +99,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     return {"time_to_target_s": rounded(seconds), "version_at_target": version, "start_up_s": rounded(start_up),
             "engine_begins_s": mean("engine_begins_s"), "engine_start_s": mean("engine_start_s"),
             "time_to_target_after_start_up_s": rounded(seconds - start_up) if None not in (seconds, start_up) else None,
+            "time_per_version_s": rounded(statistics.fmean(paces), 3) if paces else None,
             "seed_times_to_target_s": [rounded(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"),
             "training_tokens_per_s": mean("training_tokens_per_s"),  # per second spent training

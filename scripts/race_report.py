@@ -19,6 +19,7 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
             ("start-up: launch to version 0 (s)", "start_up_s", False),
             ("launch to the engine's start (s)", "engine_begins_s", False), ("engine start (s)", "engine_start_s", False),
             ("time to target after start-up (s)", "time_to_target_after_start_up_s", True),
+            ("seconds a version, scored span", "time_per_version_s", True),
             ("trained tokens/s", "trained_tokens_per_s", True), ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
             ("learner share of a step", "learner_share", False), ("start score", "start_score", False),
@@ -29,7 +30,7 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
         values = [figures[label][key] for label in labels]
         line = f"{title:34}" + "".join(f"{cell(value):>14}" for value in values)
         if compared and len(labels) == 2:
-            speedup = ratio(values[0], values[1]) if key.startswith("time_to") else ratio(values[1], values[0])
+            speedup = ratio(values[0], values[1]) if key.startswith("time_") else ratio(values[1], values[0])
             line += f"{cell(speedup, 'x'):>14}"
         print(line)
     version, pairs = buckets

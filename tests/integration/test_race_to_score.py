@@ -70,6 +70,12 @@ def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_l
     assert result["target"] is not None and result["sync_baseline"] == "cpu" and result["seeds"] == [0]
     assert result["sync"]["version_at_target"] in DUE and result["async"]["version_at_target"] in DUE
     assert 0 < result["learner_share_of_sync_step"] < 1
+    for mode, curve in (("sync", sync), ("async", async_)):  # each mode's pace over its scored span, no MPS on a CPU
+        pace = (curve[-1][1] - curve[0][1]) / (curve[-1][0] - curve[0][0])
+        assert result[mode]["time_per_version_s"] == pytest.approx(pace, abs=0.06)  # the curve's times: to 0.1 s
+        assert result[mode]["runs_under_mps"] == 0
+    assert result["version_pace_speedup"] == pytest.approx(
+        result["sync"]["time_per_version_s"] / result["async"]["time_per_version_s"], abs=2e-3)
 
 
 def test_the_archive_holds_every_run_s_records_and_no_weights(race):

@@ -16,7 +16,7 @@ from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import Mode, gpu_halves, job_for, parse_args, skipped, summarise, sync_baseline
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, pick_target,
-                                  seed_speedups, start_models_match, time_to_target)
+                                  seconds_per_version, seed_speedups, start_models_match, time_to_target)
 from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, read_ceiling, read_launch,
                                  restore_records, write_launch)
 
@@ -105,6 +105,10 @@ def test_the_target_is_a_fraction_of_the_way_to_the_lower_best_and_each_mode_rea
     assert figures["seed_times_to_target_s"] == [74.5] and figures["final_score"] == 0.85
     assert figures["final_score_sd"] is None  # one seed: no spread
     assert figures["curves"] == [[[0, 50.0, 0.4], [2, 64.0, 0.7], [4, 74.5, 0.85]]]
+    assert figures["time_per_version_s"] == pytest.approx((74.5 - 50.0) / 4)  # the pace, start-up left out
+    assert mode_figures([sync, async_], sync["curve"], target)["time_per_version_s"] == pytest.approx(
+        ((82.0 - 4.0) / 4 + (74.5 - 50.0) / 4) / 2, abs=1e-3)  # the seeds' mean, to 3 decimals
+    assert seconds_per_version([(0, 5.0, 0.4)]) is None  # one version: no pace
 
 
 def test_each_seed_races_to_its_own_target_where_the_pooled_one_is_above_a_seed_s_curve():
