@@ -274,8 +274,11 @@ class RolloutServer:
 
     async def _ask(self, admission: AdmissionClient, wanted: int, running: int):
         """Ask admission for `wanted` more groups while `running` ones are not done (every done task has
-        counted itself finished)."""
-        return await self._buffer.call(admission.request, *self._asks.ask(wanted, running))
+        counted itself finished); its answer tells the validator where the learner is."""
+        grant = await self._buffer.call(admission.request, *self._asks.ask(wanted, running))
+        if self.validator is not None:
+            self.validator.follow(grant.policy_version, grant.max_staleness)
+        return grant
 
     async def _send_group(self, producer: TrajectoryProducer, group: TrajectoryGroup) -> Ack:
         """The one way a group reaches the buffer, a prompt's or a chat session's: acknowledged, sent again while the

@@ -107,6 +107,20 @@ class Validator:
         self.metrics: dict[str, float] = {}  # val/* of the latest pass
         self.version = NOT_VALIDATED  # policy version the latest pass started on
         self.recent: deque[tuple[int, dict[str, float]]] = deque(maxlen=RECENT_PASSES)  # (version, val/*), oldest first
+        self.learner: tuple[int, int] | None = None  # (learner version, K) of the latest admission answer
+
+    def follow(self, learner_version: int, max_staleness: int) -> None:
+        """The learner's version and K, as the server's latest admission answer gives them (`run_when_due`)."""
+        self.learner = (learner_version, max_staleness)
+
+    def near_learner(self, version: int) -> bool:
+        """Whether a pass of `version` measures the job now: the learner answered, and `version` is within its K. A
+        server that (re)starts on the model's first weights while the learner is further on (a resumed job, a
+        restarted server) catches up before it validates anything, instead of scoring version 0 again."""
+        if self.learner is None:
+            return False
+        learner_version, max_staleness = self.learner
+        return version + max_staleness >= learner_version
 
     def request(self, version: int) -> None:
         """Validate `version` once the engine holds it, multiple of `every` or not (the learner's final version)."""
@@ -148,10 +162,10 @@ class Validator:
 
     async def run_when_due(self, engine: GroupEngine, scorer: Scorer, poll_s: float,
                            episodes: Episodes | None = None) -> None:
-        """Watch the engine's version and validate each due one, until cancelled."""
+        """Watch the engine's version and validate each due one near the learner's (`follow`), until cancelled."""
         while True:
             version = engine.current_version
-            if self.is_due(version) and not engine.needs_catch_up:
+            if self.is_due(version) and not engine.needs_catch_up and self.near_learner(version):
                 try:
                     await self.run_pass(engine, scorer, episodes)
                 except Exception:  # validation is a measurement: it must never stop the server's generation

@@ -13,7 +13,7 @@ from asyncrl.data import PromptRow, write_rows
 from rollout_servers.rewards import RewardResult
 from demo.tasks import arithmetic
 from asyncrl.weight_transfer.control_messages import ValidationResult
-from asyncrl.validation_scores import decode_outcomes, encode_outcomes
+from asyncrl.validation_scores import NOT_VALIDATED, decode_outcomes, encode_outcomes
 from rollout_servers.reference_sampler import rank_share
 from rollout_servers.validation import (RECENT_PASSES, VALIDATION_SEED_OFFSET, ValidationPrompt, Validator,
                                         load_validation_prompts)
@@ -129,6 +129,8 @@ def test_due_on_each_new_multiple_of_every_and_the_version_the_learner_asks_for(
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [0, 10, 20, 30, FINAL_VERSION]
     asyncio.run(validator.run_pass(engine, ExactMatchScorer()))  # validates version 10
     assert [v for v in range(FINAL_VERSION + 1) if validator.is_due(v)] == [20, 30, FINAL_VERSION]
+    off, _ = make_validator(every=0)
+    assert not any(off.is_due(v) for v in range(FINAL_VERSION + 1))
 
 
 def test_each_report_repeats_the_latest_passes_oldest_first():
@@ -140,13 +142,11 @@ def test_each_report_repeats_the_latest_passes_oldest_first():
     assert [(r.server_id, r.version, r.metrics["val/seconds"]) for r in reported] == [
         ("server-0", version, float(version)) for version in range(2, RECENT_PASSES + 2)]  # the two oldest dropped
 
-    off, _ = make_validator(every=0)
-    assert not any(off.is_due(v) for v in range(FINAL_VERSION + 1))
-
 
 def test_background_task_validates_due_versions_and_survives_a_failing_pass():
     async def scenario(scorer) -> Validator:
         validator, engine = make_validator(every=5)
+        validator.follow(11, 2)  # the learner one version ahead of the engine's 10
         task = asyncio.create_task(validator.run_when_due(engine, scorer, POLL_S))
         await wait_until_async(lambda: validator.version == engine.current_version, WAIT_S,
                                "the pass over the engine's version", poll_s=POLL_S)
@@ -157,6 +157,29 @@ def test_background_task_validates_due_versions_and_survives_a_failing_pass():
     assert asyncio.run(scenario(ExactMatchScorer())).metrics["val/prompts"] == 3.0
     failed = asyncio.run(scenario(ExactMatchScorer(fail=True)))
     assert failed.version == 10 and failed.metrics == {}
+
+
+def test_a_server_that_starts_behind_the_learner_validates_only_once_it_caught_up():
+    async def scenario() -> None:
+        validator, engine = make_validator(every=5)
+        engine.current_version = 0  # a server (re)started on the model's first weights
+        task = asyncio.create_task(validator.run_when_due(engine, ExactMatchScorer(), POLL_S))
+        await asyncio.sleep(10 * POLL_S)
+        assert validator.version == NOT_VALIDATED  # no admission answer yet: where the learner is, unknown
+        validator.follow(10, 2)  # a resumed learner at version 10, K = 2
+        await asyncio.sleep(10 * POLL_S)
+        assert validator.version == NOT_VALIDATED  # version 0 is 10 behind it: not scored again
+        engine.current_version = 10  # caught up
+        await wait_until_async(lambda: validator.version == 10, WAIT_S, "the pass of the caught-up version",
+                               poll_s=POLL_S)
+        task.cancel()
+
+    asyncio.run(scenario())
+    fresh, _ = make_validator(every=5)
+    fresh.follow(0, 0)
+    assert fresh.near_learner(0) and not fresh.near_learner(-1)  # a fresh job validates its version 0
+    fresh.follow(7, 2)
+    assert [v for v in (4, 5, 6, 10) if fresh.near_learner(v)] == [5, 6, 10]  # within K of the learner, or ahead
 
 
 def test_held_out_prompts_respect_max_prompts_and_prompt_length(tmp_path):
