@@ -35,8 +35,8 @@ it (`seed_time_to_score_speedups`: each seed's own race as well, its target from
 start-up is the mean made-at time of version 0 (launch to the first version, before any step); the time to
 score after start-up (`time_to_score_after_start_up_speedup`) leaves it out, to tell the jobs' steady pace apart
 from their start; their pace alone is the seconds a version took from the first scored version to the last
-(`time_per_version_s`, `version_pace_speedup`), apart from where one noisy score crosses the target. A plot (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against
-wall-clock time. The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
+(`time_per_version_s`, `version_pace_speedup`), apart from where one noisy score crosses the target. A plot
+(time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against wall-clock time. The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
 --modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
