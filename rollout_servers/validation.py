@@ -22,6 +22,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.config.rollout import SamplingConfig
 from asyncrl.config.validation import ValidationConfig
 from asyncrl.data import PromptRow, encode_prompt, load_prompt_file
+from asyncrl.staleness import starts_within_bound
 from asyncrl.thinking import Thinking
 from rollout_servers.rewards import RewardRequest, RewardResult
 from asyncrl.validation_scores import NOT_VALIDATED, PromptOutcome, validation_metrics
@@ -120,7 +121,7 @@ class Validator:
         if self.learner is None:
             return False
         learner_version, max_staleness = self.learner
-        return version + max_staleness >= learner_version
+        return starts_within_bound(learner_version, version, max_staleness)
 
     def request(self, version: int) -> None:
         """Validate `version` once the engine holds it, multiple of `every` or not (the learner's final version)."""
