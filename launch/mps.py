@@ -29,6 +29,8 @@ from asyncrl.placement import Plan
 CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's MPS control program, installed with the driver's compute utilities
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 READY_FILE = "control"  # the daemon's socket in its pipe directory: present once it takes clients
+LOG_DIR = Path("logs") / "mps"  # in the run directory: the daemon's logs (CUDA_MPS_LOG_DIRECTORY)
+SERVER_LOG = "server.log"  # in LOG_DIR: written by the MPS server the daemon starts for its first client
 START_TIMEOUT_S = 10.0  # longest wait for the daemon to take clients
 STOP_TIMEOUT_S = 10.0  # longest wait for it to quit when told, before it is killed
 POLL_S = 0.05  # how often the start looks for the socket
@@ -81,7 +83,7 @@ def start_mps(config: AsyncRLConfig, plan: Plan | None, run_dir: Path, log: logg
     if not wanted(config, plan):
         return None
     try:
-        daemon = _start(run_dir / "logs" / "mps")
+        daemon = _start(run_dir / LOG_DIR)
     except MpsError as error:
         if config.run.mps == ON:
             raise

@@ -36,7 +36,8 @@ start-up is the mean made-at time of version 0 (launch to the first version, bef
 score after start-up (`time_to_score_after_start_up_speedup`) leaves it out, to tell the jobs' steady pace apart
 from their start; their pace alone is the seconds a version took from the first scored version to the last
 (`time_per_version_s`, `version_pace_speedup`), apart from where one noisy score crosses the target. A plot
-(time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against wall-clock time. The table puts the two modes side by side with async / sync; the last line is RESULT {json}.
+(time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against wall-clock time. The table
+puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
 --modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
@@ -81,7 +82,8 @@ from demo.tiny.report import read_report
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
-                                   pick_target, ratio, rounded, seed_speedups, start_models_match)
+                                   pick_target, ratio, rounded, seconds_per_version, seed_speedups,
+                                   start_models_match)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
 from scripts.run_records import (CEILING, CEILING_FILE, RUN_PREFIX, add_log_readings, archive_records,  # noqa: E402
                                  read_ceiling, read_launch, restore_records, write_launch)
@@ -289,7 +291,8 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
-        "curve": curve, "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
+        "curve": curve, "time_per_version_s": seconds_per_version(curve),
+        "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }
 
 

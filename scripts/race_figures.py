@@ -89,17 +89,16 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     version, seconds = time_to_target(curve, target)
     start_up = curve[0][1] if curve and curve[0][0] == 0 else None  # the launch to version 0: the job's start-up
     finals = [run["curve"][-1][2] for run in runs if run["curve"]]
-    paces = [pace for run in runs if (pace := seconds_per_version(run["curve"])) is not None]
 
     def mean(key: str, digits: int = 1) -> float | None:
-        # engine_start_s, engine_begins_s: not in older records
+        # engine_start_s, engine_begins_s: not in older records; time_per_version_s: None below two versions
         values = [run[key] for run in runs if run.get(key) is not None]
         return rounded(statistics.fmean(values), digits) if values else None
 
     return {"time_to_target_s": rounded(seconds), "version_at_target": version, "start_up_s": rounded(start_up),
             "engine_begins_s": mean("engine_begins_s"), "engine_start_s": mean("engine_start_s"),
             "time_to_target_after_start_up_s": rounded(seconds - start_up) if None not in (seconds, start_up) else None,
-            "time_per_version_s": rounded(statistics.fmean(paces), 3) if paces else None,
+            "time_per_version_s": mean("time_per_version_s", 3),
             "seed_times_to_target_s": [rounded(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"),
             "training_tokens_per_s": mean("training_tokens_per_s"),  # per second spent training

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.metrics import METRICS_FILE
+from launch.mps import LOG_DIR as MPS_LOG_DIR, SERVER_LOG as MPS_SERVER_LOG
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
 from asyncrl.whole_files import write_json_whole
 
@@ -22,7 +23,6 @@ CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
 ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
 LOGGED_AT = re.compile(r"^(\d\d):(\d\d):(\d\d) ")  # a role's log line begins with its local time of day
-MPS_SERVER_LOG = "logs/mps/server.log"  # in a run directory: written once the job's MPS daemon served a client
 DAY_S = 24 * 3600
 
 Launch = dict[str, Any]
@@ -43,7 +43,7 @@ def add_log_readings(root: Path, name: str, launch: Launch) -> None:
     run_dir = root / name
     write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(run_dir),
                                                          "engine_begins_s": engine_begins(run_dir, launch["time"]),
-                                                         "under_mps": (run_dir / MPS_SERVER_LOG).is_file()})
+                                                         "under_mps": (run_dir / MPS_LOG_DIR / MPS_SERVER_LOG).is_file()})
 
 
 def read_launch(root: Path, name: str) -> Launch:
