@@ -338,6 +338,7 @@ def main() -> None:
     for seed in seeds:
         if args.side_by_side:
             run_side_by_side(modes, seed, args, steps, val_every, root, start_weights)
+            keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the runs' pace
             if not args.no_evaluate:
                 evaluate([root / mode.run_name(seed) for mode in modes], args.eval_engines)
             keep_records(args, root)
@@ -345,6 +346,7 @@ def main() -> None:
         for mode in modes:
             if mode.name in wanted:
                 run_job(mode, seed, args, steps, val_every, root, start_weights)
+                keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the run's pace
                 if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
                     evaluate([root / mode.run_name(seed)], args.eval_engines)
                 keep_records(args, root)
@@ -359,8 +361,9 @@ def main() -> None:
 
 
 def keep_records(args: argparse.Namespace, root: Path) -> None:
-    """The records so far into --archive, after each run and at the end: a session cut short (a host's time spent
-    during the ceiling or the next run) still hands back every run it finished."""
+    """The records so far into --archive, after each run, again once it is scored, and at the end: a session cut
+    short (a host's time spent while a run is scored, during the ceiling or the next run) still hands back every run
+    it finished, its pace at least: one cut during its scoring comes back unscored."""
     if args.archive:
         archive_records(root, Path(args.archive))
 

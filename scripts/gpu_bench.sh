@@ -45,7 +45,7 @@
 #              neither mode's launch pays for compiling), or "--side-by-side" on 2, 4 or 8 GPUs to run a seed's
 #              two modes at once, each on half of them; each run's snapshots are scored as soon as it
 #              ends and their weights deleted (the scores live in /tmp and go with the host); the runs' records
-#              (race-records.tar.gz, for --restore: rewritten after each run, so that a wait copies every run
+#              (race-records.tar.gz, for --restore: rewritten after each run and its scoring, so that a wait copies every run
 #              finished so far), then the plot and their roles' logs (race-logs.tar.gz) go to $OUT; RACE_SHAPE=600m races ~600 M parameters at 64 prompts a step instead of the preset's
 #              76 M at 16 (the sweep stage reads it too)
 #   sweep      scripts/lr_sweep.py on configs/gpu_longtail.yaml: the race's synchronous run once per learning rate of

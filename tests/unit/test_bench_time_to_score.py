@@ -328,3 +328,32 @@ def test_only_a_version_whose_snapshot_is_still_there_calls_for_another_evaluati
     assert not unscored(tmp_path)  # 10 and 20 unscored, their files gone with another host: nothing to start for
     snapshot_path(tmp_path, 20).write_bytes(b"weights")
     assert unscored(tmp_path)
+
+
+def test_a_run_s_records_are_archived_before_its_scoring_begins(tmp_path, monkeypatch):
+    """A host's time may end while a run is scored (minutes at ~600 M parameters): its pace must come back anyway."""
+    import tarfile
+
+    from scripts import bench_time_to_score
+
+    archive = tmp_path / "records.tar.gz"
+
+    def run_job(mode, seed, *rest):
+        run_dir = tmp_path / "runs" / mode.run_name(seed)
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps(step(1, 120.0, 15.0, 3.0, 100.0)) + "\n")
+
+    archived_when_scored = []
+
+    def evaluate(run_dirs, engines, last_try=False):
+        with tarfile.open(archive) as records:
+            archived_when_scored.append(sorted(records.getnames()))
+
+    monkeypatch.setattr(bench_time_to_score, "run_job", run_job)
+    monkeypatch.setattr(bench_time_to_score, "evaluate", evaluate)
+    monkeypatch.setattr(bench_time_to_score, "report", lambda *args: None)
+    monkeypatch.setattr(sys, "argv", ["bench_time_to_score.py", "--modes", "async", "--skip-prepare", "--steps", "10",
+                                      "--archive", str(archive), "--out-dir", str(tmp_path / "runs")])
+    bench_time_to_score.main()
+    name = Mode("async", 2).run_name(0)
+    assert archived_when_scored[0] == [f"{name}/metrics.jsonl"]
