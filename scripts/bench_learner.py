@@ -8,8 +8,9 @@ mixed precision on CUDA; `--activation-checkpointing`, `--compile`, `--cpu-offlo
 The batch holds `--batch` samples in groups of `--group-size` (GRPO) with random token ids: a
 `--prompt-len` prompt and a trained completion whose length is log-normal (median `--median-tokens`,
 `--sigma`, at most `--seq-len` in all; `--sigma 0` gives every sample the full length), random 0/1
-rewards. Every step runs the whole path: advantages, the proximal pass (decoupled PPO), the micro-batched
-loss and backward, clipping, AdamW.
+rewards. Every step runs the whole path: advantages, the proximal pass up front where the loss needs one (m2po:
+with one optimizer step per batch the other losses take π_prox from the training pass), the micro-batched loss
+and backward, clipping, AdamW.
 
 `--lora` trains LoRA adapters instead, the policy built as the learner builds it with `model.lora.enabled=true`
 (`learner.policy.policy_model.build_policy`): adapters of rank `--lora-rank` on `model.lora`'s default target modules, in
@@ -24,7 +25,7 @@ the learner does (`learner.policy.memory`).
 
 FLOPs per step (model FLOPs, as MFU counts them: recomputation from activation checkpointing is not counted):
     forward  F = 2 · P · N + 2 · layers · d_attn · Σ L_i²
-    step     = 3 · F (forward and backward) + F (the proximal forward, for losses that need it)
+    step     = 3 · F (forward and backward) + F (the proximal forward up front, for losses that need one)
                + F (the reference model's forward, with --reference)
                - 2 · P · N with --lora (the frozen base's weight gradients, never computed)
 with P the base model's parameters that multiply a vector per token (the output head included, an untied input
@@ -69,7 +70,7 @@ from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpoin
 from learner.policy.lora import AdaptersOff, is_adapter_weight
 from learner.policy.memory import hold_to_part, resolve_micro_batch_tokens
 from learner.policy.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
-from learner.policy.train_step import NEEDS_PROXIMAL, Passes, train_step
+from learner.policy.train_step import NEEDS_PROXIMAL, Passes, proximal_from_training_pass, train_step
 
 GIB = 2**30
 TERA = 1e12
@@ -209,7 +210,8 @@ def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: st
     attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
     weights = 2 * matmul_parameters(model, shape) * float(lengths.sum())  # per pass
     forward = weights + 2 * shape.layers * attention_width * float(lengths.square().sum())
-    passes = 3 + (1 if loss in NEEDS_PROXIMAL else 0) + (1 if reference else 0)
+    up_front = loss in NEEDS_PROXIMAL and not proximal_from_training_pass(model, AlgorithmConfig(loss=loss))
+    passes = 3 + (1 if up_front else 0) + (1 if reference else 0)
     return passes * forward - (weights if lora else 0)  # a frozen base's backward has no weight gradients
 
 

@@ -76,6 +76,13 @@ def has_adapters(model: torch.nn.Module) -> bool:
     return any(isinstance(module, LoraLayer) for module in model.modules())
 
 
+def has_adapter_dropout(model: torch.nn.Module) -> bool:
+    """Whether the adapters drop inputs in training passes (`model.lora.dropout` > 0): such a pass is not the policy
+    that scores π_prox and samples."""
+    return any(isinstance(module, torch.nn.Dropout) and module.p > 0
+               for layer in lora_layers(model) for module in layer.lora_dropout.modules())
+
+
 def is_adapter_weight(name: str) -> bool:
     """Whether a parameter name (the learner's, with PEFT's adapter name in it) is an adapter matrix."""
     return any(part in name for part in _ADAPTER_MATRICES)

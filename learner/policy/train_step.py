@@ -21,7 +21,7 @@ from learner.maths.logprobs import target_logprobs
 from learner.maths.loss_terms import SEQ_MEAN_TOKEN_SUM_NORM, TOKEN_MEAN, second_moment_cutoff
 from learner.maths.losses import LossInputs, compute_policy_loss, second_moment_summary
 from learner.maths.mini_batches import mini_batch_rows
-from learner.policy.lora import adapter_dropout
+from learner.policy.lora import adapter_dropout, has_adapter_dropout
 from learner.policy.memory import out_of_memory_names_keys
 
 NEEDS_PROXIMAL = ("decoupled_ppo", "seq_mask", "m2po", "decoupled_ppo_kl")  # losses that read π_prox, the batch's starting policy
@@ -60,8 +60,10 @@ def train_step(
     batch = batch.to(world.device)
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     minis = _plan(batch, advantages, algorithm, passes, world)
+    from_training = proximal_from_training_pass(model, algorithm)
+    scoring = model if algorithm.loss in NEEDS_PROXIMAL and not from_training else None
     with out_of_memory_names_keys(passes.micro_batch_tokens):
-        _score_anchors(model if algorithm.loss in NEEDS_PROXIMAL else None, reference, minis, algorithm, passes, world)
+        _score_anchors(scoring, reference, minis, algorithm, passes, world, from_training)
     updates = []
     for mini in [mini for _ in range(algorithm.epochs) for mini in minis]:
         metrics, finite = _optimizer_step(model, optimizer, mini, algorithm, passes, grad_clip, world)
@@ -70,6 +72,16 @@ def train_step(
             # the weights already moved by the batch's earlier steps stay; the caller counts a bad step
             return StepOutcome(metrics=_over_updates(updates), finite=False)
     return StepOutcome(metrics=_over_updates(updates), finite=True)
+
+
+def proximal_from_training_pass(model: torch.nn.Module, algorithm: AlgorithmConfig) -> bool:
+    """Whether π_prox comes from the training passes themselves, with no pass up front: with one optimizer step per
+    batch (`algorithm.mini_batches` × `algorithm.epochs` = 1) the weights a training pass runs are the batch's
+    starting ones, so its log-probs, detached, are π_prox's, and the pass up front (a quarter of a step's model FLOPs)
+    would only repeat them. Not where a loss needs π_prox over the whole mini-batch before its first pass (m2po's
+    cutoff), nor where adapter dropout makes a training pass differ from the policy that scores."""
+    return (algorithm.loss in NEEDS_PROXIMAL and algorithm.mini_batches * algorithm.epochs == 1
+            and algorithm.loss not in NEEDS_SECOND_MOMENT_CUTOFF and not has_adapter_dropout(model))
 
 
 def _optimizer_step(
@@ -116,7 +128,7 @@ def _train_passes(
             behaviour_logprobs=part.behaviour_logprobs,
             advantages=mini.advantages[chunk.rows, : part.target_width],
             loss_mask=part.loss_mask,
-            proximal_logprobs=None if mini.anchors.proximal is None else mini.anchors.proximal[index],
+            proximal_logprobs=mini.anchors.proximal_of(index, logprobs),
             reference_logprobs=None if mini.anchors.reference is None else mini.anchors.reference[index],
             entropy=entropy,
             denominator=mini.denominator,
@@ -175,10 +187,12 @@ def _plan(batch: TrainBatch, advantages: Tensor, algorithm: AlgorithmConfig, pas
 
 
 def _score_anchors(policy: torch.nn.Module | None, reference: torch.nn.Module | None, minis: list[MiniBatch],
-                 algorithm: AlgorithmConfig, passes: Passes, world: World) -> None:
-    """Score every mini-batch before the first update: π_prox stays the policy that started the batch."""
+                 algorithm: AlgorithmConfig, passes: Passes, world: World, from_training: bool) -> None:
+    """Score every mini-batch before the first update: π_prox stays the policy that started the batch (`policy`
+    None: π_prox from the training passes where `from_training`, else none needed)."""
     for mini in minis:
         mini.anchors = _anchor_logprobs(policy, reference, mini.part, mini.chunks, passes)
+        mini.anchors.proximal_from_training = from_training
         if algorithm.loss in NEEDS_SECOND_MOMENT_CUTOFF:
             squared = _squared_log_ratios(mini, world)  # [N]
             mini.m2_cutoff = second_moment_cutoff(squared, algorithm.m2_threshold)
@@ -219,6 +233,13 @@ class Anchors:
 
     proximal: list[torch.Tensor] | None  # log π_prox: the policy's weights before the batch's first update
     reference: list[torch.Tensor] | None  # log π_ref: the frozen reference model
+    proximal_from_training: bool = False  # π_prox is each training pass's own log-probs (proximal_from_training_pass)
+
+    def proximal_of(self, index: int, training_logprobs: Tensor) -> Tensor | None:
+        """[b, T-1] log π_prox of chunk `index`, whose training pass gave `training_logprobs` (None: none needed)."""
+        if self.proximal_from_training:
+            return training_logprobs.detach()
+        return None if self.proximal is None else self.proximal[index]
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """scripts/bench_learner.py's FLOP count of one step, by hand: per pass 2 FLOPs per matmul parameter per token plus
-2 · layers · width · length² of attention per sample; forward and backward are 3 passes, a proximal pass (losses
-that anchor on the pre-update policy) and a reference pass one more each. With LoRA the frozen base's weight
+2 · layers · width · length² of attention per sample; forward and backward are 3 passes, a proximal pass up front
+(m2po: the other losses that anchor on the pre-update policy take it from the training pass at one optimizer step
+per batch) and a reference pass one more each. With LoRA the frozen base's weight
 gradients (2 FLOPs per matmul parameter per token) are not computed, and the adapters are not counted."""
 
 from types import SimpleNamespace
@@ -36,7 +37,7 @@ def model(tied: bool) -> Qwen2ForCausalLM:
 
 @pytest.mark.parametrize("tied", [True, False])  # untied: the head counts, the input embedding (a lookup) does not
 @pytest.mark.parametrize(("loss", "reference", "passes"), [
-    ("naive_ppo", False, 3), ("decoupled_ppo", False, 4), ("decoupled_ppo", True, 5),
+    ("naive_ppo", False, 3), ("decoupled_ppo", False, 3), ("m2po", False, 4), ("m2po", True, 5),
 ])
 def test_step_flops_by_hand(tied, loss, reference, passes):
     assert step_flops(model(tied), shape(tied), BATCH, loss, reference, lora=False) == passes * FORWARD
@@ -46,5 +47,5 @@ def test_step_flops_by_hand(tied, loss, reference, passes):
 def test_lora_leaves_out_the_base_weight_gradients_and_the_adapters(tied):
     adapted = model(tied)
     add_adapters(adapted, list(adapted.model.layers), LoraConfig(enabled=True, rank=2), torch.float32)
-    flops = step_flops(adapted, shape(tied), BATCH, "decoupled_ppo", False, lora=True)
+    flops = step_flops(adapted, shape(tied), BATCH, "m2po", False, lora=True)
     assert flops == 4 * FORWARD - WEIGHT_FLOPS

@@ -1,14 +1,17 @@
 """Several optimizer steps per batch (`algorithm.mini_batches`, `algorithm.epochs`) on the tiny float64 policy:
-the split by groups, equality with sequential single steps, today's step kept bit for bit at 1 × 1, π_prox fixed
-for the batch, the behaviour-anchored losses' one-step forms through the real step, and the batch's metrics."""
+the split by groups, equality with sequential single steps, today's step kept bit for bit at 1 × 1 (π_prox taken
+from its training passes, no pass up front), π_prox fixed for the batch, the behaviour-anchored losses' one-step forms through the real step, and the batch's metrics."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from asyncrl.config import load_config
 from asyncrl.config.algorithm import AlgorithmConfig
+from asyncrl.config.sections import LoraConfig
 from asyncrl.config.loader import ConfigError
 from learner.distributed import World
 from learner.maths.advantages import compute_advantages
@@ -17,7 +20,8 @@ from learner.maths.logprobs import target_logprobs
 from learner.maths.loss_terms import binary_kl, leaves_trust_region, ratio_from_log, second_moment_cutoff, truncated_weight
 from learner.maths.losses import LossInputs, compute_policy_loss
 from learner.maths.mini_batches import mini_batch_rows
-from learner.policy.train_step import NEEDS_PROXIMAL, Passes, rank_chunks, train_step
+from learner.policy.lora import add_adapters
+from learner.policy.train_step import NEEDS_PROXIMAL, Passes, proximal_from_training_pass, rank_chunks, train_step
 from policy_helpers import tiny_policy
 from test_packed_training import groups
 
@@ -133,7 +137,7 @@ def step_as_before(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
     optimizer.step()
 
 
-@pytest.mark.parametrize("loss", ["decoupled_ppo", "tis", "seq_mask", "naive_ppo"])
+@pytest.mark.parametrize("loss", ["decoupled_ppo", "decoupled_ppo_kl", "tis", "seq_mask", "naive_ppo"])
 def test_one_mini_batch_one_epoch_is_the_step_as_before_bit_for_bit(loss):
     algorithm = AlgorithmConfig(loss=loss)
     new, before = tiny_policy(), tiny_policy()
@@ -145,6 +149,41 @@ def test_one_mini_batch_one_epoch_is_the_step_as_before_bit_for_bit(loss):
     for a, b in zip(weights(new), weights(before)):
         assert torch.equal(a, b)
     assert "actor/optimizer_steps" not in metrics and "actor/pg_clipfrac_first_step" not in metrics
+
+
+def forward_passes(model: torch.nn.Module, algorithm: AlgorithmConfig) -> int:
+    """Forward passes of the policy's body in one train_step on the test's batch."""
+    calls = []
+    hook = model.model.register_forward_hook(lambda *args: calls.append(1))
+    train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2), collate(groups(), 0), algorithm, PASSES, 1.0,
+               CPU_WORLD)
+    hook.remove()
+    return len(calls)
+
+
+@pytest.mark.parametrize("algorithm, up_front", [
+    (AlgorithmConfig(loss="decoupled_ppo_kl"), False),  # one step per batch: π_prox is the training pass's own
+    (AlgorithmConfig(loss="decoupled_ppo", mini_batches=2), True),  # the second step's π_θ has moved on
+    (AlgorithmConfig(loss="decoupled_ppo", epochs=2), True),
+    (AlgorithmConfig(loss="m2po"), True),  # its cutoff needs the whole mini-batch's π_prox before the first pass
+    (AlgorithmConfig(loss="tis"), False),  # no π_prox at all
+])
+def test_pi_prox_is_scored_up_front_only_where_a_training_pass_cannot_give_it(algorithm, up_front):
+    chunks = sum(len(rank_chunks(collate(groups(), 0).select(rows), PASSES.micro_batch_tokens, CPU_WORLD))
+                 for rows in mini_batch_rows(collate(groups(), 0).group_index, algorithm.mini_batches))
+    training = chunks * algorithm.epochs
+    assert forward_passes(tiny_policy(), algorithm) == training + (chunks if up_front else 0)
+    assert proximal_from_training_pass(tiny_policy(), algorithm) == (algorithm.loss in NEEDS_PROXIMAL and not up_front)
+
+
+def test_adapter_dropout_keeps_the_pass_up_front():
+    """A training pass with dropout on the adapters is not the policy that scores: π_prox is scored without it."""
+    lora = LoraConfig(enabled=True, rank=4, alpha=8.0, target_modules=["q_proj"])
+    algorithm = AlgorithmConfig(loss="decoupled_ppo_kl")
+    for dropout, up_front in ((0.0, False), (0.5, True)):
+        model = tiny_policy()
+        model = add_adapters(model, list(model.model.layers), dataclasses.replace(lora, dropout=dropout), torch.float64)
+        assert proximal_from_training_pass(model, algorithm) == (not up_front)
 
 
 # ------------------------------------------------- behaviour-anchored losses at one step per batch
