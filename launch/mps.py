@@ -6,19 +6,23 @@ kernels run at once, as one context's would. `asyncrl run` starts a control daem
 lifetime (`nvidia-cuda-mps-control -f`, its pipe in a fresh directory, its log in RUN_DIR/logs/mps) and gives its
 roles the variables that make their CUDA contexts its clients; processes without them, other jobs included, are
 not touched. The daemon sees every GPU, as the roles' CUDA_VISIBLE_DEVICES (physical ids) expect: a client's ids
-are read against the devices its server sees. At the job's end the daemon is told to quit; it dies with
-`asyncrl run` should that be killed outright (an MPS server it had started may then stay until its clients are gone).
+are read against the devices its server sees. While the job runs, the daemon is asked whether an MPS server serves
+its roles (it starts one for the first client): the first seen is logged and written to RUN_DIR/logs/mps/serving, and
+a job that never had one says so at its end (its roles took turns). At the job's end the daemon is told to quit; it
+dies with `asyncrl run` should that be killed outright (an MPS server it had started may then stay until its clients
+are gone).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.config import AsyncRLConfig, ConfigError
@@ -30,9 +34,11 @@ CONTROL = "nvidia-cuda-mps-control"  # NVIDIA's MPS control program, installed w
 PIPE_ENV, LOG_ENV = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
 READY_FILE = "control"  # the daemon's socket in its pipe directory: present once it takes clients
 LOG_DIR = Path("logs") / "mps"  # in the run directory: the daemon's logs (CUDA_MPS_LOG_DIRECTORY)
-SERVER_LOG = "server.log"  # in LOG_DIR: written by the MPS server the daemon starts for its first client
+SERVING_FILE = "serving"  # in LOG_DIR: the pids of the MPS servers seen serving the job's roles, once one is
 START_TIMEOUT_S = 10.0  # longest wait for the daemon to take clients
 STOP_TIMEOUT_S = 10.0  # longest wait for it to quit when told, before it is killed
+ASK_EVERY_S = 15.0  # how often a running job asks the daemon whether a server serves its roles, until one does
+ASK_TIMEOUT_S = 10.0  # longest wait for the daemon's answer
 POLL_S = 0.05  # how often the start looks for the socket
 
 AUTO, ON = "auto", "on"  # run.mps values that start a daemon
@@ -49,10 +55,34 @@ class MpsDaemon:
     process: subprocess.Popen
     pipe_dir: Path  # its socket's directory, made for it (a short path: a socket's path is at most 107 bytes)
     log_dir: Path
+    serving: list[str] = field(default_factory=list)  # the MPS servers' pids seen serving the roles (none yet: [])
+    asked_at: float = -math.inf  # time.monotonic() of the last question
 
     def environment(self) -> dict[str, str]:
         """The variables that make a process's CUDA contexts this daemon's clients."""
         return {PIPE_ENV: str(self.pipe_dir), LOG_ENV: str(self.log_dir)}
+
+    def follow(self, log: logging.Logger, final: bool = False) -> None:
+        """Until an MPS server is seen serving the roles, ask the daemon every ASK_EVERY_S (`final`: now): the first
+        seen is logged and written to SERVING_FILE; at the `final` question, none seen is a warning."""
+        if self.serving or (not final and time.monotonic() - self.asked_at < ASK_EVERY_S):
+            return
+        self.asked_at = time.monotonic()
+        try:
+            self.serving = self._ask("get_server_list").split()
+        except (subprocess.TimeoutExpired, OSError) as error:
+            log.warning("CUDA MPS: the daemon did not answer whether a server runs (%s)", error)
+        if self.serving:
+            (self.log_dir / SERVING_FILE).write_text("\n".join(self.serving) + "\n")
+            log.info("CUDA MPS: server pid %s serves the job's roles: their kernels run at once", ", ".join(self.serving))
+        elif final:
+            log.warning("CUDA MPS: no MPS server served the job's roles: they took turns on the GPU (see %s)",
+                        self.log_dir)
+
+    def _ask(self, command: str) -> str:
+        """The daemon's answer to a control command."""
+        return subprocess.run([CONTROL], input=command + "\n", text=True, env=os.environ | self.environment(),
+                              capture_output=True, timeout=ASK_TIMEOUT_S).stdout
 
     def stop(self) -> None:
         """Tell the daemon to quit (its server with it), wait a bounded time, then kill it; remove its pipe directory."""

@@ -40,7 +40,7 @@
 #              runs the async job as a mixed plan (a server on each GPU, the learner beside the second)
 #   race       scripts/bench_time_to_score.py on configs/gpu_longtail.yaml: the synchronous run, the async job (each
 #              validated after the run) and the engine's ceiling (RACE_MODES=sync, async or ceiling runs a part per
-#              call, all kept in /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
+#              call, all kept in RACE_DIR, default /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
 #              "--prepare-only" to only make the data and the model and fill vLLM's compile cache (so that
 #              neither mode's launch pays for compiling), or "--side-by-side" on 2, 4 or 8 GPUs to run a seed's
 #              two modes at once, each on half of them; each run's snapshots are scored as soon as it
@@ -245,17 +245,17 @@ race_shape() {
 }
 
 stage_race() {
-    # RACE_MODES: the modes to run in this call (a host's per-command limit fits one); runs kept in /tmp/asyncrl-race
-    local shape
+    # RACE_MODES: the modes to run in this call (a host's per-command limit fits one); runs kept in RACE_DIR
+    local shape dir="${RACE_DIR:-/tmp/asyncrl-race}"
     shape=$(race_shape) || return 1
     register_plugin
-    "$PYTHON" scripts/bench_time_to_score.py --config configs/gpu_longtail.yaml --out-dir /tmp/asyncrl-race \
+    "$PYTHON" scripts/bench_time_to_score.py --config configs/gpu_longtail.yaml --out-dir "$dir" \
         --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" $shape metrics.wandb_mode=disabled \
         ${RACE_ARGS:-}  # last: the shape's overrides would be read as files after a --restore that RACE_ARGS ends with
     local status=$?
-    cp /tmp/asyncrl-race/time_to_score.png "$OUT/" 2>/dev/null
+    cp "$dir/time_to_score.png" "$OUT/" 2>/dev/null
     # every role's log (vLLM's own lines among them): where a start-up's seconds went, once the host is gone
-    (cd /tmp/asyncrl-race && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/race-logs.tar.gz" --null -T -) \
+    (cd "$dir" && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/race-logs.tar.gz" --null -T -) \
         2>/dev/null
     return $status
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.metrics import METRICS_FILE
-from launch.mps import LOG_DIR as MPS_LOG_DIR, SERVER_LOG as MPS_SERVER_LOG
+from launch.mps import LOG_DIR as MPS_LOG_DIR, SERVING_FILE as MPS_SERVING_FILE
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
 from asyncrl.whole_files import write_json_whole
 
@@ -43,7 +43,7 @@ def add_log_readings(root: Path, name: str, launch: Launch) -> None:
     run_dir = root / name
     write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(run_dir),
                                                          "engine_begins_s": engine_begins(run_dir, launch["time"]),
-                                                         "under_mps": (run_dir / MPS_LOG_DIR / MPS_SERVER_LOG).is_file()})
+                                                         "under_mps": (run_dir / MPS_LOG_DIR / MPS_SERVING_FILE).is_file()})
 
 
 def read_launch(root: Path, name: str) -> Launch:

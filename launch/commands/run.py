@@ -43,6 +43,7 @@ def main(args: argparse.Namespace) -> int:
         return run_roles(args, config, log, name, run_dir, plan, mps)
     finally:
         if mps is not None:
+            mps.follow(log, final=True)
             mps.stop()
 
 
@@ -73,6 +74,8 @@ def run_roles(args: argparse.Namespace, config: AsyncRLConfig, log: logging.Logg
                     log.error("  %s", line)
                 code = rollout.returncode  # CANNOT_START: the servers cannot start or run from this config or install
                 break
+            if mps is not None:
+                mps.follow(log)
             time.sleep(_POLL_S)
         if stop.requested:
             code = INTERRUPTED

@@ -17,7 +17,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.placement import Plan
-from launch.mps import CONTROL, start_mps
+from launch.mps import CONTROL, SERVING_FILE, start_mps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -68,11 +68,13 @@ def test_two_clients_of_the_job_s_daemon_pass_weights_by_cuda_ipc(tmp_path, monk
         read = answers.get(timeout=WAIT_S)
         servers = subprocess.run([CONTROL], input="get_server_list\n", text=True, capture_output=True,
                                  env=os.environ | daemon.environment(), timeout=30).stdout
+        daemon.follow(logging.getLogger("mps"), final=True)  # what `asyncrl run` asks, then records for the job
         for process in (learner, server):
             process.join(WAIT_S)
         assert read["w"] == torch.arange(4096, dtype=torch.float32).reshape(64, 64).tolist()
         assert [learner.exitcode, server.exitcode] == [0, 0]
         assert servers.strip(), "the daemon runs no MPS server: the processes were not its clients"
+        assert daemon.serving == servers.split() and (daemon.log_dir / SERVING_FILE).is_file()
     finally:
         daemon.stop()
     assert daemon.process.returncode == 0

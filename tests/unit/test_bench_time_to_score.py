@@ -247,7 +247,7 @@ def test_a_finished_run_s_launch_file_says_when_its_engine_started_and_whether_i
     (logs / "mps" / "control.log").write_text("started\n")  # a daemon that served no client: not MPS
     add_log_readings(tmp_path, "run", launch)
     assert read_launch(tmp_path, "run")["under_mps"] is False
-    (logs / "mps" / "server.log").write_text("New client connected\n")
+    (logs / "mps" / "serving").write_text("4242\n")  # written once the job saw an MPS server serve its roles
     add_log_readings(tmp_path, "run", launch)
     assert read_launch(tmp_path, "run")["under_mps"] is True and read_launch(tmp_path, "run")["start_weights"] == "abc"
 

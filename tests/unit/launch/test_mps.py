@@ -1,6 +1,7 @@
 """CUDA MPS for `asyncrl run` (`run.mps`, launch/mps.py) with a stand-in for NVIDIA's control program: when a job
-gets a daemon, what its roles are given, the daemon quitting at the end or dying with the launcher, and the refusals
-(run.mps=on without a GPU, without the program, or with a daemon that does not start) each naming the key."""
+gets a daemon, what its roles are given, whether a server served them, the daemon quitting at the end or dying with
+the launcher, and the refusals (run.mps=on without a GPU, without the program, or with a daemon that does not start)
+each naming the key."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ from asyncrl.config import load_config
 from asyncrl.config.loader import ConfigError
 from asyncrl.placement import Plan
 from launch import mps
-from launch.mps import CONTROL, LOG_ENV, PIPE_ENV, MpsError, start_mps, wanted
+from launch.mps import CONTROL, LOG_ENV, PIPE_ENV, SERVING_FILE, MpsError, start_mps, wanted
 
 COLOCATED = Plan(learner=(0,), servers=((0,),))
 APART = Plan(learner=(1,), servers=((0,),))
 LOG = logging.getLogger("test-mps")
 
 # The stand-in: `-f` runs the daemon (it records its environment, makes its socket file, and waits for a quit);
-# without arguments it is the client, which passes a "quit" on stdin to the daemon.
+# without arguments it is the client, which passes a "quit" on stdin to the daemon or answers "get_server_list" with
+# one server's pid (none with STAND_IN_NO_SERVER).
 STAND_IN = """\
     import json, os, pathlib, sys, time
     pipe = pathlib.Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
@@ -40,8 +42,12 @@ STAND_IN = """\
             (pipe / "control").write_text("")
         while not (pipe / "quit").exists():
             time.sleep(0.02)
-    elif sys.stdin.read().strip() == "quit":
-        (pipe / "quit").write_text("")
+    else:
+        command = sys.stdin.read().strip()
+        if command == "quit":
+            (pipe / "quit").write_text("")
+        elif command == "get_server_list" and not os.environ.get("STAND_IN_NO_SERVER"):
+            print(4242)
 """
 
 
@@ -113,6 +119,32 @@ def test_the_roles_become_clients_of_a_daemon_of_the_job_s_own_which_quits_at_th
     assert not daemon.pipe_dir.exists()
 
 
+def test_a_server_serving_the_roles_is_logged_and_recorded_once_and_none_at_the_end_is_a_warning(
+        stand_in, tmp_path, monkeypatch, caplog):
+    daemon = start_mps(config("run.mps=on"), COLOCATED, tmp_path / "run", LOG)
+    monkeypatch.setenv("STAND_IN_NO_SERVER", "1")  # no client yet: the daemon runs no server
+    with caplog.at_level(logging.INFO):
+        daemon.follow(LOG)
+        daemon.follow(LOG)  # within ASK_EVERY_S of the first question: not asked again
+        assert daemon.serving == [] and not (daemon.log_dir / SERVING_FILE).exists()
+        monkeypatch.delenv("STAND_IN_NO_SERVER")
+        daemon.follow(LOG)
+        assert daemon.serving == []  # asked only every ASK_EVERY_S
+        monkeypatch.setattr(mps, "ASK_EVERY_S", 0.0)
+        daemon.follow(LOG)
+        daemon.follow(LOG, final=True)
+    daemon.stop()
+    assert daemon.serving == ["4242"] and (daemon.log_dir / SERVING_FILE).read_text() == "4242\n"
+    assert caplog.text.count("CUDA MPS: server pid 4242 serves the job's roles") == 1 and "WARNING" not in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("STAND_IN_NO_SERVER", "1")
+    daemon = start_mps(config("run.mps=on"), COLOCATED, tmp_path / "other", LOG)
+    with caplog.at_level(logging.INFO):
+        daemon.follow(LOG, final=True)
+    daemon.stop()
+    assert "no MPS server served the job's roles: they took turns on the GPU" in caplog.text
+
+
 def test_auto_goes_on_without_a_daemon_where_none_can_start(stand_in, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no control program
     with caplog.at_level(logging.WARNING):
@@ -169,6 +201,10 @@ def test_asyncrl_run_gives_both_roles_the_daemon_and_stops_it_after_them(tmp_pat
         def environment(self):
             return {PIPE_ENV: "/tmp/asyncrl-mps-x", LOG_ENV: "/run/logs/mps"}
 
+        def follow(self, log, final=False):
+            if final:
+                events.append("asked at the end")
+
         def stop(self):
             events.append("daemon stopped")
 
@@ -192,4 +228,4 @@ def test_asyncrl_run_gives_both_roles_the_daemon_and_stops_it_after_them(tmp_pat
     args = argparse.Namespace(config=None, overrides=[f"run.root_dir={tmp_path}", "run.name=job", "run.mps=on"])
     assert run.main(args) == 0
     assert events == ["learner started with /tmp/asyncrl-mps-x", "rollout started with /tmp/asyncrl-mps-x",
-                      "role stopped", "role stopped", "daemon stopped"]
+                      "role stopped", "role stopped", "asked at the end", "daemon stopped"]
