@@ -48,6 +48,9 @@
 #              (race-records.tar.gz, for --restore: rewritten after each run and its scoring, so that a wait copies every run
 #              finished so far), then the plot and their roles' logs (race-logs.tar.gz) go to $OUT; RACE_SHAPE=600m races ~600 M parameters at 64 prompts a step instead of the preset's
 #              76 M at 16 (the sweep stage reads it too)
+#   mps        scripts/bench_mps.py on configs/gpu_longtail.yaml: the race's async job (RACE_SHAPE) with its roles
+#              taking turns on the GPU, then under CUDA MPS, side by side from one prepared model; each arm's records
+#              to $OUT/mps-records/ARM.tar.gz, their logs to $OUT/mps-logs.tar.gz; MPS_ARGS adds options (--steps)
 #   sweep      scripts/lr_sweep.py on configs/gpu_longtail.yaml: the race's synchronous run once per learning rate of
 #              SWEEP_LRS (default 1e-6,2.5e-6,5e-6), all at once on the host's first GPU, each held to its part of
 #              the card (the card's memory over the rates, less 2 GiB: run.gpu_memory_gib) with a fixed KV cache
@@ -276,6 +279,18 @@ stage_share() {
     register_plugin
     "$PYTHON" scripts/bench_learner_share.py --config configs/gpu_longtail.yaml --work-dir /tmp/asyncrl-share \
         "${candidates[@]}" ${SHARE_ARGS:-}
+}
+
+stage_mps() {
+    local shape
+    shape=$(race_shape) || return 1
+    register_plugin
+    "$PYTHON" scripts/bench_mps.py --config configs/gpu_longtail.yaml --out-dir /tmp/asyncrl-mps \
+        --archive-dir "$OUT/mps-records" $shape metrics.wandb_mode=disabled ${MPS_ARGS:-}
+    local status=$?
+    (cd /tmp/asyncrl-mps && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/mps-logs.tar.gz" --null -T -) \
+        2>/dev/null
+    return $status
 }
 
 stage_sweep() {
