@@ -69,7 +69,7 @@ class MpsDaemon:
             return
         self.asked_at = time.monotonic()
         try:
-            self.serving = self._ask("get_server_list").split()
+            self.serving = self._ask("get_server_list", ASK_TIMEOUT_S).split()
         except (subprocess.TimeoutExpired, OSError) as error:
             log.warning("CUDA MPS: the daemon did not answer whether a server runs (%s)", error)
         if self.serving:
@@ -79,17 +79,16 @@ class MpsDaemon:
             log.warning("CUDA MPS: no MPS server served the job's roles: they took turns on the GPU (see %s)",
                         self.log_dir)
 
-    def _ask(self, command: str) -> str:
-        """The daemon's answer to a control command."""
+    def _ask(self, command: str, timeout_s: float) -> str:
+        """The daemon's answer to a control command (subprocess.TimeoutExpired after `timeout_s`)."""
         return subprocess.run([CONTROL], input=command + "\n", text=True, env=os.environ | self.environment(),
-                              capture_output=True, timeout=ASK_TIMEOUT_S).stdout
+                              capture_output=True, timeout=timeout_s).stdout
 
     def stop(self) -> None:
         """Tell the daemon to quit (its server with it), wait a bounded time, then kill it; remove its pipe directory."""
         if self.process.poll() is None:
             try:
-                subprocess.run([CONTROL], input="quit\n", text=True, env=os.environ | self.environment(),
-                               capture_output=True, timeout=STOP_TIMEOUT_S)
+                self._ask("quit", STOP_TIMEOUT_S)
                 self.process.wait(STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()

@@ -52,11 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sync_ranks = 0  # what bench_time_to_score's job builder reads (its synchronous runs only)
     if unknown := {arm for arm in args.arms.split(",") if arm} - set(ARMS):
         parser.error(f"--arms: unknown arm(s) {sorted(unknown)} (choose from {', '.join(ARMS)})")
-    for item in args.restore:
-        arm, _, archive = item.partition("=")
-        if arm not in ARMS or not Path(archive).is_file():
-            parser.error(f"--restore {item}: give ARM=FILE, ARM one of {', '.join(ARMS)} and FILE an archive")
+    args.restore = dict(_arm_archive(parser, item) for item in args.restore)  # arm -> its archive
     return args
+
+
+def _arm_archive(parser: argparse.ArgumentParser, item: str) -> tuple[str, str]:
+    arm, _, archive = item.partition("=")
+    if arm not in ARMS or not Path(archive).is_file():
+        parser.error(f"--restore {item}: give ARM=FILE, ARM one of {', '.join(ARMS)} and FILE an archive")
+    return arm, archive
 
 
 def run_arm(arm: str, mode: Mode, args: argparse.Namespace, root: Path, start_weights: str | None) -> None:
@@ -106,8 +110,7 @@ def main() -> None:
     mode = Mode("async", args.max_staleness)
     root = Path(args.out_dir or tempfile.mkdtemp(prefix="asyncrl-mps-"))
     root.mkdir(parents=True, exist_ok=True)
-    for item in args.restore:
-        arm, _, archive = item.partition("=")
+    for arm, archive in args.restore.items():
         restore_records([archive], root / arm)
     arms = [arm for arm in args.arms.split(",") if arm]
     if arms and not args.skip_prepare:

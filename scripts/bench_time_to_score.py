@@ -341,7 +341,7 @@ def main() -> None:
             keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the runs' pace
             if not args.no_evaluate:
                 evaluate([root / mode.run_name(seed) for mode in modes], args.eval_engines)
-            keep_records(args, root)
+                keep_records(args, root)
             continue
         for mode in modes:
             if mode.name in wanted:
@@ -349,7 +349,7 @@ def main() -> None:
                 keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the run's pace
                 if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
                     evaluate([root / mode.run_name(seed)], args.eval_engines)
-                keep_records(args, root)
+                    keep_records(args, root)
     if CEILING in wanted:
         measure_ceiling(args, root)
     ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}

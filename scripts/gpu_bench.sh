@@ -247,6 +247,12 @@ race_shape() {
     echo "${RACE_SHAPES[$shape]}"
 }
 
+keep_role_logs() {
+    # every role's log under the runs of $1 (vLLM's own lines among them) into $OUT/$2: where a start-up's seconds
+    # went, once the host is gone
+    (cd "$1" && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/$2" --null -T -) 2>/dev/null
+}
+
 stage_race() {
     # RACE_MODES: the modes to run in this call (a host's per-command limit fits one); runs kept in RACE_DIR
     local shape dir="${RACE_DIR:-/tmp/asyncrl-race}"
@@ -257,9 +263,7 @@ stage_race() {
         ${RACE_ARGS:-}  # last: the shape's overrides would be read as files after a --restore that RACE_ARGS ends with
     local status=$?
     cp "$dir/time_to_score.png" "$OUT/" 2>/dev/null
-    # every role's log (vLLM's own lines among them): where a start-up's seconds went, once the host is gone
-    (cd "$dir" && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/race-logs.tar.gz" --null -T -) \
-        2>/dev/null
+    keep_role_logs "$dir" race-logs.tar.gz
     return $status
 }
 
@@ -288,8 +292,7 @@ stage_mps() {
     "$PYTHON" scripts/bench_mps.py --config configs/gpu_longtail.yaml --out-dir /tmp/asyncrl-mps \
         --archive-dir "$OUT/mps-records" $shape metrics.wandb_mode=disabled ${MPS_ARGS:-}
     local status=$?
-    (cd /tmp/asyncrl-mps && find . -path '*/logs/*' -type f -print0 | tar czf "$OUT/mps-logs.tar.gz" --null -T -) \
-        2>/dev/null
+    keep_role_logs /tmp/asyncrl-mps mps-logs.tar.gz
     return $status
 }
 

@@ -191,8 +191,7 @@ def _score_anchors(policy: torch.nn.Module | None, reference: torch.nn.Module | 
     """Score every mini-batch before the first update: π_prox stays the policy that started the batch (`policy`
     None: π_prox from the training passes where `from_training`, else none needed)."""
     for mini in minis:
-        mini.anchors = _anchor_logprobs(policy, reference, mini.part, mini.chunks, passes)
-        mini.anchors.proximal_from_training = from_training
+        mini.anchors = _anchor_logprobs(policy, reference, mini.part, mini.chunks, passes, from_training)
         if algorithm.loss in NEEDS_SECOND_MOMENT_CUTOFF:
             squared = _squared_log_ratios(mini, world)  # [N]
             mini.m2_cutoff = second_moment_cutoff(squared, algorithm.m2_threshold)
@@ -244,7 +243,7 @@ class Anchors:
 
 @torch.no_grad()
 def _anchor_logprobs(policy: torch.nn.Module | None, reference: torch.nn.Module | None, batch: TrainBatch,
-                     chunks: list[Chunk], passes: Passes) -> Anchors:
+                     chunks: list[Chunk], passes: Passes, proximal_from_training: bool) -> Anchors:
     """One pass over the chunks up front scoring them under the pre-update policy and the reference."""
     proximal: list[torch.Tensor] | None = [] if policy is not None else None
     referenced: list[torch.Tensor] | None = [] if reference is not None else None
@@ -254,7 +253,7 @@ def _anchor_logprobs(policy: torch.nn.Module | None, reference: torch.nn.Module 
             if model is not None:
                 into.append(target_logprobs(model, part.input_ids, part.attention_mask, passes.temperature,
                                             with_entropy=False, packed=passes.packed, wanted=part.loss_mask)[0])
-    return Anchors(proximal=proximal, reference=referenced)
+    return Anchors(proximal=proximal, reference=referenced, proximal_from_training=proximal_from_training)
 
 
 def _clip(model: torch.nn.Module, grad_clip: float) -> float:
