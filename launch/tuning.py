@@ -21,7 +21,8 @@ WAIT_BOUND = 0.10  # the learner waiting more than this share of its time: gener
 SYNC_BOUND = 0.25  # weight sync taking more than this share (and more than the waiting): sync-bound
 SYNC_TARGET = 0.10  # share of the time weight sync should take after the advice
 WARMUP_SHARE = 0.10  # leading share of the steps left out (engine warm-up, compilation)
-BUSY_IDLE = 0.05  # servers idle less than this share of their uptime always had work: more in flight adds nothing
+BUSY_IDLE = 0.05  # servers idle less than this share of their uptime always had work
+FULL_SLOTS = 0.9  # servers running at least this share of their slots (rollout.max_inflight) on average were full
 DRIFT_KEYS = ("rollout_corr/mismatch_kl", "rollout_corr/is_clip_frac")
 MASKED_KEY = "trust_region/masked_frac"  # logged by the behaviour-anchored losses (dppo_tv, dppo_kl, m2po)
 BEHAVIOUR_ANCHORED = ("dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl", "naive_ppo")  # losses bounding π_θ against π_behav
@@ -42,6 +43,7 @@ class RunSettings:
     max_mismatch_kl: float  # buffer.pacing.max_mismatch_kl (auto's drift bound)
     max_is_clip_frac: float  # buffer.pacing.max_is_clip_frac (auto's bound on the share of tokens corrected or masked)
     num_servers: int  # rollout.num_servers
+    slots: int  # samples the servers may run at once: rollout.max_inflight x rollout.num_servers
     micro_batch_tokens: str  # learner.micro_batch_tokens: a number or auto
     sync_every: int  # learner.sync_every
     loss: str  # algorithm.loss
@@ -56,7 +58,8 @@ class RunSettings:
         plan = listed_plan(config)
         shared = bool(plan.learner and plan.servers) and plan.sharing == len(plan.servers)
         return cls(config.buffer.max_staleness, pacing.k_max, pacing.max_mismatch_kl, pacing.max_is_clip_frac,
-                   config.rollout.num_servers, learner.micro_batch_tokens, learner.sync_every,
+                   config.rollout.num_servers, config.rollout.max_inflight * config.rollout.num_servers,
+                   learner.micro_batch_tokens, learner.sync_every,
                    algorithm.loss, algorithm.mini_batches * algorithm.epochs, shared, learner.activation_checkpointing,
                    learner.compile)
 
@@ -76,6 +79,7 @@ class RunReading:
     is_clip_frac: float  # rollout_corr/is_clip_frac
     masked_frac: float | None  # trust_region/masked_frac; None: the loss logged none
     rollout_idle: float  # rollout/idle_ratio at the last step that logged it (a whole-run figure)
+    inflight: float | None  # rollout/inflight (samples running on all servers) over the read steps; None: not logged
     completion_tokens: float  # completion tokens trained per step: response_length/mean x batch/samples
 
     @property
@@ -111,6 +115,7 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
         mismatch_kl=mean_of(read, DRIFT_KEYS[0]), is_clip_frac=mean_of(read, DRIFT_KEYS[1]),
         masked_frac=mean_of(read, MASKED_KEY) if any(r.get(MASKED_KEY) is not None for r in read) else None,
         rollout_idle=idle[-1] if idle else 0.0,
+        inflight=mean_of(read, "rollout/inflight") if any(r.get("rollout/inflight") is not None for r in read) else None,
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
     )
 
@@ -138,10 +143,12 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
                 f"{s.sync_every}; {SYNC_TARGET:.0%} at {every}) with K ≥ {every}: samples get up to {every - 1} "
                 "versions staler")
     if r.verdict == "generation-bound":
-        if s.shared_gpu and r.rollout_idle < BUSY_IDLE:
+        held_back = _slots_held_back(r, s)
+        if s.shared_gpu and r.rollout_idle < BUSY_IDLE and not held_back:
             k = f"K={r.k_last} (auto)" if paced and r.k_last is not None else f"K={s.k}"
+            running = f", {r.inflight:.0f} of their {s.slots} slots running" if r.inflight is not None else ""
             return (f"K: keep {k}: the servers on the learner's GPU were never short of work (idle "
-                    f"{r.rollout_idle:.0%}), so more samples in flight add no generation on that GPU")
+                    f"{r.rollout_idle:.0%}{running}), so more samples in flight add no generation on that GPU")
         if paced and r.k_last is not None and r.k_last >= s.k_max:
             return (f"K: the controller reached buffer.pacing.k_max={s.k_max} while the learner still waited "
                     f"{r.wait_share:.0%}: raise k_max if the drift allows (mismatch_kl {r.mismatch_kl:.4f}, bound "
@@ -151,7 +158,7 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
                     f"{s.max_mismatch_kl:g}) while the learner still waited {r.wait_share:.0%}: add generation "
                     "(servers, below) rather than staleness")
         return (f"K: buffer.max_staleness={int(s.k) + 1} or auto (the learner waited {r.wait_share:.0%} "
-                f"of the time at K={s.k}: generation may run one version further ahead)")
+                f"of the time at K={s.k}: generation may run one version further ahead{held_back})")
     if paced:
         return (f"K: the controller settled at K={r.k_last} (mean {r.k_mean:.2f}) with the learner waiting "
                 f"{r.wait_share:.0%}: buffer.max_staleness={r.k_last} gives the same pace as a fixed bound")
@@ -160,6 +167,16 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
         return f"K: keep buffer.max_staleness={fixed} (the learner waited only {r.wait_share:.0%}: the smallest useful K)"
     return (f"K: buffer.max_staleness={fixed - 1} or auto (the learner waited only {r.wait_share:.0%} at K={fixed}, "
             f"trained samples {r.staleness_mean:.2f} versions old: a smaller K trains fresher samples at the same speed)")
+
+
+def _slots_held_back(r: RunReading, s: RunSettings) -> str:
+    """Where the servers ran fewer samples than their slots allow (admission under K holding the rest back), the
+    figures, else "": an idle share near 0 says a sample was always running, not that every slot was, and a decode
+    step over more samples makes more tokens."""
+    if r.inflight is None or r.inflight >= FULL_SLOTS * s.slots:
+        return ""
+    return (f"; the servers ran {r.inflight:.0f} of their {s.slots} slots (rollout.max_inflight) on average, "
+            "admission holding the rest back: a fuller engine makes more tokens a step")
 
 
 def _servers_advice(r: RunReading, s: RunSettings) -> str:

@@ -165,3 +165,18 @@ def test_a_one_gpu_run_waiting_on_generation_is_told_the_gpu_is_the_limit_not_k_
     write_run(starved, ["buffer.max_staleness=2", "rollout.gpus=[0]", "learner.gpus=[0]"],
               steady(4.6, 3.6, 0.2, **{"rollout/idle_ratio": 0.3}))
     assert tune(starved, capsys)[1].startswith("K: buffer.max_staleness=3 or auto")
+
+
+@pytest.mark.parametrize("inflight, expected", [
+    # 30 of 32 slots running: the engine was full, a larger K starts nothing more
+    (30.0, "K: keep K=2: the servers on the learner's GPU were never short of work (idle 0%, 30 of their 32 slots "
+           "running), so more samples in flight add no generation on that GPU"),
+    # never idle, yet half the slots empty: admission under K held them back
+    (16.0, "K: buffer.max_staleness=3 or auto (the learner waited 55% of the time at K=2: generation may run one "
+           "version further ahead; the servers ran 16 of their 32 slots (rollout.max_inflight) on average, admission "
+           "holding the rest back: a fuller engine makes more tokens a step)"),
+])
+def test_a_one_gpu_run_never_idle_is_told_to_raise_k_only_while_slots_sat_empty(tmp_path, capsys, inflight, expected):
+    write_run(tmp_path, ["buffer.max_staleness=2", "rollout.gpus=[0]", "learner.gpus=[0]", "rollout.max_inflight=32"],
+              steady(4.6, 3.6, 0.2, **{"rollout/inflight": inflight}))
+    assert tune(tmp_path, capsys)[1] == expected
