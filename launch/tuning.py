@@ -170,13 +170,13 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
 
 
 def _slots_held_back(r: RunReading, s: RunSettings) -> str:
-    """Where the servers ran fewer samples than their slots allow (admission under K holding the rest back), the
-    figures, else "": an idle share near 0 says a sample was always running, not that every slot was, and a decode
-    step over more samples makes more tokens."""
+    """Where the servers' engines held fewer requests than their slots allow, the figures, else "": an idle share
+    near 0 says a request was always running, not that every slot was; a larger K lets admission start more samples,
+    and a decode step over more of them makes more tokens."""
     if r.inflight is None or r.inflight >= FULL_SLOTS * s.slots:
         return ""
-    return (f"; the servers ran {r.inflight:.0f} of their {s.slots} slots (rollout.max_inflight) on average, "
-            "admission holding the rest back: a fuller engine makes more tokens a step")
+    return (f"; the servers' engines held {r.inflight:.0f} requests on average of the {s.slots} slots "
+            "rollout.max_inflight gives them: a larger K starts more samples, a fuller engine makes more tokens a step")
 
 
 def _servers_advice(r: RunReading, s: RunSettings) -> str:

@@ -171,10 +171,10 @@ def test_a_one_gpu_run_waiting_on_generation_is_told_the_gpu_is_the_limit_not_k_
     # 30 of 32 slots running: the engine was full, a larger K starts nothing more
     (30.0, "K: keep K=2: the servers on the learner's GPU were never short of work (idle 0%, 30 of their 32 slots "
            "running), so more samples in flight add no generation on that GPU"),
-    # never idle, yet half the slots empty: admission under K held them back
+    # never idle, yet half the slots empty: a larger K lets admission start more samples
     (16.0, "K: buffer.max_staleness=3 or auto (the learner waited 55% of the time at K=2: generation may run one "
-           "version further ahead; the servers ran 16 of their 32 slots (rollout.max_inflight) on average, admission "
-           "holding the rest back: a fuller engine makes more tokens a step)"),
+           "version further ahead; the servers' engines held 16 requests on average of the 32 slots "
+           "rollout.max_inflight gives them: a larger K starts more samples, a fuller engine makes more tokens a step)"),
 ])
 def test_a_one_gpu_run_never_idle_is_told_to_raise_k_only_while_slots_sat_empty(tmp_path, capsys, inflight, expected):
     write_run(tmp_path, ["buffer.max_staleness=2", "rollout.gpus=[0]", "learner.gpus=[0]", "rollout.max_inflight=32"],
