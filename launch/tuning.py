@@ -113,9 +113,9 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
         sync_share=sync_s / step_s, k_mean=sum(ks) / len(ks) if ks else None, k_last=int(ks[-1]) if ks else None,
         staleness_mean=mean_of(read, "staleness/mean"),
         mismatch_kl=mean_of(read, DRIFT_KEYS[0]), is_clip_frac=mean_of(read, DRIFT_KEYS[1]),
-        masked_frac=mean_of(read, MASKED_KEY) if any(r.get(MASKED_KEY) is not None for r in read) else None,
+        masked_frac=logged_mean(read, MASKED_KEY),
         rollout_idle=idle[-1] if idle else 0.0,
-        inflight=mean_of(read, "rollout/inflight") if any(r.get("rollout/inflight") is not None for r in read) else None,
+        inflight=logged_mean(read, "rollout/inflight"),
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
     )
 
@@ -256,5 +256,10 @@ def _lower_k(s: RunSettings) -> str:
 
 def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float:
     """The mean of `key` over the records that logged it (0 where none did)."""
+    return logged_mean(records, key) or 0.0
+
+
+def logged_mean(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The mean of `key` over the records that logged it (None where none did)."""
     values = [record[key] for record in records if record.get(key) is not None]
-    return sum(values) / len(values) if values else 0.0
+    return sum(values) / len(values) if values else None

@@ -70,7 +70,7 @@ from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpoin
 from learner.policy.lora import AdaptersOff, is_adapter_weight
 from learner.policy.memory import hold_to_part, resolve_micro_batch_tokens
 from learner.policy.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
-from learner.policy.train_step import NEEDS_PROXIMAL, Passes, proximal_from_training_pass, train_step
+from learner.policy.train_step import Passes, proximal_pass_up_front, train_step
 
 GIB = 2**30
 TERA = 1e12
@@ -210,7 +210,7 @@ def step_flops(model: torch.nn.Module, shape: Shape, batch: TrainBatch, loss: st
     attention_width = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
     weights = 2 * matmul_parameters(model, shape) * float(lengths.sum())  # per pass
     forward = weights + 2 * shape.layers * attention_width * float(lengths.square().sum())
-    up_front = loss in NEEDS_PROXIMAL and not proximal_from_training_pass(model, AlgorithmConfig(loss=loss))
+    up_front = proximal_pass_up_front(model, AlgorithmConfig(loss=loss))
     passes = 3 + (1 if up_front else 0) + (1 if reference else 0)
     return passes * forward - (weights if lora else 0)  # a frozen base's backward has no weight gradients
 

@@ -61,7 +61,7 @@ def train_step(
     advantages = compute_advantages(batch.rewards, batch.group_index, batch.loss_mask, algorithm)  # [B, T-1]
     minis = _plan(batch, advantages, algorithm, passes, world)
     from_training = proximal_from_training_pass(model, algorithm)
-    scoring = model if algorithm.loss in NEEDS_PROXIMAL and not from_training else None
+    scoring = model if proximal_pass_up_front(model, algorithm) else None
     with out_of_memory_names_keys(passes.micro_batch_tokens):
         _score_anchors(scoring, reference, minis, algorithm, passes, world, from_training)
     updates = []
@@ -82,6 +82,12 @@ def proximal_from_training_pass(model: torch.nn.Module, algorithm: AlgorithmConf
     cutoff), nor where adapter dropout makes a training pass differ from the policy that scores."""
     return (algorithm.loss in NEEDS_PROXIMAL and algorithm.mini_batches * algorithm.epochs == 1
             and algorithm.loss not in NEEDS_SECOND_MOMENT_CUTOFF and not has_adapter_dropout(model))
+
+
+def proximal_pass_up_front(model: torch.nn.Module, algorithm: AlgorithmConfig) -> bool:
+    """Whether a step scores π_prox in a no-grad pass before its first update: the loss reads π_prox and the
+    training passes cannot give it (`proximal_from_training_pass`)."""
+    return algorithm.loss in NEEDS_PROXIMAL and not proximal_from_training_pass(model, algorithm)
 
 
 def _optimizer_step(
