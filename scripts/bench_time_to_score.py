@@ -10,7 +10,8 @@ all of them, --sync-ranks to choose) and then the async job (K = --max-staleness
 side by side), with the run's held-out prompts and seeds, and deletes each snapshot's weights once scored: the disk
 holds one run's snapshots at a time (a ~600 M-parameter model's 21 take ~25 GB; both modes' at once would not
 leave room on a 64 GB host). Every run is scored by the same evaluator: its settings, prompts and seeds. So no pass
-is on either clock, none takes generation's engine, and none is skipped (`validations_skipped` counts any missing).
+is on either clock, none takes generation's engine, and none is skipped (`validations_skipped` counts any missing;
+`validations_unscored` the snapshots a --no-evaluate call left for a later one).
 The task's files and the model are made first (`asyncrl data`, `asyncrl init-model`: cached), and the job's engine
 is started once, so that vLLM's compile cache on the host holds the model's graphs before either mode launches (on
 a fresh host the first engine to start compiles them: 60 s more on an H200).
@@ -304,9 +305,14 @@ def bucket_scores(record: Record) -> dict[str, float]:
     return {key[len(BUCKET_PREFIX):]: value for key, value in record.items() if key.startswith(BUCKET_PREFIX)}
 
 
-def skipped(evaluation: dict[int, Record], every: int, steps: int) -> int:
-    """Due versions of a run that have no score."""
-    return sum(1 for version in due_versions(every, steps) if version not in evaluation)
+def missing_scores(evaluation: dict[int, Record], made: dict[int, float], every: int, steps: int,
+                   scoring: bool) -> tuple[int, int]:
+    """A run's due versions with no score, as (skipped, unscored): skipped were never validated (no snapshot made,
+    or its scoring failed); unscored have a snapshot whose scoring this call left for later (--no-evaluate), so that
+    a throughput pass does not read as validations lost."""
+    missing = [version for version in due_versions(every, steps) if version not in evaluation]
+    unscored = 0 if scoring else sum(1 for version in missing if version in made)
+    return len(missing) - unscored, unscored
 
 
 def main() -> None:
@@ -373,23 +379,25 @@ class RaceRecords:
     """What the race's records in --out-dir hold, read back."""
 
     runs: dict[str, list[dict[str, Any]]]  # mode label -> each seed's summary
-    skipped: int  # due validations with no score, over every run
+    skipped: int  # due validations never scored (no snapshot, or its scoring failed), over every run
+    unscored: int  # due validations whose snapshot a --no-evaluate call left unscored, over every run
     gpus: int  # where the runs ran (a report may run elsewhere)
     starts: dict[int, dict[str, str | None]]  # seed -> mode name -> digest of the weights it started from
 
 
 def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
               val_every: int) -> RaceRecords:
-    records = RaceRecords({}, 0, len(visible_gpus()), {})
+    records = RaceRecords({}, 0, 0, len(visible_gpus()), {})
     for mode in modes:
         for seed in ran[mode]:
             directory = root / mode.run_name(seed)
             launch = read_launch(root, mode.run_name(seed))
-            evaluation = read_evaluation(directory)
-            records.skipped += skipped(evaluation, val_every, steps)
+            evaluation, made = read_evaluation(directory), made_times(directory)
+            skipped, unscored = missing_scores(evaluation, made, val_every, steps, scoring=not args.no_evaluate)
+            records.skipped, records.unscored = records.skipped + skipped, records.unscored + unscored
             records.gpus = launch.get("gpus", records.gpus)
             records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")
-            run = summarise(read_metrics(directory), made_times(directory), evaluation, launch["time"], mode,
+            run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode,
                             args.warmup_steps)
             records.runs.setdefault(mode.label, []).append(
                 run | {"seed": seed, "engine_start_s": launch.get("engine_start_s"),
@@ -433,7 +441,8 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         "version_pace_speedup": ratio(sync_figures["time_per_version_s"], async_figures["time_per_version_s"]),
         **ceiling,
-        "validations_skipped": records.skipped, "start_models_match": same_start,
+        "validations_skipped": records.skipped, "validations_unscored": records.unscored,
+        "start_models_match": same_start,
         "learner_share_of_sync_step": sync_figures["learner_share"],
         "sync_baseline": sync_baseline(records.gpus, root / modes[0].run_name(ran[modes[0]][0])),
         "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": rounded(target, 3),

@@ -14,7 +14,8 @@ import pytest
 
 from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import Mode, gpu_halves, job_for, parse_args, skipped, summarise, sync_baseline
+from scripts.bench_time_to_score import (Mode, gpu_halves, job_for, missing_scores, parse_args, summarise,
+                                         sync_baseline)
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, pick_target,
                                   seconds_per_version, seed_speedups, start_models_match, time_to_target)
 from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, read_ceiling, read_launch,
@@ -135,9 +136,16 @@ def test_an_explicit_target_wins_and_a_mode_that_never_improves_gives_none():
 
 
 def test_a_due_version_without_a_score_counts_as_skipped():
-    assert skipped(SYNC_SCORES, every=2, steps=4) == 0
-    assert skipped({0: SYNC_SCORES[0], 4: SYNC_SCORES[4]}, every=2, steps=4) == 1  # version 2
-    assert skipped(SYNC_SCORES, every=2, steps=5) == 1  # the final version 5 is due too
+    assert missing_scores(SYNC_SCORES, SYNC_MADE, every=2, steps=4, scoring=True) == (0, 0)
+    two_scored = {0: SYNC_SCORES[0], 4: SYNC_SCORES[4]}
+    assert missing_scores(two_scored, SYNC_MADE, every=2, steps=4, scoring=True) == (1, 0)  # version 2
+    assert missing_scores(SYNC_SCORES, SYNC_MADE, every=2, steps=5, scoring=True) == (1, 0)  # the final 5 is due too
+
+
+def test_a_snapshot_left_for_a_later_scoring_is_unscored_not_skipped():
+    assert missing_scores({}, SYNC_MADE, every=2, steps=4, scoring=False) == (0, 3)  # a --no-evaluate call's report
+    assert missing_scores({}, {0: 104.0, 4: 182.0}, every=2, steps=4, scoring=False) == (1, 2)  # 2 never snapshotted
+    assert missing_scores({}, SYNC_MADE, every=2, steps=4, scoring=True) == (3, 0)  # a scoring that failed
 
 
 def test_the_buckets_at_the_last_version_every_run_scored():
