@@ -8,7 +8,7 @@ training (`learner/tokens_per_s`, which is per second of `timing_s/train`, share
 and l ranks (s × tensor-parallel size + l = G), generation supplies s × the first, training consumes l × the second,
 and the job runs at the smaller of the two. That the learner scales linearly with its ranks is an assumption: one
 run shows one size. A run whose learner shared its GPU with every server has no split to predict from: the two
-sides took turns on that GPU, and neither rate is what a GPU of its own gives.
+sides shared that GPU's time, and neither rate is what a GPU of its own gives.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class RunPlacement:
         if not plan.learner or not plan.servers:
             raise NoSplit(_unlisted(steps))
         if plan.sharing == len(plan.servers):
-            raise NoSplit(f"the learner shared its GPU with every server ({plan.describe()}): the two sides took turns "
-                          "on it, so no split between them applies")
+            raise NoSplit(f"the learner shared its GPU with every server ({plan.describe()}): the two sides shared its "
+                          "time, so no split between them applies")
         return cls(len(set(plan.learner) | set(plan.server_gpus)),
                    tuple(index for index in range(len(plan.servers)) if not plan.shares(index)), plan.sharing,
                    len(plan.learner), config.rollout.engine.tensor_parallel_size)

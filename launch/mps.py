@@ -1,14 +1,14 @@
 """CUDA MPS for a job whose learner and rollout servers share a GPU (`run.mps`, read by `asyncrl run`).
 
-Without MPS the CUDA contexts of two processes on one GPU take turns: while the learner's kernels run, the engine's
-decode steps wait, though a decode step alone uses a small part of the GPU's compute. Under MPS the processes'
+Without MPS the CUDA contexts of two processes on one GPU share it in time slices: while the learner's kernels run,
+the engine's decode steps wait, though a decode step alone uses a small part of the GPU's compute. Under MPS the processes'
 kernels run at once, as one context's would. `asyncrl run` starts a control daemon of the job's own for the job's
 lifetime (`nvidia-cuda-mps-control -f`, its pipe in a fresh directory, its log in RUN_DIR/logs/mps) and gives its
 roles the variables that make their CUDA contexts its clients; processes without them, other jobs included, are
 not touched. The daemon sees every GPU, as the roles' CUDA_VISIBLE_DEVICES (physical ids) expect: a client's ids
 are read against the devices its server sees. While the job runs, the daemon is asked whether an MPS server serves
 its roles (it starts one for the first client): the first seen is logged and written to RUN_DIR/logs/mps/serving, and
-a job that never had one says so at its end (its roles took turns). At the job's end the daemon is told to quit; it
+a job that never had one says so at its end (its roles shared the GPU in time slices). At the job's end the daemon is told to quit; it
 dies with `asyncrl run` should that be killed outright (an MPS server it had started may then stay until its clients
 are gone).
 """
@@ -76,7 +76,7 @@ class MpsDaemon:
             (self.log_dir / SERVING_FILE).write_text("\n".join(self.serving) + "\n")
             log.info("CUDA MPS: server pid %s serves the job's roles: their kernels run at once", ", ".join(self.serving))
         elif final:
-            log.warning("CUDA MPS: no MPS server served the job's roles: they took turns on the GPU (see %s)",
+            log.warning("CUDA MPS: no MPS server served the job's roles: they shared the GPU in time slices (see %s)",
                         self.log_dir)
 
     def _ask(self, command: str, timeout_s: float) -> str:
@@ -108,7 +108,7 @@ def wanted(config: AsyncRLConfig, plan: Plan | None) -> bool:
 
 def start_mps(config: AsyncRLConfig, plan: Plan | None, run_dir: Path, log: logging.Logger) -> MpsDaemon | None:
     """The job's MPS daemon when `run.mps` asks for one and it starts; None otherwise. With run.mps=on, a daemon that
-    cannot start is an MpsError naming why; with auto, a warning, and the roles take turns on the GPU."""
+    cannot start is an MpsError naming why; with auto, a warning, and the roles share the GPU in time slices."""
     if not wanted(config, plan):
         return None
     try:
@@ -116,7 +116,7 @@ def start_mps(config: AsyncRLConfig, plan: Plan | None, run_dir: Path, log: logg
     except MpsError as error:
         if config.run.mps == ON:
             raise
-        log.warning("%s; the roles take turns on the GPU (run.mps=auto)", error)
+        log.warning("%s; the roles share the GPU in time slices (run.mps=auto)", error)
         return None
     log.info("CUDA MPS: control daemon pid %d (pipe %s, log %s): the roles on a shared GPU run their kernels at once",
              daemon.process.pid, daemon.pipe_dir, daemon.log_dir)

@@ -48,7 +48,7 @@ class RunSettings:
     sync_every: int  # learner.sync_every
     loss: str  # algorithm.loss
     optimizer_steps: int  # optimizer steps per batch: algorithm.mini_batches × algorithm.epochs
-    shared_gpu: bool  # every server ran on the learner's GPU (a one-GPU job): the two sides took turns on it
+    shared_gpu: bool  # every server ran on the learner's GPU (a one-GPU job): the two sides shared its time
     checkpointing: str  # learner.activation_checkpointing
     compiled: bool  # learner.compile
 
@@ -181,7 +181,7 @@ def _slots_held_back(r: RunReading, s: RunSettings) -> str:
 
 def _servers_advice(r: RunReading, s: RunSettings) -> str:
     if r.verdict == "generation-bound" and s.shared_gpu:
-        return (f"servers: more servers on the learner's GPU would take turns on the same GPU (each step "
+        return (f"servers: more servers on the learner's GPU would share the same GPU's time (each step "
                 f"{r.step_s * r.wait_share:.3f} s waiting for generation, {r.step_s * r.train_share:.3f} s training "
                 "beside it): give generation GPUs of its own (more GPUs, rollout.placement=auto), or make training "
                 "cheaper (learner, below)")

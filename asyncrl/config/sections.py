@@ -20,7 +20,7 @@ class RunConfig:
     seed: int = bounded(0, 0)  # global seed: data order, sampling, initialisation
     log_level: str = one_of("INFO", "DEBUG", "WARNING", "ERROR")  # logging level of every role
     gpu_memory_gib: float = bounded(0.0, 0.0)  # GiB of each GPU the job may use, its roles together (0 = the whole card): rollout servers take their rollout.engine.gpu_memory_utilization of it, a learner beside them the rest, its allocator held there (docs/placement.md); no effect on CPU
-    mps: str = one_of("off", "auto", "on")  # `asyncrl run`: CUDA MPS, so that the learner's and a server's kernels on a shared GPU run at once instead of taking turns: auto = when an async job's learner and servers share one GPU and nvidia-cuda-mps-control is installed; on = always, failing the run where MPS cannot start; docs/placement.md
+    mps: str = one_of("off", "auto", "on")  # `asyncrl run`: CUDA MPS, so that the learner's and a server's kernels on a shared GPU run at once instead of in time slices: auto = when an async job's learner and servers share one GPU and nvidia-cuda-mps-control is installed; on = always, failing the run where MPS cannot start; docs/placement.md
 
 
 @dataclass

@@ -126,7 +126,7 @@ def test_the_learners_rate_is_weighted_by_its_training_time():
      "torchrun or on Ray): which GPUs each side had is unknown"),
     (["rollout.gpus=[0]", "learner.gpus=[0]"], step(1000.0, 0.0, 8000.0, servers=1), STEPS,
      "split: the learner shared its GPU with every server (GPU plan: learner → [0]; server-0 → [0] (with the learner) "
-     "(colocated)): the two sides took turns on it, so no split between them applies"),
+     "(colocated)): the two sides shared its time, so no split between them applies"),
 ], ids=["no-server-rates", "too-short", "idle-servers", "no-tokens", "cpu", "no-gpu-lists", "one-shared-gpu"])
 def test_a_run_that_cannot_tell_says_why_in_one_line(overrides, record, steps, expected):
     assert advice(overrides, record, steps=steps) == [expected]

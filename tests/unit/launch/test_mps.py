@@ -142,14 +142,14 @@ def test_a_server_serving_the_roles_is_logged_and_recorded_once_and_none_at_the_
     with caplog.at_level(logging.INFO):
         daemon.follow(LOG, final=True)
     daemon.stop()
-    assert "no MPS server served the job's roles: they took turns on the GPU" in caplog.text
+    assert "no MPS server served the job's roles: they shared the GPU in time slices" in caplog.text
 
 
 def test_auto_goes_on_without_a_daemon_where_none_can_start(stand_in, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no control program
     with caplog.at_level(logging.WARNING):
         assert start_mps(config("run.mps=auto"), COLOCATED, tmp_path / "run", LOG) is None
-    assert f"{CONTROL} is not installed" in caplog.text and "take turns" in caplog.text
+    assert f"{CONTROL} is not installed" in caplog.text and "time slices" in caplog.text
     with pytest.raises(MpsError, match=f"run.mps: {CONTROL} is not installed"):
         start_mps(config("run.mps=on"), COLOCATED, tmp_path / "run", LOG)
 

@@ -148,14 +148,14 @@ def test_high_drift_under_a_proximal_loss_suggests_a_smaller_k_or_a_behaviour_an
 
 
 def test_a_one_gpu_run_waiting_on_generation_is_told_the_gpu_is_the_limit_not_k_or_servers(tmp_path, capsys):
-    # learner and its one server on GPU 0, the server never idle: generation and training take turns on that GPU
+    # learner and its one server on GPU 0, the server never idle: generation and training share that GPU's time
     write_run(tmp_path, ["buffer.max_staleness=2", "rollout.gpus=[0]", "learner.gpus=[0]",
                          "learner.activation_checkpointing=selective"], steady(4.6, 3.6, 0.2))
     verdict, k, servers, learner, _, split = tune(tmp_path, capsys)
     assert verdict.startswith("generation-bound over 18 steps of 8.400 s: the learner waited for batches 55%")
     assert k == ("K: keep K=2: the servers on the learner's GPU were never short of work (idle 0%), so more samples in "
                  "flight add no generation on that GPU")
-    assert servers.startswith("servers: more servers on the learner's GPU would take turns on the same GPU (each step "
+    assert servers.startswith("servers: more servers on the learner's GPU would share the same GPU's time (each step "
                               "4.600 s waiting for generation, 3.600 s training beside it)")
     assert learner.startswith("learner: training took 43% of each step on the GPU generation shares with it")
     assert "learner.compile=true, learner.activation_checkpointing=none (the run's: selective;" in learner
