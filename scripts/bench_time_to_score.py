@@ -56,7 +56,9 @@ into one .tar.gz; --restore FILE... puts such records back into --out-dir first,
 are reported together (list their seeds in --seeds). Each run's launch record holds the digest of the weights it
 started from (init-model's `weights_sha256`): `start_models_match` in RESULT says whether each seed's two runs started
 from the same weights (false where a mode was prepared on another host whose warm start made other weights; null
-where a model has no digest).
+where a model has no digest). It also holds the host (name, CPU, GPUs: `run_records.host_facts`): `same_host` says
+whether each seed's two runs ran on one machine (false where they ran in separate sessions on two: one H100 host
+generated at half another's pace from the same start; null for records without it).
 """
 
 from __future__ import annotations
@@ -83,8 +85,7 @@ from demo.tiny.report import read_report
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
-                                   pick_target, ratio, rounded, seconds_per_version, seed_speedups,
-                                   start_models_match)
+                                   modes_match, pick_target, ratio, rounded, seconds_per_version, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
 from scripts.run_records import (CEILING, CEILING_FILE, RUN_PREFIX, add_log_readings, archive_records,  # noqa: E402
                                  read_ceiling, read_launch, restore_records, write_launch)
@@ -383,11 +384,12 @@ class RaceRecords:
     unscored: int  # due validations whose snapshot a --no-evaluate call left unscored, over every run
     gpus: int  # where the runs ran (a report may run elsewhere)
     starts: dict[int, dict[str, str | None]]  # seed -> mode name -> digest of the weights it started from
+    hosts: dict[int, dict[str, str | None]]  # seed -> mode name -> the host it ran on (None: not recorded)
 
 
 def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
               val_every: int) -> RaceRecords:
-    records = RaceRecords({}, 0, 0, len(visible_gpus()), {})
+    records = RaceRecords({}, 0, 0, len(visible_gpus()), {}, {})
     for mode in modes:
         for seed in ran[mode]:
             directory = root / mode.run_name(seed)
@@ -397,6 +399,7 @@ def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict
             records.skipped, records.unscored = records.skipped + skipped, records.unscored + unscored
             records.gpus = launch.get("gpus", records.gpus)
             records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")
+            records.hosts.setdefault(seed, {})[mode.name] = launch.get("host", {}).get("name")
             run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode,
                             args.warmup_steps)
             records.runs.setdefault(mode.label, []).append(
@@ -429,10 +432,13 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
     print("time to score, each seed against its own target: "
           + ", ".join(f"seed {seed} {cell(speedup, 'x')}" for seed, speedup in per_seed.items()))
-    same_start = start_models_match(records.starts)
+    same_start, same_host = modes_match(records.starts), modes_match(records.hosts)
     if same_start is False:
         print("the two modes of a seed started from different weights (prepared on different hosts?): "
               "start_models_match false")
+    if same_host is False:
+        print("the two modes of a seed ran on different hosts, whose pace can differ (same_host false): race them "
+              "in one session")
     result = {
         "time_to_score_speedup": ratio(sync_figures["time_to_target_s"], async_figures["time_to_target_s"]),
         "seed_time_to_score_speedups": per_seed,
@@ -442,7 +448,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "version_pace_speedup": ratio(sync_figures["time_per_version_s"], async_figures["time_per_version_s"]),
         **ceiling,
         "validations_skipped": records.skipped, "validations_unscored": records.unscored,
-        "start_models_match": same_start,
+        "start_models_match": same_start, "same_host": same_host,
         "learner_share_of_sync_step": sync_figures["learner_share"],
         "sync_baseline": sync_baseline(records.gpus, root / modes[0].run_name(ran[modes[0]][0])),
         "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": rounded(target, 3),

@@ -130,12 +130,12 @@ def ceiling_figures(ceiling: float | None, sync_rate: float | None, async_rate: 
             "turns_speedup": ratio(turns, sync_rate), "async_share_of_turns": ratio(async_rate, turns)}
 
 
-def start_models_match(starts: dict[int, dict[str, str | None]]) -> bool | None:
-    """Whether each seed's two runs started from the same weights (`starts`: seed -> mode -> digest): False where any
-    seed's differ, None where a digest is missing (a model built before init-model reported one) or no seed ran
-    both, else True. Modes prepared on different hosts share a start only if the warm start made the same weights on
-    both."""
-    pairs = [(runs.get("sync"), runs.get("async")) for runs in starts.values() if len(runs) == 2]
+def modes_match(per_seed: dict[int, dict[str, str | None]]) -> bool | None:
+    """Whether each seed's two runs share a value (`per_seed`: seed -> mode -> value; the digest of the weights each
+    started from, the host it ran on): False where any seed's differ, None where a value is missing (a record made
+    before it was kept) or no seed ran both, else True. Modes prepared on different hosts share a start only if the
+    warm start made the same weights on both."""
+    pairs = [(runs.get("sync"), runs.get("async")) for runs in per_seed.values() if len(runs) == 2]
     if not pairs:
         return None
     if any(None not in pair and pair[0] != pair[1] for pair in pairs):

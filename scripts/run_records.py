@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import socket
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -18,6 +21,8 @@ from asyncrl.whole_files import write_json_whole
 RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
 RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
 LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
+GPU_FACTS = "name,power.limit,clocks.max.sm"  # nvidia-smi's fields recorded per GPU of the host a run launches on
+GPU_QUERY_TIMEOUT_S = 20
 CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
 CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
@@ -31,10 +36,34 @@ Launch = dict[str, Any]
 def write_launch(root: Path, name: str, start_weights: str | None, gpus: int) -> Launch:
     """Record the launch of run `name` on `gpus` GPUs now, before it starts: its curve's clock runs from this time;
     `start_weights` is the digest of the model it starts from (`weights_sha256` of init-model's report), to tell
-    whether two runs prepared on different hosts started from the same weights."""
-    launch = {"time": time.time(), "gpus": gpus, "start_weights": start_weights}
+    whether two runs prepared on different hosts started from the same weights; `host`, the machine it runs on."""
+    launch = {"time": time.time(), "gpus": gpus, "start_weights": start_weights, "host": host_facts()}
     write_json_whole(_launch_file(root, name), launch)  # a race stopped meanwhile leaves the old record or this one
     return launch
+
+
+def host_facts() -> dict[str, Any]:
+    """The machine a run launches on: its name, CPU model and count, and each GPU's name, power limit (W) and largest
+    SM clock (MHz) as nvidia-smi reads them (none without it). Two sessions' hosts of one GPU model can run the same
+    job at different paces (docs/benchmarks.md): the race compares modes run on one host (`same_host`)."""
+    return {"name": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "gpus": _gpu_facts()}
+
+
+def _cpu_model() -> str | None:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+
+
+def _gpu_facts() -> list[str]:
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={GPU_FACTS}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=GPU_QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
 
 
 def add_log_readings(root: Path, name: str, launch: Launch) -> None:

@@ -65,6 +65,7 @@ def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_l
     assert [v for v, _, _ in sync] == DUE and [v for v, _, _ in async_] == DUE
     assert sync[0][2] == async_[0][2]  # version 0: the same model, prompts and seeds
     assert result["start_models_match"] is True  # both launch records hold the digest of that one warm start
+    assert result["same_host"] is True  # and this machine as the host of both
     for curve in (sync, async_):
         assert curve[-1][2] > curve[0][2]  # the held-out score rose
     assert result["target"] is not None and result["sync_baseline"] == "cpu" and result["seeds"] == [0]

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -16,10 +17,10 @@ from asyncrl.config import load_config, save_config
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import (Mode, gpu_halves, job_for, missing_scores, parse_args, summarise,
                                          sync_baseline)
-from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, pick_target,
-                                  seconds_per_version, seed_speedups, start_models_match, time_to_target)
-from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, read_ceiling, read_launch,
-                                 restore_records, write_launch)
+from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, modes_match,
+                                  pick_target, seconds_per_version, seed_speedups, time_to_target)
+from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, host_facts,
+                                 read_ceiling, read_launch, restore_records, write_launch)
 
 LAUNCHED = 100.0
 
@@ -268,13 +269,30 @@ def test_a_finished_run_s_launch_file_says_when_its_engine_started_and_whether_i
     ({0: {"sync": "a"}, 1: {"async": "b"}}, None),  # no seed ran both modes: nothing compared
 ])
 def test_the_modes_of_each_seed_are_checked_to_start_from_the_same_weights(starts, expected):
-    assert start_models_match(starts) is expected
+    assert modes_match(starts) is expected
 
 
-def test_a_launch_record_holds_the_digest_of_the_weights_the_run_starts_from(tmp_path):
+def test_a_launch_record_holds_the_digest_of_the_weights_the_run_starts_from_and_its_host(tmp_path):
     launch = write_launch(tmp_path, "tts-sync-s0", "ab12", 1)
     assert read_launch(tmp_path, "tts-sync-s0") == launch and launch["start_weights"] == "ab12"
     assert launch["time"] <= time.time()
+    assert launch["host"]["name"] == socket.gethostname() and launch["host"]["cpus"] == os.cpu_count()
+    assert launch["host"]["cpu"]  # the CPU model /proc/cpuinfo names
+
+
+@pytest.mark.parametrize(("script", "gpus"), [
+    ('echo "NVIDIA H100 80GB HBM3, 700.00 W, 1980 MHz"; echo "NVIDIA H100 80GB HBM3, 500.00 W, 1980 MHz"',
+     ["NVIDIA H100 80GB HBM3, 700.00 W, 1980 MHz", "NVIDIA H100 80GB HBM3, 500.00 W, 1980 MHz"]),  # each GPU's line
+    ('echo "NVIDIA-SMI has failed"; exit 9', []),  # a driver that does not answer: no GPU facts, no failed launch
+])
+def test_the_host_facts_list_each_gpu_as_nvidia_smi_reads_it(tmp_path, monkeypatch, script, gpus):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert host_facts()["gpus"] == gpus
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvidia-smi at all
+    assert host_facts()["gpus"] == []
 
 
 @pytest.mark.parametrize(("gpus", "halves"), [([0, 1], ([0], [1])), ([4, 5, 6, 7], ([4, 5], [6, 7]))])
