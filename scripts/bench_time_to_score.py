@@ -21,6 +21,8 @@ Per run, from metrics.jsonl and evaluation.jsonl:
   trained tokens/s trained response tokens (`batch/samples` x `response_length/mean`) per second of its clock,
                    from the end of the warm-up steps (--warmup-steps, at least K + 1 for the async job, whose first
                    steps drain a backlog) to the last step
+  generated tok/s  over the same steps, the response tokens the async job's buffer stored per second: below the
+                   trained rate, those steps drained finished groups generated before them (sync: the trained rate)
   length ratio     mean trained response length / mean generated (the async job's generated mean is its buffer's
                    `response_length/generated_mean`; the synchronous run trains all it generates: 1)
   learner share    the synchronous step's share spent training (`timing_s/train` / `timing_s/step`)
@@ -97,6 +99,7 @@ LEARNER_MODE = {"sync": "synchronous", "async": "async"}
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
+INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 
@@ -285,10 +288,12 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
     timed = [steps[n] for n in numbers if start < n <= last]
     trained_mean = sum(map(trained_tokens, steps.values())) / sum(r["batch/samples"] for r in steps.values())
     generated_mean = trained_mean if mode.name == "sync" else steps[last].get(GENERATED_MEAN_KEY)
+    trained_rate = sum(map(trained_tokens, timed)) / (clock[last] - clock[start])
     curve = [(v, made[v] - launched, evaluation[v][SCORE_KEY]) for v in sorted(evaluation) if v in made]
     return {
         "steps": last, "first_record_s": clock[numbers[0]], "last_record_s": clock[last],
-        "trained_tokens_per_s": sum(map(trained_tokens, timed)) / (clock[last] - clock[start]),
+        "trained_tokens_per_s": trained_rate,
+        "generated_tokens_per_s": trained_rate if mode.name == "sync" else intake_rate(steps[start], steps[last]),
         "training_tokens_per_s": sum(map(trained_tokens, timed)) / sum(r["timing_s/train"] for r in timed),
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
@@ -296,6 +301,14 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
         "curve": curve, "time_per_version_s": seconds_per_version(curve),
         "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }
+
+
+def intake_rate(first: Record, last: Record) -> float | None:
+    """Response tokens the buffer stored per second between two steps' records (None where they lack the count):
+    beside the trained rate of the same steps, it tells a pace the servers kept up from one that drained a backlog."""
+    if INGESTED_KEY not in first or INGESTED_KEY not in last:
+        return None
+    return (last[INGESTED_KEY] - first[INGESTED_KEY]) / (last["time"] - first["time"])
 
 
 def trained_tokens(step: Record) -> float:

@@ -101,6 +101,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "time_per_version_s": mean("time_per_version_s", 3),
             "seed_times_to_target_s": [rounded(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"),
+            "generated_tokens_per_s": mean("generated_tokens_per_s"),  # what the servers stored over those steps
             "training_tokens_per_s": mean("training_tokens_per_s"),  # per second spent training
             "trained_length_mean": mean("trained_length_mean"),
             "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),

@@ -35,13 +35,15 @@ def scored(version: int, score: float, **buckets: float) -> dict:
             **{f"val/score/bucket/{name.replace('_', '-')}": value for name, value in buckets.items()}}
 
 
+INGESTED = "buffer/ingested_response_tokens"
 SYNC = [step(1, 120.0, 15.0, 3.0, 100.0), step(2, 144.0, 20.0, 5.0, 200.0), step(3, 160.0, 16.0, 4.0, 300.0),
         step(4, 183.0, 17.0, 8.5, 400.0)]
 SYNC_MADE = {0: 104.0, 2: 143.0, 4: 182.0}  # Unix times the snapshots were made (the launch at 100)
 SYNC_SCORES = {0: scored(0, 0.4), 2: scored(2, 0.6, **{"1_64": 0.7, "65_inf": 0.3}),
                4: scored(4, 0.8, **{"1_64": 0.9, "65_inf": 0.5})}
-ASYNC = [step(1, 160.0, 10.0, 2.0, 100.0), step(2, 165.0, 5.0, 2.0, 180.0), step(3, 170.0, 5.0, 2.0, 280.0),
-         step(4, 175.0, 5.0, 2.0, 400.0, **{"response_length/generated_mean": 250.0})]
+ASYNC = [step(1, 160.0, 10.0, 2.0, 100.0), step(2, 165.0, 5.0, 2.0, 180.0, **{INGESTED: 4000.0}),
+         step(3, 170.0, 5.0, 2.0, 280.0),
+         step(4, 175.0, 5.0, 2.0, 400.0, **{"response_length/generated_mean": 250.0, INGESTED: 7000.0})]
 ASYNC_MADE = {0: 150.0, 2: 164.0, 4: 174.5}
 ASYNC_SCORES = {0: scored(0, 0.4), 2: scored(2, 0.7, **{"1_64": 0.8, "65_inf": 0.2}),
                 4: scored(4, 0.85, **{"1_64": 0.95, "65_inf": 0.5})}
@@ -77,12 +79,16 @@ def test_a_run_reads_its_curve_from_the_snapshots_made_times_and_its_rate_after_
     assert run["learner_share"] == pytest.approx((5 / 20 + 4 / 16 + 8.5 / 17) / 3)
     assert run["training_tokens_per_s"] == pytest.approx(8 * 900 / (5 + 4 + 8.5))  # per second of training
     assert run["trained_length_mean"] == 250.0 and run["length_ratio"] == 1.0  # it trains all it generates
+    assert run["generated_tokens_per_s"] == run["trained_tokens_per_s"]
 
 
 def test_the_async_warm_up_covers_its_backlog_and_its_lengths_compare_with_what_it_generated():
     run = async_run()
     # K = 1: warm-up max(1, K + 1) = 2 steps, so steps 3-4 are timed: 8 x (280 + 400) tokens in 175 - 165 s
     assert run["trained_tokens_per_s"] == pytest.approx(8 * 680 / 10.0)
+    assert run["generated_tokens_per_s"] == pytest.approx(3000 / 10.0)  # stored 7,000 - 4,000 tokens meanwhile
+    assert summarise(ASYNC[:3] + [step(4, 175.0, 5.0, 2.0, 400.0)], ASYNC_MADE, ASYNC_SCORES, LAUNCHED,
+                     Mode("async", 1), warmup_steps=1)["generated_tokens_per_s"] is None  # a step without the count
     assert run["trained_length_mean"] == pytest.approx(240.0)  # (100 + 180 + 280 + 400) / 4
     assert run["length_ratio"] == pytest.approx(240.0 / 250.0)  # against the buffer's generated mean
     assert run["curve"][-1] == (4, 74.5, 0.85)
