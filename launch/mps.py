@@ -1,16 +1,15 @@
 """CUDA MPS for a job whose learner and rollout servers share a GPU (`run.mps`, read by `asyncrl run`).
 
-Without MPS the CUDA contexts of two processes on one GPU share it in time slices: while the learner's kernels run,
-the engine's decode steps wait, though a decode step alone uses a small part of the GPU's compute. Under MPS the processes'
+Without MPS the CUDA contexts of two processes on one GPU share it in time slices: while the learner's kernels run, the
+engine's decode steps wait, though a decode step alone uses a small part of the GPU's compute. Under MPS the processes'
 kernels run at once, as one context's would. `asyncrl run` starts a control daemon of the job's own for the job's
-lifetime (`nvidia-cuda-mps-control -f`, its pipe in a fresh directory, its log in RUN_DIR/logs/mps) and gives its
-roles the variables that make their CUDA contexts its clients; processes without them, other jobs included, are
-not touched. The daemon sees every GPU, as the roles' CUDA_VISIBLE_DEVICES (physical ids) expect: a client's ids
-are read against the devices its server sees. While the job runs, the daemon is asked whether an MPS server serves
-its roles (it starts one for the first client): the first seen is logged and written to RUN_DIR/logs/mps/serving, and
-a job that never had one says so at its end (its roles shared the GPU in time slices). At the job's end the daemon is told to quit; it
-dies with `asyncrl run` should that be killed outright (an MPS server it had started may then stay until its clients
-are gone).
+lifetime (`nvidia-cuda-mps-control -f`, its pipe in a fresh directory, its log in RUN_DIR/logs/mps) and gives its roles
+the variables that make their CUDA contexts its clients; processes without them, other jobs included, are not touched.
+The daemon sees every GPU, as the roles' CUDA_VISIBLE_DEVICES (physical ids) expect: a client's ids are read against the
+devices its server sees. While the job runs, the daemon is asked whether an MPS server serves its roles (it starts one
+for the first client): the first seen is logged and written to RUN_DIR/logs/mps/serving, and a job that never had one
+says so at its end (its roles shared the GPU in time slices). At the job's end the daemon is told to quit; it dies with
+`asyncrl run` should that be killed outright (an MPS server it had started may then stay until its clients are gone).
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ into one .tar.gz; --restore FILE... puts such records back into --out-dir first,
 are reported together (list their seeds in --seeds). Each run's launch record holds the digest of the weights it
 started from (init-model's `weights_sha256`): `start_models_match` in RESULT says whether each seed's two runs started
 from the same weights (false where a mode was prepared on another host whose warm start made other weights; null
-where a model has no digest). It also holds the host (name, CPU, GPUs: `run_records.host_facts`): `same_host` says
-whether each seed's two runs ran on one machine (false where they ran in separate sessions on two: one H100 host
-generated at half another's pace from the same start; null for records without it).
+where a model has no digest). It also holds the host (name, boot id, CPU, GPUs: `run_records.host_facts`):
+`same_host` says whether each seed's two runs ran on one machine (false where they ran in separate sessions on two:
+one H100 host generated at half another's pace from the same start; null for records without it).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curv
                                    modes_match, pick_target, ratio, rounded, seconds_per_version, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
 from scripts.run_records import (CEILING, CEILING_FILE, RUN_PREFIX, add_log_readings, archive_records,  # noqa: E402
-                                 read_ceiling, read_launch, restore_records, write_launch)
+                                 machine_of, read_ceiling, read_launch, restore_records, write_launch)
 
 MODES = ("sync", "async")
 RUNNABLE = MODES + (CEILING,)  # what --modes may name
@@ -288,13 +288,14 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
     timed = [steps[n] for n in numbers if start < n <= last]
     trained_mean = sum(map(trained_tokens, steps.values())) / sum(r["batch/samples"] for r in steps.values())
     generated_mean = trained_mean if mode.name == "sync" else steps[last].get(GENERATED_MEAN_KEY)
-    trained_rate = sum(map(trained_tokens, timed)) / (clock[last] - clock[start])
+    trained = sum(map(trained_tokens, timed))
+    trained_rate = trained / (clock[last] - clock[start])
     curve = [(v, made[v] - launched, evaluation[v][SCORE_KEY]) for v in sorted(evaluation) if v in made]
     return {
         "steps": last, "first_record_s": clock[numbers[0]], "last_record_s": clock[last],
         "trained_tokens_per_s": trained_rate,
         "generated_tokens_per_s": trained_rate if mode.name == "sync" else intake_rate(steps[start], steps[last]),
-        "training_tokens_per_s": sum(map(trained_tokens, timed)) / sum(r["timing_s/train"] for r in timed),
+        "training_tokens_per_s": trained / sum(r["timing_s/train"] for r in timed),
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
@@ -397,7 +398,7 @@ class RaceRecords:
     unscored: int  # due validations whose snapshot a --no-evaluate call left unscored, over every run
     gpus: int  # where the runs ran (a report may run elsewhere)
     starts: dict[int, dict[str, str | None]]  # seed -> mode name -> digest of the weights it started from
-    hosts: dict[int, dict[str, str | None]]  # seed -> mode name -> the host it ran on (None: not recorded)
+    hosts: dict[int, dict[str, str | None]]  # seed -> mode name -> the machine it ran on (None: not recorded)
 
 
 def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
@@ -412,7 +413,7 @@ def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict
             records.skipped, records.unscored = records.skipped + skipped, records.unscored + unscored
             records.gpus = launch.get("gpus", records.gpus)
             records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")
-            records.hosts.setdefault(seed, {})[mode.name] = launch.get("host", {}).get("name")
+            records.hosts.setdefault(seed, {})[mode.name] = machine_of(launch)
             run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode,
                             args.warmup_steps)
             records.runs.setdefault(mode.label, []).append(

@@ -23,6 +23,8 @@ RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDE
 LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
 GPU_FACTS = "name,power.limit,clocks.max.sm"  # nvidia-smi's fields recorded per GPU of the host a run launches on
 GPU_QUERY_TIMEOUT_S = 20
+BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")  # one per boot of the machine's kernel
+CPUINFO_FILE = Path("/proc/cpuinfo")
 CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
 CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
@@ -43,17 +45,29 @@ def write_launch(root: Path, name: str, start_weights: str | None, gpus: int) ->
 
 
 def host_facts() -> dict[str, Any]:
-    """The machine a run launches on: its name, CPU model and count, and each GPU's name, power limit (W) and largest
-    SM clock (MHz) as nvidia-smi reads them (none without it). Two sessions' hosts of one GPU model can run the same
-    job at different paces (docs/benchmarks.md): the race compares modes run on one host (`same_host`)."""
-    return {"name": socket.gethostname(), "cpu": _cpu_model(), "cpus": os.cpu_count(), "gpus": _gpu_facts()}
+    """The machine a run launches on: its name, the kernel's boot id (containers on one machine share it, a container's
+    name need not tell two machines apart), CPU model and count, and each GPU's name, power limit (W) and largest SM
+    clock (MHz) as nvidia-smi reads them (none without it). Two sessions' hosts of one GPU model can run the same job
+    at different paces (docs/benchmarks.md): the race compares modes run on one machine (`same_host`)."""
+    return {"name": socket.gethostname(), "boot_id": _read_text(BOOT_ID_FILE), "cpu": _cpu_model(),
+            "cpus": os.cpu_count(), "gpus": _gpu_facts()}
+
+
+def machine_of(launch: Launch) -> str | None:
+    """What tells the machine of a launch record apart: its boot id, else its host name (None in older records)."""
+    host = launch.get("host", {})
+    return host.get("boot_id") or host.get("name")
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def _cpu_model() -> str | None:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
+    lines = (_read_text(CPUINFO_FILE) or "").splitlines()
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 

@@ -20,7 +20,7 @@ from scripts.bench_time_to_score import (Mode, gpu_halves, job_for, missing_scor
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, modes_match,
                                   pick_target, seconds_per_version, seed_speedups, time_to_target)
 from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, host_facts,
-                                 read_ceiling, read_launch, restore_records, write_launch)
+                                 machine_of, read_ceiling, read_launch, restore_records, write_launch)
 
 LAUNCHED = 100.0
 
@@ -284,6 +284,10 @@ def test_a_launch_record_holds_the_digest_of_the_weights_the_run_starts_from_and
     assert launch["time"] <= time.time()
     assert launch["host"]["name"] == socket.gethostname() and launch["host"]["cpus"] == os.cpu_count()
     assert launch["host"]["cpu"]  # the CPU model /proc/cpuinfo names
+    boot_id = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert launch["host"]["boot_id"] == boot_id and machine_of(launch) == boot_id  # the machine, whatever its name
+    assert machine_of({"host": {"name": "h1", "boot_id": None}}) == "h1"  # no boot id: the name
+    assert machine_of({"time": 1.0, "gpus": 1}) is None  # a record from before hosts were kept
 
 
 @pytest.mark.parametrize(("script", "gpus"), [
