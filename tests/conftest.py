@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 from keyword_filter import keyword_words, mentions_any
+from mp_reaping import one_reaper_at_a_time
+
+one_reaper_at_a_time()  # threads here start and join processes at once (mp_reaping.py says why)
 
 
 @pytest.hookimpl(trylast=True)

@@ -6,12 +6,13 @@ import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ContextManager, Iterator
+from typing import ContextManager, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.config.sections import TinyModelConfig
+from asyncrl.heap import leave_now
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from learner.distributed import World, init_world, local_rank_environment
 from learner.policy.policy_model import full_weights
@@ -26,6 +27,15 @@ def single_rank_world(device: str = "cpu", cpu_collectives: bool = False) -> Con
     """This process as a one-rank world (FSDP2 and the checkpoint collectives need one): gloo on the CPU,
     NCCL with `device` "cuda" (and gloo beside it with `cpu_collectives`)."""
     return _world(rank=0, size=1, port=0, device=device, cpu_collectives=cpu_collectives)  # one rank: no store port
+
+
+def end_rank() -> NoReturn:
+    """End a spawned rank as asyncrl's own ranks end (`asyncrl.heap`: no teardown), once its peers are past their work
+    too (a barrier): with status 0, at once. A rank that ran the interpreter's teardown, the process group's
+    destructors among it, aborted now and then on the 2-core box ("terminate called without an active exception",
+    SIGABRT), even after a barrier."""
+    dist.barrier()
+    leave_now(0)
 
 
 def gloo_world(rank: int, size: int, port: int) -> ContextManager[World]:

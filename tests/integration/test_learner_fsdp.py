@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl.config.algorithm import AlgorithmConfig
@@ -18,7 +17,7 @@ from learner.distributed import init_world, local_rank_environment, spawner_stor
 from learner.maths.batching import collate
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
-from learner_helpers import gathered_weights
+from learner_helpers import end_rank, gathered_weights
 
 pytestmark = pytest.mark.slow
 BF16_UPDATE_TOLERANCE = 0.05  # relative norm of the update difference allowed between 1 and 2 bf16 ranks
@@ -53,11 +52,7 @@ def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str,
     state = gathered_weights(model)
     if rank == 0:
         torch.save({"metrics": outcome.metrics, "state": state}, out)
-    # Tear down together: a rank that destroys its group and exits while its peer is still busy (rank 0 saving)
-    # closes the peer's gloo connections under it, and the peer aborted ("terminate called without an active
-    # exception", SIGABRT) once in a CI run.
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()  # with its peer, and without the teardown that aborted now and then
 
 
 def run(size: int, model_dir, out, loss: str, device: str = "cpu", packed: bool = False,

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
@@ -17,7 +16,7 @@ from learner.distributed import init_world, local_rank_environment, spawner_stor
 from learner.main import warn_if_updates_round_away
 from learner.policy.policy_model import full_weights, full_weights_bytes, load_policy
 from learner.services.weight_sharing import WeightSharing
-from learner_helpers import gathered_weights, save_tiny_model, single_rank_world
+from learner_helpers import end_rank, gathered_weights, save_tiny_model, single_rank_world
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -151,8 +150,7 @@ def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> N
                     "master": master}, out)
     else:
         assert metrics == {}
-    dist.barrier()  # tear down together (test_learner_fsdp.worker says why)
-    dist.destroy_process_group()
+    end_rank()  # with its peers, and without the teardown that aborted now and then
 
 
 @pytest.mark.gpu
