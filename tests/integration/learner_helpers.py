@@ -6,7 +6,7 @@ import os
 import random
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ContextManager, Iterator, NoReturn
+from typing import Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,19 @@ TINY_SHAPE = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_h
 VOCAB_LOW, VOCAB_HIGH = 4, 100  # token ids drawn from the character vocabulary, above the special tokens
 
 
-def single_rank_world(device: str = "cpu", cpu_collectives: bool = False) -> ContextManager[World]:
+@contextmanager
+def single_rank_world(device: str = "cpu", cpu_collectives: bool = False) -> Iterator[World]:
     """This process as a one-rank world (FSDP2 and the checkpoint collectives need one): gloo on the CPU,
-    NCCL with `device` "cuda" (and gloo beside it with `cpu_collectives`)."""
-    return _world(rank=0, size=1, port=0, device=device, cpu_collectives=cpu_collectives)  # one rank: no store port
+    NCCL with `device` "cuda" (and gloo beside it with `cpu_collectives`); left, and the environment restored, after."""
+    environment = local_rank_environment(0, 1, 0)  # one rank: no store port
+    os.environ.update(environment)
+    world = init_world(device, cpu_collectives)
+    try:
+        yield world
+    finally:
+        dist.destroy_process_group()
+        for key in environment:
+            os.environ.pop(key, None)
 
 
 def end_rank() -> NoReturn:
@@ -38,24 +47,11 @@ def end_rank() -> NoReturn:
     leave_now(0)
 
 
-def gloo_world(rank: int, size: int, port: int) -> ContextManager[World]:
-    """This process as rank `rank` of a `size`-rank CPU world whose spawner holds the store on `port`
-    (`learner.distributed.spawner_store`)."""
-    return _world(rank, size, port, "cpu")
-
-
-@contextmanager
-def _world(rank: int, size: int, port: int, device: str, cpu_collectives: bool = False) -> Iterator[World]:
-    environment = local_rank_environment(rank, size, port)
-    os.environ.update(environment)
-    world = init_world(device, cpu_collectives)
-    try:
-        yield world
-        dist.barrier()  # tear down together (test_learner_fsdp.worker says why); not after a failure: a peer may be gone
-    finally:
-        dist.destroy_process_group()
-        for key in environment:
-            os.environ.pop(key, None)
+def spawned_rank_world(rank: int, size: int, port: int, device: str = "cpu") -> World:
+    """This spawned process as rank `rank` of a `size`-rank world whose spawner holds the store on `port`
+    (`learner.distributed.spawner_store`): gloo on the CPU, NCCL with `device` "cuda". End the rank with `end_rank`."""
+    os.environ.update(local_rank_environment(rank, size, port))
+    return init_world(device)
 
 
 def save_tiny_model(directory: Path, seed: int = 0) -> Path:

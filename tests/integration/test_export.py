@@ -24,7 +24,7 @@ from learner.maths.batching import collate
 from learner.policy.checkpoint import CHECKPOINTS_DIR, save_checkpoint
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
-from learner_helpers import gathered_weights, gloo_world, random_groups, save_tiny_model
+from learner_helpers import end_rank, gathered_weights, random_groups, save_tiny_model, spawned_rank_world
 
 pytestmark = pytest.mark.slow
 
@@ -64,18 +64,19 @@ def trainer_rank(rank: int, size: int, port: int, model_dir: str, run_dir: str, 
     """Spawned rank: train, checkpoint after every step, then save the trained weights and logits (rank 0)."""
     torch.set_num_threads(1)
     config = load_config(Path(run_dir) / "config.yaml")
-    with gloo_world(rank, size, port) as world:
-        model = load_policy(model_dir, "float32", config.learner, world)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-        for step in range(1, TRAIN_STEPS + 1):
-            outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), Passes(MICRO_BATCH_TOKENS),
-                                 GRAD_CLIP, world)
-            assert outcome.finite
-            save_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
-        trained = gathered_weights(model)  # collective: every rank gathers
-        logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]  # FSDP forwards are collective too
-        if world.is_main:
-            torch.save({"trained": trained, "logits": logits}, reference_file)
+    world = spawned_rank_world(rank, size, port)
+    model = load_policy(model_dir, "float32", config.learner, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    for step in range(1, TRAIN_STEPS + 1):
+        outcome = train_step(model, optimizer, collate(random_groups(step), 0), AlgorithmConfig(), Passes(MICRO_BATCH_TOKENS),
+                             GRAD_CLIP, world)
+        assert outcome.finite
+        save_checkpoint(Path(run_dir) / CHECKPOINTS_DIR, step, model, optimizer, {"buffer_offset": step}, world, keep=2)
+    trained = gathered_weights(model)  # collective: every rank gathers
+    logits = [fsdp_logits(model, prompt) for prompt in PROMPTS]  # FSDP forwards are collective too
+    if world.is_main:
+        torch.save({"trained": trained, "logits": logits}, reference_file)
+    end_rank()  # with its peers, and without the teardown that aborted now and then
 
 
 def vllm_rank(_: int, model_dir: str, tokens_file: str) -> None:

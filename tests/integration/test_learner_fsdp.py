@@ -1,6 +1,5 @@
 """FSDP2 over two gloo ranks computes the same loss and update as one process on the same batch, with LoRA too."""
 
-import os
 import random
 
 import pytest
@@ -13,11 +12,11 @@ from asyncrl.config.sections import LoraConfig, TinyModelConfig
 from asyncrl.messages import Trajectory, TrajectoryGroup
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner.distributed import init_world, local_rank_environment, spawner_store
+from learner.distributed import spawner_store
 from learner.maths.batching import collate
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
-from learner_helpers import end_rank, gathered_weights
+from learner_helpers import end_rank, gathered_weights, spawned_rank_world
 
 pytestmark = pytest.mark.slow
 BF16_UPDATE_TOLERANCE = 0.05  # relative norm of the update difference allowed between 1 and 2 bf16 ranks
@@ -41,10 +40,9 @@ def make_groups() -> list[TrajectoryGroup]:
 
 def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu", packed: bool = False,
            lora: LoraConfig | None = None) -> None:
-    os.environ.update(local_rank_environment(rank, size, port))
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the adapters' A matrices start random
-    world = init_world(device)
+    world = spawned_rank_world(rank, size, port, device)
     model = load_policy(model_dir, "float32", LearnerConfig(mixed_precision=True), world, lora)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     algorithm = AlgorithmConfig(loss=loss, grpo_std_norm=False)

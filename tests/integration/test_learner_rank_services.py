@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from asyncrl.config import load_config
 from asyncrl.messages import Batch
 from learner.distributed import spawner_store
-from learner_helpers import gloo_world, random_groups
+from learner_helpers import end_rank, random_groups, spawned_rank_world
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +27,19 @@ def rank_main(rank: int, port: int, run_dir: str) -> None:
 
     config, model, state = load_config(None, GUARD), torch.nn.Linear(2, 1), LoopState(max_staleness=1)
     connections = OfflineConnections(lambda version, max_staleness: Batch(random_groups(version), [7, 8], next_offset=9))
-    with gloo_world(rank, 2, port) as world:
-        if world.is_main:
-            services = RankZeroServices.build(connections, config, Path(run_dir), world, model, state)
-            services.guard.observe(2, {SCORE: 1.0})
-            services.guard.observe(3, {SCORE: 0.1})  # collapsed: back to checkpoint 2
-        else:
-            services = PeerServices.build(config, world, model, state)
-        batch = services.next_batch(3, 1)
-        decisions = [services.guard_decision(), services.guard_decision()]
+    world = spawned_rank_world(rank, 2, port)
+    if world.is_main:
+        services = RankZeroServices.build(connections, config, Path(run_dir), world, model, state)
+        services.guard.observe(2, {SCORE: 1.0})
+        services.guard.observe(3, {SCORE: 0.1})  # collapsed: back to checkpoint 2
+    else:
+        services = PeerServices.build(config, world, model, state)
+    batch = services.next_batch(3, 1)
+    decisions = [services.guard_decision(), services.guard_decision()]
     seen = {"groups": [group.group_id for group in batch.groups], "offsets": batch.offsets,
             "decisions": [repr(decision) for decision in decisions]}
     Path(run_dir, f"rank{rank}.json").write_text(json.dumps(seen))
+    end_rank()  # with its peer, and without the teardown that aborted now and then
 
 
 def test_a_peer_takes_rank_zeros_batch_and_guard_decision(tmp_path):

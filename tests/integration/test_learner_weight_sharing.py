@@ -4,7 +4,6 @@ On a one-rank gloo world with the tiny tied model saved in bfloat16 (as the GPU 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -12,11 +11,11 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
-from learner.distributed import init_world, local_rank_environment, spawner_store
+from learner.distributed import spawner_store
 from learner.main import warn_if_updates_round_away
 from learner.policy.policy_model import full_weights, full_weights_bytes, load_policy
 from learner.services.weight_sharing import WeightSharing
-from learner_helpers import end_rank, gathered_weights, save_tiny_model, single_rank_world
+from learner_helpers import end_rank, gathered_weights, save_tiny_model, single_rank_world, spawned_rank_world
 
 TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -137,8 +136,7 @@ def test_on_a_gpu_the_weights_are_gathered_onto_it_when_they_fit(tmp_path, stagi
 
 def sharing_rank(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
     """Spawned CUDA rank: share the weights once; rank 0 saves what it sent and the master weights."""
-    os.environ.update(local_rank_environment(rank, size, port))
-    world = init_world("cuda")
+    world = spawned_rank_world(rank, size, port, "cuda")
     config = load_config(None, [f"model.path={model_dir}", "model.dtype=bfloat16", "rollout.weight_sync.backend=nccl"])
     model = load_policy(model_dir, "float32", config.learner, world)
     services = RecordingServices() if world.is_main else None

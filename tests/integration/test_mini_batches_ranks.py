@@ -1,7 +1,6 @@
 """Mini-batches over two gloo ranks: every rank plans the same split, and m2po's cutoff is taken over the whole
 mini-batch, every rank's rows included, so two ranks update like one process."""
 
-import os
 
 import pytest
 import torch
@@ -12,11 +11,11 @@ from asyncrl.config.learner import LearnerConfig
 from asyncrl.config.sections import TinyModelConfig
 from demo.tiny.model import build_tiny_model
 from demo.tiny.tokenizer import build_char_tokenizer
-from learner.distributed import init_world, local_rank_environment, spawner_store
+from learner.distributed import spawner_store
 from learner.maths.batching import collate
 from learner.policy.policy_model import load_policy
 from learner.policy.train_step import Passes, train_step
-from learner_helpers import end_rank, gathered_weights
+from learner_helpers import end_rank, gathered_weights, spawned_rank_world
 from test_learner_fsdp import make_groups
 
 pytestmark = pytest.mark.slow
@@ -26,9 +25,8 @@ ALGORITHM = AlgorithmConfig(loss="m2po", m2_threshold=2.0, mini_batches=2, epoch
 
 
 def worker(rank: int, size: int, port: int, model_dir: str, out: str) -> None:
-    os.environ.update(local_rank_environment(rank, size, port))
     torch.set_num_threads(1)
-    world = init_world("cpu")
+    world = spawned_rank_world(rank, size, port)
     model = load_policy(model_dir, "float32", LearnerConfig(), world)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     outcome = train_step(model, optimizer, collate(make_groups(), 0), ALGORITHM, Passes(24), 0.0, world)
