@@ -157,8 +157,9 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
             return (f"K: the drift held the controller at K={r.k_last} (mismatch_kl {r.mismatch_kl:.4f}, bound "
                     f"{s.max_mismatch_kl:g}) while the learner still waited {r.wait_share:.0%}: add generation "
                     "(servers, below) rather than staleness")
+        note = _held_back_note(r, s) if held_back else ""
         return (f"K: buffer.max_staleness={int(s.k) + 1} or auto (the learner waited {r.wait_share:.0%} "
-                f"of the time at K={s.k}: generation may run one version further ahead{held_back})")
+                f"of the time at K={s.k}: generation may run one version further ahead{note})")
     if paced:
         return (f"K: the controller settled at K={r.k_last} (mean {r.k_mean:.2f}) with the learner waiting "
                 f"{r.wait_share:.0%}: buffer.max_staleness={r.k_last} gives the same pace as a fixed bound")
@@ -169,12 +170,14 @@ def _k_advice(r: RunReading, s: RunSettings) -> str:
             f"trained samples {r.staleness_mean:.2f} versions old: a smaller K trains fresher samples at the same speed)")
 
 
-def _slots_held_back(r: RunReading, s: RunSettings) -> str:
-    """Where the servers' engines held fewer requests than their slots allow, the figures, else "": an idle share
-    near 0 says a request was always running, not that every slot was; a larger K lets admission start more samples,
-    and a decode step over more of them makes more tokens."""
-    if r.inflight is None or r.inflight >= FULL_SLOTS * s.slots:
-        return ""
+def _slots_held_back(r: RunReading, s: RunSettings) -> bool:
+    """Whether the servers' engines held fewer requests than their slots allow: an idle share near 0 says a request
+    was always running, not that every slot was; a larger K lets admission start more samples, and a decode step over
+    more of them makes more tokens."""
+    return r.inflight is not None and r.inflight < FULL_SLOTS * s.slots
+
+
+def _held_back_note(r: RunReading, s: RunSettings) -> str:
     return (f"; the servers' engines held {r.inflight:.0f} requests on average of the {s.slots} slots "
             "rollout.max_inflight gives them: a larger K starts more samples, a fuller engine makes more tokens a step")
 
