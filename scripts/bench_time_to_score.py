@@ -373,6 +373,7 @@ def main() -> None:
                     keep_records(args, root)
     if CEILING in wanted:
         measure_ceiling(args, root)
+        keep_records(args, root)  # before the scoring's minutes, as after each run
     ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}
     if not args.no_evaluate:  # what earlier calls left unscored (--no-evaluate, or a call cut short)
         run_dirs = [root / mode.run_name(seed) for mode in modes for seed in ran[mode]]
