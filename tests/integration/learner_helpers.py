@@ -1,4 +1,5 @@
-"""Helpers of the learner's integration tests: a one-rank gloo world, a tiny saved model, random groups."""
+"""Helpers of the learner's integration tests: a one-rank world, a spawned rank's world and its end, a tiny saved
+model, random groups."""
 
 from __future__ import annotations
 
