@@ -38,25 +38,41 @@ def make_groups() -> list[TrajectoryGroup]:
     return groups
 
 
-def worker(rank: int, size: int, port: int, model_dir: str, out: str, loss: str, device: str = "cpu", packed: bool = False,
-           lora: LoraConfig | None = None) -> None:
+# What a rank trains, by name: (loss, packed micro-batches, LoRA adapters). Every variant trains in the same two
+# processes (one spawn of each world for them all: a spawned rank's start is most of a variant's time on the CPU).
+Variant = tuple[str, bool, LoraConfig | None]
+LORA = LoraConfig(enabled=True, rank=4, target_modules=["q_proj", "o_proj", "down_proj"])
+CPU_VARIANTS: dict[str, Variant] = {
+    "decoupled_ppo": ("decoupled_ppo", False, None),
+    "naive_ppo": ("naive_ppo", False, None),
+    "decoupled_ppo-packed": ("decoupled_ppo", True, None),
+    "lora": ("decoupled_ppo", False, LORA),
+}
+CPU_SHAPE = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+def worker(rank: int, size: int, port: int, model_dir: str, out: str, variants: dict[str, Variant],
+           device: str = "cpu") -> None:
+    """Spawned rank: one SGD step of each variant from the saved model; rank 0 saves each one's metrics and weights."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)  # the adapters' A matrices start random
     world = spawned_rank_world(rank, size, port, device)
-    model = load_policy(model_dir, "float32", LearnerConfig(mixed_precision=True), world, lora)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    algorithm = AlgorithmConfig(loss=loss, grpo_std_norm=False)
-    outcome = train_step(model, optimizer, collate(make_groups(), 0), algorithm, Passes(24, packed=packed), 0.0, world)
-    state = gathered_weights(model)
+    results = {}
+    for name, (loss, packed, lora) in variants.items():
+        torch.manual_seed(0)  # the adapters' A matrices start random
+        model = load_policy(model_dir, "float32", LearnerConfig(mixed_precision=True), world, lora)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        algorithm = AlgorithmConfig(loss=loss, grpo_std_norm=False)
+        outcome = train_step(model, optimizer, collate(make_groups(), 0), algorithm, Passes(24, packed=packed), 0.0,
+                             world)
+        results[name] = {"metrics": outcome.metrics, "state": gathered_weights(model)}
     if rank == 0:
-        torch.save({"metrics": outcome.metrics, "state": state}, out)
+        torch.save(results, out)
     end_rank()  # with its peer, and without the teardown that aborted now and then
 
 
-def run(size: int, model_dir, out, loss: str, device: str = "cpu", packed: bool = False,
-        lora: LoraConfig | None = None) -> dict:
+def run(size: int, model_dir, out, variants: dict[str, Variant], device: str = "cpu") -> dict[str, dict]:
     store = spawner_store(size)
-    mp.start_processes(worker, args=(size, store.port, str(model_dir), str(out), loss, device, packed, lora),
+    mp.start_processes(worker, args=(size, store.port, str(model_dir), str(out), variants, device),
                        nprocs=size, start_method="spawn")
     return torch.load(out)
 
@@ -65,16 +81,20 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize(("loss", "packed"), [("decoupled_ppo", False), ("naive_ppo", False), ("decoupled_ppo", True)])
-def test_two_ranks_equal_one_process(tmp_path, loss, packed):
-    tokenizer = build_char_tokenizer()
-    shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    build_tiny_model(shape, tokenizer, seed=0).save_pretrained(tmp_path / "model")
-    single = run(1, tmp_path / "model", tmp_path / "one.pt", loss, packed=packed)
-    double = run(2, tmp_path / "model", tmp_path / "two.pt", loss, packed=packed)
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Every CPU variant trained by one process and by two gloo ranks, from the same saved model."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    build_tiny_model(CPU_SHAPE, build_char_tokenizer(), seed=0).save_pretrained(tmp / "model")
+    return (run(1, tmp / "model", tmp / "one.pt", CPU_VARIANTS), run(2, tmp / "model", tmp / "two.pt", CPU_VARIANTS))
+
+
+@pytest.mark.parametrize("variant", ["decoupled_ppo", "naive_ppo", "decoupled_ppo-packed"])
+def test_two_ranks_equal_one_process(one_and_two_ranks, variant):
+    single, double = (results[variant] for results in one_and_two_ranks)
     assert single["metrics"]["actor/pg_loss"] == pytest.approx(double["metrics"]["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert single["metrics"]["actor/pg_loss"] != 0.0
-    initial = build_tiny_model(shape, tokenizer, seed=0).state_dict()
+    initial = build_tiny_model(CPU_SHAPE, build_char_tokenizer(), seed=0).state_dict()
     moved = 0
     for name, value in single["state"].items():
         torch.testing.assert_close(double["state"][name], value, rtol=1e-4, atol=1e-6)
@@ -82,15 +102,10 @@ def test_two_ranks_equal_one_process(tmp_path, loss, packed):
     assert moved > len(initial) // 2  # the step really changed the weights (SGD, lr 1: update = gradient)
 
 
-def test_two_ranks_train_lora_adapters_as_one_process(tmp_path):
+def test_two_ranks_train_lora_adapters_as_one_process(one_and_two_ranks):
     """The adapters shard with their decoder layers and train as in one process; B starts at zero, so the step shows
     in every B."""
-    tokenizer = build_char_tokenizer()
-    shape = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
-    build_tiny_model(shape, tokenizer, seed=0).save_pretrained(tmp_path / "model")
-    lora = LoraConfig(enabled=True, rank=4, target_modules=["q_proj", "o_proj", "down_proj"])
-    single = run(1, tmp_path / "model", tmp_path / "one.pt", "decoupled_ppo", lora=lora)
-    double = run(2, tmp_path / "model", tmp_path / "two.pt", "decoupled_ppo", lora=lora)
+    single, double = (results["lora"] for results in one_and_two_ranks)
     assert single["metrics"]["actor/pg_loss"] == pytest.approx(double["metrics"]["actor/pg_loss"], rel=1e-5, abs=1e-7)
     assert len(single["state"]) == 2 * 3 * 2  # layers x targets x (A, B): the adapters alone
     for name, value in single["state"].items():
@@ -108,8 +123,9 @@ def test_two_gpu_ranks_nccl_bf16_match_one_gpu(tmp_path):
     tokenizer = build_char_tokenizer()
     shape = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128)
     build_tiny_model(shape, tokenizer, seed=0).save_pretrained(tmp_path / "model")
-    single = run(1, tmp_path / "model", tmp_path / "one.pt", "decoupled_ppo", "cuda")
-    double = run(2, tmp_path / "model", tmp_path / "two.pt", "decoupled_ppo", "cuda")
+    variants = {"decoupled_ppo": CPU_VARIANTS["decoupled_ppo"]}
+    single = run(1, tmp_path / "model", tmp_path / "one.pt", variants, "cuda")["decoupled_ppo"]
+    double = run(2, tmp_path / "model", tmp_path / "two.pt", variants, "cuda")["decoupled_ppo"]
     assert single["metrics"]["actor/pg_loss"] == pytest.approx(double["metrics"]["actor/pg_loss"], rel=1e-2)
     initial = build_tiny_model(shape, tokenizer, seed=0).state_dict()
     for name, value in single["state"].items():
