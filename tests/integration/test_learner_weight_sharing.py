@@ -4,7 +4,6 @@ On a one-rank gloo world with the tiny tied model saved in bfloat16 (as the GPU 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.multiprocessing as mp

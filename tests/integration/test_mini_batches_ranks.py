@@ -1,7 +1,6 @@
 """Mini-batches over two gloo ranks: every rank plans the same split, and m2po's cutoff is taken over the whole
 mini-batch, every rank's rows included, so two ranks update like one process."""
 
-
 import pytest
 import torch
 import torch.multiprocessing as mp
