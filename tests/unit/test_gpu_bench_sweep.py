@@ -1,7 +1,8 @@
 """scripts/gpu_bench.sh's sweep stage: every rate's run on the host's first GPU at once, each held to its part of the
 card (the card's memory over the rates, less 2 GiB) with a fixed KV cache, the caller's options before the
-overrides; and the race's shapes (RACE_SHAPE) in the sweep and race stages. nvidia-smi and Python are stood in for:
-nvidia-smi prints a card's total memory in MiB, and the stand-in Python records how it was called."""
+overrides; the race's shapes (RACE_SHAPE) in the sweep and race stages; and the race_session stage's three calls.
+nvidia-smi and Python are stood in for: nvidia-smi prints a card's total memory in MiB, and the stand-in Python
+records how it was called (each argument quoted: an empty one too)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ def stage_sweep(tmp_path: Path, card_mib: int, **env: str) -> list[str]:
 
 def stage_command(tmp_path: Path, stage: str, script: str, card_mib: int, **env: str) -> list[str]:
     """The `stage`'s command line of `script`, with CUDA_VISIBLE_DEVICES first."""
+    return stage_commands(tmp_path, stage, script, card_mib, **env)[0]
+
+
+def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, **env: str) -> list[list[str]]:
+    """Every command line of `script` the `stage` ran, in order, each with CUDA_VISIBLE_DEVICES first."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir(parents=True)
     (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\necho {card_mib}\n")
-    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $*" >> {calls}\ncat > /dev/null\n')
+    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $(printf "%q " "$@")" >> {calls}\ncat > /dev/null\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), stage], capture_output=True, text=True,
@@ -34,7 +40,7 @@ def stage_command(tmp_path: Path, stage: str, script: str, card_mib: int, **env:
                                                               "PYTHON": str(bin_dir / "python"),
                                                               "OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stdout + done.stderr
-    return next(shlex.split(line) for line in calls.read_text().splitlines() if script in line)
+    return [shlex.split(line) for line in calls.read_text().splitlines() if script in line]
 
 
 def test_three_rates_share_an_h200_each_in_its_part_with_the_caller_s_options_first(tmp_path):
@@ -76,3 +82,27 @@ def test_an_unknown_shape_is_refused_by_name(tmp_path):
                                                         "PYTHON": "false"})
     assert "RACE_SHAPE=7b: not a shape of the race" in done.stdout + done.stderr
     assert "=== race exit 1" in done.stdout
+
+
+CALLER_ARGS = ["--seeds", "1", "--max-staleness", "3", "--restore", "a.tar.gz"]  # a race session's RACE_ARGS
+
+
+def race_session(tmp_path: Path, **env: str) -> list[tuple[str, list[str]]]:
+    """The race_session stage's bench_time_to_score.py calls: each one's --modes and its arguments from --archive on."""
+    calls = stage_commands(tmp_path, "race_session", "scripts/bench_time_to_score.py", H100_MIB, RACE_SHAPE="600m",
+                           RACE_ARGS=shlex.join(CALLER_ARGS), **env)
+    return [(call[call.index("--modes") + 1], call[call.index("--archive"):]) for call in calls]
+
+
+def test_a_race_session_runs_both_modes_unscored_then_the_ceiling_then_scores_both(tmp_path):
+    (runs, runs_args), (ceiling, ceiling_args), (scoring, scoring_args) = race_session(tmp_path)
+    assert (runs, ceiling, scoring) == ("sync,async", "ceiling", "")
+    # the session's options just before the caller's, whose --restore ends every call; the warm start made once
+    assert runs_args[-7:] == ["--no-evaluate", *CALLER_ARGS] and "--skip-prepare" not in runs_args
+    assert ceiling_args[-10:] == ["--skip-prepare", "--no-evaluate", "--ceiling-seconds", "30", *CALLER_ARGS]
+    assert scoring_args[-7:] == ["--skip-prepare", *CALLER_ARGS] and "--no-evaluate" not in scoring_args
+    assert all("buffer.batch_groups=64" in args for args in (runs_args, ceiling_args, scoring_args))
+
+
+def test_a_race_session_without_the_ceiling_scores_right_after_the_runs(tmp_path):
+    assert [modes for modes, _ in race_session(tmp_path, RACE_CEILING_S="0")] == ["sync,async", ""]
