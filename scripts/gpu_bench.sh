@@ -50,10 +50,11 @@
 #              76 M at 16 (the sweep stage reads it too)
 #   race_session  one seed's race on one GPU in one host session (its 30 minutes): the race stage three times, both
 #              modes with --no-evaluate, then the engine's ceiling (RACE_CEILING_S seconds, default 30; 0 leaves it
-#              out), then one scoring call for both runs' snapshots (its engines started once); RACE_SHAPE and RACE_ARGS
-#              as the race's, e.g. RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1
-#              --max-staleness 3" (~1,550 s on an H100 with the ceiling left out); race-records.tar.gz is rewritten
-#              after each call, the three calls' lines in race_session.log
+#              out; skipped after a failed run), then one scoring call for the runs' snapshots (its engines started
+#              once; after a failed run too); RACE_SHAPE and RACE_ARGS as the race's, e.g. RACE_SHAPE=600m
+#              RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3" (~1,550 s on the
+#              H100 of 2026-12-06 with the ceiling left out; hosts differ); race-records.tar.gz is rewritten after each
+#              call, the three calls' lines in race_session.log
 #   mps        scripts/bench_mps.py on configs/gpu_longtail.yaml: the race's async job (RACE_SHAPE) with its roles
 #              taking turns on the GPU, then under CUDA MPS, side by side from one prepared model; each arm's records
 #              to $OUT/mps-records/ARM.tar.gz, their logs to $OUT/mps-logs.tar.gz; MPS_ARGS adds options (--steps)
@@ -275,12 +276,15 @@ stage_race() {
 
 stage_race_session() {
     # its options first: RACE_ARGS may end with a --restore, which would read anything after it as its files
-    local ceiling_s="${RACE_CEILING_S:-30}"
-    RACE_MODES=sync,async RACE_ARGS="--no-evaluate ${RACE_ARGS:-}" stage_race || return
-    if [ "$ceiling_s" != 0 ]; then  # a failed ceiling still leaves both runs to score
+    local ceiling_s="${RACE_CEILING_S:-30}" runs
+    RACE_MODES=sync,async RACE_ARGS="--no-evaluate ${RACE_ARGS:-}" stage_race
+    runs=$?
+    if [ $runs -eq 0 ] && [ "$ceiling_s" != 0 ]; then  # a failed ceiling still leaves both runs to score
         RACE_MODES=ceiling RACE_ARGS="--skip-prepare --no-evaluate --ceiling-seconds $ceiling_s ${RACE_ARGS:-}" stage_race
     fi
-    RACE_MODES='' RACE_ARGS="--skip-prepare ${RACE_ARGS:-}" stage_race
+    # scored even after a failed run: the one that finished keeps its curve (its snapshots go with the host)
+    RACE_MODES='' RACE_ARGS="--skip-prepare ${RACE_ARGS:-}" stage_race || return
+    return $runs
 }
 
 # The learner-share candidates (each line on top of configs/gpu_longtail.yaml, 76 M parameters, 16 x 8, whose

@@ -27,12 +27,16 @@ def stage_command(tmp_path: Path, stage: str, script: str, card_mib: int, **env:
     return stage_commands(tmp_path, stage, script, card_mib, **env)[0]
 
 
-def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, **env: str) -> list[list[str]]:
-    """Every command line of `script` the `stage` ran, in order, each with CUDA_VISIBLE_DEVICES first."""
+def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, failing: str = "",
+                   **env: str) -> list[list[str]]:
+    """Every command line of `script` the `stage` ran, in order, each with CUDA_VISIBLE_DEVICES first; the stand-in
+    Python fails a call whose arguments hold `failing` (where given); gpu_bench.sh's console goes to tmp_path/console."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir(parents=True)
     (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\necho {card_mib}\n")
-    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $(printf "%q " "$@")" >> {calls}\ncat > /dev/null\n')
+    fail = f'[[ -n "{failing}" && "$*" == *"{failing}"* ]] && exit 3\n' if failing else ""
+    (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $(printf "%q " "$@")" >> {calls}\n'
+                                    f'{fail}cat > /dev/null\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), stage], capture_output=True, text=True,
@@ -40,6 +44,7 @@ def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, **env
                                                               "PYTHON": str(bin_dir / "python"),
                                                               "OUT": str(tmp_path / "out")})
     assert done.returncode == 0, done.stdout + done.stderr
+    (tmp_path / "console").write_text(done.stdout)  # gpu_bench.sh's own lines: each stage's exit status
     return [shlex.split(line) for line in calls.read_text().splitlines() if script in line]
 
 
@@ -87,10 +92,10 @@ def test_an_unknown_shape_is_refused_by_name(tmp_path):
 CALLER_ARGS = ["--seeds", "1", "--max-staleness", "3", "--restore", "a.tar.gz"]  # a race session's RACE_ARGS
 
 
-def race_session(tmp_path: Path, **env: str) -> list[tuple[str, list[str]]]:
+def race_session(tmp_path: Path, failing: str = "", **env: str) -> list[tuple[str, list[str]]]:
     """The race_session stage's bench_time_to_score.py calls: each one's --modes and its arguments from --archive on."""
-    calls = stage_commands(tmp_path, "race_session", "scripts/bench_time_to_score.py", H100_MIB, RACE_SHAPE="600m",
-                           RACE_ARGS=shlex.join(CALLER_ARGS), **env)
+    calls = stage_commands(tmp_path, "race_session", "scripts/bench_time_to_score.py", H100_MIB, failing,
+                           RACE_SHAPE="600m", RACE_ARGS=shlex.join(CALLER_ARGS), **env)
     return [(call[call.index("--modes") + 1], call[call.index("--archive"):]) for call in calls]
 
 
@@ -106,3 +111,8 @@ def test_a_race_session_runs_both_modes_unscored_then_the_ceiling_then_scores_bo
 
 def test_a_race_session_without_the_ceiling_scores_right_after_the_runs(tmp_path):
     assert [modes for modes, _ in race_session(tmp_path, RACE_CEILING_S="0")] == ["sync,async", ""]
+
+
+def test_a_failed_run_skips_the_ceiling_and_still_scores_what_ran(tmp_path):
+    assert [modes for modes, _ in race_session(tmp_path, failing="sync,async")] == ["sync,async", ""]
+    assert "=== race_session exit 3 " in (tmp_path / "console").read_text()  # the failed run's status, once scored
