@@ -49,12 +49,12 @@
 #              finished so far), then the plot and their roles' logs (race-logs.tar.gz) go to $OUT; RACE_SHAPE=600m races ~600 M parameters at 64 prompts a step instead of the preset's
 #              76 M at 16 (the sweep stage reads it too)
 #   race_session  one seed's race on one GPU in one host session (its 30 minutes): the race stage three times, both
-#              modes with --no-evaluate, then the engine's ceiling (RACE_CEILING_S seconds, default 30; 0 leaves it
-#              out; skipped after a failed run), then one scoring call for the runs' snapshots (its engines started
-#              once; after a failed run too); RACE_SHAPE and RACE_ARGS as the race's, e.g. RACE_SHAPE=600m
-#              RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3" (~1,550 s on the
-#              H100 of 2026-12-06 with the ceiling left out; hosts differ); race-records.tar.gz is rewritten after each
-#              call, the three calls' lines in race_session.log
+#              modes with --no-evaluate, then one scoring call for the runs' snapshots (its engines started once; after
+#              a failed run too), then the engine's ceiling (RACE_CEILING_S seconds, default 30; 0 leaves it out;
+#              skipped after a failed run), whose report has it all; RACE_SHAPE and RACE_ARGS as the race's, e.g.
+#              RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3"
+#              (~1,550 s on the H100 of 2026-12-06 with the ceiling left out; hosts differ); race-records.tar.gz is
+#              rewritten after each call, the three calls' lines in race_session.log
 #   mps        scripts/bench_mps.py on configs/gpu_longtail.yaml: the race's async job (RACE_SHAPE) with its roles
 #              taking turns on the GPU, then under CUDA MPS, side by side from one prepared model; each arm's records
 #              to $OUT/mps-records/ARM.tar.gz, their logs to $OUT/mps-logs.tar.gz; MPS_ARGS adds options (--steps)
@@ -279,11 +279,12 @@ stage_race_session() {
     local ceiling_s="${RACE_CEILING_S:-30}" runs
     RACE_MODES=sync,async RACE_ARGS="--no-evaluate ${RACE_ARGS:-}" stage_race
     runs=$?
-    if [ $runs -eq 0 ] && [ "$ceiling_s" != 0 ]; then  # a failed ceiling still leaves both runs to score
-        RACE_MODES=ceiling RACE_ARGS="--skip-prepare --no-evaluate --ceiling-seconds $ceiling_s ${RACE_ARGS:-}" stage_race
-    fi
-    # scored even after a failed run: the one that finished keeps its curve (its snapshots go with the host)
+    # scored first, even after a failed run: the snapshots go with the host, the ceiling can be measured again
     RACE_MODES='' RACE_ARGS="--skip-prepare ${RACE_ARGS:-}" stage_race || return
+    if [ $runs -eq 0 ] && [ "$ceiling_s" != 0 ]; then
+        RACE_MODES=ceiling RACE_ARGS="--skip-prepare --no-evaluate --ceiling-seconds $ceiling_s ${RACE_ARGS:-}" \
+            stage_race || return
+    fi
     return $runs
 }
 
