@@ -55,6 +55,10 @@
 #              RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3"
 #              (~1,550 s on the H100 of 2026-12-06 with the ceiling left out; hosts differ); race-records.tar.gz is
 #              rewritten after each call, the three calls' lines in race_session.log
+#   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
+#              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
+#              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
+#              and unpacks, and the race's preparation then finds both made (init-model's cache)
 #   mps        scripts/bench_mps.py on configs/gpu_longtail.yaml: the race's async job (RACE_SHAPE) with its roles
 #              taking turns on the GPU, then under CUDA MPS, side by side from one prepared model; each arm's records
 #              to $OUT/mps-records/ARM.tar.gz, their logs to $OUT/mps-logs.tar.gz; MPS_ARGS adds options (--steps)
@@ -272,6 +276,14 @@ stage_race() {
     cp "$dir/time_to_score.png" "$OUT/" 2>/dev/null
     keep_role_logs "$dir" race-logs.tar.gz
     return $status
+}
+
+stage_warm() {
+    local shape
+    shape=$(race_shape) || return 1
+    local overrides=($shape metrics.wandb_mode=disabled)  # as the race's preparation gives them: the same files
+    "$PYTHON" -m launch data --config configs/gpu_longtail.yaml "${overrides[@]}" \
+        && "$PYTHON" -m launch init-model --config configs/gpu_longtail.yaml "${overrides[@]}"
 }
 
 stage_race_session() {

@@ -116,3 +116,11 @@ def test_a_race_session_without_the_ceiling_only_runs_and_scores(tmp_path):
 def test_a_failed_run_skips_the_ceiling_and_still_scores_what_ran(tmp_path):
     assert [modes for modes, _ in race_session(tmp_path, failing="sync,async")] == ["sync,async", ""]
     assert "=== race_session exit 3 " in (tmp_path / "console").read_text()  # the failed run's status, once scored
+
+
+def test_the_warm_stage_makes_the_race_s_data_and_model_with_the_shape_s_overrides(tmp_path):
+    calls = stage_commands(tmp_path, "warm", "-m launch", H100_MIB, RACE_SHAPE="600m")
+    assert [call[call.index("launch") + 1] for call in calls] == ["data", "init-model"]  # no engine: no vLLM
+    for call in calls:  # the race's preparation gives the same: init-model's cache then holds its model
+        assert {"--config", "configs/gpu_longtail.yaml", "model.path=.cache/models/gpu_longtail_600m",
+                "model.warm_start.deterministic=true", "metrics.wandb_mode=disabled"} <= set(call)
