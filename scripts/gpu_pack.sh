@@ -13,10 +13,10 @@
 #   cat /tmp/chunks/part.* | python3 -c 'import sys,tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode="r|xz").extractall("/tmp/site")' \
 #       && touch /tmp/site/.unpacked
 #   export PYTHONPATH=/tmp/site
-# The first call may carry .device/early too (the packages the race's data and warm start import, unpacked) and start
-# that warm start at once, with PYTHONPATH=.device/early: `scripts/gpu_background.sh start warm` (gpu_bench.sh).
 # Skip the unpack in a later call only where /tmp/site/.unpacked exists: an extraction cut short by a missing
 # piece leaves a partial /tmp/site (vLLM failing at import), so it must be unpacked again.
+# The first call may carry .device/early too (the packages the race's data and warm start import, unpacked) and start
+# that warm start at once, with PYTHONPATH=.device/early: `scripts/gpu_background.sh start warm` (gpu_bench.sh).
 #
 # The pinned real-model tokenizers (model.tiny.tokenizer=qwen3; scripts/fetch_tokenizer.py, checksum-verified)
 # are copied as they are into .device/tokenizers; on the host, where nothing can be downloaded, put them where
