@@ -48,6 +48,9 @@ WHEELS=(vllm==0.24.0 pydantic==2.12.5 pydantic-core==2.41.5 annotated-types typi
     model-hosting-container-standards flashinfer-python==0.6.12
     hydra-core==1.3.2 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 math-verify==0.9.0 latex2sympy2_extended==1.11.0
     peft==0.21.2)
+# What `asyncrl data` and `init-model` import beyond the image (tests/unit/test_gpu_pack_early.py checks it): carried
+# with the first piece, the race's warm start (gpu_bench.sh warm) runs while the other pieces travel.
+EARLY=(antlr4-python3-runtime hydra-core omegaconf msgspec math-verify latex2sympy2_extended)
 if [ "${PACK:-vllm}" = ray ]; then
     WHEELS=(ray==2.60.0 msgpack protobuf click pyyaml requests filelock packaging jsonschema)
     DROP=(ray/jars ray/rllib ray/llm ray/data ray/serve ray/tune ray/train)
@@ -76,12 +79,12 @@ for part in "$WORK"/parts/part.*; do
     mv "$part" ".device/$PIECES$number/part.$number"
 done
 if [ "${PACK:-vllm}" != ray ]; then
-    # What `asyncrl data` and `init-model` import beyond the image, as they are (~4 MB): carried with the first
-    # piece, the race's warm start (gpu_bench.sh warm) runs while the others travel.
-    early="antlr4 antlr4_python3_runtime-* hydra hydra_core-* omegaconf omegaconf-* msgspec msgspec-* math_verify
-        math_verify-* latex2sympy2_extended latex2sympy2_extended-*"  # patterns, expanded in the site directory
+    # EARLY's files (each wheel's RECORD names them), as they are, into .device/early (~4 MB)
     rm -rf .device/early && mkdir -p .device/early
-    (cd "$WORK/site" && cp -r $early "$ROOT/.device/early/")
+    for wheel in "${EARLY[@]}"; do
+        record=$(ls "$WORK"/site/"${wheel//-/_}"-*.dist-info/RECORD)
+        (cd "$WORK/site" && cut -d, -f1 "$record" | cut -d/ -f1 | sort -u | xargs cp -r -t "$ROOT/.device/early/")
+    done
     python3 scripts/fetch_tokenizer.py
     rm -rf .device/tokenizers && cp -r .cache/tokenizers .device/tokenizers
 fi
