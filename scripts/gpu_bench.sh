@@ -119,11 +119,16 @@ print("registered", info)
 EOF
 }
 
+data_and_model() {
+    # the task's files, then the warm-started model (cached by its settings), for the config and overrides given
+    "$PYTHON" -m launch data "$@" && "$PYTHON" -m launch init-model "$@"
+}
+
 stage_setup() {
     nvidia-smi --query-gpu=name,memory.total --format=csv
     "$PYTHON" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, 'gpus', torch.cuda.device_count())"
     register_plugin
-    "$PYTHON" -m launch data --config "$CONFIG" && "$PYTHON" -m launch init-model --config "$CONFIG"
+    data_and_model --config "$CONFIG"
 }
 
 stage_tests() {
@@ -258,6 +263,13 @@ race_shape() {
     echo "${RACE_SHAPES[$shape]}"
 }
 
+race_overrides() {
+    # the race's config overrides (RACE_SHAPE's, no wandb on the image), the same for the race and its warm start
+    local shape
+    shape=$(race_shape) || return 1
+    echo "$shape metrics.wandb_mode=disabled"
+}
+
 keep_role_logs() {
     # every role's log under the runs of $1 (vLLM's own lines among them) into $OUT/$2: where a start-up's seconds
     # went, once the host is gone
@@ -266,11 +278,11 @@ keep_role_logs() {
 
 stage_race() {
     # RACE_MODES: the modes to run in this call (a host's per-command limit fits one); runs kept in RACE_DIR
-    local shape dir="${RACE_DIR:-/tmp/asyncrl-race}"
-    shape=$(race_shape) || return 1
+    local overrides dir="${RACE_DIR:-/tmp/asyncrl-race}"
+    overrides=$(race_overrides) || return 1
     register_plugin
     "$PYTHON" scripts/bench_time_to_score.py --config configs/gpu_longtail.yaml --out-dir "$dir" \
-        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" $shape metrics.wandb_mode=disabled \
+        --modes "${RACE_MODES-sync,async,ceiling}" --archive "$OUT/race-records.tar.gz" $overrides \
         ${RACE_ARGS:-}  # last: the shape's overrides would be read as files after a --restore that RACE_ARGS ends with
     local status=$?
     cp "$dir/time_to_score.png" "$OUT/" 2>/dev/null
@@ -279,11 +291,9 @@ stage_race() {
 }
 
 stage_warm() {
-    local shape
-    shape=$(race_shape) || return 1
-    local overrides=($shape metrics.wandb_mode=disabled)  # as the race's preparation gives them: the same files
-    "$PYTHON" -m launch data --config configs/gpu_longtail.yaml "${overrides[@]}" \
-        && "$PYTHON" -m launch init-model --config configs/gpu_longtail.yaml "${overrides[@]}"
+    local overrides
+    overrides=$(race_overrides) || return 1
+    data_and_model --config configs/gpu_longtail.yaml $overrides  # the race's own: its preparation finds them made
 }
 
 stage_race_session() {

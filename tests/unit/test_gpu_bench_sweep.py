@@ -34,7 +34,7 @@ def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, faili
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir(parents=True)
     (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\necho {card_mib}\n")
-    fail = f'[[ -n "{failing}" && "$*" == *"{failing}"* ]] && exit 3\n' if failing else ""
+    fail = f'[[ "$*" == *"{failing}"* ]] && exit 3\n' if failing else ""
     (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $(printf "%q " "$@")" >> {calls}\n'
                                     f'{fail}cat > /dev/null\n')
     for tool in bin_dir.iterdir():
