@@ -1,5 +1,9 @@
 """The one metrics sink: every record goes to `metrics.jsonl` in the run directory and to wandb
-(offline when no API key is configured, so nothing is lost on an air-gapped machine)."""
+(offline when no API key is configured, so nothing is lost on an air-gapped machine).
+
+In wandb each record is a row of its own, and each metric is charted against its own step metric: `val/*` against
+`val/version` (the version a pass validated), everything else against `step`. Rows keyed by the learner's step would
+merge the records of one step, and a step's validation passes beyond its newest would be lost there."""
 
 from __future__ import annotations
 
@@ -12,11 +16,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from asyncrl.config.sections import MetricsConfig
+from asyncrl.validation_scores import PREFIX, VERSION_KEY
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 STEP_TIME_KEY = "timing_s/step"  # in every record of a learner step; not in a validation pass's record of its own
+STEP_KEY = "step"  # policy version after the step: the x-axis of every metric but validation's
 
 
 class MetricsLogger:
@@ -25,13 +31,23 @@ class MetricsLogger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         self._wandb = _start_wandb(Path(run_dir), settings, run_config or {})
+        self._charted: set[str] = set()  # metrics given their x-axis in wandb so far
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Record `values` at `step`; non-finite numbers are kept in jsonl as null and skipped by wandb."""
-        record = {"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in values.items()}}
+        record = {STEP_KEY: step, "time": time.time(), **{k: _finite_or_none(v) for k, v in values.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if v is not None and k != "time"}, step=step)
+            row = {k: v for k, v in record.items() if v is not None and k != "time"}
+            self._chart_new_metrics(row)
+            self._wandb.log(row)  # no step=: one row per record, its x-axes set by _chart_new_metrics
+
+    def _chart_new_metrics(self, row: Mapping[str, Any]) -> None:
+        """Give each metric not seen before its x-axis (exact names: wandb matches overlapping globs in no set order)."""
+        for key in row.keys() - self._charted - {STEP_KEY, VERSION_KEY}:
+            axis = VERSION_KEY if key.startswith(PREFIX + "/") else STEP_KEY
+            self._wandb.define_metric(key, step_metric=axis)
+            self._charted.add(key)
 
     def close(self) -> None:
         self._file.close()
