@@ -58,7 +58,8 @@ into one .tar.gz; --restore FILE... puts such records back into --out-dir first,
 are reported together (list their seeds in --seeds). Each run's launch record holds the digest of the weights it
 started from (init-model's `weights_sha256`): `start_models_match` in RESULT says whether each seed's two runs started
 from the same weights (false where a mode was prepared on another host whose warm start made other weights; null
-where a model has no digest). It also holds the host (name, boot id, CPU, GPUs: `run_records.host_facts`):
+where a model has no digest). It also holds the host (name, boot id, CPU, GPUs: `run_records.host_facts`) and its CPU
+time over the run (`cpu_busy_share`, `cpu_steal_share`: `run_records.cpu_shares`);
 `same_host` says whether each seed's two runs ran on one machine (false where they ran in separate sessions on two:
 one H100 host generated at half another's pace from the same start; null for records without it).
 """
@@ -102,6 +103,8 @@ GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean respo
 INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
+# what add_log_readings adds to each run's launch record, carried into the run's figures
+LAUNCH_READINGS = ("engine_start_s", "engine_begins_s", "under_mps", "cpu_busy_share", "cpu_steal_share")
 
 # What the synchronous run is, by the GPUs it ran on (docs/placement.md): one process, its engine beside its policy.
 SYNC_BASELINES = {0: "cpu", 1: "colocated_one_gpu"}
@@ -418,8 +421,7 @@ def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict
             run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode,
                             args.warmup_steps)
             records.runs.setdefault(mode.label, []).append(
-                run | {"seed": seed, "engine_start_s": launch.get("engine_start_s"),
-                       "engine_begins_s": launch.get("engine_begins_s"), "under_mps": launch.get("under_mps")})
+                run | {"seed": seed} | {key: launch.get(key) for key in LAUNCH_READINGS})
     return records
 
 

@@ -91,7 +91,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
     finals = [run["curve"][-1][2] for run in runs if run["curve"]]
 
     def mean(key: str, digits: int = 1) -> float | None:
-        # engine_start_s, engine_begins_s: not in older records; time_per_version_s: None below two versions
+        # engine_start_s, engine_begins_s, cpu_*_share: not in older records; time_per_version_s: None below two versions
         values = [run[key] for run in runs if run.get(key) is not None]
         return rounded(statistics.fmean(values), digits) if values else None
 
@@ -105,7 +105,9 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "training_tokens_per_s": mean("training_tokens_per_s"),  # per second spent training
             "trained_length_mean": mean("trained_length_mean"),
             "generated_length_mean": mean("generated_length_mean"), "length_ratio": mean("length_ratio", 3),
-            "learner_share": mean("learner_share", 3), "start_score": rounded(curve[0][2], 3) if curve else None,
+            "learner_share": mean("learner_share", 3),
+            "cpu_busy_share": mean("cpu_busy_share", 3), "cpu_steal_share": mean("cpu_steal_share", 3),  # the host's
+            "start_score": rounded(curve[0][2], 3) if curve else None,
             "best_score": rounded(max((s for _, _, s in curve), default=None), 3),
             "final_score": rounded(statistics.fmean(finals), 3) if finals else None,
             "final_score_sd": rounded(statistics.stdev(finals), 3) if len(finals) > 1 else None,

@@ -23,7 +23,9 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
             ("trained tokens/s", "trained_tokens_per_s", True), ("generated tokens/s", "generated_tokens_per_s", True),
             ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),
-            ("learner share of a step", "learner_share", False), ("start score", "start_score", False),
+            ("learner share of a step", "learner_share", False),
+            ("host CPU busy over the run", "cpu_busy_share", False),
+            ("host CPU stolen (hypervisor)", "cpu_steal_share", False), ("start score", "start_score", False),
             ("best score (seeds' mean)", "best_score", False), ("final score", "final_score", False),
             ("final score sd", "final_score_sd", False), ("last step's record (s)", "last_record_s", False),
             ("runs under CUDA MPS", "runs_under_mps", False)]

@@ -25,6 +25,8 @@ GPU_FACTS = "name,power.limit,clocks.max.sm"  # nvidia-smi's fields recorded per
 GPU_QUERY_TIMEOUT_S = 20
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")  # one per boot of the machine's kernel
 CPUINFO_FILE = Path("/proc/cpuinfo")
+CPU_STAT_FILE = Path("/proc/stat")  # the kernel's CPU time counters since boot, in ticks; its first line: all CPUs
+CPU_TIMES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # that line's first fields, in order
 CEILING = "ceiling"  # in --modes: measure the engine kept full (scripts/engine_ceiling.py) into CEILING_FILE
 CEILING_FILE = "ceiling.json"  # in --out-dir
 ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles that start an engine (logs/ of a run)
@@ -38,8 +40,10 @@ Launch = dict[str, Any]
 def write_launch(root: Path, name: str, start_weights: str | None, gpus: int) -> Launch:
     """Record the launch of run `name` on `gpus` GPUs now, before it starts: its curve's clock runs from this time;
     `start_weights` is the digest of the model it starts from (`weights_sha256` of init-model's report), to tell
-    whether two runs prepared on different hosts started from the same weights; `host`, the machine it runs on."""
-    launch = {"time": time.time(), "gpus": gpus, "start_weights": start_weights, "host": host_facts()}
+    whether two runs prepared on different hosts started from the same weights; `host`, the machine it runs on;
+    `cpu_ticks`, the host's CPU time counters now (`add_log_readings` reads the run's share of them)."""
+    launch = {"time": time.time(), "gpus": gpus, "start_weights": start_weights, "host": host_facts(),
+              "cpu_ticks": cpu_ticks()}
     write_json_whole(_launch_file(root, name), launch)  # a race stopped meanwhile leaves the old record or this one
     return launch
 
@@ -80,13 +84,37 @@ def _gpu_facts() -> list[str]:
     return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
 
 
+def cpu_ticks() -> dict[str, int] | None:
+    """The host's CPU time counters (ticks since boot, all CPUs together) by name; None where /proc/stat is not read."""
+    first_line = (_read_text(CPU_STAT_FILE) or "").partition("\n")[0].split()
+    if first_line[:1] != ["cpu"] or len(first_line) <= len(CPU_TIMES):
+        return None
+    return dict(zip(CPU_TIMES, map(int, first_line[1:])))
+
+
+def cpu_shares(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float | None]:
+    """The host's CPU time between two readings of `cpu_ticks`: the share its processes ran (`cpu_busy_share`) and the
+    share a virtual machine's hypervisor gave to other guests (`cpu_steal_share`, time this host's CPUs were ready to
+    run but not running). Why one host of a GPU model runs a job at another's pace, where its recorded facts agree."""
+    if not before or not after:
+        return {"cpu_busy_share": None, "cpu_steal_share": None}
+    spent = {name: after[name] - before[name] for name in CPU_TIMES}
+    total = sum(spent.values())
+    if total <= 0:
+        return {"cpu_busy_share": None, "cpu_steal_share": None}
+    busy = total - spent["idle"] - spent["iowait"] - spent["steal"]
+    return {"cpu_busy_share": round(busy / total, 3), "cpu_steal_share": round(spent["steal"] / total, 3)}
+
+
 def add_log_readings(root: Path, name: str, launch: Launch) -> None:
     """Add to the finished run's launch file how long its engines took to start (`engine_start`), when, from its
-    launch, the last of them began (`engine_begins`), and whether its roles shared the GPU under CUDA MPS."""
+    launch, the last of them began (`engine_begins`), whether its roles shared the GPU under CUDA MPS, and the host's
+    CPU time over the run (`cpu_shares`)."""
     run_dir = root / name
     write_json_whole(_launch_file(root, name), launch | {"engine_start_s": engine_start(run_dir),
                                                          "engine_begins_s": engine_begins(run_dir, launch["time"]),
-                                                         "under_mps": (run_dir / MPS_LOG_DIR / MPS_SERVING_FILE).is_file()})
+                                                         "under_mps": (run_dir / MPS_LOG_DIR / MPS_SERVING_FILE).is_file()}
+                     | cpu_shares(launch.get("cpu_ticks"), cpu_ticks()))
 
 
 def read_launch(root: Path, name: str) -> Launch:

@@ -75,6 +75,7 @@ def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_l
         pace = (curve[-1][1] - curve[0][1]) / (curve[-1][0] - curve[0][0])
         assert result[mode]["time_per_version_s"] == pytest.approx(pace, abs=0.06)  # the curve's times: to 0.1 s
         assert result[mode]["runs_under_mps"] == 0
+        assert 0 < result[mode]["cpu_busy_share"] <= 1 and 0 <= result[mode]["cpu_steal_share"] < 1  # the host's
     assert result["version_pace_speedup"] == pytest.approx(
         result["sync"]["time_per_version_s"] / result["async"]["time_per_version_s"], abs=2e-3)
 

@@ -19,8 +19,9 @@ from scripts.bench_time_to_score import (Mode, gpu_halves, job_for, missing_scor
                                          sync_baseline)
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, modes_match,
                                   pick_target, seconds_per_version, seed_speedups, time_to_target)
-from scripts.run_records import (add_log_readings, archive_records, engine_begins, engine_start, host_facts,
-                                 machine_of, read_ceiling, read_launch, restore_records, write_launch)
+from scripts import run_records
+from scripts.run_records import (add_log_readings, archive_records, cpu_shares, cpu_ticks, engine_begins, engine_start,
+                                 host_facts, machine_of, read_ceiling, read_launch, restore_records, write_launch)
 
 LAUNCHED = 100.0
 
@@ -265,6 +266,35 @@ def test_a_finished_run_s_launch_file_says_when_its_engine_started_and_whether_i
     (logs / "mps" / "serving").write_text("4242\n")  # written once the job saw an MPS server serve its roles
     add_log_readings(tmp_path, "run", launch)
     assert read_launch(tmp_path, "run")["under_mps"] is True and read_launch(tmp_path, "run")["start_weights"] == "abc"
+
+
+def test_the_host_s_cpu_time_over_a_run_is_read_from_the_kernel_s_counters(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(run_records, "CPU_STAT_FILE", stat)
+    #                user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    launch = write_launch(tmp_path, "run", "abc", gpus=1)
+    assert launch["cpu_ticks"] == {"user": 100, "nice": 0, "system": 50, "idle": 800, "iowait": 10, "irq": 0,
+                                   "softirq": 0, "steal": 40}
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    stat.write_text("cpu  400 20 130 1200 30 5 5 140 0 0\n")  # spent: busy 300+20+80+5+5, idle 400, iowait 20, steal 100
+    add_log_readings(tmp_path, "run", launch)
+    readings = read_launch(tmp_path, "run")
+    assert (readings["cpu_busy_share"], readings["cpu_steal_share"]) == (round(410 / 930, 3), round(100 / 930, 3))
+    stat.write_text("intr 1 2 3\n")  # not the counters' line: no shares, no failed report
+    assert cpu_ticks() is None and cpu_shares(launch["cpu_ticks"], cpu_ticks()) == {
+        "cpu_busy_share": None, "cpu_steal_share": None}
+    assert cpu_shares(None, launch["cpu_ticks"])["cpu_steal_share"] is None  # a launch record from before the counters
+    assert cpu_shares(launch["cpu_ticks"], launch["cpu_ticks"])["cpu_busy_share"] is None  # no time passed
+
+
+def test_this_machine_s_cpu_counters_give_shares_between_0_and_1():
+    before = cpu_ticks()
+    spun_until = time.process_time() + 0.3
+    while time.process_time() < spun_until:  # 0.3 s on a CPU between the readings: ~30 of its ticks busy
+        pass
+    shares = cpu_shares(before, cpu_ticks())
+    assert 0 < shares["cpu_busy_share"] <= 1 and 0 <= shares["cpu_steal_share"] <= 1
 
 
 @pytest.mark.parametrize(("starts", "expected"), [
