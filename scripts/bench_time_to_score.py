@@ -90,8 +90,8 @@ from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    modes_match, pick_target, ratio, rounded, seconds_per_version, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
-from scripts.run_records import (CEILING, CEILING_FILE, RUN_PREFIX, add_log_readings, archive_records,  # noqa: E402
-                                 machine_of, read_ceiling, read_launch, restore_records, write_launch)
+from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, RUN_PREFIX, add_log_readings,  # noqa: E402
+                                 archive_records, machine_of, read_ceiling, read_launch, restore_records, write_launch)
 
 MODES = ("sync", "async")
 RUNNABLE = MODES + (CEILING,)  # what --modes may name
@@ -103,8 +103,6 @@ GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean respo
 INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
-# what add_log_readings adds to each run's launch record, carried into the run's figures
-LAUNCH_READINGS = ("engine_start_s", "engine_begins_s", "under_mps", "cpu_busy_share", "cpu_steal_share")
 
 # What the synchronous run is, by the GPUs it ran on (docs/placement.md): one process, its engine beside its policy.
 SYNC_BASELINES = {0: "cpu", 1: "colocated_one_gpu"}
@@ -421,7 +419,7 @@ def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict
             run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode,
                             args.warmup_steps)
             records.runs.setdefault(mode.label, []).append(
-                run | {"seed": seed} | {key: launch.get(key) for key in LAUNCH_READINGS})
+                run | {"seed": seed} | {key: launch.get(key) for key in LOG_READINGS})
     return records
 
 

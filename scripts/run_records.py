@@ -33,6 +33,8 @@ ENGINE_LOGS = ("reference*.log", "rollout[0-9]*.log")  # the logs of the roles t
 ENGINE_STARTED = re.compile(r"vLLM engine on \S+ started in ([0-9.]+)s")  # rollout_servers.engine's line
 LOGGED_AT = re.compile(r"^(\d\d):(\d\d):(\d\d) ")  # a role's log line begins with its local time of day
 DAY_S = 24 * 3600
+# what add_log_readings adds to a run's launch record once it ends (cpu_shares the last two)
+LOG_READINGS = ("engine_start_s", "engine_begins_s", "under_mps", "cpu_busy_share", "cpu_steal_share")
 
 Launch = dict[str, Any]
 
@@ -96,11 +98,9 @@ def cpu_shares(before: dict[str, int] | None, after: dict[str, int] | None) -> d
     """The host's CPU time between two readings of `cpu_ticks`: the share its processes ran (`cpu_busy_share`) and the
     share a virtual machine's hypervisor gave to other guests (`cpu_steal_share`, time this host's CPUs were ready to
     run but not running). Why one host of a GPU model runs a job at another's pace, where its recorded facts agree."""
-    if not before or not after:
-        return {"cpu_busy_share": None, "cpu_steal_share": None}
-    spent = {name: after[name] - before[name] for name in CPU_TIMES}
+    spent = {name: after[name] - before[name] for name in CPU_TIMES} if before and after else {}
     total = sum(spent.values())
-    if total <= 0:
+    if total <= 0:  # a counter not read, or no time between the readings
         return {"cpu_busy_share": None, "cpu_steal_share": None}
     busy = total - spent["idle"] - spent["iowait"] - spent["steal"]
     return {"cpu_busy_share": round(busy / total, 3), "cpu_steal_share": round(spent["steal"] / total, 3)}
