@@ -244,15 +244,15 @@ stage_e2e() {
 
 # The race's model shapes (RACE_SHAPE, for the race and sweep stages; the preset's own by default): 600m is ~600 M
 # parameters at 64 prompts a step, whose learner took 27 % of a synchronous step on an H200 (docs/benchmarks.md), in a
-# model directory of its own, warm-started for 400 steps (its loss 0.026 at step 301 of 600 there) with no greedy pass
-# and with deterministic kernels: on one GPU a seed's two modes take a session each, each session its own warm start,
-# and the race's start_models_match says whether the two made the same weights: they do on one card kind, not across
-# kinds (an H100 and an H200 made others), so a seed's two sessions need the same kind (on 2 GPUs, --side-by-side
-# races both modes from one warm start in one session).
+# model directory of its own, warm-started for 400 steps (its loss 0.026 at step 301 of 600 there) with no greedy pass,
+# and the learner compiled in both modes: the synchronous run at its best (on an H100 its training ran 1.56x faster so,
+# its step 1.26x). A seed's two modes race in one session from one warm start (race_session; on 2 GPUs --side-by-side),
+# so the warm start's kernels need not be deterministic (strict mode cost 1.16x the seconds a step on an H100:
+# scripts/bench_warm_start.py).
 SHAPE_600M="model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096"  # 604.3 M parameters
 declare -A RACE_SHAPES=([76m]="" [600m]="$SHAPE_600M buffer.batch_groups=64 rollout.max_inflight=1536 \
 model.path=.cache/models/gpu_longtail_600m model.warm_start.steps=400 model.warm_start.eval_samples=0 \
-model.warm_start.deterministic=true")
+learner.compile=true")
 
 race_shape() {
     local shape="${RACE_SHAPE:-76m}"

@@ -123,4 +123,4 @@ def test_the_warm_stage_makes_the_race_s_data_and_model_with_the_shape_s_overrid
     assert [call[call.index("launch") + 1] for call in calls] == ["data", "init-model"]  # no engine: no vLLM
     for call in calls:  # the race's preparation gives the same: init-model's cache then holds its model
         assert {"--config", "configs/gpu_longtail.yaml", "model.path=.cache/models/gpu_longtail_600m",
-                "model.warm_start.deterministic=true", "metrics.wandb_mode=disabled"} <= set(call)
+                "learner.compile=true", "metrics.wandb_mode=disabled"} <= set(call)
