@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from asyncrl.config import AsyncRLConfig
+from asyncrl.learner_plan import LearnerPlan
 from asyncrl.placement import listed_plan
 
 WAIT_BOUND = 0.10  # the learner waiting more than this share of its time: generation-bound
@@ -49,11 +50,13 @@ class RunSettings:
     loss: str  # algorithm.loss
     optimizer_steps: int  # optimizer steps per batch: algorithm.mini_batches × algorithm.epochs
     shared_gpu: bool  # every server ran on the learner's GPU (a one-GPU job): the two sides shared its time
-    checkpointing: str  # learner.activation_checkpointing
+    checkpointing: str  # learner.activation_checkpointing as configured
     compiled: bool  # learner.compile
+    checkpointing_ran: str | None = None  # the mode the learner ran in (auto resolved), where the run recorded its plan
 
     @classmethod
-    def of(cls, config: AsyncRLConfig) -> RunSettings:
+    def of(cls, config: AsyncRLConfig, passes: LearnerPlan | None = None) -> RunSettings:
+        """The run's settings from its config, and from `passes` (the learner's recorded plan) what it resolved."""
         pacing, algorithm, learner = config.buffer.pacing, config.algorithm, config.learner
         plan = listed_plan(config)
         shared = bool(plan.learner and plan.servers) and plan.sharing == len(plan.servers)
@@ -61,7 +64,7 @@ class RunSettings:
                    config.rollout.num_servers, config.rollout.max_inflight * config.rollout.num_servers,
                    learner.micro_batch_tokens, learner.sync_every,
                    algorithm.loss, algorithm.mini_batches * algorithm.epochs, shared, learner.activation_checkpointing,
-                   learner.compile)
+                   learner.compile, passes.activation_checkpointing if passes else None)
 
 
 @dataclass(frozen=True)
@@ -221,8 +224,10 @@ def _micro_batch_advice(r: RunReading, s: RunSettings) -> str:
 def _cheaper_training(s: RunSettings) -> str:
     """What makes a learner step take less GPU time, from the run's own settings."""
     ways = [] if s.compiled else ["learner.compile=true"]
-    if s.checkpointing != "none":
-        ways.append(f"learner.activation_checkpointing=none (the run's: {s.checkpointing}; auto picks none only where "
+    ran = s.checkpointing_ran or s.checkpointing
+    if ran != "none":
+        named = f"{s.checkpointing}, which chose {ran}" if ran != s.checkpointing else ran
+        ways.append(f"learner.activation_checkpointing=none (the run's: {named}; auto picks none only where "
                     "its passes fit: a lower rollout.engine.gpu_memory_utilization leaves the learner more)")
     return ", ".join(ways) if ways else "more learner ranks on GPUs of their own (learner.nproc)"
 

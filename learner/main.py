@@ -16,6 +16,7 @@ import torch.distributed as dist
 from asyncrl.config import AsyncRLConfig
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import ended_normally, freeze_startup_heap
+from asyncrl.learner_plan import write_plan
 from asyncrl.logs import setup_logging
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.stop_signal import interrupt_once
@@ -23,7 +24,7 @@ from learner.distributed import World, init_world, local_rank_environment
 from learner.loop import run_loop
 from learner.loop_state import LoopState, resume_state
 from learner.policy.policy_model import DTYPES
-from learner.policy.policy_trainer import PolicyTrainer
+from learner.policy.policy_trainer import PolicyTrainer, plan_record
 from learner.services.rank_services import rank_services
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ def train(config: AsyncRLConfig, run_dir: Path, buffer_command: Sequence[str]) -
         warn_if_updates_round_away(config)
         loading = time.perf_counter()
         trainer = PolicyTrainer.load(config, world)
+        if world.is_main:
+            write_plan(run_dir, plan_record(trainer.passes))  # what `asyncrl tune` reads: auto settings resolved
         state = resume_state(config, run_dir, trainer.model, trainer.optimizer, world)
         log.info("policy loaded in %.1fs", time.perf_counter() - loading)
         with rank_services(config, run_dir, world, trainer.model, state, buffer_command) as services:

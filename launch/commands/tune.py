@@ -11,6 +11,7 @@ from pathlib import Path
 
 def main(args: argparse.Namespace) -> int:
     from asyncrl.config import load_config
+    from asyncrl.learner_plan import read_plan
     from launch.gpu_split import split_advice
     from launch.plots import NoMetricsError, load_records
     from launch.tuning import NotEnoughSteps, RunSettings, advise, read_run, read_steps
@@ -32,7 +33,7 @@ def main(args: argparse.Namespace) -> int:
         return 1
     config = load_config(config_file)
     gpus = int(args.gpus) if args.gpus else None
-    for line in advise(reading, RunSettings.of(config)) + split_advice(read_steps(records), config, gpus):
+    for line in advise(reading, RunSettings.of(config, read_plan(run_dir))) + split_advice(read_steps(records), config, gpus):
         print(line)
     return 0
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.learner_plan import read_plan
 from asyncrl.metrics import read_metrics, step_records
 from run_helpers import RUN_TIMEOUT_S, asyncrl, tiny_job
 
@@ -54,6 +55,8 @@ def test_run_completes_and_prints_run_dir(finished_runs):
     assert second.returncode == 0, second.stderr[-3000:]
     assert first.stdout.strip().splitlines()[-1] == f"RUN_DIR {run_dir}"
     assert (run_dir / "config.yaml").is_file() and (run_dir / "logs" / "rollout0.log").is_file()
+    # the learner's passes as it ran them, for `asyncrl tune`: on the CPU no checkpointing, whatever is configured
+    assert read_plan(run_dir).activation_checkpointing == "none"
 
 
 def test_versions_advance_and_every_group_starts_within_k(finished_runs):

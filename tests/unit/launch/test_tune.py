@@ -6,6 +6,7 @@ from launch.cli import main
 from asyncrl.config import load_config, save_config
 from asyncrl.config.sections import MetricsConfig
 from asyncrl.metrics import MetricsLogger
+from asyncrl.learner_plan import LearnerPlan, write_plan
 from launch.tuning import NotEnoughSteps, read_run
 
 STEPS = 20  # the first 2 (a tenth) are left out as warm-up
@@ -180,3 +181,17 @@ def test_a_one_gpu_run_never_idle_is_told_to_raise_k_only_while_slots_sat_empty(
     write_run(tmp_path, ["buffer.max_staleness=2", "rollout.gpus=[0]", "learner.gpus=[0]", "rollout.max_inflight=32"],
               steady(4.6, 3.6, 0.2, **{"rollout/inflight": inflight}))
     assert tune(tmp_path, capsys)[1] == expected
+
+
+@pytest.mark.parametrize("ran, advice", [
+    ("none", "learner: training took 43% of each step on the GPU generation shares with it: the GPU time it saves goes "
+             "to generation: learner.compile=true"),  # auto ran without checkpointing: nothing to turn off
+    ("full", "learner.compile=true, learner.activation_checkpointing=none (the run's: auto, which chose full;"),
+    (None, "learner.compile=true, learner.activation_checkpointing=none (the run's: auto;"),  # no plan recorded
+])
+def test_the_learner_advice_reads_the_checkpointing_the_run_ran_with(tmp_path, capsys, ran, advice):
+    write_run(tmp_path, ["buffer.max_staleness=2", "rollout.gpus=[0]", "learner.gpus=[0]"], steady(4.6, 3.6, 0.2))
+    if ran is not None:
+        write_plan(tmp_path, LearnerPlan(micro_batch_tokens=20480, packed=True, activation_checkpointing=ran))
+    learner = tune(tmp_path, capsys)[3]
+    assert learner == advice if ran == "none" else learner.startswith("learner: ") and advice in learner
