@@ -66,7 +66,7 @@ from demo.tiny.tokenizer import build_char_tokenizer
 from learner.distributed import World, init_single_rank_world
 from learner.maths import attention
 from learner.maths.batching import TrainBatch, collate
-from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpointing_for_device, checkpointing_switch
+from learner.policy.activation_checkpointing import AUTO, MODES, NONE, checkpointing_mode
 from learner.policy.lora import AdaptersOff, is_adapter_weight
 from learner.policy.memory import hold_to_part, resolve_micro_batch_tokens
 from learner.policy.policy_model import DTYPES, build_policy, frozen_base_dtype, shard_policy
@@ -238,8 +238,7 @@ def run_variant(name: str, model: torch.nn.Module, reference: torch.nn.Module | 
     settings = LearnerConfig(micro_batch_tokens=args.micro_batch_tokens, cpu_offload=args.cpu_offload,
                              activation_checkpointing=args.activation_checkpointing)
     tokens = resolve_micro_batch_tokens(model, settings, world, shape.vocab, args.seq_len, packed, split)
-    switch = checkpointing_switch(model)
-    checkpointing = switch.mode if switch else checkpointing_for_device(args.activation_checkpointing, world.device)
+    checkpointing = checkpointing_mode(model, args.activation_checkpointing, world.device)
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]  # --lora: the adapters
     optimizer = torch.optim.AdamW(trained, lr=LearnerConfig().lr)
     passes = Passes(micro_batch_tokens=tokens, packed=packed)

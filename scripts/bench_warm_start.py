@@ -15,7 +15,9 @@ Last line: RESULT {json} with every variant's figures.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import random
 import subprocess
 import sys
 import time
@@ -24,6 +26,12 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.config_arguments import add_overrides_argument
+from asyncrl.thinking import Thinking
+from demo.tasks.catalog import task_kind
+from demo.tiny.build import deterministic_kernels
+from demo.tiny.model import build_tiny_model
+from demo.tiny.vocabulary import build_tokenizer
+from demo.tiny.warm_start import WARM_START_STREAM, example_source, warm_start
 
 DEFAULT_VARIANTS = (
     "det-mb4=model.warm_start.deterministic=true model.warm_start.micro_batches=4",
@@ -57,21 +65,12 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 def time_variant(config_path: str, overrides: list[str], warmup_steps: int, steps: int) -> dict:
     """Build the model and time its supervised steps under `overrides` (run in a process of its own)."""
-    from demo.tiny.build import _device, deterministic_kernels
-    from demo.tiny.model import build_tiny_model
-    from demo.tiny.vocabulary import build_tokenizer
-    from demo.tiny.warm_start import WARM_START_STREAM, _example_source, warm_start
-    from asyncrl.thinking import Thinking
-    from demo.tasks.catalog import task_kind
-    import dataclasses
-    import random
-
     config = load_config(config_path, overrides)
     schedule = config.model.warm_start
     tokenizer = build_tokenizer(config.model.tiny.tokenizer)
     thinking = Thinking.for_tokenizer(config.rollout.thinking, tokenizer)
     held_out = task_kind(config.task).split(config.task, config.run.seed).val_questions
-    device = _device(schedule.device)
+    device = torch.device(schedule.device)
     model = build_tiny_model(config.model.tiny, tokenizer, config.run.seed).to(device)
 
     def run(count: int) -> float:
@@ -86,7 +85,7 @@ def time_variant(config_path: str, overrides: list[str], warmup_steps: int, step
     run(warmup_steps)
     seconds = run(steps)
     # the timed steps' examples: warm_start draws them from the same stream for every call
-    examples = _example_source(tokenizer, config.task, dataclasses.replace(schedule, steps=steps), held_out, thinking)
+    examples = example_source(tokenizer, config.task, dataclasses.replace(schedule, steps=steps), held_out, thinking)
     rng = random.Random(config.run.seed + WARM_START_STREAM)
     tokens = sum(len(ids) for _ in range(steps) for ids, _ in examples(rng))
     return {"step_s": round(seconds / steps, 4), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),

@@ -60,7 +60,7 @@ def warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=schedule.lr, weight_decay=0.0)
     lr_at = _warmup_cosine(schedule.lr, schedule.warmup_steps, schedule.steps)
     model.train()
-    examples = _example_source(tokenizer, task, schedule, held_out, thinking)
+    examples = example_source(tokenizer, task, schedule, held_out, thinking)
     for step in range(schedule.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -108,7 +108,7 @@ def _near_equal_parts(items: list, count: int) -> list[list]:
     return [items[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
 
 
-def _example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedule: WarmStartConfig,
+def example_source(tokenizer: PreTrainedTokenizerBase, task: TaskConfig, schedule: WarmStartConfig,
                     held_out: frozenset[str], thinking: Thinking) -> Callable[[random.Random], list[Example]]:
     """A batch of supervised examples per call: question → the teacher's noisy response, or a multi-turn task's
     teacher episodes."""

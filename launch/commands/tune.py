@@ -33,7 +33,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     config = load_config(config_file)
     gpus = int(args.gpus) if args.gpus else None
-    for line in advise(reading, RunSettings.of(config, read_plan(run_dir))) + split_advice(read_steps(records), config, gpus):
+    settings = RunSettings.of(config, read_plan(run_dir))
+    for line in advise(reading, settings) + split_advice(read_steps(records), config, gpus):
         print(line)
     return 0
 

@@ -67,6 +67,13 @@ def checkpointing_switch(model: torch.nn.Module) -> CheckpointingSwitch | None:
     return getattr(model, _SWITCH_ATTRIBUTE, None)
 
 
+def checkpointing_mode(model: torch.nn.Module, configured: str, device: torch.device) -> str:
+    """The mode the model's decoder layers run in (one of MODES): `auto`'s choice where the memory plan made one,
+    else the configured mode as `device` takes it (auto off a GPU: none)."""
+    switch = checkpointing_switch(model)
+    return switch.mode if switch is not None else checkpointing_for_device(configured, device)
+
+
 def _context(mode: str) -> Callable | None:
     return functools.partial(create_selective_checkpoint_contexts, _keep_products) if mode == SELECTIVE else None
 

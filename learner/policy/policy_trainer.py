@@ -21,7 +21,7 @@ from learner.distributed import World
 from learner.maths.batching import collate
 from learner.maths.logprobs import sampling_temperature
 from learner.maths.lr_schedule import set_learning_rate
-from learner.policy.activation_checkpointing import checkpointing_for_device, checkpointing_switch
+from learner.policy.activation_checkpointing import checkpointing_mode
 from learner.policy.checkpoint import load_checkpoint, save_checkpoint
 from learner.policy.memory import hold_to_part, peak_memory_metrics, resolve_micro_batch_tokens
 from learner.policy.policy_model import load_policy, load_reference, weights_held_for_servers
@@ -97,14 +97,7 @@ def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World, spl
                                         model.config.max_position_embeddings, packed, split, held)
     log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
     return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout),
-                  checkpointing=checkpointing_mode(model, config.learner.activation_checkpointing, world))
-
-
-def checkpointing_mode(model: torch.nn.Module, configured: str, world: World) -> str:
-    """The mode the model's decoder layers run in: `auto`'s choice where the plan made one, else the configured mode
-    as this device takes it (auto off a GPU: none)."""
-    switch = checkpointing_switch(model)
-    return switch.mode if switch is not None else checkpointing_for_device(configured, world.device)
+                  checkpointing=checkpointing_mode(model, config.learner.activation_checkpointing, world.device))
 
 
 def plan_record(passes: Passes) -> LearnerPlan:

@@ -144,16 +144,17 @@ def test_a_probe_pass_that_runs_out_of_gpu_memory_is_measured_as_needing_more_th
 
 def test_the_plan_records_the_mode_the_layers_run_in(tmp_path):
     from asyncrl.learner_plan import LearnerPlan, read_plan, write_plan
-    from learner.policy.policy_trainer import checkpointing_mode, plan_record
+    from learner.policy.activation_checkpointing import checkpointing_mode
+    from learner.policy.policy_trainer import plan_record
     from learner.policy.train_step import Passes
 
     fixed, chosen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     switch = CheckpointingSwitch()
     switch.mode = FULL  # auto's choice, as the plan on a GPU sets it
     attach_switch(chosen, switch)
-    assert checkpointing_mode(chosen, AUTO, CUDA_WORLD) == FULL
-    assert checkpointing_mode(fixed, AUTO, CPU_WORLD) == NONE  # auto off a GPU
-    assert checkpointing_mode(fixed, FULL, CPU_WORLD) == FULL
+    assert checkpointing_mode(chosen, AUTO, CUDA_WORLD.device) == FULL
+    assert checkpointing_mode(fixed, AUTO, CPU_WORLD.device) == NONE  # auto off a GPU
+    assert checkpointing_mode(fixed, FULL, CPU_WORLD.device) == FULL
     write_plan(tmp_path, plan_record(Passes(micro_batch_tokens=20480, packed=True, checkpointing=FULL)))
     assert read_plan(tmp_path) == LearnerPlan(20480, True, FULL)
     (tmp_path / "learner_plan.json").write_text('{"micro_batch_tokens": 1}')  # a field missing: not a plan
