@@ -38,7 +38,8 @@ it (`seed_time_to_score_speedups`: each seed's own race as well, its target from
 start-up is the mean made-at time of version 0 (launch to the first version, before any step); the time to
 score after start-up (`time_to_score_after_start_up_speedup`) leaves it out, to tell the jobs' steady pace apart
 from their start; their pace alone is the seconds a version took from the first scored version to the last
-(`time_per_version_s`, `version_pace_speedup`), apart from where one noisy score crosses the target. A plot
+(`time_per_version_s`, `version_pace_speedup`), apart from where one noisy score crosses the target, and, scored or
+not, the wall seconds a learner step took after the warm-up (`time_per_step_s`, `step_pace_speedup`). A plot
 (time_to_score.png in --out-dir) draws every seed's curve and each mode's mean against wall-clock time. The table
 puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
@@ -294,6 +295,7 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
     curve = [(v, made[v] - launched, evaluation[v][SCORE_KEY]) for v in sorted(evaluation) if v in made]
     return {
         "steps": last, "first_record_s": clock[numbers[0]], "last_record_s": clock[last],
+        "time_per_step_s": (clock[last] - clock[start]) / (last - start),  # wall seconds a learner step, after warm-up
         "trained_tokens_per_s": trained_rate,
         "generated_tokens_per_s": trained_rate if mode.name == "sync" else intake_rate(steps[start], steps[last]),
         "training_tokens_per_s": trained / sum(r["timing_s/train"] for r in timed),
@@ -461,6 +463,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
                                                       async_figures["time_to_target_after_start_up_s"]),
         "trained_tokens_speedup": ratio(async_figures["trained_tokens_per_s"], sync_figures["trained_tokens_per_s"]),
         "version_pace_speedup": ratio(sync_figures["time_per_version_s"], async_figures["time_per_version_s"]),
+        "step_pace_speedup": ratio(sync_figures["time_per_step_s"], async_figures["time_per_step_s"]),
         **ceiling,
         "validations_skipped": records.skipped, "validations_unscored": records.unscored,
         "start_models_match": same_start, "same_host": same_host,

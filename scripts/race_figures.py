@@ -99,6 +99,7 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "engine_begins_s": mean("engine_begins_s"), "engine_start_s": mean("engine_start_s"),
             "time_to_target_after_start_up_s": rounded(seconds - start_up) if None not in (seconds, start_up) else None,
             "time_per_version_s": mean("time_per_version_s", 3),
+            "time_per_step_s": mean("time_per_step_s", 3),
             "seed_times_to_target_s": [rounded(time_to_target(run["curve"], target)[1]) for run in runs],
             "trained_tokens_per_s": mean("trained_tokens_per_s"),
             "generated_tokens_per_s": mean("generated_tokens_per_s"),  # what the servers stored over those steps

@@ -20,6 +20,7 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
             ("launch to the engine's start (s)", "engine_begins_s", False), ("engine start (s)", "engine_start_s", False),
             ("time to target after start-up (s)", "time_to_target_after_start_up_s", True),
             ("seconds a version, scored span", "time_per_version_s", True),
+            ("seconds a step, after the warm-up", "time_per_step_s", True),
             ("trained tokens/s", "trained_tokens_per_s", True), ("generated tokens/s", "generated_tokens_per_s", True),
             ("trained length mean", "trained_length_mean", True),
             ("generated length mean", "generated_length_mean", False), ("trained / generated length", "length_ratio", False),

@@ -78,6 +78,8 @@ def test_one_evaluator_scores_the_shared_start_the_same_in_both_modes_and_both_l
         assert 0 < result[mode]["cpu_busy_share"] <= 1 and 0 <= result[mode]["cpu_steal_share"] < 1  # the host's
     assert result["version_pace_speedup"] == pytest.approx(
         result["sync"]["time_per_version_s"] / result["async"]["time_per_version_s"], abs=2e-3)
+    assert result["step_pace_speedup"] == pytest.approx(
+        result["sync"]["time_per_step_s"] / result["async"]["time_per_step_s"], abs=2e-3)
 
 
 def test_the_archive_holds_every_run_s_records_and_no_weights(race):

@@ -77,6 +77,7 @@ def test_a_run_reads_its_curve_from_the_snapshots_made_times_and_its_rate_after_
     assert run["curve"] == [(0, 4.0, 0.4), (2, 43.0, 0.6), (4, 82.0, 0.8)]
     # timed: steps 2-4 (after warm-up step 1), 8 x (200 + 300 + 400) tokens over 183 - 120 s
     assert run["trained_tokens_per_s"] == pytest.approx(8 * 900 / 63)
+    assert run["time_per_step_s"] == pytest.approx(63 / 3)  # steps 2-4 between the records of steps 1 and 4
     assert run["learner_share"] == pytest.approx((5 / 20 + 4 / 16 + 8.5 / 17) / 3)
     assert run["training_tokens_per_s"] == pytest.approx(8 * 900 / (5 + 4 + 8.5))  # per second of training
     assert run["trained_length_mean"] == 250.0 and run["length_ratio"] == 1.0  # it trains all it generates
@@ -87,6 +88,7 @@ def test_the_async_warm_up_covers_its_backlog_and_its_lengths_compare_with_what_
     run = async_run()
     # K = 1: warm-up max(1, K + 1) = 2 steps, so steps 3-4 are timed: 8 x (280 + 400) tokens in 175 - 165 s
     assert run["trained_tokens_per_s"] == pytest.approx(8 * 680 / 10.0)
+    assert run["time_per_step_s"] == pytest.approx(10.0 / 2)  # steps 3-4 between the records of steps 2 and 4
     assert run["generated_tokens_per_s"] == pytest.approx(3000 / 10.0)  # stored 7,000 - 4,000 tokens meanwhile
     assert summarise(ASYNC[:3] + [step(4, 175.0, 5.0, 2.0, 400.0)], ASYNC_MADE, ASYNC_SCORES, LAUNCHED,
                      Mode("async", 1), warmup_steps=1)["generated_tokens_per_s"] is None  # a step without the count
