@@ -53,7 +53,8 @@
 #              a failed run too), then the engine's ceiling (RACE_CEILING_S seconds, default 30; 0 leaves it out;
 #              skipped after a failed run), whose report has it all; RACE_SHAPE and RACE_ARGS as the race's, e.g.
 #              RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3"
-#              (~1,550 s on the H100 of 2026-12-06 with the ceiling left out; hosts differ); race-records.tar.gz is
+#              (~1,400 s with the ceiling and the warm start, estimated from the 600m shape's paces on an H100 on
+#              2026-12-07: sync ~575, async ~380, scoring ~140; hosts differ up to 2x); race-records.tar.gz is
 #              rewritten after each call, the three calls' lines in race_session.log
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
