@@ -24,7 +24,7 @@ from learner.distributed import World, init_world, local_rank_environment
 from learner.loop import run_loop
 from learner.loop_state import LoopState, resume_state
 from learner.policy.policy_model import DTYPES
-from learner.policy.policy_trainer import PolicyTrainer, plan_record
+from learner.policy.policy_trainer import PolicyTrainer
 from learner.services.rank_services import rank_services
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def train(config: AsyncRLConfig, run_dir: Path, buffer_command: Sequence[str]) -
         loading = time.perf_counter()
         trainer = PolicyTrainer.load(config, world)
         if world.is_main:
-            write_plan(run_dir, plan_record(trainer.passes))  # what `asyncrl tune` reads: auto settings resolved
+            write_plan(run_dir, trainer.plan())  # what `asyncrl tune` reads: auto settings resolved
         state = resume_state(config, run_dir, trainer.model, trainer.optimizer, world)
         log.info("policy loaded in %.1fs", time.perf_counter() - loading)
         with rank_services(config, run_dir, world, trainer.model, state, buffer_command) as services:

@@ -73,6 +73,12 @@ class PolicyTrainer:
         outcome.metrics |= peak_memory_metrics(self.world)
         return outcome
 
+    def plan(self) -> LearnerPlan:
+        """The passes as this rank runs them, `auto` settings resolved: what `asyncrl tune` reads
+        (`asyncrl.learner_plan`)."""
+        checkpointing = checkpointing_mode(self.model, self.config.learner.activation_checkpointing, self.world.device)
+        return LearnerPlan(self.passes.micro_batch_tokens, self.passes.packed, checkpointing)
+
     def save(self, root: Path, step: int, meta: dict[str, Any]) -> Path:
         """Checkpoint `step` under `root` with `meta` (rank 0's is written), keeping learner.keep_checkpoints."""
         return save_checkpoint(root, step, self.model, self.optimizer, meta, self.world, self.config.learner.keep_checkpoints)
@@ -96,10 +102,4 @@ def plan_passes(config: AsyncRLConfig, model: torch.nn.Module, world: World, spl
     tokens = resolve_micro_batch_tokens(model, config.learner, world, model.config.vocab_size,
                                         model.config.max_position_embeddings, packed, split, held)
     log.info("micro-batches of %d tokens, %s", tokens, "packed" if packed else "padded")
-    return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout),
-                  checkpointing=checkpointing_mode(model, config.learner.activation_checkpointing, world.device))
-
-
-def plan_record(passes: Passes) -> LearnerPlan:
-    """What `asyncrl tune` reads of the passes (`asyncrl.learner_plan`)."""
-    return LearnerPlan(passes.micro_batch_tokens, passes.packed, passes.checkpointing)
+    return Passes(micro_batch_tokens=tokens, packed=packed, temperature=sampling_temperature(config.rollout))

@@ -35,7 +35,6 @@ class Passes:
     micro_batch_tokens: int  # tokens per forward/backward pass (packed: real tokens; padded: rows x longest row)
     packed: bool = False  # each micro-batch's samples back to back in one sequence (learner.packing)
     temperature: float = 1.0  # divides the logits (learner.maths.logprobs.sampling_temperature)
-    checkpointing: str = "none"  # the mode the decoder layers run in (learner.activation_checkpointing, auto resolved)
 
 
 @dataclass

@@ -145,8 +145,6 @@ def test_a_probe_pass_that_runs_out_of_gpu_memory_is_measured_as_needing_more_th
 def test_the_plan_records_the_mode_the_layers_run_in(tmp_path):
     from asyncrl.learner_plan import LearnerPlan, read_plan, write_plan
     from learner.policy.activation_checkpointing import checkpointing_mode
-    from learner.policy.policy_trainer import plan_record
-    from learner.policy.train_step import Passes
 
     fixed, chosen = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     switch = CheckpointingSwitch()
@@ -155,7 +153,7 @@ def test_the_plan_records_the_mode_the_layers_run_in(tmp_path):
     assert checkpointing_mode(chosen, AUTO, CUDA_WORLD.device) == FULL
     assert checkpointing_mode(fixed, AUTO, CPU_WORLD.device) == NONE  # auto off a GPU
     assert checkpointing_mode(fixed, FULL, CPU_WORLD.device) == FULL
-    write_plan(tmp_path, plan_record(Passes(micro_batch_tokens=20480, packed=True, checkpointing=FULL)))
+    write_plan(tmp_path, LearnerPlan(micro_batch_tokens=20480, packed=True, activation_checkpointing=FULL))
     assert read_plan(tmp_path) == LearnerPlan(20480, True, FULL)
     (tmp_path / "learner_plan.json").write_text('{"micro_batch_tokens": 1}')  # a field missing: not a plan
     assert read_plan(tmp_path) is None and read_plan(tmp_path / "absent") is None
