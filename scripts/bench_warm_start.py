@@ -112,14 +112,20 @@ def run_child(args: argparse.Namespace, overrides: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def print_table(results: dict[str, dict]) -> None:
+def add_speedups(results: dict[str, dict]) -> None:
+    """Each variant's `speedup`: the first variant's seconds a step over its own (None where either failed)."""
     first = next(iter(results.values())).get("step_s")
+    for figures in results.values():
+        figures["speedup"] = round(first / figures["step_s"], 3) if first and figures.get("step_s") else None
+
+
+def print_table(results: dict[str, dict]) -> None:
     print("| variant | s/step | tokens/s | vs first |")
     print("|---|---|---|---|")
     for name, figures in results.items():
-        step_s = figures.get("step_s")
-        ratio = f"{first / step_s:.2f}x" if first and step_s else "-"
-        print(f"| {name} | {step_s if step_s else figures.get('error')} | {figures.get('tokens_per_s', '-')} | {ratio} |")
+        ratio = f"{figures['speedup']:.2f}x" if figures["speedup"] is not None else "-"
+        print(f"| {name} | {figures.get('step_s') or figures.get('error')} | {figures.get('tokens_per_s', '-')} | "
+              f"{ratio} |")
 
 
 def main() -> None:
@@ -132,10 +138,8 @@ def main() -> None:
     for name, overrides in variants:
         results[name] = run_child(args, [*args.overrides, *overrides])
         print(f"{name}: {results[name]}", flush=True)
+    add_speedups(results)
     print_table(results)
-    first = next(iter(results.values())).get("step_s")
-    for figures in results.values():
-        figures["speedup"] = round(first / figures["step_s"], 3) if first and figures.get("step_s") else None
     print("RESULT " + json.dumps({"config": args.config, "overrides": args.overrides, "steps": args.steps,
                                   "variants": results}))
 
