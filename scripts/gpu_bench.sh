@@ -53,9 +53,11 @@
 #              a failed run too), then the engine's ceiling (RACE_CEILING_S seconds, default 30; 0 leaves it out;
 #              skipped after a failed run), whose report has it all; RACE_SHAPE and RACE_ARGS as the race's, e.g.
 #              RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3"
-#              (~1,400 s with the ceiling and the warm start, estimated from the 600m shape's paces on an H100 on
-#              2026-12-07: sync ~575, async ~380, scoring ~140; hosts differ up to 2x); race-records.tar.gz is
-#              rewritten after each call, the three calls' lines in race_session.log
+#              (the 600m shape compiled, with the warm start and the ceiling: ~1,650 s on a fast H100 host, ~2,150
+#              on a slow one, more than one lent session holds: sync's stage ~180 s before its first step, then
+#              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3 s over 64 on another; async ~1.4x sync's
+#              pace a step; scoring ~140); race-records.tar.gz is rewritten after each call, the three calls' lines
+#              in race_session.log
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
