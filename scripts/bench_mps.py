@@ -113,9 +113,10 @@ def main() -> None:
     for arm, archive in args.restore.items():
         restore_records([archive], root / arm)
     arms = [arm for arm in args.arms.split(",") if arm]
+    config = load_config(args.config, args.overrides)
     if arms and not args.skip_prepare:
-        prepare(args)
-    start_weights = read_report(Path(load_config(args.config, args.overrides).model.path)).get("weights_sha256")
+        prepare(args, config.learner.compile)
+    start_weights = read_report(Path(config.model.path)).get("weights_sha256")
     for arm in arms:
         run_arm(arm, mode, args, root, start_weights)
         if args.archive_dir:

@@ -14,7 +14,8 @@ is on either clock, none takes generation's engine, and none is skipped (`valida
 `validations_unscored` the snapshots a --no-evaluate call left for a later one).
 The task's files and the model are made first (`asyncrl data`, `asyncrl init-model`: cached), and the job's engine
 is started once, so that vLLM's compile cache on the host holds the model's graphs before either mode launches (on
-a fresh host the first engine to start compiles them: 60 s more on an H200).
+a fresh host the first engine to start compiles them: 60 s more on an H200); with `learner.compile=true` the learner
+is loaded once too (`scripts/learner_warm_up.py`), for its compiled layers (the first mode paid ~30 s more).
 
 Per run, from metrics.jsonl and evaluation.jsonl:
   curve            (version, seconds since the job's launch when the learner made that version, held-out score)
@@ -44,7 +45,7 @@ not, the wall seconds a learner step took after the warm-up (`time_per_step_s`, 
 puts the two modes side by side with async / sync; the last line is RESULT {json}.
 --modes runs a subset; with a fixed --out-dir runs made before are read back (an unfinished evaluation is
 completed), so the modes can run in separate calls (each under a host's time limit) and still be compared;
---modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile cache) and stops.
+--modes '' only evaluates what is missing and reports; --prepare-only prepares (files, model, compile caches) and stops.
 --side-by-side runs each seed's two modes at once on a host of an even number of GPUs, the synchronous run on the
 first half and the async job on the other (each job sees only its half; each one's console in <run name>.log in
 --out-dir): a seed's race in one session from one warm start, on the same host and hours; then one `asyncrl
@@ -97,6 +98,7 @@ from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, RUN_PREFIX
 MODES = ("sync", "async")
 RUNNABLE = MODES + (CEILING,)  # what --modes may name
 CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")
+LEARNER_WARM_UP_SCRIPT = Path(__file__).with_name("learner_warm_up.py")
 LEARNER_MODE = {"sync": "synchronous", "async": "async"}
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
@@ -148,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-prepare", action="store_true",
                         help="the task's files, the model and vLLM's compile cache exist already: prepare nothing")
     parser.add_argument("--prepare-only", action="store_true",
-                        help="only make the task's files and the model, and fill vLLM's compile cache")
+                        help="only make the task's files and the model, and fill the compile caches (vLLM's, the learner's)")
     parser.add_argument("--sync-ranks", type=int, default=0,
                         help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
     parser.add_argument("--side-by-side", action="store_true",
@@ -181,13 +183,17 @@ def ceiling_command(args: argparse.Namespace, *options: str) -> list[str]:
     return [sys.executable, str(CEILING_SCRIPT), "--config", args.config, *options, *args.overrides]
 
 
-def prepare(args: argparse.Namespace) -> None:
+def prepare(args: argparse.Namespace, compiles_learner: bool) -> None:
     """The task's files and the warm-started model every run starts from (init-model is cached by its settings), then
     one start of the job's engine, so that vLLM's compile cache on this host holds the model's graphs before either
-    mode launches: the first run on a fresh host paid about 60 s more to start than the second."""
+    mode launches (the first run on a fresh host paid about 60 s more to start than the second), and where the
+    learner compiles (`compiles_learner`), one load of it, for its compiled layers (`scripts/learner_warm_up.py`)."""
     for command in ("data", "init-model"):
         subprocess.run(asyncrl_command(command, "--config", args.config, *args.overrides), check=True)
     subprocess.run(ceiling_command(args, "--start-only"), check=True, timeout=JOB_TIMEOUT_S)
+    if compiles_learner:
+        subprocess.run([sys.executable, str(LEARNER_WARM_UP_SCRIPT), "--config", args.config, *args.overrides],
+                       check=True, timeout=JOB_TIMEOUT_S)
 
 
 def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
@@ -355,7 +361,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     restore_records(args.restore, root)
     if (wanted or args.prepare_only) and not args.skip_prepare:
-        prepare(args)
+        prepare(args, config.learner.compile)
     if args.prepare_only:
         return
     start_weights = read_report(Path(config.model.path)).get("weights_sha256")  # of the model every run starts from

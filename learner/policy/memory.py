@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.memory_plan import (
@@ -142,10 +143,7 @@ class ModelProbes:
         memory needed more than there is: (inf, inf), and the plan tries a cheaper mode or refuses (the 7B shape
         with LoRA ran out in the 4,096-token probe without checkpointing in a 45.5 GiB part)."""
         device = self.world.device
-        rows = max(1, tokens // self.sample)
-        generator = torch.Generator(device="cpu").manual_seed(0)
-        input_ids = torch.randint(0, self.vocab, (rows, self.sample), generator=generator).to(device)  # [rows, sample]
-        attention_mask = torch.ones_like(input_ids)  # [rows, sample]
+        input_ids, attention_mask = random_rows(tokens, self.sample, self.vocab, device)  # [rows, sample] each
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
@@ -163,6 +161,15 @@ class ModelProbes:
         if not math.isfinite(peak):
             torch.cuda.empty_cache()  # hand the pass's blocks back before the next probe
         return float(peak), float(saved)
+
+
+def random_rows(tokens: int, sample: int, vocab: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """About `tokens` random token ids (seeded) as rows of `sample` tokens, and their attention mask (all ones): the
+    input of a pass whose cost, not its result, is wanted."""
+    rows = max(1, tokens // sample)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    input_ids = torch.randint(0, vocab, (rows, sample), generator=generator).to(device)  # [rows, sample]
+    return input_ids, torch.ones_like(input_ids)  # [rows, sample] each
 
 
 def peak_memory_metrics(world: World) -> dict[str, float]:

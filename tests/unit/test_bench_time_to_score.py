@@ -425,3 +425,16 @@ def test_a_run_s_records_are_archived_before_its_scoring_begins(tmp_path, monkey
     bench_time_to_score.main()
     name = Mode("async", 2).run_name(0)
     assert archived_when_scored[0] == [f"{name}/metrics.jsonl"]
+
+
+@pytest.mark.parametrize("compiles_learner", [False, True])
+def test_the_preparation_loads_the_learner_once_only_where_it_compiles(monkeypatch, compiles_learner):
+    from scripts import bench_time_to_score
+
+    commands = []
+    monkeypatch.setattr(bench_time_to_score.subprocess, "run", lambda command, **_: commands.append(command))
+    args = parse_args(["--config", "configs/gpu_longtail.yaml", "learner.compile=true", "--steps", "10"])
+    bench_time_to_score.prepare(args, compiles_learner)
+    scripts = [pathlib.Path(command[1]).name if command[1].endswith(".py") else command[3] for command in commands]
+    assert scripts == ["data", "init-model", "engine_ceiling.py"] + ["learner_warm_up.py"] * compiles_learner
+    assert commands[-1][-1] == "learner.compile=true"  # every step of it on the race's overrides
