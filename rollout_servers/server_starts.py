@@ -73,7 +73,7 @@ class ServerStarts:
     def start(self, index: int, config: AsyncRLConfig, endpoints: Endpoints, run_dir: Path,
               place: ServerPlace | None) -> BaseProcess:
         """Server `index`'s process, serving (`serve_one`): the warm one when it fits `place`, else a fresh one."""
-        from rollout_servers.supervisor import serve_one
+        from rollout_servers.server_process import serve_one
 
         warm = self.warm.pop(index, None)
         if warm is not None and warm.process.is_alive() and warm.gpus == (place.gpus if place else None):
@@ -127,6 +127,6 @@ def wait_to_serve(starts: Connection, index: int, run_dir: str, gpus: Gpus, job_
     except EOFError:
         return  # not used
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from rollout_servers.supervisor import serve_one
+    from rollout_servers.server_process import serve_one
 
     serve_one(config, index, endpoints, run_dir, place, job_end)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from launch.commands.common import make_run_dir
+from launch.local_ranks import spawn_ranks
 from asyncrl.config import AsyncRLConfig
 from asyncrl.exit_codes import INTERRUPTED
 from asyncrl.heap import leave_now
@@ -71,8 +72,6 @@ def _run(config: AsyncRLConfig, log: logging.Logger) -> int:
         interrupt_on_stop_signals()
         code = _run_rank(config, run_dir, engines[0], apart, ROLE)
     else:
-        from launch.commands.learner import spawn_ranks
-
         code = spawn_ranks(spawned_rank, (config, str(run_dir), engines), ranks, str(run_dir), ROLE, log)
     print(f"RUN_DIR {run_dir}", flush=True)
     return code

@@ -27,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rollout-{args.index}: {error}", file=sys.stderr)
         return 2
     from rollout_servers.learner_wait import Endpoints
-    from rollout_servers.supervisor import serve_one
+    from rollout_servers.server_process import serve_one
 
     endpoints = Endpoints(config.buffer.address, config.rollout.weight_sync.control_address)
     serve_one(config, args.index, endpoints, str(Path(config.run.root_dir) / config.run.name))

@@ -30,7 +30,8 @@ from launch.commands.buffer import COMMAND_LINE
 from asyncrl.transport import BufferConsumer
 from buffer_helpers import drain, free_port
 from rollout_servers.prompt_stream import PromptStream
-from rollout_servers.supervisor import STATE_DIR, supervise
+from rollout_servers.server_process import STATE_DIR
+from rollout_servers.supervisor import supervise
 from waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -49,7 +49,7 @@ def test_unresolvable_host_is_not_treated_as_loopback():
 SERVE_ONE_UNTIL_BUILT = """
 import json, os, sys, types
 from asyncrl.config import load_config
-from rollout_servers import supervisor
+from rollout_servers import server_process
 from rollout_servers.learner_wait import Endpoints
 
 class ReportsItsEnvironment:  # stands in for the server, built where vLLM's engine would start next
@@ -59,7 +59,7 @@ class ReportsItsEnvironment:  # stands in for the server, built where vLLM's eng
 
 sys.modules["rollout_servers.server"] = types.SimpleNamespace(RolloutServer=ReportsItsEnvironment)  # what serve_one imports
 config = load_config(None, ["rollout.weight_sync.host=10.1.2.3"])
-supervisor.serve_one(config, 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
+server_process.serve_one(config, 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
 """
 
 

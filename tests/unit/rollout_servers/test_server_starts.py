@@ -85,7 +85,7 @@ def test_the_warm_process_pinned_where_the_place_says_serves_and_gets_what_it_se
 
 
 def test_a_warm_process_pinned_elsewhere_or_dead_is_left_and_the_server_starts_fresh(tmp_path):
-    from rollout_servers.supervisor import serve_one
+    from rollout_servers.server_process import serve_one
 
     config = load_config(None, [])
     for warm_gpus, alive, server_place in (((0,), True, place((1,))), (None, True, place((0,))), ((0,), False, place((0,)))):

@@ -106,11 +106,11 @@ def test_no_restarts_allowed_gives_up_at_the_first_quick_death():
 SERVE_ONE_WITHOUT_ITS_SERVER_MODULE = """
 import sys
 from asyncrl.config import load_config
-from rollout_servers import supervisor
+from rollout_servers import server_process
 from rollout_servers.learner_wait import Endpoints
 
 sys.modules["rollout_servers.server"] = None  # importing it raises ImportError, as a broken vLLM install does
-supervisor.serve_one(load_config(None, []), 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
+server_process.serve_one(load_config(None, []), 0, Endpoints("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), sys.argv[1])
 """
 
 
