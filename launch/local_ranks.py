@@ -48,4 +48,3 @@ def spawn_ranks(target: Callable[..., None], args: tuple, size: int, run_dir: st
         log.error("%s rank %d failed (%s): see %s", role, error.error_index, str(error).strip().splitlines()[0], rank_log)
         return 1
     return 0
-

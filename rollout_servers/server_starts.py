@@ -29,6 +29,7 @@ from asyncrl.gpu_ids import listed_server_gpus, pin, visible_gpus
 from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.placement import ServerPlace
 from rollout_servers.learner_wait import Endpoints
+from rollout_servers.server_process import serve_one
 
 NOT_FINISHED = -1  # the job-end value while the learner has not announced its final step
 Gpus = tuple[int, ...] | None  # a server process's pinned GPUs (None: none pinned)
@@ -73,8 +74,6 @@ class ServerStarts:
     def start(self, index: int, config: AsyncRLConfig, endpoints: Endpoints, run_dir: Path,
               place: ServerPlace | None) -> BaseProcess:
         """Server `index`'s process, serving (`serve_one`): the warm one when it fits `place`, else a fresh one."""
-        from rollout_servers.server_process import serve_one
-
         warm = self.warm.pop(index, None)
         if warm is not None and warm.process.is_alive() and warm.gpus == (place.gpus if place else None):
             warm.starts.send((config, endpoints, place))
@@ -127,6 +126,4 @@ def wait_to_serve(starts: Connection, index: int, run_dir: str, gpus: Gpus, job_
     except EOFError:
         return  # not used
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from rollout_servers.server_process import serve_one
-
     serve_one(config, index, endpoints, run_dir, place, job_end)
