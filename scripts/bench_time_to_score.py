@@ -148,9 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"what to run now, comma-separated, of {', '.join(RUNNABLE)} ('' = only report)")
     parser.add_argument("--skip-prepare", action="store_true",
-                        help="the task's files, the model and vLLM's compile cache exist already: prepare nothing")
+                        help="the task's files, the model and the compile caches exist already: prepare nothing")
     parser.add_argument("--prepare-only", action="store_true",
-                        help="only make the task's files and the model, and fill the compile caches (vLLM's, the learner's)")
+                        help="only make the task's files and the model, and fill the compile caches (vLLM's, the "
+                             "learner's)")
     parser.add_argument("--sync-ranks", type=int, default=0,
                         help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
     parser.add_argument("--side-by-side", action="store_true",
