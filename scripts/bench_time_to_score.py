@@ -179,9 +179,9 @@ def asyncrl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch", *args]
 
 
-def ceiling_command(args: argparse.Namespace, *options: str) -> list[str]:
-    """scripts/engine_ceiling.py on the race's config and overrides, with `options`."""
-    return [sys.executable, str(CEILING_SCRIPT), "--config", args.config, *options, *args.overrides]
+def script_command(script: Path, args: argparse.Namespace, *options: str) -> list[str]:
+    """`script` (engine_ceiling.py, learner_warm_up.py) on the race's config and overrides, with `options`."""
+    return [sys.executable, str(script), "--config", args.config, *options, *args.overrides]
 
 
 def prepare(args: argparse.Namespace, compiles_learner: bool) -> None:
@@ -191,10 +191,9 @@ def prepare(args: argparse.Namespace, compiles_learner: bool) -> None:
     learner compiles (`compiles_learner`), one load of it, for its compiled layers (`scripts/learner_warm_up.py`)."""
     for command in ("data", "init-model"):
         subprocess.run(asyncrl_command(command, "--config", args.config, *args.overrides), check=True)
-    subprocess.run(ceiling_command(args, "--start-only"), check=True, timeout=JOB_TIMEOUT_S)
+    subprocess.run(script_command(CEILING_SCRIPT, args, "--start-only"), check=True, timeout=JOB_TIMEOUT_S)
     if compiles_learner:
-        subprocess.run([sys.executable, str(LEARNER_WARM_UP_SCRIPT), "--config", args.config, *args.overrides],
-                       check=True, timeout=JOB_TIMEOUT_S)
+        subprocess.run(script_command(LEARNER_WARM_UP_SCRIPT, args), check=True, timeout=JOB_TIMEOUT_S)
 
 
 def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
@@ -260,8 +259,9 @@ def sync_baseline(gpus: int, sync_run: Path) -> str:
 def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
     """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json. Its table
     is shown; its RESULT line is not, so that this benchmark's own stays the only one."""
-    done = subprocess.run(ceiling_command(args, "--seconds", str(args.ceiling_seconds), "--out", str(root / CEILING_FILE)),
-                          stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT_S)
+    command = script_command(CEILING_SCRIPT, args, "--seconds", str(args.ceiling_seconds),
+                             "--out", str(root / CEILING_FILE))
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT_S)
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
     if done.returncode != 0:
         raise SystemExit(f"the engine's ceiling: {CEILING_SCRIPT.name} exited with {done.returncode}")

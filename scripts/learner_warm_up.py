@@ -33,14 +33,14 @@ def parse_args() -> argparse.Namespace:
 
 
 def warm_up(config: AsyncRLConfig, world: World) -> float:
-    """Load the policy as a one-rank learner (`world`) and run one training-shaped pass through it; the seconds it
+    """Load the policy as a one-rank learner (`world`) and run a training step's passes through it; the seconds it
     took."""
     started = time.perf_counter()
-    one_pass(PolicyTrainer.load(config, world))
+    step_passes(PolicyTrainer.load(config, world))
     return time.perf_counter() - started
 
 
-def one_pass(trainer: PolicyTrainer) -> None:
+def step_passes(trainer: PolicyTrainer) -> None:
     """The first probe's random tokens through the policy as a training step runs them: a forward without gradients
     (the step's pre-update log-probs), then a forward and backward (`learner.policy.memory`'s probes run that one when
     the plan is `auto`; a configured plan runs none), the gradients dropped after."""
