@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.learner_plan import PLAN_FILE
 from asyncrl.metrics import METRICS_FILE
 from launch.mps import LOG_DIR as MPS_LOG_DIR, SERVING_FILE as MPS_SERVING_FILE
 from asyncrl.snapshots import EVALUATION_FILE, INDEX_FILE, SNAPSHOTS_DIR
 from asyncrl.whole_files import write_json_whole
 
 RUN_PREFIX = "tts-"  # every run directory's name starts with it (Mode.run_name)
-RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}")  # what --archive keeps of a run
+# what --archive keeps of a run (the learner's plan: its `auto` settings as resolved, which `asyncrl tune` advises from)
+RECORDS = ("config.yaml", METRICS_FILE, EVALUATION_FILE, f"{SNAPSHOTS_DIR}/{INDEX_FILE}", PLAN_FILE)
 LAUNCH_SUFFIX = ".launch.json"  # beside each run directory: when the bench launched it (Unix time), on how many GPUs
 GPU_FACTS = "name,power.limit,clocks.max.sm"  # nvidia-smi's fields recorded per GPU of the host a run launches on
 GPU_QUERY_TIMEOUT_S = 20

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from asyncrl.config import load_config, save_config
+from asyncrl.learner_plan import LearnerPlan, read_plan, write_plan
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import (Mode, gpu_halves, job_for, missing_scores, parse_args, summarise,
                                          sync_baseline)
@@ -190,6 +191,7 @@ def test_archived_records_come_back_into_another_directory_without_the_weights(t
     (run / "snapshots" / "made.jsonl").write_text(json.dumps({"version": 0, "made_at": 3.5}) + "\n")
     (run / "snapshots" / "v0.pt").write_bytes(b"weights")
     (run / "evaluation.jsonl").write_text(json.dumps({"version": 0, "val/score/mean": 0.4}) + "\n")
+    write_plan(run, LearnerPlan(micro_batch_tokens=20480, packed=True, activation_checkpointing="none"))
     (made / "tts-sync-s2.launch.json").write_text(json.dumps({"time": 1.0, "gpus": 1}))
     (made / "ceiling.json").write_text(json.dumps({"ceiling_tokens_per_s": 25_000.0}))
     (made / "unrelated.log").write_text("left out")
@@ -205,6 +207,7 @@ def test_archived_records_come_back_into_another_directory_without_the_weights(t
     back = elsewhere / "tts-sync-s2"
     assert made_times(back) == {0: 3.5} and read_evaluation(back)[0]["val/score/mean"] == 0.4
     assert (back / "config.yaml").read_text() == "run:\n  seed: 2\n"
+    assert read_plan(back).activation_checkpointing == "none"  # what `asyncrl tune` reads of the resolved `auto`
     assert (back / "metrics.jsonl").is_file() and (elsewhere / "tts-sync-s2.launch.json").is_file()
     assert read_ceiling(elsewhere) == 25_000.0
     assert not (back / "snapshots" / "v0.pt").exists() and not (elsewhere / "unrelated.log").exists()
