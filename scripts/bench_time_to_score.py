@@ -55,15 +55,15 @@ ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_sp
 trained tokens/s, the most any one-GPU async job could gain with its training hidden) and `async_share_of_ceiling`;
 on one GPU also `turns_tokens_per_s`, `turns_speedup` and `async_share_of_turns` (generation at the ceiling and
 training at sync's rate taking turns on the GPU, `race_figures.ceiling_figures`).
---archive FILE writes every run's records (config, metrics, snapshot made-times, scores, the learner's resolved plan;
-no weights) and the ceiling into one .tar.gz; --restore FILE... puts such records back into --out-dir first, so seeds
-raced in separate sessions are reported together (list their seeds in --seeds). Each run's launch record holds the digest of the weights it
-started from (init-model's `weights_sha256`): `start_models_match` in RESULT says whether each seed's two runs started
-from the same weights (false where a mode was prepared on another host whose warm start made other weights; null
-where a model has no digest). It also holds the host (name, boot id, CPU, GPUs: `run_records.host_facts`) and its CPU
-time over the run (`cpu_busy_share`, `cpu_steal_share`: `run_records.cpu_shares`);
-`same_host` says whether each seed's two runs ran on one machine (false where they ran in separate sessions on two:
-one H100 host generated at half another's pace from the same start; null for records without it).
+--archive FILE writes every run's records (config, metrics, snapshot made-times, scores, the learner's resolved plan; no
+weights) and the ceiling into one .tar.gz; --restore FILE... puts such records back into --out-dir first, so seeds raced
+in separate sessions are reported together (list their seeds in --seeds). Each run's launch record holds the digest of
+the weights it started from (init-model's `weights_sha256`): `start_models_match` in RESULT says whether each seed's two
+runs started from the same weights (false where a mode was prepared on another host whose warm start made other weights;
+null where a model has no digest). It also holds the host (name, boot id, CPU, GPUs: `run_records.host_facts`) and its
+CPU time over the run (`cpu_busy_share`, `cpu_steal_share`: `run_records.cpu_shares`); `same_host` says whether each
+seed's two runs ran on one machine (false where they ran in separate sessions on two: one H100 host generated at half
+another's pace from the same start; null for records without it).
 """
 
 from __future__ import annotations
