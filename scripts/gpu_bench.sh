@@ -55,9 +55,9 @@
 #              RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3"
 #              (the 600m shape compiled, with the warm start and the ceiling: ~1,650 s on a fast H100 host, ~2,150
 #              on a slow one, more than one lent session holds: sync's stage ~180 s before its first step, then
-#              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3 s over 64 on another; async ~1.4x sync's
-#              pace a step; scoring ~140); race-records.tar.gz is rewritten after each call, the three calls' lines
-#              in race_session.log
+#              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3 s over 64 on another, 10.3 s over 20 on a
+#              third; async ~1.4-1.55x sync's pace a step; scoring ~140); race-records.tar.gz is rewritten after each
+#              call, the three calls' lines in race_session.log
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
