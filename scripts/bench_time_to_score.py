@@ -64,6 +64,10 @@ null where a model has no digest). It also holds the host (name, boot id, CPU, G
 CPU time over the run (`cpu_busy_share`, `cpu_steal_share`: `run_records.cpu_shares`); `same_host` says whether each
 seed's two runs ran on one machine (false where they ran in separate sessions on two: one H100 host generated at half
 another's pace from the same start; null for records without it).
+--deadline T (Unix seconds, a lent host's end) watches each run: once it has made 12 steps, its seconds a step predict
+when the call's runs and their scoring end (`race_deadline`: async ~1.4x sync's pace, 150 s of scoring); past T the
+run is stopped and a pace of its seed runs instead (--pace-steps of sync, twice as many of async, unscored), and the
+call ends with status 75: the session's time goes to figures that fit it, not to a race cut off before its scoring.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
+from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, wait_within  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    modes_match, pick_target, ratio, rounded, seconds_per_version, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
@@ -106,6 +111,7 @@ GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean respo
 INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
+PACED_EXIT = 75  # the exit status of a call whose race would have ended past --deadline and ran a pace instead
 
 # What the synchronous run is, by the GPUs it ran on (docs/placement.md): one process, its engine beside its policy.
 SYNC_BASELINES = {0: "cpu", 1: "colocated_one_gpu"}
@@ -161,6 +167,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave the scoring of the snapshots to a later call (--modes '' scores and reports)")
     parser.add_argument("--eval-engines", type=int, default=1, help="engines scoring the snapshots side by side")
     parser.add_argument("--ceiling-seconds", type=float, default=60.0, help="the ceiling's timed window")
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help="Unix time by which this call's runs and their scoring must end (a lent GPU host's end; "
+                             f"0: none): once a run has made {PACE_STEPS[1]} steps its pace predicts that end, and past "
+                             "the deadline the run is stopped and a pace runs instead (--pace-steps), after which the "
+                             f"call exits with {PACED_EXIT}")
+    parser.add_argument("--pace-steps", type=int, default=20,
+                        help="the pace after a missed --deadline: steps of the synchronous run, twice as many of the "
+                             "async job's, unscored, from the same start")
     parser.add_argument("--archive", default="", help="write the runs' records and the ceiling into this .tar.gz")
     parser.add_argument("--restore", nargs="*", action="extend", default=[], metavar="FILE",
                         help="records written by --archive to put into --out-dir before anything runs; "
@@ -168,6 +182,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default="", help="where the run directories go; runs there are read back "
                                                       "(default: a new temporary directory)")
     args = parser.parse_intermixed_args(argv)
+    if args.deadline and args.side_by_side:
+        parser.error("--deadline watches one run at a time: it does not go with --side-by-side")
+    if args.pace_steps < 1:
+        parser.error(f"--pace-steps {args.pace_steps}: the pace needs at least one step")
     for archive in args.restore:
         if not Path(archive).is_file():
             parser.error(f"--restore {archive}: no such file (what follows --restore is read as its files: "
@@ -197,16 +215,32 @@ def prepare(args: argparse.Namespace, compiles_learner: bool) -> None:
 
 
 def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
-            start_weights: str | None) -> None:
+            start_weights: str | None, later: list[LaterRun] | None = None) -> None:
     """Run the mode's job for `seed` from scratch with `asyncrl run` (a run of the same name in `root` is replaced),
     on every GPU this process sees; `start_weights`, the digest of the model it starts from, goes into its launch
-    record."""
+    record. With --deadline and the `later` runs of this call given, the run is watched: DeadlinePassed once it
+    is stopped for the deadline (`race_deadline.wait_within`)."""
     job = job_for(mode, seed, args, steps, val_every, root, None)
     launch = write_launch(root, job.label, start_weights, len(visible_gpus()))
-    done = subprocess.run(job.command, env=job.env, timeout=JOB_TIMEOUT_S)
-    if done.returncode != 0:
-        raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {done.returncode}")
+    if args.deadline and later is not None:
+        status = wait_within(subprocess.Popen(job.command, env=job.env), root / job.label, mode.name, steps, later,
+                             args.deadline)
+    else:
+        status = subprocess.run(job.command, env=job.env, timeout=JOB_TIMEOUT_S).returncode
+    if status != 0:
+        raise SystemExit(f"{mode.label} seed {seed}: asyncrl run exited with {status}")
     add_log_readings(root, job.label, launch)
+
+
+def run_pace(args: argparse.Namespace, root: Path, modes: list[Mode], seed: int, val_every: int,
+             start_weights: str | None) -> None:
+    """The pass that fits where the race did not: each of `modes` for --pace-steps (the async job twice as many: its
+    steps run faster), unscored, from the same start; the caller reports it with `--modes ''` as a pace."""
+    for mode in modes:
+        steps = args.pace_steps * (1 if mode.name == "sync" else 2)
+        print(f"deadline: a pace instead of the race: {mode.label} for {steps} steps, seed {seed}", flush=True)
+        run_job(mode, seed, args, steps, val_every, root, start_weights)
+        keep_records(args, root)
 
 
 def run_side_by_side(modes: list[Mode], seed: int, args: argparse.Namespace, steps: int, val_every: int, root: Path,
@@ -366,21 +400,16 @@ def main() -> None:
     if args.prepare_only:
         return
     start_weights = read_report(Path(config.model.path)).get("weights_sha256")  # of the model every run starts from
-    for seed in seeds:
-        if args.side_by_side:
+    if args.side_by_side:
+        for seed in seeds:
             run_side_by_side(modes, seed, args, steps, val_every, root, start_weights)
             keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the runs' pace
             if not args.no_evaluate:
                 evaluate([root / mode.run_name(seed) for mode in modes], args.eval_engines)
                 keep_records(args, root)
-            continue
-        for mode in modes:
-            if mode.name in wanted:
-                run_job(mode, seed, args, steps, val_every, root, start_weights)
-                keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the run's pace
-                if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
-                    evaluate([root / mode.run_name(seed)], args.eval_engines)
-                    keep_records(args, root)
+    else:
+        run_one_at_a_time(args, root, [mode for mode in modes if mode.name in wanted], seeds, steps, val_every,
+                          start_weights)
     if CEILING in wanted:
         measure_ceiling(args, root)
         keep_records(args, root)  # before the scoring's minutes, as after each run
@@ -390,6 +419,26 @@ def main() -> None:
         evaluate([run_dir for run_dir in run_dirs if unscored(run_dir)], args.eval_engines, last_try=True)
     keep_records(args, root)
     report(args, root, modes, ran, steps, val_every)
+
+
+def run_one_at_a_time(args: argparse.Namespace, root: Path, modes: list[Mode], seeds: list[int], steps: int,
+                      val_every: int, start_weights: str | None) -> None:
+    """Each seed's runs of `modes`, one after the other, each scored as it ends unless --no-evaluate; a run stopped for
+    --deadline gives way to a pace of its seed (`run_pace`), and the call then ends with PACED_EXIT."""
+    queue = [(seed, mode) for seed in seeds for mode in modes]
+    for index, (seed, mode) in enumerate(queue):
+        try:
+            run_job(mode, seed, args, steps, val_every, root, start_weights,
+                    [LaterRun(later.name, steps) for _, later in queue[index + 1:]])
+        except DeadlinePassed as passed:
+            print(f"deadline: {passed}", flush=True)
+            keep_records(args, root)
+            run_pace(args, root, modes, seed, val_every, start_weights)
+            raise SystemExit(PACED_EXIT) from None
+        keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the run's pace
+        if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
+            evaluate([root / mode.run_name(seed)], args.eval_engines)
+            keep_records(args, root)
 
 
 def keep_records(args: argparse.Namespace, root: Path) -> None:

@@ -57,7 +57,10 @@
 #              on a slow one, more than one lent session holds: sync's stage ~180 s before its first step, then
 #              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3 s over 64 on another, 10.3 s over 20 on a
 #              third; async ~1.4-1.55x sync's pace a step; scoring ~140); race-records.tar.gz is rewritten after each
-#              call, the three calls' lines in race_session.log
+#              call, the three calls' lines in race_session.log. RACE_DEADLINE (Unix seconds, the session's end: e.g.
+#              $(( $(date +%s) + budget_left_s - 120 )) in the call that starts it) is bench_time_to_score.py's
+#              --deadline: once sync has made 12 steps, a race predicted to end past it is stopped for a pace (sync 20
+#              steps, async 40, unscored; exit 75), and the ceiling follows
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
@@ -301,12 +304,15 @@ stage_warm() {
 
 stage_race_session() {
     # its options first: RACE_ARGS may end with a --restore, which would read anything after it as its files
-    local ceiling_s="${RACE_CEILING_S:-30}" runs
-    RACE_MODES=sync,async RACE_ARGS="--no-evaluate ${RACE_ARGS:-}" stage_race
+    local ceiling_s="${RACE_CEILING_S:-30}" runs deadline=""
+    [ -n "${RACE_DEADLINE:-}" ] && deadline="--deadline $RACE_DEADLINE"
+    RACE_MODES=sync,async RACE_ARGS="--no-evaluate $deadline ${RACE_ARGS:-}" stage_race
     runs=$?
-    # scored first, even after a failed run: the snapshots go with the host, the ceiling can be measured again
-    RACE_MODES='' RACE_ARGS="--skip-prepare ${RACE_ARGS:-}" stage_race || return
-    if [ $runs -eq 0 ] && [ "$ceiling_s" != 0 ]; then
+    if [ $runs -ne 75 ]; then  # 75: the race would have ended past RACE_DEADLINE and ran a pace, unscored, instead
+        # scored first, even after a failed run: the snapshots go with the host, the ceiling can be measured again
+        RACE_MODES='' RACE_ARGS="--skip-prepare ${RACE_ARGS:-}" stage_race || return
+    fi
+    if { [ $runs -eq 0 ] || [ $runs -eq 75 ]; } && [ "$ceiling_s" != 0 ]; then
         RACE_MODES=ceiling RACE_ARGS="--skip-prepare --no-evaluate --ceiling-seconds $ceiling_s ${RACE_ARGS:-}" \
             stage_race || return
     fi

@@ -27,14 +27,15 @@ def stage_command(tmp_path: Path, stage: str, script: str, card_mib: int, **env:
     return stage_commands(tmp_path, stage, script, card_mib, **env)[0]
 
 
-def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, failing: str = "",
+def stage_commands(tmp_path: Path, stage: str, script: str, card_mib: int, failing: str = "", failing_status: int = 3,
                    **env: str) -> list[list[str]]:
     """Every command line of `script` the `stage` ran, in order, each with CUDA_VISIBLE_DEVICES first; the stand-in
-    Python fails a call whose arguments hold `failing` (where given); gpu_bench.sh's console goes to tmp_path/console."""
+    Python exits with `failing_status` from a call whose arguments hold `failing` (where given); gpu_bench.sh's console
+    goes to tmp_path/console."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
     bin_dir.mkdir(parents=True)
     (bin_dir / "nvidia-smi").write_text(f"#!/usr/bin/env bash\necho {card_mib}\n")
-    fail = f'[[ "$*" == *"{failing}"* ]] && exit 3\n' if failing else ""
+    fail = f'[[ "$*" == *"{failing}"* ]] && exit {failing_status}\n' if failing else ""
     (bin_dir / "python").write_text(f'#!/usr/bin/env bash\necho "$CUDA_VISIBLE_DEVICES $(printf "%q " "$@")" >> {calls}\n'
                                     f'{fail}cat > /dev/null\n')
     for tool in bin_dir.iterdir():
@@ -92,10 +93,11 @@ def test_an_unknown_shape_is_refused_by_name(tmp_path):
 CALLER_ARGS = ["--seeds", "1", "--max-staleness", "3", "--restore", "a.tar.gz"]  # a race session's RACE_ARGS
 
 
-def race_session(tmp_path: Path, failing: str = "", **env: str) -> list[tuple[str, list[str]]]:
+def race_session(tmp_path: Path, failing: str = "", failing_status: int = 3,
+                 **env: str) -> list[tuple[str, list[str]]]:
     """The race_session stage's bench_time_to_score.py calls: each one's --modes and its arguments from --archive on."""
     calls = stage_commands(tmp_path, "race_session", "scripts/bench_time_to_score.py", H100_MIB, failing,
-                           RACE_SHAPE="600m", RACE_ARGS=shlex.join(CALLER_ARGS), **env)
+                           failing_status, RACE_SHAPE="600m", RACE_ARGS=shlex.join(CALLER_ARGS), **env)
     return [(call[call.index("--modes") + 1], call[call.index("--archive"):]) for call in calls]
 
 
@@ -104,6 +106,7 @@ def test_a_race_session_runs_both_modes_unscored_then_scores_both_then_measures_
     assert (runs, scoring, ceiling) == ("sync,async", "", "ceiling")  # the scores first: the snapshots die with the host
     # the session's options just before the caller's, whose --restore ends every call; the warm start made once
     assert runs_args[-7:] == ["--no-evaluate", *CALLER_ARGS] and "--skip-prepare" not in runs_args
+    assert "--deadline" not in runs_args  # no RACE_DEADLINE: the race runs to its end
     assert ceiling_args[-10:] == ["--skip-prepare", "--no-evaluate", "--ceiling-seconds", "30", *CALLER_ARGS]
     assert scoring_args[-7:] == ["--skip-prepare", *CALLER_ARGS] and "--no-evaluate" not in scoring_args
     assert all("buffer.batch_groups=64" in args for args in (runs_args, ceiling_args, scoring_args))
@@ -116,6 +119,14 @@ def test_a_race_session_without_the_ceiling_only_runs_and_scores(tmp_path):
 def test_a_failed_run_skips_the_ceiling_and_still_scores_what_ran(tmp_path):
     assert [modes for modes, _ in race_session(tmp_path, failing="sync,async")] == ["sync,async", ""]
     assert "=== race_session exit 3 " in (tmp_path / "console").read_text()  # the failed run's status, once scored
+
+
+def test_a_race_past_its_deadline_ran_a_pace_so_nothing_is_scored_and_the_ceiling_follows(tmp_path):
+    calls = race_session(tmp_path, failing="--deadline", failing_status=75, RACE_DEADLINE="1765100000")
+    (runs, runs_args), (ceiling, _) = calls  # no scoring call between them: the pace is not scored
+    assert (runs, ceiling) == ("sync,async", "ceiling")
+    assert runs_args[-9:] == ["--no-evaluate", "--deadline", "1765100000", *CALLER_ARGS]
+    assert "=== race_session exit 75 " in (tmp_path / "console").read_text()
 
 
 def test_the_warm_stage_makes_the_race_s_data_and_model_with_the_shape_s_overrides(tmp_path):
