@@ -61,10 +61,15 @@ def _relative_step_seconds(watched: str, later: str) -> float:
 
 def wait_within(process: subprocess.Popen, run_dir: Path, mode: str, steps: int, later: Sequence[LaterRun],
                 deadline: float, clock: Callable[[], float] = time.time, poll_s: float = POLL_S) -> int:
-    """Wait for the run's `process` and return its exit status; once its pace is known and puts the call's end past
-    `deadline` (Unix seconds), stop it (SIGTERM, SIGKILL after STOP_GRACE_S) and raise DeadlinePassed."""
+    """Wait for the run's `process` and return its exit status. Once its pace is known and puts the call's end past
+    `deadline` (Unix seconds), or the deadline itself passes while it runs (a run that never makes its steps), stop
+    it (SIGTERM, SIGKILL after STOP_GRACE_S) and raise DeadlinePassed."""
+    judged = False
     while process.poll() is None:
-        pace = seconds_a_step(run_dir)
+        if clock() > deadline:
+            _stop(process)
+            raise DeadlinePassed(f"{mode} was still running at its deadline")
+        pace = None if judged else seconds_a_step(run_dir)
         if pace is not None:
             end = predicted_end(clock(), pace, mode, steps - PACE_STEPS[1], later)
             if end > deadline:
@@ -73,7 +78,7 @@ def wait_within(process: subprocess.Popen, run_dir: Path, mode: str, steps: int,
                                      f"the call would end {end - deadline:.0f} s past its deadline")
             print(f"deadline: {mode} at {pace:.2f} s a step; the call ends ~{deadline - end:.0f} s before its "
                   "deadline", flush=True)
-            return process.wait()
+            judged = True
         time.sleep(poll_s)
     return process.returncode
 

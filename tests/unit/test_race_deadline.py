@@ -64,4 +64,12 @@ def test_a_run_that_fits_is_waited_for_and_its_status_returned(tmp_path, capsys)
 
 
 def test_a_run_that_ends_before_its_pace_is_known_returns_its_status(tmp_path):
-    assert wait_within(sleeper(0.2), tmp_path, "async", 100, [], deadline=time.time() + 1, poll_s=0.1) == 0
+    assert wait_within(sleeper(0.2), tmp_path, "async", 100, [], deadline=time.time() + 30, poll_s=0.1) == 0
+
+
+def test_a_run_still_going_at_the_deadline_is_stopped_though_it_never_made_its_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(race_deadline, "STOP_GRACE_S", 5.0)
+    process = sleeper(60)
+    with pytest.raises(DeadlinePassed, match="async was still running at its deadline"):
+        wait_within(process, tmp_path, "async", 100, [], deadline=time.time() + 0.3, poll_s=0.1)
+    assert process.poll() is not None
