@@ -57,10 +57,11 @@
 #              on a slow one, more than one lent session holds: sync's stage ~180 s before its first step, then
 #              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3 s over 64 on another, 10.3 s over 20 on a
 #              third; async ~1.4-1.55x sync's pace a step; scoring ~140); race-records.tar.gz is rewritten after each
-#              call, the three calls' lines in race_session.log. RACE_DEADLINE (Unix seconds, the session's end: e.g.
-#              $(( $(date +%s) + budget_left_s - 120 )) in the call that starts it) is bench_time_to_score.py's
-#              --deadline: once sync has made 12 steps, a race predicted to end past it is stopped for a pace (sync 20
-#              steps, async 40, unscored; exit 75), and the ceiling follows
+#              call, the three calls' lines in race_session.log. RACE_DEADLINE (Unix seconds: when the runs and
+#              their scoring must have ended, e.g. $(( $(date +%s) + budget_left_s - 230 )) in the call that starts
+#              it, leaving ~100 s for the ceiling and the last copy) is bench_time_to_score.py's --deadline: once sync
+#              has made 12 steps, a race predicted to end past it is stopped for a pace (sync 20 steps, async 40,
+#              unscored; exit 75), and the ceiling follows
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
