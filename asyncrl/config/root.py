@@ -74,6 +74,7 @@ class AsyncRLConfig:
         problems += self.guard.cross_checks(self.learner.checkpoint_every, self.learner.keep_checkpoints, synchronous)
         problems += self._study_lag_problems() + self.algorithm.cross_checks(self.buffer.batch_groups)
         problems += chat.cross_checks() + self.environment.cross_checks(self.rollout.engine.max_model_len)
+        problems += self.rollout.engine.cross_checks()
         problems += (self._control_channel_problems() + self._scratchpad_fit_problems() + self.validation.cross_checks()
                      + self.model.lora.cross_checks())
         return problems + self.learner.cross_checks() + self.buffer.cross_checks() + self.ray.cross_checks(self.rollout.engine.tensor_parallel_size)
