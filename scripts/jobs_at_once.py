@@ -38,10 +38,10 @@ def _wait_or_stop(running: dict[str, subprocess.Popen], timeout_s: float, grace_
     try:
         failure = _wait_for_all(running, timeout_s)
     except BaseException:  # Ctrl-C or a signal to this process: no job outlives it
-        _stop_all(running.values(), grace_s)
+        stop_all(running.values(), grace_s)
         raise
     if failure is not None:
-        _stop_all(running.values(), grace_s)
+        stop_all(running.values(), grace_s)
         raise SystemExit(f"side by side: {failure}; the logs: {', '.join(map(str, logs.values()))}")
 
 
@@ -64,7 +64,7 @@ def _first_failure(running: dict[str, subprocess.Popen]) -> str | None:
     return None
 
 
-def _stop_all(processes: Iterable[subprocess.Popen], grace_s: float) -> None:
+def stop_all(processes: Iterable[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM to every command still running, SIGKILL to any still running `grace_s` later."""
     alive = [process for process in processes if process.poll() is None]
     for process in alive:

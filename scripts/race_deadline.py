@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from asyncrl.metrics import METRICS_FILE, read_metrics, step_records
+from scripts.jobs_at_once import STOP_GRACE_S, stop_all
 
 PACE_STEPS = (4, 12)  # a run's seconds a step from its step 4 to its step 12: its first steps hold compiles and a backlog
 # An async run's steps against sync's at the race's ~600 M shape on one H100 (1.42x to 1.55x, docs/benchmarks.md):
@@ -20,7 +21,6 @@ ASYNC_STEP_SPEEDUP = 1.4
 RUN_START_S = 70.0  # a later run's launch to its first step from warm compile caches (66 s measured on one H100)
 SCORING_S = 150.0  # scoring the race's snapshots after its runs (138 s: 12 snapshots of ~600 M on four engines)
 POLL_S = 5.0  # how often the running job's metrics are read
-STOP_GRACE_S = 60.0  # a stopped job's time to end its own processes before it is killed
 
 
 class DeadlinePassed(Exception):
@@ -67,13 +67,13 @@ def wait_within(process: subprocess.Popen, run_dir: Path, mode: str, steps: int,
     judged = False
     while process.poll() is None:
         if clock() > deadline:
-            _stop(process)
+            stop_all([process], STOP_GRACE_S)
             raise DeadlinePassed(f"{mode} was still running at its deadline")
         pace = None if judged else seconds_a_step(run_dir)
         if pace is not None:
             end = predicted_end(clock(), pace, mode, steps - PACE_STEPS[1], later)
             if end > deadline:
-                _stop(process)
+                stop_all([process], STOP_GRACE_S)
                 raise DeadlinePassed(f"{mode} made {pace:.2f} s a step over steps {PACE_STEPS[0]}-{PACE_STEPS[1]}: "
                                      f"the call would end {end - deadline:.0f} s past its deadline")
             print(f"deadline: {mode} at {pace:.2f} s a step; the call ends ~{deadline - end:.0f} s before its "
@@ -82,11 +82,3 @@ def wait_within(process: subprocess.Popen, run_dir: Path, mode: str, steps: int,
         time.sleep(poll_s)
     return process.returncode
 
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
