@@ -27,8 +27,9 @@ from asyncrl.metrics import read_metrics
 from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
-from scripts.bench_time_to_score import Mode, prepare, run_job, summarise  # noqa: E402
+from scripts.bench_time_to_score import prepare, run_job  # noqa: E402
 from scripts.race_figures import ratio, rounded  # noqa: E402
+from scripts.race_runs import Mode, summarise  # noqa: E402
 from scripts.run_records import archive_records, read_launch, restore_records  # noqa: E402
 
 ARMS = {"turns": "run.mps=off", "mps": "run.mps=on"}  # arm -> its override; the first is the baseline

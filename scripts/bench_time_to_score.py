@@ -76,7 +76,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -88,16 +87,17 @@ from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.gpu_ids import VISIBLE_DEVICES, visible_gpus
-from asyncrl.snapshots import due_versions, made_times, read_evaluation, unscored_versions
+from asyncrl.snapshots import made_times, read_evaluation, unscored_versions
 from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, wait_within  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
-                                   modes_match, pick_target, ratio, rounded, seconds_per_version, seed_speedups)
+                                   modes_match, pick_target, ratio, rounded, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
-from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, RUN_PREFIX, add_log_readings,  # noqa: E402
+from scripts.race_runs import Mode, missing_scores, summarise  # noqa: E402
+from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, add_log_readings,  # noqa: E402
                                  archive_records, machine_of, read_ceiling, read_launch, restore_records, write_launch)
 
 MODES = ("sync", "async")
@@ -105,39 +105,12 @@ RUNNABLE = MODES + (CEILING,)  # what --modes may name
 CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")
 LEARNER_WARM_UP_SCRIPT = Path(__file__).with_name("learner_warm_up.py")
 LEARNER_MODE = {"sync": "synchronous", "async": "async"}
-SCORE_KEY = "val/score/mean"
-BUCKET_PREFIX = "val/score/bucket/"
-GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
-INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
 JOB_TIMEOUT_S = 7200  # one run's whole job, engine start included
 MIN_TIMED_STEPS = 2  # fewer give no token rate worth printing
 PACED_EXIT = 75  # the exit status of a call whose race would have ended past --deadline and ran a pace instead
 
 # What the synchronous run is, by the GPUs it ran on (docs/placement.md): one process, its engine beside its policy.
 SYNC_BASELINES = {0: "cpu", 1: "colocated_one_gpu"}
-
-Record = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Mode:
-    """One of the two jobs."""
-
-    name: str  # "sync" or "async"
-    k: int  # buffer.max_staleness of the async job
-
-    def run_name(self, seed: int) -> str:
-        return f"{RUN_PREFIX}sync-s{seed}" if self.name == "sync" else f"{RUN_PREFIX}async-k{self.k}-s{seed}"
-
-    @property
-    def label(self) -> str:
-        return "sync" if self.name == "sync" else f"async K={self.k}"
-
-    def warmup(self, warmup_steps: int) -> int:
-        """Steps left out of the token rate: the async job's first step lets the server fill the buffer K + 1
-        batches ahead, which the next K steps drain without waiting."""
-        return warmup_steps if self.name == "sync" else max(warmup_steps, self.k + 1)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The race's options; config overrides may come before, between and after them."""
@@ -319,59 +292,6 @@ def evaluate(run_dirs: list[Path], engines: int, last_try: bool = False) -> None
 def unscored(run_dir: Path) -> bool:
     """The run has a snapshot not scored yet whose file is there (an engine would start for it)."""
     return bool(unscored_versions(run_dir)[0])
-
-
-def summarise(records: list[Record], made: dict[int, float], evaluation: dict[int, Record], launched: float,
-              mode: Mode, warmup_steps: int) -> dict[str, Any]:
-    """One run's figures: its curve, throughput, lengths and learner share."""
-    steps = {r["step"]: r for r in records if "batch/samples" in r}
-    numbers = sorted(steps)
-    clock = {n: steps[n]["time"] - launched for n in numbers}
-    start, last = mode.warmup(warmup_steps), numbers[-1]
-    timed = [steps[n] for n in numbers if start < n <= last]
-    trained_mean = sum(map(trained_tokens, steps.values())) / sum(r["batch/samples"] for r in steps.values())
-    generated_mean = trained_mean if mode.name == "sync" else steps[last].get(GENERATED_MEAN_KEY)
-    trained = sum(map(trained_tokens, timed))
-    trained_rate = trained / (clock[last] - clock[start])
-    curve = [(v, made[v] - launched, evaluation[v][SCORE_KEY]) for v in sorted(evaluation) if v in made]
-    return {
-        "steps": last, "first_record_s": clock[numbers[0]], "last_record_s": clock[last],
-        "time_per_step_s": (clock[last] - clock[start]) / (last - start),  # wall seconds a learner step, after warm-up
-        "trained_tokens_per_s": trained_rate,
-        "generated_tokens_per_s": trained_rate if mode.name == "sync" else intake_rate(steps[start], steps[last]),
-        "training_tokens_per_s": trained / sum(r["timing_s/train"] for r in timed),
-        "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
-        "length_ratio": trained_mean / generated_mean if generated_mean else None,
-        "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
-        "curve": curve, "time_per_version_s": seconds_per_version(curve),
-        "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
-    }
-
-
-def intake_rate(first: Record, last: Record) -> float | None:
-    """Response tokens the buffer stored per second between two steps' records (None where they lack the count):
-    beside the trained rate of the same steps, it tells a pace the servers kept up from one that drained a backlog."""
-    if INGESTED_KEY not in first or INGESTED_KEY not in last:
-        return None
-    return (last[INGESTED_KEY] - first[INGESTED_KEY]) / (last["time"] - first["time"])
-
-
-def trained_tokens(step: Record) -> float:
-    return step["batch/samples"] * step["response_length/mean"]
-
-
-def bucket_scores(record: Record) -> dict[str, float]:
-    return {key[len(BUCKET_PREFIX):]: value for key, value in record.items() if key.startswith(BUCKET_PREFIX)}
-
-
-def missing_scores(evaluation: dict[int, Record], made: dict[int, float], every: int, steps: int,
-                   scoring: bool) -> tuple[int, int]:
-    """A run's due versions with no score, as (skipped, unscored): skipped were never validated (no snapshot made,
-    or its scoring failed); unscored have a snapshot whose scoring this call left for later (--no-evaluate), so that
-    a throughput pass does not read as validations lost."""
-    missing = [version for version in due_versions(every, steps) if version not in evaluation]
-    unscored = 0 if scoring else sum(1 for version in missing if version in made)
-    return len(missing) - unscored, unscored
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ from asyncrl.config_arguments import add_config_arguments
 from asyncrl.snapshots import made_times, read_evaluation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
-from scripts.bench_time_to_score import JOB_TIMEOUT_S, SCORE_KEY, asyncrl_command, evaluate  # noqa: E402
+from scripts.bench_time_to_score import JOB_TIMEOUT_S, asyncrl_command, evaluate  # noqa: E402
+from scripts.race_runs import SCORE_KEY  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""The race to a score's figures across runs, from each run's summary (`bench_time_to_score.summarise`): the seeds'
+"""The race to a score's figures across runs, from each run's summary (`race_runs.summarise`): the seeds'
 mean curve, the target, the time to it (pooled and per seed), the length buckets at equal steps, each mode's part
 of RESULT, the ceiling's figures and whether each seed's modes started from the same weights."""
 

@@ -16,8 +16,8 @@ import pytest
 from asyncrl.config import load_config, save_config
 from asyncrl.learner_plan import LearnerPlan, read_plan, write_plan
 from asyncrl.snapshots import made_times, read_evaluation
-from scripts.bench_time_to_score import (Mode, gpu_halves, job_for, missing_scores, parse_args, summarise,
-                                         sync_baseline)
+from scripts.bench_time_to_score import gpu_halves, job_for, parse_args, sync_baseline
+from scripts.race_runs import Mode, missing_scores, summarise
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, modes_match,
                                   pick_target, seconds_per_version, seed_speedups, time_to_target)
 from scripts import run_records
