@@ -3,9 +3,10 @@
 The reading follows docs/tuning.md. Over the run's steps after the warm-up (the first tenth, at least one
 step: engine warm-up and compilation), it compares three shares of the learner's wall time per step:
 waiting for batches (generation-bound), weight-sync rounds (sync-bound) and training (learner-bound), and
-derives K, the number of rollout servers and the micro-batch to try, each with the numbers behind it. Then it
-reads the drift at that K (`rollout_corr/mismatch_kl`, and the share of tokens a behaviour-anchored loss masked,
-`trust_region/masked_frac`) against the run's drift bounds and says whether the loss holds it.
+derives K, the number of rollout servers and the micro-batch to try, each with the numbers behind it (and the
+engine's CUDA graphs, where its steps ran more sequences than they cover). Then it reads the drift at that K
+(`rollout_corr/mismatch_kl`, and the share of tokens a behaviour-anchored loss masked, `trust_region/masked_frac`)
+against the run's drift bounds and says whether the loss holds it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ MASKED_KEY = "trust_region/masked_frac"  # logged by the behaviour-anchored loss
 BEHAVIOUR_ANCHORED = ("dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl", "naive_ppo")  # losses bounding π_θ against π_behav
 PROXIMAL_CLIPPED = ("decoupled_ppo", "seq_mask")  # losses whose clip anchors on π_prox: it binds only from a batch's second step
 BOUND_KEYS = {"dppo_tv": "algorithm.dppo_tv_bound", "dppo_kl": "algorithm.dppo_kl_bound", "m2po": "algorithm.m2_threshold"}
+VLLM_GRAPHED_MAX = 512  # vLLM's largest CUDA-graphed engine step where none is set: min(2 x max_num_seqs, 512) sequences
+# the engine kept full at 1,536 in flight with graphs up to there, against vLLM's 512: one H100, ~600 M parameters
+# (docs/benchmarks.md)
+GRAPHED_CEILING_GAIN = 1.20
 
 
 class NotEnoughSteps(ValueError):
@@ -53,6 +58,10 @@ class RunSettings:
     checkpointing: str  # learner.activation_checkpointing as configured
     compiled: bool  # learner.compile
     checkpointing_ran: str | None = None  # the mode the learner ran in (auto resolved), where the run recorded its plan
+    max_inflight: int = 0  # rollout.max_inflight: samples one server may run at once
+    # the largest engine step (sequences) vLLM replays as a CUDA graph; None: no graphs (an eager engine, or servers
+    # not on GPUs)
+    graphed_sequences: int | None = None
 
     @classmethod
     def of(cls, config: AsyncRLConfig, passes: LearnerPlan | None = None) -> RunSettings:
@@ -60,11 +69,14 @@ class RunSettings:
         pacing, algorithm, learner = config.buffer.pacing, config.algorithm, config.learner
         plan = listed_plan(config)
         shared = bool(plan.learner and plan.servers) and plan.sharing == len(plan.servers)
+        engine, max_inflight = config.rollout.engine, config.rollout.max_inflight
+        graphed = (None if engine.enforce_eager or not plan.servers else
+                   engine.cudagraph_max_sequences or min(2 * max_inflight, VLLM_GRAPHED_MAX))
         return cls(config.buffer.max_staleness, pacing.k_max, pacing.max_mismatch_kl, pacing.max_is_clip_frac,
                    config.rollout.num_servers, config.rollout.max_inflight * config.rollout.num_servers,
                    learner.micro_batch_tokens, learner.sync_every,
                    algorithm.loss, algorithm.mini_batches * algorithm.epochs, shared, learner.activation_checkpointing,
-                   learner.compile, passes.activation_checkpointing if passes else None)
+                   learner.compile, passes.activation_checkpointing if passes else None, max_inflight, graphed)
 
 
 @dataclass(frozen=True)
@@ -124,9 +136,11 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
 
 
 def advise(reading: RunReading, settings: RunSettings) -> list[str]:
-    """The verdict with its numbers, then one piece of advice each for K, servers, micro-batch and drift."""
-    return [_verdict_line(reading, settings), _k_advice(reading, settings), _servers_advice(reading, settings),
-            _micro_batch_advice(reading, settings), _drift_advice(reading, settings)]
+    """The verdict with its numbers, then one piece of advice each for K, servers, micro-batch and drift, and for the
+    engine's CUDA graphs where its steps outgrew them."""
+    lines = [_verdict_line(reading, settings), _k_advice(reading, settings), _servers_advice(reading, settings),
+             _micro_batch_advice(reading, settings), _drift_advice(reading, settings)]
+    return lines + ([_graphs_advice(reading, settings)] if _steps_outgrew_graphs(reading, settings) else [])
 
 
 def _verdict_line(r: RunReading, s: RunSettings) -> str:
@@ -253,6 +267,22 @@ def _drift_advice(r: RunReading, s: RunSettings) -> str:
              if s.loss in PROXIMAL_CLIPPED and s.optimizer_steps == 1 else "")
     return (f"{high}, and {s.loss} has no trust region anchored to the policy that sampled: {lower}, or switch to a "
             f"behaviour-anchored loss (algorithm.loss=dppo_tv, m2po or decoupled_ppo_kl; docs/losses.md){steps}")
+
+
+def _steps_outgrew_graphs(r: RunReading, s: RunSettings) -> bool:
+    """Generation held the run back while its engines ran more sequences a step than their CUDA graphs cover (those
+    steps run without one)."""
+    running = r.inflight / s.num_servers if r.inflight is not None else None
+    return (r.verdict == "generation-bound" and s.graphed_sequences is not None and running is not None
+            and running > s.graphed_sequences)
+
+
+def _graphs_advice(r: RunReading, s: RunSettings) -> str:
+    running = r.inflight / s.num_servers
+    return (f"engine: each server ran {running:.0f} samples at once on average, above the {s.graphed_sequences} "
+            "sequences a step its CUDA graphs cover, so those steps ran without one: "
+            f"rollout.engine.cudagraph_max_sequences={s.max_inflight} (graphs up to every slot; the engine kept full "
+            f"made {GRAPHED_CEILING_GAIN:.2f}x the tokens/s so on one H100, docs/tuning.md)")
 
 
 def _lower_k(s: RunSettings) -> str:

@@ -195,3 +195,30 @@ def test_the_learner_advice_reads_the_checkpointing_the_run_ran_with(tmp_path, c
         write_plan(tmp_path, LearnerPlan(micro_batch_tokens=20480, packed=True, activation_checkpointing=ran))
     learner = tune(tmp_path, capsys)[3]
     assert learner == advice if ran == "none" else learner.startswith("learner: ") and advice in learner
+
+
+GRAPHS_RUN = ["buffer.max_staleness=4", "rollout.gpus=[0]", "learner.gpus=[0]", "rollout.max_inflight=1536",
+              "rollout.engine.enforce_eager=false"]
+
+
+def test_a_run_whose_engine_steps_outgrew_its_cuda_graphs_is_told_to_capture_up_to_its_slots(tmp_path, capsys):
+    # 1,530 samples running against vLLM's own graphs up to 512 sequences a step: most steps ran without a graph
+    write_run(tmp_path, GRAPHS_RUN, steady(4.0, 2.1, 0.3, **{"rollout/inflight": 1530.0}))
+    lines = tune(tmp_path, capsys)
+    assert lines[0].startswith("generation-bound")
+    assert lines[5] == ("engine: each server ran 1530 samples at once on average, above the 512 sequences a step its "
+                        "CUDA graphs cover, so those steps ran without one: rollout.engine.cudagraph_max_sequences=1536 "
+                        "(graphs up to every slot; the engine kept full made 1.20x the tokens/s so on one H100, "
+                        "docs/tuning.md)")
+
+
+@pytest.mark.parametrize("overrides, inflight, wait_s", [
+    (["rollout.engine.cudagraph_max_sequences=1536"], 1530.0, 4.0),  # graphs up to every slot already
+    (["rollout.engine.enforce_eager=true"], 1530.0, 4.0),  # an eager engine captures no graphs
+    ([], 400.0, 4.0),  # its steps fit vLLM's own 512
+    ([], 1530.0, 0.1),  # learner-bound: generation is not what holds it back
+    (["rollout.gpus=[]", "learner.gpus=[]"], 1530.0, 4.0),  # servers not on GPUs (a CPU run's config)
+])
+def test_the_engine_line_appears_only_where_graphs_would_help(tmp_path, capsys, overrides, inflight, wait_s):
+    write_run(tmp_path, GRAPHS_RUN + overrides, steady(wait_s, 2.1, 0.3, **{"rollout/inflight": inflight}))
+    assert not [line for line in tune(tmp_path, capsys) if line.startswith("engine:")]
