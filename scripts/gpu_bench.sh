@@ -255,11 +255,13 @@ stage_e2e() {
 # and the learner compiled in both modes: the synchronous run at its best (on an H100 its training ran 1.56x faster so,
 # its step 1.26x). A seed's two modes race in one session from one warm start (race_session; on 2 GPUs --side-by-side),
 # so the warm start's kernels need not be deterministic (strict mode cost 1.16x the seconds a step on an H100:
-# scripts/bench_warm_start.py).
+# scripts/bench_warm_start.py). Its engine captures CUDA graphs up to its 1,536 samples in flight (vLLM's own stop at
+# 512 sequences a step): the engine kept full made 1.20x the tokens/s so on one H100 (docs/benchmarks.md); sync's
+# steps, 512 samples, fit vLLM's own.
 SHAPE_600M="model.tiny.hidden_size=1536 model.tiny.num_layers=24 model.tiny.intermediate_size=4096"  # 604.3 M parameters
 declare -A RACE_SHAPES=([76m]="" [600m]="$SHAPE_600M buffer.batch_groups=64 rollout.max_inflight=1536 \
 model.path=.cache/models/gpu_longtail_600m model.warm_start.steps=400 model.warm_start.eval_samples=0 \
-learner.compile=true")
+learner.compile=true rollout.engine.cudagraph_max_sequences=1536")
 
 race_shape() {
     local shape="${RACE_SHAPE:-76m}"
