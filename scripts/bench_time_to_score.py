@@ -65,7 +65,7 @@ CPU time over the run (`cpu_busy_share`, `cpu_steal_share`: `run_records.cpu_sha
 seed's two runs ran on one machine (false where they ran in separate sessions on two: one H100 host generated at half
 another's pace from the same start; null for records without it).
 --deadline T (Unix seconds, a lent host's end) watches each run: once it has made 12 steps, its seconds a step predict
-when the call's runs and their scoring end (`race_deadline`: async ~1.4x sync's pace, 150 s of scoring); past T the
+when the call's runs and their scoring end (`race_deadline`: async ~1.35x sync's pace, 150 s of scoring); past T the
 run is stopped and a pace of its seed runs instead (--pace-steps of sync, twice as many of async, unscored), and the
 call ends with status 75: the session's time goes to figures that fit it, not to a race cut off before its scoring.
 """

@@ -54,9 +54,9 @@
 #              skipped after a failed run), whose report has it all; RACE_SHAPE and RACE_ARGS as the race's, e.g.
 #              RACE_SHAPE=600m RACE_ARGS="--eval-engines 4 --steps 100 --val-every 20 --seeds 1 --max-staleness 3"
 #              (the 600m shape compiled, with the warm start and the ceiling: ~1,650 s on a fast H100 host, ~2,150
-#              on a slow one, more than one lent session holds: sync's stage ~180 s before its first step, then
-#              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3 s over 64 on another, 10.3 s over 20 on a
-#              third; async ~1.4-1.55x sync's pace a step; scoring ~140); race-records.tar.gz is rewritten after each
+#              on a slow one, more than one lent session holds: sync's stage ~180-230 s before its first step, then
+#              5.25 s a step over 20 steps on one host on 2026-12-07, 8.3-8.4 s on two others, 10.3 s on a fourth;
+#              async ~1.36-1.55x sync's pace a step; scoring ~140); race-records.tar.gz is rewritten after each
 #              call, the three calls' lines in race_session.log. RACE_DEADLINE (Unix seconds: when the runs and
 #              their scoring must have ended, e.g. $(( $(date +%s) + budget_left_s - 230 )) in the call that starts
 #              it, leaving ~100 s for the ceiling and the last copy) is bench_time_to_score.py's --deadline: once sync
