@@ -279,8 +279,8 @@ def _steps_outgrew_graphs(r: RunReading, s: RunSettings) -> bool:
 
 def _graphs_advice(r: RunReading, s: RunSettings) -> str:
     running = r.inflight / s.num_servers
-    return (f"engine: each server ran {running:.0f} samples at once on average, above the {s.graphed_sequences} "
-            "sequences a step its CUDA graphs cover, so those steps ran without one: "
+    return (f"engine: each server kept {running:.0f} samples in flight on average, above the {s.graphed_sequences} "
+            "sequences a step its CUDA graphs cover, so its larger steps ran without one: "
             f"rollout.engine.cudagraph_max_sequences={s.max_inflight} (graphs up to every slot; the engine kept full "
             f"made {GRAPHED_CEILING_GAIN:.2f}x the tokens/s so on one H100, docs/tuning.md)")
 

@@ -206,10 +206,10 @@ def test_a_run_whose_engine_steps_outgrew_its_cuda_graphs_is_told_to_capture_up_
     write_run(tmp_path, GRAPHS_RUN, steady(4.0, 2.1, 0.3, **{"rollout/inflight": 1530.0}))
     lines = tune(tmp_path, capsys)
     assert lines[0].startswith("generation-bound")
-    assert lines[5] == ("engine: each server ran 1530 samples at once on average, above the 512 sequences a step its "
-                        "CUDA graphs cover, so those steps ran without one: rollout.engine.cudagraph_max_sequences=1536 "
-                        "(graphs up to every slot; the engine kept full made 1.20x the tokens/s so on one H100, "
-                        "docs/tuning.md)")
+    assert lines[5] == ("engine: each server kept 1530 samples in flight on average, above the 512 sequences a step "
+                        "its CUDA graphs cover, so its larger steps ran without one: "
+                        "rollout.engine.cudagraph_max_sequences=1536 (graphs up to every slot; the engine kept full "
+                        "made 1.20x the tokens/s so on one H100, docs/tuning.md)")
 
 
 @pytest.mark.parametrize("overrides, inflight, wait_s", [
