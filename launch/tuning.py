@@ -4,7 +4,7 @@ The reading follows docs/tuning.md. Over the run's steps after the warm-up (the 
 step: engine warm-up and compilation), it compares three shares of the learner's wall time per step:
 waiting for batches (generation-bound), weight-sync rounds (sync-bound) and training (learner-bound), and
 derives K, the number of rollout servers and the micro-batch to try, each with the numbers behind it (and the
-engine's CUDA graphs, where its steps ran more sequences than they cover). Then it reads the drift at that K
+engine's CUDA graphs, where its servers kept more samples in flight than they cover). Then it reads the drift at that K
 (`rollout_corr/mismatch_kl`, and the share of tokens a behaviour-anchored loss masked, `trust_region/masked_frac`)
 against the run's drift bounds and says whether the loss holds it.
 """
@@ -140,7 +140,8 @@ def advise(reading: RunReading, settings: RunSettings) -> list[str]:
     engine's CUDA graphs where its steps outgrew them."""
     lines = [_verdict_line(reading, settings), _k_advice(reading, settings), _servers_advice(reading, settings),
              _micro_batch_advice(reading, settings), _drift_advice(reading, settings)]
-    return lines + ([_graphs_advice(reading, settings)] if _steps_outgrew_graphs(reading, settings) else [])
+    graphs = _graphs_advice(reading, settings)
+    return lines + [graphs] if graphs else lines
 
 
 def _verdict_line(r: RunReading, s: RunSettings) -> str:
@@ -269,17 +270,15 @@ def _drift_advice(r: RunReading, s: RunSettings) -> str:
             f"behaviour-anchored loss (algorithm.loss=dppo_tv, m2po or decoupled_ppo_kl; docs/losses.md){steps}")
 
 
-def _steps_outgrew_graphs(r: RunReading, s: RunSettings) -> bool:
-    """Generation held the run back while its engines ran more sequences a step than their CUDA graphs cover (those
-    steps run without one)."""
-    running = r.inflight / s.num_servers if r.inflight is not None else None
-    return (r.verdict == "generation-bound" and s.graphed_sequences is not None and running is not None
-            and running > s.graphed_sequences)
-
-
-def _graphs_advice(r: RunReading, s: RunSettings) -> str:
-    running = r.inflight / s.num_servers
-    return (f"engine: each server kept {running:.0f} samples in flight on average, above the {s.graphed_sequences} "
+def _graphs_advice(r: RunReading, s: RunSettings) -> str | None:
+    """Where generation held the run back while its servers kept more samples in flight than their engines' CUDA
+    graphs cover (the larger engine steps run without one): graphs up to every slot. None elsewhere."""
+    if r.verdict != "generation-bound" or s.graphed_sequences is None or r.inflight is None:
+        return None
+    in_flight = r.inflight / s.num_servers  # per server
+    if in_flight <= s.graphed_sequences:
+        return None
+    return (f"engine: each server kept {in_flight:.0f} samples in flight on average, above the {s.graphed_sequences} "
             "sequences a step its CUDA graphs cover, so its larger steps ran without one: "
             f"rollout.engine.cudagraph_max_sequences={s.max_inflight} (graphs up to every slot; the engine kept full "
             f"made {GRAPHED_CEILING_GAIN:.2f}x the tokens/s so on one H100, docs/tuning.md)")
