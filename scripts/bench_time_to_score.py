@@ -68,6 +68,8 @@ another's pace from the same start; null for records without it).
 when the call's runs and their scoring end (`race_deadline`: async ~1.35x sync's pace, 150 s of scoring); past T the
 run is stopped and a pace of its seed runs instead (--pace-steps of sync, twice as many of async, unscored), and the
 call ends with status 75: the session's time goes to figures that fit it, not to a race cut off before its scoring.
+With --fastest-step-s S (the task's fastest synchronous step on record) the pace runs at once, no race step spent,
+where even S a step would end past T.
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
@@ -92,7 +95,7 @@ from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
-from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, wait_within  # noqa: E402
+from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, beyond_reach, wait_within  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    modes_match, pick_target, ratio, rounded, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
@@ -148,6 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pace-steps", type=int, default=20,
                         help="the pace after a missed --deadline: steps of the synchronous run, twice as many of the "
                              "async job's, unscored, from the same start")
+    parser.add_argument("--fastest-step-s", type=float, default=0.0,
+                        help="with --deadline: the synchronous run's seconds a step on the fastest host on record for "
+                             "this task and shape; a race that could not end by the deadline even at that pace is not "
+                             "started, and the pace runs at once (0: the race always starts)")
     parser.add_argument("--archive", default="", help="write the runs' records and the ceiling into this .tar.gz")
     parser.add_argument("--restore", nargs="*", action="extend", default=[], metavar="FILE",
                         help="records written by --archive to put into --out-dir before anything runs; "
@@ -159,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--deadline watches one run at a time: it does not go with --side-by-side")
     if args.pace_steps < 1:
         parser.error(f"--pace-steps {args.pace_steps}: the pace needs at least one step")
+    if args.fastest_step_s < 0 or (args.fastest_step_s and not args.deadline):
+        parser.error(f"--fastest-step-s {args.fastest_step_s:g}: give a pace (seconds, above 0) with a --deadline")
     for archive in args.restore:
         if not Path(archive).is_file():
             parser.error(f"--restore {archive}: no such file (what follows --restore is read as its files: "
@@ -343,22 +352,42 @@ def main() -> None:
 
 def run_one_at_a_time(args: argparse.Namespace, root: Path, modes: list[Mode], seeds: list[int], steps: int,
                       val_every: int, start_weights: str | None) -> None:
-    """Each seed's runs of `modes`, one after the other, each scored as it ends unless --no-evaluate; a run stopped for
-    --deadline gives way to a pace of its seed (`run_pace`), and the call then ends with PACED_EXIT."""
+    """Each seed's runs of `modes`, one after the other, each scored as it ends unless --no-evaluate. Under --deadline,
+    a race out of reach from the start (`--fastest-step-s`) or a run stopped for it gives way to a pace of its seed
+    (`run_pace`), and the call then ends with PACED_EXIT."""
     queue = [(seed, mode) for seed in seeds for mode in modes]
+    if queue and (past := past_deadline_at_best(args, queue, steps)):
+        pace_instead(args, root, modes, queue[0][0], val_every, start_weights,
+                     f"at the fastest pace on record ({args.fastest_step_s:g} s a sync step) the race would end "
+                     f"{past:.0f} s past its deadline: not started")
     for index, (seed, mode) in enumerate(queue):
         try:
             run_job(mode, seed, args, steps, val_every, root, start_weights,
                     [LaterRun(later.name, steps) for _, later in queue[index + 1:]])
         except DeadlinePassed as passed:
-            print(f"deadline: {passed}", flush=True)
-            keep_records(args, root)
-            run_pace(args, root, modes, seed, val_every, start_weights)
-            raise SystemExit(PACED_EXIT) from None
+            pace_instead(args, root, modes, seed, val_every, start_weights, str(passed))
         keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the run's pace
         if not args.no_evaluate:  # its snapshots scored and dropped before the next run makes its own
             evaluate([root / mode.run_name(seed)], args.eval_engines)
             keep_records(args, root)
+
+
+def past_deadline_at_best(args: argparse.Namespace, queue: list[tuple[int, Mode]], steps: int) -> float | None:
+    """With --deadline and --fastest-step-s: how far past the deadline the queued runs and their scoring would end at
+    the task's fastest pace on record (`race_deadline.beyond_reach`); None where they could end in time or unasked."""
+    if not (args.deadline and args.fastest_step_s):
+        return None
+    later = [LaterRun(mode.name, steps) for _, mode in queue[1:]]
+    return beyond_reach(time.time(), args.fastest_step_s, queue[0][1].name, steps, later, args.deadline)
+
+
+def pace_instead(args: argparse.Namespace, root: Path, modes: list[Mode], seed: int, val_every: int,
+                 start_weights: str | None, why: str) -> NoReturn:
+    """The race gives way to a pace of `seed` (`run_pace`), for `why`; the call ends with PACED_EXIT."""
+    print(f"deadline: {why}", flush=True)
+    keep_records(args, root)
+    run_pace(args, root, modes, seed, val_every, start_weights)
+    raise SystemExit(PACED_EXIT)
 
 
 def keep_records(args: argparse.Namespace, root: Path) -> None:

@@ -61,7 +61,8 @@
 #              their scoring must have ended, e.g. $(( $(date +%s) + budget_left_s - 230 )) in the call that starts
 #              it, leaving ~100 s for the ceiling and the last copy) is bench_time_to_score.py's --deadline: once sync
 #              has made 12 steps, a race predicted to end past it is stopped for a pace (sync 20 steps, async 40,
-#              unscored; exit 75), and the ceiling follows
+#              unscored; exit 75), and the ceiling follows; one that could not end in time even at its shape's
+#              fastest pace on record (RACE_FASTEST_STEP_S) runs the pace at once
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
@@ -263,6 +264,10 @@ declare -A RACE_SHAPES=([76m]="" [600m]="$SHAPE_600M buffer.batch_groups=64 roll
 model.path=.cache/models/gpu_longtail_600m model.warm_start.steps=400 model.warm_start.eval_samples=0 \
 learner.compile=true rollout.engine.cudagraph_max_sequences=1536")
 
+# A shape's fastest synchronous step on record (seconds, compiled, one H100: 2026-12-07, docs/benchmarks.md): under
+# RACE_DEADLINE a race that could not end in time even at that pace is not started (--fastest-step-s).
+declare -A RACE_FASTEST_STEP_S=([600m]=5.25)
+
 race_shape() {
     local shape="${RACE_SHAPE:-76m}"
     if [[ ! -v "RACE_SHAPES[$shape]" ]]; then
@@ -308,7 +313,8 @@ stage_warm() {
 stage_race_session() {
     # its options first: RACE_ARGS may end with a --restore, which would read anything after it as its files
     local ceiling_s="${RACE_CEILING_S:-30}" runs deadline=""
-    [ -n "${RACE_DEADLINE:-}" ] && deadline="--deadline $RACE_DEADLINE"
+    [ -n "${RACE_DEADLINE:-}" ] && deadline="--deadline $RACE_DEADLINE \
+--fastest-step-s ${RACE_FASTEST_STEP_S[${RACE_SHAPE:-76m}]:-0}"
     RACE_MODES=sync,async RACE_ARGS="--no-evaluate $deadline ${RACE_ARGS:-}" stage_race
     runs=$?
     if [ $runs -ne 75 ]; then  # 75: the race would have ended past RACE_DEADLINE and ran a pace, unscored, instead

@@ -53,6 +53,16 @@ def predicted_end(now: float, pace: float, mode: str, steps_left: int, later: Se
     return now + seconds + SCORING_S
 
 
+def beyond_reach(now: float, fastest_step_s: float, mode: str, steps: int, later: Sequence[LaterRun],
+                 deadline: float) -> float | None:
+    """How far past `deadline` the call would end if its first run (of `mode`, not yet launched) and each later one ran
+    at the task's fastest pace on record (`fastest_step_s`, a synchronous step; async's relative to it); None where
+    it could end in time. Such a race is not started: it would spend the session's first minutes only to be stopped."""
+    pace = fastest_step_s * _relative_step_seconds("sync", mode)
+    end = predicted_end(now + RUN_START_S, pace, mode, steps, later)
+    return end - deadline if end > deadline else None
+
+
 def _relative_step_seconds(watched: str, later: str) -> float:
     if watched == later:
         return 1.0

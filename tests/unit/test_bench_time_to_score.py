@@ -453,6 +453,40 @@ def test_a_race_past_its_deadline_gives_way_to_a_pace_and_ends_with_its_own_stat
     assert "deadline: sync made 9.00 s a step" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("deadline_in_s, ran_race", [(600.0, False), (1e6, True)])
+def test_a_race_out_of_reach_at_the_fastest_pace_on_record_is_not_started(tmp_path, monkeypatch, capsys,
+                                                                           deadline_in_s, ran_race):
+    from scripts import bench_time_to_score
+
+    ran = []
+
+    def run_job(mode, seed, args, steps, val_every, root, start_weights, later=None):
+        ran.append((mode.name, steps))
+
+    monkeypatch.setattr(bench_time_to_score, "run_job", run_job)
+    monkeypatch.setattr(bench_time_to_score, "evaluate", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench_time_to_score, "report", lambda *args: None)
+    # 100 steps a mode at 5 s a sync step at best: ~1,200 s with the launches and the scoring
+    monkeypatch.setattr(sys, "argv", ["bench_time_to_score.py", "--modes", "sync,async", "--skip-prepare", "--steps",
+                                      "100", "--deadline", str(time.time() + deadline_in_s), "--fastest-step-s", "5",
+                                      "--pace-steps", "15", "--no-evaluate", "--out-dir", str(tmp_path)])
+    if ran_race:
+        bench_time_to_score.main()
+        assert ran == [("sync", 100), ("async", 100)]
+        return
+    with pytest.raises(SystemExit) as ended:
+        bench_time_to_score.main()
+    assert ended.value.code == bench_time_to_score.PACED_EXIT
+    assert ran == [("sync", 15), ("async", 30)]  # the pace at once, no race step spent
+    assert "the race would end" in capsys.readouterr().out
+
+
+def test_a_fastest_pace_needs_a_deadline(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--fastest-step-s", "5"])
+    assert "--fastest-step-s 5: give a pace (seconds, above 0) with a --deadline" in capsys.readouterr().err
+
+
 def test_a_deadline_is_refused_beside_side_by_side(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--side-by-side", "--deadline", "1e10"])

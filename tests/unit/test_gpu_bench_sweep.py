@@ -125,7 +125,8 @@ def test_a_race_past_its_deadline_ran_a_pace_so_nothing_is_scored_and_the_ceilin
     calls = race_session(tmp_path, failing="--deadline", failing_status=75, RACE_DEADLINE="1765100000")
     (runs, runs_args), (ceiling, _) = calls  # no scoring call between them: the pace is not scored
     assert (runs, ceiling) == ("sync,async", "ceiling")
-    assert runs_args[-9:] == ["--no-evaluate", "--deadline", "1765100000", *CALLER_ARGS]
+    # the 600m shape's fastest sync step on record: a race out of reach even at that pace runs its pace at once
+    assert runs_args[-11:] == ["--no-evaluate", "--deadline", "1765100000", "--fastest-step-s", "5.25", *CALLER_ARGS]
     assert "=== race_session exit 75 " in (tmp_path / "console").read_text()
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from scripts import race_deadline
 from scripts.race_deadline import (ASYNC_STEP_SPEEDUP, RUN_START_S, SCORING_S, DeadlinePassed, LaterRun,
-                                   predicted_end, seconds_a_step, wait_within)
+                                   beyond_reach, predicted_end, seconds_a_step, wait_within)
 
 
 def write_steps(run_dir: Path, seconds: dict[int, float]) -> None:
@@ -73,3 +73,14 @@ def test_a_run_still_going_at_the_deadline_is_stopped_though_it_never_made_its_s
     with pytest.raises(DeadlinePassed, match="async was still running at its deadline"):
         wait_within(process, tmp_path, "async", 100, [], deadline=time.time() + 0.3, poll_s=0.1)
     assert process.poll() is not None
+
+
+def test_a_race_beyond_reach_even_at_the_fastest_pace_on_record_is_told_by_how_much():
+    later = [LaterRun("async", 100)]
+    # at 5 s a sync step: its launch, 100 steps, async's launch and 100 steps at 5 / 1.35 s, then the scoring
+    at_best = RUN_START_S + 100 * 5.0 + RUN_START_S + 100 * 5.0 / ASYNC_STEP_SPEEDUP + SCORING_S
+    assert beyond_reach(1000.0, 5.0, "sync", 100, later, deadline=1000.0 + at_best - 50) == pytest.approx(50)
+    assert beyond_reach(1000.0, 5.0, "sync", 100, later, deadline=1000.0 + at_best + 1) is None
+    # an async run first goes at its own pace, relative to sync's fastest
+    assert beyond_reach(0.0, 5.0, "async", 100, [], deadline=0.0) == pytest.approx(
+        RUN_START_S + 100 * 5.0 / ASYNC_STEP_SPEEDUP + SCORING_S)
