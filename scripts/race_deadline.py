@@ -1,7 +1,8 @@
 """The race's deadline (bench_time_to_score.py --deadline): a lent GPU host goes back at a set time, and a race that
 cannot end by then spends the session on runs that will never be scored. Once a run has made its PACE_STEPS, its
 seconds a step predict when this call's runs and their scoring end; a prediction past the deadline stops the run, so
-that what time is left goes to a shorter pass (the caller's)."""
+that what time is left goes to a shorter pass (the caller's). A race that could not end in time even at its task's
+fastest pace on record is not started at all (`beyond_reach`)."""
 
 from __future__ import annotations
 
