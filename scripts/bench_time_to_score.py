@@ -362,8 +362,7 @@ def run_one_at_a_time(args: argparse.Namespace, root: Path, modes: list[Mode], s
                      f"{past:.0f} s past its deadline: not started")
     for index, (seed, mode) in enumerate(queue):
         try:
-            run_job(mode, seed, args, steps, val_every, root, start_weights,
-                    [LaterRun(later.name, steps) for _, later in queue[index + 1:]])
+            run_job(mode, seed, args, steps, val_every, root, start_weights, runs_after(queue, index, steps))
         except DeadlinePassed as passed:
             pace_instead(args, root, modes, seed, val_every, start_weights, str(passed))
         keep_records(args, root)  # before the scoring's minutes: a session cut there keeps the run's pace
@@ -377,8 +376,13 @@ def past_deadline_at_best(args: argparse.Namespace, queue: list[tuple[int, Mode]
     the task's fastest pace on record (`race_deadline.beyond_reach`); None where they could end in time or unasked."""
     if not (args.deadline and args.fastest_step_s):
         return None
-    later = [LaterRun(mode.name, steps) for _, mode in queue[1:]]
-    return beyond_reach(time.time(), args.fastest_step_s, queue[0][1].name, steps, later, args.deadline)
+    return beyond_reach(time.time(), args.fastest_step_s, queue[0][1].name, steps, runs_after(queue, 0, steps),
+                        args.deadline)
+
+
+def runs_after(queue: list[tuple[int, Mode]], index: int, steps: int) -> list[LaterRun]:
+    """The runs queued after the one at `index`, as the deadline's prediction counts them."""
+    return [LaterRun(mode.name, steps) for _, mode in queue[index + 1:]]
 
 
 def pace_instead(args: argparse.Namespace, root: Path, modes: list[Mode], seed: int, val_every: int,
