@@ -430,69 +430,6 @@ def test_a_run_s_records_are_archived_before_its_scoring_begins(tmp_path, monkey
     assert archived_when_scored[0] == [f"{name}/metrics.jsonl"]
 
 
-def test_a_race_past_its_deadline_gives_way_to_a_pace_and_ends_with_its_own_status(tmp_path, monkeypatch, capsys):
-    from scripts import bench_time_to_score
-    from scripts.race_deadline import DeadlinePassed
-
-    ran = []
-
-    def run_job(mode, seed, args, steps, val_every, root, start_weights, later=None):
-        ran.append((mode.name, steps, None if later is None else [(run.mode, run.steps) for run in later]))
-        if later is not None:  # the race's watched run: stopped for the deadline
-            raise DeadlinePassed("sync made 9.00 s a step over steps 4-12: the call would end 700 s past its deadline")
-
-    monkeypatch.setattr(bench_time_to_score, "run_job", run_job)
-    monkeypatch.setattr(bench_time_to_score, "evaluate", lambda *args, **kwargs: pytest.fail("a pace is not scored"))
-    monkeypatch.setattr(sys, "argv", ["bench_time_to_score.py", "--modes", "sync,async", "--skip-prepare", "--steps",
-                                      "100", "--deadline", "1e10", "--pace-steps", "15", "--out-dir", str(tmp_path)])
-    with pytest.raises(SystemExit) as ended:
-        bench_time_to_score.main()
-    assert ended.value.code == bench_time_to_score.PACED_EXIT
-    # the race's first run watched with what was to follow it, then the pace: sync 15 steps, async twice as many
-    assert ran == [("sync", 100, [("async", 100)]), ("sync", 15, None), ("async", 30, None)]
-    assert "deadline: sync made 9.00 s a step" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("deadline_in_s, ran_race", [(600.0, False), (1e6, True)])
-def test_a_race_out_of_reach_at_the_fastest_pace_on_record_is_not_started(tmp_path, monkeypatch, capsys,
-                                                                           deadline_in_s, ran_race):
-    from scripts import bench_time_to_score
-
-    ran = []
-
-    def run_job(mode, seed, args, steps, val_every, root, start_weights, later=None):
-        ran.append((mode.name, steps))
-
-    monkeypatch.setattr(bench_time_to_score, "run_job", run_job)
-    monkeypatch.setattr(bench_time_to_score, "evaluate", lambda *args, **kwargs: None)
-    monkeypatch.setattr(bench_time_to_score, "report", lambda *args: None)
-    # 100 steps a mode at 5 s a sync step at best: ~1,200 s with the launches and the scoring
-    monkeypatch.setattr(sys, "argv", ["bench_time_to_score.py", "--modes", "sync,async", "--skip-prepare", "--steps",
-                                      "100", "--deadline", str(time.time() + deadline_in_s), "--fastest-step-s", "5",
-                                      "--pace-steps", "15", "--no-evaluate", "--out-dir", str(tmp_path)])
-    if ran_race:
-        bench_time_to_score.main()
-        assert ran == [("sync", 100), ("async", 100)]
-        return
-    with pytest.raises(SystemExit) as ended:
-        bench_time_to_score.main()
-    assert ended.value.code == bench_time_to_score.PACED_EXIT
-    assert ran == [("sync", 15), ("async", 30)]  # the pace at once, no race step spent
-    assert "the race would end" in capsys.readouterr().out
-
-
-def test_a_fastest_pace_needs_a_deadline(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--fastest-step-s", "5"])
-    assert "--fastest-step-s 5: give a pace (seconds, above 0) with a --deadline" in capsys.readouterr().err
-
-
-def test_a_deadline_is_refused_beside_side_by_side(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--side-by-side", "--deadline", "1e10"])
-    assert "--deadline watches one run at a time: it does not go with --side-by-side" in capsys.readouterr().err
-
-
 @pytest.mark.parametrize("compiles_learner", [False, True])
 def test_the_preparation_loads_the_learner_once_only_where_it_compiles(monkeypatch, compiles_learner):
     from scripts import bench_time_to_score
