@@ -310,6 +310,8 @@ stage_warm() {
     data_and_model --config configs/gpu_longtail.yaml $overrides  # the race's own: its preparation finds them made
 }
 
+PACED_EXIT=75  # bench_time_to_score.py's exit status where the race would have ended past --deadline and ran a pace
+
 stage_race_session() {
     # its options first: RACE_ARGS may end with a --restore, which would read anything after it as its files
     local ceiling_s="${RACE_CEILING_S:-30}" runs deadline=""
@@ -317,11 +319,11 @@ stage_race_session() {
 --fastest-step-s ${RACE_FASTEST_STEP_S[${RACE_SHAPE:-76m}]:-0}"
     RACE_MODES=sync,async RACE_ARGS="--no-evaluate $deadline ${RACE_ARGS:-}" stage_race
     runs=$?
-    if [ $runs -ne 75 ]; then  # 75: the race would have ended past RACE_DEADLINE and ran a pace, unscored, instead
+    if [ $runs -ne $PACED_EXIT ]; then  # a pace, unscored, ran instead of the race: nothing to score
         # scored first, even after a failed run: the snapshots go with the host, the ceiling can be measured again
         RACE_MODES='' RACE_ARGS="--skip-prepare ${RACE_ARGS:-}" stage_race || return
     fi
-    if { [ $runs -eq 0 ] || [ $runs -eq 75 ]; } && [ "$ceiling_s" != 0 ]; then
+    if { [ $runs -eq 0 ] || [ $runs -eq $PACED_EXIT ]; } && [ "$ceiling_s" != 0 ]; then
         RACE_MODES=ceiling RACE_ARGS="--skip-prepare --no-evaluate --ceiling-seconds $ceiling_s ${RACE_ARGS:-}" \
             stage_race || return
     fi
