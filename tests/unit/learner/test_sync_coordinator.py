@@ -338,20 +338,17 @@ def test_every_validation_pass_is_returned_once_in_version_order():
     reports = iter(range(1, 100))
 
     def report(*passes: ValidationResult) -> list[dict[str, float]]:
-        """What the learner's calls returned from sending these passes until one read the telemetry sent after
-        them (the same socket keeps the order; each report's telemetry has a version of its own)."""
+        """What one learner call returns once the coordinator read the telemetry sent after these passes (the same
+        socket keeps the order, so every pass before it was read too; each report's telemetry has a version of its
+        own). Only the telemetry is polled: a call while the passes are still arriving could split them between two
+        reads, which is no longer one read of passes sent out of order."""
         version = next(reports)
         for result in passes:
             sock.send(encode(result))
         sock.send(encode(ServerTelemetry("s0", version)))
-        returned: list[dict[str, float]] = []
-
-        def telemetry_read() -> bool:
-            returned.extend(coord.new_validations())
-            return coord.rollout_metrics(100).get("rollout/s0/version_lag") == 100 - version
-
-        wait_until(telemetry_read, TIMEOUT_S, f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
-        return returned + coord.new_validations()
+        wait_until(lambda: coord.rollout_metrics(100).get("rollout/s0/version_lag") == 100 - version, TIMEOUT_S,
+                   f"the telemetry of version {version}", poll_s=HEARTBEAT_S)
+        return coord.new_validations()
 
     def score(version: int) -> ValidationResult:
         return ValidationResult("s0", version, {"val/score/mean": version / 100, "val/pass@4": 0.5})
