@@ -8,18 +8,15 @@ The lock is flock(2): the kernel drops it when the holder exits, however it exit
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-import socket
-import time
 from pathlib import Path
 from types import TracebackType
+
+from asyncrl.file_lock import FileLock
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"
-POLL_S = 0.1  # how often a waiting buffer tries the lock again
 
 
 class DirectoryLocked(RuntimeError):
@@ -29,33 +26,18 @@ class DirectoryLocked(RuntimeError):
 class DirectoryLock:
     def __init__(self, directory: Path, timeout_s: float) -> None:
         """Take the lock, waiting up to `timeout_s` for another holder to exit (DirectoryLocked if it does not)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / LOCK_FILE
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + timeout_s
-        waiting = False
-        while not self._try_lock():
-            holder = self.path.read_text().strip() or "unknown process"
-            if time.monotonic() >= deadline:
-                os.close(self._fd)
-                raise DirectoryLocked(f"buffer directory {directory} is still held by {holder} after "
-                                      f"{timeout_s:.0f}s (buffer.lock_timeout_s); one buffer per directory")
-            if not waiting:
-                log.warning("buffer directory %s is held by %s; waiting for it to exit", directory, holder)
-                waiting = True
-            time.sleep(POLL_S)
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._lock = FileLock(directory / LOCK_FILE)
+        self.path = self._lock.path
 
-    def _try_lock(self) -> bool:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
+        def waiting(holder: str) -> None:
+            log.warning("buffer directory %s is held by %s; waiting for it to exit", directory, holder)
+
+        if not self._lock.take(timeout_s, waiting):
+            raise DirectoryLocked(f"buffer directory {directory} is still held by {self._lock.holder()} after "
+                                  f"{timeout_s:.0f}s (buffer.lock_timeout_s); one buffer per directory")
 
     def release(self) -> None:
-        os.close(self._fd)  # closing the only descriptor drops the lock
+        self._lock.release()
 
     def __enter__(self) -> "DirectoryLock":
         return self

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from asyncrl.config import AsyncRLConfig
 from asyncrl.data import PromptMixture
+from asyncrl.gpu_ids import visible_gpus
 from rollout_servers.environments import EnvironmentRegistry
 from asyncrl.heap import freeze_startup_heap
 from asyncrl.messages import Ack, TrajectoryGroup
@@ -34,6 +35,7 @@ from rollout_servers.chat.lost import LostSessions
 from rollout_servers.chat.sessions import ChatSessions
 from rollout_servers.chat.tools import ToolCallReader
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.engine_turns import engine_start_turn
 from rollout_servers.group_sampler import GroupSampler, ServerStats
 from rollout_servers.learner_wait import Endpoints, LearnerWait
 from rollout_servers.prompt_stream import PromptStream
@@ -99,7 +101,9 @@ class RolloutServer:
                 # vLLM's start swallows the KeyboardInterrupt of a stop (see `stop_signals_held`) and goes on to a
                 # running engine: a server stopped meanwhile would join weight sync and generate. Held, the stop is
                 # acted on as the start ends, before the server reaches the learner or the buffer.
-                with stop_signals_held():
+                # The GPU's start turn first: a stop while this server waits for it is acted on at once.
+                with engine_start_turn(visible_gpus(), self.config.rollout.connect_timeout_s, self.server_id), \
+                        stop_signals_held():
                     engine = await RolloutEngine.start(self.config.model.path, self.config.rollout, version=0,
                                                        lora=self.config.model.lora,
                                                        gpu_memory_gib=self.config.run.gpu_memory_gib,

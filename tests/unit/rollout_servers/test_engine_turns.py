@@ -1,0 +1,96 @@
+"""Engines sharing a GPU start one at a time; engines on other GPUs do not wait; a wait is bounded and named."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+
+from rollout_servers.engine_turns import EngineStartTurnTimeout, engine_start_turn
+from waiting import wait_until
+
+WAIT_S = 60.0  # generous: a waiting start goes on as soon as the turn is free
+WAITING = "waits for its turn to start on GPU"  # what a start that has to wait logs, once
+
+
+class Start(threading.Thread):
+    """One engine's start on `gpus` in a thread: takes the turns, says so, holds them until `finish` is set."""
+
+    def __init__(self, gpus: list[int], turns_dir, name: str, timeout_s: float = WAIT_S) -> None:
+        super().__init__(daemon=True)
+        self.gpus, self.turns_dir, self.label, self.timeout_s = gpus, turns_dir, name, timeout_s
+        self.started, self.finish = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with engine_start_turn(self.gpus, self.timeout_s, self.label, self.turns_dir):
+                self.started.set()
+                self.finish.wait(WAIT_S)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            self.error = error
+
+
+def test_a_second_engine_on_the_gpu_starts_only_once_the_first_has_started(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="rollout_servers.engine_turns")
+    first, second = Start([0], tmp_path, "server-0"), Start([0], tmp_path, "server-1")
+    first.start()
+    assert first.started.wait(WAIT_S)
+    second.start()
+    wait_until(lambda: WAITING in caplog.text, WAIT_S, "the second start waiting")
+    assert not second.started.is_set(), "it started while the first engine was starting on its GPU"
+    assert "server-1 waits for its turn to start on GPU 0" in caplog.text and "server-0 starting" in caplog.text
+    first.finish.set()
+    assert second.started.wait(WAIT_S)
+    second.finish.set()
+    second.join()
+    assert caplog.text.count(WAITING) == 1 and second.error is None
+    assert (tmp_path / "gpu0.lock").read_text().startswith(f"pid {os.getpid()} ")
+
+
+def test_engines_on_other_gpus_start_at_once(tmp_path):
+    first, second = Start([0], tmp_path, "server-0"), Start([1], tmp_path, "server-1")
+    first.start()
+    assert first.started.wait(WAIT_S)
+    second.start()
+    assert second.started.wait(WAIT_S), "an engine on GPU 1 waited for one starting on GPU 0"
+    for start in (first, second):
+        start.finish.set()
+        start.join()
+
+
+def test_a_start_held_past_the_wait_fails_naming_the_gpu_the_holder_and_the_key(tmp_path):
+    holder = Start([3], tmp_path, "server-0")
+    holder.start()
+    assert holder.started.wait(WAIT_S)
+    with pytest.raises(EngineStartTurnTimeout,
+                       match=r"server-1: another engine \(pid \d+ on .* \(server-0 starting\)\) was still starting on "
+                             r"GPU 3 after 0s \(rollout.connect_timeout_s\)"):
+        with engine_start_turn([3], 0.2, "server-1", tmp_path):
+            pytest.fail("the block ran without the GPU's turn")
+    holder.finish.set()
+    holder.join()
+
+
+def test_a_server_of_several_gpus_lets_go_of_those_it_took_when_one_is_held(tmp_path):
+    holder = Start([2], tmp_path, "server-0")
+    holder.start()
+    assert holder.started.wait(WAIT_S)
+    with pytest.raises(EngineStartTurnTimeout, match="GPU 2"):
+        with engine_start_turn([2, 1], 0.2, "server-1", tmp_path):  # GPU 1 is taken first (ids in order), then 2
+            pass
+    other = Start([1], tmp_path, "server-2", timeout_s=0.0)
+    other.start()
+    assert other.started.wait(WAIT_S) and other.error is None, "GPU 1's turn was kept by a start that failed"
+    for start in (holder, other):
+        start.finish.set()
+        start.join()
+
+
+def test_without_gpus_there_is_no_turn_to_take(tmp_path):
+    with engine_start_turn([], 0.0, "server-0", tmp_path / "turns"):
+        with engine_start_turn([], 0.0, "server-1", tmp_path / "turns"):
+            pass
+    assert not (tmp_path / "turns").exists()
