@@ -12,6 +12,13 @@ slots idle until its longest one ended: 18.8k tokens/s on an H200 where the asyn
 single-sample requests read 17.4k where it trained 22.8k.) After --warmup-s, the completion tokens sampled over
 --seconds (finished requests' and the partial ones of those still running, both counted by the engine) give the rate.
 
+With `rollout.num_servers` above 1 (several servers on the GPUs: vLLM's engine core is one process on one CPU core,
+and a small model's steps can leave the GPU idle while it schedules), that many engines, each in a process of its own
+as the servers run (its own engine core and front end), each with its part of the engine's memory share
+(`rollout.engine.gpu_memory_utilization` / their number) and `rollout.max_inflight` samples, start one at a time (a
+GPU's start turn, `rollout_servers.engine_turns`), then are kept full at once: the ceiling is the sum of their rates
+over windows that open together.
+
 A table, then `RESULT {json}` with `ceiling_tokens_per_s`; --out also writes that JSON to a file
 (scripts/bench_time_to_score.py reads it as the one-GPU ceiling). --start-only starts the engine, samples one token
 and stops, measuring nothing: vLLM compiles the model's graphs (and at the first request, parts of its sampler) into
@@ -23,14 +30,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import random
 import statistics
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
@@ -41,6 +52,9 @@ from rollout_servers.cancelled import cancel_and_wait
 from rollout_servers.sample_slots import SampleSlots
 
 PROMPT_SEED = 0  # the order the training prompts are drawn in
+START_TIMEOUT_S = 900.0  # the longest one of several engines may take to start, or wait for the others to
+RECEIVE_POLL_S = 1.0  # how often the word of one of several engines is looked for, and its process checked
+STARTED, GO = "started", "go"  # one of several engines to the measure's process, and its answer once all have started
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,14 +78,97 @@ def training_prompts(config: AsyncRLConfig) -> list[list[int]]:
     return prompts
 
 
-async def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, Any]:
-    """Start the job's engine on its starting model, then keep it full (`keep_full`)."""
-    engine, start_s = await start_engine(config)
+async def measure(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float,
+                  all_started: Callable[[], None] = lambda: None, name: str = "engine-0") -> dict[str, Any]:
+    """Start the job's engine on its starting model, then, once `all_started` returns (the other engines have
+    started too), keep it full (`keep_full`)."""
+    engine, start_s = await start_engine(config, name)
     try:
+        all_started()
         result = await keep_full(engine, prompts, config.rollout.sampling, config.rollout.max_inflight, warmup_s, seconds)
     finally:
         engine.shutdown()
     return result | {"engine_start_s": round(start_s, 1), "max_tokens": config.rollout.sampling.max_tokens}
+
+
+def measure_engines(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float) -> dict[str, Any]:
+    """The ceiling of `rollout.num_servers` engines: one measured here, or several, each in a process of its own
+    (`engine_process`) with its part of the memory share and its own turn through the prompts, kept full at once
+    once all have started; their figures added up (`combined`)."""
+    count = config.rollout.num_servers
+    if count == 1:
+        return asyncio.run(measure(config, prompts, warmup_s, seconds))
+    config = copy.deepcopy(config)
+    config.rollout.engine.gpu_memory_utilization /= count
+    context = multiprocessing.get_context("spawn")  # vLLM starts processes of its own: a forked child would break them
+    pipes = [context.Pipe() for _ in range(count)]
+    processes = [context.Process(target=engine_process, name=f"engine-{index}",
+                                 args=(config, rotated(prompts, index, count), warmup_s, seconds, index, child_end))
+                 for index, (_, child_end) in enumerate(pipes)]
+    for process in processes:
+        process.start()
+    try:
+        for process, (ours, _) in zip(processes, pipes):
+            receive(process, ours, START_TIMEOUT_S)  # started
+        for ours, _ in pipes:
+            ours.send(GO)
+        return combined([receive(process, ours, warmup_s + seconds + START_TIMEOUT_S)
+                         for process, (ours, _) in zip(processes, pipes)])
+    finally:
+        for process in processes:
+            process.kill()
+            process.join()
+
+
+def rotated(prompts: list[list[int]], index: int, count: int) -> list[list[int]]:
+    """The prompts from the `index`-th of `count` equal parts on, then the rest: each engine its own turn through them."""
+    start = index * len(prompts) // count
+    return prompts[start:] + prompts[:start]
+
+
+def engine_process(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: float, seconds: float, index: int,
+                   parent: Connection) -> None:
+    """One engine of several, in its own process: says on `parent` once its engine has started, is measured once the
+    parent says every engine has (GO), then sends its figures."""
+    def all_started() -> None:
+        parent.send(STARTED)
+        parent.recv()
+
+    parent.send(asyncio.run(measure(config, prompts, warmup_s, seconds, all_started, f"engine-{index}")))
+    leave_now(0)  # the figures are sent: vLLM's client, finalised in the interpreter's teardown, raises there
+
+
+def receive(process: BaseProcess, ours: Connection, timeout_s: float) -> Any:
+    """What `process` sends next on `ours`; SystemExit naming it where it ends without sending, or sends nothing
+    within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not ours.poll(RECEIVE_POLL_S):
+        if not process.is_alive():
+            raise SystemExit(f"{process.name} exited with {process.exitcode} (its log above)")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{process.name} sent nothing in {timeout_s:.0f}s")
+    return ours.recv()
+
+
+def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several engines' figures as one generation side's: their rates, tokens, samples and slots added up, the mean
+    length over all their finished samples, the slowest start; each engine's own rate kept."""
+    finished = sum(result["samples_finished"] for result in results)
+    lengths = sum(result["length_mean"] * result["samples_finished"] for result in results if result["length_mean"])
+    return {
+        "ceiling_tokens_per_s": round(sum(result["ceiling_tokens_per_s"] for result in results), 1),
+        "window_s": max(result["window_s"] for result in results),
+        "tokens": sum(result["tokens"] for result in results),
+        "samples_finished": finished,
+        "length_mean": round(lengths / finished, 1) if finished else None,
+        "max_inflight": sum(result["max_inflight"] for result in results),
+        "group_size": results[0]["group_size"],
+        "in_flight_at_end": sum(result["in_flight_at_end"] for result in results),
+        "engine_start_s": max(result["engine_start_s"] for result in results),
+        "max_tokens": results[0]["max_tokens"],
+        "engines": len(results),
+        "engine_tokens_per_s": [result["ceiling_tokens_per_s"] for result in results],
+    }
 
 
 async def keep_full(engine: Any, prompts: list[list[int]], sampling: Any, in_flight: int, warmup_s: float,
@@ -140,17 +237,23 @@ def print_table(result: dict[str, Any]) -> None:
             ("samples kept in flight", "max_inflight"), ("samples per group (one prompt)", "group_size"),
             ("in flight when the window closed", "in_flight_at_end"),
             ("engine start (s)", "engine_start_s")]
+    if "engines" in result:
+        rows += [("engines, each in its own process", "engines"), ("each one's output tokens/s", "engine_tokens_per_s")]
     for title, key in rows:
         print(f"{title:40}{result[key]!s:>14}")
 
 
-async def start_engine(config: AsyncRLConfig) -> tuple[Any, float]:
-    """The job's engine started on its starting model (a `RolloutEngine`), and the seconds its start took."""
+async def start_engine(config: AsyncRLConfig, name: str = "engine-0") -> tuple[Any, float]:
+    """The job's engine started on its starting model (a `RolloutEngine`) in its GPUs' start turn, and the seconds its
+    start took (the wait for the turn left out)."""
+    from asyncrl.gpu_ids import visible_gpus
     from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_turns import engine_start_turn
 
-    started = time.perf_counter()
-    engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
-    return engine, time.perf_counter() - started
+    with engine_start_turn(visible_gpus(), START_TIMEOUT_S, name):
+        started = time.perf_counter()
+        engine = await RolloutEngine.start(config.model.path, config.rollout, gpu_memory_gib=config.run.gpu_memory_gib)
+        return engine, time.perf_counter() - started
 
 
 async def start_only(config: AsyncRLConfig) -> float:
@@ -171,7 +274,7 @@ def main() -> None:
         print(f"the job's engine started in {asyncio.run(start_only(config)):.1f}s: vLLM's compile cache holds it now",
               flush=True)
         return
-    result = asyncio.run(measure(config, training_prompts(config), args.warmup_s, args.seconds))
+    result = measure_engines(config, training_prompts(config), args.warmup_s, args.seconds)
     print_table(result)
     if args.out:
         write_json_whole(Path(args.out), result)  # the race reads it: never half of it
