@@ -202,10 +202,12 @@ def _held_back_note(r: RunReading, s: RunSettings) -> str:
 
 def _servers_advice(r: RunReading, s: RunSettings) -> str:
     if r.verdict == "generation-bound" and s.shared_gpu:
-        return (f"servers: more servers on the learner's GPU would share the same GPU's time (each step "
+        return (f"servers: more servers on the learner's GPU share the same GPU's time (each step "
                 f"{r.step_s * r.wait_share:.3f} s waiting for generation, {r.step_s * r.train_share:.3f} s training "
-                "beside it): give generation GPUs of its own (more GPUs, rollout.placement=auto), or make training "
-                "cheaper (learner, below)")
+                "beside it): they add generation only where one engine's steps, each one CPU core's work, leave the "
+                "GPU idle (measure: scripts/engine_ceiling.py with rollout.num_servers=2 against 1, docs/tuning.md); "
+                "else give generation GPUs of its own (more GPUs, rollout.placement=auto), or make training cheaper "
+                "(learner, below)")
     if r.verdict == "generation-bound":
         wanted = math.ceil(s.num_servers / (1 - r.wait_share))
         return (f"servers: rollout.num_servers={wanted} (generation delivered a batch every {r.step_s:.3f} s, "

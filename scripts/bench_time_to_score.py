@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -84,9 +85,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Sequence
 
-from asyncrl.config import load_config
+from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.gpu_ids import VISIBLE_DEVICES, visible_gpus
@@ -101,7 +102,8 @@ from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curv
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
 from scripts.race_runs import Mode, missing_scores, summarise  # noqa: E402
 from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, add_log_readings,  # noqa: E402
-                                 archive_records, machine_of, read_ceiling, read_launch, restore_records, write_launch)
+                                 archive_records, ceiling_engines, machine_of, read_ceiling, read_launch,
+                                 restore_records, write_launch)
 
 MODES = ("sync", "async")
 RUNNABLE = MODES + (CEILING,)  # what --modes may name
@@ -134,6 +136,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prepare-only", action="store_true",
                         help="only make the task's files and the model, and fill the compile caches (vLLM's, the "
                              "learner's)")
+    parser.add_argument("--async-servers", type=int, default=1,
+                        help="rollout servers of the async job, sharing its GPUs (vLLM's engine core is one CPU core's "
+                             "work: a small model's engine can leave the GPU idle), the config's rollout.max_inflight "
+                             "split among them; the ceiling is measured with as many engines")
     parser.add_argument("--sync-ranks", type=int, default=0,
                         help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
     parser.add_argument("--side-by-side", action="store_true",
@@ -164,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_intermixed_args(argv)
     if args.deadline and args.side_by_side:
         parser.error("--deadline watches one run at a time: it does not go with --side-by-side")
+    if args.async_servers < 1:
+        parser.error(f"--async-servers {args.async_servers}: the async job needs at least one server")
     if args.pace_steps < 1:
         parser.error(f"--pace-steps {args.pace_steps}: the pace needs at least one step")
     if args.fastest_step_s < 0 or (args.fastest_step_s and not args.deadline):
@@ -179,19 +187,36 @@ def asyncrl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "launch", *args]
 
 
-def script_command(script: Path, args: argparse.Namespace, *options: str) -> list[str]:
-    """`script` (engine_ceiling.py, learner_warm_up.py) on the race's config and overrides, with `options`."""
-    return [sys.executable, str(script), "--config", args.config, *options, *args.overrides]
+def script_command(script: Path, args: argparse.Namespace, *options: str, overrides: tuple[str, ...] = ()) -> list[str]:
+    """`script` (engine_ceiling.py, learner_warm_up.py) on the race's config and overrides, then `overrides` (a
+    mode's own), with `options`."""
+    return [sys.executable, str(script), "--config", args.config, *options, *args.overrides, *overrides]
 
 
-def prepare(args: argparse.Namespace, compiles_learner: bool) -> None:
+def servers_overrides(config: AsyncRLConfig, servers: int) -> tuple[str, ...]:
+    """The async job's overrides for `servers` servers: the config's rollout.max_inflight (what the generation side
+    runs at once) split among them, and CUDA graphs no larger than one server's part; none for one server."""
+    if servers == 1:
+        return ()
+    each = math.ceil(config.rollout.max_inflight / servers)
+    graphs = config.rollout.engine.cudagraph_max_sequences
+    return (f"rollout.num_servers={servers}", f"rollout.max_inflight={each}",
+            *([f"rollout.engine.cudagraph_max_sequences={each}"] if graphs > each else []))
+
+
+def prepare(args: argparse.Namespace, compiles_learner: bool,
+            engine_overrides: Sequence[tuple[str, ...]] = ((),)) -> None:
     """The task's files and the warm-started model every run starts from (init-model is cached by its settings), then
-    one start of the job's engine, so that vLLM's compile cache on this host holds the model's graphs before either
-    mode launches (the first run on a fresh host paid about 60 s more to start than the second), and where the
-    learner compiles (`compiles_learner`), one load of it, for its compiled layers (`scripts/learner_warm_up.py`)."""
+    one start of the job's engine for each of `engine_overrides` (the modes' engine settings: vLLM keys its compile
+    cache by the sequences an engine runs at once), so that vLLM's compile cache on this host holds the model's graphs
+    before either mode launches (the first run on a fresh host paid about 60 s more to start than the second), and
+    where the learner compiles (`compiles_learner`), one load of it, for its compiled layers
+    (`scripts/learner_warm_up.py`)."""
     for command in ("data", "init-model"):
         subprocess.run(asyncrl_command(command, "--config", args.config, *args.overrides), check=True)
-    subprocess.run(script_command(CEILING_SCRIPT, args, "--start-only"), check=True, timeout=JOB_TIMEOUT_S)
+    for overrides in dict.fromkeys(engine_overrides):
+        subprocess.run(script_command(CEILING_SCRIPT, args, "--start-only", overrides=overrides), check=True,
+                       timeout=JOB_TIMEOUT_S)
     if compiles_learner:
         subprocess.run(script_command(LEARNER_WARM_UP_SCRIPT, args), check=True, timeout=JOB_TIMEOUT_S)
 
@@ -256,7 +281,7 @@ def job_for(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     overrides = [f"run.root_dir={root}", f"run.name={name}", f"run.seed={seed}",
                  f"learner.mode={LEARNER_MODE[mode.name]}", f"learner.total_steps={steps}",
                  f"buffer.max_staleness={mode.k}", f"validation.every={val_every}", "validation.after_run=true",
-                 "metrics.wandb_mode=disabled", *args.overrides]
+                 "metrics.wandb_mode=disabled", *args.overrides, *mode.overrides]
     if mode.name == "sync":  # the baseline a user would pick: colocated on every GPU the async job gets
         overrides.append(f"learner.nproc={args.sync_ranks or max(1, len(visible_gpus() if gpus is None else gpus))}")
     env = os.environ | ({} if gpus is None else {VISIBLE_DEVICES: ",".join(map(str, gpus))})
@@ -272,11 +297,12 @@ def sync_baseline(gpus: int, sync_run: Path) -> str:
     return SYNC_BASELINES.get(gpus, "engine_and_learner_on_gpus_apart")
 
 
-def measure_ceiling(args: argparse.Namespace, root: Path) -> None:
-    """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json. Its table
-    is shown; its RESULT line is not, so that this benchmark's own stays the only one."""
+def measure_ceiling(args: argparse.Namespace, root: Path, async_overrides: tuple[str, ...]) -> None:
+    """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json: as many
+    engines as the async job's servers (`async_overrides`), kept full at once. Its table is shown; its RESULT line
+    is not, so that this benchmark's own stays the only one."""
     command = script_command(CEILING_SCRIPT, args, "--seconds", str(args.ceiling_seconds),
-                             "--out", str(root / CEILING_FILE))
+                             "--out", str(root / CEILING_FILE), overrides=async_overrides)
     done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT_S)
     print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
     if done.returncode != 0:
@@ -310,7 +336,8 @@ def main() -> None:
     seeds = [int(seed) for seed in args.seeds.split(",") if seed]
     if not val_every:
         raise SystemExit("time to score needs validation: set --val-every or validation.every in the config")
-    modes = [Mode("sync", args.max_staleness), Mode("async", args.max_staleness)]
+    modes = [Mode("sync", args.max_staleness),
+             Mode("async", args.max_staleness, args.async_servers, servers_overrides(config, args.async_servers))]
     if short := [mode.label for mode in modes if steps - mode.warmup(args.warmup_steps) < MIN_TIMED_STEPS]:
         raise SystemExit(f"{steps} steps leave fewer than {MIN_TIMED_STEPS} timed steps for {', '.join(short)} "
                          "(the warm-up steps, at least K + 1 for the async job, are not timed)")
@@ -325,7 +352,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     restore_records(args.restore, root)
     if (wanted or args.prepare_only) and not args.skip_prepare:
-        prepare(args, config.learner.compile)
+        prepare(args, config.learner.compile, [mode.overrides for mode in modes])
     if args.prepare_only:
         return
     start_weights = read_report(Path(config.model.path)).get("weights_sha256")  # of the model every run starts from
@@ -340,7 +367,7 @@ def main() -> None:
         run_one_at_a_time(args, root, [mode for mode in modes if mode.name in wanted], seeds, steps, val_every,
                           start_weights)
     if CEILING in wanted:
-        measure_ceiling(args, root)
+        measure_ceiling(args, root, modes[1].overrides)
         keep_records(args, root)  # before the scoring's minutes, as after each run
     ran = {mode: [seed for seed in seeds if (root / mode.run_name(seed) / METRICS_FILE).is_file()] for mode in modes}
     if not args.no_evaluate:  # what earlier calls left unscored (--no-evaluate, or a call cut short)
@@ -455,6 +482,10 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
                               async_figures["trained_tokens_per_s"],
                               sync_figures["training_tokens_per_s"] if records.gpus == 1 else None)
     print_ceiling(ceiling)
+    engines = ceiling_engines(root)
+    if engines not in (None, modes[1].servers):
+        print(f"the ceiling kept {engines} engine(s) full, the async job ran {modes[1].servers} server(s): measure it "
+              "again (--modes ceiling) with the job's --async-servers")
     per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
     print("time to score, each seed against its own target: "
           + ", ".join(f"seed {seed} {cell(speedup, 'x')}" for seed, speedup in per_seed.items()))
@@ -479,7 +510,8 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
         "learner_share_of_sync_step": sync_figures["learner_share"],
         "sync_baseline": sync_baseline(records.gpus, root / modes[0].run_name(ran[modes[0]][0])),
         "gpus": records.gpus, "seeds": sorted(set(ran[modes[0]]) & set(ran[modes[1]])), "target": rounded(target, 3),
-        "max_staleness": args.max_staleness, "steps": steps, "val_every": val_every,
+        "max_staleness": args.max_staleness, "async_servers": modes[1].servers, "ceiling_engines": engines,
+        "steps": steps, "val_every": val_every,
         "equal_step_version": buckets[0], "buckets": buckets[1],
         "sync": sync_figures, "async": async_figures,
     }

@@ -42,7 +42,8 @@
 #              validated after the run) and the engine's ceiling (RACE_MODES=sync, async or ceiling runs a part per
 #              call, all kept in RACE_DIR, default /tmp/asyncrl-race; RACE_ARGS adds options, e.g. "--steps 60 --seeds 0,1,2", or
 #              "--prepare-only" to only make the data and the model and fill vLLM's compile cache (so that
-#              neither mode's launch pays for compiling), or "--side-by-side" on 2, 4 or 8 GPUs to run a seed's
+#              neither mode's launch pays for compiling), "--async-servers 2" for an async job of two servers on its
+#              GPU (the ceiling then keeps two engines full), or "--side-by-side" on 2, 4 or 8 GPUs to run a seed's
 #              two modes at once, each on half of them; each run's snapshots are scored as soon as it
 #              ends and their weights deleted (the scores live in /tmp and go with the host); the runs' records
 #              (race-records.tar.gz, for --restore: rewritten after each run and its scoring, so that a wait copies every run

@@ -26,13 +26,20 @@ class Mode:
 
     name: str  # "sync" or "async"
     k: int  # buffer.max_staleness of the async job
+    servers: int = 1  # the async job's rollout servers, sharing its GPUs
+    overrides: tuple[str, ...] = ()  # the job's own config overrides, after the race's
 
     def run_name(self, seed: int) -> str:
-        return f"{RUN_PREFIX}sync-s{seed}" if self.name == "sync" else f"{RUN_PREFIX}async-k{self.k}-s{seed}"
+        if self.name == "sync":
+            return f"{RUN_PREFIX}sync-s{seed}"
+        return f"{RUN_PREFIX}async-k{self.k}{self._servers('-{}srv')}-s{seed}"
 
     @property
     def label(self) -> str:
-        return "sync" if self.name == "sync" else f"async K={self.k}"
+        return "sync" if self.name == "sync" else f"async K={self.k}{self._servers(', {} servers')}"
+
+    def _servers(self, form: str) -> str:
+        return form.format(self.servers) if self.servers > 1 else ""
 
     def warmup(self, warmup_steps: int) -> int:
         """Steps left out of the token rate: the async job's first step lets the server fill the buffer K + 1

@@ -167,6 +167,13 @@ def read_ceiling(root: Path) -> float | None:
     return json.loads(path.read_text())["ceiling_tokens_per_s"] if path.is_file() else None
 
 
+def ceiling_engines(root: Path) -> int | None:
+    """How many engines the ceiling measured into `root` kept full at once (1 in a record made before it was
+    kept); None where no ceiling was measured."""
+    path = root / CEILING_FILE
+    return json.loads(path.read_text()).get("engines", 1) if path.is_file() else None
+
+
 def archive_records(root: Path, archive: Path) -> None:
     """Every run's records (RECORDS and its launch file, no weights) and the ceiling, into one .tar.gz, written
     whole beside the records first and then moved into place: one copied while it is written again is never cut."""
