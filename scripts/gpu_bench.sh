@@ -64,6 +64,10 @@
 #              has made 12 steps, a race predicted to end past it is stopped for a pace (sync 20 steps, async 40,
 #              unscored; exit 75), and the ceiling follows; one that could not end in time even at its shape's
 #              fastest pace on record (RACE_FASTEST_STEP_S) runs the pace at once
+#   engines    scripts/bench_engines.py on configs/gpu_longtail.yaml with RACE_SHAPE's overrides: the generation side
+#              kept full by one engine, then by several sharing the GPU (ENGINES_COUNTS, default 1,2: the samples in
+#              flight split among them as --async-servers splits them), ENGINES_SECONDS each (default 30); after the
+#              warm stage (the model made); its first start fills vLLM's compile cache for each count's settings
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
@@ -303,6 +307,14 @@ stage_race() {
     cp "$dir/time_to_score.png" "$OUT/" 2>/dev/null
     keep_role_logs "$dir" race-logs.tar.gz
     return $status
+}
+
+stage_engines() {
+    local overrides
+    overrides=$(race_overrides) || return 1
+    register_plugin
+    "$PYTHON" scripts/bench_engines.py --config configs/gpu_longtail.yaml --engines "${ENGINES_COUNTS:-1,2}" \
+        --seconds "${ENGINES_SECONDS:-30}" $overrides
 }
 
 stage_warm() {
