@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from typing import Iterator
 
 import pytest
 
@@ -50,43 +52,41 @@ def test_a_second_engine_on_the_gpu_starts_only_once_the_first_has_started(tmp_p
     assert (tmp_path / "gpu0.lock").read_text().startswith(f"pid {os.getpid()} ")
 
 
-def test_engines_on_other_gpus_start_at_once(tmp_path):
-    first, second = Start([0], tmp_path, "server-0"), Start([1], tmp_path, "server-1")
-    first.start()
-    assert first.started.wait(WAIT_S)
-    second.start()
-    assert second.started.wait(WAIT_S), "an engine on GPU 1 waited for one starting on GPU 0"
-    for start in (first, second):
+@contextlib.contextmanager
+def starting(gpus: list[int], turns_dir, name: str, timeout_s: float = WAIT_S) -> Iterator[Start]:
+    """An engine's start on `gpus` holding their turns (in a thread) while the block runs."""
+    start = Start(gpus, turns_dir, name, timeout_s)
+    start.start()
+    try:
+        wait_until(lambda: start.started.is_set() or not start.is_alive(), WAIT_S, f"{name} taking its turns")
+        assert start.started.is_set(), f"{name} did not get its turns: {start.error}"
+        yield start
+    finally:
         start.finish.set()
         start.join()
+
+
+def test_engines_on_other_gpus_start_at_once(tmp_path):
+    with starting([0], tmp_path, "server-0"), starting([1], tmp_path, "server-1", timeout_s=0.0):
+        pass  # an engine on GPU 1 started while one was starting on GPU 0, without a wait
 
 
 def test_a_start_held_past_the_wait_fails_naming_the_gpu_the_holder_and_the_key(tmp_path):
-    holder = Start([3], tmp_path, "server-0")
-    holder.start()
-    assert holder.started.wait(WAIT_S)
-    with pytest.raises(EngineStartTurnTimeout,
-                       match=r"server-1: another engine \(pid \d+ on .* \(server-0 starting\)\) was still starting on "
-                             r"GPU 3 after 0s \(rollout.connect_timeout_s\)"):
-        with engine_start_turn([3], 0.2, "server-1", tmp_path):
-            pytest.fail("the block ran without the GPU's turn")
-    holder.finish.set()
-    holder.join()
+    with starting([3], tmp_path, "server-0"):
+        with pytest.raises(EngineStartTurnTimeout,
+                           match=r"server-1: another engine \(pid \d+ on .* \(server-0 starting\)\) was still starting "
+                                 r"on GPU 3 after 0s \(rollout.connect_timeout_s\)"):
+            with engine_start_turn([3], 0.2, "server-1", tmp_path):
+                pytest.fail("the block ran without the GPU's turn")
 
 
 def test_a_server_of_several_gpus_lets_go_of_those_it_took_when_one_is_held(tmp_path):
-    holder = Start([2], tmp_path, "server-0")
-    holder.start()
-    assert holder.started.wait(WAIT_S)
-    with pytest.raises(EngineStartTurnTimeout, match="GPU 2"):
-        with engine_start_turn([2, 1], 0.2, "server-1", tmp_path):  # GPU 1 is taken first (ids in order), then 2
-            pass
-    other = Start([1], tmp_path, "server-2", timeout_s=0.0)
-    other.start()
-    assert other.started.wait(WAIT_S) and other.error is None, "GPU 1's turn was kept by a start that failed"
-    for start in (holder, other):
-        start.finish.set()
-        start.join()
+    with starting([2], tmp_path, "server-0"):
+        with pytest.raises(EngineStartTurnTimeout, match="GPU 2"):
+            with engine_start_turn([2, 1], 0.2, "server-1", tmp_path):  # GPU 1 is taken first (ids in order), then 2
+                pass
+        with starting([1], tmp_path, "server-2", timeout_s=0.0):
+            pass  # GPU 1's turn was not kept by the start that failed
 
 
 def test_without_gpus_there_is_no_turn_to_take(tmp_path):
