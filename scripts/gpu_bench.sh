@@ -68,6 +68,11 @@
 #              kept full by one engine, then by several sharing the GPU (ENGINES_COUNTS, default 1,2: the samples in
 #              flight split among them as --async-servers splits them), ENGINES_SECONDS each (default 30); after the
 #              warm stage (the model made); its first start fills vLLM's compile cache for each count's settings
+#   servers    the lever of several servers on the one GPU in one session (after the warm stage): the engines stage
+#              (1 and SERVERS engines, default 2), then a pace of the race in RACE_DIR (default /tmp/asyncrl-servers):
+#              sync for SERVERS_SYNC_STEPS (default 20), the async job of SERVERS servers at K = SERVERS_K (default 4)
+#              for twice as many, unscored (--no-evaluate), and their report (seconds a step, trained tokens/s);
+#              RACE_SHAPE as the race's (600m); each part's records in race-records.tar.gz as it ends
 #   warm       the race's data and warm-started model for RACE_SHAPE, which import no vLLM: started under
 #              gpu_background.sh in a lent host's first call with only .device/early on PYTHONPATH (the few
 #              packages they need beyond the image; scripts/gpu_pack.sh), it runs while the rest of the pack travels
@@ -315,6 +320,16 @@ stage_engines() {
     register_plugin
     "$PYTHON" scripts/bench_engines.py --config configs/gpu_longtail.yaml --engines "${ENGINES_COUNTS:-1,2}" \
         --seconds "${ENGINES_SECONDS:-30}" $overrides
+}
+
+stage_servers() {
+    local servers="${SERVERS:-2}" steps="${SERVERS_SYNC_STEPS:-20}"
+    local pace="--val-every $steps --seeds 0 --max-staleness ${SERVERS_K:-4} --async-servers $servers --no-evaluate"
+    export RACE_DIR="${RACE_DIR:-/tmp/asyncrl-servers}"
+    ENGINES_COUNTS="1,$servers" stage_engines
+    RACE_MODES=sync RACE_ARGS="$pace --steps $steps" stage_race || return  # prepares both modes' engine settings
+    RACE_MODES=async RACE_ARGS="--skip-prepare $pace --steps $(( 2 * steps ))" stage_race || return
+    RACE_MODES='' RACE_ARGS="--skip-prepare $pace --steps $(( 2 * steps ))" stage_race
 }
 
 stage_warm() {

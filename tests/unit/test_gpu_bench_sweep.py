@@ -136,3 +136,17 @@ def test_the_warm_stage_makes_the_race_s_data_and_model_with_the_shape_s_overrid
     for call in calls:  # the race's preparation gives the same: init-model's cache then holds its model
         assert {"--config", "configs/gpu_longtail.yaml", "model.path=.cache/models/gpu_longtail_600m",
                 "learner.compile=true", "metrics.wandb_mode=disabled"} <= set(call)
+
+
+def test_the_servers_stage_measures_the_engines_then_paces_sync_against_async_of_that_many_servers(tmp_path):
+    engines = stage_commands(tmp_path / "engines", "servers", "scripts/bench_engines.py", H100_MIB, RACE_SHAPE="600m",
+                             SERVERS="3")
+    assert len(engines) == 1 and engines[0][engines[0].index("--engines") + 1] == "1,3"
+    assert "rollout.max_inflight=1536" in engines[0]  # the race's shape: each count splits its samples in flight
+    calls = stage_commands(tmp_path / "race", "servers", "scripts/bench_time_to_score.py", H100_MIB, RACE_SHAPE="600m",
+                           SERVERS="3")
+    assert [call[call.index("--modes") + 1] for call in calls] == ["sync", "async", ""]  # then both reported
+    pace = ["--val-every", "20", "--seeds", "0", "--max-staleness", "4", "--async-servers", "3", "--no-evaluate"]
+    assert calls[0][-11:] == [*pace, "--steps", "20"]  # its preparation fills vLLM's cache for both modes' engines
+    assert calls[1][-12:] == ["--skip-prepare", *pace, "--steps", "40"] and calls[2][-12:] == calls[1][-12:]
+    assert all(call[call.index("--out-dir") + 1] == "/tmp/asyncrl-servers" for call in calls)
