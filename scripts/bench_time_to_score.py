@@ -50,6 +50,11 @@ completed), so the modes can run in separate calls (each under a host's time lim
 first half and the async job on the other (each job sees only its half; each one's console in <run name>.log in
 --out-dir): a seed's race in one session from one warm start, on the same host and hours; then one `asyncrl
 evaluate` scores both runs' snapshots (both on the disk at once).
+--async-servers N gives the async job N rollout servers (placed as `asyncrl run` places them: on one GPU, all beside
+the learner), the config's rollout.max_inflight split among them and their CUDA graphs no larger than one's part
+(`servers_overrides`); the synchronous run keeps one engine per GPU. The preparation then starts both modes' engine
+settings once (vLLM keys its compile cache by the sequences an engine runs at once), and the ceiling keeps N engines
+full at once (RESULT: `async_servers`, `ceiling_engines`).
 --modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
 ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
 trained tokens/s, the most any one-GPU async job could gain with its training hidden) and `async_share_of_ceiling`;
@@ -137,9 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="only make the task's files and the model, and fill the compile caches (vLLM's, the "
                              "learner's)")
     parser.add_argument("--async-servers", type=int, default=1,
-                        help="rollout servers of the async job, sharing its GPUs (vLLM's engine core is one CPU core's "
-                             "work: a small model's engine can leave the GPU idle), the config's rollout.max_inflight "
-                             "split among them; the ceiling is measured with as many engines")
+                        help="rollout servers of the async job on its GPUs (on one GPU all beside the learner: vLLM's "
+                             "engine core is one CPU core's work, and a small model's engine can leave the GPU idle), "
+                             "the config's rollout.max_inflight split among them; the ceiling keeps as many engines full")
     parser.add_argument("--sync-ranks", type=int, default=0,
                         help="ranks of the synchronous run, each with an engine on its GPU (0: one per visible GPU)")
     parser.add_argument("--side-by-side", action="store_true",
