@@ -29,7 +29,7 @@ from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
-from scripts.bench_time_to_score import servers_overrides  # noqa: E402
+from scripts.race_runs import servers_overrides  # noqa: E402
 from scripts.race_figures import ratio  # noqa: E402
 
 CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")

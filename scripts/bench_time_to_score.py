@@ -52,9 +52,9 @@ first half and the async job on the other (each job sees only its half; each one
 evaluate` scores both runs' snapshots (both on the disk at once).
 --async-servers N gives the async job N rollout servers (placed as `asyncrl run` places them: on one GPU, all beside
 the learner), the config's rollout.max_inflight split among them and their CUDA graphs no larger than one's part
-(`servers_overrides`); the synchronous run keeps one engine per GPU. The preparation then starts both modes' engine
-settings once (vLLM keys its compile cache by the sequences an engine runs at once), and the ceiling keeps N engines
-full at once (RESULT: `async_servers`, `ceiling_engines`).
+(`race_runs.servers_overrides`); the synchronous run keeps one engine per GPU. The preparation then starts both
+modes' engine settings once (vLLM keys its compile cache by the sequences an engine runs at once), and the ceiling
+keeps N engines full at once (RESULT: `async_servers`, `ceiling_engines`).
 --modes ceiling measures the engine kept full on the job's task (scripts/engine_ceiling.py, once, into
 ceiling.json in --out-dir): RESULT then adds `ceiling_tokens_per_s`, `ceiling_speedup` (the ceiling against sync's
 trained tokens/s, the most any one-GPU async job could gain with its training hidden) and `async_share_of_ceiling`;
@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -92,7 +91,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from asyncrl.config import AsyncRLConfig, load_config
+from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.gpu_ids import VISIBLE_DEVICES, visible_gpus
@@ -105,7 +104,7 @@ from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, beyond_r
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    modes_match, pick_target, ratio, rounded, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
-from scripts.race_runs import Mode, missing_scores, summarise  # noqa: E402
+from scripts.race_runs import Mode, missing_scores, servers_overrides, summarise  # noqa: E402
 from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, add_log_readings,  # noqa: E402
                                  archive_records, ceiling_engines, machine_of, read_ceiling, read_launch,
                                  restore_records, write_launch)
@@ -196,17 +195,6 @@ def script_command(script: Path, args: argparse.Namespace, *options: str, overri
     """`script` (engine_ceiling.py, learner_warm_up.py) on the race's config and overrides, then `overrides` (a
     mode's own), with `options`."""
     return [sys.executable, str(script), "--config", args.config, *options, *args.overrides, *overrides]
-
-
-def servers_overrides(config: AsyncRLConfig, servers: int) -> tuple[str, ...]:
-    """The async job's overrides for `servers` servers: the config's rollout.max_inflight (what the generation side
-    runs at once) split among them, and CUDA graphs no larger than one server's part; none for one server."""
-    if servers == 1:
-        return ()
-    each = math.ceil(config.rollout.max_inflight / servers)
-    graphs = config.rollout.engine.cudagraph_max_sequences
-    return (f"rollout.num_servers={servers}", f"rollout.max_inflight={each}",
-            *([f"rollout.engine.cudagraph_max_sequences={each}"] if graphs > each else []))
 
 
 def prepare(args: argparse.Namespace, compiles_learner: bool,

@@ -1,13 +1,15 @@
-"""The race's two jobs (`Mode`) and one run's figures read from its records (`summarise`): its curve of held-out
-scores against wall-clock time, its token rates after the warm-up, its lengths and the learner's share of a step, and
-its due versions left without a score (`missing_scores`)."""
+"""The race's two jobs (`Mode`; the async job's servers: `servers_overrides`) and one run's figures read from its
+records (`summarise`): its curve of held-out scores against wall-clock time, its token rates after the warm-up, its
+lengths and the learner's share of a step, and its due versions left without a score (`missing_scores`)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from asyncrl.config import AsyncRLConfig
 from asyncrl.snapshots import due_versions
 from scripts.race_figures import seconds_per_version
 from scripts.run_records import RUN_PREFIX
@@ -45,6 +47,17 @@ class Mode:
         """Steps left out of the token rate: the async job's first step lets the server fill the buffer K + 1
         batches ahead, which the next K steps drain without waiting."""
         return warmup_steps if self.name == "sync" else max(warmup_steps, self.k + 1)
+
+
+def servers_overrides(config: AsyncRLConfig, servers: int) -> tuple[str, ...]:
+    """The async job's overrides for `servers` servers: the config's rollout.max_inflight (what the generation side
+    runs at once) split among them, and CUDA graphs no larger than one server's part; none for one server."""
+    if servers == 1:
+        return ()
+    each = math.ceil(config.rollout.max_inflight / servers)
+    graphs = config.rollout.engine.cudagraph_max_sequences
+    return (f"rollout.num_servers={servers}", f"rollout.max_inflight={each}",
+            *([f"rollout.engine.cudagraph_max_sequences={each}"] if graphs > each else []))
 
 
 def summarise(records: list[Record], made: dict[int, float], evaluation: dict[int, Record], launched: float,

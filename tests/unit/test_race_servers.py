@@ -9,8 +9,8 @@ import pytest
 
 from asyncrl.config import load_config
 from scripts import bench_time_to_score
-from scripts.bench_time_to_score import job_for, parse_args, servers_overrides
-from scripts.race_runs import Mode
+from scripts.bench_time_to_score import job_for, parse_args
+from scripts.race_runs import Mode, servers_overrides
 
 RACE = ["rollout.max_inflight=1536", "rollout.engine.cudagraph_max_sequences=1536"]  # the 600m shape's
 
