@@ -28,7 +28,7 @@ class Mode:
 
     name: str  # "sync" or "async"
     k: int  # buffer.max_staleness of the async job
-    servers: int = 1  # the async job's rollout servers, sharing its GPUs
+    servers: int = 1  # the async job's rollout servers (--async-servers; on one GPU all beside the learner)
     overrides: tuple[str, ...] = ()  # the job's own config overrides, after the race's
 
     def run_name(self, seed: int) -> str:
