@@ -205,7 +205,7 @@ def _servers_advice(r: RunReading, s: RunSettings) -> str:
         return (f"servers: more servers on the learner's GPU share the same GPU's time (each step "
                 f"{r.step_s * r.wait_share:.3f} s waiting for generation, {r.step_s * r.train_share:.3f} s training "
                 "beside it): they add generation only where one engine's steps, each one CPU core's work, leave the "
-                "GPU idle (measure: scripts/engine_ceiling.py with rollout.num_servers=2 against 1, docs/tuning.md); "
+                "GPU idle (measure: scripts/bench_engines.py --engines 1,2, docs/tuning.md); "
                 "else give generation GPUs of its own (more GPUs, rollout.placement=auto), or make training cheaper "
                 "(learner, below)")
     if r.verdict == "generation-bound":

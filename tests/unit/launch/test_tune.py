@@ -159,7 +159,7 @@ def test_a_one_gpu_run_waiting_on_generation_is_told_the_gpu_is_the_limit_not_k_
     assert servers.startswith("servers: more servers on the learner's GPU share the same GPU's time (each step "
                               "4.600 s waiting for generation, 3.600 s training beside it): they add generation only "
                               "where one engine's steps, each one CPU core's work, leave the GPU idle (measure: "
-                              "scripts/engine_ceiling.py with rollout.num_servers=2 against 1")
+                              "scripts/bench_engines.py --engines 1,2")
     assert learner.startswith("learner: training took 43% of each step on the GPU generation shares with it")
     assert "learner.compile=true, learner.activation_checkpointing=none (the run's: selective;" in learner
     assert split.startswith("split: the learner shared its GPU with every server")
