@@ -47,6 +47,7 @@ from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 from asyncrl.data import encode_prompt, load_prompt_file
 from asyncrl.heap import leave_now
+from asyncrl.parent_death import die_with_spawning_parent
 from asyncrl.whole_files import write_json_whole
 from rollout_servers.cancelled import cancel_and_wait
 from rollout_servers.sample_slots import SampleSlots
@@ -130,6 +131,8 @@ def engine_process(config: AsyncRLConfig, prompts: list[list[int]], warmup_s: fl
                    parent: Connection) -> None:
     """One engine of several, in its own process: says on `parent` once its engine has started, is measured once the
     parent says every engine has (GO), then sends its figures."""
+    die_with_spawning_parent()  # a measure killed outright takes its engines along (their cores die with them)
+
     def all_started() -> None:
         parent.send(STARTED)
         parent.recv()
