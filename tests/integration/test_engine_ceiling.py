@@ -75,7 +75,7 @@ def test_two_engines_are_kept_full_at_once_and_their_rates_add_up(real_jobs):
     assert result["max_inflight"] == ENGINES * slots and result["group_size"] == group
     # each engine held its slots, less fewer than a group's worth and those not yet seen finish (as one engine does)
     assert ENGINES * (slots - (group - 1) * slots // group) <= result["in_flight_at_end"] <= ENGINES * slots
-    # (multiprocessing's resource tracker may report semaphores of an engine core stopped before it let go of them,
-    # and removes them: vLLM's teardown on a loaded box, not an error of the measure)
+    # (multiprocessing's resource tracker may note semaphores that vLLM's processes left as they stopped, and removes
+    # them: seen once on a loaded box, never idle; the measure itself makes none)
     for leftover in ("Traceback", "Exception ignored"):
         assert leftover not in done.stderr, done.stderr[-3000:]
