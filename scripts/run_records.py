@@ -163,15 +163,21 @@ def _second_of_day(hours: int, minutes: int, seconds: int) -> int:
 
 def read_ceiling(root: Path) -> float | None:
     """The measured ceiling's output tokens/s, if one was measured into `root`."""
-    path = root / CEILING_FILE
-    return json.loads(path.read_text())["ceiling_tokens_per_s"] if path.is_file() else None
+    record = _ceiling_record(root)
+    return record["ceiling_tokens_per_s"] if record is not None else None
 
 
 def ceiling_engines(root: Path) -> int | None:
     """How many engines the ceiling measured into `root` kept full at once (1 in a record made before it was
     kept); None where no ceiling was measured."""
+    record = _ceiling_record(root)
+    return record.get("engines", 1) if record is not None else None
+
+
+def _ceiling_record(root: Path) -> dict[str, Any] | None:
+    """engine_ceiling.py's figures as measured into `root` (its RESULT), if one was."""
     path = root / CEILING_FILE
-    return json.loads(path.read_text()).get("engines", 1) if path.is_file() else None
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def archive_records(root: Path, archive: Path) -> None:
