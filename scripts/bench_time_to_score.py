@@ -87,15 +87,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from asyncrl.config import load_config
 from asyncrl.config_arguments import add_config_arguments
-from asyncrl.metrics import METRICS_FILE, read_metrics
+from asyncrl.metrics import METRICS_FILE
 from asyncrl.gpu_ids import VISIBLE_DEVICES, visible_gpus
-from asyncrl.snapshots import made_times, read_evaluation, unscored_versions
+from asyncrl.snapshots import unscored_versions
 from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
@@ -104,10 +103,9 @@ from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, beyond_r
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
                                    modes_match, pick_target, ratio, rounded, seed_speedups)
 from scripts.race_report import cell, plot, print_ceiling, print_table  # noqa: E402
-from scripts.race_runs import Mode, missing_scores, servers_overrides, summarise  # noqa: E402
-from scripts.run_records import (CEILING, CEILING_FILE, LOG_READINGS, add_log_readings,  # noqa: E402
-                                 archive_records, ceiling_engines, machine_of, read_ceiling, read_launch,
-                                 restore_records, write_launch)
+from scripts.race_runs import Mode, read_runs, servers_overrides  # noqa: E402
+from scripts.run_records import (CEILING, CEILING_FILE, add_log_readings, archive_records,  # noqa: E402
+                                 ceiling_engines, read_ceiling, restore_records, write_launch)
 
 MODES = ("sync", "async")
 RUNNABLE = MODES + (CEILING,)  # what --modes may name
@@ -422,41 +420,10 @@ def keep_records(args: argparse.Namespace, root: Path) -> None:
         archive_records(root, Path(args.archive))
 
 
-@dataclass
-class RaceRecords:
-    """What the race's records in --out-dir hold, read back."""
-
-    runs: dict[str, list[dict[str, Any]]]  # mode label -> each seed's summary
-    skipped: int  # due validations never scored (no snapshot, or its scoring failed), over every run
-    unscored: int  # due validations whose snapshot a --no-evaluate call left unscored, over every run
-    gpus: int  # where the runs ran (a report may run elsewhere)
-    starts: dict[int, dict[str, str | None]]  # seed -> mode name -> digest of the weights it started from
-    hosts: dict[int, dict[str, str | None]]  # seed -> mode name -> the machine it ran on (None: not recorded)
-
-
-def read_runs(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
-              val_every: int) -> RaceRecords:
-    records = RaceRecords({}, 0, 0, len(visible_gpus()), {}, {})
-    for mode in modes:
-        for seed in ran[mode]:
-            directory = root / mode.run_name(seed)
-            launch = read_launch(root, mode.run_name(seed))
-            evaluation, made = read_evaluation(directory), made_times(directory)
-            skipped, unscored = missing_scores(evaluation, made, val_every, steps, scoring=not args.no_evaluate)
-            records.skipped, records.unscored = records.skipped + skipped, records.unscored + unscored
-            records.gpus = launch.get("gpus", records.gpus)
-            records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")
-            records.hosts.setdefault(seed, {})[mode.name] = machine_of(launch)
-            run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode,
-                            args.warmup_steps)
-            records.runs.setdefault(mode.label, []).append(
-                run | {"seed": seed} | {key: launch.get(key) for key in LOG_READINGS})
-    return records
-
-
 def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int,
            val_every: int) -> None:
-    records = read_runs(args, root, modes, ran, steps, val_every)
+    records = read_runs(root, modes, ran, steps, val_every, scoring=not args.no_evaluate,
+                        warmup_steps=args.warmup_steps)
     runs = records.runs
     means = {label: mean_curve([run["curve"] for run in group]) for label, group in runs.items()}
     target = pick_target(list(means.values()), args.target, args.target_fraction)

@@ -1,18 +1,22 @@
-"""The race's two jobs (`Mode`; the async job's servers: `servers_overrides`) and one run's figures read from its
-records (`summarise`): its curve of held-out scores against wall-clock time, its token rates after the warm-up, its
-lengths and the learner's share of a step, and its due versions left without a score (`missing_scores`)."""
+"""The race's two jobs (`Mode`; the async job's servers: `servers_overrides`), its runs' records read back
+(`read_runs`), and one run's figures read from its records (`summarise`): its curve of held-out scores against
+wall-clock time, its token rates after the warm-up, its lengths and the learner's share of a step, and its due
+versions left without a score (`missing_scores`)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncrl.config import AsyncRLConfig
-from asyncrl.snapshots import due_versions
+from asyncrl.gpu_ids import visible_gpus
+from asyncrl.metrics import read_metrics
+from asyncrl.snapshots import due_versions, made_times, read_evaluation
 from scripts.race_figures import seconds_per_version
-from scripts.run_records import RUN_PREFIX
+from scripts.run_records import LOG_READINGS, RUN_PREFIX, machine_of, read_launch
 
 SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
@@ -85,6 +89,40 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
         "curve": curve, "time_per_version_s": seconds_per_version(curve),
         "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }
+
+
+@dataclass
+class RaceRecords:
+    """What the race's records in its directory hold, read back."""
+
+    runs: dict[str, list[dict[str, Any]]]  # mode label -> each seed's summary
+    skipped: int  # due validations never scored (no snapshot, or its scoring failed), over every run
+    unscored: int  # due validations whose snapshot a --no-evaluate call left unscored, over every run
+    gpus: int  # where the runs ran (a report may run elsewhere)
+    starts: dict[int, dict[str, str | None]]  # seed -> mode name -> digest of the weights it started from
+    hosts: dict[int, dict[str, str | None]]  # seed -> mode name -> the machine it ran on (None: not recorded)
+
+
+def read_runs(root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int, val_every: int, scoring: bool,
+              warmup_steps: int) -> RaceRecords:
+    """The records of the runs `ran` (mode -> its seeds) in `root`: each run's figures (`summarise`, its first
+    `warmup_steps` untimed), the due validations of `val_every` over `steps` left without a score (`missing_scores`;
+    `scoring`: whether this call scores them), and where each ran and what it started from."""
+    records = RaceRecords({}, 0, 0, len(visible_gpus()), {}, {})
+    for mode in modes:
+        for seed in ran[mode]:
+            directory = root / mode.run_name(seed)
+            launch = read_launch(root, mode.run_name(seed))
+            evaluation, made = read_evaluation(directory), made_times(directory)
+            skipped, unscored = missing_scores(evaluation, made, val_every, steps, scoring=scoring)
+            records.skipped, records.unscored = records.skipped + skipped, records.unscored + unscored
+            records.gpus = launch.get("gpus", records.gpus)
+            records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")
+            records.hosts.setdefault(seed, {})[mode.name] = machine_of(launch)
+            run = summarise(read_metrics(directory), made, evaluation, launch["time"], mode, warmup_steps)
+            records.runs.setdefault(mode.label, []).append(
+                run | {"seed": seed} | {key: launch.get(key) for key in LOG_READINGS})
+    return records
 
 
 def intake_rate(first: Record, last: Record) -> float | None:
