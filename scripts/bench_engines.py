@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from asyncrl.config_arguments import add_config_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
 from scripts.race_runs import servers_overrides  # noqa: E402
+from scripts.child_result import result_of  # noqa: E402
 from scripts.race_figures import ratio  # noqa: E402
 
 CEILING_SCRIPT = Path(__file__).with_name("engine_ceiling.py")
@@ -59,13 +59,7 @@ def count_command(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[
 def measure(args: argparse.Namespace, count: int) -> dict[str, Any]:
     """`count` engines kept full at once (engine_ceiling.py's figures, its table shown, its RESULT read)."""
     config = load_config(args.config, args.overrides)
-    overrides = servers_overrides(config, count)
-    done = subprocess.run(count_command(args, overrides), stdout=subprocess.PIPE, text=True, timeout=COUNT_TIMEOUT_S)
-    lines = done.stdout.splitlines()
-    print("\n".join(line for line in lines if not line.startswith("RESULT ")), flush=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{count} engine(s): {CEILING_SCRIPT.name} exited with {done.returncode}")
-    result = json.loads(next(line for line in reversed(lines) if line.startswith("RESULT "))[len("RESULT "):])
+    result = result_of(count_command(args, servers_overrides(config, count)), f"{count} engine(s)", COUNT_TIMEOUT_S)
     return result | {"engines": count, "in_flight_each": result["max_inflight"] // count,
                      "engine_tokens_per_s": result.get("engine_tokens_per_s", [result["ceiling_tokens_per_s"]])}
 

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config_arguments import add_config_arguments
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
+from scripts.child_result import RESULT_PREFIX, result_of  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULT_PREFIX = "RESULT "
 RAY_SUFFIX = "@ray"
 
 
@@ -103,12 +104,7 @@ def bench(layout: Layout, args: argparse.Namespace, modes: str) -> dict | None:
                "--max-staleness", str(args.max_staleness), "--modes", modes,
                "--out-dir", str(Path(args.out_dir) / layout.name), *layout.arguments(args.ray_address), *args.overrides]
     print(f"=== {layout.name} ({layout.gpus} GPU{'s' if layout.gpus > 1 else ''}): modes '{modes}'", flush=True)
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
-    print(done.stdout, end="", flush=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{layout.name}: bench_async_vs_sync.py exited with {done.returncode}")
-    results = [line[len(RESULT_PREFIX):] for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    return json.loads(results[-1]) if results else None
+    return result_of(command, layout.name, show_result=True)
 
 
 def print_table(results: dict[Layout, dict], baseline: dict | None) -> None:

@@ -98,6 +98,7 @@ from asyncrl.snapshots import unscored_versions
 from demo.tiny.report import read_report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
+from scripts.child_result import result_of  # noqa: E402
 from scripts.jobs_at_once import Job, run_at_once  # noqa: E402
 from scripts.race_deadline import PACE_STEPS, DeadlinePassed, LaterRun, beyond_reach, wait_within  # noqa: E402
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures,  # noqa: E402
@@ -292,12 +293,9 @@ def measure_ceiling(args: argparse.Namespace, root: Path, async_overrides: tuple
     """The engine kept full on the job's task, alone on the GPUs this process sees, into root/ceiling.json: as many
     engines as the async job's servers (`async_overrides`), kept full at once. Its table is shown; its RESULT line
     is not, so that this benchmark's own stays the only one."""
-    command = script_command(CEILING_SCRIPT, args, "--seconds", str(args.ceiling_seconds),
-                             "--out", str(root / CEILING_FILE), overrides=async_overrides)
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, timeout=JOB_TIMEOUT_S)
-    print("\n".join(line for line in done.stdout.splitlines() if not line.startswith("RESULT ")), flush=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the engine's ceiling: {CEILING_SCRIPT.name} exited with {done.returncode}")
+    result_of(script_command(CEILING_SCRIPT, args, "--seconds", str(args.ceiling_seconds),
+                             "--out", str(root / CEILING_FILE), overrides=async_overrides),
+              "the engine's ceiling", JOB_TIMEOUT_S)
 
 
 def evaluate(run_dirs: list[Path], engines: int, last_try: bool = False) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts import bench_engines
+from scripts import bench_engines, child_result
 
 RACE = ["rollout.max_inflight=1536", "rollout.engine.cudagraph_max_sequences=1536"]
 
@@ -27,7 +27,7 @@ def test_each_count_is_measured_as_the_async_job_splits_it_and_compared_with_the
         commands.append(command)
         return argparse.Namespace(returncode=0, stdout="table\nRESULT " + json.dumps(ceiling_result(command)))
 
-    monkeypatch.setattr(bench_engines.subprocess, "run", run)
+    monkeypatch.setattr(child_result.subprocess, "run", run)
     bench_engines.main(["--config", "configs/gpu_longtail.yaml", "--engines", "1,2", "--seconds", "20", *RACE])
     assert commands[0][-2:] == RACE  # one engine: the config's own settings
     assert commands[1][-5:] == [*RACE, "rollout.num_servers=2", "rollout.max_inflight=768",
@@ -41,7 +41,7 @@ def test_each_count_is_measured_as_the_async_job_splits_it_and_compared_with_the
 
 
 def test_a_count_whose_measure_fails_ends_the_benchmark_naming_it(monkeypatch):
-    monkeypatch.setattr(bench_engines.subprocess, "run", lambda command, **_: argparse.Namespace(returncode=1, stdout=""))
+    monkeypatch.setattr(child_result.subprocess, "run", lambda command, **_: argparse.Namespace(returncode=1, stdout=""))
     with pytest.raises(SystemExit, match="1 engine\\(s\\): engine_ceiling.py exited with 1"):
         bench_engines.main(["--engines", "1"])
 
