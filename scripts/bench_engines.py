@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import load_config
+from asyncrl.config import AsyncRLConfig, load_config
 from asyncrl.config_arguments import add_config_arguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, only scripts/ is on the path
@@ -56,9 +56,8 @@ def count_command(args: argparse.Namespace, overrides: tuple[str, ...]) -> list[
             "--seconds", str(args.seconds), *args.overrides, *overrides]
 
 
-def measure(args: argparse.Namespace, count: int) -> dict[str, Any]:
-    """`count` engines kept full at once (engine_ceiling.py's figures, its table shown, its RESULT read)."""
-    config = load_config(args.config, args.overrides)
+def measure(args: argparse.Namespace, config: AsyncRLConfig, count: int) -> dict[str, Any]:
+    """`count` engines kept full at once on `config` (engine_ceiling.py's figures, its table shown, its RESULT read)."""
     result = result_of(count_command(args, servers_overrides(config, count)), f"{count} engine(s)", COUNT_TIMEOUT_S)
     return result | {"engines": count, "in_flight_each": result["max_inflight"] // count,
                      "engine_tokens_per_s": result.get("engine_tokens_per_s", [result["ceiling_tokens_per_s"]])}
@@ -75,7 +74,8 @@ def print_table(results: list[dict[str, Any]], speedups: list[float | None]) -> 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    results = [measure(args, count) for count in args.counts]
+    config = load_config(args.config, args.overrides)
+    results = [measure(args, config, count) for count in args.counts]
     first = results[0]["ceiling_tokens_per_s"]
     speedups = [ratio(result["ceiling_tokens_per_s"], first) for result in results]
     print_table(results, speedups)
