@@ -1,12 +1,11 @@
 """Engines per GPU (scripts/bench_engines.py): each count's engines kept full by engine_ceiling.py with the samples in
 flight split among them as the race's async job splits them, and every count's rate against the first's."""
 
-import argparse
 import json
 
 import pytest
 
-from scripts import bench_engines, child_result
+from scripts import bench_engines
 
 RACE = ["rollout.max_inflight=1536", "rollout.engine.cudagraph_max_sequences=1536"]
 
@@ -23,11 +22,11 @@ def ceiling_result(command: list[str]) -> dict:
 def test_each_count_is_measured_as_the_async_job_splits_it_and_compared_with_the_first(monkeypatch, capsys):
     commands = []
 
-    def run(command, **_):
+    def measured(command, what, timeout_s=None, show_result=False):
         commands.append(command)
-        return argparse.Namespace(returncode=0, stdout="table\nRESULT " + json.dumps(ceiling_result(command)))
+        return ceiling_result(command)
 
-    monkeypatch.setattr(child_result.subprocess, "run", run)
+    monkeypatch.setattr(bench_engines, "result_of", measured)
     bench_engines.main(["--config", "configs/gpu_longtail.yaml", "--engines", "1,2", "--seconds", "20", *RACE])
     assert commands[0][-2:] == RACE  # one engine: the config's own settings
     assert commands[1][-5:] == [*RACE, "rollout.num_servers=2", "rollout.max_inflight=768",
@@ -41,7 +40,10 @@ def test_each_count_is_measured_as_the_async_job_splits_it_and_compared_with_the
 
 
 def test_a_count_whose_measure_fails_ends_the_benchmark_naming_it(monkeypatch):
-    monkeypatch.setattr(child_result.subprocess, "run", lambda command, **_: argparse.Namespace(returncode=1, stdout=""))
+    def failed(command, what, timeout_s=None, show_result=False):
+        raise SystemExit(f"{what}: engine_ceiling.py exited with 1")  # as result_of ends a failed child
+
+    monkeypatch.setattr(bench_engines, "result_of", failed)
     with pytest.raises(SystemExit, match="1 engine\\(s\\): engine_ceiling.py exited with 1"):
         bench_engines.main(["--engines", "1"])
 

@@ -1,7 +1,10 @@
 """A benchmark's child benchmark (scripts/child_result.py): its console shown, its RESULT lines kept off the caller's
 console unless asked for, its last RESULT returned, and its failure named."""
 
+import contextlib
+import io
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +28,34 @@ def test_the_last_result_is_returned_and_kept_off_the_console_unless_asked(capsy
 def test_a_failed_child_ends_the_caller_naming_what_it_measured():
     with pytest.raises(SystemExit, match="^the engine's ceiling: -c exited with 3$"):
         result_of(child("raise SystemExit(3)"), "the engine's ceiling")
+
+
+class Console(io.StringIO):
+    """The caller's console, which makes `seen` once a line holding `first` reaches it."""
+
+    def __init__(self, seen: Path) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def write(self, text: str) -> int:
+        if "first" in text:
+            self.seen.touch()
+        return super().write(text)
+
+
+def test_each_line_is_shown_as_the_child_prints_it(tmp_path):
+    # the child goes on only once its first line is on the caller's console: shown only at its end, it never would
+    seen = tmp_path / "seen"
+    code = (f"import pathlib, time; print('first', flush=True); seen = pathlib.Path({str(seen)!r}); "
+            "deadline = time.monotonic() + 60\n"
+            "while not seen.exists() and time.monotonic() < deadline: time.sleep(0.05)\n"
+            "print('RESULT {\"seen\": %s}' % str(seen.exists()).lower())")
+    console = Console(seen)
+    with contextlib.redirect_stdout(console):
+        assert result_of(child(code), "a count") == {"seen": True}
+    assert console.getvalue() == "first\n"
+
+
+def test_a_child_past_its_time_is_killed_and_named():
+    with pytest.raises(SystemExit, match="^2 engine\\(s\\): -c ran past 0.5 s$"):
+        result_of(child("import time; print('started', flush=True); time.sleep(60)"), "2 engine(s)", timeout_s=0.5)

@@ -50,6 +50,7 @@ def test_the_preparation_starts_each_modes_engine_settings_once_and_the_ceiling_
     starts = [command for command in commands if pathlib.Path(command[1]).name == "engine_ceiling.py"]
     assert [command[command.index("--start-only") + 1:] for command in starts] == [RACE, RACE + list(two)]
     commands.clear()
+    monkeypatch.setattr(bench_time_to_score, "result_of", lambda command, *_: commands.append(command))
     bench_time_to_score.measure_ceiling(args, tmp_path, two)
     assert commands[0][-len(two) - len(RACE):] == RACE + list(two)  # two engines kept full, as the async job runs them
 
