@@ -69,7 +69,8 @@
 #              flight split among them as --async-servers splits them), ENGINES_SECONDS each (default 30); after the
 #              warm stage (the model made); its first start fills vLLM's compile cache for each count's settings
 #   servers    the lever of several servers on the one GPU in one session (after the warm stage): the engines stage
-#              (1 and SERVERS engines, default 2; ENGINES_COUNTS to measure other counts too, e.g. 1,2,3), then a pace
+#              (1 and SERVERS engines, default 2; ENGINES_COUNTS to measure other counts too, e.g. 1,2,3, or
+#              ENGINES_COUNTS= to skip it where device time is short: the pace below is what decides), then a pace
 #              of the race in RACE_DIR (default /tmp/asyncrl-servers):
 #              sync for SERVERS_SYNC_STEPS (default 20), the async job of SERVERS servers at K = SERVERS_K (default 4)
 #              for twice as many, unscored (--no-evaluate), and their report (seconds a step, trained tokens/s);
@@ -327,7 +328,8 @@ stage_servers() {
     local servers="${SERVERS:-2}" steps="${SERVERS_SYNC_STEPS:-20}"
     local pace="--val-every $steps --seeds 0 --max-staleness ${SERVERS_K:-4} --async-servers $servers --no-evaluate"
     export RACE_DIR="${RACE_DIR:-/tmp/asyncrl-servers}"
-    ENGINES_COUNTS="${ENGINES_COUNTS:-1,$servers}" stage_engines
+    ENGINES_COUNTS="${ENGINES_COUNTS-1,$servers}"  # set and empty: no engines stage
+    if [ -n "$ENGINES_COUNTS" ]; then stage_engines; fi
     RACE_MODES=sync RACE_ARGS="$pace --steps $steps" stage_race || return  # prepares both modes' engine settings
     RACE_MODES=async RACE_ARGS="--skip-prepare $pace --steps $(( 2 * steps ))" stage_race || return
     RACE_MODES='' RACE_ARGS="--skip-prepare $pace --steps $(( 2 * steps ))" stage_race

@@ -150,3 +150,11 @@ def test_the_servers_stage_measures_the_engines_then_paces_sync_against_async_of
     assert calls[0][-11:] == [*pace, "--steps", "20"]  # its preparation fills vLLM's cache for both modes' engines
     assert calls[1][-12:] == ["--skip-prepare", *pace, "--steps", "40"] and calls[2][-12:] == calls[1][-12:]
     assert all(call[call.index("--out-dir") + 1] == "/tmp/asyncrl-servers" for call in calls)
+
+
+def test_the_servers_stage_without_engine_counts_runs_the_pace_alone(tmp_path):
+    assert stage_commands(tmp_path / "engines", "servers", "scripts/bench_engines.py", H100_MIB, RACE_SHAPE="600m",
+                          ENGINES_COUNTS="") == []
+    calls = stage_commands(tmp_path / "race", "servers", "scripts/bench_time_to_score.py", H100_MIB, RACE_SHAPE="600m",
+                           ENGINES_COUNTS="")
+    assert [call[call.index("--modes") + 1] for call in calls] == ["sync", "async", ""]
