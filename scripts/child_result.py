@@ -31,6 +31,9 @@ def result_of(command: Sequence[str], what: str, timeout_s: float | None = None,
                     results.append(line[len(RESULT_PREFIX):])
                 if show_result or not line.startswith(RESULT_PREFIX):
                     print(line, end="", flush=True)
+        except BaseException:  # the caller stopped (Ctrl-C, a failed print): the child does not outlive it
+            child.kill()
+            raise
         finally:
             if watchdog is not None:
                 watchdog.cancel()

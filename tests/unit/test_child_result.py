@@ -3,7 +3,10 @@ console unless asked for, its last RESULT returned, and its failure named."""
 
 import contextlib
 import io
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,34 @@ def test_each_line_is_shown_as_the_child_prints_it(tmp_path):
 def test_a_child_past_its_time_is_killed_and_named():
     with pytest.raises(SystemExit, match="^2 engine\\(s\\): -c ran past 0.5 s$"):
         result_of(child("import time; print('started', flush=True); time.sleep(60)"), "2 engine(s)", timeout_s=0.5)
+
+
+class Broken(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError("the caller's console went away")
+
+
+def test_a_caller_that_fails_while_showing_a_line_stops_the_child(tmp_path):
+    # the child would sleep an hour past its first line: the caller's failure must end it, not wait for it
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('first', flush=True); time.sleep(3600)"
+    failures = []
+
+    def call() -> None:
+        with contextlib.redirect_stdout(Broken()):
+            try:
+                result_of(child(code), "a count")
+            except BrokenPipeError as error:
+                failures.append(error)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    try:
+        assert not caller.is_alive(), "the caller waited for its child"
+        assert len(failures) == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)  # killed and reaped
+    finally:
+        if caller.is_alive():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
