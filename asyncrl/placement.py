@@ -62,16 +62,6 @@ class Plan:
         """Every server's GPUs, server after server (as `rollout.gpus` lists them)."""
         return [gpu for server in self.servers for gpu in server]
 
-    @property
-    def starting_at_once(self) -> int:
-        """How many servers start their engines at once: one of each set of servers linked by a shared GPU, whose
-        engines start in turn (rollout_servers/engine_turns.py)."""
-        linked: list[set[int]] = []  # the GPUs of each such set
-        for gpus in map(set, self.servers):
-            touching = [group for group in linked if group & gpus]
-            linked = [group for group in linked if not group & gpus] + [gpus.union(*touching)]
-        return len(linked)
-
     def unused(self, visible: list[int]) -> list[int]:
         used = set(self.learner) | set(self.server_gpus)
         return [gpu for gpu in visible if gpu not in used]
@@ -292,14 +282,6 @@ def servers_on_learner_gpu(config: AsyncRLConfig) -> tuple[int, float]:
     also before they have started."""
     plan = listed_plan(config)
     return plan.sharing, share_beside_learner(config, plan.sharing)
-
-
-def servers_starting_at_once(config: AsyncRLConfig) -> int:
-    """How many of `rollout.num_servers` start their engines at once, from the lists `asyncrl run` hands the
-    learner: one per GPU (or set of GPUs) that servers share; every server where no GPUs are listed (on a CPU,
-    whose engines take no turns, or servers started apart)."""
-    plan = listed_plan(config)
-    return plan.starting_at_once if plan.servers else config.rollout.num_servers
 
 
 def listed_plan(config: AsyncRLConfig) -> Plan:

@@ -103,7 +103,7 @@ class RolloutConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # learner → server weight transfer
     poll_s: float = bounded(0.2, 0.001)  # server loop: longest wait before asking admission again
     send_deadline_s: float = bounded(120.0, 0.1)  # a finished group not acknowledged by the buffer in this time fails the server
-    connect_timeout_s: float = bounded(300.0, 0.1)  # `asyncrl rollout` waits this long for the learner's endpoints file; the learner this long for the servers starting at once before its first step; a server this long for its GPU's engine start turn
+    connect_timeout_s: float = bounded(300.0, 0.1)  # `asyncrl rollout` waits this long for the learner's endpoints file; the learner this long for num_servers servers before its first step; a server this long for its GPU's engine start turn
     restart_backoff_s: float = bounded(2.0, 0.0)  # first delay before restarting a dead server, or the learner's own buffer (doubles with each quick death in a row)
     restart_backoff_max_s: float = bounded(60.0, 0.0)  # longest delay between restarts
     healthy_after_s: float = bounded(300.0, 0.0)  # a server (or the learner's own buffer) that dies after running this long starts its restart count and back-off afresh

@@ -18,7 +18,6 @@ from asyncrl.endpoints import FINISHED_KEY, port_to_bind, remember_ports, rememb
 from asyncrl.messages import Batch
 from asyncrl.metrics import MetricsLogger
 from asyncrl.transport import BufferConsumer
-from asyncrl.placement import servers_starting_at_once
 from asyncrl.validation_scores import VERSION_KEY
 from asyncrl.weight_transfer.control_messages import ValidateVersion
 from learner.services.buffer_supervisor import BufferSupervisor, connect_or_supervise_buffer
@@ -67,17 +66,15 @@ class LearnerConnections:
         return cls(config, run_dir, consumer, coordinator, metrics, buffer_process)
 
     def wait_for_servers(self) -> None:
-        """Before the first step, wait up to rollout.connect_timeout_s for the servers that start their engines at
-        once to join weight sync (all of them, but one per GPU that servers share: those start in turn, tens of
-        seconds apart), so that the first steps train on every server's samples; after the timeout, go on with
-        those there. A server that joins later is caught up to the latest weights (`catch_up_servers`)."""
-        servers, timeout_s = self.config.rollout.num_servers, self.config.rollout.connect_timeout_s
-        wanted = servers_starting_at_once(self.config)
-        log.info("waiting up to %.0fs (rollout.connect_timeout_s) for %d of %d rollout server(s) to join weight sync "
-                 "(those starting at once)", timeout_s, wanted, servers)
+        """Before the first step, wait up to rollout.connect_timeout_s for rollout.num_servers servers to join, so
+        that every server starts from the first weights rather than joining mid-run (a late one would train
+        the first steps on the others' samples alone); after the timeout, go on with those there."""
+        wanted, timeout_s = self.config.rollout.num_servers, self.config.rollout.connect_timeout_s
+        log.info("waiting up to %.0fs (rollout.connect_timeout_s) for %d rollout server(s) to join weight sync",
+                 timeout_s, wanted)
         joined = self.coordinator.wait_for_members(wanted, timeout_s)
         if len(joined) < wanted:
-            log.warning("%d of the %d servers starting at once joined within %.0fs; training starts with them",
+            log.warning("%d of rollout.num_servers=%d servers joined within %.0fs; training starts with them",
                         len(joined), wanted, timeout_s)
 
     def fetch_batch(self, version: int, max_staleness: int) -> Batch:
