@@ -68,7 +68,9 @@ class LearnerConnections:
     def wait_for_servers(self) -> None:
         """Before the first step, wait up to rollout.connect_timeout_s for rollout.num_servers servers to join, so
         that every server starts from the first weights rather than joining mid-run (a late one would train
-        the first steps on the others' samples alone); after the timeout, go on with those there."""
+        the first steps on the others' samples alone), and so that no server beside the learner sizes its KV cache
+        while training allocates on the GPU (the first optimizer step's AdamW state among it), even where servers
+        sharing it start their engines in turn; after the timeout, go on with those there."""
         wanted, timeout_s = self.config.rollout.num_servers, self.config.rollout.connect_timeout_s
         log.info("waiting up to %.0fs (rollout.connect_timeout_s) for %d rollout server(s) to join weight sync",
                  timeout_s, wanted)
