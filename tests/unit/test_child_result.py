@@ -72,7 +72,8 @@ class Broken(io.StringIO):
 def test_a_caller_that_fails_while_showing_a_line_stops_the_child(tmp_path):
     # the child would sleep an hour past its first line: the caller's failure must end it, not wait for it
     pid_file = tmp_path / "pid"
-    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); print('first', flush=True); time.sleep(3600)"
+    code = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+            "print('first', flush=True); time.sleep(3600)")
     failures = []
 
     def call() -> None:
