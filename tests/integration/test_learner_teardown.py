@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from asyncrl.config import load_config
 from learner.distributed import local_rank_environment, spawner_store
@@ -28,6 +29,9 @@ def rank_main(rank: int, port: int, out: str, busy_rank: int, fails: bool) -> No
     times = {}
     try:
         with learner_world(load_config(None, ["learner.device=cpu"])):
+            # both ranks wholly in the group first: a rank failing at once would otherwise close its connections under
+            # a peer still connecting (gloo's "Connection closed by peer" on a busy box), which never reaches its work
+            torch.distributed.barrier()
             if rank == busy_rank:
                 time.sleep(BUSY_S)
             times["work_done"] = time.time()
