@@ -1,6 +1,10 @@
 """An exclusive lock on a file, taken with a bounded wait: flock(2), which the kernel drops when its holder exits,
 however it exits (kill -9 included), so a dead holder never leaves it taken. The holder writes who it is into the
-file, for the message of whoever waits for it."""
+file, for the message of whoever waits for it.
+
+flock belongs to the open file, not to the process: a child forked while the lock is held (vLLM forks its engine
+core) shares it, and closing the holder's descriptor alone would leave it taken for as long as that child lives.
+`release` unlocks before it closes, which lets go for the children too."""
 
 from __future__ import annotations
 
@@ -45,7 +49,8 @@ class FileLock:
         return self.path.read_text().strip() or "unknown process"
 
     def release(self) -> None:
-        os.close(self._fd)  # closing the only descriptor drops the lock
+        fcntl.flock(self._fd, fcntl.LOCK_UN)  # for every process sharing the open file: forked children too
+        os.close(self._fd)
 
     def _try(self) -> bool:
         try:

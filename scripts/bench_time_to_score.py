@@ -220,7 +220,7 @@ def run_job(mode: Mode, seed: int, args: argparse.Namespace, steps: int, val_eve
     record. With --deadline and the `later` runs of this call given, the run is watched: DeadlinePassed once it
     is stopped for the deadline (`race_deadline.wait_within`)."""
     job = job_for(mode, seed, args, steps, val_every, root, None)
-    launch = write_launch(root, job.label, start_weights, len(visible_gpus()))
+    launch = write_launch(root, job.label, start_weights, len(visible_gpus()), steps)
     if args.deadline and later is not None:
         status = wait_within(subprocess.Popen(job.command, env=job.env), root / job.label, mode.name, steps, later,
                              args.deadline)
@@ -249,7 +249,7 @@ def run_side_by_side(modes: list[Mode], seed: int, args: argparse.Namespace, ste
     both; as soon as one fails, the other is stopped. Each job's console goes to its run's log beside its directory."""
     halves = gpu_halves(visible_gpus())
     jobs = [job_for(mode, seed, args, steps, val_every, root, gpus) for mode, gpus in zip(modes, halves)]
-    launches = [write_launch(root, job.label, start_weights, len(gpus)) for job, gpus in zip(jobs, halves)]
+    launches = [write_launch(root, job.label, start_weights, len(gpus), steps) for job, gpus in zip(jobs, halves)]
     run_at_once(jobs, JOB_TIMEOUT_S)
     for job, launch in zip(jobs, launches):
         add_log_readings(root, job.label, launch)

@@ -106,15 +106,17 @@ class RaceRecords:
 def read_runs(root: Path, modes: list[Mode], ran: dict[Mode, list[int]], steps: int, val_every: int, scoring: bool,
               warmup_steps: int) -> RaceRecords:
     """The records of the runs `ran` (mode -> its seeds) in `root`: each run's figures (`summarise`, its first
-    `warmup_steps` untimed), the due validations of `val_every` over `steps` left without a score (`missing_scores`;
-    `scoring`: whether this call scores them), and where each ran and what it started from."""
+    `warmup_steps` untimed), the due validations of `val_every` over each run's own steps (its launch record's;
+    `steps` where an older record lacks them) left without a score (`missing_scores`; `scoring`: whether this call
+    scores them), and where each ran and what it started from."""
     records = RaceRecords({}, 0, 0, len(visible_gpus()), {}, {})
     for mode in modes:
         for seed in ran[mode]:
             directory = root / mode.run_name(seed)
             launch = read_launch(root, mode.run_name(seed))
             evaluation, made = read_evaluation(directory), made_times(directory)
-            skipped, unscored = missing_scores(evaluation, made, val_every, steps, scoring=scoring)
+            run_steps = launch.get("steps", steps)  # a pace's sync runs half as many; records before: the call's
+            skipped, unscored = missing_scores(evaluation, made, val_every, run_steps, scoring=scoring)
             records.skipped, records.unscored = records.skipped + skipped, records.unscored + unscored
             records.gpus = launch.get("gpus", records.gpus)
             records.starts.setdefault(seed, {})[mode.name] = launch.get("start_weights")

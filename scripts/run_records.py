@@ -41,12 +41,13 @@ LOG_READINGS = ("engine_start_s", "engine_begins_s", "under_mps", "cpu_busy_shar
 Launch = dict[str, Any]
 
 
-def write_launch(root: Path, name: str, start_weights: str | None, gpus: int) -> Launch:
-    """Record the launch of run `name` on `gpus` GPUs now, before it starts: its curve's clock runs from this time;
+def write_launch(root: Path, name: str, start_weights: str | None, gpus: int, steps: int) -> Launch:
+    """Record the launch of run `name` on `gpus` GPUs for `steps` steps now, before it starts: its curve's clock runs
+    from this time; its steps bound its due validations (a pace runs sync for half as many steps as async);
     `start_weights` is the digest of the model it starts from (`weights_sha256` of init-model's report), to tell
     whether two runs prepared on different hosts started from the same weights; `host`, the machine it runs on;
     `cpu_ticks`, the host's CPU time counters now (`add_log_readings` reads the run's share of them)."""
-    launch = {"time": time.time(), "gpus": gpus, "start_weights": start_weights, "host": host_facts(),
+    launch = {"time": time.time(), "gpus": gpus, "steps": steps, "start_weights": start_weights, "host": host_facts(),
               "cpu_ticks": cpu_ticks()}
     write_json_whole(_launch_file(root, name), launch)  # a race stopped meanwhile leaves the old record or this one
     return launch

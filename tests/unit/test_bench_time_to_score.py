@@ -17,7 +17,7 @@ from asyncrl.config import load_config, save_config
 from asyncrl.learner_plan import LearnerPlan, read_plan, write_plan
 from asyncrl.snapshots import made_times, read_evaluation
 from scripts.bench_time_to_score import gpu_halves, job_for, parse_args, sync_baseline
-from scripts.race_runs import Mode, missing_scores, summarise
+from scripts.race_runs import Mode, missing_scores, read_runs, summarise
 from scripts.race_figures import (ceiling_figures, equal_step_buckets, mean_curve, mode_figures, modes_match,
                                   pick_target, seconds_per_version, seed_speedups, time_to_target)
 from scripts import run_records
@@ -153,6 +153,28 @@ def test_a_due_version_without_a_score_counts_as_skipped():
     assert missing_scores(SYNC_SCORES, SYNC_MADE, every=2, steps=5, scoring=True) == (1, 0)  # the final 5 is due too
 
 
+def recorded_run(root: pathlib.Path, name: str, steps: int, snapshots: list[int]) -> None:
+    """A finished run's records in `root`: launched for `steps` steps, its metrics, the `snapshots` it made."""
+    write_launch(root, name, "ab12", 1, steps)
+    (root / name / "snapshots").mkdir(parents=True)
+    (root / name / "metrics.jsonl").write_text("".join(
+        json.dumps(step(n, LAUNCHED + 5 * n, 5.0, 1.0, 100.0)) + "\n" for n in range(1, steps + 1)))
+    (root / name / "snapshots" / "made.jsonl").write_text("".join(
+        json.dumps({"version": v, "made_at": LAUNCHED + 5 * v}) + "\n" for v in snapshots))
+
+
+def test_a_pace_s_shorter_sync_run_is_held_to_its_own_steps_s_due_validations(tmp_path):
+    sync, async_ = Mode("sync", 0), Mode("async", 4)
+    recorded_run(tmp_path, sync.run_name(0), 20, [0, 20])  # a pace: sync for 20 steps, async for 40
+    recorded_run(tmp_path, async_.run_name(0), 40, [0, 20, 40])
+    ran = {sync: [0], async_: [0]}
+    records = read_runs(tmp_path, [sync, async_], ran, steps=40, val_every=20, scoring=False, warmup_steps=1)
+    assert (records.skipped, records.unscored) == (0, 5)  # sync's version 40 was never due
+    recorded_run(tmp_path, "tts-sync-s1", 20, [0])  # a run that stopped before its version 20
+    records = read_runs(tmp_path, [sync], {sync: [1]}, steps=40, val_every=20, scoring=False, warmup_steps=1)
+    assert (records.skipped, records.unscored) == (1, 1)
+
+
 def test_a_snapshot_left_for_a_later_scoring_is_unscored_not_skipped():
     assert missing_scores({}, SYNC_MADE, every=2, steps=4, scoring=False) == (0, 3)  # a --no-evaluate call's report
     assert missing_scores({}, {0: 104.0, 4: 182.0}, every=2, steps=4, scoring=False) == (1, 2)  # 2 never snapshotted
@@ -261,7 +283,7 @@ def test_a_finished_run_s_launch_file_says_when_its_engine_started_and_whether_i
     logs.mkdir(parents=True)
     (logs / "rollout0.log").write_text("12:00:30 [rollout0] INFO rollout_servers.engine: vLLM engine on /m started in "
                                        "20.0s (version 0)\n")
-    launch = write_launch(tmp_path, "run", "abc", gpus=1)
+    launch = write_launch(tmp_path, "run", "abc", gpus=1, steps=4)
     add_log_readings(tmp_path, "run", launch)
     assert read_launch(tmp_path, "run")["under_mps"] is False and read_launch(tmp_path, "run")["engine_start_s"] == 20.0
     (logs / "mps").mkdir()
@@ -278,7 +300,7 @@ def test_the_host_s_cpu_time_over_a_run_is_read_from_the_kernel_s_counters(tmp_p
     monkeypatch.setattr(run_records, "CPU_STAT_FILE", stat)
     #                user nice system idle iowait irq softirq steal guest guest_nice
     stat.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
-    launch = write_launch(tmp_path, "run", "abc", gpus=1)
+    launch = write_launch(tmp_path, "run", "abc", gpus=1, steps=4)
     assert launch["cpu_ticks"] == {"user": 100, "nice": 0, "system": 50, "idle": 800, "iowait": 10, "irq": 0,
                                    "softirq": 0, "steal": 40}
     (tmp_path / "run" / "logs").mkdir(parents=True)
@@ -314,7 +336,7 @@ def test_the_modes_of_each_seed_are_checked_to_start_from_the_same_weights(start
 
 
 def test_a_launch_record_holds_the_digest_of_the_weights_the_run_starts_from_and_its_host(tmp_path):
-    launch = write_launch(tmp_path, "tts-sync-s0", "ab12", 1)
+    launch = write_launch(tmp_path, "tts-sync-s0", "ab12", 1, 4)
     assert read_launch(tmp_path, "tts-sync-s0") == launch and launch["start_weights"] == "ab12"
     assert launch["time"] <= time.time()
     assert launch["host"]["name"] == socket.gethostname() and launch["host"]["cpus"] == os.cpu_count()

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -50,6 +53,29 @@ def test_a_second_engine_on_the_gpu_starts_only_once_the_first_has_started(tmp_p
     second.join()
     assert caplog.text.count(WAITING) == 1 and second.error is None
     assert (tmp_path / "gpu0.lock").read_text().startswith(f"pid {os.getpid()} ")
+
+
+def open_descriptor_of(path: Path) -> int:
+    """This process's descriptor open on `path` (the one a held turn's lock keeps)."""
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == str(path)]
+    assert len(fds) == 1, f"descriptors on {path}: {fds}"
+    return fds[0]
+
+
+def test_a_turn_is_let_go_when_the_start_ends_though_a_process_it_forked_lives_on(tmp_path):
+    # vLLM forks its engine core while the turn is held: the child shares the lock's open file (modelled here by a
+    # child that inherits the descriptor), and lives as long as the engine. Seen on an H100: the second server of a
+    # GPU waited for the first one's whole job, past its 300 s, while the learner waited for it to join.
+    with engine_start_turn([0], WAIT_S, "server-0", tmp_path):
+        fd = open_descriptor_of(tmp_path / "gpu0.lock")
+        engine_core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=[fd])
+    try:
+        with engine_start_turn([0], 0.0, "server-1", tmp_path):
+            pass  # taken at once: the first start let go of GPU 0's turn, its engine core still running
+        assert engine_core.poll() is None, "the engine core ended: the test no longer shows what it is for"
+    finally:
+        engine_core.kill()
+        engine_core.wait()
 
 
 @contextlib.contextmanager
