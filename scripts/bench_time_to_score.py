@@ -444,6 +444,10 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     if engines not in (None, modes[1].servers):
         print(f"the ceiling kept {engines} engine(s) full, the async job ran {modes[1].servers} server(s): measure it "
               "again (--modes ceiling) with the job's --async-servers")
+    serving = async_figures["servers_serving"]
+    if serving is not None and serving < modes[1].servers:
+        print(f"the async job trained with {serving} of its {modes[1].servers} server(s) at some step (one failed to "
+              "start or died: its logs say why): its figures are not that many servers'")
     per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
     print("time to score, each seed against its own target: "
           + ", ".join(f"seed {seed} {cell(speedup, 'x')}" for seed, speedup in per_seed.items()))

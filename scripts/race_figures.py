@@ -114,6 +114,8 @@ def mode_figures(runs: list[dict[str, Any]], curve: Curve, target: float | None)
             "final_score_sd": rounded(statistics.stdev(finals), 3) if len(finals) > 1 else None,
             "last_record_s": mean("last_record_s"), "steps": runs[0]["steps"],
             "runs_under_mps": sum(bool(run.get("under_mps")) for run in runs),  # roles sharing a GPU at once
+            "servers_serving": min((run["servers_serving"] for run in runs if run.get("servers_serving") is not None),
+                                   default=None),  # the fewest over every seed's timed steps
             "curves": [[[v, rounded(t), rounded(s, 4)] for v, t, s in run["curve"]] for run in runs]}
 
 

@@ -29,7 +29,8 @@ def print_table(figures: dict[str, dict[str, Any]], target: float | None, bucket
             ("host CPU stolen (hypervisor)", "cpu_steal_share", False), ("start score", "start_score", False),
             ("best score (seeds' mean)", "best_score", False), ("final score", "final_score", False),
             ("final score sd", "final_score_sd", False), ("last step's record (s)", "last_record_s", False),
-            ("runs under CUDA MPS", "runs_under_mps", False)]
+            ("runs under CUDA MPS", "runs_under_mps", False),
+            ("fewest servers at a timed step", "servers_serving", False)]
     for title, key, compared in rows:
         values = [figures[label][key] for label in labels]
         line = f"{title:34}" + "".join(f"{cell(value):>14}" for value in values)

@@ -22,6 +22,7 @@ SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
 INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
+SERVERS_KEY = "rollout/servers"  # rollout servers alive at a step (their telemetry heard within the liveness bound)
 
 Record = dict[str, Any]
 
@@ -86,6 +87,9 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
+        # the async job's fewest servers alive at a timed step: below its --async-servers, a server failed to start
+        # or died, and its figures are not that many servers' (None in sync, which has none)
+        "servers_serving": min((int(r[SERVERS_KEY]) for r in timed if SERVERS_KEY in r), default=None),
         "curve": curve, "time_per_version_s": seconds_per_version(curve),
         "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }

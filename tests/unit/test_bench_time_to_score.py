@@ -85,6 +85,18 @@ def test_a_run_reads_its_curve_from_the_snapshots_made_times_and_its_rate_after_
     assert run["generated_tokens_per_s"] == run["trained_tokens_per_s"]
 
 
+def test_the_fewest_servers_alive_at_a_timed_step_are_read_and_the_warm_up_is_left_out():
+    alive = [dict(record, **{"rollout/servers": count}) for record, count in zip(ASYNC, (1.0, 2.0, 2.0, 2.0))]
+    run = summarise(alive, ASYNC_MADE, ASYNC_SCORES, LAUNCHED, Mode("async", 1, servers=2), warmup_steps=1)
+    assert run["servers_serving"] == 2  # step 1's one server was before the timed steps (3-4)
+    alive[2]["rollout/servers"] = 1.0  # one left at step 3
+    one_left = summarise(alive, ASYNC_MADE, ASYNC_SCORES, LAUNCHED, Mode("async", 1, servers=2), warmup_steps=1)
+    assert one_left["servers_serving"] == 1
+    assert sync_run()["servers_serving"] is None  # sync has no servers
+    assert mode_figures([run, one_left], run["curve"], None)["servers_serving"] == 1  # the fewest over the seeds
+    assert mode_figures([sync_run()], sync_run()["curve"], None)["servers_serving"] is None
+
+
 def test_the_async_warm_up_covers_its_backlog_and_its_lengths_compare_with_what_it_generated():
     run = async_run()
     # K = 1: warm-up max(1, K + 1) = 2 steps, so steps 3-4 are timed: 8 x (280 + 400) tokens in 175 - 165 s

@@ -3,7 +3,10 @@ at once split among them, each server's CUDA graphs no larger than its part, the
 its engine settings prepared in vLLM's compile cache beside sync's, and the ceiling measured with as many engines."""
 
 import argparse
+import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -68,3 +71,20 @@ def test_the_report_reads_how_many_engines_the_ceiling_kept_full(tmp_path):
     assert ceiling_engines(tmp_path) == 1  # measured before the key was kept: one engine
     (tmp_path / CEILING_FILE).write_text('{"ceiling_tokens_per_s": 38000.6, "engines": 2}')
     assert ceiling_engines(tmp_path) == 2
+
+
+ONE_OF_TWO = "docs/data/time_to_score/race-2026-12-08-600m-h100-pace-2srv-k4-s0-one-joined.tar.gz"
+
+
+def test_the_report_says_when_the_async_job_trained_with_fewer_servers_than_it_was_given(tmp_path):
+    # the records of an H100 pace whose second server never joined (its GPU's start turn kept by the first one's
+    # engine core): every timed step had one server alive
+    done = subprocess.run([sys.executable, "scripts/bench_time_to_score.py", "--skip-prepare", "--modes", "", "--seeds",
+                           "0", "--steps", "40", "--val-every", "20", "--max-staleness", "4", "--async-servers", "2",
+                           "--out-dir", str(tmp_path), "--restore", ONE_OF_TWO],
+                          capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the async job trained with 1 of its 2 server(s) at some step" in done.stdout
+    result = json.loads(done.stdout.split("RESULT ")[-1])
+    assert result["async_servers"] == 2
+    assert (result["async"]["servers_serving"], result["sync"]["servers_serving"]) == (1, None)
