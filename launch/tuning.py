@@ -95,6 +95,7 @@ class RunReading:
     masked_frac: float | None  # trust_region/masked_frac; None: the loss logged none
     rollout_idle: float  # rollout/idle_ratio at the last step that logged it (a whole-run figure)
     inflight: float | None  # rollout/inflight (samples running on all servers) over the read steps; None: not logged
+    servers_fewest: int | None  # rollout/servers: the fewest alive at a read step; None: not logged
     completion_tokens: float  # completion tokens trained per step: response_length/mean x batch/samples
 
     @property
@@ -131,6 +132,8 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
         masked_frac=logged_mean(read, MASKED_KEY),
         rollout_idle=idle[-1] if idle else 0.0,
         inflight=logged_mean(read, "rollout/inflight"),
+        servers_fewest=min((int(r["rollout/servers"]) for r in read if r.get("rollout/servers") is not None),
+                           default=None),
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
     )
 
@@ -141,7 +144,18 @@ def advise(reading: RunReading, settings: RunSettings) -> list[str]:
     lines = [_verdict_line(reading, settings), _k_advice(reading, settings), _servers_advice(reading, settings),
              _micro_batch_advice(reading, settings), _drift_advice(reading, settings)]
     graphs = _graphs_advice(reading, settings)
-    return lines + [graphs] if graphs else lines
+    missing = _missing_servers_note(reading, settings)
+    return ([missing] if missing else []) + lines + ([graphs] if graphs else [])
+
+
+def _missing_servers_note(r: RunReading, s: RunSettings) -> str | None:
+    """Where fewer servers than the run was given were alive at a read step: the rest of the advice reads what those
+    fewer did, so this comes first. None where all were (or the run logged no count)."""
+    if r.servers_fewest is None or r.servers_fewest >= s.num_servers:
+        return None
+    return (f"first: only {r.servers_fewest} of rollout.num_servers={s.num_servers} servers were alive at some read "
+            "step (rollout/servers): one failed to start or died, and its log under logs/ says why; the advice "
+            "below reads what the fewer servers did")
 
 
 def _verdict_line(r: RunReading, s: RunSettings) -> str:

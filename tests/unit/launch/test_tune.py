@@ -46,6 +46,17 @@ def test_generation_bound(tmp_path, capsys):
     assert split == ["split: the learner ran on the CPU: no GPU split applies"]
 
 
+def test_a_run_that_had_fewer_servers_alive_than_it_was_given_is_told_so_first(tmp_path, capsys):
+    # two servers on the learner's GPU, one of which died after the warm-up steps (which the reading leaves out)
+    write_run(tmp_path, ["buffer.max_staleness=4", "rollout.num_servers=2"],
+              steady(4.5, 2.0, **{"rollout/servers": 1.0}), warmup=steady(0.01, 2.0, **{"rollout/servers": 2.0}))
+    missing, verdict, *_ = tune(tmp_path, capsys)
+    assert missing.startswith("first: only 1 of rollout.num_servers=2 servers were alive at some read step")
+    assert verdict.startswith("generation-bound over 18 steps")
+    write_run(tmp_path / "all", ["rollout.num_servers=2"], steady(4.5, 2.0, **{"rollout/servers": 2.0}))
+    assert not tune(tmp_path / "all", capsys)[0].startswith("first:")  # both alive: no note
+
+
 def test_learner_bound_with_a_small_micro_batch(tmp_path, capsys):
     write_run(tmp_path, ["buffer.max_staleness=4", "rollout.num_servers=4", "learner.micro_batch_tokens=1024"],
               steady(0.01, 0.99, **{"rollout/idle_ratio": 0.5}))
