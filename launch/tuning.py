@@ -154,8 +154,8 @@ def _missing_servers_note(r: RunReading, s: RunSettings) -> str | None:
     if r.servers_fewest is None or r.servers_fewest >= s.num_servers:
         return None
     return (f"first: only {r.servers_fewest} of rollout.num_servers={s.num_servers} servers were alive at some read "
-            "step (rollout/servers): one failed to start or died, and its log under logs/ says why; the advice "
-            "below reads what the fewer servers did")
+            "step (rollout/servers): one failed to start, died or went silent, and its log under logs/ says which; "
+            "the advice below reads what the fewer servers did")
 
 
 def _verdict_line(r: RunReading, s: RunSettings) -> str:

@@ -447,7 +447,7 @@ def report(args: argparse.Namespace, root: Path, modes: list[Mode], ran: dict[Mo
     serving = async_figures["servers_serving"]
     if serving is not None and serving < modes[1].servers:
         print(f"the async job trained with {serving} of its {modes[1].servers} server(s) at some step (one failed to "
-              "start or died: its logs say why): its figures are not that many servers'")
+              "start, died or went silent: its logs say which): its figures are not that many servers'")
     per_seed = seed_speedups(sync, async_, args.target, args.target_fraction)
     print("time to score, each seed against its own target: "
           + ", ".join(f"seed {seed} {cell(speedup, 'x')}" for seed, speedup in per_seed.items()))

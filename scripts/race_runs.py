@@ -87,9 +87,9 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
-        # the async job's fewest servers alive at a timed step: below its --async-servers, a server failed to start
-        # or died, and its figures are not that many servers' (None in sync, which has none)
-        "servers_serving": min((int(r[SERVERS_KEY]) for r in timed if SERVERS_KEY in r), default=None),
+        # the async job's fewest servers alive at a timed step: below its --async-servers, a server failed to start,
+        # died or went silent, and its figures are not that many servers' (None in sync, which has none)
+        "servers_serving": min((int(r[SERVERS_KEY]) for r in timed if r.get(SERVERS_KEY) is not None), default=None),
         "curve": curve, "time_per_version_s": seconds_per_version(curve),
         "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }
