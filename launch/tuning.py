@@ -27,6 +27,7 @@ BUSY_IDLE = 0.05  # servers idle less than this share of their uptime always had
 FULL_SLOTS = 0.9  # servers running at least this share of their slots (rollout.max_inflight) on average were full
 DRIFT_KEYS = ("rollout_corr/mismatch_kl", "rollout_corr/is_clip_frac")
 MASKED_KEY = "trust_region/masked_frac"  # logged by the behaviour-anchored losses (dppo_tv, dppo_kl, m2po)
+SERVERS_KEY = "rollout/servers"  # rollout servers alive at a step (their telemetry heard within the liveness bound)
 BEHAVIOUR_ANCHORED = ("dppo_tv", "dppo_kl", "m2po", "decoupled_ppo_kl", "naive_ppo")  # losses bounding π_θ against π_behav
 PROXIMAL_CLIPPED = ("decoupled_ppo", "seq_mask")  # losses whose clip anchors on π_prox: it binds only from a batch's second step
 BOUND_KEYS = {"dppo_tv": "algorithm.dppo_tv_bound", "dppo_kl": "algorithm.dppo_kl_bound", "m2po": "algorithm.m2_threshold"}
@@ -132,8 +133,7 @@ def read_run(records: Sequence[Mapping[str, Any]]) -> RunReading:
         masked_frac=logged_mean(read, MASKED_KEY),
         rollout_idle=idle[-1] if idle else 0.0,
         inflight=logged_mean(read, "rollout/inflight"),
-        servers_fewest=min((int(r["rollout/servers"]) for r in read if r.get("rollout/servers") is not None),
-                           default=None),
+        servers_fewest=fewest_servers(read),
         completion_tokens=sum(r.get("response_length/mean", 0.0) * r.get("batch/samples", 0.0) for r in read) / len(read),
     )
 
@@ -305,6 +305,12 @@ def _lower_k(s: RunSettings) -> str:
         return f"lower K (buffer.pacing.k_max below {s.k_max}, or a smaller buffer.pacing.max_mismatch_kl)"
     fixed = int(s.k)
     return f"lower K (buffer.max_staleness={fixed - 1})" if fixed > 0 else "K is 0 already: the drift is the engine's own"
+
+
+def fewest_servers(records: Sequence[Mapping[str, Any]]) -> int | None:
+    """The fewest rollout servers alive at any of `records` (None where none logged the count): below the servers a
+    run was given, one failed to start, died or went silent, and what the run did is not that many servers' doing."""
+    return min((int(record[SERVERS_KEY]) for record in records if record.get(SERVERS_KEY) is not None), default=None)
 
 
 def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float:

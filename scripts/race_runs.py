@@ -15,6 +15,7 @@ from asyncrl.config import AsyncRLConfig
 from asyncrl.gpu_ids import visible_gpus
 from asyncrl.metrics import read_metrics
 from asyncrl.snapshots import due_versions, made_times, read_evaluation
+from launch.tuning import fewest_servers
 from scripts.race_figures import seconds_per_version
 from scripts.run_records import LOG_READINGS, RUN_PREFIX, machine_of, read_launch
 
@@ -22,7 +23,6 @@ SCORE_KEY = "val/score/mean"
 BUCKET_PREFIX = "val/score/bucket/"
 GENERATED_MEAN_KEY = "response_length/generated_mean"  # the buffer's mean response length of what it stored
 INGESTED_KEY = "buffer/ingested_response_tokens"  # response tokens the buffer has stored since the run began
-SERVERS_KEY = "rollout/servers"  # rollout servers alive at a step (their telemetry heard within the liveness bound)
 
 Record = dict[str, Any]
 
@@ -87,9 +87,7 @@ def summarise(records: list[Record], made: dict[int, float], evaluation: dict[in
         "trained_length_mean": trained_mean, "generated_length_mean": generated_mean,
         "length_ratio": trained_mean / generated_mean if generated_mean else None,
         "learner_share": statistics.fmean(r["timing_s/train"] / r["timing_s/step"] for r in timed),
-        # the async job's fewest servers alive at a timed step: below its --async-servers, a server failed to start,
-        # died or went silent, and its figures are not that many servers' (None in sync, which has none)
-        "servers_serving": min((int(r[SERVERS_KEY]) for r in timed if r.get(SERVERS_KEY) is not None), default=None),
+        "servers_serving": fewest_servers(timed),  # the async job's, against its --async-servers (sync has none)
         "curve": curve, "time_per_version_s": seconds_per_version(curve),
         "buckets": {v: bucket_scores(record) for v, record in evaluation.items()},
     }
